@@ -1,0 +1,1 @@
+"""Built-in gymv subcommands, installed as gymv_cli.commands; each registers through `gymv.commands`."""

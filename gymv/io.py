@@ -1,0 +1,87 @@
+"""File helpers shared by every writer: nothing gymv writes is ever left half-written."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+from gymv.errors import GymvError
+
+
+@contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
+    """Write to a temporary file beside `path`, fsync, then rename over it; on error the target is untouched."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, **kwargs) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+
+
+def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> int:
+    """Atomically write rows as compact JSON lines; returns the row count."""
+    n = 0
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")))
+            f.write("\n")
+            n += 1
+    return n
+
+
+def iter_jsonl(path: str | os.PathLike, *, on_error: str = "fail", errors: list | None = None) -> Iterator[tuple[int, dict]]:
+    """Yield (line_number, row) for each non-blank line.
+
+    A malformed line raises a GymvError naming the file and line (on_error="fail"), or is skipped and
+    recorded in `errors` as (line_number, message) (on_error="skip").
+    """
+    if on_error not in ("fail", "skip"):
+        raise GymvError(f"unknown on_error mode {on_error!r}", fix="use 'skip' or 'fail'")
+    path = Path(path)
+    try:
+        f = path.open("r", encoding="utf-8")
+    except FileNotFoundError:
+        raise GymvError("file not found", where=str(path), fix="check the path") from None
+    except OSError as e:
+        raise GymvError(f"cannot read: {e.strerror}", where=str(path)) from None
+    with f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+            except ValueError as e:
+                msg = f"malformed JSON line: {e}"
+                if on_error == "fail":
+                    raise GymvError(msg, where=f"{path}:{lineno}", fix="repair the line or pass --on-error skip") from None
+                if errors is not None:
+                    errors.append((lineno, msg))
+                continue
+            yield lineno, row

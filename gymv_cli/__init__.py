@@ -1,0 +1,1 @@
+"""The gymv command-line shell: a typer root app whose subcommands are discovered as plugins."""

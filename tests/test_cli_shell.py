@@ -1,0 +1,85 @@
+"""The CLI shell: version, plugin discovery through entry points, and error rendering."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import gymv
+from tests.conftest import run_gymv
+
+
+def test_version_flag_prints_package_version():
+    r = run_gymv("--version")
+    assert r.code == 0
+    assert r.stdout.strip() == f"gymv {gymv.__version__}"
+
+
+def test_help_lists_builtin_commands():
+    r = run_gymv("--help")
+    assert r.code == 0
+    for name in ("prepare", "env", "lint", "dry-run", "model"):
+        assert name in r.stdout
+
+
+def _install_plugin(tmp_path: Path, body: str) -> Path:
+    """Build and pip-install a real plugin distribution into its own target folder."""
+    src = tmp_path / "src"
+    (src / "gymv_hello").mkdir(parents=True)
+    (src / "gymv_hello" / "__init__.py").write_text(textwrap.dedent(body))
+    (src / "pyproject.toml").write_text(textwrap.dedent("""
+        [build-system]
+        requires = ["setuptools>=68"]
+        build-backend = "setuptools.build_meta"
+        [project]
+        name = "gymv-hello"
+        version = "0.0.1"
+        [project.entry-points."gymv.commands"]
+        hello = "gymv_hello:hello"
+        [tool.setuptools]
+        packages = ["gymv_hello"]
+    """))
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(src)],
+        check=True, capture_output=True,
+    )
+    return target
+
+
+@pytest.mark.slow
+def test_separately_installed_plugin_appears_in_help_and_runs(tmp_path):
+    site = _install_plugin(tmp_path, '''
+        import typer
+        def hello(name: str = typer.Option("world", help="Who to greet.")):
+            """Say hello (a third-party command)."""
+            print(f"hello {name}")
+    ''')
+    env = {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    help_out = run_gymv("--help", env=env)
+    assert "hello" in help_out.stdout
+    r = run_gymv("hello", "--name", "gymv", env=env)
+    assert r.code == 0, r.stderr
+    assert r.stdout.strip() == "hello gymv"
+
+
+@pytest.mark.slow
+def test_plugin_that_fails_to_import_warns_once_and_cli_still_works(tmp_path):
+    site = _install_plugin(tmp_path, "raise RuntimeError('boom at import')\n")
+    env = {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = run_gymv("--help", env=env)
+    assert r.code == 0
+    assert r.stderr.count("warning: command plugin 'hello'") == 1
+    assert "boom at import" in r.stderr
+    assert "prepare" in r.stdout
+
+
+def test_unknown_command_is_a_usage_error_without_traceback():
+    r = run_gymv("no-such-command")
+    assert r.code == 2
+    assert "Traceback" not in r.stderr
