@@ -1,0 +1,70 @@
+"""`gymv dry-run`: GPU-hours of test-suite drivers, read from their CONFIG blocks without running them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from gymv_cli.output import console, err_console, print_json
+
+
+def dry_run(
+    targets: list[str] = typer.Argument(
+        None, metavar="SUITE|PATH",
+        help="Suite names (nightly, release, ...), suite .txt files, drivers (.sh), recipes (.yaml) or directories "
+             "(searched recursively). Default: every suite except disabled.",
+    ),
+    recipes_dir: Path = typer.Option(Path("recipes"), "--recipes-dir", help="The recipes directory (holds suites/ and drivers/)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object (drivers, per-suite subtotals and budgets, total) instead of tables."),
+    fail_over_budget: bool = typer.Option(False, "--fail-over-budget", help="Exit 1 when a suite's GPU-hours exceed its budget."),
+) -> None:
+    """Count the GPU-hours of test-suite drivers without running them.
+
+    Each driver's CONFIG block is parsed on its own, never executed; a wrapper that execs another driver counts once, with its values. GPU-hours = NUM_RUNS x NUM_NODES x GPUS_PER_NODE x NUM_MINUTES / 60.
+
+    Rounding: each driver's GPU-hours are kept exact (as whole GPU-minutes) and summed exactly; only printed figures are rounded, half up, to 2 decimals. The last line printed is always 'Total GPU hours: N'.
+
+    Example: gymv dry-run nightly   (or: gymv dry-run recipes/drivers/vlm --json)
+    """
+    from gymv.recipes.gpu_hours import plan
+
+    result = plan(targets or (), recipes_dir)
+    for w in result.warnings():
+        err_console.print(f"warning: {w}", markup=False, highlight=False, soft_wrap=True)
+    if json_out:
+        print_json(result.to_dict())
+    else:
+        _render(result)
+    if fail_over_budget and any(g.over_budget for g in result.groups):
+        raise typer.Exit(1)
+
+
+def _render(result) -> None:
+    from rich.table import Table
+
+    from gymv.recipes.gpu_hours import format_gpu_hours, format_hours
+
+    for g in result.groups:
+        title = f"suite {g.suite} ({g.file})" if g.suite else "drivers"
+        t = Table(title=title, title_justify="left")
+        t.add_column("driver", overflow="fold")
+        for col in ("nodes", "GPUs/node", "runs", "minutes", "GPU-hours"):
+            t.add_column(col, justify="right")
+        for d in g.drivers:
+            c = d.config
+            name = str(c.path) + "".join(f" -> {p.name}" for p in c.chain[1:])
+            t.add_row(name, str(c.num_nodes), str(c.gpus_per_node), str(c.num_runs), str(c.num_minutes),
+                      format_gpu_hours(c.gpu_minutes))
+        if g.budget is None:
+            label = "subtotal (no budget)" if g.suite else "subtotal"
+        elif g.over_budget:
+            label = f"subtotal - OVER BUDGET {format_hours(g.budget)}"
+        else:
+            label = f"subtotal - within budget {format_hours(g.budget)}"
+        t.add_section()
+        style = "bold red" if g.over_budget else "bold"
+        t.add_row(label, "", "", "", "", format_gpu_hours(g.gpu_minutes), style=style)
+        console.print(t)
+    console.file.flush()
+    print(f"Total GPU hours: {format_gpu_hours(result.total_gpu_minutes)}", flush=True)
