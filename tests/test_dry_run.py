@@ -1,0 +1,283 @@
+"""Suite lists, budgets and `gymv dry-run`: what is counted, how it is shown, and how bad input fails."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from gymv.errors import GymvError
+from gymv.recipes.gpu_hours import format_gpu_hours, format_hours, plan
+from gymv.recipes.suites import (
+    driver_for_recipe,
+    entries_missing_reason,
+    load_budgets,
+    load_suite,
+    recipe_for_driver,
+)
+from tests.conftest import REPO
+
+BEGIN = "# ===== BEGIN CONFIG ====="
+END = "# ===== END CONFIG ====="
+
+
+def sizing(nodes: int = 1, gpus: int = 8, steps: int = 10, max_steps: int = 10, minutes: int = 60) -> str:
+    return f"NUM_NODES={nodes}\nGPUS_PER_NODE={gpus}\nSTEPS_PER_RUN={steps}\nMAX_STEPS={max_steps}\nNUM_MINUTES={minutes}\n"
+
+
+def make_recipes(root: Path, recipes: dict[str, str], suites: dict[str, str], budgets: str | None = None) -> Path:
+    """A recipes dir: `recipes` maps 'llm/x.yaml' to its driver's CONFIG body; suites map name -> file text."""
+    rd = root / "recipes"
+    for rel, block in recipes.items():
+        (rd / rel).parent.mkdir(parents=True, exist_ok=True)
+        (rd / rel).write_text("defaults: ../grpo_base.yaml\n")
+        drv = driver_for_recipe(rd, rel)
+        drv.parent.mkdir(parents=True, exist_ok=True)
+        drv.write_text(f"#!/bin/bash\n{BEGIN}\n{block}{END}\necho run\n")
+    (rd / "suites").mkdir(parents=True, exist_ok=True)
+    for name, text in suites.items():
+        (rd / "suites" / f"{name}.txt").write_text(text)
+    if budgets is not None:
+        (rd / "suites" / "budgets.yaml").write_text(budgets)
+    return rd
+
+
+def own_stderr(r) -> list[str]:
+    """stderr without warnings about other, unrelated command plugins failing to load."""
+    return [line for line in r.stderr.splitlines() if line.strip() and not line.startswith("warning: command plugin")]
+
+
+@pytest.fixture
+def repo(tmp_path) -> Path:
+    """nightly: 2 drivers (8 + 16 GPU-hours), release: 1 (32), disabled: 1 (never counted by default)."""
+    make_recipes(
+        tmp_path,
+        {
+            "llm/a-1n8g.yaml": sizing(minutes=60),
+            "vlm/deep/b-2n8g.yaml": sizing(nodes=2, minutes=60),
+            "llm/c-4n8g.yaml": sizing(nodes=4, minutes=60),
+            "llm/off-1n8g.yaml": sizing(minutes=600),
+        },
+        {
+            "nightly": "# nightly suite\nllm/a-1n8g.yaml\nrecipes/vlm/deep/b-2n8g.yaml  # accepts the recipes/ prefix\n",
+            "release": "llm/c-4n8g.yaml\n",
+            "disabled": "llm/off-1n8g.yaml  # flaky on H100, see issue 7\n",
+        },
+        budgets="nightly: 20\nrelease: 30\n",
+    )
+    return tmp_path
+
+
+# -- suites, budgets, mapping -----------------------------------------------------------------------
+
+
+def test_suite_entries_are_normalised_relative_to_the_recipes_dir(repo):
+    s = load_suite(repo / "recipes/suites/nightly.txt")
+    assert [(e.recipe, e.line) for e in s.entries] == [("llm/a-1n8g.yaml", 2), ("vlm/deep/b-2n8g.yaml", 3)]
+
+
+def test_disabled_entries_expose_their_reason_comment(repo):
+    [e] = load_suite(repo / "recipes/suites/disabled.txt").entries
+    assert e.reason == "flaky on H100, see issue 7"
+
+
+def test_disabled_entry_without_reason_is_reported_as_data(tmp_path):
+    p = tmp_path / "recipes/suites/disabled.txt"
+    p.parent.mkdir(parents=True)
+    p.write_text("llm/x.yaml  # broken since v2\nllm/y.yaml\n")
+    missing = entries_missing_reason(load_suite(p))
+    assert [(e.recipe, e.where) for e in missing] == [("llm/y.yaml", f"{p}:2")]
+
+
+def test_suite_line_with_two_paths_is_an_error(tmp_path):
+    p = tmp_path / "recipes/suites/nightly.txt"
+    p.parent.mkdir(parents=True)
+    p.write_text("llm/x.yaml llm/y.yaml\n")
+    with pytest.raises(GymvError) as info:
+        load_suite(p)
+    assert info.value.where == f"{p}:1"
+
+
+def test_budgets_are_read_as_exact_gpu_hours(repo):
+    assert load_budgets(repo / "recipes") == {"nightly": Fraction(20), "release": Fraction(30)}
+
+
+def test_non_numeric_budget_is_an_error(tmp_path):
+    rd = make_recipes(tmp_path, {}, {}, budgets="nightly: lots\n")
+    with pytest.raises(GymvError) as info:
+        load_budgets(rd)
+    assert "nightly" in info.value.message
+
+
+def test_recipe_maps_to_driver_with_the_same_relative_name_and_back(tmp_path):
+    rd = tmp_path / "recipes"
+    drv = driver_for_recipe(rd, "vlm/x/y-1n8g.yaml")
+    assert drv == rd / "drivers/vlm/x/y-1n8g.sh"
+    assert recipe_for_driver(rd, drv) == "vlm/x/y-1n8g.yaml"
+
+
+# -- planning (engine) -------------------------------------------------------------------------------
+
+
+def test_no_targets_means_every_suite_except_disabled(repo):
+    r = plan((), repo / "recipes")
+    assert [g.suite for g in r.groups] == ["nightly", "release"]
+    assert r.total_gpu_minutes == (8 + 16 + 32) * 60
+
+
+def test_directory_target_recurses_into_subdirectories(repo):
+    r = plan([repo / "recipes/drivers/vlm"], repo / "recipes")
+    assert [d.config.path.name for d in r.groups[0].drivers] == ["b-2n8g.sh"]
+
+
+def test_recipe_and_driver_of_the_same_pair_count_once(repo):
+    rd = repo / "recipes"
+    r = plan([rd / "llm/a-1n8g.yaml", rd / "drivers/llm/a-1n8g.sh"], rd)
+    assert len(r.groups[0].drivers) == 1
+
+
+def test_suite_over_and_within_budget(repo):
+    r = plan(["nightly", "release"], repo / "recipes")
+    nightly, release = r.groups
+    assert (nightly.gpu_hours, nightly.over_budget) == (24, True)
+    assert (release.gpu_hours, release.over_budget) == (32, True)
+    r2 = plan(["nightly"], repo / "recipes")
+    assert r2.groups[0].budget == 20
+
+
+def test_suite_at_exactly_its_budget_is_not_over(tmp_path):
+    rd = make_recipes(tmp_path, {"llm/a.yaml": sizing(minutes=60)}, {"nightly": "llm/a.yaml\n"}, budgets="nightly: 8\n")
+    assert plan(["nightly"], rd).groups[0].over_budget is False
+
+
+def test_suite_entry_without_driver_is_an_error_at_its_line(repo):
+    rd = repo / "recipes"
+    (rd / "drivers/llm/a-1n8g.sh").unlink()
+    with pytest.raises(GymvError) as info:
+        plan(["nightly"], rd)
+    assert info.value.where == f"{rd / 'suites/nightly.txt'}:2"
+    assert "no driver" in info.value.message
+
+
+def test_recipe_listed_twice_in_a_suite_is_an_error(repo):
+    rd = repo / "recipes"
+    (rd / "suites/release.txt").write_text("llm/c-4n8g.yaml\nrecipes/llm/c-4n8g.yaml\n")
+    with pytest.raises(GymvError) as info:
+        plan(["release"], rd)
+    assert info.value.where.endswith("release.txt:2")
+
+
+def test_display_rounds_half_up_to_two_decimals_from_exact_values():
+    assert format_gpu_hours(80) == "1.33"  # 80 GPU-minutes = 1.333... h
+    assert format_gpu_hours(100) == "1.67"
+    assert format_hours(Fraction(1, 8)) == "0.13"  # 0.125, half up
+    assert format_gpu_hours(3 * 40) == "2.00"  # three drivers of 0.666... h sum exactly to 2
+
+
+# -- the CLI ------------------------------------------------------------------------------------------
+
+
+def test_cli_last_line_is_the_total(gymv, repo):
+    r = gymv("dry-run", cwd=repo)
+    assert r.code == 0, r.stderr
+    assert r.stdout.rstrip("\n").splitlines()[-1] == "Total GPU hours: 56.00"
+
+
+def test_cli_shows_a_table_per_suite_with_budget_marks(gymv, repo):
+    (repo / "recipes/suites/budgets.yaml").write_text("nightly: 100\nrelease: 30\n")
+    r = gymv("dry-run", cwd=repo)
+    assert "suite nightly" in r.stdout and "suite release" in r.stdout
+    assert "within budget 100.00" in r.stdout
+    assert "OVER BUDGET 30.00" in r.stdout
+    assert "off-1n8g" not in r.stdout
+
+
+def test_cli_suite_name_selects_one_suite(gymv, repo):
+    r = gymv("dry-run", "release", cwd=repo)
+    assert "suite release" in r.stdout and "suite nightly" not in r.stdout
+    assert r.stdout.splitlines()[-1] == "Total GPU hours: 32.00"
+
+
+def test_cli_json_shape(gymv, repo):
+    r = gymv("dry-run", "--json", cwd=repo)
+    assert r.code == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert set(data) == {"rounding", "suites", "total_gpu_minutes", "total_gpu_hours", "warnings"}
+    nightly = data["suites"][0]
+    assert (nightly["suite"], nightly["budget_gpu_hours"], nightly["gpu_hours"], nightly["over_budget"]) == ("nightly", 20.0, 24.0, True)
+    d = nightly["drivers"][0]
+    assert d["recipe"] == "llm/a-1n8g.yaml" and d["driver"].endswith("drivers/llm/a-1n8g.sh")
+    assert (d["num_nodes"], d["gpus_per_node"], d["num_runs"], d["num_minutes"], d["gpu_minutes"], d["gpu_hours"]) == (1, 8, 1, 60, 480, 8.0)
+    assert (data["total_gpu_minutes"], data["total_gpu_hours"]) == (3360, 56.0)
+
+
+def test_cli_recipes_dir_option(gymv, repo, tmp_path_factory):
+    elsewhere = tmp_path_factory.mktemp("cwd")
+    r = gymv("dry-run", "--recipes-dir", repo / "recipes", "release", cwd=elsewhere)
+    assert r.code == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == "Total GPU hours: 32.00"
+
+
+def test_cli_paths_in_subdirectories_are_found(gymv, repo):
+    r = gymv("dry-run", "recipes/drivers", cwd=repo)
+    assert r.code == 0, r.stderr
+    assert "b-2n8g.sh" in r.stdout and "off-1n8g.sh" in r.stdout
+    assert r.stdout.splitlines()[-1] == "Total GPU hours: 136.00"
+
+
+def test_cli_drivers_do_not_leak_values_into_each_other(gymv, tmp_path):
+    make_recipes(tmp_path, {
+        "llm/a.yaml": sizing(gpus=2, minutes=60) + "NUM_RUNS=5\n",
+        "llm/b.yaml": "NUM_NODES=1\nSTEPS_PER_RUN=10\nMAX_STEPS=10\nNUM_MINUTES=60\n",
+    }, {"nightly": "llm/a.yaml\nllm/b.yaml\n"})
+    data = json.loads(gymv("dry-run", "--json", cwd=tmp_path).stdout)
+    b = data["suites"][0]["drivers"][1]
+    assert (b["gpus_per_node"], b["num_runs"], b["gpu_hours"]) == (8, 1, 8.0)
+
+
+def test_cli_wrapper_counts_once_with_the_wrappers_value(gymv, tmp_path):
+    rd = make_recipes(tmp_path, {"llm/base.yaml": 'NUM_NODES="${NUM_NODES:-10}"\nSTEPS_PER_RUN=10\nMAX_STEPS=10\nNUM_MINUTES=60\n'},
+                      {"nightly": "llm/wrap.yaml\n"})
+    (rd / "llm/wrap.yaml").write_text("defaults: base.yaml\n")
+    (rd / "drivers/llm/wrap.sh").write_text(f'#!/bin/bash\n{BEGIN}\nexport NUM_NODES=2\n{END}\nexec "$(dirname "$0")/base.sh" "$@"\n')
+    r = gymv("dry-run", "--json", cwd=tmp_path)
+    [d] = json.loads(r.stdout)["suites"][0]["drivers"]
+    assert (d["num_nodes"], d["gpu_hours"], d["exec_chain"]) == (2, 16.0, [str(Path("recipes/drivers/llm/base.sh"))])
+
+
+def test_cli_bad_driver_is_one_line_naming_file_and_line_exit_2(gymv, repo):
+    (repo / "recipes/drivers/llm/a-1n8g.sh").write_text(f"#!/bin/bash\n{BEGIN}\n{sizing()}HOST=$(hostname)\n{END}\n")
+    r = gymv("dry-run", cwd=repo)
+    assert r.code == 2
+    assert "Traceback" not in r.stderr
+    [line] = own_stderr(r)
+    assert line.startswith("error: recipes/drivers/llm/a-1n8g.sh:8: command substitution")
+
+
+def test_cli_unknown_suite_is_one_line_listing_suites_exit_2(gymv, repo):
+    r = gymv("dry-run", "nightlyy", cwd=repo)
+    assert r.code == 2
+    [line] = own_stderr(r)
+    assert "nightlyy" in line and "nightly, release" in line
+
+
+def test_cli_fail_over_budget_exits_1_but_still_prints_the_total(gymv, repo):
+    r = gymv("dry-run", "--fail-over-budget", "nightly", cwd=repo)
+    assert r.code == 1
+    assert r.stdout.splitlines()[-1] == "Total GPU hours: 24.00"
+
+
+def test_cli_help_has_an_example_and_the_rounding_rule(gymv):
+    out = gymv("dry-run", "--help").stdout
+    assert "Example: gymv dry-run" in out
+    assert "half up, to 2 decimals" in out
+
+
+def test_repository_suites_dry_run_cleanly(gymv):
+    if not (REPO / "recipes" / "suites").is_dir():
+        pytest.skip("the repository has no recipes/suites yet")
+    r = gymv("dry-run", "--recipes-dir", REPO / "recipes", cwd=REPO)
+    assert r.code == 0, r.stderr
+    assert r.stdout.splitlines()[-1].startswith("Total GPU hours: ")
