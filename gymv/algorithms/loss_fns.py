@@ -1,0 +1,161 @@
+"""Loss functions in the shape the trainer calls: loss_fn(batch, logp, entropy, counts) -> (loss, metrics).
+
+`batch` is a collated micro-batch (dict of tensors, [B] or [B,T]); `logp`/`entropy` are [B,T] from the
+model under training; `counts` are the global-batch counts. The loss is this micro-batch's share of the
+global loss, and every metric is a share too (sum over micro-batches and ranks gives the global value),
+except keys ending in `_max` / `_min`, which reduce by max / min.
+
+Batch keys read here (per-token tensors are aligned with input_ids, see gymv.algorithms.logprobs):
+  loss_mask [B,T]        1 on generated tokens
+  advantages [B]|[B,T]   GRPO advantages
+  logp_old [B,T]         trainer logprobs before this step (default: logp detached, i.e. one step per batch)
+  logp_behaviour [B,T]   logprobs the generation backend sampled with (enables IS and token_mult_prob_error)
+  logp_ref [B,T]         reference policy logprobs (KL penalty)
+  logp_teacher [B,T]     MOPD teacher logprobs of the student's tokens
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from gymv.algorithms.advantages import mopd_advantages
+from gymv.algorithms.importance import behaviour_ratio, icepop_gate
+from gymv.algorithms.losses import (
+    Aggregation,
+    GlobalCounts,
+    KLEstimator,
+    aggregate,
+    clipped_policy_loss,
+    kl_penalty,
+    nll_loss,
+    reinforce_loss,
+)
+from gymv.algorithms.masked import as_bool, masked_fill_zero, masked_max
+from gymv.errors import GymvError
+
+Metrics = dict[str, Tensor]
+
+
+def _require(batch: dict, key: str, who: str) -> Tensor:
+    if key not in batch:
+        raise GymvError(f"micro-batch lacks {key!r}", where=who, fix=f"put {key!r} in every training sample")
+    return batch[key]
+
+
+def _token_share(x: Tensor, mask: Tensor, counts: GlobalCounts) -> Tensor:
+    return masked_fill_zero(x.detach().float(), mask).sum() / max(counts.tokens, 1.0)
+
+
+@dataclass(frozen=True)
+class ISConfig:
+    """Importance sampling against behaviour logprobs; both None = off (on-policy, same engine)."""
+
+    truncate_max: float | None = None
+    gate: tuple[float, float] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.truncate_max is not None or self.gate is not None
+
+
+def _importance(batch: dict, logp_old: Tensor, mask: Tensor, cfg: ISConfig, counts: GlobalCounts, who: str):
+    """(weights, mask after the gate, metrics); weights is None when IS is off."""
+    metrics: Metrics = {}
+    if "logp_behaviour" not in batch:
+        if cfg.enabled:
+            _require(batch, "logp_behaviour", who)
+        return None, mask, metrics
+    behaviour = batch["logp_behaviour"]
+    err = torch.exp(masked_fill_zero((behaviour - logp_old).detach().abs(), mask))
+    metrics["token_mult_prob_error"] = _token_share(err, mask, counts)
+    if not cfg.enabled:
+        return None, mask, metrics
+    rho = behaviour_ratio(logp_old, behaviour, mask)
+    weights = rho.clamp(max=cfg.truncate_max) if cfg.truncate_max is not None else torch.ones_like(rho)
+    kept = mask
+    if cfg.gate is not None:
+        kept = icepop_gate(logp_old, behaviour, mask, *cfg.gate)
+        metrics["is_gated_fraction"] = _token_share((mask & ~kept).float(), mask, counts)
+    weights = masked_fill_zero(weights, kept)
+    metrics["is_weight_mean"] = _token_share(weights, kept, counts)
+    metrics["is_weight_max"] = masked_max(weights, kept)
+    return weights, kept, metrics
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """GRPO: clipped-ratio policy loss, optional KL to a reference, optional IS against the behaviour policy.
+
+    per token: w * (-min(ratio*A, clip(ratio)*A) + kl_coef * KL_est), on the (gated) mask, aggregated.
+    """
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+    aggregation: Aggregation = "token_mean"
+    importance: ISConfig = ISConfig()
+
+    def __call__(self, batch: dict, logp: Tensor, entropy: Tensor | None, counts: GlobalCounts) -> tuple[Tensor, Metrics]:
+        who = "policy loss"
+        mask = as_bool(_require(batch, "loss_mask", who))
+        adv = _require(batch, "advantages", who)
+        logp_old = batch.get("logp_old", logp.detach())
+        weights, kept, metrics = _importance(batch, logp_old, mask, self.importance, counts, who)
+        pg, clipped = clipped_policy_loss(logp, logp_old, adv, kept, self.eps_low, self.eps_high)
+        per_token = pg
+        if self.kl_coef:
+            kl = kl_penalty(logp, _require(batch, "logp_ref", who), kept, self.kl_estimator)
+            per_token = per_token + self.kl_coef * kl
+            metrics["kl_ref"] = _token_share(kl, kept, counts)
+        if weights is not None:
+            per_token = per_token * weights.detach()
+        loss = aggregate(per_token, kept, self.aggregation, counts)
+        metrics["pg_loss"] = aggregate(pg.detach(), kept, self.aggregation, counts)
+        metrics["clip_fraction"] = _token_share(clipped.float(), mask, counts)
+        if entropy is not None:
+            metrics["entropy"] = _token_share(entropy, mask, counts)
+        return loss, metrics
+
+
+@dataclass(frozen=True)
+class SFTLoss:
+    """Supervised fine-tuning: NLL of the loss-masked tokens."""
+
+    aggregation: Aggregation = "token_mean"
+
+    def __call__(self, batch: dict, logp: Tensor, entropy: Tensor | None, counts: GlobalCounts) -> tuple[Tensor, Metrics]:
+        mask = as_bool(_require(batch, "loss_mask", "sft loss"))
+        loss = aggregate(nll_loss(logp, mask), mask, self.aggregation, counts)
+        metrics: Metrics = {"nll": _token_share(-logp, mask, counts)}
+        if entropy is not None:
+            metrics["entropy"] = _token_share(entropy, mask, counts)
+        return loss, metrics
+
+
+@dataclass(frozen=True)
+class DistillationLoss:
+    """MOPD: REINFORCE on the per-token advantage stop_grad(logp_teacher - logp_student), same IS gate as GRPO."""
+
+    aggregation: Aggregation = "token_mean"
+    importance: ISConfig = ISConfig()
+
+    def __call__(self, batch: dict, logp: Tensor, entropy: Tensor | None, counts: GlobalCounts) -> tuple[Tensor, Metrics]:
+        who = "distillation loss"
+        mask = as_bool(_require(batch, "loss_mask", who))
+        teacher = _require(batch, "logp_teacher", who)
+        logp_old = batch.get("logp_old", logp.detach())
+        weights, kept, metrics = _importance(batch, logp_old, mask, self.importance, counts, who)
+        adv = mopd_advantages(teacher, logp_old, kept)
+        per_token = reinforce_loss(logp, adv, kept, logp_old)
+        if weights is not None:
+            per_token = per_token * weights.detach()
+        loss = aggregate(per_token, kept, self.aggregation, counts)
+        metrics["teacher_advantage"] = _token_share(adv, kept, counts)
+        metrics["kl_teacher"] = _token_share(-masked_fill_zero(teacher - logp_old, mask), mask, counts)
+        if entropy is not None:
+            metrics["entropy"] = _token_share(entropy, mask, counts)
+        return loss, metrics

@@ -1,0 +1,125 @@
+"""Per-token losses and their aggregation over the global batch.
+
+Aggregation divides by counts of the *global* batch (all micro-batches of all data-parallel ranks), passed
+in as `GlobalCounts`. Each micro-batch's contribution is then a plain sum term, so accumulating gradients
+over micro-batches and summing them over ranks reproduces one pass over the whole batch exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from gymv.algorithms.masked import as_bool, masked_fill_zero
+from gymv.errors import GymvError
+
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+@dataclass(frozen=True)
+class GlobalCounts:
+    """Valid tokens and sequences with at least one valid token, over the whole (global) batch."""
+
+    tokens: float
+    sequences: float
+
+    @staticmethod
+    def of(mask: Tensor) -> GlobalCounts:
+        m = as_bool(mask)
+        return GlobalCounts(tokens=float(m.sum()), sequences=float(m.any(dim=-1).sum()))
+
+
+def aggregate(per_token: Tensor, mask: Tensor, mode: Aggregation = "token_mean", counts: GlobalCounts | None = None) -> Tensor:
+    """Reduce a [B,T] per-token quantity to a scalar.
+
+    token_mean:          sum over all valid tokens / global valid tokens
+    seq_mean_token_mean: sum over sequences of (that sequence's token mean) / global sequences
+    seq_mean_token_sum:  sum over sequences of (that sequence's token sum) / global sequences
+    `counts` defaults to this batch's own counts (then it is a plain mean).
+    """
+    m = as_bool(mask)
+    counts = counts or GlobalCounts.of(m)
+    x = masked_fill_zero(per_token, m)
+    if mode == "token_mean":
+        return x.sum() / max(counts.tokens, 1.0)
+    seq_sum = x.sum(dim=-1)
+    if mode == "seq_mean_token_mean":
+        seq_sum = seq_sum / m.sum(dim=-1).clamp(min=1).to(x.dtype)
+    elif mode != "seq_mean_token_sum":
+        raise GymvError(f"unknown loss aggregation {mode!r}", fix=f"use one of {', '.join(AGGREGATIONS)}")
+    return seq_sum.sum() / max(counts.sequences, 1.0)
+
+
+def _per_token(advantages: Tensor, like: Tensor) -> Tensor:
+    """Accept per-sample [B] or per-token [B,T] advantages."""
+    a = advantages.detach().to(like.dtype)
+    return a.unsqueeze(-1).expand_as(like) if a.dim() == like.dim() - 1 else a
+
+
+def clipped_policy_loss(
+    logp: Tensor,
+    logp_old: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+) -> tuple[Tensor, Tensor]:
+    """Per-token -min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A), ratio = exp(logp - logp_old).
+
+    Returns (per_token_loss [B,T], clipped [B,T] bool: tokens where the clipped term was the smaller one,
+    i.e. where the gradient is cut). Off the mask both are 0/False.
+    """
+    m = as_bool(mask)
+    a = masked_fill_zero(_per_token(advantages, logp), m)
+    log_ratio = masked_fill_zero(logp - logp_old.detach(), m)
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * a
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * a
+    loss = -torch.minimum(unclipped, clipped)
+    was_clipped = m & (clipped < unclipped)
+    return masked_fill_zero(loss, m), was_clipped
+
+
+def kl_penalty(logp: Tensor, logp_ref: Tensor, mask: Tensor, estimator: KLEstimator = "k3") -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from the sampled token's logprobs.
+
+    With d = logp_ref - logp: k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1 (unbiased, always >= 0).
+    """
+    m = as_bool(mask)
+    d = masked_fill_zero(logp_ref.detach() - logp, m)
+    if estimator == "k1":
+        kl = -d
+    elif estimator == "k2":
+        kl = 0.5 * d * d
+    elif estimator == "k3":
+        kl = torch.exp(d) - d - 1.0
+    else:
+        raise GymvError(f"unknown KL estimator {estimator!r}", fix="use k1, k2 or k3")
+    return masked_fill_zero(kl, m)
+
+
+def reinforce_loss(logp: Tensor, advantages: Tensor, mask: Tensor, logp_old: Tensor | None = None) -> Tensor:
+    """Per-token -A * ratio with ratio = exp(logp - stop_grad(logp_old)) (logp_old defaults to logp).
+
+    Its gradient is -A * grad(logp) at the sampling policy, plain REINFORCE, and stays a correct importance
+    ratio when a later micro-step has moved the policy.
+    """
+    m = as_bool(mask)
+    old = logp.detach() if logp_old is None else logp_old.detach()
+    ratio = torch.exp(masked_fill_zero(logp - old, m))
+    return masked_fill_zero(-_per_token(advantages, logp) * ratio, m)
+
+
+def nll_loss(logp: Tensor, mask: Tensor) -> Tensor:
+    """Per-token negative log-likelihood (SFT), 0 off the mask."""
+    return masked_fill_zero(-logp, mask)
+
+
+def sft_loss(logp: Tensor, mask: Tensor, counts: GlobalCounts | None = None) -> Tensor:
+    """Token-mean NLL over the (global) batch."""
+    return aggregate(nll_loss(logp, mask), mask, "token_mean", counts)

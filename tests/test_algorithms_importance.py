@@ -1,0 +1,39 @@
+"""Truncated importance weights and the ICE-POP gate against behaviour logprobs."""
+
+import math
+
+import pytest
+import torch
+
+from gymv.algorithms.importance import icepop_gate, truncated_is_weights
+
+L = math.log
+# trainer-old logprob .5 everywhere; behaviour probabilities give rho = .5 / p_behaviour
+OLD = torch.full((1, 5), L(0.5))
+BEHAVIOUR = torch.log(torch.tensor([[0.5, 0.25, 0.1, 0.05, 1.0]]))  # rho = 1, 2, 5, 10, 0.5
+MASK = torch.ones(1, 5, dtype=torch.bool)
+
+
+def test_truncated_weights_are_rho_capped_at_truncate_max():
+    w = truncated_is_weights(OLD, BEHAVIOUR, MASK, truncate_max=2.0)
+    assert w.tolist()[0] == pytest.approx([1.0, 2.0, 2.0, 2.0, 0.5])
+
+
+def test_weights_are_zero_off_the_mask():
+    w = truncated_is_weights(OLD, BEHAVIOUR, torch.tensor([[True, False, True, True, True]]), truncate_max=10.0)
+    assert w[0, 1].item() == 0.0
+
+
+def test_gate_keeps_tokens_with_ratio_inside_the_bounds_inclusive():
+    assert icepop_gate(OLD, BEHAVIOUR, MASK).tolist() == [[True, True, True, False, True]]
+
+
+def test_gate_drops_tokens_below_the_lower_bound():
+    behaviour = torch.log(torch.tensor([[0.5]]))
+    old = torch.log(torch.tensor([[0.05]]))  # rho = 0.1
+    assert icepop_gate(old, behaviour, torch.ones(1, 1, dtype=torch.bool)).tolist() == [[False]]
+
+
+def test_weights_carry_no_gradient():
+    old = OLD.clone().requires_grad_()
+    assert not truncated_is_weights(old, BEHAVIOUR, MASK).requires_grad

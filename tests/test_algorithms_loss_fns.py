@@ -1,0 +1,97 @@
+"""The trainer-facing loss functions: GRPO policy loss, SFT, MOPD distillation, with KL and IS options."""
+
+import math
+
+import pytest
+import torch
+
+from gymv.algorithms.loss_fns import DistillationLoss, ISConfig, PolicyLoss, SFTLoss
+from gymv.algorithms.losses import GlobalCounts
+from gymv.errors import GymvError
+
+L = math.log
+MASK = torch.tensor([[False, True, True]])
+
+
+def batch(**extra):
+    return {"loss_mask": MASK, "advantages": torch.tensor([2.0]), **extra}
+
+
+def logp_of(*probs):
+    return torch.log(torch.tensor([[1.0, *probs]])).requires_grad_()
+
+
+def test_on_policy_loss_is_minus_mean_advantage_and_its_gradient_is_minus_a_over_tokens():
+    logp = logp_of(0.5, 0.25)
+    loss, metrics = PolicyLoss()(batch(), logp, None, GlobalCounts.of(MASK))
+    loss.backward()
+    assert loss.item() == pytest.approx(-2.0)
+    assert logp.grad.tolist()[0] == pytest.approx([0.0, -1.0, -1.0])
+    assert metrics["clip_fraction"].item() == 0.0
+
+
+def test_kl_penalty_adds_beta_times_k3():
+    logp = logp_of(0.5, 0.5)
+    ref = torch.log(torch.tensor([[1.0, 0.25, 0.5]]))
+    loss, metrics = PolicyLoss(kl_coef=0.1)(batch(logp_ref=ref), logp, None, GlobalCounts.of(MASK))
+    k3 = 0.5 + L(2) - 1  # first token; the second has ref == logp, k3 = 0
+    assert metrics["kl_ref"].item() == pytest.approx(k3 / 2)
+    assert loss.item() == pytest.approx(-2.0 + 0.1 * k3 / 2)
+
+
+def test_kl_needs_reference_logprobs():
+    with pytest.raises(GymvError, match="logp_ref"):
+        PolicyLoss(kl_coef=0.1)(batch(), logp_of(0.5, 0.5), None, GlobalCounts.of(MASK))
+
+
+def test_gate_removes_out_of_range_tokens_from_the_loss_but_not_the_denominator():
+    logp = logp_of(0.5, 0.5)
+    behaviour = torch.log(torch.tensor([[1.0, 0.5, 0.05]]))  # rho = 1 and 10
+    loss, metrics = PolicyLoss(importance=ISConfig(gate=(0.2, 5.0)))(batch(logp_behaviour=behaviour), logp, None, GlobalCounts.of(MASK))
+    assert loss.item() == pytest.approx(-1.0)  # one kept token of A=2, divided by 2 valid tokens
+    assert metrics["is_gated_fraction"].item() == pytest.approx(0.5)
+
+
+def test_truncated_is_scales_each_token():
+    logp = logp_of(0.5, 0.5)
+    behaviour = torch.log(torch.tensor([[1.0, 0.25, 0.5]]))  # rho = 2 and 1
+    loss, metrics = PolicyLoss(importance=ISConfig(truncate_max=1.5))(batch(logp_behaviour=behaviour), logp, None, GlobalCounts.of(MASK))
+    assert loss.item() == pytest.approx(-(2 * 1.5 + 2 * 1.0) / 2)
+    assert metrics["is_weight_max"].item() == pytest.approx(1.5)
+    assert metrics["is_weight_mean"].item() == pytest.approx(1.25)
+
+
+def test_behaviour_logprobs_yield_token_mult_prob_error_even_without_is():
+    behaviour = torch.log(torch.tensor([[1.0, 0.25, 0.5]]))
+    _, metrics = PolicyLoss()(batch(logp_behaviour=behaviour), logp_of(0.5, 0.5), None, GlobalCounts.of(MASK))
+    assert metrics["token_mult_prob_error"].item() == pytest.approx(1.5)
+
+
+def test_is_without_behaviour_logprobs_is_an_error():
+    with pytest.raises(GymvError, match="logp_behaviour"):
+        PolicyLoss(importance=ISConfig(truncate_max=2.0))(batch(), logp_of(0.5, 0.5), None, GlobalCounts.of(MASK))
+
+
+def test_sft_loss_reports_nll_and_entropy():
+    loss, metrics = SFTLoss()({"loss_mask": MASK}, logp_of(0.5, 0.25), torch.tensor([[9.0, 1.0, 3.0]]), GlobalCounts.of(MASK))
+    assert loss.item() == pytest.approx((L(2) + L(4)) / 2)
+    assert metrics["entropy"].item() == pytest.approx(2.0)
+
+
+def test_distillation_pushes_logprobs_toward_the_teacher():
+    logp = logp_of(0.25, 0.5)
+    teacher = torch.log(torch.tensor([[1.0, 0.5, 0.25]]))  # gaps +log2 and -log2
+    loss, metrics = DistillationLoss()({"loss_mask": MASK, "logp_teacher": teacher}, logp, None, GlobalCounts.of(MASK))
+    loss.backward()
+    assert logp.grad.tolist()[0] == pytest.approx([0.0, -L(2) / 2, L(2) / 2])
+    assert metrics["kl_teacher"].item() == pytest.approx(0.0)
+
+
+def test_distillation_applies_the_same_gate():
+    logp = logp_of(0.25, 0.5)
+    teacher = torch.log(torch.tensor([[1.0, 0.5, 0.25]]))
+    behaviour = torch.log(torch.tensor([[1.0, 0.25, 0.01]]))  # rho 1 and 50: second token gated
+    loss, _ = DistillationLoss(importance=ISConfig(gate=(0.2, 5.0)))(
+        {"loss_mask": MASK, "logp_teacher": teacher, "logp_behaviour": behaviour}, logp, None, GlobalCounts.of(MASK))
+    loss.backward()
+    assert logp.grad.tolist()[0] == pytest.approx([0.0, -L(2) / 2, 0.0])
