@@ -1,0 +1,73 @@
+"""Token-budget micro-batching and the default padding collate.
+
+A micro-batch costs its padded size, n_samples x longest sample. Sorting by length (longest first) and
+filling greedily keeps samples of similar length together, so little of the budget is spent on padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from gymv.errors import GymvError
+
+DEFAULT_PAD_VALUES: Mapping[str, float | int | bool] = {"input_ids": 0, "loss_mask": False, "attention_mask": 0}
+
+
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Index lists whose padded token count (count x max length) stays <= max_tokens.
+
+    Longest first, ties in input order, so the plan is deterministic. A sample longer than the budget
+    runs alone.
+    """
+    if max_tokens < 1:
+        raise GymvError(f"micro_batch_tokens must be >= 1, got {max_tokens}", fix="set trainer.micro_batch_tokens to a positive token count")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    plan: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        if current and (len(current) + 1) * longest > max_tokens:
+            plan.append(current)
+            current = []
+        if not current:
+            longest = lengths[i]
+        current.append(i)
+    if current:
+        plan.append(current)
+    return plan
+
+
+def pad_collate(samples: Sequence[Mapping[str, Tensor]], pad_values: Mapping[str, float | int | bool] | None = None) -> dict[str, Tensor]:
+    """Stack samples key by key: 1-D+ tensors are right-padded along dim 0, 0-d tensors are stacked.
+
+    Every sample must have the same keys. Padding values: `pad_values[key]`, else DEFAULT_PAD_VALUES, else 0.
+    Adds `attention_mask` [B,T] (1 on real positions) unless the samples carry one.
+    """
+    if not samples:
+        raise GymvError("cannot collate an empty micro-batch")
+    keys = list(samples[0].keys())
+    for n, s in enumerate(samples):
+        if set(s.keys()) != set(keys):
+            raise GymvError(f"sample {n} has keys {sorted(s)} but sample 0 has {sorted(keys)}", where="collate", fix="give every sample the same fields")
+    pads = {**DEFAULT_PAD_VALUES, **(pad_values or {})}
+    out: dict[str, Tensor] = {}
+    for key in keys:
+        values = [s[key] for s in samples]
+        if values[0].dim() == 0:
+            out[key] = torch.stack(values)
+            continue
+        longest = max(v.shape[0] for v in values)
+        shape = (len(values), longest, *values[0].shape[1:])
+        batch = torch.full(shape, pads.get(key, 0), dtype=values[0].dtype, device=values[0].device)
+        for row, v in enumerate(values):
+            if v.shape[1:] != values[0].shape[1:]:
+                raise GymvError(f"field {key!r} has trailing shape {tuple(v.shape[1:])} in one sample and {tuple(values[0].shape[1:])} in another", where="collate")
+            batch[row, : v.shape[0]] = v
+        out[key] = batch
+    if "attention_mask" not in out and "input_ids" in out:
+        lengths = torch.tensor([s["input_ids"].shape[0] for s in samples], device=out["input_ids"].device)
+        out["attention_mask"] = (torch.arange(out["input_ids"].shape[1], device=lengths.device)[None, :] < lengths[:, None]).long()
+    return out

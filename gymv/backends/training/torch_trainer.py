@@ -1,0 +1,263 @@
+"""Plain-PyTorch training backend: AdamW, token-budget micro-batches, global-token normalisation, data
+parallel by summed gradients, bf16 autocast on CUDA, and a hard stop on non-finite losses.
+
+The model is any torch module; how logprobs come out of it (text LM, VLM with images, temperature,
+forbidden vision tokens) is the `logprob_fn` it is given, so the trainer stays model-agnostic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from gymv.algorithms.losses import GlobalCounts
+from gymv.backends.training.base import CollateFn, LogprobFn, LossFn, MicroBatch, Sample
+from gymv.backends.training.data_parallel import DataParallel
+from gymv.backends.training.micro_batches import pad_collate, plan_micro_batches
+from gymv.errors import GymvError
+
+try:
+    import safetensors.torch as _st
+except ImportError:  # pragma: no cover - safetensors ships with transformers
+    _st = None
+
+MODEL_SAFETENSORS = "model.safetensors"
+MODEL_TORCH = "model.pt"
+OPTIMIZER_FILE = "optimizer.pt"
+TRAINER_FILE = "trainer.json"
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    max_grad_norm: float | None = 1.0
+    micro_batch_tokens: int = 4096
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+
+
+def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, Tensor) else v) for k, v in mb.items()}
+
+
+def _fsync_replace(tmp: Path, final: Path) -> None:
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+
+
+class TorchTrainer:
+    """One optimizer step per `train_step` call, over all micro-batches of this rank's samples."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        logprob_fn: LogprobFn,
+        config: TrainerConfig = TrainerConfig(),
+        *,
+        collate_fn: CollateFn = pad_collate,
+        device: torch.device | str | None = None,
+        process_group=None,
+    ):
+        self.config = config
+        self.logprob_fn = logprob_fn
+        self.collate_fn = collate_fn
+        first = next(model.parameters(), None)
+        self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
+        self.model = model.to(self.device)
+        self.dp = DataParallel(process_group)
+        self.rank, self.world_size = self.dp.rank, self.dp.world_size
+        self.dp.broadcast_module_(self.model)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if not self.params:
+            raise GymvError("the model has no trainable parameters", where="trainer", fix="unfreeze at least one parameter")
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay
+        )
+        self.autocast_dtype = self._resolve_precision(config.precision)
+        self.steps = 0
+
+    def _resolve_precision(self, precision: str) -> torch.dtype | None:
+        cuda = self.device.type == "cuda"
+        if precision == "fp32":
+            return None
+        if precision == "auto":
+            return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else None
+        if precision == "bf16":
+            if not (cuda and torch.cuda.is_bf16_supported()):
+                raise GymvError("precision bf16 needs a CUDA device with bf16 support", where="trainer.precision", fix="use precision: auto (fp32 on CPU)")
+            return torch.bfloat16
+        raise GymvError(f"unknown precision {precision!r}", where="trainer.precision", fix="use auto, fp32 or bf16")
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def _forward(self, mb: MicroBatch) -> tuple[Tensor, Tensor | None]:
+        with self._autocast():
+            logp, entropy = self.logprob_fn(self.model, mb)
+        return logp.float(), (entropy.float() if entropy is not None else None)
+
+    def _plan(self, samples: Sequence[Sample]) -> list[list[int]]:
+        lengths = [int(s["input_ids"].shape[0]) for s in samples]
+        return plan_micro_batches(lengths, self.config.micro_batch_tokens)
+
+    def global_counts(self, samples: Sequence[Sample]) -> GlobalCounts:
+        local = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for s in samples:
+            m = s["loss_mask"] != 0
+            local[0] += float(m.sum())
+            local[1] += float(bool(m.any()))
+        self.dp.sum_(local)
+        return GlobalCounts(tokens=float(local[0]), sequences=float(local[1]))
+
+    def train_step(self, samples: Sequence[Sample], loss_fn: LossFn) -> dict[str, float]:
+        start = time.perf_counter()
+        self.model.train()
+        counts = self.global_counts(samples)
+        plan = self._plan(samples)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        sums: dict[str, Tensor] = {}
+        maxes: dict[str, Tensor] = {}
+        mins: dict[str, Tensor] = {}
+        bad = ""
+        for indices in plan:
+            mb = _to_device(self.collate_fn([samples[i] for i in indices]), self.device)
+            logp, entropy = self._forward(mb)
+            loss, metrics = loss_fn(mb, logp, entropy, counts)
+            if not bool(torch.isfinite(loss)):
+                bad = f"non-finite loss {float(loss.detach())} in a micro-batch of {len(indices)} samples"
+                break
+            loss.backward()
+            loss_sum += loss.detach().double()
+            for k, v in metrics.items():
+                v = torch.as_tensor(v, device=self.device).detach().double()
+                if k.endswith("_max"):
+                    maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
+                elif k.endswith("_min"):
+                    mins[k] = torch.minimum(mins[k], v) if k in mins else v
+                else:
+                    sums[k] = sums.get(k, 0) + v
+        flag = self.dp.max_(torch.tensor([1.0 if bad else 0.0], device=self.device))
+        if float(flag) > 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise GymvError(
+                bad or "non-finite loss on another data-parallel rank",
+                where=f"train step {self.steps + 1} (rank {self.rank})",
+                fix="the step was not applied; check rewards/advantages and logprobs for inf/NaN, or lower the learning rate",
+                exit_code=1,
+            )
+        self.dp.sum_grads_(self.params)
+        grad_norm = self._clip_grads()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        out = {"train/loss": float(self.dp.sum_(loss_sum))}
+        out.update(self._reduce_metrics(sums, maxes, mins))
+        out["train/grad_norm"] = grad_norm
+        out["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        out["train/num_tokens"] = counts.tokens
+        out["train/num_sequences"] = counts.sequences
+        out["train/num_micro_batches"] = float(self.dp.sum_(torch.tensor([float(len(plan))], device=self.device)))
+        out["timing/train_step_s"] = time.perf_counter() - start
+        return out
+
+    def _clip_grads(self) -> float:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros((), device=self.device)
+        if not bool(torch.isfinite(norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise GymvError(
+                f"non-finite gradient norm {float(norm)}",
+                where=f"train step {self.steps + 1} (rank {self.rank})",
+                fix="the step was not applied; lower the learning rate or check the loss inputs",
+                exit_code=1,
+            )
+        if self.config.max_grad_norm is not None and self.config.max_grad_norm > 0 and grads:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_grad_norm, norm)
+        return float(norm)
+
+    def _reduce_metrics(self, sums: dict, maxes: dict, mins: dict) -> dict[str, float]:
+        out: dict[str, float] = {}
+        keys = self.dp.union_keys([*sums, *maxes, *mins])
+        for k in keys:
+            if k.endswith("_max"):
+                v = self.dp.max_(maxes.get(k, torch.tensor(-math.inf, dtype=torch.float64, device=self.device)).clone().reshape(1))
+            elif k.endswith("_min"):
+                v = self.dp.min_(mins.get(k, torch.tensor(math.inf, dtype=torch.float64, device=self.device)).clone().reshape(1))
+            else:
+                v = self.dp.sum_(torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64, device=self.device).clone().reshape(1))
+            out[f"train/{k}"] = float(v)
+        return out
+
+    @torch.no_grad()
+    def compute_logprobs(self, samples: Sequence[Sample]) -> list[Tensor]:
+        was_training = self.model.training
+        self.model.eval()
+        out: list[Tensor | None] = [None] * len(samples)
+        try:
+            for indices in self._plan(samples):
+                mb = _to_device(self.collate_fn([samples[i] for i in indices]), self.device)
+                logp, _ = self._forward(mb)
+                for row, i in enumerate(indices):
+                    out[i] = logp[row, : samples[i]["input_ids"].shape[0]].cpu()
+        finally:
+            self.model.train(was_training)
+        return out  # type: ignore[return-value]
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Detached model weights (the trainer's fp32 master copy), e.g. for refitting a generation backend."""
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write model weights, optimizer state and the step count into directory `path`."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        if _st is not None:
+            tmp = path / f".{MODEL_SAFETENSORS}.tmp"
+            _st.save_model(self.model, str(tmp))
+            _fsync_replace(tmp, path / MODEL_SAFETENSORS)
+        else:  # pragma: no cover
+            tmp = path / f".{MODEL_TORCH}.tmp"
+            torch.save(self.model.state_dict(), tmp)
+            _fsync_replace(tmp, path / MODEL_TORCH)
+        tmp = path / f".{OPTIMIZER_FILE}.tmp"
+        torch.save(self.optimizer.state_dict(), tmp)
+        _fsync_replace(tmp, path / OPTIMIZER_FILE)
+        tmp = path / f".{TRAINER_FILE}.tmp"
+        tmp.write_text(json.dumps({"steps": self.steps, "config": asdict(self.config)}))
+        _fsync_replace(tmp, path / TRAINER_FILE)
+
+    def load(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        if (path / MODEL_SAFETENSORS).exists() and _st is not None:
+            missing, unexpected = _st.load_model(self.model, str(path / MODEL_SAFETENSORS), strict=False, device=str(self.device))
+            if missing or unexpected:
+                raise GymvError(
+                    f"checkpoint does not match the model (missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})",
+                    where=str(path / MODEL_SAFETENSORS), fix="load a checkpoint written by the same model architecture",
+                )
+        elif (path / MODEL_TORCH).exists():
+            self.model.load_state_dict(torch.load(path / MODEL_TORCH, map_location=self.device, weights_only=True))
+        else:
+            raise GymvError("no model weights found", where=str(path), fix=f"expected {MODEL_SAFETENSORS} or {MODEL_TORCH}")
+        opt_file = path / OPTIMIZER_FILE
+        if not opt_file.exists():
+            raise GymvError("no optimizer state found", where=str(path), fix=f"expected {OPTIMIZER_FILE}")
+        self.optimizer.load_state_dict(torch.load(opt_file, map_location=self.device, weights_only=True))
+        meta = path / TRAINER_FILE
+        self.steps = int(json.loads(meta.read_text())["steps"]) if meta.exists() else 0

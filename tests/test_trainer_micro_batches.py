@@ -1,0 +1,52 @@
+"""Token-budget micro-batch planning and the default padding collate."""
+
+import pytest
+import torch
+
+from gymv.backends.training.micro_batches import pad_collate, plan_micro_batches
+from gymv.errors import GymvError
+
+
+def padded_cost(plan, lengths):
+    return [len(b) * max(lengths[i] for i in b) for b in plan]
+
+
+def test_every_micro_batch_stays_within_the_padded_token_budget():
+    lengths = [3, 9, 4, 7, 2, 8, 5, 6, 1]
+    plan = plan_micro_batches(lengths, 16)
+    assert all(c <= 16 for c in padded_cost(plan, lengths))
+    assert sorted(i for b in plan for i in b) == list(range(len(lengths)))
+
+
+def test_samples_are_bucketed_longest_first():
+    assert plan_micro_batches([2, 8, 3, 7], 16) == [[1, 3], [2, 0]]
+
+
+def test_a_sample_longer_than_the_budget_runs_alone():
+    assert plan_micro_batches([50, 2, 2], 10) == [[0], [1, 2]]
+
+
+def test_a_non_positive_budget_is_an_error():
+    with pytest.raises(GymvError, match="micro_batch_tokens"):
+        plan_micro_batches([1], 0)
+
+
+def test_collate_right_pads_sequences_and_stacks_scalars():
+    mb = pad_collate([
+        {"input_ids": torch.tensor([5, 6, 7]), "loss_mask": torch.tensor([False, True, True]), "advantages": torch.tensor(1.0)},
+        {"input_ids": torch.tensor([8]), "loss_mask": torch.tensor([True]), "advantages": torch.tensor(-1.0)},
+    ])
+    assert mb["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert mb["loss_mask"].tolist() == [[False, True, True], [True, False, False]]
+    assert mb["advantages"].tolist() == [1.0, -1.0]
+    assert mb["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_collate_uses_given_pad_values():
+    mb = pad_collate([{"input_ids": torch.tensor([1, 2])}, {"input_ids": torch.tensor([3])}], pad_values={"input_ids": 99})
+    assert mb["input_ids"].tolist() == [[1, 2], [3, 99]]
+
+
+def test_collate_rejects_samples_with_different_fields():
+    with pytest.raises(GymvError, match="sample 1"):
+        pad_collate([{"input_ids": torch.tensor([1])}, {"input_ids": torch.tensor([1]), "x": torch.tensor(0.0)}])
