@@ -1,0 +1,328 @@
+"""Cross-field rules that a per-key schema cannot express; shared by the loader (errors) and `gymv lint`.
+
+Each rule is a function from a validated recipe to findings. Rules name the key to blame so the caller
+can point at the file:line that wrote it. `RULES` is the registry; docs/config.md lists every rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from gymv.config.findings import Finding
+from gymv.config.schema import GrpoSection, MopdSection, RecipeBase, SftSection
+from gymv.config.transports import REFIT_TRANSPORTS
+from gymv.config.tree import split_key
+from gymv.config.yamlfile import KeyPath, Origin
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    summary: str
+    check: Callable[[RecipeBase], Iterator[Finding]]
+
+
+RULES: list[Rule] = []
+
+
+def rule(id: str, summary: str):
+    def register(fn: Callable[[RecipeBase], Iterator[Finding]]):
+        RULES.append(Rule(id, summary, fn))
+        return fn
+    return register
+
+
+def total_gpus(cfg: RecipeBase) -> int:
+    return cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
+
+
+def training_gpus(cfg: RecipeBase) -> int:
+    """GPUs the trainer uses: all of them when colocated, else `cluster.training_gpus`."""
+    c = cfg.cluster
+    if not c.colocated and c.training_gpus is not None:
+        return c.training_gpus
+    return total_gpus(cfg)
+
+
+def generation_gpus(cfg: RecipeBase) -> int:
+    c = cfg.cluster
+    if not c.colocated and c.generation_gpus is not None:
+        return c.generation_gpus
+    return total_gpus(cfg)
+
+
+def model_parallel_size(cfg: RecipeBase) -> int:
+    p = cfg.training.parallel
+    return p.tensor * p.pipeline * p.context
+
+
+def data_parallel_size(cfg: RecipeBase) -> int:
+    """Training ranks that hold a full model replica (1 on CPU)."""
+    gpus = training_gpus(cfg)
+    mp = model_parallel_size(cfg)
+    return gpus // mp if gpus and gpus % mp == 0 else 1
+
+
+def samples_per_step(cfg: RecipeBase) -> int:
+    s = cfg.algo_section
+    if isinstance(s, SftSection):
+        return s.batch_size
+    assert isinstance(s, GrpoSection | MopdSection)
+    return s.prompts_per_step * s.generations_per_prompt
+
+
+def _grpo(cfg: RecipeBase) -> GrpoSection | None:
+    s = cfg.algo_section
+    return s if isinstance(s, GrpoSection) else None
+
+
+def _mopd(cfg: RecipeBase) -> MopdSection | None:
+    s = cfg.algo_section
+    return s if isinstance(s, MopdSection) else None
+
+
+def _err(rule_id: str, key: str, message: str, fix: str, severity: str = "error") -> Finding:
+    return Finding(rule_id, message, key, None, fix, severity)  # type: ignore[arg-type]
+
+
+# ---- refit -----------------------------------------------------------------------------------------------
+
+@rule("refit.encoder-cache-reset", "reset_encoder_cache_after_weight_update needs a transport that implements the reset")
+def _cache_reset(cfg: RecipeBase) -> Iterator[Finding]:
+    t = REFIT_TRANSPORTS[cfg.refit.transport]
+    if cfg.generation.reset_encoder_cache_after_weight_update and not t.resets_encoder_cache:
+        able = sorted(n for n, x in REFIT_TRANSPORTS.items() if x.resets_encoder_cache)
+        yield _err("refit.encoder-cache-reset", "generation.reset_encoder_cache_after_weight_update",
+                   f"refit transport {t.name!r} does not reset the vision encoder cache, so "
+                   "reset_encoder_cache_after_weight_update would silently do nothing",
+                   f"use refit.transport {' / '.join(able)}, or turn the flag off")
+
+
+@rule("refit.transport-placement", "the refit transport must work with the cluster layout")
+def _transport_layout(cfg: RecipeBase) -> Iterator[Finding]:
+    t = REFIT_TRANSPORTS[cfg.refit.transport]
+    if t.needs_gpu and total_gpus(cfg) == 0:
+        yield _err("refit.transport-placement", "refit.transport", f"refit transport {t.name!r} needs GPUs, the cluster has none",
+                   "use refit.transport: object_store on CPU")
+    if t.colocated_only and not cfg.cluster.colocated:
+        yield _err("refit.transport-placement", "refit.transport",
+                   f"refit transport {t.name!r} needs training and generation on the same GPUs (cluster.colocated: false)",
+                   "use refit.transport: nccl for separate GPUs")
+    if t.single_node_only and cfg.cluster.num_nodes > 1:
+        yield _err("refit.transport-placement", "refit.transport",
+                   f"refit transport {t.name!r} works within one host, the cluster has {cfg.cluster.num_nodes} nodes",
+                   "use refit.transport: nccl or object_store across nodes")
+
+
+# ---- async -----------------------------------------------------------------------------------------------
+
+@rule("async.importance-sampling", "async GRPO trains on stale samples and must correct with importance sampling")
+def _async_is(cfg: RecipeBase) -> Iterator[Finding]:
+    g = _grpo(cfg)
+    if g and g.async_.enabled and g.importance_sampling.kind == "none":
+        yield _err("async.importance-sampling", "grpo.importance_sampling.kind",
+                   "grpo.async.enabled trains on off-policy samples but importance_sampling.kind is 'none'",
+                   "set grpo.importance_sampling.kind: truncated (or icepop)")
+
+
+@rule("async.separate-gpus", "async GRPO on GPUs needs generation and training on separate GPUs")
+def _async_gpus(cfg: RecipeBase) -> Iterator[Finding]:
+    g = _grpo(cfg)
+    if g and g.async_.enabled and total_gpus(cfg) > 0 and cfg.cluster.colocated:
+        yield _err("async.separate-gpus", "cluster.colocated",
+                   "grpo.async.enabled runs generation while training, which needs cluster.colocated: false on GPUs",
+                   "set cluster.colocated: false with cluster.generation_gpus and cluster.training_gpus")
+
+
+# ---- GPUs and parallelism --------------------------------------------------------------------------------
+
+@rule("cluster.gpu-split", "generation_gpus/training_gpus are set exactly when not colocated, and fit the cluster")
+def _gpu_split(cfg: RecipeBase) -> Iterator[Finding]:
+    c, total = cfg.cluster, total_gpus(cfg)
+    if c.colocated:
+        for k in ("generation_gpus", "training_gpus"):
+            if getattr(c, k) is not None:
+                yield _err("cluster.gpu-split", f"cluster.{k}", f"cluster.{k} is set but cluster.colocated is true "
+                           "(colocated generation and training share every GPU)", f"remove cluster.{k} or set cluster.colocated: false")
+        return
+    if total == 0:
+        return
+    for k in ("generation_gpus", "training_gpus"):
+        if not getattr(c, k):
+            yield _err("cluster.gpu-split", f"cluster.{k}", f"cluster.colocated is false but cluster.{k} is not set",
+                       f"set cluster.{k} (GPUs out of {total})")
+    if not (c.generation_gpus and c.training_gpus):
+        return
+    m = _mopd(cfg)
+    teacher = sum(t.gpus or 0 for t in m.teachers.values() if t.placement == "separate") if m else 0
+    used = c.generation_gpus + c.training_gpus + teacher
+    parts = f"generation {c.generation_gpus} + training {c.training_gpus}" + (f" + teachers {teacher}" if teacher else "")
+    if used > total:
+        yield _err("cluster.gpu-split", "cluster.generation_gpus", f"{parts} = {used} GPUs, the cluster has {total}",
+                   "lower the split or add nodes")
+    elif used < total:
+        yield _err("cluster.gpu-split", "cluster.generation_gpus", f"{parts} = {used} GPUs, {total - used} of {total} stay idle",
+                   "give the idle GPUs to generation or training", "warning")
+
+
+@rule("parallel.divides-gpus", "tensor*pipeline*context must divide the training GPUs")
+def _parallel_divides(cfg: RecipeBase) -> Iterator[Finding]:
+    gpus, mp = training_gpus(cfg), model_parallel_size(cfg)
+    if gpus > 0 and gpus % mp:
+        p = cfg.training.parallel
+        yield _err("parallel.divides-gpus", "training.parallel",
+                   f"tensor {p.tensor} x pipeline {p.pipeline} x context {p.context} = {mp} does not divide the {gpus} training GPUs",
+                   "choose sizes whose product divides the GPU count (data parallel takes the rest)")
+
+
+@rule("parallel.backend", "model parallelism needs the megatron backend and GPUs")
+def _parallel_backend(cfg: RecipeBase) -> Iterator[Finding]:
+    p = cfg.training.parallel
+    used = [k for k in ("tensor", "pipeline", "context", "expert") if getattr(p, k) > 1]
+    if not used:
+        return
+    if cfg.training.backend != "megatron":
+        yield _err("parallel.backend", f"training.parallel.{used[0]}",
+                   f"training.parallel.{used[0]} > 1 needs training.backend: megatron (torch is data-parallel only)",
+                   "set training.backend: megatron or the parallel sizes to 1")
+    if total_gpus(cfg) == 0:
+        yield _err("parallel.backend", f"training.parallel.{used[0]}", f"training.parallel.{used[0]} > 1 needs GPUs",
+                   "set cluster.gpus_per_node, or the parallel sizes to 1")
+
+
+@rule("backend.needs-gpu", "vllm and megatron run on GPUs only")
+def _backend_gpu(cfg: RecipeBase) -> Iterator[Finding]:
+    if total_gpus(cfg) > 0:
+        return
+    if cfg.generation.backend == "vllm":
+        yield _err("backend.needs-gpu", "generation.backend", "generation.backend vllm needs GPUs, cluster.gpus_per_node is 0",
+                   "use generation.backend: hf on CPU")
+    if cfg.training.backend == "megatron":
+        yield _err("backend.needs-gpu", "training.backend", "training.backend megatron needs GPUs, cluster.gpus_per_node is 0",
+                   "use training.backend: torch on CPU")
+    m = _mopd(cfg)
+    for alias, t in (m.teachers.items() if m else ()):
+        if t.backend in ("vllm", "megatron"):
+            yield _err("backend.needs-gpu", f"mopd.teachers.{alias}.backend",
+                       f"teacher {alias!r} uses backend {t.backend}, which needs GPUs", "use backend: torch on CPU")
+
+
+@rule("vllm.tensor-parallel", "vllm.tensor_parallel_size must divide the generation GPUs")
+def _vllm_tp(cfg: RecipeBase) -> Iterator[Finding]:
+    gpus, tp = generation_gpus(cfg), cfg.generation.vllm.tensor_parallel_size
+    if cfg.generation.backend == "vllm" and gpus > 0 and gpus % tp:
+        yield _err("vllm.tensor-parallel", "generation.vllm.tensor_parallel_size",
+                   f"generation.vllm.tensor_parallel_size {tp} does not divide the {gpus} generation GPUs",
+                   "pick a size that divides the generation GPUs")
+
+
+# ---- batches ---------------------------------------------------------------------------------------------
+
+@rule("batch.divides-step", "the samples of one step must split into whole optimizer batches")
+def _batch_divides(cfg: RecipeBase) -> Iterator[Finding]:
+    n, gbs = samples_per_step(cfg), cfg.training.global_batch_size
+    if n % gbs:
+        yield _err("batch.divides-step", "training.global_batch_size",
+                   f"training.global_batch_size {gbs} does not divide the {n} samples of one step",
+                   "use a divisor of the samples per step (prompts_per_step x generations_per_prompt, or sft.batch_size)")
+
+
+@rule("batch.data-parallel", "the global batch must split evenly across data-parallel ranks")
+def _batch_dp(cfg: RecipeBase) -> Iterator[Finding]:
+    dp, gbs = data_parallel_size(cfg), cfg.training.global_batch_size
+    if gbs % dp:
+        yield _err("batch.data-parallel", "training.global_batch_size",
+                   f"training.global_batch_size {gbs} does not split across {dp} data-parallel ranks",
+                   f"use a multiple of {dp}")
+
+
+@rule("rollout.fits-context", "a rollout must fit the model's context")
+def _fits(cfg: RecipeBase) -> Iterator[Finding]:
+    if cfg.env.max_rollout_tokens > cfg.model.max_seq_len:
+        yield _err("rollout.fits-context", "env.max_rollout_tokens",
+                   f"env.max_rollout_tokens {cfg.env.max_rollout_tokens} exceeds model.max_seq_len {cfg.model.max_seq_len}",
+                   "lower env.max_rollout_tokens or raise model.max_seq_len")
+
+
+@rule("data.source", "training data comes from data.train or data.prepare")
+def _data_source(cfg: RecipeBase) -> Iterator[Finding]:
+    if cfg.data.train is None and cfg.data.prepare is None:
+        yield _err("data.source", "data.train", "no training data: data.train and data.prepare are both null",
+                   "set data.train to a JSONL file, or data.prepare to generate one")
+
+
+# ---- GRPO ------------------------------------------------------------------------------------------------
+
+@rule("grpo.leave-one-out", "a leave-one-out baseline needs at least two generations per prompt")
+def _loo(cfg: RecipeBase) -> Iterator[Finding]:
+    g = _grpo(cfg)
+    if g and g.advantage.baseline == "leave_one_out" and g.generations_per_prompt < 2:
+        yield _err("grpo.leave-one-out", "grpo.generations_per_prompt",
+                   "grpo.advantage.baseline leave_one_out needs grpo.generations_per_prompt >= 2",
+                   "raise generations_per_prompt, or use baseline: mean")
+
+
+@rule("grpo.greedy", "greedy sampling makes every generation of a prompt the same, so advantages vanish")
+def _greedy(cfg: RecipeBase) -> Iterator[Finding]:
+    g = _grpo(cfg)
+    if g and cfg.generation.temperature == 0 and g.generations_per_prompt > 1:
+        yield _err("grpo.greedy", "generation.temperature",
+                   "generation.temperature 0 gives identical generations per prompt: every advantage is 0",
+                   "sample with temperature > 0", "warning")
+
+
+# ---- MOPD ------------------------------------------------------------------------------------------------
+
+@rule("mopd.routing", "every agent routes to a defined teacher")
+def _routing(cfg: RecipeBase) -> Iterator[Finding]:
+    m = _mopd(cfg)
+    if not m:
+        return
+    for agent, alias in m.agent_to_teacher.items():
+        if alias not in m.teachers:
+            yield _err("mopd.routing", f"mopd.agent_to_teacher.{agent}",
+                       f"agent {agent!r} routes to teacher {alias!r}, which is not in mopd.teachers",
+                       f"use one of: {', '.join(m.teachers)}")
+    if m.default_teacher_alias is not None and m.default_teacher_alias not in m.teachers:
+        yield _err("mopd.routing", "mopd.default_teacher_alias",
+                   f"mopd.default_teacher_alias {m.default_teacher_alias!r} is not in mopd.teachers",
+                   f"use one of: {', '.join(m.teachers)}")
+    if not m.strict_agent_name_match and m.default_teacher_alias is None:
+        yield _err("mopd.routing", "mopd.strict_agent_name_match",
+                   "mopd.strict_agent_name_match is false but no default_teacher_alias catches unmatched agents",
+                   "set mopd.default_teacher_alias, or strict_agent_name_match: true")
+
+
+@rule("mopd.teacher-gpus", "a separately placed teacher on GPUs says how many GPUs it gets")
+def _teacher_gpus(cfg: RecipeBase) -> Iterator[Finding]:
+    m = _mopd(cfg)
+    for alias, t in (m.teachers.items() if m else ()):
+        key = f"mopd.teachers.{alias}.gpus"
+        if t.placement == "colocated" and t.gpus is not None:
+            yield _err("mopd.teacher-gpus", key, f"teacher {alias!r} is colocated, so `gpus` has no effect",
+                       "remove gpus, or set placement: separate")
+        elif t.placement == "separate" and total_gpus(cfg) > 0:
+            if not t.gpus:
+                yield _err("mopd.teacher-gpus", key, f"teacher {alias!r} is placed separately but has no gpus",
+                           f"set {key}")
+            elif t.gpus % t.data_parallel_size:
+                yield _err("mopd.teacher-gpus", key,
+                           f"teacher {alias!r}: data_parallel_size {t.data_parallel_size} does not divide its {t.gpus} GPUs",
+                           "use a data_parallel_size that divides gpus")
+
+
+# ---- entry point -----------------------------------------------------------------------------------------
+
+def check_compatibility(cfg: RecipeBase, locate: Callable[[KeyPath], Origin | str | None] | None = None) -> list[Finding]:
+    """Every cross-field finding for a validated recipe; `locate(path)` adds file:line to each."""
+    out = []
+    data = cfg.to_dict()
+    for r in RULES:
+        for f in r.check(cfg):
+            if locate is not None and f.key:
+                path = split_key(data, f.key) or tuple(f.key.split("."))
+                where = locate(path)
+                f = f.located(str(where) if where else None)
+            out.append(f)
+    return out

@@ -1,0 +1,130 @@
+"""`defaults:` inheritance: parents first (depth-first, in list order), later wins, mappings deep-merge.
+
+Lists and scalars replace what they inherit; a mapping marked `_override_: true` replaces the inherited
+section instead of merging into it. Every key keeps the Origin of the file that last wrote it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gymv.config.tree import OVERRIDE_MARKER, ConfigTree, dotted, strip_markers
+from gymv.config.yamlfile import KeyPath, Origin, display_path, read_yaml_mapping
+from gymv.errors import GymvError
+
+DEFAULTS_KEY = "defaults"
+
+
+@dataclass
+class Composed:
+    """One file with its ancestry merged in.
+
+    `tree` is the merged result, `parents` what the `defaults:` alone produce (the recipe without its own
+    keys), `own` the file's own keys, `chain` every file in the order it was applied (parents first).
+    """
+
+    path: Path
+    tree: ConfigTree
+    parents: ConfigTree
+    own: ConfigTree
+    chain: list[Path] = field(default_factory=list)
+    parent_paths: list[Path] = field(default_factory=list)
+
+
+def _own_tree(path: Path, data: dict, lines: dict) -> ConfigTree:
+    where = display_path(path)
+    origins = {p: Origin(where, line) for p, line in lines.items() if p and p[0] != DEFAULTS_KEY}
+    own = {k: v for k, v in data.items() if k != DEFAULTS_KEY}
+    _check_markers(own, (), origins, where)
+    if OVERRIDE_MARKER in own:
+        raise GymvError(f"`{OVERRIDE_MARKER}` at the top level would discard every parent",
+                        where=str(origins.get((OVERRIDE_MARKER,), where)),
+                        fix=f"put `{OVERRIDE_MARKER}: true` inside the section to replace, or drop `defaults:`")
+    return ConfigTree(own, origins)
+
+
+def _check_markers(data: Any, prefix: KeyPath, origins: dict, where: str) -> None:
+    if isinstance(data, dict):
+        for k, v in data.items():
+            if k == OVERRIDE_MARKER and not isinstance(v, bool):
+                raise GymvError(f"`{dotted(prefix + (k,))}` must be true or false, got {v!r}",
+                                where=str(origins.get(prefix + (k,), where)), fix=f"write `{OVERRIDE_MARKER}: true`")
+            _check_markers(v, prefix + (k,), origins, where)
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            _check_markers(v, prefix + (i,), origins, where)
+
+
+def _defaults_entries(path: Path, data: dict, lines: dict) -> list[tuple[Path, str, int]]:
+    """The parent files a file declares: (resolved path, text as written, line)."""
+    if DEFAULTS_KEY not in data:
+        return []
+    where = display_path(path)
+    value = data[DEFAULTS_KEY]
+    key_line = lines.get((DEFAULTS_KEY,), 1)
+    fix = "write `defaults: ../grpo.yaml` or a list of such paths (relative to this file)"
+    if value is None:
+        return []
+    if isinstance(value, str):
+        items = [(value, key_line)]
+    elif isinstance(value, list):
+        items = [(v, lines.get((DEFAULTS_KEY, i), key_line)) for i, v in enumerate(value)]
+    else:
+        raise GymvError(f"`defaults` must be a path or a list of paths, got a {type(value).__name__}",
+                        where=f"{where}:{key_line}", fix=fix)
+    out = []
+    for text, line in items:
+        if not isinstance(text, str) or not text.strip():
+            raise GymvError(f"`defaults` entry {text!r} is not a path", where=f"{where}:{line}", fix=fix)
+        out.append(((path.parent / text).resolve(), text, line))
+    return out
+
+
+def merge(base: ConfigTree, over: ConfigTree) -> ConfigTree:
+    """Apply `over` on top of `base` (both unchanged); returns the merged tree."""
+    out = base.copy()
+    _merge_into(out, out.data, over, over.data, ())
+    return out
+
+
+def _merge_into(out: ConfigTree, dst: dict, over: ConfigTree, src: dict, prefix: KeyPath) -> None:
+    for k, v in src.items():
+        if k == OVERRIDE_MARKER:
+            continue
+        path = prefix + (k,)
+        if isinstance(v, dict) and v.get(OVERRIDE_MARKER) is not True and isinstance(dst.get(k), dict):
+            if path in over.origins:
+                out.origins[path] = over.origins[path]
+            _merge_into(out, dst[k], over, v, path)
+        else:
+            out.drop_origins_under(path)
+            dst[k] = strip_markers(v)
+            out.origins.update(over.origins_under(path))
+
+
+def compose(path: str | Path, _stack: tuple[Path, ...] = ()) -> Composed:
+    """Load `path` and everything its `defaults:` name, merged; raises GymvError on any bad input."""
+    path = Path(path).resolve()
+    doc = read_yaml_mapping(path)
+    parents = ConfigTree()
+    chain: list[Path] = []
+    parent_paths: list[Path] = []
+    stack = _stack + (path,)
+    for parent, text, line in _defaults_entries(path, doc.data, doc.lines):
+        where = f"{display_path(path)}:{line}"
+        if parent in stack:
+            cycle = " -> ".join(display_path(p) for p in stack[stack.index(parent):] + (parent,))
+            raise GymvError(f"`defaults` cycle: {cycle}", where=where,
+                            fix="remove one of these `defaults` entries so the chain ends at an exemplar")
+        if not parent.is_file():
+            raise GymvError(f"parent recipe {text!r} not found (looked for {display_path(parent)})", where=where,
+                            fix="paths in `defaults` are relative to the file that declares them")
+        sub = compose(parent, stack)
+        parents = merge(parents, sub.tree)
+        chain.extend(sub.chain)
+        parent_paths.append(parent)
+    own = _own_tree(path, doc.data, doc.lines)
+    tree = merge(parents, own)
+    return Composed(path=path, tree=tree, parents=parents, own=own, chain=chain + [path], parent_paths=parent_paths)

@@ -1,0 +1,292 @@
+"""Pydantic schema of a recipe: one model per algorithm, every section closed (`extra="forbid"`).
+
+`algorithm:` selects the model. VLM variants (`vlm_*`) are their text counterparts plus a required
+`vision:` section. Cross-field rules (GPU counts, refit capabilities, MOPD routing) live in compat.py.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from gymv.config.transports import REFIT_TRANSPORTS
+
+PosInt = Annotated[int, Field(ge=1)]
+NonNegInt = Annotated[int, Field(ge=0)]
+PosFloat = Annotated[float, Field(gt=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+Fraction = Annotated[float, Field(gt=0, le=1)]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ModelSection(Section):
+    path: str = "embedded:tiny-llava"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_seq_len: PosInt = 2048
+    trust_remote_code: bool = False
+
+
+class VisionSection(Section):
+    max_image_pixels: PosInt = 1024 * 1024
+    max_images_per_sample: PosInt = 8
+    dedup_payloads: bool = True
+
+
+class PrepareSection(Section):
+    n_train: PosInt = 256
+    n_eval: NonNegInt = 64
+    preset: str | None = None
+    knobs: dict[str, Any] = {}
+    seed: int = 0
+
+
+class DataSection(Section):
+    train: str | list[str] | None = None
+    eval: str | list[str] | None = None
+    prepare: PrepareSection | None = PrepareSection()
+    shuffle: bool = True
+
+
+class EnvSection(Section):
+    name: str = "circle-count"
+    preset: str | None = None
+    url: str | None = None
+    max_turns: PosInt = 1
+    max_rollout_tokens: PosInt = 2048
+    timeout_s: PosFloat = 30.0
+    retries: NonNegInt = 2
+    kwargs: dict[str, Any] = {}
+
+
+class VllmSection(Section):
+    gpu_memory_utilization: Fraction = 0.6
+    tensor_parallel_size: PosInt = 1
+    enforce_eager: bool = False
+
+
+class GenerationSection(Section):
+    backend: Literal["hf", "vllm"] = "hf"
+    temperature: NonNegFloat = 1.0
+    top_p: Fraction = 1.0
+    max_new_tokens: PosInt = 64
+    stop_strings: list[str] = []
+    reset_encoder_cache_after_weight_update: bool = False
+    vllm: VllmSection = VllmSection()
+
+
+class ParallelSection(Section):
+    tensor: PosInt = 1
+    pipeline: PosInt = 1
+    context: PosInt = 1
+    expert: PosInt = 1
+
+
+class TrainingSection(Section):
+    backend: Literal["torch", "megatron"] = "torch"
+    lr: PosFloat = 1e-6
+    warmup_steps: NonNegInt = 0
+    weight_decay: NonNegFloat = 0.0
+    betas: Annotated[list[float], Field(min_length=2, max_length=2)] = [0.9, 0.999]
+    eps: PosFloat = 1e-8
+    max_grad_norm: PosFloat | None = 1.0
+    global_batch_size: PosInt = 32
+    micro_batch_tokens: PosInt = 4096
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    gradient_checkpointing: bool = False
+    parallel: ParallelSection = ParallelSection()
+
+
+class RefitSection(Section):
+    transport: str = "object_store"
+
+    @field_validator("transport")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in REFIT_TRANSPORTS:
+            raise ValueError(f"unknown refit transport {v!r}; registered: {', '.join(sorted(REFIT_TRANSPORTS))}")
+        return v
+
+
+class ClusterSection(Section):
+    num_nodes: PosInt = 1
+    gpus_per_node: NonNegInt = 0
+    colocated: bool = True
+    generation_gpus: NonNegInt | None = None
+    training_gpus: NonNegInt | None = None
+    ray_address: str | None = None
+
+
+class CheckpointSection(Section):
+    dir: str = "runs"
+    period: PosInt = 10
+    keep: PosInt = 2
+    resume: bool = True
+    steps_per_run: PosInt | None = None
+
+
+class LoggerSection(Section):
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str | None = None
+    log_rollouts: bool = True
+
+
+class ImportanceSampling(Section):
+    kind: Literal["none", "truncated", "icepop"] = "none"
+    truncate_max: Annotated[float, Field(ge=1)] = 2.0
+    gate_low: Annotated[float, Field(gt=0, lt=1)] = 0.2
+    gate_high: Annotated[float, Field(gt=1)] = 5.0
+
+
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+
+
+class GrpoLoss(Section):
+    clip_low: NonNegFloat = 0.2
+    clip_high: NonNegFloat = 0.2
+    kl_coef: NonNegFloat = 0.01
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    aggregation: Aggregation = "token_mean"
+
+
+class Advantage(Section):
+    baseline: Literal["leave_one_out", "mean"] = "leave_one_out"
+    normalize_std: bool = True
+    eps: PosFloat = 1e-6
+
+
+class AsyncSection(Section):
+    enabled: bool = False
+    max_trajectory_age_steps: PosInt = 1
+    in_flight_weight_updates: bool = False
+
+
+class GrpoSection(Section):
+    prompts_per_step: PosInt = 8
+    generations_per_prompt: PosInt = 4
+    max_steps: PosInt = 100
+    val_period: NonNegInt = 10
+    val_at_start: bool = False
+    val_prompts: NonNegInt = 32
+    loss: GrpoLoss = GrpoLoss()
+    advantage: Advantage = Advantage()
+    async_: AsyncSection = Field(AsyncSection(), alias="async")
+    importance_sampling: ImportanceSampling = ImportanceSampling()
+
+
+class SftSection(Section):
+    max_steps: PosInt = 100
+    batch_size: PosInt = 8
+    val_period: NonNegInt = 10
+    val_at_start: bool = False
+    val_prompts: NonNegInt = 32
+    aggregation: Aggregation = "token_mean"
+
+
+class TeacherSection(Section):
+    path: str
+    backend: Literal["torch", "megatron", "vllm"] = "torch"
+    data_parallel_size: PosInt = 1
+    placement: Literal["colocated", "separate"] = "colocated"
+    gpus: NonNegInt | None = None
+
+
+class MopdSection(Section):
+    prompts_per_step: PosInt = 8
+    generations_per_prompt: PosInt = 1
+    max_steps: PosInt = 100
+    val_period: NonNegInt = 10
+    val_at_start: bool = False
+    val_prompts: NonNegInt = 32
+    teachers: Annotated[dict[str, TeacherSection], Field(min_length=1)]
+    agent_to_teacher: dict[str, str] = {}
+    strict_agent_name_match: bool = True
+    default_teacher_alias: str | None = None
+    env_reward_coef: NonNegFloat = 0.0
+    importance_sampling: ImportanceSampling = ImportanceSampling()
+
+
+class RecipeBase(Section):
+    algorithm: str
+    name: str | None = None
+    seed: int = 42
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    env: EnvSection = EnvSection()
+    generation: GenerationSection = GenerationSection()
+    training: TrainingSection = TrainingSection()
+    refit: RefitSection = RefitSection()
+    cluster: ClusterSection = ClusterSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    logger: LoggerSection = LoggerSection()
+    checks: list[str] = []
+    smoke: dict[str, Any] = {}
+
+    @property
+    def base_algorithm(self) -> str:
+        return base_algorithm(self.algorithm)
+
+    @property
+    def is_vlm(self) -> bool:
+        return is_vlm(self.algorithm)
+
+    @property
+    def algo_section(self) -> BaseModel:
+        return getattr(self, self.base_algorithm)
+
+    def to_dict(self) -> dict:
+        """Plain data with the keys as written in recipes (`async`, not `async_`)."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+class SftRecipe(RecipeBase):
+    algorithm: Literal["sft"]
+    sft: SftSection = SftSection()
+
+
+class GrpoRecipe(RecipeBase):
+    algorithm: Literal["grpo"]
+    grpo: GrpoSection = GrpoSection()
+
+
+class MopdRecipe(RecipeBase):
+    algorithm: Literal["mopd"]
+    mopd: MopdSection
+
+
+class VlmSftRecipe(SftRecipe):
+    algorithm: Literal["vlm_sft"]
+    vision: VisionSection
+
+
+class VlmGrpoRecipe(GrpoRecipe):
+    algorithm: Literal["vlm_grpo"]
+    vision: VisionSection
+
+
+class VlmMopdRecipe(MopdRecipe):
+    algorithm: Literal["vlm_mopd"]
+    vision: VisionSection
+
+
+RecipeConfig = SftRecipe | GrpoRecipe | MopdRecipe | VlmSftRecipe | VlmGrpoRecipe | VlmMopdRecipe
+
+MODELS: dict[str, type[RecipeBase]] = {
+    "sft": SftRecipe, "grpo": GrpoRecipe, "mopd": MopdRecipe,
+    "vlm_sft": VlmSftRecipe, "vlm_grpo": VlmGrpoRecipe, "vlm_mopd": VlmMopdRecipe,
+}
+ALGORITHMS: tuple[str, ...] = tuple(MODELS)
+ALGORITHM_SECTIONS: tuple[str, ...] = ("sft", "grpo", "mopd")
+
+
+def is_vlm(algorithm: str) -> bool:
+    return algorithm.startswith("vlm_")
+
+
+def base_algorithm(algorithm: str) -> str:
+    """`vlm_grpo` -> `grpo`: the section name and the algorithm family."""
+    return algorithm[4:] if is_vlm(algorithm) else algorithm

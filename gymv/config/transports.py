@@ -1,0 +1,43 @@
+"""Refit transports (how new weights reach the generation backend) and what each can do.
+
+Compatibility rules read this registry instead of hard-coding names, so a transport added by a backend or a
+plugin is checked the same way: e.g. `reset_encoder_cache_after_weight_update` needs `resets_encoder_cache`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RefitTransport:
+    name: str
+    resets_encoder_cache: bool  # clears the vision encoder's feature cache after a successful refit
+    needs_gpu: bool = False
+    colocated_only: bool = False  # both sides must share the GPUs (e.g. CUDA IPC handles)
+    single_node_only: bool = False  # both sides must share a host (e.g. shared memory)
+    description: str = ""
+
+
+REFIT_TRANSPORTS: dict[str, RefitTransport] = {}
+
+
+def register_refit_transport(transport: RefitTransport, *, replace: bool = False) -> RefitTransport:
+    if transport.name in REFIT_TRANSPORTS and not replace:
+        raise ValueError(f"refit transport {transport.name!r} is already registered")
+    REFIT_TRANSPORTS[transport.name] = transport
+    return transport
+
+
+def unregister_refit_transport(name: str) -> None:
+    REFIT_TRANSPORTS.pop(name, None)
+
+
+for _t in (
+    RefitTransport("object_store", True, description="weights go through the Ray object store; works anywhere, CPU included"),
+    RefitTransport("shm", True, single_node_only=True, description="POSIX shared memory between processes of one host"),
+    RefitTransport("cuda_ipc", True, needs_gpu=True, colocated_only=True,
+                   description="CUDA IPC handles: zero-copy when training and generation share the GPUs"),
+    RefitTransport("nccl", True, needs_gpu=True, description="NCCL broadcast from trainer ranks to generation workers"),
+):
+    register_refit_transport(_t)

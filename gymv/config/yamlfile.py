@@ -1,0 +1,135 @@
+"""Read YAML recipe files keeping the line of every key, so errors and lint can point at `file:line`."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import yaml
+
+from gymv.errors import GymvError
+
+KeyPath = tuple  # tuple[str | int, ...]
+
+
+class Origin(NamedTuple):
+    """Where a config value was written: a file (or "<command line>") and a 1-based line (None if unknown)."""
+
+    file: str
+    line: int | None
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}" if self.line else self.file
+
+
+def display_path(path: str | os.PathLike) -> str:
+    """A path relative to the working directory when it lies below it, else absolute."""
+    p = Path(path)
+    try:
+        return str(p.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(p.resolve())
+
+
+class _SafeLoader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-6` as a float (YAML 1.1 requires a dot; recipes are full of such numbers)."""
+
+
+_SafeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class YamlDoc(NamedTuple):
+    data: Any
+    lines: dict  # KeyPath -> 1-based line of the key (or list item)
+
+
+def _build(node: yaml.Node, loader: _SafeLoader, prefix: KeyPath, lines: dict, where: str) -> Any:
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for k_node, _ in node.value:
+            if k_node.tag == _MERGE_TAG:
+                continue
+            key = loader.construct_object(k_node, deep=True)
+            line = k_node.start_mark.line + 1
+            if isinstance(key, str) and key in seen:
+                dotted = ".".join(map(str, prefix + (key,)))
+                raise GymvError(f"duplicate key {dotted!r} (first written on line {seen[key]})",
+                                where=f"{where}:{line}", fix="keep one of the two")
+            seen[key] = line
+        loader.flatten_mapping(node)
+        out: dict[str, Any] = {}
+        for k_node, v_node in node.value:
+            key = loader.construct_object(k_node, deep=True)
+            line = k_node.start_mark.line + 1
+            if not isinstance(key, str):
+                raise GymvError(f"key {key!r} is a {type(key).__name__}, keys must be strings",
+                                where=f"{where}:{line}", fix=f"quote it: '{key}'")
+            path = prefix + (key,)
+            lines[path] = line
+            out[key] = _build(v_node, loader, path, lines, where)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        items = []
+        for i, item in enumerate(node.value):
+            lines[prefix + (i,)] = item.start_mark.line + 1
+            items.append(_build(item, loader, prefix + (i,), lines, where))
+        return items
+    return loader.construct_object(node, deep=True)
+
+
+def parse_yaml(text: str, where: str) -> YamlDoc:
+    """Parse one YAML document; syntax errors become a GymvError at `where:line:col`."""
+    loader = _SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        lines: dict = {}
+        data = None if node is None else _build(node, loader, (), lines, where)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        loc = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark else where
+        problem = e.problem or e.context or "invalid YAML"
+        raise GymvError(f"YAML syntax error: {problem}", where=loc,
+                        fix="check indentation, quoting and ':' at that spot") from None
+    except yaml.YAMLError as e:
+        raise GymvError(f"YAML error: {e}", where=where, fix="fix the YAML") from None
+    finally:
+        loader.dispose()
+    return YamlDoc(data, lines)
+
+
+def read_yaml_mapping(path: str | os.PathLike) -> YamlDoc:
+    """Read a file whose root must be a mapping (every recipe is)."""
+    path = Path(path)
+    where = display_path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise GymvError("file not found", where=where, fix="check the path") from None
+    except IsADirectoryError:
+        raise GymvError("is a directory, expected a YAML file", where=where) from None
+    except OSError as e:
+        raise GymvError(f"cannot read: {e.strerror}", where=where) from None
+    except UnicodeDecodeError:
+        raise GymvError("not UTF-8 text", where=where, fix="save the file as UTF-8") from None
+    doc = parse_yaml(text, where)
+    if not isinstance(doc.data, dict):
+        kind = "empty" if doc.data is None else f"a {type(doc.data).__name__}"
+        raise GymvError(f"the top level is {kind}, a recipe must be a mapping of keys", where=f"{where}:1",
+                        fix="write `key: value` lines at the top level (e.g. `algorithm: grpo`)")
+    return doc
+
+
+def parse_scalar(text: str) -> Any:
+    """Parse one command-line value the way YAML reads a flow value: `8`, `1e-5`, `null`, `[1,2]`, `{a: 1}`."""
+    if text == "":
+        return ""
+    doc = parse_yaml(text, f"value {text!r}")
+    return doc.data

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# MOPD of Qwen3-8B into Qwen3-1.7B, one node of 8 GPUs.
+# Each launch runs at most STEPS_PER_RUN steps (checkpointing at the end) and resumes from the newest
+# checkpoint; NUM_RUNS launches of NUM_MINUTES each reach MAX_STEPS. Extra arguments are recipe overrides.
+set -euo pipefail
+
+# ===== BEGIN CONFIG =====
+NUM_NODES=1
+GPUS_PER_NODE=8
+STEPS_PER_RUN=100
+MAX_STEPS=100
+NUM_RUNS=$(( (MAX_STEPS + STEPS_PER_RUN - 1) / STEPS_PER_RUN ))
+NUM_MINUTES=120
+# ===== END CONFIG =====
+
+cd "$(dirname "$0")/../../.."
+exec gymv train recipes/llm/mopd-qwen3-1.7b-1n8g-megatron.yaml \
+  mopd.max_steps="$MAX_STEPS" \
+  checkpoint.steps_per_run="$STEPS_PER_RUN" \
+  checkpoint.dir="${CHECKPOINT_DIR:-runs}" \
+  "$@"
