@@ -1,0 +1,1 @@
+"""Run directories: resolved config, metrics.jsonl, NeMo-Gym-format rollout logs, atomic checkpoints."""

@@ -1,0 +1,207 @@
+"""Atomic, resumable checkpoints: checkpoints/step_<N>/ plus a `latest` pointer.
+
+A checkpoint is written into a hidden temporary directory, every file fsynced, then renamed to step_<N>
+(the rename is the commit) and the directory fsynced; `latest` is replaced atomically last. A crash at
+any moment leaves either the old set of checkpoints or the new one, never a half-written step_<N>.
+One writer per run directory (rank 0 under data parallelism).
+
+Layout of step_<N>/: the trainer's files (model.safetensors, optimizer.pt, trainer.json), rng.pt
+(python, numpy, torch and CUDA generator states) and state.json (step, data position, extras).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from gymv.errors import GymvError
+from gymv.io import atomic_write_text
+
+STATE_FILE = "state.json"
+RNG_FILE = "rng.pt"
+LATEST = "latest"
+TMP_PREFIX = ".tmp-"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class Checkpointable(Protocol):
+    def save(self, path: str | os.PathLike) -> None: ...
+    def load(self, path: str | os.PathLike) -> None: ...
+
+
+@dataclass
+class DataPosition:
+    """Where the data stream stands: the order of epoch e is a pure function of (shuffle_seed, e)."""
+
+    epoch: int = 0
+    index: int = 0
+    shuffle_seed: int = 0
+
+
+@dataclass
+class CheckpointState:
+    step: int
+    path: Path
+    data_position: DataPosition
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def capture_rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": {"version": version, "internal": list(internal), "gauss": gauss},
+        "numpy": {"name": name, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["internal"]), py["gauss"]))
+    npst = state["numpy"]
+    np.random.set_state((npst["name"], npst["keys"].numpy().astype(np.uint32), npst["pos"], npst["has_gauss"], npst["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = state["cuda"]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _checkpoints_dir(path: str | os.PathLike) -> Path:
+    """Accept a run directory or its checkpoints/ directory."""
+    path = Path(path)
+    return path / "checkpoints" if (path / "checkpoints").is_dir() else path
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints (step_<N> with a readable state.json), oldest first; temp dirs are ignored."""
+    d = _checkpoints_dir(directory)
+    if not d.is_dir():
+        return []
+    found = []
+    for child in d.iterdir():
+        m = _STEP_DIR.match(child.name)
+        if not (m and child.is_dir()):
+            continue
+        try:
+            json.loads((child / STATE_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def find_latest(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint of a run (or checkpoints/ directory), or None."""
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def read_state(path: str | os.PathLike) -> CheckpointState:
+    path = Path(path)
+    try:
+        raw = json.loads((path / STATE_FILE).read_text())
+    except FileNotFoundError:
+        raise GymvError("not a complete checkpoint (no state.json)", where=str(path), fix="use find_latest() or pass a step_<N> directory") from None
+    except ValueError as e:
+        raise GymvError(f"unreadable state.json: {e}", where=str(path)) from None
+    return CheckpointState(step=int(raw["step"]), path=path, data_position=DataPosition(**raw["data_position"]), extra=raw.get("extra", {}))
+
+
+class CheckpointManager:
+    """Saves and restores full training state under one checkpoints/ directory, keeping the last `keep`."""
+
+    def __init__(self, directory: str | os.PathLike, keep: int | None = None):
+        if keep is not None and keep < 1:
+            raise GymvError(f"checkpoint keep must be >= 1, got {keep}", where="checkpointing.keep", fix="set keep to 1 or more, or leave it unset to keep all")
+        self.directory = Path(directory)
+        self.keep = keep
+
+    def latest(self) -> Path | None:
+        return find_latest(self.directory)
+
+    def save(self, step: int, trainer: Checkpointable, data_position: DataPosition, extra: dict[str, Any] | None = None) -> Path:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_temps()
+        final = self.directory / f"step_{int(step)}"
+        tmp = self.directory / f"{TMP_PREFIX}step_{int(step)}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            trainer.save(tmp)
+            torch.save(capture_rng_state(), tmp / RNG_FILE)
+            state = {"format_version": FORMAT_VERSION, "step": int(step), "data_position": asdict(data_position), "extra": extra or {}}
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
+            for f in tmp.iterdir():
+                if f.is_file():
+                    _fsync_file(f)
+            _fsync_dir(tmp)
+            if final.exists():
+                trash = self.directory / f"{TMP_PREFIX}replaced-{final.name}-{uuid.uuid4().hex[:8]}"
+                os.rename(final, trash)
+                os.rename(tmp, final)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.rename(tmp, final)
+            _fsync_dir(self.directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        atomic_write_text(self.directory / LATEST, final.name + "\n")
+        _fsync_dir(self.directory)
+        self._prune(keep_also=final)
+        return final
+
+    def restore(self, trainer: Checkpointable, path: str | os.PathLike | None = None) -> CheckpointState | None:
+        """Load weights, optimizer and RNG states from `path` (default: the latest); None if there is none."""
+        path = Path(path) if path is not None else self.latest()
+        if path is None:
+            return None
+        state = read_state(path)
+        trainer.load(path)
+        rng_file = path / RNG_FILE
+        if not rng_file.exists():
+            raise GymvError("checkpoint has no RNG state", where=str(path), fix="resume from a checkpoint written by gymv")
+        restore_rng_state(torch.load(rng_file, weights_only=True))
+        return state
+
+    def _remove_stale_temps(self) -> None:
+        for child in self.directory.iterdir():
+            if child.name.startswith(TMP_PREFIX) and child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+
+    def _prune(self, keep_also: Path) -> None:
+        if self.keep is None:
+            return
+        found = list_checkpoints(self.directory)
+        for _, path in found[: max(0, len(found) - self.keep)]:
+            if path != keep_also:
+                shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,122 @@
+"""metrics.jsonl: one JSON object per step, appended and fsynced, readable while the run writes it.
+
+A run killed mid-write leaves at most a truncated last line; readers skip it and the next writer cuts it
+off before appending, so the file never holds a broken line in the middle.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from gymv.errors import GymvError
+from gymv.io import atomic_open
+
+RESERVED = ("step", "wall_time")
+
+
+def _plain(value: Any) -> Any:
+    """Tensors and numpy scalars to Python numbers; NaN/inf to None (strict JSON has no NaN)."""
+    if hasattr(value, "item") and callable(value.item):
+        try:
+            value = value.item()
+        except (ValueError, RuntimeError):
+            raise GymvError("metric value has more than one element", fix="log a scalar") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _repair_tail(path: Path) -> None:
+    """Cut a partial last line (no trailing newline) left by a crash."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return
+        f.seek(0)
+        cut = f.read().rfind(b"\n") + 1
+        f.truncate(cut)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class MetricsLog:
+    """Appends `{"step", "wall_time", **metrics}` per call; every line is flushed and fsynced."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _repair_tail(self.path)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def log(self, step: int, metrics: Mapping[str, Any], *, wall_time: float | None = None) -> dict:
+        clash = [k for k in metrics if k in RESERVED]
+        if clash:
+            raise GymvError(f"metric names {clash} are reserved", where=str(self.path), fix="rename the metric")
+        row = {"step": int(step), "wall_time": time.time() if wall_time is None else float(wall_time)}
+        row.update({str(k): _plain(v) for k, v in metrics.items()})
+        try:
+            line = json.dumps(row, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        except (TypeError, ValueError) as e:
+            raise GymvError(f"metrics of step {step} are not JSON-serialisable: {e}", where=str(self.path), fix="log numbers, strings or lists") from None
+        self._f.write(line + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        return row
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """All step rows in file order. A truncated last line is skipped; a broken line elsewhere is an error."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise GymvError("metrics file not found", where=str(path), fix="check the run directory") from None
+    lines = text.split("\n")
+    complete = text.endswith("\n")
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            if n == len(lines) and not complete:
+                break
+            raise GymvError(f"malformed metrics line: {e}", where=f"{path}:{n}", fix="delete or repair that line") from None
+        rows.append(row)
+    return rows
+
+
+def truncate_metrics_after(path: str | os.PathLike, step: int) -> int:
+    """Keep only rows with step <= `step` (atomically); returns how many rows were kept.
+
+    Used on resume: steps after the restored checkpoint will be run and logged again.
+    """
+    path = Path(path)
+    if not path.exists():
+        return 0
+    kept = [r for r in read_metrics(path) if int(r.get("step", -1)) <= step]
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        for r in kept:
+            f.write(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n")
+    return len(kept)

@@ -1,0 +1,181 @@
+"""Atomic checkpoints: layout, latest pointer, pruning, exact resume, and crashes in the middle of a save."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gymv.algorithms.loss_fns import PolicyLoss
+from gymv.backends.training.torch_trainer import TorchTrainer, TrainerConfig
+from gymv.errors import GymvError
+from gymv.runs.checkpoint import CheckpointManager, DataPosition, find_latest, list_checkpoints, read_state
+from tiny_lm import logprob_fn, make_samples, tiny_lm
+
+TESTS = Path(__file__).resolve().parent
+CONFIG = TrainerConfig(lr=1e-2, micro_batch_tokens=24)
+
+
+def seed_all(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def new_trainer(seed=0):
+    return TorchTrainer(tiny_lm(seed), logprob_fn, CONFIG)
+
+
+def train(trainer, steps):
+    """Each step draws its data from all three global RNGs, so a resume must restore every one of them."""
+    for _ in range(steps):
+        samples = make_samples(4, seed=int(torch.randint(0, 10**6, (1,))))
+        samples[0]["advantages"] = torch.tensor(random.random() + float(np.random.rand()))
+        trainer.train_step(samples, PolicyLoss())
+
+
+def draws():
+    return (random.random(), float(np.random.rand()), float(torch.rand(())))
+
+
+def test_a_checkpoint_holds_weights_optimizer_rng_and_state(tmp_path):
+    t = new_trainer()
+    path = CheckpointManager(tmp_path / "checkpoints").save(3, t, DataPosition(epoch=1, index=40, shuffle_seed=7), {"best": 0.5})
+    assert path.name == "step_3"
+    assert {"model.safetensors", "optimizer.pt", "rng.pt", "state.json"} <= {p.name for p in path.iterdir()}
+    state = read_state(path)
+    assert (state.step, state.data_position, state.extra) == (3, DataPosition(1, 40, 7), {"best": 0.5})
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_3"
+
+
+def test_resumed_training_is_identical_to_uninterrupted_training(tmp_path):
+    seed_all(0)
+    straight = new_trainer()
+    train(straight, 4)
+    expected_draws = draws()
+
+    seed_all(0)
+    first = new_trainer()
+    train(first, 2)
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    manager.save(2, first, DataPosition(index=8))
+    seed_all(12345)  # a new process would start from unrelated RNG states and weights
+    resumed = new_trainer(seed=99)
+    state = manager.restore(resumed)
+    train(resumed, 2)
+
+    assert state.step == 2 and state.data_position.index == 8
+    for k, v in straight.state_dict().items():
+        assert torch.equal(v, resumed.state_dict()[k]), k
+    assert draws() == expected_draws
+
+
+def test_keep_prunes_all_but_the_last_k(tmp_path):
+    manager = CheckpointManager(tmp_path / "checkpoints", keep=2)
+    t = new_trainer()
+    for step in (1, 2, 3, 4):
+        manager.save(step, t, DataPosition())
+    assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [3, 4]
+
+
+def test_find_latest_ignores_temp_dirs_and_accepts_the_run_dir(tmp_path):
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    manager.save(5, new_trainer(), DataPosition())
+    (tmp_path / "checkpoints" / ".tmp-step_9-deadbeef").mkdir()
+    (tmp_path / "checkpoints" / ".tmp-step_9-deadbeef" / "model.safetensors").write_bytes(b"partial")
+    assert find_latest(tmp_path) == tmp_path / "checkpoints" / "step_5"
+    assert find_latest(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step_5"
+
+
+def test_no_checkpoint_means_nothing_to_restore(tmp_path):
+    assert find_latest(tmp_path) is None
+    assert CheckpointManager(tmp_path / "checkpoints").restore(new_trainer()) is None
+
+
+def test_an_exception_during_save_leaves_the_previous_checkpoint_and_no_temp(tmp_path):
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    good = new_trainer()
+    manager.save(1, good, DataPosition())
+
+    class FailsAfterWritingWeights(TorchTrainer):
+        def save(self, path):
+            super().save(path)
+            raise OSError("disk full")
+
+    failing = FailsAfterWritingWeights(tiny_lm(3), logprob_fn, CONFIG)
+    with pytest.raises(OSError, match="disk full"):
+        manager.save(2, failing, DataPosition())
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()] == ["step_1"]
+    assert find_latest(tmp_path) == tmp_path / "checkpoints" / "step_1"
+
+
+CRASHING_CHILD = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    import torch
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.backends.training.torch_trainer import TorchTrainer, TrainerConfig
+    from gymv.runs.checkpoint import CheckpointManager, DataPosition
+    from tiny_lm import logprob_fn, make_samples, tiny_lm
+
+    class KilledMidSave(TorchTrainer):
+        kill = False
+        def save(self, path):
+            super().save(path)  # weights and optimizer are written; rng.pt and state.json are not
+            if self.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    t = KilledMidSave(tiny_lm(0), logprob_fn, TrainerConfig(lr=1e-2))
+    manager = CheckpointManager({ckpt!r})
+    t.train_step(make_samples(4, seed=1), PolicyLoss())
+    manager.save(1, t, DataPosition(index=4))
+    torch.save(t.state_dict(), {weights!r})
+    t.train_step(make_samples(4, seed=2), PolicyLoss())
+    t.kill = True
+    manager.save(2, t, DataPosition(index=8))
+""")
+
+
+def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    ckpt, weights = tmp_path / "run" / "checkpoints", tmp_path / "step1_weights.pt"
+    script = CRASHING_CHILD.format(tests=str(TESTS), ckpt=str(ckpt), weights=str(weights))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    assert any(p.name.startswith(".tmp-step_2") for p in ckpt.iterdir())  # the half-written save is there...
+    assert find_latest(tmp_path / "run") == ckpt / "step_1"  # ...and ignored
+    assert (ckpt / "latest").read_text().strip() == "step_1"
+    fresh = new_trainer(seed=7)
+    state = CheckpointManager(ckpt).restore(fresh)
+    assert (state.step, state.data_position.index, fresh.steps) == (1, 4, 1)
+    saved = torch.load(weights, weights_only=True)
+    assert all(torch.equal(saved[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_the_next_save_clears_a_crashed_saves_temp_dir(tmp_path):
+    stale = tmp_path / "checkpoints" / ".tmp-step_2-0badf00d"
+    stale.mkdir(parents=True)
+    CheckpointManager(tmp_path / "checkpoints").save(2, new_trainer(), DataPosition())
+    assert not stale.exists()
+
+
+def test_saving_a_step_again_replaces_it(tmp_path):
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    manager.save(2, new_trainer(), DataPosition(index=1))
+    manager.save(2, new_trainer(), DataPosition(index=2))
+    assert read_state(find_latest(tmp_path)).data_position.index == 2
+
+
+def test_keep_below_one_is_a_config_error(tmp_path):
+    with pytest.raises(GymvError, match="keep"):
+        CheckpointManager(tmp_path, keep=0)
+
+
+def test_read_state_of_an_incomplete_dir_is_an_error(tmp_path):
+    with pytest.raises(GymvError, match="not a complete checkpoint"):
+        read_state(tmp_path)

@@ -1,0 +1,68 @@
+"""runs/<name>/: config.yaml, refusing to clobber a run, and resume = restore + rewind of the logs."""
+
+import pytest
+import torch
+import yaml
+
+from gymv.algorithms.loss_fns import SFTLoss
+from gymv.backends.training.torch_trainer import TorchTrainer, TrainerConfig
+from gymv.errors import GymvError
+from gymv.runs.checkpoint import DataPosition
+from gymv.runs.rollout_log import make_rollout_record, rollout_files
+from gymv.runs.run_dir import RunDir, run_path
+from tiny_lm import logprob_fn, make_samples, tiny_lm
+
+CONFIG = {"algorithm": "grpo", "grpo": {"num_generations": 4}, "trainer": {"lr": 1e-2}}
+
+
+def record():
+    return make_rollout_record({"responses_create_params": {"input": []}}, [{"type": "message", "role": "assistant", "content": []}], 0.0)
+
+
+def test_create_writes_the_resolved_config_as_yaml(tmp_path):
+    run = RunDir.create(run_path(tmp_path / "runs", "demo"), CONFIG)
+    assert yaml.safe_load((tmp_path / "runs" / "demo" / "config.yaml").read_text()) == CONFIG
+    assert run.read_config() == CONFIG
+
+
+def test_an_existing_run_is_not_overwritten_without_resume(tmp_path):
+    RunDir.create(tmp_path / "demo", CONFIG)
+    with pytest.raises(GymvError, match="already exists"):
+        RunDir.create(tmp_path / "demo", CONFIG)
+    RunDir.create(tmp_path / "demo", {**CONFIG, "max_steps": 9}, resume=True)
+    assert RunDir(tmp_path / "demo").read_config()["max_steps"] == 9
+
+
+@pytest.mark.parametrize("name", ["", "../escape", "a/b", ".hidden"])
+def test_run_names_that_escape_or_hide_are_refused(tmp_path, name):
+    with pytest.raises(GymvError, match="invalid run name"):
+        run_path(tmp_path, name)
+
+
+def test_resume_restores_the_checkpoint_and_drops_later_logs(tmp_path):
+    run = RunDir.create(tmp_path / "demo", CONFIG)
+    t = TorchTrainer(tiny_lm(0), logprob_fn, TrainerConfig(lr=1e-2))
+    with run.metrics_log() as log:
+        for step in (1, 2, 3):
+            log.log(step, t.train_step(make_samples(2, seed=step), SFTLoss()))
+            run.write_rollouts(step, [record()])
+            if step == 2:
+                run.checkpoints().save(step, t, DataPosition(index=2 * step))
+    fresh = TorchTrainer(tiny_lm(1), logprob_fn, TrainerConfig(lr=1e-2))
+    state = RunDir.create(tmp_path / "demo", CONFIG, resume=True).resume(fresh)
+    assert state.step == 2 and fresh.steps == 2
+    assert [r["step"] for r in run.read_metrics()] == [1, 2]
+    assert [s for s, _ in rollout_files(run.path)] == [1, 2]
+
+
+def test_resume_without_a_checkpoint_starts_over(tmp_path):
+    run = RunDir.create(tmp_path / "demo", CONFIG)
+    with run.metrics_log() as log:
+        log.log(0, {"val/reward_mean": 0.1})
+    assert run.resume(TorchTrainer(tiny_lm(0), logprob_fn)) is None
+    assert run.read_metrics() == []
+
+
+def test_a_config_that_is_not_plain_data_is_an_error(tmp_path):
+    with pytest.raises(GymvError, match="not plain data"):
+        RunDir.create(tmp_path / "demo", {"x": torch.zeros(1)})
