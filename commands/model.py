@@ -1,0 +1,81 @@
+"""`gymv model`: write tiny random-initialised VLM checkpoints and describe any policy checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from gymv_cli.output import console, err_console, print_json, table
+
+app = typer.Typer(
+    name="model",
+    help="Build and inspect policy checkpoints.\n\nExample: gymv model init tiny-llava models/tiny-llava",
+    no_args_is_help=True,
+)
+
+
+@app.command("init")
+def init(
+    arch: str = typer.Argument(..., help="Architecture: tiny-llava (placeholder processor) or tiny-qwen2vl (grid processor)."),
+    out_dir: Path = typer.Argument(..., help="Folder to write the Hugging Face checkpoint to."),
+    hidden: int = typer.Option(None, "--hidden", help="Text model width (default 128)."),
+    layers: int = typer.Option(None, "--layers", help="Text decoder layers (default 2)."),
+    image_size: int = typer.Option(None, "--image-size", help="Image side in pixels (default 56 LLaVA, 112 Qwen2-VL)."),
+    patch_size: int = typer.Option(None, "--patch-size", help="Vision patch size (default 7)."),
+    vocab_size: int = typer.Option(None, "--vocab-size", help="BPE vocabulary size (default 1024)."),
+    seed: int = typer.Option(0, "--seed", help="Seed for the tokenizer corpus and the weights."),
+    force: bool = typer.Option(False, "--force", help="Replace OUT_DIR if it exists."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Write a random-initialised tiny VLM + processor that AutoModelForImageTextToText loads.
+
+    Example: gymv model init tiny-llava models/tiny --layers 4 --seed 1
+    """
+    from gymv.models.tiny import count_parameters, init_tiny
+
+    knobs = dict(hidden=hidden, layers=layers, image_size=image_size, patch_size=patch_size,
+                 vocab_size=vocab_size, seed=seed)
+    with err_console.status(f"building {arch}"):
+        path = init_tiny(arch, out_dir, force=force, **knobs)
+    summary = _summary(path)
+    summary["parameters"] = count_parameters(path)
+    if json_out:
+        print_json(summary)
+    else:
+        console.print(table(f"wrote {path}", ["key", "value"], [(k, _fmt(v)) for k, v in summary.items()]))
+
+
+@app.command("info")
+def info(
+    path: str = typer.Argument(..., help="Checkpoint folder, or embedded:tiny-llava / embedded:tiny-qwen2vl."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Load a policy and show its processor style, image tokens and vision special tokens.
+
+    Example: gymv model info models/tiny --json
+    """
+    from gymv.models.load import load_policy
+
+    with err_console.status(f"loading {path}"):
+        policy = load_policy(path)
+    summary = {"path": str(policy.path), **policy.info, **policy.adapter.describe(),
+               "parameters": sum(p.numel() for p in policy.model.parameters()),
+               "vocab_size": len(policy.tokenizer)}
+    if policy.adapter.style == "placeholder":
+        summary["tokens_per_image"] = policy.adapter.num_image_tokens
+    if json_out:
+        print_json(summary)
+    else:
+        console.print(table(str(policy.path), ["key", "value"], [(k, _fmt(v)) for k, v in summary.items()]))
+
+
+def _summary(path: Path) -> dict:
+    import json
+
+    meta = json.loads((Path(path) / "gymv_model.json").read_text())
+    return {"path": str(path), "arch": meta["arch"], **meta["knobs"]}
+
+
+def _fmt(v) -> str:
+    return ", ".join(map(str, v)) if isinstance(v, list) else str(v)

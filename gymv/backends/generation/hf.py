@@ -1,0 +1,202 @@
+"""In-process generation with a transformers model: batched, KV-cached, from token ids + images.
+
+Prompts are left-padded and positions skip the pads (so padding never changes a row's logits); one prefill
+pass fills a DynamicCache and each step then feeds one token per unfinished row. Finished rows leave the
+batch (the cache drops them too). Image features come from a cache keyed by the image's pixel hash, so the
+G generations of one prompt, and later turns that repeat an image, encode it once; the cache is cleared
+only by `reset_encoder_cache()`, because whether the encoder's weights changed is the caller's knowledge.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from gymv.backends.generation.base import GenerationBackend, GenerationOutput, GenerationRequest, SamplingParams
+from gymv.backends.multimodal import MultimodalAdapter, image_hash
+from gymv.backends.sampling import forbidden_mask, policy_logits, sample
+from gymv.errors import GymvError
+
+
+class HFGenerationBackend(GenerationBackend):
+    def __init__(self, model, tokenizer, adapter: MultimodalAdapter, *, seed: int = 0, max_cached_images: int = 4096):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.adapter = adapter
+        self.device = next(model.parameters()).device
+        self.max_cached_images = max_cached_images
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor | None]] = OrderedDict()
+        self._stats = {"encoder_cache_hits": 0, "encoder_cache_misses": 0, "encoder_cache_evictions": 0,
+                       "encoder_cache_resets": 0, "weight_updates": 0}
+        eos = {tokenizer.eos_token_id, *_as_ids(getattr(model.generation_config, "eos_token_id", None))}
+        self.eos_token_ids = tuple(sorted(i for i in eos if i is not None))
+        self.last_timing: dict = {}
+
+    @classmethod
+    def from_policy(cls, policy, **kwargs) -> HFGenerationBackend:
+        return cls(policy.model, policy.tokenizer, policy.adapter, **kwargs)
+
+    # -- image features ------------------------------------------------------------------------------
+    def _encode(self, requests: Sequence[GenerationRequest]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Features of every image of every request, in sequence order, through the hash-keyed cache."""
+        keys = [[image_hash(im) for im in r.images] for r in requests]
+        todo: dict[str, Any] = {}
+        for r, ks in zip(requests, keys):
+            for im, k in zip(r.images, ks):
+                if k in self._cache:
+                    self._cache.move_to_end(k)
+                    self._stats["encoder_cache_hits"] += 1
+                elif k in todo:
+                    self._stats["encoder_cache_hits"] += 1
+                else:
+                    todo[k] = im
+                    self._stats["encoder_cache_misses"] += 1
+        fresh: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        if todo:
+            inputs = self.adapter.preprocess(list(todo.values()))
+            with torch.no_grad():
+                feats = self.adapter.image_features(self.model, inputs)
+            for i, k in enumerate(todo):
+                grid = inputs.image_grid_thw[i:i + 1] if inputs.image_grid_thw is not None else None
+                fresh[k] = (feats[i], grid)
+        ordered = [fresh[k] if k in fresh else self._cache[k] for ks in keys for k in ks]
+        for k, v in fresh.items():
+            self._cache[k] = v
+        while len(self._cache) > self.max_cached_images:
+            self._cache.popitem(last=False)
+            self._stats["encoder_cache_evictions"] += 1
+        feats = [f for f, _ in ordered]
+        grids = [g for _, g in ordered if g is not None]
+        return feats, (torch.cat(grids) if grids else None)
+
+    def reset_encoder_cache(self) -> None:
+        self._cache.clear()
+        self._stats["encoder_cache_resets"] += 1
+
+    def stats(self) -> dict:
+        return {**self._stats, "encoder_cache_entries": len(self._cache)}
+
+    # -- weights -------------------------------------------------------------------------------------
+    def update_weights(self, state_dict: Mapping[str, Any]) -> None:
+        own = self.model.state_dict()
+        unknown = [k for k in state_dict if k not in own]
+        if unknown:
+            raise GymvError(f"update_weights got {len(unknown)} name(s) the model does not have, e.g. {unknown[0]!r}",
+                            fix="send the policy model's own state_dict names")
+        with torch.no_grad():
+            for name, value in state_dict.items():
+                target = own[name]
+                if tuple(value.shape) != tuple(target.shape):
+                    raise GymvError(f"update_weights: {name} has shape {tuple(value.shape)}, the model has "
+                                    f"{tuple(target.shape)}", fix="send weights of the same architecture")
+                target.copy_(value)
+        self._stats["weight_updates"] += 1
+
+    # -- generation ----------------------------------------------------------------------------------
+    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[GenerationOutput]:
+        params.validate()
+        for i, r in enumerate(requests):
+            where = r.where or f"request {i}"
+            if not r.prompt_token_ids:
+                raise GymvError("empty prompt", where=where, fix="render at least one message before generating")
+            self.adapter.check(r.prompt_token_ids, r.images, where=where)
+        if not requests:
+            return []
+        with torch.no_grad():
+            return self._generate(list(requests), params)
+
+    def _generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[GenerationOutput]:
+        from transformers import DynamicCache
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        t0 = time.perf_counter()
+        model, dev = self.model, self.device
+        generator = self._generator if params.seed is None else torch.Generator(device=dev).manual_seed(params.seed)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        feats, grid = self._encode(requests)
+        t_enc = time.perf_counter()
+
+        B, L = len(requests), max(len(r.prompt_token_ids) for r in requests)
+        input_ids = torch.full((B, L), pad, dtype=torch.long)
+        mask = torch.zeros((B, L), dtype=torch.long)
+        for b, r in enumerate(requests):
+            n = len(r.prompt_token_ids)
+            input_ids[b, L - n:] = torch.tensor(r.prompt_token_ids, dtype=torch.long)
+            mask[b, L - n:] = 1
+        input_ids, mask = input_ids.to(dev), mask.to(dev)
+        positions = self.adapter.position_ids(model, input_ids, mask, grid)
+        next_pos = self.adapter.next_positions(positions, mask)
+        cache = DynamicCache(config=model.config)
+        extra = {}
+        if feats:
+            extra["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=tuple(feats))}
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                    logits_to_keep=1, **extra)
+        logits = out.logits[:, -1]
+        t_prefill = time.perf_counter()
+
+        forbidden = forbidden_mask(logits.shape[-1], self.adapter.vision_token_ids, dev)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        stop_strings = tuple(s for s in params.stop_strings if s)
+        windows = {s: len(s.encode("utf-8")) + 1 for s in stop_strings}
+        greedy = params.temperature == 0
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        logps: list[list[float]] = [[] for _ in range(B)]
+        finish: list[tuple[str, Any]] = [("length", None)] * B
+        active = list(range(B))
+        for step in range(params.max_new_tokens):
+            z = policy_logits(logits, params.temperature, forbidden)
+            tok = sample(z, params.top_p, greedy, generator)
+            lp = torch.log_softmax(z, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
+            keep: list[int] = []
+            for j, (row, t, p) in enumerate(zip(active, tok.tolist(), lp.tolist())):
+                tokens[row].append(t)
+                logps[row].append(p)
+                if t in stop_ids:
+                    finish[row] = ("stop", t)
+                    continue
+                hit = self._stop_string(tokens[row], stop_strings, windows)
+                if hit is not None:
+                    finish[row] = ("stop", hit)
+                    continue
+                keep.append(j)
+            if not keep or step == params.max_new_tokens - 1:
+                break
+            if len(keep) < len(active):
+                idx = torch.tensor(keep, device=dev)
+                cache.batch_select_indices(idx)
+                mask, next_pos, tok = mask[idx], next_pos[idx], tok[idx]
+                active = [active[j] for j in keep]
+            mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
+            pos = self.adapter.step_positions(next_pos)
+            next_pos = next_pos + 1
+            out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+            logits = out.logits[:, -1]
+        t_end = time.perf_counter()
+        n_new = sum(len(t) for t in tokens)
+        self.last_timing = {"encode_s": t_enc - t0, "prefill_s": t_prefill - t_enc, "decode_s": t_end - t_prefill,
+                            "total_s": t_end - t0, "new_tokens": n_new, "batch": B}
+        return [
+            GenerationOutput(token_ids=tokens[b], logprobs=logps[b],
+                             text=self.tokenizer.decode(tokens[b], skip_special_tokens=True),
+                             finish_reason=finish[b][0], stop_reason=finish[b][1])
+            for b in range(B)
+        ]
+
+    def _stop_string(self, ids: list[int], stops: tuple[str, ...], windows: dict[str, int]) -> str | None:
+        """A stop string in the decoded tail; checked every step, so a match ends at the newest token."""
+        if not stops:
+            return None
+        tail = self.tokenizer.decode(ids[-max(windows.values()):], skip_special_tokens=False)
+        return next((s for s in stops if s in tail), None)
+
+
+def _as_ids(v) -> list[int]:
+    if v is None:
+        return []
+    return [int(x) for x in v] if isinstance(v, (list, tuple)) else [int(v)]

@@ -1,0 +1,285 @@
+"""Multimodal adapters: one per processor style, so the rest of gymv never guesses how images meet tokens.
+
+The agent loop appends token ids turn by turn and never re-tokenizes earlier text, so it needs to know the
+exact ids one image occupies; generation and training need the model's image inputs, image features,
+position ids, and the vision special tokens that must never be sampled. Two styles are supported:
+
+- ``placeholder`` (LLaVA): one image token in the text becomes N copies of it; N is fixed by the crop size.
+- ``grid`` (Qwen2-VL): ``<|vision_start|><|image_pad|><|vision_end|>`` in the text; the pad becomes
+  ``t*h*w / merge_size**2`` copies, which depends on the image size; inputs carry ``image_grid_thw`` and the
+  text model uses 3-D (M-RoPE) positions.
+
+Every forward pass in gymv first calls :meth:`MultimodalAdapter.check` on each sequence, so a placeholder
+count that does not match the images is a one-line error naming the row and turn, never a wrong tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from gymv.errors import GymvError
+
+SUPPORTED_PROCESSORS = {"LlavaProcessor": "placeholder", "Qwen2VLProcessor": "grid"}
+
+
+def supported_text() -> str:
+    return ", ".join(f"{name} ({style})" for name, style in SUPPORTED_PROCESSORS.items())
+
+
+def image_hash(image) -> str:
+    """Content hash of an image's pixels (mode and size included): equal pixels, equal key."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
+    h.update(image.tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class ImageInputs:
+    """Preprocessed images in sequence order, as the vision tower takes them."""
+
+    pixel_values: Any
+    image_grid_thw: Any | None
+    tokens_per_image: list[int]
+
+    def select(self, index: int) -> ImageInputs:
+        """The inputs of one image (grid pixel rows are split by each image's patch count)."""
+        if self.image_grid_thw is None:
+            return ImageInputs(self.pixel_values[index:index + 1], None, [self.tokens_per_image[index]])
+        counts = self.image_grid_thw.prod(-1).tolist()
+        start = sum(counts[:index])
+        return ImageInputs(self.pixel_values[start:start + counts[index]], self.image_grid_thw[index:index + 1],
+                           [self.tokens_per_image[index]])
+
+
+def _runs(ids: Sequence[int], token_id: int) -> list[int]:
+    runs, n = [], 0
+    for t in ids:
+        if t == token_id:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    if n:
+        runs.append(n)
+    return runs
+
+
+def _as_list(ids) -> list[int]:
+    return ids.tolist() if hasattr(ids, "tolist") else list(ids)
+
+
+class MultimodalAdapter:
+    """What gymv needs to know about one processor style; built by :func:`make_adapter`."""
+
+    style: ClassVar[str] = ""
+    adjacent_images_merge: ClassVar[bool] = True
+
+    def __init__(self, tokenizer, image_processor, config, processor_class: str, hf_processor=None):
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.config = config
+        self.processor_class = processor_class
+        self.hf_processor = hf_processor
+        self.image_token = self._image_token()
+        self.image_token_id = int(tokenizer.convert_tokens_to_ids(self.image_token))
+        config_id = getattr(config, "image_token_id", None)
+        if config_id is not None and int(config_id) != self.image_token_id:
+            raise GymvError(
+                f"tokenizer maps image token {self.image_token!r} to id {self.image_token_id} but the model config "
+                f"says image_token_id={config_id}", where=processor_class,
+                fix="the checkpoint's tokenizer and config disagree; rebuild or fix config.json")
+        self.vision_token_ids: tuple[int, ...] = self._vision_token_ids()
+
+    # -- what one image occupies ---------------------------------------------------------------------
+    def _image_token(self) -> str:
+        return getattr(self.tokenizer, "image_token", None) or "<image>"
+
+    def tokens_per_image(self, image) -> int:
+        raise NotImplementedError
+
+    def image_token_ids(self, image) -> list[int]:
+        """The ids that replace the single image token of the rendered chat text for this image."""
+        return [self.image_token_id] * self.tokens_per_image(image)
+
+    def encode_text(self, text: str, images: Sequence = (), *, where: str | None = None) -> list[int]:
+        """Tokenize chat-template text and expand its image tokens, one per image in order."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        n = sum(1 for t in ids if t == self.image_token_id)
+        if n != len(images):
+            raise GymvError(f"text has {n} image placeholder(s) but {len(images)} image(s) were given",
+                            where=where, fix="pass exactly one image per image part of the messages")
+        out: list[int] = []
+        it = iter(images)
+        for t in ids:
+            out.extend(self.image_token_ids(next(it)) if t == self.image_token_id else (t,))
+        return out
+
+    def count_placeholders(self, ids) -> int:
+        return sum(1 for t in _as_list(ids) if t == self.image_token_id)
+
+    def check(self, ids, images: Sequence, *, where: str | None = None) -> None:
+        """Raise unless the placeholder spans of `ids` are exactly the spans `images` need, in order."""
+        ids = _as_list(ids)
+        runs = _runs(ids, self.image_token_id)
+        need = [self.tokens_per_image(im) for im in images]
+        ok, i = True, 0
+        for run in runs:
+            got = 0
+            while got < run and i < len(need):
+                got += need[i]
+                i += 1
+                if not self.adjacent_images_merge:
+                    break
+            ok = ok and got == run
+        ok = ok and i == len(need)
+        if not ok:
+            raise GymvError(
+                f"image placeholder tokens do not match the images: the sequence has {sum(runs)} placeholder "
+                f"token(s) in span(s) {runs}, its {len(images)} image(s) need {need}",
+                where=where,
+                fix="append image tokens with adapter.image_token_ids(image) for every image the turn adds, "
+                    "and never truncate or re-tokenize inside an image span")
+
+    def check_batch(self, rows, images: Sequence[Sequence], where: Sequence[str | None] | None = None,
+                    attention_mask=None) -> None:
+        for b, row in enumerate(rows):
+            ids = _as_list(row)
+            if attention_mask is not None:
+                ids = [t for t, m in zip(ids, _as_list(attention_mask[b])) if m]
+            self.check(ids, images[b], where=(where[b] if where else None) or f"batch row {b}")
+
+    # -- model inputs -------------------------------------------------------------------------------
+    def preprocess(self, images: Sequence) -> ImageInputs:
+        raise NotImplementedError
+
+    def image_features(self, model, inputs: ImageInputs) -> list:
+        """One feature tensor per image ([tokens, hidden]); gradients flow when called outside no_grad."""
+        raise NotImplementedError
+
+    def position_ids(self, model, input_ids, attention_mask, image_grid_thw=None):
+        """Positions for a padded batch (left or right): pads are skipped, so padding never shifts them."""
+        pos = attention_mask.long().cumsum(-1) - 1
+        return pos.clamp(min=0)
+
+    def next_positions(self, positions, attention_mask):
+        """Per row, the position the next appended token takes."""
+        return attention_mask.long().sum(-1)
+
+    def step_positions(self, next_pos):
+        """Positions for one new token per row, shaped as the model takes them."""
+        return next_pos.view(-1, 1)
+
+    def _vision_token_ids(self) -> tuple[int, ...]:
+        ids = {self.image_token_id}
+        for key in ("image_token_id", "image_token_index", "video_token_id", "vision_start_token_id",
+                    "vision_end_token_id", "boi_token_index", "eoi_token_index", "image_start_token_id",
+                    "image_end_token_id"):
+            v = getattr(self.config, key, None)
+            if isinstance(v, int) and v >= 0:
+                ids.add(v)
+        named = getattr(self.tokenizer, "extra_special_tokens", None) or {}
+        if isinstance(named, dict):
+            for name, tok in named.items():
+                if any(w in name for w in ("image", "vision", "video")) and isinstance(tok, str):
+                    tid = self.tokenizer.convert_tokens_to_ids(tok)
+                    if isinstance(tid, int) and tid >= 0:
+                        ids.add(tid)
+        return tuple(sorted(ids))
+
+    def describe(self) -> dict:
+        return {"style": self.style, "processor": self.processor_class, "image_token": self.image_token,
+                "image_token_id": self.image_token_id, "vision_token_ids": list(self.vision_token_ids)}
+
+
+class PlaceholderAdapter(MultimodalAdapter):
+    """LLaVA: a fixed number of image tokens per image (the image is resized and center-cropped)."""
+
+    style = "placeholder"
+    adjacent_images_merge = True
+
+    def __init__(self, tokenizer, image_processor, config, processor_class: str, hf_processor=None):
+        super().__init__(tokenizer, image_processor, config, processor_class, hf_processor)
+        vc = config.vision_config
+        self.patch_size = int(getattr(hf_processor, "patch_size", None) or vc.patch_size)
+        strategy = getattr(hf_processor, "vision_feature_select_strategy", None)
+        self.strategy = strategy or config.vision_feature_select_strategy
+        extra = getattr(hf_processor, "num_additional_image_tokens", None)
+        self.additional = int(extra if extra is not None else 1)
+        crop = getattr(image_processor, "crop_size", None) or {"height": vc.image_size, "width": vc.image_size}
+        crop = dict(crop) if not isinstance(crop, dict) else crop
+        n = (crop["height"] // self.patch_size) * (crop["width"] // self.patch_size) + self.additional
+        self.num_image_tokens = n - 1 if self.strategy == "default" else n
+
+    def tokens_per_image(self, image) -> int:
+        return self.num_image_tokens
+
+    def preprocess(self, images: Sequence) -> ImageInputs:
+        out = self.image_processor(images=list(images), return_tensors="pt")
+        return ImageInputs(out["pixel_values"], None, [self.num_image_tokens] * len(images))
+
+    def image_features(self, model, inputs: ImageInputs) -> list:
+        dtype = next(model.parameters()).dtype
+        out = model.get_image_features(pixel_values=inputs.pixel_values.to(model.device, dtype))
+        return list(out.pooler_output)
+
+
+class GridAdapter(MultimodalAdapter):
+    """Qwen2-VL: image tokens = t*h*w / merge**2 for the resized image, plus 3-D rotary positions."""
+
+    style = "grid"
+    adjacent_images_merge = False
+
+    def __init__(self, tokenizer, image_processor, config, processor_class: str, hf_processor=None):
+        super().__init__(tokenizer, image_processor, config, processor_class, hf_processor)
+        self.merge = int(image_processor.merge_size)
+
+    def _image_token(self) -> str:
+        return getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
+
+    def tokens_per_image(self, image) -> int:
+        w, h = image.size
+        patches = self.image_processor.get_number_of_image_patches(h, w, {})
+        return int(patches) // (self.merge ** 2)
+
+    def preprocess(self, images: Sequence) -> ImageInputs:
+        out = self.image_processor(images=list(images), return_tensors="pt")
+        grid = out["image_grid_thw"]
+        return ImageInputs(out["pixel_values"], grid, [int(n) // self.merge ** 2 for n in grid.prod(-1).tolist()])
+
+    def image_features(self, model, inputs: ImageInputs) -> list:
+        dtype = next(model.parameters()).dtype
+        out = model.get_image_features(pixel_values=inputs.pixel_values.to(model.device, dtype),
+                                       image_grid_thw=inputs.image_grid_thw.to(model.device))
+        return list(out.pooler_output)
+
+    def position_ids(self, model, input_ids, attention_mask, image_grid_thw=None):
+        inner = getattr(model, "model", model)
+        types = (input_ids == self.image_token_id).int()
+        grid = image_grid_thw.to(input_ids.device) if image_grid_thw is not None and len(image_grid_thw) else None
+        pos, _ = inner.get_rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=grid,
+                                      attention_mask=attention_mask)
+        return pos
+
+    def next_positions(self, positions, attention_mask):
+        return positions.masked_fill(attention_mask.unsqueeze(0) == 0, -1).amax(dim=(0, 2)) + 1
+
+    def step_positions(self, next_pos):
+        return next_pos.view(1, -1, 1).expand(3, -1, 1)
+
+
+_STYLES = {"placeholder": PlaceholderAdapter, "grid": GridAdapter}
+
+
+def make_adapter(processor_class: str, tokenizer, image_processor, config, hf_processor=None) -> MultimodalAdapter:
+    """Pick the adapter for a processor class; anything else fails here, at load time."""
+    style = SUPPORTED_PROCESSORS.get(processor_class)
+    if style is None:
+        raise GymvError(f"unsupported processor {processor_class!r}",
+                        fix=f"gymv supports: {supported_text()}")
+    if image_processor is None:
+        raise GymvError(f"{processor_class} has no image processor", fix="save the image processor with the model")
+    return _STYLES[style](tokenizer, image_processor, config, processor_class, hf_processor)

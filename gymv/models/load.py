@@ -1,0 +1,132 @@
+"""Load a policy checkpoint (a folder, or `embedded:<tiny-arch>`) with its tokenizer, image processor and adapter.
+
+`embedded:tiny-llava` means "the tiny default, built here": it is built once per (arch, seed, builder
+version) under a cache folder and reused, so every worker of a run sees the same weights without a hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gymv.errors import GymvError
+
+EMBEDDED_PREFIX = "embedded:"
+
+
+def default_cache_dir() -> Path:
+    """`$GYMV_CACHE_DIR`, else `~/.cache/gymv` (`$XDG_CACHE_HOME/gymv` when that is set)."""
+    if os.environ.get("GYMV_CACHE_DIR"):
+        return Path(os.environ["GYMV_CACHE_DIR"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "gymv"
+
+
+def resolve_model_path(path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None, seed: int = 0) -> Path:
+    """Turn a model path into a checkpoint folder, building `embedded:<arch>` defaults on first use."""
+    from gymv.models.tiny import ARCHES, BUILDER_VERSION, MARKER_FILE, init_tiny
+
+    text = str(path)
+    if text.startswith(EMBEDDED_PREFIX):
+        arch = text[len(EMBEDDED_PREFIX):]
+        if arch not in ARCHES:
+            raise GymvError(f"unknown embedded model {text!r}", fix=f"use one of: {', '.join('embedded:' + a for a in ARCHES)}")
+        root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        target = root / "models" / f"{arch}-seed{seed}-v{BUILDER_VERSION}"
+        if not (target / MARKER_FILE).exists():
+            init_tiny(arch, target, reuse=True, seed=seed)
+        return target
+    p = Path(text).expanduser()
+    if not p.is_dir():
+        raise GymvError("model folder not found", where=text,
+                        fix="pass a Hugging Face checkpoint folder, or embedded:tiny-llava / embedded:tiny-qwen2vl")
+    if not (p / "config.json").exists():
+        raise GymvError("not a Hugging Face checkpoint (no config.json)", where=text,
+                        fix="point at the folder written by save_pretrained or `gymv model init`")
+    return p
+
+
+@dataclass
+class Policy:
+    """A loaded policy. `processor` is the transformers processor when it loads here, else None (see docs)."""
+
+    model: Any
+    tokenizer: Any
+    image_processor: Any
+    adapter: Any
+    processor: Any
+    path: Path
+    chat_template: str | None
+    info: dict = field(default_factory=dict)
+
+
+def _processor_class(path: Path) -> str:
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        f = path / name
+        if f.exists():
+            cls = json.loads(f.read_text()).get("processor_class")
+            if cls:
+                return cls
+    return ""
+
+
+def load_policy(path: str | os.PathLike, device: str = "cpu", dtype: Any = None, *,
+                cache_dir: str | os.PathLike | None = None, seed: int = 0,
+                attn_implementation: str | None = None) -> Policy:
+    """Load model + tokenizer + image processor, and choose the multimodal adapter from the processor.
+
+    The composite processor is loaded with AutoProcessor where possible; where it cannot be (Qwen2-VL's
+    processor needs torchvision for its video half), the same parts are loaded one by one, which is all
+    gymv needs. An unsupported processor class fails here with the list of supported ones.
+    """
+    import torch
+
+    from gymv.models.quiet import quiet_transformers
+
+    ckpt = resolve_model_path(path, cache_dir=cache_dir, seed=seed)
+    dtype = dtype if dtype is not None else torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with quiet_transformers():
+        return _load(ckpt, device, dtype, attn_implementation)
+
+
+def _load(ckpt: Path, device, dtype, attn_implementation) -> Policy:
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+    from gymv.backends.multimodal import SUPPORTED_PROCESSORS, make_adapter, supported_text
+
+    processor_class = _processor_class(ckpt)
+    hf_processor, why = None, None
+    try:
+        hf_processor = AutoProcessor.from_pretrained(ckpt)
+        processor_class = type(hf_processor).__name__
+        tokenizer = hf_processor.tokenizer
+        image_processor = getattr(hf_processor, "image_processor", None)
+    except ImportError as e:  # a sub-processor (e.g. video) needs a package that is not installed
+        why = " ".join(str(e).split()).split(". ")[0]
+        tokenizer = AutoTokenizer.from_pretrained(ckpt)
+        image_processor = AutoImageProcessor.from_pretrained(ckpt)
+    if processor_class not in SUPPORTED_PROCESSORS:
+        raise GymvError(f"unsupported processor {processor_class or '(none found)'!r}", where=str(ckpt),
+                        fix=f"gymv supports: {supported_text()}")
+    kwargs = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(ckpt, **kwargs)
+    except ValueError as e:
+        raise GymvError(f"cannot load an image-text-to-text model: {str(e).splitlines()[0]}", where=str(ckpt),
+                        fix="gymv trains vision-language models loadable with AutoModelForImageTextToText") from None
+    model.to(device)
+    model.eval()
+    adapter = make_adapter(processor_class, tokenizer, image_processor, model.config, hf_processor)
+    template = getattr(hf_processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
+    info = {"processor_class": processor_class, "style": adapter.style}
+    if why:
+        info["processor_fallback"] = why
+    return Policy(model=model, tokenizer=tokenizer, image_processor=image_processor, adapter=adapter,
+                  processor=hf_processor, path=ckpt, chat_template=template, info=info)
