@@ -1,0 +1,1 @@
+"""Data: rows in NeMo Gym's format, images as data URLs, dataset generation."""

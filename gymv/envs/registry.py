@@ -1,0 +1,112 @@
+"""Find environments by name: built-ins, in-process registrations and the entry-point group `gymv.envs`.
+
+A third-party distribution declares, in its pyproject.toml::
+
+    [project.entry-points."gymv.envs"]
+    my-env = "my_package.env:MyEnv"
+
+where the object is an Environment subclass or a function returning an Environment. Names compare with
+`_` and `-` treated alike (NeMo Gym writes circle_count, gymv circle-count). A built-in name cannot be
+taken over by a plugin.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any
+
+from gymv.envs.protocol import Environment
+from gymv.errors import GymvError
+
+GROUP = "gymv.envs"
+
+BUILTINS: dict[str, str] = {
+    "circle-count": "gymv.envs.circle_count:CircleCount",
+    "circle-click": "gymv.envs.circle_click:CircleClick",
+}
+_registered: dict[str, Any] = {}
+
+
+def normalize(name: str) -> str:
+    return name.strip().lower().replace("_", "-")
+
+
+def register(name: str, factory: Any) -> None:
+    """Register an environment class or factory in this process (tests, notebooks, embedding)."""
+    _registered[normalize(name)] = factory
+    _instances.pop(normalize(name), None)
+
+
+def _plugin_points() -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
+        found.setdefault(normalize(ep.name), ep)
+    return found
+
+
+def available() -> dict[str, str]:
+    """Every environment name and where it comes from ('builtin', 'registered' or the entry point value)."""
+    out = {name: "builtin" for name in BUILTINS}
+    for name in _registered:
+        out.setdefault(name, "registered")
+    for name, ep in _plugin_points().items():
+        out.setdefault(name, ep.value)
+    return dict(sorted(out.items()))
+
+
+def _load(name: str) -> Any:
+    if name in BUILTINS:
+        module, _, attr = BUILTINS[name].partition(":")
+        return getattr(importlib.import_module(module), attr)
+    if name in _registered:
+        return _registered[name]
+    ep = _plugin_points().get(name)
+    if ep is None:
+        raise GymvError(f"unknown environment {name!r}", fix=f"use one of: {', '.join(available())}")
+    try:
+        return ep.load()
+    except Exception as e:  # a broken plugin is reported, never a traceback
+        raise GymvError(f"environment plugin {name!r} ({ep.value}) failed to load: {type(e).__name__}: {e}",
+                        fix="reinstall or fix the plugin distribution") from None
+
+
+def get_env(name: str, **kwargs: Any) -> Environment:
+    """An instance of the named environment; keyword arguments go to its constructor."""
+    key = normalize(name)
+    factory = _load(key)
+    env = factory(**kwargs) if callable(factory) else factory
+    if not isinstance(env, Environment):
+        raise GymvError(f"environment {name!r} did not produce an Environment (got {type(env).__name__})",
+                        fix="its entry point must name an Environment subclass or a function returning one")
+    return env
+
+
+_instances: dict[str, Environment] = {}
+
+
+def _candidates() -> list[Environment]:
+    out = []
+    for name in available():
+        if name not in _instances:
+            try:
+                _instances[name] = get_env(name)
+            except GymvError:
+                continue  # a broken plugin cannot claim rows
+        out.append(_instances[name])
+    return out
+
+
+def env_for_row(row: dict) -> Environment | None:
+    """The environment that should score a row: by `agent_ref.name`, else the first whose `matches` holds."""
+    ref = row.get("agent_ref")
+    agent = ref.get("name") if isinstance(ref, dict) else None
+    candidates = _candidates()
+    if isinstance(agent, str):
+        for env in candidates:
+            if agent == env.agent_name or normalize(agent) == env.name:
+                return env
+    for env in candidates:
+        if env.matches(row):
+            return env
+    return None

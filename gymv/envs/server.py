@@ -1,0 +1,297 @@
+"""Serve an environment over HTTP with NeMo Gym's resources-server endpoints.
+
+    GET  /                   liveness: {"status": "ok", ...}
+    POST /seed_session       start a rollout's session (optionally with its row, for stateful tools)
+    POST /<tool>             run a tool; the body is the tool's JSON arguments
+    POST /verify             a row plus `response` in; the same plus `reward` and verifier extras out
+    POST /aggregate_metrics  {"verify_responses": [...]} in; mean/max/min/median/std out
+
+Each rollout is a session keyed by the `gymv_session` cookie, set on every response, which NeMo Gym's
+agents pass back. Bodies need a Content-Length no larger than the limit (413 otherwise); malformed JSON
+is a 400, a well-formed body that does not fit is a 422, an unknown path a 404, each with a message in
+`detail`. A tool that returns images answers with a JSON list of Responses input parts and the header
+`X-Gymv-Tool-Output: parts`; a text result is the plain body, as NeMo Gym's tools answer.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import traceback
+import uuid
+from collections import OrderedDict
+from http import HTTPStatus
+from http.cookies import CookieError, SimpleCookie
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from gymv.envs.protocol import Environment, EpisodeState, Text, ToolCallError, parts_to_items
+from gymv.envs.verify import aggregate_metrics
+from gymv.errors import GymvError
+
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+SESSION_COOKIE = "gymv_session"
+RESERVED = frozenset({"seed_session", "verify", "aggregate_metrics"})
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, detail: str):
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
+class _Sessions:
+    """Per-rollout state, bounded: the least recently used session goes first."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._items: OrderedDict[str, EpisodeState | None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def touch(self, sid: str | None) -> str:
+        with self._lock:
+            if sid is None or sid not in self._items:
+                sid = uuid.uuid4().hex
+                self._items[sid] = None
+            self._items.move_to_end(sid)
+            while len(self._items) > self.limit:
+                self._items.popitem(last=False)
+            return sid
+
+    def get(self, sid: str) -> EpisodeState | None:
+        with self._lock:
+            return self._items.get(sid)
+
+    def set(self, sid: str, state: EpisodeState | None) -> None:
+        with self._lock:
+            self._items[sid] = state
+            self._items.move_to_end(sid)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class EnvServer:
+    """A threaded HTTP server for one environment; `start()` serves in the background, `close()` stops."""
+
+    def __init__(self, env: Environment, host: str = "127.0.0.1", port: int = 0, *,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_sessions: int = 10_000,
+                 request_timeout: float = 60.0, log_requests: bool = False):
+        clash = RESERVED.intersection(t.name for t in env.tool_specs())
+        if clash:
+            raise GymvError(f"environment {env.name!r} has a tool named like an endpoint: {sorted(clash)[0]}",
+                            fix="rename the tool")
+        self.env = env
+        self.max_body_bytes = max_body_bytes
+        self.sessions = _Sessions(max_sessions)
+        self.log_requests = log_requests
+        handler = type("Handler", (_Handler,), {"server_obj": self, "timeout": request_timeout})
+        try:
+            self.httpd = ThreadingHTTPServer((host, port), handler)
+        except OSError as e:
+            raise GymvError(f"cannot listen on {host}:{port}: {e.strerror}", fix="pick another --port") from None
+        self.httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def host(self) -> str:
+        return self.httpd.server_address[0]
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
+
+    @property
+    def url(self) -> str:
+        host = self.host if ":" not in self.host else f"[{self.host}]"
+        return f"http://{host}:{self.port}"
+
+    def serve_forever(self) -> None:
+        self.httpd.serve_forever(poll_interval=0.2)
+
+    def start(self) -> "EnvServer":
+        self._thread = threading.Thread(target=self.serve_forever, name=f"gymv-env-{self.env.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self.httpd.shutdown()
+            self._thread.join()
+            self._thread = None
+        self.httpd.server_close()
+
+    def __enter__(self) -> "EnvServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- endpoints -----------------------------------------------------------------------------------
+    def liveness(self) -> dict:
+        return {"status": "ok", "env": self.env.name, "tools": [t.name for t in self.env.tool_specs()]}
+
+    def seed_session(self, sid: str, body: Any) -> dict:
+        if not isinstance(body, dict):
+            raise HTTPError(422, f"seed_session body must be a JSON object, got {_kind(body)}")
+        if any(k in body for k in ("responses_create_params", *self.env.verifier_fields)):
+            try:
+                self.sessions.set(sid, self.env.start(body, where="seed_session body"))
+            except GymvError as e:
+                raise HTTPError(422, e.one_line()) from None
+        return {}
+
+    def verify(self, body: Any) -> dict:
+        if not isinstance(body, dict):
+            raise HTTPError(422, f"verify body must be a JSON object (a row plus 'response'), got {_kind(body)}")
+        try:
+            return self.env.verify(body, where="verify body")
+        except GymvError as e:
+            raise HTTPError(422, e.one_line()) from None
+
+    def aggregate(self, body: Any) -> dict:
+        if not isinstance(body, dict) or not isinstance(body.get("verify_responses"), list):
+            raise HTTPError(422, "aggregate_metrics body must be {\"verify_responses\": [...]}")
+        try:
+            return aggregate_metrics(body["verify_responses"])
+        except GymvError as e:
+            raise HTTPError(422, e.one_line()) from None
+
+    def tool(self, sid: str, name: str, body: Any) -> tuple[bytes, dict[str, str]]:
+        try:
+            out = self.env.run_tool(self.sessions.get(sid), name, body)
+        except ToolCallError as e:
+            raise HTTPError(e.status, e.message) from None
+        if out.images:
+            parts = parts_to_items(([Text(out.text)] if out.text else []) + list(out.images))
+            return json.dumps(parts).encode(), {"Content-Type": "application/json", "X-Gymv-Tool-Output": "parts"}
+        ctype = "application/json" if _is_json(out.text) else "text/plain; charset=utf-8"
+        return out.text.encode("utf-8"), {"Content-Type": ctype}
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_obj: EnvServer
+    protocol_version = "HTTP/1.1"
+    server_version = "gymv-env"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's signature
+        if self.server_obj.log_requests:
+            sys.stderr.write(f"{self.address_string()} {format % args}\n")
+
+    # -- plumbing ------------------------------------------------------------------------------------
+    def _session_id(self) -> str | None:
+        raw = self.headers.get("Cookie")
+        if not raw:
+            return None
+        try:
+            cookie = SimpleCookie(raw)
+        except CookieError:
+            return None
+        morsel = cookie.get(SESSION_COOKIE)
+        return morsel.value if morsel else None
+
+    def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None, *, sid: str | None = None,
+              close: bool = False) -> None:
+        self.send_response(status)
+        headers = {"Content-Type": "application/json", **(headers or {})}
+        for k, v in headers.items():
+            self.send_header(k, v)
+        if sid is not None:
+            self.send_header("Set-Cookie", f"{SESSION_COOKIE}={sid}; Path=/; HttpOnly; SameSite=Lax")
+        self.send_header("Content-Length", str(len(body)))
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, status: int, obj: Any, *, sid: str | None = None, close: bool = False) -> None:
+        self._send(status, json.dumps(obj, ensure_ascii=False).encode("utf-8"), sid=sid, close=close)
+
+    def _error(self, status: int, detail: str, *, sid: str | None = None, close: bool = False) -> None:
+        self._json(status, {"detail": detail}, sid=sid, close=close)
+
+    def _read_json(self) -> Any:
+        if self.headers.get("Transfer-Encoding", "").lower() not in ("", "identity"):
+            raise HTTPError(411, "chunked request bodies are not supported; send a Content-Length")
+        length_text = self.headers.get("Content-Length")
+        if length_text is None:
+            raise HTTPError(411, "a POST body needs a Content-Length header")
+        try:
+            length = int(length_text)
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            raise HTTPError(400, f"invalid Content-Length {length_text!r}") from None
+        limit = self.server_obj.max_body_bytes
+        if length > limit:
+            raise HTTPError(413, f"request body of {length} bytes is over the {limit} byte limit")
+        raw = self.rfile.read(length)
+        if len(raw) < length:
+            raise HTTPError(400, f"request body ended after {len(raw)} of {length} bytes")
+        if not raw.strip():
+            raise HTTPError(400, "empty request body; send a JSON object")
+        try:
+            return json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise HTTPError(400, "request body is not UTF-8") from None
+        except json.JSONDecodeError as e:
+            raise HTTPError(400, f"malformed JSON body: {e.msg} at line {e.lineno} column {e.colno}") from None
+        except RecursionError:
+            raise HTTPError(400, "malformed JSON body: nested too deeply") from None
+
+    # -- methods -------------------------------------------------------------------------------------
+    def do_GET(self) -> None:  # noqa: N802 - the stdlib's naming
+        sid = self.server_obj.sessions.touch(self._session_id())
+        if self.path.split("?", 1)[0] == "/":
+            self._json(200, self.server_obj.liveness(), sid=sid)
+        else:
+            self._error(404, f"no GET endpoint {self.path}; GET / is the liveness check", sid=sid)
+
+    do_HEAD = do_GET
+
+    def do_POST(self) -> None:  # noqa: N802
+        srv = self.server_obj
+        sid = srv.sessions.touch(self._session_id())
+        name = self.path.split("?", 1)[0].strip("/")
+        try:
+            if name not in RESERVED and srv.env.tool(name) is None:
+                tools = ", ".join(t.name for t in srv.env.tool_specs()) or "none"
+                # The body is left unread: close so that it cannot be taken for the next request.
+                raise HTTPError(404, f"unknown endpoint /{name}: tools are {tools}; endpoints are "
+                                     "/seed_session, /verify, /aggregate_metrics")
+            body = self._read_json()
+            if name == "seed_session":
+                self._json(200, srv.seed_session(sid, body), sid=sid)
+            elif name == "verify":
+                self._json(200, srv.verify(body), sid=sid)
+            elif name == "aggregate_metrics":
+                self._json(200, srv.aggregate(body), sid=sid)
+            else:
+                payload, headers = srv.tool(sid, name, body)
+                self._send(200, payload, headers, sid=sid)
+        except HTTPError as e:
+            self._error(e.status, e.detail, sid=sid, close=e.status in (400, 404, 411, 413))
+        except Exception as e:  # an environment bug must not take the server down
+            traceback.print_exc(file=sys.stderr)
+            self._error(500, f"internal error in {srv.env.name}: {type(e).__name__}: {e}", sid=sid, close=True)
+
+    def _not_allowed(self) -> None:
+        self._error(405, f"method {self.command} is not allowed; use GET / or POST", close=True)
+
+    do_PUT = do_DELETE = do_PATCH = _not_allowed
