@@ -15,7 +15,7 @@ def dry_run(
         help="Suite names (nightly, release, ...), suite .txt files, drivers (.sh), recipes (.yaml) or directories "
              "(searched recursively). Default: every suite except disabled.",
     ),
-    recipes_dir: Path = typer.Option(Path("recipes"), "--recipes-dir", help="The recipes directory (holds suites/ and drivers/)."),
+    recipes_dir: Path = typer.Option(Path("recipes"), "--recipes-dir", file_okay=False, help="The recipes directory (holds suites/ and drivers/)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (drivers, per-suite subtotals and budgets, total) instead of tables."),
     fail_over_budget: bool = typer.Option(False, "--fail-over-budget", help="Exit 1 when a suite's GPU-hours exceed its budget."),
 ) -> None:
@@ -35,36 +35,41 @@ def dry_run(
     if json_out:
         print_json(result.to_dict())
     else:
-        _render(result)
+        _render(result, recipes_dir)
     if fail_over_budget and any(g.over_budget for g in result.groups):
         raise typer.Exit(1)
 
 
-def _render(result) -> None:
+def _shown(path: Path, drivers_dir: Path) -> str:
+    """A driver's path relative to the drivers directory (the table title already says which suite)."""
+    try:
+        return Path(path).relative_to(drivers_dir).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def _render(result, recipes_dir: Path) -> None:
     from rich.table import Table
 
     from gymv.recipes.gpu_hours import format_gpu_hours, format_hours
 
+    drivers_dir = recipes_dir / "drivers"
     for g in result.groups:
-        title = f"suite {g.suite} ({g.file})" if g.suite else "drivers"
+        title = f"suite {g.suite} ({g.file}), drivers under {drivers_dir}" if g.suite else "drivers"
         t = Table(title=title, title_justify="left")
         t.add_column("driver", overflow="fold")
         for col in ("nodes", "GPUs/node", "runs", "minutes", "GPU-hours"):
             t.add_column(col, justify="right")
         for d in g.drivers:
             c = d.config
-            name = str(c.path) + "".join(f" -> {p.name}" for p in c.chain[1:])
+            name = _shown(c.path, drivers_dir) + "".join(f"\n  exec {p.name}" for p in c.chain[1:])
             t.add_row(name, str(c.num_nodes), str(c.gpus_per_node), str(c.num_runs), str(c.num_minutes),
                       format_gpu_hours(c.gpu_minutes))
-        if g.budget is None:
-            label = "subtotal (no budget)" if g.suite else "subtotal"
-        elif g.over_budget:
-            label = f"subtotal - OVER BUDGET {format_hours(g.budget)}"
-        else:
-            label = f"subtotal - within budget {format_hours(g.budget)}"
         t.add_section()
-        style = "bold red" if g.over_budget else "bold"
-        t.add_row(label, "", "", "", "", format_gpu_hours(g.gpu_minutes), style=style)
+        t.add_row("subtotal", "", "", "", "", format_gpu_hours(g.gpu_minutes), style="bold")
+        if g.budget is not None:
+            label, style = ("OVER BUDGET", "bold red") if g.over_budget else ("within budget", "green")
+            t.add_row(label, "", "", "", "", format_hours(g.budget), style=style)
         console.print(t)
     console.file.flush()
     print(f"Total GPU hours: {format_gpu_hours(result.total_gpu_minutes)}", flush=True)

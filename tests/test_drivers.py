@@ -242,7 +242,12 @@ def test_leading_zero_integer_is_refused_because_bash_reads_octal(tmp_path):
 
 def test_zero_nodes_is_an_error(tmp_path):
     d = driver(tmp_path, SIZING.replace("NUM_NODES=1", "NUM_NODES=0"))
-    assert "must be positive" in error_of(d).message
+    assert "must be 1 or more" in error_of(d).message
+
+
+def test_zero_gpus_per_node_is_a_cpu_driver_costing_nothing(tmp_path):
+    c = parse_driver(driver(tmp_path, SIZING + "GPUS_PER_NODE=0"))
+    assert (c.gpus_per_node, c.gpu_minutes) == (0, 0)
 
 
 def test_a_command_inside_the_block_is_an_error(tmp_path):

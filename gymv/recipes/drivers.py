@@ -224,10 +224,10 @@ def parse_driver(path: str | Path, env: dict[str, str] | None = None) -> DriverC
     block = find_block(current)
     while True:
         chain.append(current)
-        seen.add(current.resolve())
         assigned = run_block(block.lines, scope, str(current))
         if block.exec_target is None:
             break
+        seen.add(current.resolve())
         for name, _ in assigned:
             wrapper_sets[name] = (scope.values[name], scope.origin[name])
             if name not in scope.exported:
@@ -265,9 +265,10 @@ def _effective(path: Path, block: ConfigBlock, scope: Scope, chain: tuple[Path, 
                 f"{key}={values[key]!r} is not an integer{via}" + (" (a leading 0 reads as octal in bash)" if leading_zero else ""),
                 where=origin.get(key, block_where), fix=f"set {key} to a whole number such as 8",
             )
-        if n <= 0:
-            raise GymvError(f"{key}={n} must be positive{via}", where=origin.get(key, block_where),
-                            fix=f"set {key} to 1 or more")
+        least = 0 if key == "GPUS_PER_NODE" else 1  # 0 GPUs per node is a CPU-only (`1n0g`) recipe
+        if n < least:
+            raise GymvError(f"{key}={n} must be {least} or more{via}", where=origin.get(key, block_where),
+                            fix=f"set {key} to {least} or more")
         numbers[key] = n
     if "GPUS_PER_NODE" not in numbers:
         numbers["GPUS_PER_NODE"] = DEFAULT_GPUS_PER_NODE

@@ -7,6 +7,7 @@ exactly. Only the figures shown are rounded: GPU-hours = GPU-minutes / 60, half 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -157,10 +158,11 @@ def _driver_dict(d: DriverCost) -> dict:
 class _Planner:
     def __init__(self, recipes_dir: Path):
         self.recipes_dir = recipes_dir
+        self.recipes_abs = Path(os.path.abspath(recipes_dir))
         self.cache: dict[Path, DriverConfig] = {}
 
     def driver(self, path: Path) -> DriverConfig:
-        key = path.resolve()
+        key = Path(os.path.abspath(path))
         if key not in self.cache:
             self.cache[key] = parse_driver(path)
         return self.cache[key]
@@ -213,12 +215,12 @@ class _Planner:
                         fix="pass a suite name or driver/recipe paths")
 
     def _relative(self, recipe: Path) -> str:
-        return recipe.resolve().relative_to(self.recipes_dir.resolve()).as_posix()
+        return Path(os.path.abspath(recipe)).relative_to(self.recipes_abs).as_posix()
 
     def _is_suite_recipe(self, p: Path) -> bool:
         """A recipe under a subfolder of the recipes directory (not an exemplar, not a suites/drivers file)."""
         try:
-            rel = p.resolve().relative_to(self.recipes_dir.resolve())
+            rel = Path(os.path.abspath(p)).relative_to(self.recipes_abs)
         except ValueError:
             return False
         return len(rel.parts) > 1 and rel.parts[0] not in (SUITES_DIR, DRIVERS_DIR)
@@ -270,7 +272,7 @@ def plan(targets: Sequence[str | Path] = (), recipes_dir: str | Path = "recipes"
     if path_drivers:
         unique: dict[Path, Path] = {}
         for p in path_drivers:
-            unique.setdefault(p.resolve(), p)
+            unique.setdefault(Path(os.path.abspath(p)), p)
         costs = [DriverCost(planner.driver(p), recipe_for_driver(recipes_dir, p)) for p in unique.values()]
         groups.append(Group(None, None, None, tuple(costs)))
     return DryRun(tuple(groups))
