@@ -7,8 +7,9 @@ whole processes, each approach over the same tree:
   gymv dry-run            one process for every driver (the real CLI)
   gymv lint               one process for every recipe (only when the command is installed)
   per-file python -c      a fresh interpreter per recipe file, as a per-file pre-commit hook runs a checker
-  bash source per script  one bash sourcing every driver's CONFIG block in turn and summing GPU-hours in
+  bash, one shell         one bash sourcing every driver's CONFIG block in turn and summing GPU-hours in
                           integer arithmetic (the variables of one block stay set for the next one)
+  bash per driver         the same, with a fresh bash per driver (no leaks, one process per file)
 
 Target: lint + dry-run over 300 recipes under 2 s wall on 2 cores.
 Usage: .venv/bin/python bench/lint_dryrun.py [--n 300] [--repeat 3] [--keep DIR]
@@ -152,8 +153,15 @@ def main() -> None:
         rows.append(("peer: python -c per recipe", len(py_cmds), per_file(py_cmds, root), "parse only"))
         t0 = time.perf_counter()
         p = subprocess.run(["bash", "-c", BASH_LOOP, "_", *map(str, drivers)], cwd=root, capture_output=True, text=True)
-        rows.append(("peer: bash source per script", 1, time.perf_counter() - t0,
-                     p.stdout.strip() + " (leaked values, floored per script)"))
+        rows.append(("peer: bash, one shell", 1, time.perf_counter() - t0,
+                     p.stdout.strip() + " (values leak between scripts; floored per script)"))
+        t0 = time.perf_counter()
+        total = 0
+        for d in drivers:
+            p = subprocess.run(["bash", "-c", BASH_LOOP, "_", str(d)], cwd=root, capture_output=True, text=True, check=True)
+            total += int(p.stdout.split(":")[1])
+        rows.append(("peer: bash per driver", len(drivers), time.perf_counter() - t0,
+                     f"Total GPU hours: {total} (floored per script)"))
 
         print(f"{args.n} recipes + drivers in {root}; {os.cpu_count()} CPUs; gymv runs: median of {args.repeat}\n")
         width = max(len(r[0]) for r in rows)

@@ -257,6 +257,30 @@ def test_cli_bad_driver_is_one_line_naming_file_and_line_exit_2(gymv, repo):
     assert line.startswith("error: recipes/drivers/llm/a-1n8g.sh:8: command substitution")
 
 
+BAD_BLOCKS = {
+    "no END marker": (f"{BEGIN}\n" + sizing(), 2, "no END marker"),
+    "no block": (sizing(), 1, "no CONFIG block"),
+    "command substitution": (f"{BEGIN}\n{sizing()}H=$(hostname)\n{END}\n", 8, "command substitution"),
+    "backticks": (f"{BEGIN}\n{sizing()}H=`hostname`\n{END}\n", 8, "backticks"),
+    "unknown variable": (f"{BEGIN}\n{sizing()}X=$NOPE\n{END}\n", 8, "unknown variable"),
+    "malformed arithmetic": (f"{BEGIN}\n{sizing()}X=$(( 2 * ))\n{END}\n", 8, "malformed arithmetic"),
+    "division by zero": (f"{BEGIN}\n{sizing()}X=$(( 2 / 0 ))\n{END}\n", 8, "division by zero"),
+    "missing key": (f"{BEGIN}\nNUM_NODES=1\n{END}\n", 2, "does not set"),
+    "non-integer": (f"{BEGIN}\n{sizing().replace('NUM_MINUTES=60', 'NUM_MINUTES=1.5')}{END}\n", 7, "not an integer"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BLOCKS))
+def test_cli_each_bad_driver_exits_2_with_one_line_naming_file_and_line(gymv, repo, case):
+    body, line, message = BAD_BLOCKS[case]
+    (repo / "recipes/drivers/llm/c-4n8g.sh").write_text("#!/bin/bash\n" + body)
+    r = gymv("dry-run", "release", cwd=repo)
+    assert r.code == 2
+    assert "Traceback" not in r.stderr
+    [err] = own_stderr(r)
+    assert err.startswith(f"error: recipes/drivers/llm/c-4n8g.sh:{line}: ") and message in err
+
+
 def test_cli_unknown_suite_is_one_line_listing_suites_exit_2(gymv, repo):
     r = gymv("dry-run", "nightlyy", cwd=repo)
     assert r.code == 2
