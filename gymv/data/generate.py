@@ -83,9 +83,13 @@ class RowGenerator:
         self.workers = max(1, min(workers or default_workers(), len(seeds)))
         self.chunk = chunk or max(1, min(32, len(seeds) // (self.workers * 8) or 1))
         self._pool = None
+        self._first: list[str] = []
 
     def __enter__(self) -> "RowGenerator":
-        if self.workers > 1 and len(self.seeds) >= 2 * self.chunk:
+        # The first row is made here, before forking: it imports what the environment needs (numpy, PIL)
+        # once, instead of once per worker.
+        self._first = _make_chunk((self.env, self.knobs, self.seeds[:1], 0))
+        if self.workers > 1 and len(self.seeds) >= max(32, 4 * self.chunk):
             methods = multiprocessing.get_all_start_methods()
             method = "fork" if "fork" in methods and threading.active_count() == 1 else "spawn"
             self._pool = multiprocessing.get_context(method).Pool(self.workers)
@@ -98,7 +102,8 @@ class RowGenerator:
             self._pool = None
 
     def __iter__(self) -> Iterator[str]:
-        jobs = ((self.env, self.knobs, self.seeds[i:i + self.chunk], i) for i in range(0, len(self.seeds), self.chunk))
+        yield from self._first
+        jobs = ((self.env, self.knobs, self.seeds[i:i + self.chunk], i) for i in range(1, len(self.seeds), self.chunk))
         if self._pool is None:
             for job in jobs:
                 yield from _make_chunk(job)

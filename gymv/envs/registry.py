@@ -75,7 +75,13 @@ def get_env(name: str, **kwargs: Any) -> Environment:
     """An instance of the named environment; keyword arguments go to its constructor."""
     key = normalize(name)
     factory = _load(key)
-    env = factory(**kwargs) if callable(factory) else factory
+    try:
+        env = factory(**kwargs) if callable(factory) else factory
+    except GymvError:
+        raise
+    except Exception as e:
+        raise GymvError(f"environment {name!r} failed to start: {type(e).__name__}: {e}",
+                        fix="fix the environment's constructor or its plugin") from None
     if not isinstance(env, Environment):
         raise GymvError(f"environment {name!r} did not produce an Environment (got {type(env).__name__})",
                         fix="its entry point must name an Environment subclass or a function returning one")
