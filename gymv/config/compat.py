@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from gymv.config.findings import Finding
-from gymv.config.schema import GrpoSection, MopdSection, RecipeBase, SftSection
+from gymv.config.schema import GrpoSection, MopdSection, RecipeBase
 from gymv.config.transports import REFIT_TRANSPORTS
 from gymv.config.tree import split_key
 from gymv.config.yamlfile import KeyPath, Origin
@@ -62,14 +62,6 @@ def data_parallel_size(cfg: RecipeBase) -> int:
     gpus = training_gpus(cfg)
     mp = model_parallel_size(cfg)
     return gpus // mp if gpus and gpus % mp == 0 else 1
-
-
-def samples_per_step(cfg: RecipeBase) -> int:
-    s = cfg.algo_section
-    if isinstance(s, SftSection):
-        return s.batch_size
-    assert isinstance(s, GrpoSection | MopdSection)
-    return s.prompts_per_step * s.generations_per_prompt
 
 
 def _grpo(cfg: RecipeBase) -> GrpoSection | None:
@@ -221,7 +213,7 @@ def _vllm_tp(cfg: RecipeBase) -> Iterator[Finding]:
 
 @rule("batch.divides-step", "the samples of one step must split into whole optimizer batches")
 def _batch_divides(cfg: RecipeBase) -> Iterator[Finding]:
-    n, gbs = samples_per_step(cfg), cfg.training.global_batch_size
+    n, gbs = cfg.samples_per_step, cfg.training.global_batch_size or cfg.samples_per_step
     if n % gbs:
         yield _err("batch.divides-step", "training.global_batch_size",
                    f"training.global_batch_size {gbs} does not divide the {n} samples of one step",
@@ -230,7 +222,7 @@ def _batch_divides(cfg: RecipeBase) -> Iterator[Finding]:
 
 @rule("batch.data-parallel", "the global batch must split evenly across data-parallel ranks")
 def _batch_dp(cfg: RecipeBase) -> Iterator[Finding]:
-    dp, gbs = data_parallel_size(cfg), cfg.training.global_batch_size
+    dp, gbs = data_parallel_size(cfg), cfg.training.global_batch_size or cfg.samples_per_step
     if gbs % dp:
         yield _err("batch.data-parallel", "training.global_batch_size",
                    f"training.global_batch_size {gbs} does not split across {dp} data-parallel ranks",

@@ -93,7 +93,7 @@ class TrainingSection(Section):
     betas: Annotated[list[float], Field(min_length=2, max_length=2)] = [0.9, 0.999]
     eps: PosFloat = 1e-8
     max_grad_norm: PosFloat | None = 1.0
-    global_batch_size: PosInt = 32
+    global_batch_size: PosInt | None = None  # null: the samples of one step (filled in on validation)
     micro_batch_tokens: PosInt = 4096
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     gradient_checkpointing: bool = False
@@ -225,6 +225,20 @@ class RecipeBase(Section):
     logger: LoggerSection = LoggerSection()
     checks: list[str] = []
     smoke: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _fill_global_batch(self) -> "RecipeBase":
+        if self.training.global_batch_size is None and hasattr(self, base_algorithm(self.algorithm)):
+            self.training.global_batch_size = self.samples_per_step
+        return self
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples one step trains on: sft.batch_size, or prompts_per_step x generations_per_prompt."""
+        s = self.algo_section
+        if isinstance(s, SftSection):
+            return s.batch_size
+        return s.prompts_per_step * s.generations_per_prompt  # type: ignore[attr-defined]
 
     @property
     def base_algorithm(self) -> str:

@@ -1,0 +1,207 @@
+"""Cross-field rules (check_compatibility): the same findings feed loader errors and `gymv lint`."""
+
+from __future__ import annotations
+
+import pytest
+
+from gymv.config import RULES, check_compatibility, validate_config
+from gymv.config.schema import RecipeBase
+from gymv.config.transports import RefitTransport, register_refit_transport, unregister_refit_transport
+
+GPU = {"cluster": {"gpus_per_node": 8}}
+
+
+def cfg(**sections) -> RecipeBase:
+    """A config validated by the schema alone, so each rule can be tested on its own."""
+    from gymv.config.schema import MODELS
+
+    data = {"algorithm": "grpo", **sections}
+    return MODELS[data["algorithm"]].model_validate(data)
+
+
+def rules_hit(c: RecipeBase, severity: str = "error") -> set[str]:
+    return {f.rule for f in check_compatibility(c) if f.severity == severity}
+
+
+def deep(*dicts: dict) -> dict:
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = deep(out.get(k, {}), v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def test_the_defaults_break_no_rule():
+    assert check_compatibility(cfg()) == []
+
+
+@pytest.fixture
+def no_reset_transport():
+    register_refit_transport(RefitTransport("carrier_pigeon", resets_encoder_cache=False))
+    yield "carrier_pigeon"
+    unregister_refit_transport("carrier_pigeon")
+
+
+def test_encoder_cache_reset_with_a_transport_that_cannot_reset_is_an_error(no_reset_transport):
+    c = cfg(generation={"reset_encoder_cache_after_weight_update": True}, refit={"transport": no_reset_transport})
+    [f] = check_compatibility(c)
+    assert f.rule == "refit.encoder-cache-reset" and f.key == "generation.reset_encoder_cache_after_weight_update"
+    assert "carrier_pigeon" in f.message and "object_store" in f.fix
+
+
+def test_the_same_transport_without_the_flag_is_fine(no_reset_transport):
+    assert check_compatibility(cfg(refit={"transport": no_reset_transport})) == []
+
+
+@pytest.mark.parametrize("transport", ["object_store", "shm", "cuda_ipc", "nccl"])
+def test_every_builtin_transport_implements_the_encoder_cache_reset(transport):
+    c = cfg(generation={"reset_encoder_cache_after_weight_update": True}, refit={"transport": transport}, **GPU)
+    assert "refit.encoder-cache-reset" not in rules_hit(c)
+
+
+def test_async_without_importance_sampling_is_an_error():
+    assert rules_hit(cfg(grpo={"async": {"enabled": True}})) == {"async.importance-sampling"}
+
+
+def test_async_with_truncated_importance_sampling_is_fine_on_cpu():
+    assert rules_hit(cfg(grpo={"async": {"enabled": True}, "importance_sampling": {"kind": "truncated"}})) == set()
+
+
+def test_async_on_colocated_gpus_is_an_error():
+    c = cfg(grpo={"async": {"enabled": True}, "importance_sampling": {"kind": "icepop"}}, **GPU)
+    assert rules_hit(c) == {"async.separate-gpus"}
+
+
+def test_parallel_sizes_must_divide_the_gpus():
+    c = cfg(training={"backend": "megatron", "parallel": {"tensor": 3}}, **GPU)
+    assert "parallel.divides-gpus" in rules_hit(c)
+
+
+def test_parallel_sizes_that_divide_the_gpus_are_fine():
+    c = cfg(training={"backend": "megatron", "parallel": {"tensor": 2, "pipeline": 2, "context": 2}}, **GPU)
+    assert rules_hit(c) == set()
+
+
+def test_parallel_sizes_divide_the_training_gpus_when_not_colocated():
+    split = {"cluster": {"gpus_per_node": 8, "colocated": False, "generation_gpus": 2, "training_gpus": 6},
+             "refit": {"transport": "nccl"}}
+    assert "parallel.divides-gpus" in rules_hit(cfg(training={"backend": "megatron", "parallel": {"tensor": 4}}, **split))
+    assert "parallel.divides-gpus" not in rules_hit(cfg(training={"backend": "megatron", "parallel": {"tensor": 2}}, **split))
+
+
+def test_model_parallelism_with_the_torch_backend_is_an_error():
+    assert "parallel.backend" in rules_hit(cfg(training={"parallel": {"tensor": 2}}, **GPU))
+
+
+def test_vllm_on_cpu_is_an_error():
+    assert rules_hit(cfg(generation={"backend": "vllm"})) == {"backend.needs-gpu"}
+
+
+def test_megatron_on_cpu_is_an_error():
+    assert rules_hit(cfg(training={"backend": "megatron"})) == {"backend.needs-gpu"}
+
+
+def test_a_gpu_transport_on_cpu_is_an_error():
+    assert rules_hit(cfg(refit={"transport": "nccl"})) == {"refit.transport-placement"}
+
+
+def test_cuda_ipc_needs_colocated_gpus():
+    split = deep(GPU, {"cluster": {"colocated": False, "generation_gpus": 4, "training_gpus": 4}})
+    assert rules_hit(cfg(refit={"transport": "cuda_ipc"}, **split)) == {"refit.transport-placement"}
+
+
+def test_shared_memory_refit_cannot_cross_nodes():
+    c = cfg(refit={"transport": "shm"}, cluster={"num_nodes": 2, "gpus_per_node": 8})
+    assert rules_hit(c) == {"refit.transport-placement"}
+
+
+def test_vllm_tensor_parallel_must_divide_the_generation_gpus():
+    c = cfg(generation={"backend": "vllm", "vllm": {"tensor_parallel_size": 3}}, **GPU)
+    assert rules_hit(c) == {"vllm.tensor-parallel"}
+
+
+def test_a_split_larger_than_the_cluster_is_an_error():
+    c = cfg(cluster={"gpus_per_node": 8, "colocated": False, "generation_gpus": 4, "training_gpus": 8},
+            refit={"transport": "nccl"})
+    assert rules_hit(c) == {"cluster.gpu-split"}
+
+
+def test_idle_gpus_in_a_split_are_a_warning():
+    c = cfg(cluster={"gpus_per_node": 8, "colocated": False, "generation_gpus": 2, "training_gpus": 4},
+            refit={"transport": "nccl"})
+    assert rules_hit(c) == set() and rules_hit(c, "warning") == {"cluster.gpu-split"}
+
+
+def test_a_split_on_a_colocated_cluster_is_an_error():
+    assert rules_hit(cfg(cluster={"gpus_per_node": 8, "training_gpus": 4})) == {"cluster.gpu-split"}
+
+
+def test_non_colocated_gpus_need_both_counts():
+    c = cfg(cluster={"gpus_per_node": 8, "colocated": False, "generation_gpus": 4}, refit={"transport": "nccl"})
+    assert [f.key for f in check_compatibility(c)] == ["cluster.training_gpus"]
+
+
+def test_global_batch_must_divide_the_samples_of_a_step():
+    c = cfg(grpo={"prompts_per_step": 4, "generations_per_prompt": 4}, training={"global_batch_size": 6})
+    assert "batch.divides-step" in rules_hit(c)
+
+
+def test_global_batch_must_split_across_data_parallel_ranks():
+    c = cfg(grpo={"prompts_per_step": 3, "generations_per_prompt": 4}, training={"global_batch_size": 12}, **GPU)
+    assert rules_hit(c) == {"batch.data-parallel"}
+
+
+def test_a_rollout_longer_than_the_context_is_an_error():
+    assert rules_hit(cfg(model={"max_seq_len": 512}, env={"max_rollout_tokens": 1024})) == {"rollout.fits-context"}
+
+
+def test_no_training_data_source_is_an_error():
+    assert rules_hit(cfg(data={"prepare": None})) == {"data.source"}
+
+
+def test_leave_one_out_needs_two_generations():
+    c = cfg(grpo={"generations_per_prompt": 1}, training={"global_batch_size": 8})
+    assert rules_hit(c) == {"grpo.leave-one-out"}
+
+
+def test_greedy_grpo_is_a_warning():
+    assert rules_hit(cfg(generation={"temperature": 0}), "warning") == {"grpo.greedy"}
+
+
+def mopd(**mopd_section) -> RecipeBase:
+    section = deep({"teachers": {"a": {"path": "x"}}}, mopd_section)
+    return cfg(algorithm="mopd", mopd=section)
+
+
+def test_mopd_routing_to_an_undefined_teacher_is_an_error():
+    [f] = check_compatibility(mopd(agent_to_teacher={"circle_count_simple_agent": "b"}))
+    assert f.rule == "mopd.routing" and f.key == "mopd.agent_to_teacher.circle_count_simple_agent"
+
+
+def test_mopd_non_strict_matching_needs_a_default_teacher():
+    assert rules_hit(mopd(strict_agent_name_match=False)) == {"mopd.routing"}
+    assert rules_hit(mopd(strict_agent_name_match=False, default_teacher_alias="a")) == set()
+
+
+def test_mopd_default_teacher_must_exist():
+    assert rules_hit(mopd(default_teacher_alias="zzz")) == {"mopd.routing"}
+
+
+def test_a_separate_teacher_on_gpus_needs_gpus_divisible_by_its_replicas():
+    base = {"cluster": {"gpus_per_node": 8, "colocated": False, "generation_gpus": 2, "training_gpus": 4},
+            "refit": {"transport": "nccl"}}
+    ok = cfg(algorithm="mopd", mopd={"teachers": {"a": {"path": "x", "placement": "separate", "gpus": 2,
+                                                         "data_parallel_size": 2}}}, **base)
+    bad = cfg(algorithm="mopd", mopd={"teachers": {"a": {"path": "x", "placement": "separate", "gpus": 3,
+                                                          "data_parallel_size": 2}}}, **base)
+    assert rules_hit(ok) == set() and rules_hit(bad) == {"mopd.teacher-gpus", "cluster.gpu-split"}
+
+
+def test_every_rule_has_a_unique_id_and_a_summary():
+    ids = [r.id for r in RULES]
+    assert len(ids) == len(set(ids)) and all(r.summary for r in RULES)
+
+
+def test_the_loader_raises_compatibility_errors_but_validate_config_alone_does_not():
+    data = {"algorithm": "grpo", "generation": {"backend": "vllm"}}
+    assert validate_config(data).generation.backend == "vllm"
