@@ -1,0 +1,1 @@
+"""Ray: start or join a cluster, place generation and training workers, move weights between them."""

@@ -1,0 +1,87 @@
+"""Start a local Ray cluster sized to this machine, or join an existing one, with errors a user can act on."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+from gymv.errors import GymvError
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    address: str
+    num_cpus: float
+    num_gpus: float
+    started_here: bool
+
+
+def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
+    """Ray waits minutes on an address nobody listens on; a plain TCP connect fails in a moment."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise GymvError(f"bad Ray address {address!r}", fix="use HOST:PORT, e.g. 127.0.0.1:6379, or 'auto'")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise GymvError(
+            f"cannot reach a Ray cluster at {address} ({e.strerror or e})",
+            fix="start one with `ray start --head` or drop --ray-address to use a local cluster",
+        ) from None
+
+
+def start_ray(address: str | None = None, *, num_cpus: int | None = None, num_gpus: int | None = None) -> ClusterInfo:
+    """Join `address` (HOST:PORT or 'auto') or start a private local cluster bound to 127.0.0.1."""
+    try:
+        import ray
+    except ImportError as e:  # pragma: no cover - ray is a core dependency
+        raise GymvError(f"Ray is not installed ({e})", fix="pip install 'ray[default]'") from None
+    if ray.is_initialized():
+        res = ray.cluster_resources()
+        return ClusterInfo(ray.get_runtime_context().gcs_address, res.get("CPU", 0), res.get("GPU", 0), False)
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    kwargs = dict(include_dashboard=False, log_to_driver=True, logging_level=logging.ERROR, namespace="gymv")
+    if address and address != "auto":
+        _check_reachable(address)
+    try:
+        if address:
+            ray.init(address=address, **kwargs)
+            started = False
+        else:
+            if num_gpus is None:
+                num_gpus = _local_gpu_count()
+            ray.init(
+                num_cpus=num_cpus or os.cpu_count() or 1,
+                num_gpus=num_gpus,
+                _node_ip_address="127.0.0.1",
+                **kwargs,
+            )
+            started = True
+    except GymvError:
+        raise
+    except Exception as e:
+        raise GymvError(
+            f"Ray failed to start: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+            fix="check `ray status`, free disk space in /tmp, or pass --ray-address of a running cluster",
+        ) from None
+    res = ray.cluster_resources()
+    return ClusterInfo(ray.get_runtime_context().gcs_address, res.get("CPU", 0), res.get("GPU", 0), started)
+
+
+def stop_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def _local_gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
