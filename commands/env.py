@@ -103,7 +103,7 @@ def verify(
         rows = [[name, t.rollouts, t.reward_sum / t.rollouts if t.rollouts else None,
                  t.recorded_sum / t.recorded if t.recorded else None, t.mismatches]
                 for name, t in sorted(report.by_env.items())]
-        rows.append(["all", report.scored, report.mean_reward, None, len(report.mismatches)])
+        rows.append(["all", report.scored, report.mean_reward, report.recorded_mean_reward, len(report.mismatches)])
         console.print(table(f"{rollouts}: {report.lines} rollouts, {report.scored} scored",
                             ["env", "rollouts", "mean reward", "recorded mean", "mismatches"], rows))
         if report.failures:

@@ -108,7 +108,7 @@ class EnvServer:
         return f"http://{host}:{self.port}"
 
     def serve_forever(self) -> None:
-        self.httpd.serve_forever(poll_interval=0.2)
+        self.httpd.serve_forever(poll_interval=0.05)
 
     def start(self) -> "EnvServer":
         self._thread = threading.Thread(target=self.serve_forever, name=f"gymv-env-{self.env.name}", daemon=True)

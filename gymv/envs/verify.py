@@ -58,12 +58,18 @@ class VerifyReport:
     def mean_reward(self) -> float | None:
         return self.reward_sum / self.scored if self.scored else None
 
+    @property
+    def recorded_mean_reward(self) -> float | None:
+        n = sum(t.recorded for t in self.by_env.values())
+        return sum(t.recorded_sum for t in self.by_env.values()) / n if n else None
+
     def as_dict(self) -> dict:
         return {
             "path": self.path,
             "rollouts": self.lines,
             "scored": self.scored,
             "mean_reward": self.mean_reward,
+            "recorded_mean_reward": self.recorded_mean_reward,
             "by_env": {name: t.as_dict() for name, t in sorted(self.by_env.items())},
             "failures": dict(sorted(self.failures.items())),
             "mismatches": self.mismatches,
@@ -120,8 +126,10 @@ def score_rollout(rollout: dict, *, env: Environment | None = None, data: _DataR
     row = rollout
     if _needs_join(rollout, env):
         if TASK_INDEX not in rollout:
-            raise GymvError("rollout has no verifier fields and no _ng_task_index to find its data row", where=where,
-                            fix="re-run with rollouts that include the row's fields")
+            missing = next((k for k in env.verifier_fields if k not in rollout), None) if env else None
+            what = f"is missing the verifier field {missing!r} that {env.name} needs" if missing else "has no verifier fields"
+            raise GymvError(f"rollout {what} and no _ng_task_index to find its data row", where=where,
+                            fix="score rollouts that carry the row's fields, or ones with _ng_task_index plus --data")
         if data is None:
             raise GymvError("rollout has no verifier fields; its data row is needed", where=where,
                             fix="pass the dataset it was run on with --data ROWS.jsonl")

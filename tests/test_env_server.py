@@ -1,0 +1,206 @@
+"""`gymv env serve`: a real HTTP server on a free 127.0.0.1 port, driven by a real HTTP client."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from gymv.data.images import png_data_url
+from gymv.envs import Environment, Image, ModelTurn, Score, Tool, ToolOutput, get_env
+from gymv.envs.client import EnvClient, EnvHTTPError
+from gymv.envs.server import EnvServer
+
+
+@pytest.fixture
+def click_server():
+    with EnvServer(get_env("circle-click"), "127.0.0.1", 0, max_body_bytes=1024 * 1024) as srv:
+        yield srv
+
+
+@pytest.fixture
+def count_server():
+    with EnvServer(get_env("circle-count")) as srv:
+        yield srv
+
+
+def post(srv: EnvServer, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict, dict]:
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=10)
+    conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    raw = resp.read()
+    conn.close()
+    return resp.status, json.loads(raw), dict(resp.getheaders())
+
+
+def joined(vectors, env: str) -> list[dict]:
+    rows = [json.loads(x) for x in (vectors / "nemo_gym" / env / "example.jsonl").read_text().splitlines()]
+    rollouts = [json.loads(x) for x in (vectors / "nemo_gym" / env / "example_rollouts.jsonl").read_text().splitlines()]
+    return [{**rows[r["_ng_task_index"]], **r} for r in rollouts]
+
+
+def test_liveness_answers_status_ok(click_server):
+    assert EnvClient(click_server.url).health()["status"] == "ok"
+
+
+def test_seed_session_sets_a_session_cookie(click_server):
+    client = EnvClient(click_server.url)
+    assert client.seed_session() == {}
+    assert re.fullmatch(r"[0-9a-f]{32}", client.session_id)
+
+
+def test_session_cookie_is_kept_across_calls_and_differs_between_rollouts(click_server):
+    a, b = EnvClient(click_server.url), EnvClient(click_server.url)
+    a.seed_session()
+    b.seed_session()
+    first = a.session_id
+    a.call_tool("click", {"x": 1, "y": 2})
+    assert a.session_id == first and b.session_id != first
+
+
+def test_click_tool_endpoint_echoes_the_point(click_server):
+    out = EnvClient(click_server.url).call_tool("click", {"x": 5, "y": 7})
+    assert json.loads(out.text) == {"x": 5, "y": 7} and out.images == []
+
+
+def test_verify_reproduces_recorded_rewards_over_http(click_server, vectors):
+    client = EnvClient(click_server.url)
+    for rollout in joined(vectors, "circle_click"):
+        result = client.verify(rollout)
+        assert (result["reward"], result["hit"], result["clicked_x"]) == (rollout["reward"], rollout["hit"], rollout["clicked_x"])
+
+
+def test_aggregate_metrics_match_nemo_gyms_summary_statistics(count_server, vectors):
+    client = EnvClient(count_server.url)
+    verified = [client.verify(r) for r in joined(vectors, "circle_count")]
+    metrics = client.aggregate_metrics(verified)
+    assert metrics["agent_metrics"]["mean/reward"] == pytest.approx(0.6)
+    assert metrics["agent_metrics"]["std/reward"] == pytest.approx(0.5477225575051662)
+    assert metrics["agent_metrics"]["mean/output_tokens"] == pytest.approx(273.6)
+    assert metrics["key_metrics"]["mean/predicted_count"] == pytest.approx(4.2)
+    assert [g["_ng_task_index"] for g in metrics["group_level_metrics"]] == [0, 1, 2, 3, 4]
+
+
+def test_malformed_json_body_is_400_with_a_message(click_server):
+    status, body, _ = post(click_server, "/verify", b'{"response": ')
+    assert status == 400 and "malformed JSON body" in body["detail"]
+
+
+def test_body_that_is_not_an_object_is_422(click_server):
+    status, body, _ = post(click_server, "/verify", b"[1, 2]")
+    assert status == 422 and "must be a JSON object" in body["detail"]
+
+
+def test_empty_body_is_400(click_server):
+    status, body, _ = post(click_server, "/seed_session", b"")
+    assert status == 400 and "empty request body" in body["detail"]
+
+
+def test_verify_of_a_row_missing_verifier_fields_is_422_naming_the_field(click_server):
+    status, body, _ = post(click_server, "/verify", json.dumps({"response": {"output": []}}).encode())
+    assert status == 422 and "'circles'" in body["detail"]
+
+
+def test_verify_without_a_response_is_422(click_server):
+    status, body, _ = post(click_server, "/verify", json.dumps({"circles": [], "target_color": "red"}).encode())
+    assert status == 422 and "'response'" in body["detail"]
+
+
+def test_oversized_body_is_413_without_reading_it(click_server):
+    conn = http.client.HTTPConnection(click_server.host, click_server.port, timeout=10)
+    conn.putrequest("POST", "/verify")
+    conn.putheader("Content-Length", str(10 * 1024 * 1024))
+    conn.endheaders()  # the body is never sent: the server must answer from the header
+    resp = conn.getresponse()
+    assert resp.status == 413 and "over the 1048576 byte limit" in json.loads(resp.read())["detail"]
+
+
+def test_unknown_tool_is_404_listing_the_tools(click_server):
+    status, body, _ = post(click_server, "/zoom", b"{}")
+    assert status == 404 and "tools are click" in body["detail"]
+
+
+def test_tool_arguments_of_the_wrong_type_are_422_with_a_message(click_server):
+    with pytest.raises(EnvHTTPError) as e:
+        EnvClient(click_server.url).call_tool("click", {"x": [3, 4], "y": 1})
+    assert e.value.status == 422 and "argument 'x' must be an integer" in e.value.detail
+
+
+def test_seed_session_with_a_row_whose_image_is_not_a_data_url_is_422(click_server):
+    row = {"responses_create_params": {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "file:///etc/passwd"}]}]}, "circles": [], "target_color": "red"}
+    status, body, _ = post(click_server, "/seed_session", json.dumps(row).encode())
+    assert status == 422 and "not a data URL" in body["detail"]
+
+
+def test_post_without_content_length_is_411(click_server):
+    conn = http.client.HTTPConnection(click_server.host, click_server.port, timeout=10)
+    conn.putrequest("POST", "/verify")
+    conn.endheaders()
+    resp = conn.getresponse()
+    assert resp.status == 411
+
+
+def test_unsupported_method_is_405(click_server):
+    conn = http.client.HTTPConnection(click_server.host, click_server.port, timeout=10)
+    conn.request("DELETE", "/verify")
+    assert conn.getresponse().status == 405
+
+
+def test_the_server_keeps_serving_after_bad_requests(click_server):
+    post(click_server, "/verify", b"{{{{")
+    post(click_server, "/nope", b"{}")
+    assert EnvClient(click_server.url).health()["status"] == "ok"
+
+
+class Camera(Environment):
+    """A stateful tool that answers with an image: the count of shots lives in the rollout's session."""
+
+    name = "camera"
+    agent_name = "camera_agent"
+    verifier_fields = ("goal",)
+
+    def tool_specs(self):
+        return [Tool("shoot", "Take a picture.", {"type": "object", "properties": {}}, self._shoot)]
+
+    def _shoot(self, state, args):
+        shots = state.data["shots"] = state.data.get("shots", 0) + 1 if state else 0
+        return ToolOutput(f"shot {shots}", [Image(png_data_url(np.zeros((2, 2, 3), dtype=np.uint8)))])
+
+    def score_output(self, row, output):
+        return Score(0.0)
+
+    def gold_turn(self, row):
+        return ModelTurn()
+
+
+def test_tool_images_come_back_as_parts_and_tool_state_is_per_session():
+    with EnvServer(Camera()) as srv:
+        a, b = EnvClient(srv.url), EnvClient(srv.url)
+        row = {"responses_create_params": {"input": "Take photos."}, "goal": "x"}
+        a.seed_session(row)
+        b.seed_session(row)
+        a.call_tool("shoot", {})
+        out = a.call_tool("shoot", {})
+        assert out.text == "shot 2" and out.images[0].pil().size == (2, 2)
+        assert b.call_tool("shoot", {}).text == "shot 1"
+
+
+def test_cli_serves_on_a_free_port_until_terminated():
+    proc = subprocess.Popen([sys.executable, "-m", "gymv_cli.main", "env", "serve", "circle-count", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        url = re.search(r"http://127\.0\.0\.1:\d+", line).group(0)
+        assert EnvClient(url).health() == {"status": "ok", "env": "circle-count", "tools": []}
+    finally:
+        proc.terminate()
+        t0 = time.time()
+        proc.wait(timeout=10)
+    assert time.time() - t0 < 5
