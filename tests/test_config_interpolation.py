@@ -131,3 +131,8 @@ def test_an_unterminated_interpolation_is_an_error(tmp_path):
 def test_embedding_a_mapping_in_text_is_an_error(tmp_path):
     with pytest.raises(GymvError, match="cannot be embedded in text"):
         resolved(tmp_path, "a: {b: 1}\nc: x-${a}\n")
+
+
+def test_a_non_number_fed_to_arithmetic_by_an_override_is_blamed_on_the_override(tmp_path):
+    with pytest.raises(GymvError, match=r"the value of \$\{a\}, written at <command line: a=abc>"):
+        resolved(tmp_path, "a: 1\nb: ${mul:${a},2}\n", overrides=["a=abc"])

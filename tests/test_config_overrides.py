@@ -77,8 +77,9 @@ def test_an_override_without_equals_is_an_error():
         parse_override("grpo.max_steps")
 
 
-def test_an_override_origin_is_the_command_line(recipe):
-    assert load_recipe(recipe, ["grpo.prompts_per_step=3"], validate=False).origin("grpo.prompts_per_step").file == "<command line>"
+def test_an_override_origin_is_the_command_line_argument(recipe):
+    origin = load_recipe(recipe, ["grpo.prompts_per_step=3"], validate=False).origin("grpo.prompts_per_step")
+    assert str(origin) == "<command line: grpo.prompts_per_step=3>"
 
 
 def test_smoke_section_is_applied_as_overrides_when_asked(tmp_path):

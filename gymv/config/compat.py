@@ -26,8 +26,9 @@ class Rule:
 RULES: list[Rule] = []
 
 
-def rule(id: str, summary: str):
-    def register(fn: Callable[[RecipeBase], Iterator[Finding]]):
+def rule(id: str, summary: str) -> Callable:
+    """Register a check under a stable id (docs/config.md lists every id)."""
+    def register(fn: Callable[[RecipeBase], Iterator[Finding]]) -> Callable[[RecipeBase], Iterator[Finding]]:
         RULES.append(Rule(id, summary, fn))
         return fn
     return register

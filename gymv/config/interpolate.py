@@ -275,7 +275,19 @@ class _Resolution:
         try:
             return fn(args)
         except ValueError as err:
-            raise self.fail(path, f"`{dotted(path)}`: {_show(e)} failed: {err}", "fix the resolver's arguments") from None
+            raise self.fail(path, f"`{dotted(path)}`: {_show(e)} failed: {err}{self._blame(e, args)}",
+                            "fix the resolver's arguments") from None
+
+    def _blame(self, e: Call, args: list) -> str:
+        """Where a non-numeric argument came from, when it is a reference (often an override)."""
+        for parts, value in zip(e.args, args):
+            if len(parts) == 1 and isinstance(parts[0], Ref):
+                try:
+                    _number(value, e.name)
+                except ValueError:
+                    origin = self.tree.origin(parts[0].key)
+                    return f" (the value of ${{{parts[0].key}}}" + (f", written at {origin})" if origin else ")")
+        return ""
 
 
 def _show(e: Part) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +47,8 @@ def parse_recipe_name(name: str) -> RecipeName:
                       int(m["version"]) if m["version"] else None)
 
 
-def check_recipe_name(path: str | Path, cfg: RecipeBase, locate=None) -> list[Finding]:
+def check_recipe_name(path: str | Path, cfg: RecipeBase,
+                      locate: Callable[[tuple], Origin | None] | None = None) -> list[Finding]:
     """The name must parse and agree with algorithm, cluster size and training backend."""
     path = Path(path)
 

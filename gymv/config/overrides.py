@@ -21,6 +21,10 @@ _KEY = re.compile(r"^[\w-]+(?:\.[\w-]+)*$")
 COMMAND_LINE = "<command line>"
 
 
+def _from_cli(origin: Origin) -> bool:
+    return origin.file.startswith("<command line")
+
+
 @dataclass(frozen=True)
 class Override:
     op: Op
@@ -31,12 +35,12 @@ class Override:
 
     @property
     def where(self) -> str:
-        return str(self.origin) if self.origin.file != COMMAND_LINE else f"override {self.text!r}"
+        return f"override {self.text!r}" if _from_cli(self.origin) else str(self.origin)
 
 
 def parse_override(text: str, origin: Origin = Origin(COMMAND_LINE, None)) -> Override:
     """Parse `a.b=v`, `+a.b=v`, `++a.b=v` or `~a.b`."""
-    where = str(origin) if origin.file != COMMAND_LINE else f"override {text!r}"
+    where = f"override {text!r}" if _from_cli(origin) else str(origin)
     fix = "write key=value, +new.key=value, ++key=value or ~key"
     op: Op
     if text.startswith("~"):
@@ -62,7 +66,8 @@ def parse_override(text: str, origin: Origin = Origin(COMMAND_LINE, None)) -> Ov
 
 
 def as_overrides(items: Iterable[str | Override]) -> list[Override]:
-    return [o if isinstance(o, Override) else parse_override(o) for o in items]
+    """Parse command-line strings; each keeps its text as its origin (`<command line: a.b=1>`)."""
+    return [o if isinstance(o, Override) else parse_override(o, Origin(f"<command line: {o}>", None)) for o in items]
 
 
 def smoke_overrides(tree: ConfigTree) -> list[Override]:
