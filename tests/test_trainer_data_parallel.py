@@ -16,7 +16,9 @@ from tiny_lm import logprob_fn, make_samples, tiny_lm
 
 pytestmark = pytest.mark.slow
 
-CONFIG = TrainerConfig(lr=1e-2, weight_decay=0.01, micro_batch_tokens=24)
+# Adam divides by |g| + eps: with the default eps 1e-8 a float32 summation-order difference of 1e-9 in a
+# near-zero gradient entry moves the update by up to lr * 1e-9 / 1e-8. eps 1e-3 keeps that below 1e-8.
+CONFIG = TrainerConfig(lr=1e-2, eps=1e-3, weight_decay=0.01, micro_batch_tokens=24, precision="fp32")
 LOSSES = [PolicyLoss(), PolicyLoss(aggregation="seq_mean_token_mean")]
 SPLIT = 5  # rank 0 gets 5 samples, rank 1 gets 3: different micro-batch counts per rank
 
@@ -31,41 +33,53 @@ def nan_batch():
     return bad
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _worker(rank: int, world: int, port: int, out: str, backend: str = "gloo") -> None:
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        torch.backends.cudnn.allow_tf32 = False
+        device = f"cuda:{rank}"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        t = TorchTrainer(tiny_lm(seed=rank), logprob_fn, CONFIG)  # rank 1 starts elsewhere: rank 0's weights must win
+        t = TorchTrainer(tiny_lm(seed=rank), logprob_fn, CONFIG, device=device)  # rank 1 starts elsewhere: rank 0's weights must win
         metrics = []
         for samples, loss in zip(batches(), LOSSES):
             metrics.append(t.train_step(samples[:SPLIT] if rank == 0 else samples[SPLIT:], loss))
-        weights = {k: v.clone() for k, v in t.state_dict().items()}
+        weights = {k: v.detach().cpu().clone() for k, v in t.state_dict().items()}
         bad = nan_batch()
         try:
             t.train_step(bad[:SPLIT] if rank == 0 else bad[SPLIT:], PolicyLoss())
             raised = None
         except GymvError as e:
             raised = str(e)
-        untouched = all(torch.equal(weights[k], v) for k, v in t.state_dict().items())
+        untouched = all(torch.equal(weights[k], v.cpu()) for k, v in t.state_dict().items())
         torch.save({"metrics": metrics, "weights": weights, "raised": raised, "untouched": untouched}, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def dp_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dp")
+def spawn_two(out, backend):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, port, str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, port, str(out), backend), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def train_single(device="cpu"):
+    t = TorchTrainer(tiny_lm(seed=0), logprob_fn, CONFIG, device=device)
+    metrics = [t.train_step(samples, loss) for samples, loss in zip(batches(), LOSSES)]
+    return {"metrics": metrics, "weights": {k: v.cpu() for k, v in t.state_dict().items()}}
+
+
+@pytest.fixture(scope="module")
+def dp_results(tmp_path_factory):
+    return spawn_two(tmp_path_factory.mktemp("dp"), "gloo")
 
 
 @pytest.fixture(scope="module")
 def single_process():
-    t = TorchTrainer(tiny_lm(seed=0), logprob_fn, CONFIG)
-    metrics = [t.train_step(samples, loss) for samples, loss in zip(batches(), LOSSES)]
-    return {"metrics": metrics, "weights": t.state_dict()}
+    return train_single()
 
 
 def test_data_parallel_weights_equal_single_process_training(dp_results, single_process):
@@ -95,3 +109,16 @@ def test_nan_on_one_rank_stops_the_step_on_every_rank(dp_results):
     assert "non-finite loss" in dp_results[1]["raised"]
     assert "another data-parallel rank" in dp_results[0]["raised"]
     assert all(r["untouched"] for r in dp_results)
+
+
+@pytest.mark.gpu
+def test_nccl_data_parallel_on_two_gpus_equals_single_gpu_training(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    torch.backends.cudnn.allow_tf32 = False
+    single = train_single("cuda:0")
+    ranks = spawn_two(tmp_path, "nccl")
+    for rank in ranks:
+        for k, v in single["weights"].items():
+            assert torch.allclose(rank["weights"][k], v, atol=1e-6, rtol=0), k
+    assert "non-finite loss" in ranks[1]["raised"] and all(r["untouched"] for r in ranks)
