@@ -1,7 +1,5 @@
 """Atomic checkpoints: layout, latest pointer, pruning, exact resume, and crashes in the middle of a save."""
 
-import json
-import os
 import random
 import subprocess
 import sys
