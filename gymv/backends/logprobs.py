@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from gymv.backends.hf_forward import forward_logits
 from gymv.backends.multimodal import MultimodalAdapter
 from gymv.backends.sampling import forbidden_mask, policy_logits
 
@@ -43,20 +44,18 @@ def right_pad(sequences: Sequence[Sequence[int]], images: Sequence[Sequence[Any]
 
 
 def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch) -> torch.Tensor:
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
     dev = next(model.parameters()).device
     adapter.check_batch(batch.input_ids, batch.images, batch.where, batch.attention_mask)
     ids, mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)
     flat = [im for row in batch.images for im in row]
-    extra, grid = {}, None
+    feats, grid = [], None
     if flat:
         inputs = adapter.preprocess(flat)
         grid = inputs.image_grid_thw
         feats = adapter.image_features(model, inputs)
-        extra["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=tuple(feats))}
     positions = adapter.position_ids(model, ids, mask, grid)
-    return model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **extra).logits
+    return forward_logits(model, input_ids=ids, attention_mask=mask, position_ids=positions,
+                          image_token_id=adapter.image_token_id, features=feats)
 
 
 def sequence_logprobs(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temperature: float = 1.0,

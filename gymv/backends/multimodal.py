@@ -16,6 +16,7 @@ count that does not match the images is a one-line error naming the row and turn
 from __future__ import annotations
 
 import hashlib
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -66,6 +67,19 @@ def _runs(ids: Sequence[int], token_id: int) -> list[int]:
     if n:
         runs.append(n)
     return runs
+
+
+def _per_image(out, counts: list[int]) -> list:
+    """Split a get_image_features result into one [tokens, hidden] tensor per image (5.x return shapes vary)."""
+    feats = getattr(out, "pooler_output", out)
+    if hasattr(feats, "dim"):
+        feats = list(feats) if feats.dim() == 3 else list(feats.split(counts))
+    feats = list(feats)
+    got = [int(f.reshape(-1, f.shape[-1]).shape[0]) for f in feats]
+    if got != list(counts):
+        raise GymvError(f"the vision tower returned features for {got} tokens per image, expected {list(counts)}",
+                        fix="the checkpoint's processor and model disagree on image token counts")
+    return feats
 
 
 def _as_list(ids) -> list[int]:
@@ -224,7 +238,7 @@ class PlaceholderAdapter(MultimodalAdapter):
     def image_features(self, model, inputs: ImageInputs) -> list:
         dtype = next(model.parameters()).dtype
         out = model.get_image_features(pixel_values=inputs.pixel_values.to(model.device, dtype))
-        return list(out.pooler_output)
+        return _per_image(out, inputs.tokens_per_image)
 
 
 class GridAdapter(MultimodalAdapter):
@@ -254,14 +268,16 @@ class GridAdapter(MultimodalAdapter):
         dtype = next(model.parameters()).dtype
         out = model.get_image_features(pixel_values=inputs.pixel_values.to(model.device, dtype),
                                        image_grid_thw=inputs.image_grid_thw.to(model.device))
-        return list(out.pooler_output)
+        return _per_image(out, inputs.tokens_per_image)
 
     def position_ids(self, model, input_ids, attention_mask, image_grid_thw=None):
         inner = getattr(model, "model", model)
         types = (input_ids == self.image_token_id).int()
         grid = image_grid_thw.to(input_ids.device) if image_grid_thw is not None and len(image_grid_thw) else None
-        pos, _ = inner.get_rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=grid,
-                                      attention_mask=attention_mask)
+        kwargs = {"image_grid_thw": grid, "attention_mask": attention_mask}
+        if "mm_token_type_ids" in inspect.signature(inner.get_rope_index).parameters:
+            kwargs["mm_token_type_ids"] = types
+        pos, _ = inner.get_rope_index(input_ids, **kwargs)
         return pos
 
     def next_positions(self, positions, attention_mask):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from gymv.backends.generation.base import GenerationBackend, GenerationOutput, GenerationRequest, SamplingParams
+from gymv.backends.hf_forward import forward_logits
 from gymv.backends.multimodal import MultimodalAdapter, image_hash
 from gymv.backends.sampling import forbidden_mask, policy_logits, sample
 from gymv.errors import GymvError
@@ -112,7 +113,6 @@ class HFGenerationBackend(GenerationBackend):
 
     def _generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[GenerationOutput]:
         from transformers import DynamicCache
-        from transformers.modeling_outputs import BaseModelOutputWithPooling
 
         t0 = time.perf_counter()
         model, dev = self.model, self.device
@@ -132,12 +132,9 @@ class HFGenerationBackend(GenerationBackend):
         positions = self.adapter.position_ids(model, input_ids, mask, grid)
         next_pos = self.adapter.next_positions(positions, mask)
         cache = DynamicCache(config=model.config)
-        extra = {}
-        if feats:
-            extra["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=tuple(feats))}
-        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                    logits_to_keep=1, **extra)
-        logits = out.logits[:, -1]
+        logits = forward_logits(model, input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                                image_token_id=self.adapter.image_token_id, features=feats, cache=cache,
+                                logits_to_keep=1)[:, -1]
         t_prefill = time.perf_counter()
 
         forbidden = forbidden_mask(logits.shape[-1], self.adapter.vision_token_ids, dev)
@@ -175,8 +172,8 @@ class HFGenerationBackend(GenerationBackend):
             mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
             pos = self.adapter.step_positions(next_pos)
             next_pos = next_pos + 1
-            out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
-            logits = out.logits[:, -1]
+            logits = forward_logits(model, input_ids=tok[:, None], attention_mask=mask, position_ids=pos,
+                                    cache=cache)[:, -1]
         t_end = time.perf_counter()
         n_new = sum(len(t) for t in tokens)
         self.last_timing = {"encode_s": t_enc - t0, "prefill_s": t_prefill - t_enc, "decode_s": t_end - t_prefill,

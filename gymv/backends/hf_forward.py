@@ -1,0 +1,49 @@
+"""One forward pass of a transformers VLM with precomputed image features, across transformers 5.x.
+
+gymv computes image features itself (to cache them by image hash) and writes them into the token
+embeddings at the placeholder positions, then calls the model with `inputs_embeds`. This uses only
+interfaces every 5.x release has; the keyword that carries the KV cache was renamed from
+`past_key_values` to `cache` within 5.x, and is chosen from the model's signature. A keyword a model does
+not know would vanish into its `**kwargs` silently, which is why nothing here relies on newer names.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=None)
+def _params(cls) -> frozenset[str]:
+    return frozenset(inspect.signature(cls.forward).parameters)
+
+
+def cache_keyword(model) -> str:
+    return "cache" if "cache" in _params(type(model)) else "past_key_values"
+
+
+def embed_with_images(model, input_ids: torch.Tensor, image_token_id: int, features: list[torch.Tensor]) -> torch.Tensor:
+    """Token embeddings with each image's features written over its placeholder tokens, in order."""
+    embeds = model.get_input_embeddings()(input_ids)
+    if not features:
+        return embeds
+    feats = torch.cat([f.reshape(-1, embeds.shape[-1]) for f in features]).to(embeds.device, embeds.dtype)
+    mask = (input_ids == image_token_id).unsqueeze(-1)
+    return embeds.masked_scatter(mask, feats)
+
+
+def forward_logits(model, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                   image_token_id: int | None = None, features: list[torch.Tensor] | None = None,
+                   cache=None, logits_to_keep: int = 0) -> torch.Tensor:
+    kwargs = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": cache is not None}
+    if cache is not None:
+        kwargs[cache_keyword(model)] = cache
+    if logits_to_keep and "logits_to_keep" in _params(type(model)):
+        kwargs["logits_to_keep"] = logits_to_keep
+    if features:
+        kwargs["inputs_embeds"] = embed_with_images(model, input_ids, image_token_id, features)
+    else:
+        kwargs["input_ids"] = input_ids
+    return model(**kwargs).logits
