@@ -48,6 +48,16 @@ def test_tokenizer_is_deterministic_for_a_seed_and_differs_across_seeds():
     assert a != c
 
 
+def test_tokenizer_is_identical_across_processes():
+    import subprocess
+    import sys
+
+    code = "from gymv.models.tokenizer import train_bpe; print(train_bpe(3, 600, ['<image>']).to_str())"
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+            for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) > 1000
+
+
 def test_chat_template_renders_images_tool_calls_and_tool_results(llava):
     messages = [
         {"role": "system", "content": "Be brief."},
