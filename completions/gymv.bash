@@ -5,7 +5,7 @@
 
 _gymv_subcommands() {
     case "$1" in
-        '') echo 'completion dry-run prepare env model' ;;
+        '') echo 'completion dry-run lint prepare env model' ;;
         'env') echo 'list serve verify' ;;
         'model') echo 'init info' ;;
     esac
@@ -13,17 +13,18 @@ _gymv_subcommands() {
 
 _gymv_options() {
     case "$1" in
-        '') echo '--version --debug --help -h' ;;
-        'completion') echo '--write --check --help -h' ;;
-        'dry-run') echo '--recipes-dir --json --fail-over-budget --help -h' ;;
-        'prepare') echo '--n --out --seed --split --preset --workers --preview --preview-count --list-knobs --json --help -h' ;;
-        'env') echo '--help -h' ;;
-        'env list') echo '--json --help -h' ;;
-        'env serve') echo '--host --port --max-body-mb --log-requests --help -h' ;;
-        'env verify') echo '--data --env --on-error --out --fail-on-mismatch --json --help -h' ;;
-        'model') echo '--help -h' ;;
-        'model init') echo '--hidden --layers --image-size --patch-size --vocab-size --seed --force --json --help -h' ;;
-        'model info') echo '--json --help -h' ;;
+        '') echo '--version --debug -h --help' ;;
+        'completion') echo '--write --check -h --help' ;;
+        'dry-run') echo '--recipes-dir --json --fail-over-budget -h --help' ;;
+        'lint') echo '--format -f --json --fix --list-rules -h --help' ;;
+        'prepare') echo '--n --out --seed --split --preset --workers --preview --preview-count --list-knobs --json -h --help' ;;
+        'env') echo '-h --help' ;;
+        'env list') echo '--json -h --help' ;;
+        'env serve') echo '--host --port --max-body-mb --log-requests -h --help' ;;
+        'env verify') echo '--data --env --on-error --out --fail-on-mismatch --json -h --help' ;;
+        'model') echo '-h --help' ;;
+        'model init') echo '--hidden --layers --image-size --patch-size --vocab-size --seed --force --json -h --help' ;;
+        'model info') echo '--json -h --help' ;;
     esac
 }
 
@@ -33,6 +34,7 @@ _gymv_value_kind() {
         'completion|--write') echo 'dirs' ;;
         'completion|--check') echo 'dirs' ;;
         'dry-run|--recipes-dir') echo 'dirs' ;;
+        'lint|--format'|'lint|-f') echo 'choice:auto table text json github' ;;
         'prepare|--n') echo 'none' ;;
         'prepare|--out') echo 'files' ;;
         'prepare|--seed') echo 'none' ;;
@@ -62,6 +64,7 @@ _gymv_arg_kind() {
     case "$1|$2" in
         'completion|''0') echo 'choice:bash zsh fish' ;;
         'dry-run|'*) echo 'suites' ;;
+        'lint|'*) echo 'files' ;;
         'prepare|''0') echo 'files' ;;
         'prepare|'*) echo 'files' ;;
         'env serve|''0') echo 'files' ;;

@@ -57,18 +57,21 @@ def check_inherits_exemplar(loaded, root: str | os.PathLike | None = None) -> li
     from gymv.config.findings import Finding
     from gymv.config.yamlfile import display_path
 
+    r = Path(root) if root else (find_recipes_root(loaded.path) or default_recipes_root())
+    where = f"{display_path(loaded.path)}:1"
+    if not loaded.parents and not is_exemplar(loaded.path, r):
+        return [Finding("recipe.exemplar", "the recipe has no `defaults:`, so it inherits no exemplar", "defaults",
+                        where, "add `defaults: ../<exemplar>.yaml` (the exemplar of its algorithm) and keep only what differs")]
     algo = loaded.raw.get("algorithm")
     if algo not in EXEMPLARS:
         return []  # the schema reports a bad algorithm
-    r = Path(root) if root else (find_recipes_root(loaded.path) or default_recipes_root())
     want = exemplar_path(algo, r)
-    where = f"{display_path(loaded.path)}:1"
     if is_exemplar(loaded.path, r):
         if loaded.parents:
             return [Finding("recipe.exemplar", "an exemplar must be complete and inherit nothing", "defaults", where,
                             "remove `defaults:` and write every key")]
         return []
-    if want.resolve() not in [p.resolve() for p in loaded.chain]:
+    if want.resolve() not in loaded.chain:  # the loader resolves every path of the chain
         return [Finding("recipe.exemplar", f"the `defaults:` chain does not reach {want.name}, the exemplar for {algo}",
                         "defaults", where, f"inherit {os.path.relpath(want, loaded.path.parent)} or a recipe that does")]
     return []

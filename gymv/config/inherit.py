@@ -84,6 +84,8 @@ def _defaults_entries(path: Path, data: dict, lines: dict) -> list[tuple[Path, s
 
 def merge(base: ConfigTree, over: ConfigTree) -> ConfigTree:
     """Apply `over` on top of `base` (both unchanged); returns the merged tree."""
+    if not base.data and not base.origins:  # the first parent: a copy of it, without markers
+        return ConfigTree(strip_markers(over.data), {p: o for p, o in over.origins.items() if OVERRIDE_MARKER not in p})
     out = base.copy()
     _merge_into(out, out.data, over, over.data, ())
     return out
@@ -104,9 +106,17 @@ def _merge_into(out: ConfigTree, dst: dict, over: ConfigTree, src: dict, prefix:
             out.origins.update(over.origins_under(path))
 
 
-def compose(path: str | Path, _stack: tuple[Path, ...] = ()) -> Composed:
-    """Load `path` and everything its `defaults:` name, merged; raises GymvError on any bad input."""
+def compose(path: str | Path, _stack: tuple[Path, ...] = (), cache: dict[Path, Composed] | None = None) -> Composed:
+    """Load `path` and everything its `defaults:` name, merged; raises GymvError on any bad input.
+
+    `cache` (resolved path -> Composed), shared across calls, loads each parent once when many recipes
+    inherit the same files (`gymv lint`); results are never mutated, so sharing them is safe.
+    """
     path = Path(path).resolve()
+    if cache is not None:
+        hit = cache.get(path)
+        if hit is not None and not any(p in _stack for p in hit.chain):
+            return hit  # a chain that meets the stack is a cycle: compose again below to report it
     doc = read_yaml_mapping(path)
     parents = ConfigTree()
     chain: list[Path] = []
@@ -121,10 +131,13 @@ def compose(path: str | Path, _stack: tuple[Path, ...] = ()) -> Composed:
         if not parent.is_file():
             raise GymvError(f"parent recipe {text!r} not found (looked for {display_path(parent)})", where=where,
                             fix="paths in `defaults` are relative to the file that declares them")
-        sub = compose(parent, stack)
+        sub = compose(parent, stack, cache)
         parents = merge(parents, sub.tree)
         chain.extend(sub.chain)
         parent_paths.append(parent)
     own = _own_tree(path, doc.data, doc.lines)
     tree = merge(parents, own)
-    return Composed(path=path, tree=tree, parents=parents, own=own, chain=chain + [path], parent_paths=parent_paths)
+    out = Composed(path=path, tree=tree, parents=parents, own=own, chain=chain + [path], parent_paths=parent_paths)
+    if cache is not None:
+        cache[path] = out
+    return out

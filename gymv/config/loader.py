@@ -84,27 +84,34 @@ class LoadedRecipe:
         raise_first_error(check_compatibility(cfg, self.locate))
         return cfg
 
-    def findings(self) -> list[Finding]:
-        """Every problem (schema, compatibility, interpolation) without raising; for `gymv lint`."""
+    @cached_property
+    def checked(self) -> tuple[RecipeBase | None, list[Finding]]:
+        """(the schema-valid model or None, every finding), never raising: a model with compatibility
+        errors is still returned, so `gymv lint` can run its name and driver rules on it."""
         try:
             data = self.resolved
         except GymvError as e:
-            return [Finding("interpolation", e.message, None, e.where, e.fix)]
+            return None, [Finding("interpolation", e.message, None, e.where, e.fix)]
         cfg, found = schema_findings(data, self.locate, self.where)
         if cfg is not None:
             found += check_compatibility(cfg, self.locate)
-        return found
+        return cfg, found
+
+    def findings(self) -> list[Finding]:
+        """Every problem (schema, compatibility, interpolation) without raising; for `gymv lint`."""
+        return list(self.checked[1])
 
 
 def load_recipe(path: str | os.PathLike, overrides: Iterable[str | Override] = (), *, smoke: bool = False,
-                validate: bool = True) -> LoadedRecipe:
+                validate: bool = True, cache: dict | None = None) -> LoadedRecipe:
     """Load, merge and (by default) validate a recipe; any problem raises a one-line GymvError.
 
     `overrides` are applied after the recipe's `smoke:` section (when `smoke`), so the command line wins.
     With `validate=False` only YAML/inheritance/override errors raise; `findings()` lists the rest.
+    `cache` (an empty dict kept across calls) loads each shared parent file once.
     """
     path = Path(path)
-    composed = compose(path)
+    composed = compose(path, cache=cache)
     ovs = (smoke_overrides(composed.tree) if smoke else []) + as_overrides(overrides)
     known = partial(schema_has_key, composed.tree.data)
     tree = apply_overrides(composed.tree, ovs, known) if ovs else composed.tree

@@ -47,9 +47,10 @@ def parse_recipe_name(name: str) -> RecipeName:
                       int(m["version"]) if m["version"] else None)
 
 
-def check_recipe_name(path: str | Path, cfg: RecipeBase,
+def check_recipe_name(path: str | Path, cfg: RecipeBase | None,
                       locate: Callable[[tuple], Origin | None] | None = None) -> list[Finding]:
-    """The name must parse and agree with algorithm, cluster size and training backend."""
+    """The name must parse and agree with algorithm, cluster size and training backend (with `cfg` None,
+    as for a recipe that fails its schema, only the format is checked)."""
     path = Path(path)
 
     def where(key: str) -> str | None:
@@ -60,6 +61,8 @@ def check_recipe_name(path: str | Path, cfg: RecipeBase,
         n = parse_recipe_name(path.name)
     except ValueError as e:
         return [Finding("name.format", f"recipe name {e}", None, str(path), f"rename it to {FORMAT}")]
+    if cfg is None:
+        return []
     out = []
     expect = [("algorithm", n.algorithm, cfg.algorithm), ("cluster.num_nodes", n.num_nodes, cfg.cluster.num_nodes),
               ("cluster.gpus_per_node", n.gpus_per_node, cfg.cluster.gpus_per_node),

@@ -8,7 +8,7 @@ from pathlib import Path
 from gymv.config.exemplars import default_recipes_root, recipe_files
 from gymv.config.findings import Finding
 from gymv.config.yamlfile import display_path
-from gymv.recipes.suites import driver_for_recipe, entries_missing_reason, load_suites
+from gymv.recipes.suites import SUITES_DIR, driver_for_recipe, entries_missing_reason, load_suites
 
 
 def suite_accounting(root: str | os.PathLike | None = None) -> list[Finding]:
@@ -32,7 +32,8 @@ def suite_accounting(root: str | os.PathLike | None = None) -> list[Finding]:
         entries = seen.get(rel, [])
         if not entries:
             out.append(Finding("suite.unlisted", f"recipe {rel} is in no suite", None, display_path(rec),
-                               f"add it to one of: {', '.join(suites)}"))
+                               f"add it to one of: {', '.join(suites)}" if suites else
+                               f"list it in a suite file, e.g. {SUITES_DIR}/nightly.txt"))
         elif len(entries) > 1:
             out.append(Finding("suite.duplicate", f"recipe {rel} is listed {len(entries)} times: "
                                + ", ".join(e.where for e in entries), None, entries[1].where, "keep exactly one entry"))

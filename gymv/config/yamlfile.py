@@ -24,16 +24,25 @@ class Origin(NamedTuple):
         return f"{self.file}:{self.line}" if self.line else self.file
 
 
+_DISPLAY: dict[tuple[str, str], str] = {}
+
+
 def display_path(path: str | os.PathLike) -> str:
     """A path relative to the working directory when it lies below it, else absolute."""
-    p = Path(path)
-    try:
-        return str(p.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(p.resolve())
+    key = (os.fspath(path), os.getcwd())
+    shown = _DISPLAY.get(key)
+    if shown is None:
+        p = Path(path).resolve()
+        try:
+            shown = str(p.relative_to(Path(key[1]).resolve()))
+        except ValueError:
+            shown = str(p)
+        if len(_DISPLAY) < 100_000:
+            _DISPLAY[key] = shown
+    return shown
 
 
-class _SafeLoader(yaml.SafeLoader):
+class _SafeLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml when present: lint reads hundreds of files
     """SafeLoader that also reads `1e-6` as a float (YAML 1.1 requires a dot; recipes are full of such numbers)."""
 
 

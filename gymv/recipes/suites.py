@@ -18,6 +18,7 @@ from gymv.errors import GymvError
 SUITES_DIR = "suites"
 DRIVERS_DIR = "drivers"
 BUDGETS_FILE = "budgets.yaml"
+GPUS_PER_NODE_FILE = "gpus_per_node.yaml"
 DISABLED_SUITE = "disabled"
 RECIPE_SUFFIXES = (".yaml", ".yml")
 
@@ -134,8 +135,9 @@ def load_budgets(recipes_dir: str | Path) -> dict[str, Fraction]:
     path = Path(recipes_dir) / SUITES_DIR / BUDGETS_FILE
     if not path.is_file():
         return {}
+    text = path.read_text(encoding="utf-8")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
@@ -148,10 +150,58 @@ def load_budgets(recipes_dir: str | Path) -> dict[str, Fraction]:
     budgets: dict[str, Fraction] = {}
     for name, value in data.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            line = next((i for i, t in enumerate(text.splitlines(), 1) if t.split(":", 1)[0].strip() == str(name)), None)
             raise GymvError(f"budget for {name!r} must be a non-negative number of GPU-hours, got {value!r}",
-                            where=f"{path} key {name}", fix=f"write '{name}: 1200'")
+                            where=f"{path}:{line}" if line else f"{path} key {name}", fix=f"write '{name}: 1200'")
         budgets[str(name)] = Fraction(str(value))
     return budgets
+
+
+@dataclass(frozen=True)
+class SuiteGpus:
+    """The GPUS_PER_NODE values a suite's drivers may set (its machines; 0 = a CPU-only job), and where."""
+
+    allowed: tuple[int, ...]
+    where: str
+
+
+def load_gpus_per_node(recipes_dir: str | Path) -> dict[str, SuiteGpus]:
+    """Suite name -> allowed GPUS_PER_NODE, from `<recipes_dir>/suites/gpus_per_node.yaml` (absent: none).
+
+    Each value is a whole number or a list of them, e.g. `nightly: [0, 8]` (CPU jobs and 8-GPU nodes).
+    """
+    path = Path(recipes_dir) / SUITES_DIR / GPUS_PER_NODE_FILE
+    if not path.is_file():
+        return {}
+    fix = "write lines like 'nightly: [0, 8]' (suite name: GPUs per node, or a list of them)"
+    try:
+        root = yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise GymvError(f"invalid YAML: {getattr(e, 'problem', None) or e}", where=where, fix="fix the YAML syntax") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise GymvError(f"cannot read: {e}", where=str(path)) from None
+    if root is None:
+        return {}
+    if not isinstance(root, yaml.MappingNode):
+        raise GymvError("GPUs per node must be a mapping of suite name to GPUs per node", where=f"{path}:1", fix=fix)
+    out: dict[str, SuiteGpus] = {}
+    for k, v in root.value:
+        where = f"{path}:{k.start_mark.line + 1}"
+        items = v.value if isinstance(v, yaml.SequenceNode) else [v]
+        allowed = []
+        for item in items:
+            text = item.value if isinstance(item, yaml.ScalarNode) and item.tag.endswith(":int") else None
+            if text is None or not text.isdigit():
+                shown = repr(item.value) if isinstance(item, yaml.ScalarNode) else "a nested collection"
+                raise GymvError(f"GPUs per node of suite {k.value!r} must be whole numbers >= 0, got {shown}",
+                                where=f"{path}:{item.start_mark.line + 1}", fix=fix)
+            allowed.append(int(text))
+        if not allowed:
+            raise GymvError(f"suite {k.value!r} allows no GPUs-per-node value", where=where, fix=fix)
+        out[str(k.value)] = SuiteGpus(tuple(allowed), where)
+    return out
 
 
 def driver_for_recipe(recipes_dir: str | Path, recipe: str) -> Path:
