@@ -49,7 +49,7 @@ def row_seeds(split: str, seed: int, n: int) -> range:
         raise GymvError(
             f"{split} rows at seed {seed}..{seed + n - 1} would take row seeds {first}..{last}, which overlap the "
             f"{others[0]} split's range {other.start}..{other.stop - 1}",
-            fix=f"use a seed from 0 to {SPLIT_SPAN - n} (seeds count from the start of each split's own range)")
+            fix=f"use --seed 0 to {SPLIT_SPAN - n}; seeds count from the start of each split's own range")
     raise GymvError(f"{split} rows at seed {seed}..{seed + n - 1} fall outside the seed space",
                     fix=f"use a seed from 0 to {SPLIT_SPAN - n}")
 

@@ -21,7 +21,6 @@ import threading
 import traceback
 import uuid
 from collections import OrderedDict
-from http import HTTPStatus
 from http.cookies import CookieError, SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
