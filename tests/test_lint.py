@@ -336,6 +336,11 @@ def test_linting_one_recipe_includes_its_duplicate_suite_entry(tree):
     assert lint("recipes/vlm/vlm_grpo-tiny-1n0g-torch.yaml") == []
 
 
+def test_linting_one_recipe_reports_an_unreadable_budgets_file(tree):
+    tree.write("suites/budgets.yaml", "nightly: lots\n")
+    assert hits(lint("recipes/vlm/vlm_grpo-tiny-1n0g-torch.yaml"), "GV018") == ["recipes/suites/budgets.yaml:1"]
+
+
 def test_linting_a_driver_lints_its_recipe(tree):
     tree.append("llm/grpo-tiny-1n0g-torch.yaml", "model:\n  dtype: auto\n")
     assert rules(lint("recipes/drivers/llm/grpo-tiny-1n0g-torch.sh")) == {"GV003"}

@@ -106,7 +106,6 @@ _CHECK_RULE = {
     "suite.missing-recipe": "GV012",
     "suite.disabled-reason": "GV013",
 }
-_COMPAT_IDS = frozenset(r.id for r in COMPAT_RULES)
 
 
 def rule_id(check: str) -> str:
@@ -115,7 +114,7 @@ def rule_id(check: str) -> str:
         return _CHECK_RULE[check]
     if check.startswith("schema."):
         return "GV006"
-    if check in _COMPAT_IDS:
+    if any(r.id == check for r in COMPAT_RULES):  # read now: a plugin may have registered a rule since import
         return "GV007"
     raise KeyError(f"no lint rule for check {check!r}")
 
@@ -390,12 +389,12 @@ class _Linter:
             r.suites = load_suites(root)
             accounting = suite_accounting(root)
         except GymvError as e:
-            self.add(_from_error("GV018", e, root / SUITES_DIR), subjects=[root])
+            self.add(_from_error("GV018", e, root / SUITES_DIR), subjects=self._every_recipe(r))
             r.suites, accounting = None, []
         try:
             r.gpus = load_gpus_per_node(root)
         except GymvError as e:
-            self.add(_from_error("GV018", e, root / SUITES_DIR / GPUS_PER_NODE_FILE), subjects=[root])
+            self.add(_from_error("GV018", e, root / SUITES_DIR / GPUS_PER_NODE_FILE), subjects=self._every_recipe(r))
         entry_at: dict[tuple[str, int], SuiteEntry] = {}
         by_recipe: dict[str, list[SuiteEntry]] = {}
         for suite in (r.suites or {}).values():
@@ -416,6 +415,11 @@ class _Linter:
                 if isinstance(cfg, GymvError):
                     self.add(_from_error("GV014", cfg, d), subjects=[d])
         self.budgets(r)
+
+    @staticmethod
+    def _every_recipe(r: _Root) -> list[Path]:
+        """An unreadable suite file concerns every linted recipe of its directory: their suite rules cannot run."""
+        return [info.path for info in r.recipes.values()]
 
     def driver_rules(self, r: _Root, info: _RecipeInfo, driver: Path, entries: list[SuiteEntry]) -> None:
         subject = [info.path]
@@ -453,7 +457,7 @@ class _Linter:
         try:
             budgets = load_budgets(r.root)
         except GymvError as e:
-            self.add(_from_error("GV018", e, budgets_file), subjects=[r.root])
+            self.add(_from_error("GV018", e, budgets_file), subjects=self._every_recipe(r))
             return
         for suite in (r.suites or {}).values():
             budget = budgets.get(suite.name)
