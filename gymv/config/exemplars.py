@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 from pathlib import Path
 
 EXEMPLARS: dict[str, str] = {
@@ -35,8 +36,14 @@ def exemplar_path(algorithm: str, root: str | os.PathLike | None = None) -> Path
 
 
 def exemplar_paths(root: str | os.PathLike | None = None) -> list[Path]:
-    r = Path(root or default_recipes_root()).resolve()
-    return [r / n for n in dict.fromkeys(EXEMPLARS.values())]
+    return list(_exemplars_under(os.path.abspath(root or default_recipes_root())))
+
+
+@lru_cache(maxsize=64)
+def _exemplars_under(root: str) -> tuple[Path, ...]:
+    """Resolved exemplar paths of an absolute root (cached: `gymv lint` asks once per recipe)."""
+    r = Path(root).resolve()
+    return tuple(r / n for n in dict.fromkeys(EXEMPLARS.values()))
 
 
 def is_exemplar(path: str | os.PathLike, root: str | os.PathLike | None = None) -> bool:

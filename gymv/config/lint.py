@@ -43,7 +43,6 @@ from gymv.recipes.suites import (
     load_budgets,
     load_gpus_per_node,
     load_suites,
-    recipe_for_driver,
 )
 
 
@@ -280,8 +279,15 @@ class _Root:
         """The recipe (relative to the root) that a driver runs, when that recipe file exists."""
         key = os.path.abspath(driver)
         if key not in self._recipe_of:
-            rel = recipe_for_driver(self.root, driver)
-            self._recipe_of[key] = rel if rel and (self.root / rel).is_file() else None
+            self._recipe_of[key] = None
+            try:
+                rel = Path(driver).resolve().relative_to(self.root / DRIVERS_DIR)
+            except ValueError:
+                return None
+            for suffix in RECIPE_SUFFIXES:
+                if (self.root / rel.with_suffix(suffix)).is_file():
+                    self._recipe_of[key] = rel.with_suffix(suffix).as_posix()
+                    break
         return self._recipe_of[key]
 
     def driver(self, path: Path) -> DriverConfig | GymvError:

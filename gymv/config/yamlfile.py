@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -27,6 +28,11 @@ class Origin(NamedTuple):
 _DISPLAY: dict[tuple[str, str], str] = {}
 
 
+@lru_cache(maxsize=8)
+def _resolved_cwd(cwd: str) -> Path:
+    return Path(cwd).resolve()
+
+
 def display_path(path: str | os.PathLike) -> str:
     """A path relative to the working directory when it lies below it, else absolute."""
     key = (os.fspath(path), os.getcwd())
@@ -34,7 +40,7 @@ def display_path(path: str | os.PathLike) -> str:
     if shown is None:
         p = Path(path).resolve()
         try:
-            shown = str(p.relative_to(Path(key[1]).resolve()))
+            shown = str(p.relative_to(_resolved_cwd(key[1])))
         except ValueError:
             shown = str(p)
         if len(_DISPLAY) < 100_000:
