@@ -105,7 +105,7 @@ def _render(report, fmt: Format) -> None:
         return
     if fmt is Format.text:
         for f in report.findings:
-            print(f.one_line() if f.severity == "error" else f.one_line().replace(f" {f.rule} ", f" {f.rule} warning: ", 1))
+            print(f.one_line())
         err_console.print(_summary(report), markup=False, highlight=False)
         return
     from rich.table import Table
