@@ -1,0 +1,38 @@
+"""Decode each distinct image of a rollout batch once and give every user of it the same object.
+
+The G generations of one prompt carry the same data URL (and deterministic tools return the same image to
+each of them). Decoding it once and reusing the PIL object and its content hash keeps decode time and
+memory flat in G, and the generation backend's encoder cache, keyed by that hash, then encodes it once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gymv.backends.multimodal import image_hash
+from gymv.data import images as image_io
+from gymv.envs.protocol import Image
+
+
+class ImageCache:
+    """Data URL -> (decoded RGB image, content hash), decoded with the run's safety limits."""
+
+    def __init__(self, *, max_pixels: int | None = None, max_bytes: int | None = None):
+        self.max_pixels = max_pixels or image_io.DEFAULT_MAX_PIXELS
+        self.max_bytes = max_bytes or image_io.DEFAULT_MAX_BYTES
+        self._by_url: dict[str, tuple[Any, str]] = {}
+        self.decodes = 0
+        self.hits = 0
+
+    def get(self, image: Image, *, where: str | None = None) -> tuple[Any, str]:
+        found = self._by_url.get(image.url)
+        if found is not None:
+            self.hits += 1
+            return found
+        pil = image_io.decode_data_url(image.url, max_pixels=self.max_pixels, max_bytes=self.max_bytes, where=where)
+        self.decodes += 1
+        found = self._by_url[image.url] = (pil, image_hash(pil))
+        return found
+
+    def __len__(self) -> int:
+        return len(self._by_url)

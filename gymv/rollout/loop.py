@@ -1,0 +1,281 @@
+"""The agent loop: every environment, single- or multi-turn, runs through `run_rollouts`.
+
+Each turn makes ONE `backend.generate` call for all unfinished episodes of the batch. The first turn
+renders the row's prompt (and tool schemas); later turns render only what the environment added (tool
+results, scripted follow-ups) and append its token ids after the sampled tokens, which are kept exactly as
+sampled. Images are attributed to the turn that introduced them and decoded once per batch.
+
+Faults are sorted by whose they are: bad data (a row the env cannot start or score, an undecodable prompt
+image) raises a GymvError naming the row; an environment call that fails unexpectedly marks only its own
+trajectory's `error` (excluded from training, counted); what the model does wrong (malformed tool calls,
+wrong answers) is part of the episode: tool-error results, reward 0 with a `failure_reason`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from gymv.backends.generation.base import GenerationBackend, GenerationRequest, SamplingParams
+from gymv.data.images import ImageError
+from gymv.data.rows import row_tools, to_chat_tool
+from gymv.envs.protocol import Environment, RowError
+from gymv.errors import GymvError
+from gymv.rollout.episode import Episode
+from gymv.rollout.images import ImageCache
+from gymv.rollout.parse import parse_turn
+from gymv.rollout.record import to_rollout_record
+from gymv.rollout.render import ChatRenderer, message_dict, tool_message_dict
+from gymv.rollout.types import Trajectory
+
+__all__ = ["build_sft_sample", "run_rollouts", "to_rollout_record"]
+
+_MODEL_ITEM_TYPES = ("message", "function_call", "reasoning")
+
+
+def _where(source: str | None, task_index: int, sample_index: int | None = None) -> str:
+    base = f"{source} line {task_index + 1}" if source else f"row {task_index}"
+    return base if sample_index is None else f"{base} sample {sample_index}"
+
+
+def _agent_name(row: dict, env: Environment) -> str:
+    ref = row.get("agent_ref")
+    name = ref.get("name") if isinstance(ref, dict) else None
+    return name if isinstance(name, str) and name else env.agent_name
+
+
+def _turn_seed(base: int | None, turn: int) -> int | None:
+    return None if base is None else (base * 1_000_003 + turn * 7_919) % (2**63 - 1)
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _tools(row: dict, env: Environment) -> list[dict] | None:
+    """Tool schemas the model is shown: the row's own (what the data poses), else the environment's."""
+    tools = row_tools(row) or env.tools()
+    return [to_chat_tool(t) for t in tools if isinstance(t, dict)] or None
+
+
+class _Resolver:
+    def __init__(self, env_for: Callable[[dict], Environment] | Environment, source: str | None):
+        self.env_for, self.source = env_for, source
+
+    def __call__(self, row: dict, task_index: int) -> Environment:
+        if isinstance(self.env_for, Environment):
+            return self.env_for
+        env = self.env_for(row)
+        if not isinstance(env, Environment):
+            raise GymvError("no environment handles this row", where=_where(self.source, task_index),
+                            fix="set the row's agent_ref.name to an installed environment's agent (see `gymv env list`)")
+        return env
+
+
+def _check_limits(group_size: int, max_turns: int, max_rollout_tokens: int, max_seq_len: int,
+                  max_images: int | None) -> None:
+    for name, value, low in (("group_size", group_size, 1), ("max_turns", max_turns, 1),
+                             ("max_rollout_tokens", max_rollout_tokens, 1), ("max_seq_len", max_seq_len, 2)):
+        if value < low:
+            raise GymvError(f"{name} must be at least {low}, got {value}")
+    if max_images is not None and max_images < 0:
+        raise GymvError(f"max_images must be >= 0, got {max_images}")
+
+
+def _start(ep: Episode, renderer: ChatRenderer, cache: ImageCache, adapter, *, max_seq_len: int,
+           max_images: int | None) -> None:
+    try:
+        ep.state = ep.env.start(ep.row, where=ep.where)
+    except RowError:
+        raise
+    except Exception as e:  # an environment that fails to start (server down, plugin bug)
+        ep.fail(f"environment start failed: {_describe(e)}")
+        return
+    ep.tools = _tools(ep.row, ep.env)
+    text, images = renderer.prompt(ep.state.messages, ep.tools)
+    decoded = [cache.get(im, where=ep.at(0)) for im in images]
+    if max_images is not None and len(decoded) > max_images:
+        ep.fail(f"the prompt has {len(decoded)} images, over the limit of {max_images} (vision.max_images_per_sample)")
+        return
+    ids = adapter.encode_text(text, [p for p, _ in decoded], where=ep.at(0))
+    if len(ids) >= max_seq_len:
+        ep.fail(f"the prompt has {len(ids)} tokens, leaving no room to generate within max_seq_len {max_seq_len}")
+        return
+    ep.append_inserted(ids, decoded, 0)
+
+
+def _model_item_index(ep: Episode, first: int, n_items: int) -> int | None:
+    """Index of the last transcript item the model call produced (where its token record goes)."""
+    k = first + n_items - 1
+    out = ep.state.output if ep.state is not None else []
+    if n_items and k < len(out) and isinstance(out[k], dict) and out[k].get("type") in _MODEL_ITEM_TYPES:
+        return k
+    return None
+
+
+def run_rollouts(backend: GenerationBackend, adapter, tokenizer, chat_template: str | None,
+                 env_for: Callable[[dict], Environment] | Environment, rows: Sequence[tuple[int, dict]], *,
+                 group_size: int, params: SamplingParams, max_turns: int, max_rollout_tokens: int, max_seq_len: int,
+                 weights_version: int = 0, max_images: int | None = None, seed: int | None = None,
+                 max_image_pixels: int | None = None, source: str | None = None,
+                 stats: dict | None = None) -> list[Trajectory]:
+    """Run `group_size` episodes of each (dataset index, row); trajectories come back grouped, in row order.
+
+    Budgets: each model call generates at most `params.max_new_tokens`; an episode generates at most
+    `max_rollout_tokens` in all; its whole sequence never exceeds `max_seq_len`. An episode that would cross
+    a budget ends at the last turn boundary with `truncated=True`, finish_reason "length". `seed` (else
+    `params.seed`) makes sampling deterministic; each turn draws from its own derived seed. `stats`, when
+    given, receives timings and image-dedup counts.
+    """
+    _check_limits(group_size, max_turns, max_rollout_tokens, max_seq_len, max_images)
+    t_start = time.perf_counter()
+    renderer = ChatRenderer(tokenizer, chat_template)
+    cache = ImageCache(max_pixels=max_image_pixels)
+    resolve = _Resolver(env_for, source)
+    episodes: list[Episode] = []
+    env_s = 0.0
+    for task_index, row in rows:
+        env = resolve(row, task_index)
+        for g in range(group_size):
+            ep = Episode(task_index, g, row, env, _where(source, task_index, g if group_size > 1 else None),
+                         _agent_name(row, env))
+            t0 = time.perf_counter()
+            _start(ep, renderer, cache, adapter, max_seq_len=max_seq_len, max_images=max_images)
+            env_s += time.perf_counter() - t0
+            episodes.append(ep)
+
+    base_seed = seed if seed is not None else params.seed
+    gen_s, calls = 0.0, 0
+    for turn in range(max_turns):
+        active = [e for e in episodes if not e.done]
+        if not active:
+            break
+        caps = [min(params.max_new_tokens, max_seq_len - len(e.ids), max_rollout_tokens - e.generated) for e in active]
+        requests = []
+        for e in active:
+            ids = e.request_ids()
+            adapter.check(ids, e.images, where=e.at(turn))
+            requests.append(GenerationRequest(ids, list(e.images), where=e.at(turn)))
+        t0 = time.perf_counter()
+        outs = backend.generate(requests, replace(params, max_new_tokens=max(caps), seed=_turn_seed(base_seed, turn)))
+        gen_s += time.perf_counter() - t0
+        calls += 1
+        if len(outs) != len(requests):
+            raise GymvError(f"the generation backend answered {len(outs)} of {len(requests)} requests",
+                            fix="a backend must return one output per request, in order")
+        t0 = time.perf_counter()
+        for e, cap, out in zip(active, caps, outs):
+            _take_turn(e, out, cap, turn, renderer=renderer, cache=cache, adapter=adapter, tokenizer=tokenizer,
+                       max_turns=max_turns, max_rollout_tokens=max_rollout_tokens, max_seq_len=max_seq_len,
+                       max_images=max_images)
+        env_s += time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    trajectories = [_score(e, weights_version) for e in episodes]
+    env_s += time.perf_counter() - t0
+    if stats is not None:
+        stats.update({"generation_s": gen_s, "env_s": env_s, "total_s": time.perf_counter() - t_start,
+                      "generate_calls": calls, "image_decodes": cache.decodes, "image_decode_hits": cache.hits})
+    return trajectories
+
+
+def _take_turn(e: Episode, out, cap: int, turn: int, *, renderer: ChatRenderer, cache: ImageCache, adapter,
+               tokenizer, max_turns: int, max_rollout_tokens: int, max_seq_len: int, max_images: int | None) -> None:
+    tokens, logprobs = list(out.token_ids[:cap]), list(out.logprobs[:cap])
+    cut = len(out.token_ids) > cap  # sampled past this episode's own budget: keep the prefix that fits
+    finish = "length" if cut else out.finish_reason
+    start = len(e.ids)
+    e.append_sampled(tokens, logprobs)
+    e.turns += 1
+    text = tokenizer.decode(tokens, skip_special_tokens=True) if cut else out.text
+    model_turn = parse_turn(text, f"call_{e.task_index}_{e.sample_index}_{turn}")
+    first = len(e.state.output)
+    call = {"turn": turn, "prompt_end": start, "generation_start": start, "generation_end": len(e.ids),
+            "finish_reason": finish, "stop_reason": out.stop_reason, "output_index": None}
+    e.model_calls.append(call)
+    try:
+        result = e.env.step(e.state, model_turn)
+    except Exception as ex:  # a tool or env step that crashed: this episode only
+        call["output_index"] = _model_item_index(e, first, len(model_turn.to_items()))
+        e.fail(f"environment step failed at turn {turn}: {_describe(ex)}")
+        return
+    call["output_index"] = _model_item_index(e, first, len(model_turn.to_items()))
+    if finish == "length":
+        return e.finish("length", truncated=True)
+    if e.state.done or result.done:
+        return e.finish("stop")
+    if turn + 1 >= max_turns:
+        return e.finish("max_turns")
+    if e.generated >= max_rollout_tokens:
+        return e.finish("length", truncated=True)
+    added = [tool_message_dict(r) for r in result.tool_results] + [message_dict(m) for m in result.user_messages]
+    text, new_images = renderer.addition(added, turn_closed=renderer.ends_turn(tokens))
+    try:
+        decoded = [cache.get(im, where=e.at(turn + 1)) for im in new_images]
+    except ImageError as ex:  # an image a tool or follow-up produced: the environment's fault
+        return e.fail(f"environment returned an unusable image at turn {turn + 1}: {ex}")
+    if max_images is not None and len(e.images) + len(decoded) > max_images:
+        return e.finish("max_images", truncated=True)
+    ids = adapter.encode_text(text, [p for p, _ in decoded], where=e.at(turn + 1))
+    if len(e.ids) + len(ids) + 1 > max_seq_len:
+        return e.finish("length", truncated=True)
+    e.append_inserted(ids, decoded, turn + 1)
+
+
+def _score(e: Episode, weights_version: int) -> Trajectory:
+    traj = e.trajectory(weights_version)
+    if e.error is not None:
+        return traj
+    try:
+        s = e.env.score(e.state)
+    except RowError as ex:
+        raise RowError(ex.message, where=e.where, fix=ex.fix) from None
+    except Exception as ex:
+        traj.error, traj.finish_reason = f"environment scoring failed: {_describe(ex)}", "error"
+        return traj
+    reward = float(s.reward)
+    if not math.isfinite(reward):
+        traj.error, traj.finish_reason = f"environment returned a non-finite reward {reward}", "error"
+        return traj
+    traj.reward, traj.extras, traj.failure_reason = reward, dict(s.extras), s.failure_reason
+    return traj
+
+
+def build_sft_sample(env: Environment, row: dict, adapter, tokenizer, chat_template: str | None, *, max_seq_len: int,
+                     task_index: int = 0, max_image_pixels: int | None = None, source: str | None = None,
+                     image_cache: ImageCache | None = None) -> Trajectory:
+    """A supervised sample: the row's prompt followed by the environment's gold assistant turn.
+
+    The loss mask is 1 exactly on the gold turn's tokens (its end-of-turn token included); logprobs are 0.
+    The gold turn is also stepped and scored, so `reward` says whether the gold answer earns full reward.
+    A sample longer than `max_seq_len` comes back with `error` set (it cannot be trained on uncut).
+    """
+    renderer = ChatRenderer(tokenizer, chat_template)
+    cache = image_cache or ImageCache(max_pixels=max_image_pixels)
+    ep = Episode(task_index, 0, row, env, _where(source, task_index), _agent_name(row, env))
+    ep.state = env.start(row, where=ep.where)
+    ep.tools = _tools(row, env)
+    text, images = renderer.prompt(ep.state.messages, ep.tools)
+    decoded = [cache.get(im, where=ep.at(0)) for im in images]
+    ep.append_inserted(adapter.encode_text(text, [p for p, _ in decoded], where=ep.at(0)), decoded, 0)
+    gold = env.gold_turn(row)
+    gold_ids = adapter.encode_text(renderer.gold(ep.state.messages, ep.tools, gold), [], where=ep.at(0))
+    start = len(ep.ids)
+    ep.append_sampled(gold_ids, [0.0] * len(gold_ids))
+    ep.turns = 1
+    first = len(ep.state.output)
+    call = {"turn": 0, "prompt_end": start, "generation_start": start, "generation_end": len(ep.ids),
+            "finish_reason": "stop", "stop_reason": None, "output_index": None}
+    ep.model_calls.append(call)
+    try:
+        env.step(ep.state, gold)
+    except Exception as ex:
+        ep.fail(f"environment step failed on the gold turn: {_describe(ex)}")
+    call["output_index"] = _model_item_index(ep, first, len(gold.to_items()))
+    if ep.error is None and len(ep.ids) > max_seq_len:
+        ep.fail(f"the SFT sample has {len(ep.ids)} tokens, over max_seq_len {max_seq_len}")
+    elif ep.error is None:
+        ep.finish("stop")
+    return _score(ep, 0)

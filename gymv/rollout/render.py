@@ -1,0 +1,122 @@
+"""Turn messages into the text the chat template makes of them, one turn's worth at a time.
+
+The agent loop never re-renders the conversation: it renders the prompt once, then only the messages each
+turn adds. To get "only the new messages" right for any template (ones that insert a default system
+prompt, or put a newline after the end-of-turn token), the new messages are rendered after a fixed
+two-message stand-in conversation that ends with an assistant turn, and the stand-in's own rendering is
+cut off. What the template writes after the assistant's end-of-turn token (the glue) is learned once from
+the same stand-in, so the text appended after a sampled end-of-turn token is exactly what the template
+would have written there.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gymv.envs.protocol import Image, Message, ModelTurn, Part, Text, ToolResult
+from gymv.errors import GymvError
+
+_SENTINEL = "@@gymv-assistant-turn@@"
+_STAND_IN = [{"role": "user", "content": "."}, {"role": "assistant", "content": _SENTINEL}]
+
+
+def template_content(parts: list[Part]) -> str | list[dict]:
+    """Content parts in the form chat templates take: a plain string, or text and image parts."""
+    if len(parts) == 1 and isinstance(parts[0], Text):
+        return parts[0].text
+    return [{"type": "text", "text": p.text} if isinstance(p, Text) else {"type": "image"} for p in parts]
+
+
+def message_dict(message: Message) -> tuple[dict, list[Image]]:
+    return {"role": message.role, "content": template_content(message.content)}, message.images
+
+
+def tool_message_dict(result: ToolResult) -> tuple[dict, list[Image]]:
+    parts: list[Part] = ([Text(result.text)] if result.text or not result.images else []) + list(result.images)
+    return ({"role": "tool", "tool_call_id": result.call_id, "name": result.name,
+             "content": template_content(parts)}, list(result.images))
+
+
+def assistant_dict(turn: ModelTurn) -> dict:
+    """A model turn as a chat-template assistant message (OpenAI tool_calls shape; arguments as objects)."""
+    calls = []
+    for c in turn.tool_calls:
+        try:
+            args: Any = json.loads(c.arguments)
+        except (json.JSONDecodeError, TypeError):
+            args = c.arguments
+        calls.append({"type": "function", "id": c.call_id, "function": {"name": c.name, "arguments": args}})
+    out: dict = {"role": "assistant", "content": turn.text}
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+class ChatRenderer:
+    """Renders prompts, per-turn additions and gold assistant turns with one tokenizer's chat template."""
+
+    def __init__(self, tokenizer, chat_template: str | None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        eos = tokenizer.eos_token
+        if not eos:
+            raise GymvError("the tokenizer has no eos_token, so the end of a model turn is unknown",
+                            fix="set eos_token (the chat template's end-of-turn token) in tokenizer_config.json")
+        self.turn_end = eos
+        self.turn_end_ids = tokenizer.encode(eos, add_special_tokens=False)
+        self._stand_in = self.render(_STAND_IN)
+        tail = self._stand_in[self._stand_in.rindex(_SENTINEL) + len(_SENTINEL):]
+        if not tail.startswith(eos):
+            raise GymvError(f"the chat template does not end an assistant turn with the eos token {eos!r} "
+                            f"(it writes {tail!r} after the content)",
+                            fix="use a chat template whose assistant turns end with the tokenizer's eos_token")
+        self.glue = tail[len(eos):]
+
+    def render(self, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = False) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      chat_template=self.chat_template)
+        except GymvError:
+            raise
+        except Exception as e:  # jinja errors: unsupported role or part type, template bugs
+            raise GymvError(f"the chat template failed to render: {type(e).__name__}: {e}",
+                            fix="check the messages' roles and content types against the model's template") from None
+
+    def prompt(self, messages: list[Message], tools: list[dict] | None) -> tuple[str, list[Image]]:
+        """The first turn: every message of the prompt, the tool schemas, and the generation prompt."""
+        dicts, images = zip(*(message_dict(m) for m in messages)) if messages else ((), ())
+        return (self.render(list(dicts), tools=tools, add_generation_prompt=True),
+                [im for ims in images for im in ims])
+
+    def addition(self, added: list[tuple[dict, list[Image]]], *, turn_closed: bool) -> tuple[str, list[Image]]:
+        """Text that follows a sampled model turn: its end-of-turn (if the model stopped without one), the
+        template's glue, the new messages and the generation prompt; with the images of those messages."""
+        dicts = [d for d, _ in added]
+        full = self.render(_STAND_IN + dicts, add_generation_prompt=True)
+        if not full.startswith(self._stand_in):
+            raise GymvError("the chat template is not prefix-stable: rendering more messages changed the text "
+                            "of the earlier ones", fix="use a chat template that renders each message on its own")
+        text = ("" if turn_closed else self.turn_end) + self.glue + full[len(self._stand_in):]
+        return text, [im for _, ims in added for im in ims]
+
+    def gold(self, messages: list[Message], tools: list[dict] | None, turn: ModelTurn) -> str:
+        """The text of a gold assistant turn after the prompt, ending with the end-of-turn token."""
+        dicts = [message_dict(m)[0] for m in messages]
+        prompt = self.render(dicts, tools=tools, add_generation_prompt=True)
+        full = self.render(dicts + [assistant_dict(turn)], tools=tools)
+        if not full.startswith(prompt):
+            raise GymvError("the chat template renders an assistant turn that does not start with its own "
+                            "generation prompt", fix="use a chat template whose generation prompt opens assistant turns")
+        text = full[len(prompt):]
+        if self.glue and text.endswith(self.glue):
+            text = text[:-len(self.glue)]
+        if not text.endswith(self.turn_end):
+            raise GymvError(f"the chat template's assistant turn does not end with {self.turn_end!r}",
+                            fix="use a chat template whose assistant turns end with the tokenizer's eos_token")
+        return text
+
+    def ends_turn(self, token_ids: list[int]) -> bool:
+        n = len(self.turn_end_ids)
+        return n > 0 and token_ids[-n:] == self.turn_end_ids
