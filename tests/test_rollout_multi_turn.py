@@ -12,6 +12,7 @@ import json
 import pytest
 
 from gymv.backends.generation import SamplingParams
+from gymv.envs.protocol import RowError
 from gymv.rollout import run_rollouts, to_rollout_record
 from gymv.runs.rollout_log import model_calls, validate_rollout
 from rollout_helpers import (BLUE, GREEN, RED, PictureEnv, ScriptedBackend, picture_row, sample_of, script,
@@ -192,3 +193,40 @@ def test_circle_click_default_max_turns_ends_after_the_click(policy):
     backend = ScriptedBackend(policy, lambda w: '<tool_call>{"name": "click", "arguments": {"x": 0, "y": 0}}</tool_call><|im_end|>')
     (t,) = run(policy, backend, env, rows, group_size=1, max_turns=4)
     assert t.turns == 1 and t.finish_reason == "stop" and t.failure_reason == "miss"
+
+
+class VerifierDown(PictureEnv):
+    def score_output(self, row, output):
+        raise ConnectionError("verifier refused the connection")
+
+
+class BadAnswerField(PictureEnv):
+    def score_output(self, row, output):
+        raise RowError("field 'answer' must be a string")
+
+
+class WontStart(PictureEnv):
+    def start(self, row, *, where=None):
+        raise ConnectionError("env server refused the connection")
+
+
+def test_scoring_that_crashes_marks_the_trajectory_error(policy):
+    (t,) = run(policy, ScriptedBackend(policy, script), VerifierDown(), [(0, picture_row())], group_size=1,
+               max_turns=1)
+    assert "verifier refused" in t.error and t.finish_reason == "error" and t.turns == 1
+
+
+def test_scoring_that_blames_the_data_raises_naming_the_row(policy):
+    with pytest.raises(RowError, match=r"eval\.jsonl line 3 sample 0: field 'answer' must be a string"):
+        run(policy, ScriptedBackend(policy, script), BadAnswerField(), [(2, picture_row())], max_turns=1,
+            source="eval.jsonl")
+
+
+def test_environment_that_fails_to_start_marks_its_episodes_and_spares_the_rest(policy):
+    def env_for(row):
+        return WontStart() if row.get("broken") else PictureEnv()
+
+    backend = ScriptedBackend(policy, script)
+    trajs = run(policy, backend, env_for, [(0, {**picture_row(), "broken": True}), (1, picture_row())], max_turns=1)
+    assert ["refused" in (t.error or "") for t in trajs] == [True, True, False, False]
+    assert trajs[0].token_ids == [] and len(backend.calls[0][0]) == 2
