@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from gymv.data.generate import SPLIT_SPAN, row_seeds, write_dataset
+from gymv.data.generate import SPLIT_SPAN, RowGenerator, default_workers, row_seeds, write_dataset
 from gymv.envs import Environment, ModelTurn, Score, get_env
 from gymv.envs.knobs import resolve_knobs
 from gymv.errors import GymvError
@@ -48,6 +49,30 @@ def test_worker_count_does_not_change_the_file(tmp_path):
     write_dataset(tmp_path / "one.jsonl", env, knobs, n=80, workers=1)
     write_dataset(tmp_path / "two.jsonl", env, knobs, n=80, workers=2)
     assert (tmp_path / "one.jsonl").read_bytes() == (tmp_path / "two.jsonl").read_bytes()
+
+
+def test_rows_are_made_on_all_cores():
+    env = get_env("circle-count")
+    with RowGenerator(env, resolve_knobs(env, "tiny"), row_seeds("train", 0, 200)) as gen:
+        assert gen.processes == default_workers()
+        assert len(list(gen)) == 200
+
+
+def test_a_caller_with_running_threads_gets_the_same_file_made_in_process(tmp_path):
+    env = get_env("circle-count")
+    knobs = resolve_knobs(env, "tiny")
+    write_dataset(tmp_path / "plain.jsonl", env, knobs, n=100, workers=1)
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        with RowGenerator(env, knobs, row_seeds("train", 0, 100), workers=2) as gen:
+            assert gen.processes == 1
+        write_dataset(tmp_path / "threaded.jsonl", env, knobs, n=100, workers=2)
+    finally:
+        stop.set()
+        thread.join()
+    assert (tmp_path / "plain.jsonl").read_bytes() == (tmp_path / "threaded.jsonl").read_bytes()
 
 
 def test_a_row_depends_only_on_its_own_seed(tmp_path):

@@ -66,6 +66,13 @@ def make_line(env: Any, knobs: Any, row_seed: int, index: int) -> str:
     return json.dumps(row, ensure_ascii=False, separators=(",", ":"))
 
 
+def _can_fork() -> bool:
+    """Workers are forked, and only from a single-threaded process: forking beside running threads can copy
+    a lock another thread holds, and spawned workers would re-run the caller's `__main__`. Otherwise rows
+    are made in this process (the same file, only slower)."""
+    return "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
+
+
 def _make_chunk(job: tuple) -> list[str]:
     env, knobs, seeds, start = job
     return [make_line(env, knobs, s, start + k) for k, s in enumerate(seeds)]
@@ -89,11 +96,14 @@ class RowGenerator:
         # The first row is made here, before forking: it imports what the environment needs (numpy, PIL)
         # once, instead of once per worker.
         self._first = _make_chunk((self.env, self.knobs, self.seeds[:1], 0))
-        if self.workers > 1 and len(self.seeds) >= max(32, 4 * self.chunk):
-            methods = multiprocessing.get_all_start_methods()
-            method = "fork" if "fork" in methods and threading.active_count() == 1 else "spawn"
-            self._pool = multiprocessing.get_context(method).Pool(self.workers)
+        if self.workers > 1 and len(self.seeds) >= max(32, 4 * self.chunk) and _can_fork():
+            self._pool = multiprocessing.get_context("fork").Pool(self.workers)
         return self
+
+    @property
+    def processes(self) -> int:
+        """Worker processes actually making rows (1: this process)."""
+        return self.workers if self._pool is not None else 1
 
     def __exit__(self, *exc: object) -> None:
         if self._pool is not None:
