@@ -5,7 +5,7 @@
 
 _gymv_subcommands() {
     case "$1" in
-        '') echo 'completion dry-run lint prepare env model' ;;
+        '') echo 'completion dry-run lint prepare train env model' ;;
         'env') echo 'list serve verify' ;;
         'model') echo 'init info' ;;
     esac
@@ -13,18 +13,19 @@ _gymv_subcommands() {
 
 _gymv_options() {
     case "$1" in
-        '') echo '--version --debug -h --help' ;;
-        'completion') echo '--write --check -h --help' ;;
-        'dry-run') echo '--recipes-dir --json --fail-over-budget -h --help' ;;
-        'lint') echo '--format -f --json --fix --list-rules -h --help' ;;
-        'prepare') echo '--n --out --seed --split --preset --workers --preview --preview-count --list-knobs --json -h --help' ;;
-        'env') echo '-h --help' ;;
-        'env list') echo '--json -h --help' ;;
-        'env serve') echo '--host --port --max-body-mb --log-requests -h --help' ;;
-        'env verify') echo '--data --env --on-error --out --fail-on-mismatch --json -h --help' ;;
-        'model') echo '-h --help' ;;
-        'model init') echo '--hidden --layers --image-size --patch-size --vocab-size --seed --force --json -h --help' ;;
-        'model info') echo '--json -h --help' ;;
+        '') echo '--version --debug --help -h' ;;
+        'completion') echo '--write --check --help -h' ;;
+        'dry-run') echo '--recipes-dir --json --fail-over-budget --help -h' ;;
+        'lint') echo '--format -f --json --fix --list-rules --help -h' ;;
+        'prepare') echo '--n --out --seed --split --preset --workers --preview --preview-count --list-knobs --json --help -h' ;;
+        'train') echo '--resume --ray-address --json --help -h' ;;
+        'env') echo '--help -h' ;;
+        'env list') echo '--json --help -h' ;;
+        'env serve') echo '--host --port --max-body-mb --log-requests --help -h' ;;
+        'env verify') echo '--data --env --on-error --out --fail-on-mismatch --json --help -h' ;;
+        'model') echo '--help -h' ;;
+        'model init') echo '--hidden --layers --image-size --patch-size --vocab-size --seed --force --json --help -h' ;;
+        'model info') echo '--json --help -h' ;;
     esac
 }
 
@@ -43,6 +44,8 @@ _gymv_value_kind() {
         'prepare|--workers') echo 'none' ;;
         'prepare|--preview') echo 'files' ;;
         'prepare|--preview-count') echo 'none' ;;
+        'train|--resume') echo 'files' ;;
+        'train|--ray-address') echo 'files' ;;
         'env serve|--host') echo 'files' ;;
         'env serve|--port') echo 'none' ;;
         'env serve|--max-body-mb') echo 'none' ;;
@@ -67,6 +70,8 @@ _gymv_arg_kind() {
         'lint|'*) echo 'files' ;;
         'prepare|''0') echo 'files' ;;
         'prepare|'*) echo 'files' ;;
+        'train|''0') echo 'files' ;;
+        'train|'*) echo 'files' ;;
         'env serve|''0') echo 'files' ;;
         'env verify|''0') echo 'files' ;;
         'model init|''0') echo 'files' ;;

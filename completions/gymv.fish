@@ -3,8 +3,8 @@
 
 # Install: copy this file to ~/.config/fish/completions/gymv.fish
 
-set -g __gymv_subcommands '|completion' '|dry-run' '|lint' '|prepare' '|env' '|model' 'env|list' 'env|serve' 'env|verify' 'model|init' 'model|info'
-set -g __gymv_value_options 'completion|--write' 'completion|--check' 'dry-run|--recipes-dir' 'lint|--format' 'lint|-f' 'prepare|--n' 'prepare|--out' 'prepare|--seed' 'prepare|--split' 'prepare|--preset' 'prepare|--workers' 'prepare|--preview' 'prepare|--preview-count' 'env serve|--host' 'env serve|--port' 'env serve|--max-body-mb' 'env verify|--data' 'env verify|--env' 'env verify|--on-error' 'env verify|--out' 'model init|--hidden' 'model init|--layers' 'model init|--image-size' 'model init|--patch-size' 'model init|--vocab-size' 'model init|--seed'
+set -g __gymv_subcommands '|completion' '|dry-run' '|lint' '|prepare' '|train' '|env' '|model' 'env|list' 'env|serve' 'env|verify' 'model|init' 'model|info'
+set -g __gymv_value_options 'completion|--write' 'completion|--check' 'dry-run|--recipes-dir' 'lint|--format' 'lint|-f' 'prepare|--n' 'prepare|--out' 'prepare|--seed' 'prepare|--split' 'prepare|--preset' 'prepare|--workers' 'prepare|--preview' 'prepare|--preview-count' 'train|--resume' 'train|--ray-address' 'env serve|--host' 'env serve|--port' 'env serve|--max-body-mb' 'env verify|--data' 'env verify|--env' 'env verify|--on-error' 'env verify|--out' 'model init|--hidden' 'model init|--layers' 'model init|--image-size' 'model init|--patch-size' 'model init|--vocab-size' 'model init|--seed'
 
 # Prints the command path (e.g. "env serve"), then the index of the positional argument being typed.
 function __gymv_state
@@ -61,25 +61,26 @@ complete -c gymv -n '__gymv_at \'\'' -a 'completion' -d 'Print, write or check s
 complete -c gymv -n '__gymv_at \'\'' -a 'dry-run' -d 'Count the GPU-hours of test-suite drivers without running them'
 complete -c gymv -n '__gymv_at \'\'' -a 'lint' -d 'Check recipes, their drivers and the suite lists; exit 0 when clean,...'
 complete -c gymv -n '__gymv_at \'\'' -a 'prepare' -d 'Generate a dataset of ENV rows (NeMo Gym JSONL, images as PNG data URLs)'
+complete -c gymv -n '__gymv_at \'\'' -a 'train' -d 'Train a policy with the algorithm of RECIPE (sft, vlm_sft, grpo, vlm_...'
 complete -c gymv -n '__gymv_at \'\'' -a 'env' -d 'Serve environments over HTTP and re-score rollout files'
 complete -c gymv -n '__gymv_at \'\'' -a 'model' -d 'Build and inspect policy checkpoints'
 complete -c gymv -n '__gymv_at \'\'' -l version -d 'Print the version and exit'
 complete -c gymv -n '__gymv_at \'\'' -l debug -d 'Show full tracebacks on errors'
-complete -c gymv -n '__gymv_at \'\'' -s h -l help -d 'Show this message and exit'
+complete -c gymv -n '__gymv_at \'\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'completion\'' -l write -r -a '(__fish_complete_directories (commandline -ct))' -d 'Write gymv.bash, _gymv and gymv.fish for the built-in commands into DIR'
 complete -c gymv -n '__gymv_at \'completion\'' -l check -r -a '(__fish_complete_directories (commandline -ct))' -d 'Exit 1 when the scripts in DIR differ from freshly generated ones'
-complete -c gymv -n '__gymv_at \'completion\'' -s h -l help -d 'Show this message and exit'
+complete -c gymv -n '__gymv_at \'completion\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'completion\'; and __gymv_argpos \'0\'' -a 'bash zsh fish'
 complete -c gymv -n '__gymv_at \'dry-run\'' -l recipes-dir -r -a '(__fish_complete_directories (commandline -ct))' -d 'The recipes directory (holds suites/ and drivers/)'
 complete -c gymv -n '__gymv_at \'dry-run\'' -l json -d 'Print one JSON object (drivers, per-suite subtotals and budgets, tota...'
 complete -c gymv -n '__gymv_at \'dry-run\'' -l fail-over-budget -d 'Exit 1 when a suite\'s GPU-hours exceed its budget'
-complete -c gymv -n '__gymv_at \'dry-run\'' -s h -l help -d 'Show this message and exit'
+complete -c gymv -n '__gymv_at \'dry-run\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'dry-run\'; and __gymv_argpos \'*\'' -F -a '(__gymv_suites)'
 complete -c gymv -n '__gymv_at \'lint\'' -l format -s f -r -a 'auto table text json github' -d 'table, text (one `path:line: ID message (fix: ...)` per line), json,...'
 complete -c gymv -n '__gymv_at \'lint\'' -l json -d 'Same as --format json'
 complete -c gymv -n '__gymv_at \'lint\'' -l fix -d 'Delete redundant leaves (GV003) in place, keeping comments and layout...'
 complete -c gymv -n '__gymv_at \'lint\'' -l list-rules -d 'Print the rule table and exit'
-complete -c gymv -n '__gymv_at \'lint\'' -s h -l help -d 'Show this message and exit'
+complete -c gymv -n '__gymv_at \'lint\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'lint\'; and __gymv_argpos \'*\'' -F
 complete -c gymv -n '__gymv_at \'prepare\'' -l n -r -d 'Number of rows'
 complete -c gymv -n '__gymv_at \'prepare\'' -l out -r -F -d 'Output JSONL file (written atomically)'
@@ -91,20 +92,26 @@ complete -c gymv -n '__gymv_at \'prepare\'' -l preview -r -F -d 'Also write a co
 complete -c gymv -n '__gymv_at \'prepare\'' -l preview-count -r -d 'Rows on the contact sheet'
 complete -c gymv -n '__gymv_at \'prepare\'' -l list-knobs -d 'Show the knobs of ENV\'s preset and exit'
 complete -c gymv -n '__gymv_at \'prepare\'' -l json -d 'Print a JSON summary on stdout'
-complete -c gymv -n '__gymv_at \'prepare\'' -s h -l help -d 'Show this message and exit'
+complete -c gymv -n '__gymv_at \'prepare\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'prepare\'; and __gymv_argpos \'0\'' -F
 complete -c gymv -n '__gymv_at \'prepare\'; and __gymv_argpos \'*\'' -F
+complete -c gymv -n '__gymv_at \'train\'' -l resume -r -F -d 'Continue this run directory from its newest checkpoint'
+complete -c gymv -n '__gymv_at \'train\'' -l ray-address -r -F -d 'Join this Ray cluster (HOST:PORT or auto) instead of starting one'
+complete -c gymv -n '__gymv_at \'train\'' -l json -d 'Print a JSON summary on stdout instead of the table'
+complete -c gymv -n '__gymv_at \'train\'' -l help -s h -d 'Show this message and exit'
+complete -c gymv -n '__gymv_at \'train\'; and __gymv_argpos \'0\'' -F
+complete -c gymv -n '__gymv_at \'train\'; and __gymv_argpos \'*\'' -F
 complete -c gymv -n '__gymv_at \'env\'' -a 'list' -d 'List the environments gymv can serve, verify and generate data for'
 complete -c gymv -n '__gymv_at \'env\'' -a 'serve' -d 'Serve NAME with NeMo Gym\'s resources-server endpoints until interrupted'
 complete -c gymv -n '__gymv_at \'env\'' -a 'verify' -d 'Re-score rollouts with gymv\'s verifiers and compare with their record...'
-complete -c gymv -n '__gymv_at \'env\'' -s h -l help -d 'Show this message and exit'
+complete -c gymv -n '__gymv_at \'env\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'env list\'' -l json -d 'Print JSON on stdout'
-complete -c gymv -n '__gymv_at \'env list\'' -s h -l help -d 'Show this message and exit'
+complete -c gymv -n '__gymv_at \'env list\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'env serve\'' -l host -r -F -d 'Interface to bind (127.0.0.1: this machine only)'
 complete -c gymv -n '__gymv_at \'env serve\'' -l port -r -d 'TCP port (0: pick a free one)'
 complete -c gymv -n '__gymv_at \'env serve\'' -l max-body-mb -r -d 'Largest accepted request body, in MiB'
 complete -c gymv -n '__gymv_at \'env serve\'' -l log-requests -d 'Log each request on stderr'
-complete -c gymv -n '__gymv_at \'env serve\'' -s h -l help -d 'Show this message and exit'
+complete -c gymv -n '__gymv_at \'env serve\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'env serve\'; and __gymv_argpos \'0\'' -F
 complete -c gymv -n '__gymv_at \'env verify\'' -l data -r -F -d 'Rows the rollouts were run on, joined by _ng_task_index'
 complete -c gymv -n '__gymv_at \'env verify\'' -l env -r -F -d 'Environment to score with (default: from each row)'
@@ -112,11 +119,11 @@ complete -c gymv -n '__gymv_at \'env verify\'' -l on-error -r -F -d 'fail: stop 
 complete -c gymv -n '__gymv_at \'env verify\'' -l out -r -F -d 'Also write the scored rollouts (reward and extras) here'
 complete -c gymv -n '__gymv_at \'env verify\'' -l fail-on-mismatch -d 'Exit 1 when a recorded reward differs'
 complete -c gymv -n '__gymv_at \'env verify\'' -l json -d 'Print the report as JSON on stdout'
-complete -c gymv -n '__gymv_at \'env verify\'' -s h -l help -d 'Show this message and exit'
+complete -c gymv -n '__gymv_at \'env verify\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'env verify\'; and __gymv_argpos \'0\'' -F
 complete -c gymv -n '__gymv_at \'model\'' -a 'init' -d 'Write a random-initialised tiny VLM + processor that AutoModelForImag...'
 complete -c gymv -n '__gymv_at \'model\'' -a 'info' -d 'Load a policy and show its processor style, image tokens and vision s...'
-complete -c gymv -n '__gymv_at \'model\'' -s h -l help -d 'Show this message and exit'
+complete -c gymv -n '__gymv_at \'model\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'model init\'' -l hidden -r -d 'Text model width (default 128)'
 complete -c gymv -n '__gymv_at \'model init\'' -l layers -r -d 'Text decoder layers (default 2)'
 complete -c gymv -n '__gymv_at \'model init\'' -l image-size -r -d 'Image side in pixels (default 56 LLaVA, 112 Qwen2-VL)'
@@ -125,9 +132,9 @@ complete -c gymv -n '__gymv_at \'model init\'' -l vocab-size -r -d 'BPE vocabula
 complete -c gymv -n '__gymv_at \'model init\'' -l seed -r -d 'Seed for the tokenizer corpus and the weights'
 complete -c gymv -n '__gymv_at \'model init\'' -l force -d 'Replace OUT_DIR if it exists'
 complete -c gymv -n '__gymv_at \'model init\'' -l json -d 'Print the result as JSON'
-complete -c gymv -n '__gymv_at \'model init\'' -s h -l help -d 'Show this message and exit'
+complete -c gymv -n '__gymv_at \'model init\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'model init\'; and __gymv_argpos \'0\'' -F
 complete -c gymv -n '__gymv_at \'model init\'; and __gymv_argpos \'1\'' -F
 complete -c gymv -n '__gymv_at \'model info\'' -l json -d 'Print the result as JSON'
-complete -c gymv -n '__gymv_at \'model info\'' -s h -l help -d 'Show this message and exit'
+complete -c gymv -n '__gymv_at \'model info\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'model info\'; and __gymv_argpos \'0\'' -F

@@ -1,0 +1,202 @@
+"""Driver side of the workers: place the actors (`cluster.*`), fan each phase out in one Ray round trip,
+and turn a worker's failure into one clear error.
+
+Placement:
+- CPU (`gpus_per_node: 0`): one generation worker and one training worker (or `num_training` ranks),
+  reserving no CPUs, since the phases of a synchronous step alternate and each takes every thread.
+- GPUs, colocated: one bundle per GPU; training rank i and generation worker i share bundle i.
+- GPUs, separate: `training_gpus` training ranks and `generation_gpus` generation workers, one GPU each.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gymv.cluster.workers import GenerationWorker, TrainingWorker, WorkerSpec
+from gymv.errors import GymvError
+
+
+def ray_get(refs, phase: str):
+    """ray.get that re-raises a worker's GymvError as itself and anything else as one GymvError line."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    try:
+        return ray.get(refs)
+    except RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, GymvError):
+            raise GymvError(cause.message, where=cause.where, fix=cause.fix, exit_code=cause.exit_code) from None
+        text = str(cause) if cause is not None else str(e)
+        lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+        raise GymvError(f"{phase} failed in a worker: {type(cause).__name__ if cause else 'error'}: "
+                        f"{lines[-1] if lines else ''}", where=phase, exit_code=1,
+                        fix="run with --debug for the worker traceback; non-finite weights usually mean the learning rate is too high") from None
+    except RayActorError as e:
+        raise GymvError(f"a worker died during {phase}: {str(e).splitlines()[0]}", where=phase, exit_code=1,
+                        fix="the process may have run out of memory; lower the batch sizes or micro_batch_tokens") from None
+
+
+@dataclass(frozen=True)
+class Placement:
+    num_generation: int = 1
+    num_training: int = 1
+    gpus: int = 0  # GPUs of the whole run (0 = CPU)
+    colocated: bool = True
+
+    @classmethod
+    def from_config(cls, cfg, *, num_training: int | None = None) -> Placement:
+        c = cfg.cluster
+        total = c.num_nodes * c.gpus_per_node
+        if total == 0:
+            return cls(1, num_training or 1, 0, True)
+        if c.colocated:
+            return cls(total, num_training or total, total, True)
+        return cls(c.generation_gpus or 1, num_training or c.training_gpus or 1, total, False)
+
+
+def _split(items: Sequence, parts: int) -> list[list]:
+    size = math.ceil(len(items) / parts) if items else 0
+    return [list(items[i * size:(i + 1) * size]) for i in range(parts)]
+
+
+class PolicyCluster:
+    """The generation workers and training ranks of one run, driven phase by phase."""
+
+    def __init__(self, spec: WorkerSpec, placement: Placement, *, generation: bool = True):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.spec, self.placement = spec, placement
+        self._pg = None
+        gen_opts: list[dict] = []
+        train_opts: list[dict] = []
+        n_gen = placement.num_generation if generation else 0
+        if placement.gpus == 0:
+            gen_opts = [{"num_cpus": 0}] * n_gen
+            train_opts = [{"num_cpus": 0}] * placement.num_training
+        elif placement.colocated:
+            self._pg = placement_group([{"GPU": 1, "CPU": 1}] * placement.gpus, strategy="PACK")
+            ray_get(self._pg.ready(), "placing workers on GPUs")
+            at = lambda i: {"num_cpus": 0, "num_gpus": 0.5,  # noqa: E731
+                            "scheduling_strategy": PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i)}
+            gen_opts = [at(i % placement.gpus) for i in range(n_gen)]
+            train_opts = [at(i % placement.gpus) for i in range(placement.num_training)]
+        else:
+            gen_opts = [{"num_cpus": 0, "num_gpus": 1}] * n_gen
+            train_opts = [{"num_cpus": 0, "num_gpus": 1}] * placement.num_training
+        Train = ray.remote(TrainingWorker)
+        Gen = ray.remote(GenerationWorker)
+        world = placement.num_training
+        self.trainers = [Train.options(**o).remote(spec, r, world) for r, o in enumerate(train_opts)]
+        self.generators = [Gen.options(**o).remote(spec, i) for i, o in enumerate(gen_opts)]
+        master = ray_get(self.trainers[0].address.remote(), "starting the training workers") if world > 1 else None
+        refs = [t.setup.remote(master) for t in self.trainers]
+        refs += [g.stats.remote() for g in self.generators]  # waits for the generation workers to load
+        self.info = ray_get(refs, "starting the workers")[0]
+        self._refit_ready = False
+
+    # -- generation ----------------------------------------------------------------------------------
+    def rollouts(self, rows: Sequence[tuple[int, dict]], *, seed: int, **kwargs) -> tuple[list, dict]:
+        """Rollouts of every row, split by prompt across generation workers, in row order; also timings."""
+        if not self.generators:
+            raise GymvError("this run has no generation worker", where="cluster")
+        chunks = _split(list(rows), len(self.generators))
+        t0 = time.perf_counter()
+        refs = [g.rollouts.remote(chunk, seed=seed + 104729 * i, **kwargs)
+                for i, (g, chunk) in enumerate(zip(self.generators, chunks)) if chunk]
+        out = ray_get(refs, "generation")
+        timing = {"generation_s": time.perf_counter() - t0,
+                  "env_s": max(o["stats"].get("env_s", 0.0) for o in out)}
+        return [t for o in out for t in o["trajectories"]], timing
+
+    # -- training ------------------------------------------------------------------------------------
+    def _shard(self, minibatches: list[list]) -> list[list[list]]:
+        world = len(self.trainers)
+        per_rank: list[list[list]] = [[] for _ in range(world)]
+        for mb in minibatches:
+            for r, part in enumerate(_split(mb, world)):
+                per_rank[r].append(part)
+        return per_rank
+
+    def grpo_step(self, minibatches: list[list[dict]], loss_fn) -> dict:
+        shards = self._shard(minibatches)
+        return ray_get([t.grpo_step.remote(s, loss_fn) for t, s in zip(self.trainers, shards)], "training")[0]
+
+    def sft_step(self, rows: list[tuple[int, dict, str]], loss_fn) -> dict:
+        shards = self._shard([rows])
+        return ray_get([t.sft_step.remote(s[0], loss_fn) for t, s in zip(self.trainers, shards)], "training")[0]
+
+    # -- refit ---------------------------------------------------------------------------------------
+    def _connect_refit(self) -> None:
+        opened = ray_get(self.trainers[0].refit_open.remote(len(self.generators)), "refit setup")
+        self._in_band = opened["in_band"]
+        refs = [self.trainers[0].refit_connect.remote()]
+        refs += [g.refit_connect.remote(opened["info"], 1 + i) for i, g in enumerate(self.generators)]
+        ray_get(refs, "refit setup")  # collective transports rendezvous here, all sides at once
+        self._refit_ready = True
+
+    def refit(self, version: int) -> float:
+        """Send the trainer's weights to every generation worker; seconds, as the driver saw them."""
+        if not self.generators:
+            return 0.0
+        t0 = time.perf_counter()
+        if not self._refit_ready:
+            self._connect_refit()
+        payload = self.trainers[0].publish.remote()
+        # in-band: each receiver waits for the published object; otherwise they meet inside the broadcast
+        handed = payload if self._in_band else None
+        ray_get([payload] + [g.receive.remote(handed, version) for g in self.generators], "refit")
+        return time.perf_counter() - t0
+
+    def weight_hashes(self) -> tuple[str, list[str]]:
+        """(trainer hash in the generation dtype, each generation worker's hash): equal after a refit."""
+        refs = [self.trainers[0].weights_hash.remote()] + [g.weights_hash.remote() for g in self.generators]
+        got = ray_get(refs, "weight hashes")
+        return got[0], got[1:]
+
+    def generation_stats(self) -> list[dict]:
+        return ray_get([g.stats.remote() for g in self.generators], "generation stats")
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def save(self, path) -> None:
+        ray_get([t.save.remote(str(path)) for t in self.trainers], "saving a checkpoint")
+
+    def load(self, path) -> int:
+        return ray_get([t.load.remote(str(path)) for t in self.trainers], "loading a checkpoint")[0]
+
+    def export(self, path) -> str:
+        return ray_get(self.trainers[0].export.remote(str(path)), "exporting the final model")
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.trainers + self.generators:
+            try:
+                ray.get(a.close.remote(), timeout=30)
+            except Exception:
+                pass
+            ray.kill(a)
+        self.trainers, self.generators = [], []
+        if self._pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._pg)
+            self._pg = None
+
+
+class TrainerHandle:
+    """What CheckpointManager needs (save/load into a folder), backed by the training workers."""
+
+    def __init__(self, cluster: PolicyCluster):
+        self.cluster = cluster
+
+    def save(self, path) -> None:
+        self.cluster.save(path)
+
+    def load(self, path) -> None:
+        self.cluster.load(path)

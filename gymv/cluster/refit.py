@@ -1,0 +1,402 @@
+"""Weight refit: the trainer's new weights reach the generation backend after each optimizer step.
+
+Every transport moves one flat buffer plus a `WeightLayout` (name, shape, offset of each tensor), so a
+receiver rebuilds views into the buffer and copies them into its live parameters with one pass. The
+sender casts to the generation dtype while flattening (bf16 generation gets half the bytes).
+
+| transport | sender (training rank 0) | receiver (each generation worker) |
+|---|---|---|
+| object_store | flat numpy array returned through Ray (zero-copy reads on the receiving host) | views of it |
+| shm | flat buffer written into one POSIX shared-memory segment, reused every step | views of the segment |
+| cuda_ipc | flat CUDA buffer, shared by a CUDA IPC handle (same GPU, no copy through the host) | views of it |
+| nccl | flat CUDA buffer broadcast over a dedicated NCCL group (trainer rank 0 + receivers) | its own flat buffer |
+
+The `collective` implementation behind `nccl` also runs on gloo (CPU), which is how it is tested here.
+Encoder-cache resets are the receiver's caller's job (GenerationWorker), after a refit that succeeded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gymv.errors import GymvError
+
+
+# ------------------------------------------------------------------------------------------------ layout
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """Where each tensor lives in the flat buffer; `aliases` are tied names that share a tensor."""
+
+    entries: tuple[tuple[str, tuple[int, ...], int, int], ...]  # (name, shape, offset, numel)
+    aliases: tuple[tuple[str, str], ...]  # (alias, canonical name)
+    dtype: str
+    numel: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.torch_dtype).element_size()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def make_layout(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> WeightLayout:
+    entries, aliases, seen, offset = [], [], {}, 0
+    for name, t in state_dict.items():
+        key = (t.data_ptr(), tuple(t.shape), t.dtype) if t.numel() else None
+        if key is not None and key in seen:
+            aliases.append((name, seen[key]))
+            continue
+        if key is not None:
+            seen[key] = name
+        entries.append((name, tuple(t.shape), offset, t.numel()))
+        offset += t.numel()
+    first = next(iter(state_dict.values()), None)
+    dt = dtype or (first.dtype if first is not None else torch.float32)
+    return WeightLayout(tuple(entries), tuple(aliases), dtype_name(dt), offset)
+
+
+def flatten_into(flat: torch.Tensor, state_dict: Mapping[str, torch.Tensor], layout: WeightLayout) -> torch.Tensor:
+    """Copy (and cast) every tensor into its slice of `flat`: the one copy a sender makes."""
+    with torch.no_grad():
+        for name, _, offset, numel in layout.entries:
+            flat[offset:offset + numel].copy_(state_dict[name].reshape(-1))
+    return flat
+
+
+def unflatten(flat: torch.Tensor, layout: WeightLayout) -> dict[str, torch.Tensor]:
+    """Views of `flat`, one per name (tied names included): no copy."""
+    out = {name: flat[offset:offset + numel].view(shape) for name, shape, offset, numel in layout.entries}
+    for alias, canonical in layout.aliases:
+        out[alias] = out[canonical]
+    return out
+
+
+def weights_hash(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> str:
+    """Content hash of named weights (optionally cast to `dtype` first): equal weights, equal hash."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(state_dict):
+        t = state_dict[name].detach()
+        if dtype is not None:
+            t = t.to(dtype)
+        t = t.cpu().contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------- transports
+
+
+class RefitSender(ABC):
+    """Lives in training rank 0; `publish` returns what the driver hands to every receiver."""
+
+    name: str
+    in_band = True  # False: receivers get the weights through the transport itself, not the returned payload
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, num_receivers: int = 1):
+        self.dtype, self.device, self.num_receivers = dtype, torch.device(device), num_receivers
+        self.layout: WeightLayout | None = None
+
+    def _layout(self, state_dict) -> WeightLayout:
+        layout = make_layout(state_dict, self.dtype)
+        if self.layout is None or self.layout != layout:
+            self.layout = layout
+        return self.layout
+
+    def rendezvous(self, state_dict: Mapping[str, torch.Tensor]) -> dict | None:
+        """Connection info receivers need before the first refit (collective transports); else None."""
+        return None
+
+    def connect(self) -> None:
+        """Join the receivers (called at the same time as every receiver's `connect`)."""
+
+    @abstractmethod
+    def publish(self, state_dict: Mapping[str, torch.Tensor]) -> Any: ...
+
+    def close(self) -> None:
+        """Free what the sender holds (shared memory, process groups)."""
+
+
+class RefitReceiver(ABC):
+    """Lives in a generation worker; `receive` turns a payload into named tensors to load."""
+
+    name: str
+
+    def __init__(self, device: torch.device, info: dict | None = None, rank: int = 1):
+        self.device, self.info, self.rank = torch.device(device), info, rank
+
+    def connect(self) -> None: ...
+
+    @abstractmethod
+    def receive(self, payload: Any) -> dict[str, torch.Tensor]: ...
+
+    def close(self) -> None: ...
+
+
+class ObjectStoreSender(RefitSender):
+    """Returns a flat numpy array; Ray stores it once and every receiver reads it (zero-copy on its host)."""
+
+    name = "object_store"
+
+    def publish(self, state_dict):
+        layout = self._layout(state_dict)
+        flat = flatten_into(torch.empty(layout.numel, dtype=layout.torch_dtype), state_dict, layout)
+        if flat.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the bits
+            flat = flat.view(torch.int16)
+        return {"layout": layout, "flat": flat.numpy()}
+
+
+class ObjectStoreReceiver(RefitReceiver):
+    name = "object_store"
+
+    def receive(self, payload):
+        layout: WeightLayout = payload["layout"]
+        with warnings.catch_warnings():  # Ray hands out read-only arrays; they are only read here
+            warnings.simplefilter("ignore")
+            flat = torch.from_numpy(payload["flat"])
+        if layout.torch_dtype == torch.bfloat16:
+            flat = flat.view(torch.bfloat16)
+        return unflatten(flat.to(self.device), layout)
+
+
+def _untrack_shm(shm) -> None:
+    """Python < 3.13 registers an *attached* segment with the resource tracker, which then unlinks it when
+    the attaching process exits; only the creator may own it."""
+    try:
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    except Exception:
+        pass
+
+
+class ShmSender(RefitSender):
+    """One shared-memory segment, created on the first refit and rewritten in place every step."""
+
+    name = "shm"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._shm = None
+
+    def publish(self, state_dict):
+        from multiprocessing import shared_memory
+
+        layout = self._layout(state_dict)
+        if self._shm is None or self._shm.size < layout.nbytes:
+            self.close()
+            self._shm = shared_memory.SharedMemory(name=f"gymv-refit-{uuid.uuid4().hex[:12]}", create=True,
+                                                   size=max(layout.nbytes, 1))
+        flat = torch.frombuffer(self._shm.buf, dtype=layout.torch_dtype, count=layout.numel)
+        flatten_into(flat, state_dict, layout)
+        del flat
+        return {"layout": layout, "name": self._shm.name}
+
+    def close(self) -> None:
+        if self._shm is not None:
+            try:
+                self._shm.close()
+                self._shm.unlink()
+            except (FileNotFoundError, BufferError):
+                pass
+            self._shm = None
+
+
+class ShmReceiver(RefitReceiver):
+    name = "shm"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._shm = None
+
+    def receive(self, payload):
+        from multiprocessing import shared_memory
+
+        layout: WeightLayout = payload["layout"]
+        if self._shm is None or self._shm.name != payload["name"]:
+            self.close()
+            try:
+                self._shm = shared_memory.SharedMemory(name=payload["name"])
+            except FileNotFoundError:
+                raise GymvError(f"shared-memory segment {payload['name']!r} not found", where="refit (shm)",
+                                fix="refit.transport shm needs training and generation on one host; use object_store") from None
+            _untrack_shm(self._shm)
+        flat = torch.frombuffer(self._shm.buf, dtype=layout.torch_dtype, count=layout.numel)
+        return unflatten(flat if self.device.type == "cpu" else flat.to(self.device), layout)
+
+    def close(self) -> None:
+        if self._shm is not None:
+            try:
+                self._shm.close()
+            except BufferError:  # a view is still alive; the mapping goes with the process
+                pass
+            self._shm = None
+
+
+class CudaIpcSender(RefitSender):
+    """A flat CUDA buffer shared by IPC handle; it stays alive here until the next publish."""
+
+    name = "cuda_ipc"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._flat: torch.Tensor | None = None
+
+    def publish(self, state_dict):
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        if self.device.type != "cuda":
+            raise GymvError("refit transport cuda_ipc needs the trainer on a GPU", where="refit.transport",
+                            fix="use object_store or shm on CPU")
+        layout = self._layout(state_dict)
+        if self._flat is None or self._flat.numel() != layout.numel or self._flat.dtype != layout.torch_dtype:
+            self._flat = torch.empty(layout.numel, dtype=layout.torch_dtype, device=self.device)
+        flatten_into(self._flat, state_dict, layout)
+        torch.cuda.current_stream(self.device).synchronize()
+        return {"layout": layout, "handle": reduce_tensor(self._flat)}
+
+    def close(self) -> None:
+        self._flat = None
+
+
+class CudaIpcReceiver(RefitReceiver):
+    name = "cuda_ipc"
+
+    def receive(self, payload):
+        rebuild, args = payload["handle"]
+        flat = rebuild(*args)
+        if flat.device != self.device:
+            raise GymvError(f"cuda_ipc: the weights live on {flat.device}, this worker on {self.device}",
+                            where="refit (cuda_ipc)", fix="cuda_ipc needs colocated workers (cluster.colocated: true)")
+        return unflatten(flat, payload["layout"])
+
+
+class CollectiveSender(RefitSender):
+    """Broadcast from a process group of its own: rank 0 = this trainer, ranks 1..R = the receivers."""
+
+    name = "collective"
+    backend = "gloo"
+    in_band = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._store = None
+        self._pg = None
+        self._flat: torch.Tensor | None = None
+
+    def rendezvous(self, state_dict) -> dict:
+        from torch.distributed import TCPStore
+
+        host = _node_ip()
+        self._store = TCPStore(host, 0, world_size=self.num_receivers + 1, is_master=True, wait_for_workers=False)
+        return {"host": host, "port": self._store.port, "world_size": self.num_receivers + 1, "backend": self.backend,
+                "layout": self._layout(state_dict)}
+
+    def connect(self) -> None:
+        self._pg = _process_group(self.backend, self._store, 0, self.num_receivers + 1)
+
+    def publish(self, state_dict):
+        layout = self._layout(state_dict)
+        if self._flat is None or self._flat.numel() != layout.numel or self._flat.dtype != layout.torch_dtype:
+            self._flat = torch.empty(layout.numel, dtype=layout.torch_dtype, device=self.device)
+        flatten_into(self._flat, state_dict, layout)
+        self._pg.broadcast(self._flat, 0).wait()
+        return {"layout": layout}
+
+    def close(self) -> None:
+        self._pg = self._store = self._flat = None
+
+
+class CollectiveReceiver(RefitReceiver):
+    name = "collective"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._pg = None
+        self._flat: torch.Tensor | None = None
+
+    def connect(self) -> None:
+        from torch.distributed import TCPStore
+
+        info = self.info or {}
+        store = TCPStore(info["host"], info["port"], world_size=info["world_size"], is_master=False)
+        self._pg = _process_group(info["backend"], store, self.rank, info["world_size"])
+
+    def receive(self, payload):
+        layout: WeightLayout = (payload or self.info)["layout"]
+        if self._flat is None or self._flat.numel() != layout.numel or self._flat.dtype != layout.torch_dtype:
+            self._flat = torch.empty(layout.numel, dtype=layout.torch_dtype, device=self.device)
+        self._pg.broadcast(self._flat, 0).wait()
+        return unflatten(self._flat, layout)
+
+    def close(self) -> None:
+        self._pg = self._flat = None
+
+
+class NcclSender(CollectiveSender):
+    name = "nccl"
+    backend = "nccl"
+
+
+class NcclReceiver(CollectiveReceiver):
+    name = "nccl"
+
+
+def _node_ip() -> str:
+    try:
+        import ray.util
+
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return "127.0.0.1"
+
+
+def _process_group(backend: str, store, rank: int, world_size: int):
+    import datetime
+
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore("gymv-refit", store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, datetime.timedelta(seconds=300))
+    if backend == "nccl":
+        if not hasattr(dist, "ProcessGroupNCCL"):
+            raise GymvError("this torch build has no NCCL", where="refit.transport", fix="use object_store or shm")
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size)
+    raise GymvError(f"unknown collective backend {backend!r}", fix="use gloo or nccl")
+
+
+SENDERS: dict[str, type[RefitSender]] = {
+    c.name: c for c in (ObjectStoreSender, ShmSender, CudaIpcSender, NcclSender, CollectiveSender)}
+RECEIVERS: dict[str, type[RefitReceiver]] = {
+    c.name: c for c in (ObjectStoreReceiver, ShmReceiver, CudaIpcReceiver, NcclReceiver, CollectiveReceiver)}
+
+
+def make_sender(name: str, dtype: torch.dtype, device, num_receivers: int = 1) -> RefitSender:
+    if name not in SENDERS:
+        raise GymvError(f"refit transport {name!r} has no implementation here", where="refit.transport",
+                        fix=f"use one of: {', '.join(sorted(SENDERS))}")
+    return SENDERS[name](dtype, device, num_receivers)
+
+
+def make_receiver(name: str, device, info: dict | None = None, rank: int = 1) -> RefitReceiver:
+    if name not in RECEIVERS:
+        raise GymvError(f"refit transport {name!r} has no implementation here", where="refit.transport",
+                        fix=f"use one of: {', '.join(sorted(RECEIVERS))}")
+    return RECEIVERS[name](device, info, rank)

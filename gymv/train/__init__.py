@@ -1,0 +1,128 @@
+"""`gymv train`: load a recipe, open the run directory, prepare data, start Ray, run the algorithm's loop.
+
+    from gymv.train import train
+    summary = train("recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", ["grpo.max_steps=3"])
+
+The loops themselves are gymv/algorithms/sft.py and gymv/algorithms/grpo.py; the builders they share
+live in this package (data, setup, stats, validation).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from gymv.errors import GymvError
+from gymv.train.data import EnvRouter, training_rows
+from gymv.train.setup import Reporter, RunContext, open_run, resolve_init_path, worker_spec
+
+__all__ = ["Reporter", "load_training_recipe", "train"]
+
+SUPPORTED = ("sft", "vlm_sft", "grpo", "vlm_grpo")
+
+
+def load_training_recipe(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, resume_dir: str | None = None):
+    """The recipe to run: RECIPE with overrides, or (with only --resume) the run's own config.yaml."""
+    from gymv.config import load_recipe
+
+    if recipe is None:
+        if resume_dir is None:
+            raise GymvError("no recipe given", fix="gymv train RECIPE, or gymv train --resume RUN_DIR")
+        recipe = Path(resume_dir) / "config.yaml"
+        if not recipe.exists():
+            raise GymvError("not a gymv run directory (no config.yaml)", where=str(resume_dir),
+                            fix="pass the runs/<name> folder of an earlier `gymv train`")
+    return load_recipe(recipe, list(overrides))
+
+
+def _where(rec, key: str) -> str:
+    origin = rec.origin(key)
+    return str(origin) if origin is not None else key
+
+
+def _check_supported(rec, cfg) -> None:
+    if cfg.algorithm not in SUPPORTED:
+        raise GymvError(f"gymv train does not run {cfg.algorithm!r} yet", where=_where(rec, "algorithm"),
+                        fix=f"use one of: {', '.join(SUPPORTED)}")
+    if cfg.base_algorithm == "grpo" and cfg.grpo.async_.enabled:
+        raise GymvError("async GRPO is not implemented in gymv train yet", where=_where(rec, "grpo.async.enabled"),
+                        fix="set grpo.async.enabled: false")
+    if cfg.generation.backend != "hf":
+        raise GymvError(f"generation backend {cfg.generation.backend!r} is not wired into gymv train yet",
+                        where=_where(rec, "generation.backend"), fix="use generation.backend: hf")
+    if cfg.training.backend != "torch":
+        raise GymvError(f"training backend {cfg.training.backend!r} is not wired into gymv train yet",
+                        where=_where(rec, "training.backend"), fix="use training.backend: torch")
+    if cfg.env.url is not None:
+        raise GymvError("remote environments (env.url) are not wired into gymv train yet", where=_where(rec, "env.url"),
+                        fix="set env.url: null to run the environment in-process")
+
+
+def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, resume_dir: str | None = None,
+          ray_address: str | None = None, reporter: Reporter | None = None) -> dict:
+    """Run one recipe to `max_steps` (or `checkpoint.steps_per_run` steps); returns a summary."""
+    from gymv.cluster.ray_cluster import start_ray, stop_ray
+
+    t0 = time.time()
+    reporter = reporter or Reporter()
+    rec = load_training_recipe(recipe, overrides, resume_dir=resume_dir)
+    cfg = rec.validated
+    _check_supported(rec, cfg)
+    model_path = resolve_init_path(cfg.model.path, where=_where(rec, "model.path"))
+    router = EnvRouter(worker_spec(cfg, model_path).env)  # an unknown env.name fails before anything is written
+
+    run, resume = open_run(cfg, cfg.to_dict(), resume_dir)
+    reporter.on_message(f"run directory {run.path}")
+    train_rows, eval_rows = training_rows(cfg, run.path)
+    router.check(train_rows)
+    router.check(eval_rows)
+
+    info = start_ray(ray_address or cfg.cluster.ray_address)
+    ctx = RunContext(cfg=cfg, run=run, model_path=model_path, train_rows=train_rows, eval_rows=eval_rows,
+                     ray_address=info.address, reporter=reporter)
+    try:
+        if cfg.base_algorithm == "sft":
+            from gymv.algorithms.sft import train_sft
+
+            result = train_sft(ctx, resume=resume)
+        else:
+            from gymv.algorithms.grpo import train_grpo
+
+            result = train_grpo(ctx, resume=resume)
+    finally:
+        if info.started_here:
+            stop_ray()
+    return summarize(cfg, run, result, time.time() - t0)
+
+
+def summarize(cfg, run, result: dict, wall_s: float) -> dict:
+    """The end-of-run summary: where things are, how far it got, first/last rewards and accuracies, timings."""
+    rows = [r for r in run.read_metrics()]
+    train_rows = [r for r in rows if r.get("step", 0) > 0]
+
+    def series(key: str) -> list[float]:
+        return [r[key] for r in rows if r.get(key) is not None]
+
+    def mean_of(key: str) -> float | None:
+        vals = [r[key] for r in train_rows if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    summary = {
+        "run_dir": str(run.path), "algorithm": cfg.algorithm, "step": result["step"], "max_steps": result["max_steps"],
+        "steps_run": result["steps_run"], "complete": result["step"] >= result["max_steps"],
+        "final_dir": result.get("final_dir"), "latest_checkpoint": str(run.checkpoints().latest() or "") or None,
+        "wall_s": wall_s,
+    }
+    for key in ("train/reward_mean", "train/accuracy", "train/loss", "val/accuracy", "val/reward_mean"):
+        s = series(key)
+        if s:
+            summary[f"first {key}"] = s[0]
+            summary[f"last {key}"] = s[-1]
+    for key in ("timing/step_s", "timing/generation_s", "timing/logprobs_s", "timing/training_s", "timing/refit_s",
+                "train/token_mult_prob_error"):
+        m = mean_of(key)
+        if m is not None:
+            summary[f"mean {key}"] = m
+    return summary

@@ -1,0 +1,195 @@
+"""Small builders the training loops share: where the policy starts, the run directory, the worker spec,
+sampling parameters, per-step seeds and checkpointing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gymv.errors import GymvError
+from gymv.runs.checkpoint import LATEST, CheckpointState, DataPosition, find_latest
+from gymv.runs.run_dir import RunDir, run_path
+from gymv.train.data import EnvSpec, Row
+
+FINAL_DIR = "final"
+
+
+class Reporter:
+    """What a loop tells its caller (the CLI renders it; tests listen). Every hook is optional."""
+
+    def on_start(self, info: dict) -> None: ...
+
+    def on_message(self, text: str) -> None: ...
+
+    def on_step(self, step: int, metrics: dict) -> None: ...
+
+    def on_refit(self, step: int, cluster: Any) -> None: ...
+
+    def on_checkpoint(self, step: int, path: Path) -> None: ...
+
+
+@dataclass
+class RunContext:
+    """A run ready to train: its validated config, directory, data and where the policy starts."""
+
+    cfg: Any
+    run: RunDir
+    model_path: str
+    train_rows: list[Row]
+    eval_rows: list[Row]
+    ray_address: str | None = None
+    reporter: Reporter = field(default_factory=Reporter)
+    origin: Any = None  # LoadedRecipe.origin, to point errors at the recipe line
+
+
+# ------------------------------------------------------------------------------------------ model path
+
+
+def resolve_init_path(text: str, *, where: str | None = None) -> str:
+    """The checkpoint folder a run starts from. Besides HF folders and `embedded:<arch>` it accepts
+    another gymv run: `runs/<name>` (its `final/` export, else its newest checkpoint),
+    `runs/<name>/checkpoints` (newest), `runs/<name>/checkpoints/latest` (the pointer) or `.../step_<N>`.
+    """
+    from gymv.models.load import EMBEDDED_PREFIX, resolve_model_path
+
+    if text.startswith(EMBEDDED_PREFIX):
+        try:
+            return str(resolve_model_path(text))
+        except GymvError as e:
+            raise GymvError(e.message, where=where or "model.path", fix=e.fix) from None
+    p = Path(text).expanduser()
+    if p.is_file() and p.name == LATEST:
+        p = p.parent / p.read_text().strip()
+    elif p.is_dir() and not (p / "config.json").exists():
+        final = p / FINAL_DIR
+        if (final / "config.json").exists():
+            p = final
+        else:
+            latest = find_latest(p)
+            if latest is not None:
+                p = latest
+    try:
+        return str(resolve_model_path(p))
+    except GymvError as e:
+        raise GymvError(f"{e.message}: {text}", where=where or "model.path",
+                        fix="point model.path at a Hugging Face folder, a gymv run (runs/<name>, its final/ or "
+                            "checkpoints/latest), or embedded:tiny-llava") from None
+
+
+def generation_dtype(cfg, model_path: str) -> str:
+    """`model.dtype`, where auto is the checkpoint's dtype on GPU and float32 on CPU."""
+    if cfg.model.dtype != "auto":
+        return cfg.model.dtype
+    if cfg.cluster.gpus_per_node == 0:
+        return "float32"
+    try:
+        data = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    text = data.get("dtype") or data.get("torch_dtype") or (data.get("text_config") or {}).get("dtype") or "float32"
+    return text if text in ("float32", "bfloat16", "float16") else "float32"
+
+
+# ------------------------------------------------------------------------------------------ run directory
+
+
+def open_run(cfg, config_dict: dict, resume_dir: str | None) -> tuple[RunDir, bool]:
+    """(the run directory, whether to resume from it). `--resume DIR` names it; else `<checkpoint.dir>/<name>`."""
+    if resume_dir is not None:
+        path = Path(resume_dir)
+        if not path.is_dir():
+            raise GymvError("run directory not found", where=str(path), fix="pass the runs/<name> folder of an earlier run")
+        return RunDir.create(path, config_dict, resume=True), True
+    path = run_path(cfg.checkpoint.dir, cfg.name)
+    return RunDir.create(path, config_dict, resume=cfg.checkpoint.resume), cfg.checkpoint.resume
+
+
+# ------------------------------------------------------------------------------------------ workers
+
+
+def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature: float | None = None):
+    from gymv.cluster.workers import WorkerSpec
+
+    t = cfg.training
+    precision = {"auto": "auto", "float32": "fp32", "bfloat16": "bf16"}[t.dtype]
+    return WorkerSpec(
+        model_path=model_path,
+        env=EnvSpec(cfg.env.name, dict(cfg.env.kwargs), cfg.env.max_turns),
+        seed=cfg.seed,
+        device="cuda" if cfg.cluster.gpus_per_node > 0 else "cpu",
+        generation_dtype=generation_dtype(cfg, model_path),
+        temperature=cfg.generation.temperature if temperature is None else temperature,
+        refit_transport=cfg.refit.transport,
+        reset_encoder_cache=cfg.generation.reset_encoder_cache_after_weight_update,
+        trainer={"lr": t.lr, "betas": tuple(t.betas), "eps": t.eps, "weight_decay": t.weight_decay,
+                 "max_grad_norm": t.max_grad_norm, "micro_batch_tokens": t.micro_batch_tokens, "precision": precision},
+        warmup_steps=t.warmup_steps,
+        gradient_checkpointing=t.gradient_checkpointing,
+        kl_reference=kl_reference,
+        max_seq_len=cfg.model.max_seq_len,
+    )
+
+
+def sampling_params(cfg, *, greedy: bool = False):
+    from gymv.backends.generation import SamplingParams
+
+    g = cfg.generation
+    return SamplingParams(temperature=0.0 if greedy else g.temperature, top_p=1.0 if greedy else g.top_p,
+                          max_new_tokens=g.max_new_tokens, stop_strings=tuple(g.stop_strings))
+
+
+def rollout_kwargs(cfg) -> dict:
+    vision = getattr(cfg, "vision", None)
+    return {"max_turns": cfg.env.max_turns, "max_rollout_tokens": cfg.env.max_rollout_tokens,
+            "max_seq_len": cfg.model.max_seq_len,
+            "max_images": vision.max_images_per_sample if vision is not None else None,
+            "max_image_pixels": vision.max_image_pixels if vision is not None else None}
+
+
+def step_seed(seed: int, step: int, kind: str = "train") -> int:
+    """The sampling seed of one step: a pure function of (run seed, step, kind), so a resumed run samples
+    exactly what the uninterrupted one would have."""
+    digest = hashlib.blake2b(f"gymv:{seed}:{kind}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**31 - 1)
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+
+class Checkpointer:
+    """Saves and restores the whole training state through the training workers (rank 0 writes)."""
+
+    def __init__(self, ctx: RunContext, cluster):
+        from gymv.cluster.group import TrainerHandle
+
+        self.ctx = ctx
+        self.handle = TrainerHandle(cluster)
+        self.manager = ctx.run.checkpoints(ctx.cfg.checkpoint.keep)
+        self.seconds = 0.0
+
+    def resume(self, resume: bool) -> CheckpointState | None:
+        """Restore the newest complete checkpoint (and rewind the logs to it), or start fresh."""
+        if not resume:
+            self.ctx.run.rewind(-1)
+            return None
+        return self.ctx.run.resume(self.handle, keep=self.ctx.cfg.checkpoint.keep)
+
+    def save(self, step: int, position: DataPosition) -> Path:
+        t0 = time.perf_counter()
+        path = self.manager.save(step, self.handle, position, extra={"algorithm": self.ctx.cfg.algorithm})
+        self.seconds += time.perf_counter() - t0
+        self.ctx.reporter.on_checkpoint(step, path)
+        return path
+
+
+def should_validate(step: int, period: int, max_steps: int) -> bool:
+    return period > 0 and (step % period == 0 or step == max_steps)
+
+
+def should_checkpoint(step: int, period: int, max_steps: int, stopping: bool) -> bool:
+    return stopping or step == max_steps or step % period == 0

@@ -1,0 +1,110 @@
+"""Rollout statistics and training samples, computed on the driver from trajectories (names: docs/algorithms.md §10)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from gymv.errors import GymvError
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _std(xs: Sequence[float]) -> float:
+    if not xs:
+        return float("nan")
+    m = _mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
+def _qualifier(agent: str) -> str:
+    return agent.replace("/", "_")
+
+
+def rollout_metrics(trajectories: Sequence[Any], prefix: str) -> dict[str, float]:
+    """Reward, accuracy (share with reward >= 1), lengths, turns and failure shares of a batch of rollouts.
+
+    Failed rollouts (infrastructure errors) are counted in `failed_fraction` and left out of the rest.
+    """
+    ok = [t for t in trajectories if t.error is None]
+    rewards = [float(t.reward) for t in ok]
+    lengths = [sum(t.loss_mask) for t in ok]
+    out = {
+        f"{prefix}/reward_mean": _mean(rewards),
+        f"{prefix}/reward_std": _std(rewards),
+        f"{prefix}/accuracy": _mean([1.0 if r >= 1.0 else 0.0 for r in rewards]),
+        f"{prefix}/gen_length_mean": _mean(lengths),
+        f"{prefix}/gen_length_max": float(max(lengths)) if lengths else float("nan"),
+        f"{prefix}/turns_mean": _mean([t.turns for t in ok]),
+        f"{prefix}/truncated_fraction": _mean([1.0 if t.truncated else 0.0 for t in ok]),
+        f"{prefix}/failed_fraction": _mean([0.0 if t.error is None else 1.0 for t in trajectories]),
+        f"{prefix}/num_rollouts": float(len(trajectories)),
+    }
+    agents = sorted({t.agent_name for t in ok})
+    if len(agents) > 1:
+        for agent in agents:
+            mine = [float(t.reward) for t in ok if t.agent_name == agent]
+            out[f"{prefix}/reward_mean/{_qualifier(agent)}"] = _mean(mine)
+            out[f"{prefix}/accuracy/{_qualifier(agent)}"] = _mean([1.0 if r >= 1.0 else 0.0 for r in mine])
+    return out
+
+
+def group_advantages(trajectories: Sequence[Any], group_size: int, advantage_cfg) -> tuple[list[float], dict[str, float]]:
+    """GRPO advantages (trajectories come grouped: the G of each prompt contiguous) and their statistics."""
+    import torch
+
+    from gymv.algorithms.advantages import group_ids_for, grpo_advantages
+
+    n = len(trajectories)
+    if n % group_size:
+        raise GymvError(f"{n} trajectories do not form groups of {group_size}", where="grpo advantages",
+                        fix="this is a gymv bug; please report it")
+    valid = torch.tensor([t.error is None and sum(t.loss_mask) > 0 for t in trajectories])
+    rewards = torch.tensor([float(t.reward) if t.error is None else float("nan") for t in trajectories], dtype=torch.float64)
+    groups = group_ids_for(n // group_size, group_size)
+    adv = grpo_advantages(rewards, groups, valid, baseline=advantage_cfg.baseline,
+                          normalize_std=advantage_cfg.normalize_std, eps=advantage_cfg.eps)
+    vals = [float(a) for a, v in zip(adv, valid) if v]
+    r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, group_size)
+    vmask = valid.view(-1, group_size)
+    zero_std = 0
+    for g in range(r.shape[0]):
+        rg = r[g][vmask[g]]
+        zero_std += int(rg.numel() < 2 or bool((rg == rg[0]).all()))
+    stats = {
+        "train/advantage_mean": _mean(vals),
+        "train/advantage_std": _std(vals),
+        "train/advantage_min": min(vals) if vals else float("nan"),
+        "train/advantage_max": max(vals) if vals else float("nan"),
+        "train/zero_std_group_fraction": zero_std / max(r.shape[0], 1),
+    }
+    return [float(a) for a in adv], stats
+
+
+def policy_samples(trajectories: Sequence[Any], advantages: Sequence[float]) -> list[dict]:
+    """Training samples of the usable trajectories: tokens, loss mask, behaviour logprobs, advantage, images."""
+    import torch
+
+    out = []
+    for t, a in zip(trajectories, advantages):
+        if t.error is not None or not any(t.loss_mask):
+            continue
+        out.append({
+            "input_ids": torch.tensor(t.token_ids, dtype=torch.long),
+            "loss_mask": torch.tensor(t.loss_mask, dtype=torch.bool),
+            "logp_behaviour": torch.tensor(t.logprobs, dtype=torch.float32),
+            "advantages": torch.tensor(float(a), dtype=torch.float32),
+            "images": list(t.images),
+            "where": f"row {t.task_index} sample {t.sample_index}",
+        })
+    return out
+
+
+def minibatches(samples: list, global_batch_size: int, samples_per_step: int) -> list[list]:
+    """One list per optimizer step: samples_per_step / global_batch_size of them, in order."""
+    n_steps = max(1, samples_per_step // max(global_batch_size, 1))
+    size = math.ceil(len(samples) / n_steps) if samples else 0
+    return [samples[i * size:(i + 1) * size] for i in range(n_steps) if samples[i * size:(i + 1) * size]] or [[]]

@@ -1,0 +1,30 @@
+"""Validation: greedy rollouts of the first `val_prompts` eval rows with the current weights.
+
+Greedy decoding makes the score a function of the weights alone (no sampling noise), so two validations
+differ only because the policy changed. `val/accuracy` is the share of rollouts with reward >= 1.
+"""
+
+from __future__ import annotations
+
+import time
+
+from gymv.rollout import to_rollout_record
+from gymv.train.setup import RunContext, rollout_kwargs, sampling_params, step_seed
+from gymv.train.stats import rollout_metrics
+
+
+def validate(ctx: RunContext, cluster, step: int, val_prompts: int) -> dict[str, float]:
+    rows = ctx.eval_rows[:val_prompts]
+    if not rows:
+        return {}
+    t0 = time.perf_counter()
+    trajectories, _ = cluster.rollouts([(r.index, r.data) for r in rows], group_size=1,
+                                       params=sampling_params(ctx.cfg, greedy=True),
+                                       seed=step_seed(ctx.cfg.seed, step, "val"), source="eval",
+                                       **rollout_kwargs(ctx.cfg))
+    metrics = rollout_metrics(trajectories, "val")
+    metrics = {k: v for k, v in metrics.items() if not k.endswith(("_std", "_max", "num_rollouts"))}
+    if ctx.cfg.logger.log_rollouts:
+        ctx.run.write_rollouts(step, [to_rollout_record(t) for t in trajectories], split="val")
+    metrics["timing/validation_s"] = time.perf_counter() - t0
+    return metrics

@@ -1,0 +1,118 @@
+"""Synchronous GRPO end to end on a real local Ray with the real tiny LLaVA: rollouts, training, refit."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from gymv.runs.rollout_log import model_calls, read_rollouts
+from gymv.train import Reporter, train
+from tiny_models import tiny_path
+from train_helpers import ray_session, read_weights, tiny_grpo_settings, write_recipe
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray():
+    stop = ray_session()
+    yield
+    stop()
+
+
+class Recorder(Reporter):
+    """Compares the generation worker's weights with the trainer's after every refit."""
+
+    def __init__(self):
+        self.hashes: list[tuple[int, str, list[str]]] = []
+        self.steps: list[int] = []
+
+    def on_refit(self, step, cluster):
+        trainer, generators = cluster.weight_hashes()
+        self.hashes.append((step, trainer, generators))
+
+    def on_step(self, step, metrics):
+        self.steps.append(step)
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("grpo")
+    recipe = write_recipe(tmp, "grpo-e2e", "vlm_grpo.yaml", tiny_grpo_settings(tmp, tiny_path("tiny-llava")))
+    rec = Recorder()
+    summary = train(recipe, reporter=rec)
+    return summary, rec, tmp / "runs" / "grpo-e2e"
+
+
+def _metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_three_steps_log_finite_losses_and_every_phase_timing(grpo_run):
+    summary, _, run = grpo_run
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3] and summary["complete"]
+    for r in rows:
+        assert math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"])
+        for key in ("timing/generation_s", "timing/logprobs_s", "timing/training_s", "timing/refit_s",
+                    "timing/step_s", "timing/tokens_per_s", "train/reward_mean", "train/reward_std",
+                    "train/accuracy", "train/advantage_mean", "train/clip_fraction", "train/entropy"):
+            assert key in r, key
+
+
+def test_some_group_carries_signal_so_the_weights_change(grpo_run):
+    _, _, run = grpo_run
+    assert any(r["train/grad_norm"] > 0 for r in _metrics(run))
+    start, end = read_weights(tiny_path("tiny-llava")), read_weights(run / "final")
+    assert any(not torch.equal(start[k], end[k]) for k in start)
+
+
+def test_generation_worker_holds_the_trainers_weights_after_every_refit(grpo_run):
+    _, rec, _ = grpo_run
+    assert [s for s, _, _ in rec.hashes] == [1, 2, 3]
+    assert len({t for _, t, _ in rec.hashes}) == 3  # the weights moved every step...
+    for _, trainer, generators in rec.hashes:
+        assert generators == [trainer]  # ...and the generator got each version exactly
+
+
+def test_generator_and_trainer_logprobs_agree_on_the_same_tokens(grpo_run):
+    _, _, run = grpo_run
+    errors = [r["train/token_mult_prob_error"] for r in _metrics(run)]
+    assert all(1.0 <= e < 1.05 for e in errors), errors
+
+
+def test_rollouts_are_written_in_nemo_gym_format_with_token_ids_and_logprobs(grpo_run):
+    _, _, run = grpo_run
+    records = read_rollouts(run / "rollouts" / "step_2.jsonl")
+    assert len(records) == 4
+    assert sorted(r["_ng_rollout_index"] for r in records) == [0, 0, 1, 1]
+    for r in records:
+        calls = model_calls(r)
+        assert len(calls) == 1 and len(calls[0]["generation_token_ids"]) == len(calls[0]["generation_log_probs"]) > 0
+        assert r["reward"] in (0.0, 1.0)
+
+
+def test_final_export_loads_as_a_hugging_face_model(grpo_run):
+    from gymv.models.load import load_policy
+
+    _, _, run = grpo_run
+    policy = load_policy(run / "final")
+    final = read_weights(run / "final")
+    assert all(torch.equal(v, final[k]) for k, v in policy.model.state_dict().items() if k in final)
+
+
+def test_shm_refit_with_a_kl_reference_trains_and_refits(tmp_path):
+    settings = tiny_grpo_settings(tmp_path, tiny_path("tiny-llava"), **{
+        "refit.transport": "shm", "grpo.max_steps": 2, "grpo.loss.kl_coef": 0.05,
+        "generation.reset_encoder_cache_after_weight_update": True})
+    recipe = write_recipe(tmp_path, "grpo-shm", "vlm_grpo.yaml", settings)
+    rec = Recorder()
+    train(recipe, reporter=rec)
+    rows = _metrics(tmp_path / "runs" / "grpo-shm")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["train/kl_ref"] >= 0 and r["train/token_mult_prob_error"] < 1.05 for r in rows)
+    for _, trainer, generators in rec.hashes:
+        assert generators == [trainer]

@@ -1,0 +1,71 @@
+"""Shared pieces of the `gymv train` tests: the plugin test environment on every process's path, one Ray
+session per test module, tiny recipes written next to the run, and weight reading."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PLUGIN_DIR = Path(__file__).resolve().parent / "train_plugin"
+
+
+def plugin_env() -> dict:
+    """Environment variables under which subprocesses (and Ray workers) find the test environment plugin."""
+    path = os.pathsep.join([str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return {"PYTHONPATH": path}
+
+
+def use_plugin() -> None:
+    if str(PLUGIN_DIR) not in sys.path:
+        sys.path.insert(0, str(PLUGIN_DIR))
+    os.environ.update(plugin_env())
+
+
+def ray_session():
+    """Start one local Ray for a test module (workers inherit PYTHONPATH, so they see the plugin)."""
+    use_plugin()
+    from gymv.cluster.ray_cluster import start_ray, stop_ray
+
+    start_ray()
+    return stop_ray
+
+
+def write_recipe(dir: Path, name: str, exemplar: str, settings: dict) -> Path:
+    """A recipe inheriting a repo exemplar, with `settings` (dotted keys) written as its own leaves."""
+    data: dict = {"defaults": str(REPO / "recipes" / exemplar)}
+    for key, value in settings.items():
+        node = data
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    path = dir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def tiny_grpo_settings(tmp: Path, model_path: Path, **extra) -> dict:
+    """2 prompts x 2 generations, 8 new tokens, the even-length plugin env: a GRPO step in about a second."""
+    settings = {
+        "model.path": str(model_path), "model.max_seq_len": 256,
+        "env.name": "even-length",
+        "data.prepare.n_train": 8, "data.prepare.n_eval": 2,
+        "generation.max_new_tokens": 8,
+        "training.lr": 1.0e-3,
+        "grpo.prompts_per_step": 2, "grpo.generations_per_prompt": 2, "grpo.max_steps": 3,
+        "grpo.val_period": 0, "grpo.val_prompts": 2, "grpo.loss.kl_coef": 0.0,
+        "checkpoint.dir": str(tmp / "runs"), "checkpoint.period": 1, "checkpoint.keep": 5,
+        "cluster.ray_address": None,
+    }
+    settings.update(extra)
+    return settings
+
+
+def read_weights(folder: Path) -> dict:
+    import safetensors.torch as st
+
+    return st.load_file(str(Path(folder) / "model.safetensors"))
