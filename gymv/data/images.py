@@ -148,6 +148,19 @@ def _chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
 
+_NIBBLES: list = []
+
+
+def _nibble_table() -> "np.ndarray":
+    """Packed byte for every little-endian pair of 4-bit indices (a 64 KiB table, built once)."""
+    import numpy as np
+
+    if not _NIBBLES:
+        pairs = np.arange(65536, dtype=np.uint32)
+        _NIBBLES.append((((pairs & 0x0F) << 4) | ((pairs >> 8) & 0x0F)).astype(np.uint8))
+    return _NIBBLES[0]
+
+
 def _pack_bits(indices: "np.ndarray", bits: int) -> "np.ndarray":
     """Pack 2-D palette indices (uint8 < 2**bits) into PNG scanline bytes, most significant bits first.
 
@@ -166,8 +179,7 @@ def _pack_bits(indices: "np.ndarray", bits: int) -> "np.ndarray":
         indices = np.pad(indices, ((0, 0), (0, pad)))
     indices = np.ascontiguousarray(indices)
     if bits == 4:
-        u = indices.view("<u2")
-        return (((u & 0x0F) << 4) | (u >> 8)).astype(np.uint8)
+        return np.take(_nibble_table(), indices.view("<u2"))
     u = indices.view("<u4")  # bits == 2
     return (((u & 0x03) << 6) | ((u >> 4) & 0x30) | ((u >> 14) & 0x0C) | (u >> 24)).astype(np.uint8)
 
