@@ -149,8 +149,8 @@ def test_question_lists_the_other_circles_then_the_target():
     others = [c["color"] for c in row["circles"] if c["color"] != row["target_color"]]
     t = row["target_color"]
     assert row["responses_create_params"]["input"][1]["content"][1]["text"] == (
-        f"This is a 1000x1000 pixel image. It shows a {others[0]} circle, a {others[1]} circle, and a {t} circle. "
-        f"Click on the {t} circle.")
+        f"The picture is 1000 by 1000 pixels and contains a {others[0]} circle, a {others[1]} circle, and a {t} circle. "
+        f"Click the {t} circle.")
 
 
 def test_rendered_images_are_pixel_identical_to_nemo_gym_example_rows(vectors):

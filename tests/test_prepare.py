@@ -94,8 +94,19 @@ def test_rows_have_the_structure_of_nemo_gym_example_rows(tmp_path, vectors, env
         row.setdefault("agent_ref", {"type": "responses_api_agents", "name": f"{env}_simple_agent"})
     assert ours_shape == _structure(theirs)
     assert [list(r) for r in ours] == [list(r) for r in theirs]  # same keys in the same order
-    assert ours[0]["responses_create_params"]["input"][0] == theirs[0]["responses_create_params"]["input"][0]
-    assert ours[0]["responses_create_params"].get("tools") == theirs[0]["responses_create_params"].get("tools")
+    ours_system, theirs_system = (r[0]["responses_create_params"]["input"][0] for r in (ours, theirs))
+    assert ours_system["role"] == theirs_system["role"] and type(ours_system["content"]) is type(theirs_system["content"])
+    assert _tool_signatures(ours[0]) == _tool_signatures(theirs[0])
+
+
+def _tool_signatures(row: dict) -> list:
+    """What a server relies on: tool names and argument schemas (the wording of descriptions is gymv's own)."""
+    out = []
+    for tool in row["responses_create_params"].get("tools") or []:
+        params = tool["parameters"]
+        props = {k: v["type"] for k, v in params["properties"].items()}
+        out.append((tool["type"], tool["name"], props, sorted(params.get("required", [])), tool.get("strict")))
+    return out
 
 
 def test_images_are_png_data_urls_in_input_image_parts_with_detail_auto(tmp_path):

@@ -21,20 +21,18 @@ from gymv.envs.knobs import knob
 from gymv.envs.protocol import Environment, EpisodeState, ModelTurn, Score, Tool, ToolCall, ToolOutput
 from gymv.errors import GymvError
 
-# Prompt and tool wording are NeMo Gym's (facts of the data format: the same rows must mean the same task).
-NEMO_SYSTEM_PROMPT = (
-    "You are a visual assistant. The image has pixel coordinates starting at (0, 0) in the top-left corner. "
-    "Use the click tool to click on the center of the specified colored circle. "
-    "You must pass a single integer for x and a single integer for y. "
-    "Do NOT use lists, arrays, or bounding box coordinates."
+# gymv's own wording; the tool's name and argument schema, and the reward rule, are NeMo Gym's.
+DEFAULT_SYSTEM_PROMPT = (
+    "Pixel (0, 0) is the top-left corner of the picture. Find the circle whose color the user names and "
+    "call the click tool once at its middle. x and y are each one whole number."
 )
-NEMO_QUESTION = "This is a {size}x{size} pixel image. It shows {shows}. Click on the {color} circle."
-CLICK_DESCRIPTION = "Click at pixel coordinates (x, y) in the image. Both x and y must be single integers, not lists."
+DEFAULT_QUESTION = "The picture is {size} by {size} pixels and contains {shows}. Click the {color} circle."
+CLICK_DESCRIPTION = "Press at pixel (x, y) of the picture; x and y are whole numbers."
 CLICK_PARAMETERS = {
     "type": "object",
     "properties": {
-        "x": {"type": "integer", "description": "X pixel coordinate (single integer, not a list)"},
-        "y": {"type": "integer", "description": "Y pixel coordinate (single integer, not a list)"},
+        "x": {"type": "integer", "description": "column of the pixel, a whole number"},
+        "y": {"type": "integer", "description": "row of the pixel, a whole number"},
     },
     "required": ["x", "y"],
     "additionalProperties": False,
@@ -51,8 +49,8 @@ class CircleClickKnobs:
     min_gap: int = knob(15, "pixels between two circles when overlap is false")
     edge_margin: int = knob(10, "pixels between a circle and the image edge")
     max_tries: int = knob(500, "placement attempts per circle")
-    system_prompt: str = knob(NEMO_SYSTEM_PROMPT, "system message ('' for none)")
-    question: str = knob(NEMO_QUESTION, "user text; {size}, {shows} (the circles listed) and {color} are filled in")
+    system_prompt: str = knob(DEFAULT_SYSTEM_PROMPT, "system message ('' for none)")
+    question: str = knob(DEFAULT_QUESTION, "user text; {size}, {shows} (the circles listed) and {color} are filled in")
 
 
 TINY = CircleClickKnobs(

@@ -17,12 +17,12 @@ from gymv.envs.knobs import knob
 from gymv.envs.protocol import Environment, ModelTurn, Score
 from gymv.errors import GymvError
 
-# The prompt wording is NeMo Gym's (a fact of the data format: the same rows must mean the same task).
-NEMO_SYSTEM_PROMPT = (
-    "You are a visual assistant. Count the number of circles of the specified color in the image. "
-    "Output your final answer in \\boxed{} format, e.g. \\boxed{3}."
+# gymv's own wording; the task, the answer format and the reward rule are NeMo Gym's.
+DEFAULT_SYSTEM_PROMPT = (
+    "Look at the picture and count only the circles that have the color named by the user. "
+    "Write the count as a whole number inside \\boxed{}, for example \\boxed{4}."
 )
-NEMO_QUESTION = "How many {color} circles are in the image?"
+DEFAULT_QUESTION = "Count the {color} circles in this picture."
 BOXED = re.compile(r"\\boxed\{(\d+)\}")
 
 
@@ -37,8 +37,8 @@ class CircleCountKnobs:
     min_gap: int = knob(15, "pixels between two circles when overlap is false")
     edge_margin: int = knob(10, "pixels between a circle and the image edge")
     max_tries: int = knob(500, "placement attempts per circle")
-    system_prompt: str = knob(NEMO_SYSTEM_PROMPT, "system message ('' for none)")
-    question: str = knob(NEMO_QUESTION, "user question; {color} is the target color")
+    system_prompt: str = knob(DEFAULT_SYSTEM_PROMPT, "system message ('' for none)")
+    question: str = knob(DEFAULT_QUESTION, "user question; {color} is the target color")
 
 
 TINY = CircleCountKnobs(
