@@ -20,6 +20,11 @@ Examples:
   gymv prepare circle-count --n 200 --split eval --out data/eval.jsonl --preview eval.png
 
   gymv prepare circle-count --preset tiny --n 5000 --out tiny.jsonl circles=1:5 colors=1:2
+
+  gymv prepare mix circle-count:tiny:200 arithmetic:tiny:200 --out data/mixed-train.jsonl
+
+ENV `mix` writes several environments' rows into one file: each part ENV:N or ENV:PRESET:N holds exactly the
+rows `gymv prepare ENV --preset PRESET --n N` would (same --split and --seed), evenly interleaved.
 """
 
 
@@ -42,6 +47,10 @@ def prepare(
     from gymv.envs.knobs import describe_knobs, knobs_dict, resolve_knobs
     from gymv_cli.output import console, print_json, progress, table
 
+    if env == "mix":
+        _prepare_mix(knobs or [], out=out, seed=seed, split=split, preset=preset, workers=workers, preview=preview,
+                     list_knobs=list_knobs, n=n, json_out=json_out)
+        return
     environment = get_env(env)
     resolved = resolve_knobs(environment, preset, knobs or [])
     if list_knobs:
@@ -91,6 +100,47 @@ def prepare(
             f"wrote {summary.rows} {summary.env} rows ({summary.split}, seeds {summary.first_seed}..{summary.last_seed}) "
             f"to {summary.path}: {summary.bytes / 1e6:.1f} MB in {summary.seconds:.1f} s "
             f"({summary.rows_per_second:.0f} rows/s)" + (f"; preview {preview}" if preview else ""))
+
+
+def _prepare_mix(spec: list[str], *, out, seed: int, split: str, preset: str, workers: int, preview, list_knobs: bool,
+                 n, json_out: bool) -> None:
+    from gymv.data.mix import parse_mix_spec, write_mixed_dataset
+    from gymv_cli.output import console, print_json, progress
+
+    unsupported = [flag for flag, given in (("--preset", preset != "default"), ("--preview", preview is not None),
+                                            ("--list-knobs", list_knobs), ("--n", n is not None)) if given]
+    if unsupported:
+        raise GymvError(f"gymv prepare mix does not take {', '.join(unsupported)}",
+                        fix="give each part as ENV:PRESET:N, e.g. gymv prepare mix circle-count:tiny:200 arithmetic:tiny:200 --out mixed.jsonl")
+    parts = parse_mix_spec(spec)
+    if out is None:
+        raise GymvError("--out is required", fix="e.g. gymv prepare mix circle-count:tiny:200 arithmetic:tiny:200 --out mixed.jsonl")
+    bar = progress()
+    bar.live.auto_refresh = False  # no refresh thread: row workers are forked only from a single-threaded process
+    task = bar.add_task(f"mix {split}", total=sum(p.n for p in parts))
+    done = [0]
+
+    def on_row() -> None:
+        done[0] += 1
+        bar.advance(task)
+        if done[0] % 64 == 0:
+            bar.refresh()
+
+    bar.start()
+    try:
+        summary = write_mixed_dataset(out, parts, split=split, seed=seed, workers=workers or None, on_row=on_row)
+        bar.refresh()
+    finally:
+        bar.stop()
+    result = {"path": summary.path, "split": summary.split, "rows": summary.rows, "bytes": summary.bytes,
+              "seconds": round(summary.seconds, 3),
+              "parts": [{"env": e, "preset": p, "rows": k} for e, p, k in summary.parts]}
+    if json_out:
+        print_json(result)
+    else:
+        what = " + ".join(f"{k} {e} ({p})" for e, p, k in summary.parts)
+        console.print(f"wrote {summary.rows} rows ({what}; {summary.split}, seed {seed}) to {summary.path}: "
+                      f"{summary.bytes / 1e6:.1f} MB in {summary.seconds:.1f} s")
 
 
 prepare.__doc__ = _HELP

@@ -24,6 +24,7 @@ GROUP = "gymv.envs"
 BUILTINS: dict[str, str] = {
     "circle-count": "gymv.envs.circle_count:CircleCount",
     "circle-click": "gymv.envs.circle_click:CircleClick",
+    "arithmetic": "gymv.envs.arithmetic:Arithmetic",
 }
 _registered: dict[str, Any] = {}
 
