@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from gymv.checks.lint import driver_check_findings, recipe_check_findings
 from gymv.config.compat import RULES as COMPAT_RULES
 from gymv.config.exemplars import RECIPE_DIRS, check_inherits_exemplar, find_recipes_root, is_exemplar
 from gymv.config.findings import Finding
@@ -89,6 +90,11 @@ RULES: tuple[LintRule, ...] = (
              "fix the file at the line shown"),
     LintRule("GV019", "wrapper-values", "a wrapper driver sets a value that never reaches the driver it execs "
              "(not exported, or reassigned there); a warning", "export it, or let the driver default it with `${NAME:-...}`"),
+    LintRule("GV020", "check-syntax", "a metric check (a recipe's `checks:` entry or a line of a driver's CHECKS block) "
+             "does not parse, or the CHECKS block is malformed; the message gives the column",
+             "fix the check at the column shown (docs/smoke-and-report.md gives the grammar)"),
+    LintRule("GV021", "check-metric", "a metric check names a metric gymv does not log (docs/algorithms.md §10; a "
+             "per-environment `/<agent>` qualifier is allowed)", "fix the name, or register a plugin's metric"),
 )
 RULE_IDS: dict[str, LintRule] = {r.id: r for r in RULES}
 
@@ -104,6 +110,8 @@ _CHECK_RULE = {
     "suite.duplicate": "GV011",
     "suite.missing-recipe": "GV012",
     "suite.disabled-reason": "GV013",
+    "check.syntax": "GV020",
+    "check.metric": "GV021",
 }
 
 
@@ -356,7 +364,7 @@ class _Linter:
     def _recipe_findings(self, rec: LoadedRecipe, path: Path, root: _Root | None, suite_recipe: bool,
                          exemplar: bool) -> Iterable[LintFinding]:
         cfg, found = rec.checked
-        for f in found:
+        for f in [*found, *recipe_check_findings(rec)]:
             yield self._placed(_from_finding(f, path), path)
         if suite_recipe or exemplar:
             for f in check_inherits_exemplar(rec, root.root):
@@ -381,7 +389,7 @@ class _Linter:
         if shown not in self._parent_findings:
             try:
                 rec = load_recipe(shown, validate=False, cache=self.cache)
-                found = frozenset(_from_finding(f, shown) for f in rec.checked[1])
+                found = frozenset(_from_finding(f, shown) for f in [*rec.checked[1], *recipe_check_findings(rec)])
             except GymvError:
                 found = frozenset()
             self._parent_findings[shown] = found
@@ -457,6 +465,8 @@ class _Linter:
             self.add(_finding("GV019", iv.message(), iv.where, driver,
                               f"export {iv.name} in the wrapper, or have the driver default it: {iv.name}=\"${{{iv.name}:-...}}\"",
                               "warning"), subject)
+        for f in driver_check_findings(driver):
+            self.add(_from_finding(f, driver), subject)
 
     def budgets(self, r: _Root) -> None:
         budgets_file = r.root / SUITES_DIR / BUDGETS_FILE

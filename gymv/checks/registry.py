@@ -1,0 +1,69 @@
+"""The metric names gymv logs (docs/algorithms.md §10), so a check naming anything else is caught by lint.
+
+Training code may import `KNOWN_METRICS` to keep what it logs and what checks may name in one place; a
+plugin that logs its own metrics calls `register_metric`. A per-environment breakdown appends the agent
+name as a last segment (`train/reward_mean/circle_count`); such a name is known when its base is.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+
+_TRAIN_ROLLOUT = ("reward_mean", "reward_std", "accuracy", "gen_length_mean", "gen_length_max", "turns_mean",
+                  "truncated_fraction", "failed_fraction", "num_rollouts")
+
+KNOWN_METRICS: frozenset[str] = frozenset(
+    # the trainer and the loss functions
+    [f"train/{n}" for n in (
+        "loss", "grad_norm", "lr", "num_tokens", "num_sequences", "num_micro_batches", "num_input_tokens",
+        "pg_loss", "clip_fraction", "kl_ref", "token_mult_prob_error", "is_weight_mean", "is_weight_max",
+        "is_gated_fraction", "entropy", "nll", "teacher_advantage", "kl_teacher")]
+    # rollout statistics of the training batch, GRPO advantages, async
+    + [f"train/{n}" for n in _TRAIN_ROLLOUT]
+    + [f"train/{n}" for n in ("advantage_mean", "advantage_std", "advantage_min", "advantage_max",
+                              "zero_std_group_fraction", "trajectory_age_mean", "stale_dropped")]
+    # validation rollouts
+    + [f"val/{n}" for n in _TRAIN_ROLLOUT]
+    # wall-clock phases and throughput
+    + [f"timing/{n}" for n in (
+        "step_s", "train_step_s", "generation_s", "env_s", "logprobs_s", "samples_s", "training_s", "refit_s",
+        "validation_s", "checkpoint_s", "tokens_per_s", "generation_tokens_per_s")]
+)
+
+_registered: set[str] = set()
+_QUALIFIER = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+def register_metric(*names: str) -> None:
+    """Declare metrics a plugin logs, so checks over them pass lint."""
+    for n in names:
+        if not isinstance(n, str) or n.count("/") < 1:
+            raise ValueError(f"metric name {n!r} must look like <prefix>/<name>")
+        _registered.add(n)
+
+
+def known_metrics() -> frozenset[str]:
+    return KNOWN_METRICS | _registered
+
+
+def is_known_metric(name: str) -> bool:
+    """Known as is, or a known metric with a per-environment qualifier appended."""
+    known = known_metrics()
+    if name in known:
+        return True
+    base, _, qualifier = name.rpartition("/")
+    return base in known and bool(_QUALIFIER.match(qualifier))
+
+
+def closest_metric(name: str) -> str | None:
+    """The known metric a misspelt name most likely meant (its base, for a qualified name)."""
+    hits = difflib.get_close_matches(name, sorted(known_metrics()), n=1, cutoff=0.6)
+    if hits:
+        return hits[0]
+    base, _, qualifier = name.rpartition("/")
+    if base:
+        hits = difflib.get_close_matches(base, sorted(known_metrics()), n=1, cutoff=0.6)
+        if hits:
+            return f"{hits[0]}/{qualifier}"
+    return None
