@@ -1,0 +1,296 @@
+"""MOPD teachers: Ray actors that score the student's tokens, one group of replicas per teacher alias.
+
+A teacher is a frozen checkpoint that shares the student's tokenizer: a vision-language model (it sees the
+row's images) or a text-only causal LM (it never receives an image argument). Each alias runs
+`data_parallel_size` replicas; the driver pads an alias's rows to a multiple of that size by repeating whole
+rows (gymv.algorithms.teacher_batch), gives each replica an equal contiguous shard, and drops the padding
+scores afterwards.
+
+Placement:
+- CPU (`gpus_per_node: 0`): every replica is its own actor reserving no CPUs (as the policy workers do:
+  the phases of a synchronous step alternate).
+- GPUs, `placement: colocated`: replica r shares bundle r of the policy's placement group (a third of the
+  GPU beside the generation and training workers).
+- GPUs, `placement: separate`: a placement group of its own with `gpus` GPUs, `gpus / data_parallel_size`
+  per replica.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gymv.errors import GymvError
+
+BACKENDS_HERE = ("torch",)
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    """Everything a teacher replica needs to build itself (plain data, pickled into the actor)."""
+
+    alias: str
+    path: str  # resolved checkpoint folder
+    student_path: str  # the student's checkpoint: its tokenizer must equal the teacher's
+    device: str = "cpu"
+    dtype: str = "float32"
+    temperature: float = 1.0
+    max_tokens: int = 8192  # padded tokens per forward pass
+    threads: int | None = None
+    seed: int = 0
+
+
+def is_text_only(path: str | Path) -> bool:
+    """A checkpoint without a vision tower (its config has no vision_config)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise GymvError(f"cannot read the teacher's config.json: {e}", where=str(path),
+                        fix="point the teacher at a Hugging Face checkpoint folder") from None
+    return "vision_config" not in config
+
+
+def student_vision_ids(student_path: str | Path) -> tuple[int, ...]:
+    """The student's vision special-token ids (what it can never sample), from its tokenizer, config and
+    image processor alone (no weights)."""
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+    from gymv.backends.multimodal import make_adapter
+    from gymv.models.quiet import quiet_transformers
+
+    path = Path(student_path)
+    cls = ""
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        f = path / name
+        if f.exists():
+            cls = json.loads(f.read_text()).get("processor_class") or cls
+        if cls:
+            break
+    with quiet_transformers():
+        tok = AutoTokenizer.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
+        improc = AutoImageProcessor.from_pretrained(path)
+    return make_adapter(cls, tok, improc, config).vision_token_ids
+
+
+def check_same_tokenizer(teacher_tok, student_tok, alias: str) -> None:
+    a, b = teacher_tok.get_vocab(), student_tok.get_vocab()
+    if a != b:
+        differ = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])[:3]
+        raise GymvError(f"teacher {alias!r} does not share the student's tokenizer ({len(a)} vs {len(b)} tokens; "
+                        f"e.g. {', '.join(repr(k) for k, _ in differ)} differ)", where=f"mopd.teachers.{alias}.path",
+                        fix="MOPD compares logprobs token by token: use a teacher built with the student's tokenizer")
+
+
+class TeacherModel:
+    """A loaded teacher: model, tokenizer, the adapter it scores with, and whether it is text-only."""
+
+    def __init__(self, spec: TeacherSpec):
+        import torch
+        from transformers import AutoTokenizer
+
+        from gymv.algorithms.teacher_batch import TextOnlyAdapter
+        from gymv.models.quiet import quiet_transformers
+
+        self.spec = spec
+        dtype = getattr(torch, spec.dtype)
+        self.text_only = is_text_only(spec.path)
+        with quiet_transformers():
+            student_tok = AutoTokenizer.from_pretrained(spec.student_path)
+        self.forbidden_ids = student_vision_ids(spec.student_path)
+        if self.text_only:
+            from transformers import AutoModelForCausalLM
+
+            with quiet_transformers():
+                self.tokenizer = AutoTokenizer.from_pretrained(spec.path)
+                self.model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)
+            self.adapter = TextOnlyAdapter(self.forbidden_ids, spec.alias)
+        else:
+            from gymv.models.load import load_policy
+
+            policy = load_policy(spec.path, device="cpu", dtype=dtype, seed=spec.seed)
+            self.model, self.tokenizer, self.adapter = policy.model, policy.tokenizer, policy.adapter
+        check_same_tokenizer(self.tokenizer, student_tok, spec.alias)
+        self.model.to(spec.device)
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    def score(self, rows) -> list:
+        from gymv.algorithms.teacher_batch import teacher_logprobs
+
+        return teacher_logprobs(self.model, self.adapter, rows, pad_id=self.pad_id, temperature=self.spec.temperature,
+                                forbidden_ids=self.forbidden_ids, max_tokens=self.spec.max_tokens)
+
+
+class TeacherWorker:
+    """One replica of one teacher (a Ray actor through `ray.remote`; plain class in tests)."""
+
+    def __init__(self, spec: TeacherSpec, replica: int = 0):
+        from gymv.cluster.workers import _device, _set_threads
+
+        _set_threads(spec.threads)
+        self.spec, self.replica = spec, replica
+        device = _device(spec)  # type: ignore[arg-type]  (reads .device only)
+        self.teacher = TeacherModel(spec if str(device) == spec.device else _with_device(spec, str(device)))
+
+    def info(self) -> dict:
+        return {"alias": self.spec.alias, "replica": self.replica, "text_only": self.teacher.text_only,
+                "parameters": sum(p.numel() for p in self.teacher.model.parameters())}
+
+    def score(self, rows) -> dict:
+        t0 = time.perf_counter()
+        scores = self.teacher.score(rows)
+        return {"logprobs": scores, "seconds": time.perf_counter() - t0}
+
+    def close(self) -> None:
+        pass
+
+
+def _with_device(spec: TeacherSpec, device: str) -> TeacherSpec:
+    from dataclasses import replace
+
+    return replace(spec, device=device)
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+
+def teacher_specs(cfg, student_path: str) -> dict[str, TeacherSpec]:
+    """One spec per alias from a validated MOPD config; a backend not wired here is an error naming it."""
+    from gymv.train.setup import resolve_init_path
+
+    gpu = cfg.cluster.gpus_per_node > 0
+    out = {}
+    for alias, t in cfg.mopd.teachers.items():
+        if t.backend not in BACKENDS_HERE:
+            raise GymvError(f"teacher {alias!r} uses backend {t.backend!r}, which gymv train does not run yet",
+                            where=f"mopd.teachers.{alias}.backend", fix="use backend: torch")
+        path = resolve_init_path(t.path, where=f"mopd.teachers.{alias}.path")
+        dtype = "bfloat16" if gpu and cfg.training.dtype in ("auto", "bfloat16") else "float32"
+        out[alias] = TeacherSpec(alias=alias, path=path, student_path=student_path, device="cuda" if gpu else "cpu",
+                                 dtype=dtype, temperature=cfg.generation.temperature,
+                                 max_tokens=cfg.training.micro_batch_tokens, seed=cfg.seed)
+    return out
+
+
+def replica_options(cfg, alias: str, *, policy_pg=None) -> tuple[list[dict], object | None]:
+    """(Ray actor options of each replica of `alias`, a placement group created for it or None)."""
+    t = cfg.mopd.teachers[alias]
+    dp = t.data_parallel_size
+    if cfg.cluster.gpus_per_node == 0:
+        return [{"num_cpus": 0}] * dp, None
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if t.placement == "colocated":
+        if policy_pg is None:
+            raise GymvError(f"teacher {alias!r} is colocated but the policy has no placement group",
+                            where=f"mopd.teachers.{alias}.placement", fix="use placement: separate")
+        bundles = policy_pg.bundle_count
+        return [{"num_cpus": 0, "num_gpus": COLOCATED_SHARE,
+                 "scheduling_strategy": PlacementGroupSchedulingStrategy(policy_pg, placement_group_bundle_index=r % bundles)}
+                for r in range(dp)], None
+    per = (t.gpus or dp) // dp
+    pg = placement_group([{"GPU": per, "CPU": 1}] * dp, strategy="PACK")
+    return [{"num_cpus": 0, "num_gpus": per,
+             "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)}
+            for r in range(dp)], pg
+
+
+COLOCATED_SHARE = 0.3  # of a policy bundle's GPU; generation and training take the rest
+
+
+class TeacherPool:
+    """Every teacher's replicas; `score` fans each alias's rows out to its replicas in one round trip."""
+
+    def __init__(self, cfg, student_path: str, *, policy_pg=None):
+        import ray
+
+        from gymv.cluster.group import ray_get
+
+        self.specs = teacher_specs(cfg, student_path)
+        self.dp = {a: cfg.mopd.teachers[a].data_parallel_size for a in self.specs}
+        self.replicas: dict[str, list] = {}
+        self._pgs = []
+        Worker = ray.remote(TeacherWorker)
+        for alias, spec in self.specs.items():
+            opts, pg = replica_options(cfg, alias, policy_pg=policy_pg)
+            if pg is not None:
+                self._pgs.append(pg)
+                ray_get(pg.ready(), f"placing teacher {alias!r}")
+            self.replicas[alias] = [Worker.options(**o).remote(spec, r) for r, o in enumerate(opts)]
+        infos = ray_get([w.info.remote() for ws in self.replicas.values() for w in ws], "starting the teachers")
+        self.info = {i["alias"]: i for i in infos}
+
+    def score(self, rows_by_alias: dict[str, Sequence]) -> tuple[dict[str, list], dict[str, float]]:
+        """(logprobs per alias, one `[len]` tensor per real row in row order; seconds per alias)."""
+        from gymv.algorithms.teacher_batch import pad_rows, shard_rows, trim
+        from gymv.cluster.group import ray_get
+
+        pending = {}
+        for alias, rows in rows_by_alias.items():
+            if not rows:
+                continue
+            if alias not in self.replicas:
+                raise GymvError(f"no teacher {alias!r}", where="mopd.teachers", fix=f"use one of: {', '.join(self.replicas)}")
+            padded, n = pad_rows(rows, self.dp[alias])
+            shards = shard_rows(padded, self.dp[alias])
+            pending[alias] = (n, [w.score.remote(s) for w, s in zip(self.replicas[alias], shards)])
+        out, seconds = {}, {}
+        for alias, (n, refs) in pending.items():
+            parts = ray_get(refs, f"teacher {alias!r} scoring")
+            out[alias] = trim([lp for p in parts for lp in p["logprobs"]], n)
+            seconds[alias] = max(p["seconds"] for p in parts)
+        return out, seconds
+
+    def shutdown(self) -> None:
+        import ray
+
+        for ws in self.replicas.values():
+            for w in ws:
+                try:
+                    ray.kill(w)
+                except Exception:
+                    pass
+        self.replicas = {}
+        if self._pgs:
+            from ray.util.placement_group import remove_placement_group
+
+            for pg in self._pgs:
+                remove_placement_group(pg)
+            self._pgs = []
+
+
+# --------------------------------------------------------------------------------- text-only checkpoints
+
+
+def save_text_model(vlm_path: str | Path, out_dir: str | Path) -> Path:
+    """Write the language model of a LLaVA-style checkpoint as a text-only causal LM folder (same tokenizer
+    and chat template): a text-only teacher with the weights a VLM learned."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, LlamaForCausalLM
+
+    from gymv.models.quiet import quiet_transformers
+
+    src, out = Path(vlm_path), Path(out_dir)
+    with quiet_transformers():
+        vlm = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32)
+        if vlm.config.text_config.model_type != "llama":
+            raise GymvError(f"cannot extract a text model from a {vlm.config.model_type} checkpoint", where=str(src),
+                            fix="save_text_model supports LLaVA-style checkpoints (Llama text model)")
+        lm = LlamaForCausalLM(vlm.config.text_config)
+        lm.model.load_state_dict(vlm.model.language_model.state_dict())
+        lm.lm_head.load_state_dict(vlm.lm_head.state_dict())
+        lm.generation_config = vlm.generation_config
+        tok = AutoTokenizer.from_pretrained(src)
+        out.mkdir(parents=True, exist_ok=True)
+        lm.save_pretrained(out)
+        tok.save_pretrained(out)
+    template = src / "chat_template.jinja"
+    if template.exists() and not (out / "chat_template.jinja").exists():
+        (out / "chat_template.jinja").write_text(template.read_text())
+    return out
