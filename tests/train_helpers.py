@@ -66,6 +66,15 @@ def tiny_grpo_settings(tmp: Path, model_path: Path, **extra) -> dict:
 
 
 def read_weights(folder: Path) -> dict:
+    """The tensors of a folder's model.safetensors as stored (compare folders written the same way)."""
     import safetensors.torch as st
 
     return st.load_file(str(Path(folder) / "model.safetensors"))
+
+
+def model_weights(folder: Path) -> dict:
+    """The weights by the model's own parameter names, whichever key layout the folder was saved with
+    (save_pretrained may write a checkpoint's original layout; gymv checkpoints use module names)."""
+    from gymv.models.load import load_policy
+
+    return load_policy(folder).model.state_dict()

@@ -66,7 +66,7 @@ def _split(items: Sequence, parts: int) -> list[list]:
 class PolicyCluster:
     """The generation workers and training ranks of one run, driven phase by phase."""
 
-    def __init__(self, spec: WorkerSpec, placement: Placement, *, generation: bool = True):
+    def __init__(self, spec: WorkerSpec, placement: Placement, *, generation: bool = True, gpu_share: float = 0.5):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -82,7 +82,7 @@ class PolicyCluster:
         elif placement.colocated:
             self._pg = placement_group([{"GPU": 1, "CPU": 1}] * placement.gpus, strategy="PACK")
             ray_get(self._pg.ready(), "placing workers on GPUs")
-            at = lambda i: {"num_cpus": 0, "num_gpus": 0.5,  # noqa: E731
+            at = lambda i: {"num_cpus": 0, "num_gpus": gpu_share,  # noqa: E731  (less than 0.5 leaves room for a colocated MOPD teacher)
                             "scheduling_strategy": PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i)}
             gen_opts = [at(i % placement.gpus) for i in range(n_gen)]
             train_opts = [at(i % placement.gpus) for i in range(placement.num_training)]

@@ -188,8 +188,9 @@ def replica_options(cfg, alias: str, *, policy_pg=None) -> tuple[list[dict], obj
 
     if t.placement == "colocated":
         if policy_pg is None:
-            raise GymvError(f"teacher {alias!r} is colocated but the policy has no placement group",
-                            where=f"mopd.teachers.{alias}.placement", fix="use placement: separate")
+            raise GymvError(f"teacher {alias!r} is colocated, but generation and training do not share GPUs here "
+                            f"(cluster.colocated: false)", where=f"mopd.teachers.{alias}.placement",
+                            fix="use placement: separate with gpus, or cluster.colocated: true")
         bundles = policy_pg.bundle_count
         return [{"num_cpus": 0, "num_gpus": COLOCATED_SHARE,
                  "scheduling_strategy": PlacementGroupSchedulingStrategy(policy_pg, placement_group_bundle_index=r % bundles)}
@@ -207,12 +208,12 @@ COLOCATED_SHARE = 0.3  # of a policy bundle's GPU; generation and training take 
 class TeacherPool:
     """Every teacher's replicas; `score` fans each alias's rows out to its replicas in one round trip."""
 
-    def __init__(self, cfg, student_path: str, *, policy_pg=None):
+    def __init__(self, cfg, specs: dict[str, TeacherSpec], *, policy_pg=None):
         import ray
 
         from gymv.cluster.group import ray_get
 
-        self.specs = teacher_specs(cfg, student_path)
+        self.specs = specs
         self.dp = {a: cfg.mopd.teachers[a].data_parallel_size for a in self.specs}
         self.replicas: dict[str, list] = {}
         self._pgs = []

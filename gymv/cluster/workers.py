@@ -129,6 +129,7 @@ class GenerationWorker:
         if self.receiver is None:
             self.refit_connect(None, 1 + self.index)
         weights = self.receiver.receive(payload)
+        self._check_weights(weights)  # all or nothing: never leave the generator with half a refit
         self.backend.update_weights(weights)
         del weights
         if self.device.type == "cuda":
@@ -139,6 +140,14 @@ class GenerationWorker:
         if self.spec.reset_encoder_cache:
             self.backend.reset_encoder_cache()
         return {"seconds": time.perf_counter() - t0}
+
+    def _check_weights(self, weights) -> None:
+        own = self.backend.model.state_dict()
+        for name, value in weights.items():
+            if name not in own or tuple(value.shape) != tuple(own[name].shape):
+                got = "unknown name" if name not in own else f"shape {tuple(value.shape)} != {tuple(own[name].shape)}"
+                raise GymvError(f"refit sent weights this model cannot take: {name} ({got})", where="refit",
+                                fix="training and generation must load the same architecture (model.path)")
 
     def weights_hash(self) -> str:
         from gymv.cluster.refit import weights_hash
@@ -330,6 +339,10 @@ class TrainingWorker:
 
     def refit_connect(self) -> None:
         self.sender.connect()
+
+    def weights(self) -> dict:
+        """A CPU copy of the weights (tests, debugging); refits go through `publish`."""
+        return {k: v.detach().cpu().clone() for k, v in self.trainer.state_dict().items()}
 
     def publish(self):
         return self.sender.publish(self.trainer.state_dict())

@@ -3,7 +3,7 @@
     from gymv.train import train
     summary = train("recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", ["grpo.max_steps=3"])
 
-The loops themselves are gymv/algorithms/sft.py and gymv/algorithms/grpo.py; the builders they share
+The loops themselves are gymv/algorithms/sft.py, grpo.py and mopd.py; the builders they share
 live in this package (data, setup, stats, validation).
 """
 
@@ -20,7 +20,7 @@ from gymv.train.setup import Reporter, RunContext, open_run, resolve_init_path, 
 
 __all__ = ["Reporter", "load_training_recipe", "train"]
 
-SUPPORTED = ("sft", "vlm_sft", "grpo", "vlm_grpo")
+SUPPORTED = ("sft", "vlm_sft", "grpo", "vlm_grpo", "mopd", "vlm_mopd")
 
 
 def load_training_recipe(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, resume_dir: str | None = None):
@@ -55,6 +55,10 @@ def _check_supported(rec, cfg) -> None:
     if cfg.training.backend != "torch":
         raise GymvError(f"training backend {cfg.training.backend!r} is not wired into gymv train yet",
                         where=_where(rec, "training.backend"), fix="use training.backend: torch")
+    for key in ("tensorboard", "wandb"):
+        if getattr(cfg.logger, key):
+            raise GymvError(f"logger.{key} is not wired into gymv train yet", where=_where(rec, f"logger.{key}"),
+                            fix=f"set logger.{key}: false; metrics.jsonl holds every metric")
     if cfg.env.url is not None:
         raise GymvError("remote environments (env.url) are not wired into gymv train yet", where=_where(rec, "env.url"),
                         fix="set env.url: null to run the environment in-process")
@@ -87,10 +91,18 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
             from gymv.algorithms.sft import train_sft
 
             result = train_sft(ctx, resume=resume)
+        elif cfg.base_algorithm == "mopd":
+            from gymv.algorithms.mopd import train_mopd
+
+            result = train_mopd(ctx, resume=resume)
         else:
             from gymv.algorithms.grpo import train_grpo
 
             result = train_grpo(ctx, resume=resume)
+    except GymvError as e:
+        latest = run.checkpoints().latest()
+        note = f"; the run stopped, its newest complete checkpoint is {latest}" if latest else "; the run stopped before its first checkpoint"
+        raise GymvError(e.message + note, where=e.where, fix=e.fix, exit_code=e.exit_code) from None
     finally:
         if info.started_here:
             stop_ray()

@@ -1,0 +1,58 @@
+"""`gymv train` as a user runs it: bad input is one line naming what to fix, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tiny_models import tiny_path
+from train_helpers import plugin_env, tiny_grpo_settings, write_recipe
+
+
+@pytest.fixture()
+def recipe(tmp_path):
+    def make(**extra):
+        return write_recipe(tmp_path, "cli", "vlm_grpo.yaml", tiny_grpo_settings(tmp_path, tiny_path("tiny-llava"), **extra))
+
+    return make
+
+
+def _one_error_line(result) -> str:
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+def test_help_shows_an_example(gymv):
+    result = gymv("train", "--help")
+    assert result.code == 0 and "gymv train recipes/" in result.stdout
+
+
+def test_missing_model_directory_names_the_recipe_line(gymv, recipe, tmp_path):
+    path = recipe(**{"model.path": str(tmp_path / "no-such-model")})
+    result = gymv("train", path, env=plugin_env())
+    line = _one_error_line(result)
+    assert result.code == 2
+    assert f"{path.name}:" in line and "model folder not found" in line and "no-such-model" in line
+    assert not (tmp_path / "runs").exists()  # nothing written for a run that cannot start
+
+
+def test_rows_of_an_environment_nobody_configured_fail_before_ray_starts(gymv, recipe, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"responses_create_params": {"input": "hi"}, "parity": 0,
+                                "agent_ref": {"type": "responses_api_agents", "name": "chess_agent"}}) + "\n")
+    result = gymv("train", recipe(**{"data.train": str(rows)}), env=plugin_env())
+    line = _one_error_line(result)
+    assert result.code == 2 and "chess_agent" in line and "rows.jsonl line 1" in line
+
+
+def test_a_ray_cluster_that_cannot_be_reached_is_one_clear_line(gymv, recipe):
+    result = gymv("train", recipe(), "--ray-address", "127.0.0.1:1", env=plugin_env())
+    line = _one_error_line(result)
+    assert result.code == 2 and "cannot reach a Ray cluster at 127.0.0.1:1" in line
+
+
+def test_resume_of_a_folder_that_is_not_a_run_is_refused(gymv, tmp_path):
+    result = gymv("train", "--resume", tmp_path)
+    assert result.code == 2 and "no config.yaml" in _one_error_line(result)

@@ -1,0 +1,137 @@
+"""Weight refit transports and the encoder-cache reset rule, without Ray (the end-to-end runs use Ray)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from gymv.cluster.refit import make_layout, make_receiver, make_sender, unflatten, weights_hash
+from gymv.errors import GymvError
+
+
+def _state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randn(6, 4, generator=g)
+    return {"embed.weight": shared, "layer.weight": torch.randn(3, 5, generator=g), "layer.bias": torch.randn(3, generator=g),
+            "head.weight": shared}  # tied to embed.weight
+
+
+def test_layout_stores_a_tied_tensor_once_and_restores_both_names():
+    sd = _state()
+    layout = make_layout(sd)
+    assert layout.numel == 6 * 4 + 3 * 5 + 3
+    assert dict(layout.aliases) == {"head.weight": "embed.weight"}
+
+
+@pytest.mark.parametrize("transport", ["object_store", "shm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transport_delivers_every_weight_in_the_generation_dtype(transport, dtype):
+    sd = _state()
+    sender = make_sender(transport, dtype, "cpu")
+    receiver = make_receiver(transport, "cpu")
+    try:
+        got = receiver.receive(sender.publish(sd))
+        assert set(got) == set(sd)
+        assert all(got[k].dtype == dtype and torch.equal(got[k], sd[k].to(dtype)) for k in sd)
+        assert weights_hash(got) == weights_hash(sd, dtype)
+        sd2 = _state(seed=1)  # the next step reuses the transport (shm rewrites its segment in place)
+        got2 = receiver.receive(sender.publish(sd2))
+        assert weights_hash(got2) == weights_hash(sd2, dtype) != weights_hash(sd, dtype)
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_collective_transport_broadcasts_over_its_own_process_group():
+    """The code path behind `nccl`, run on gloo: rank 0 sends, two receivers get the weights."""
+    sd = _state()
+    sender = make_sender("collective", torch.float32, "cpu", num_receivers=2)
+    info = sender.rendezvous(sd)
+    receivers = [make_receiver("collective", "cpu", info, rank) for rank in (1, 2)]
+    results: dict = {}
+
+    def receive(r):
+        r.connect()
+        results[r.rank] = weights_hash(r.receive(None))
+
+    threads = [threading.Thread(target=receive, args=(r,)) for r in receivers]
+    for t in threads:
+        t.start()
+    sender.connect()
+    sender.publish(sd)
+    for t in threads:
+        t.join(timeout=60)
+    assert results == {1: weights_hash(sd), 2: weights_hash(sd)}
+
+
+def test_unknown_transport_is_a_config_error():
+    with pytest.raises(GymvError, match="no implementation"):
+        make_sender("carrier-pigeon", torch.float32, "cpu")
+
+
+def test_views_share_the_flat_buffer():
+    sd = _state()
+    layout = make_layout(sd)
+    flat = torch.zeros(layout.numel)
+    views = unflatten(flat, layout)
+    flat.fill_(1.0)
+    assert all(bool((v == 1).all()) for v in views.values())
+
+
+# -- the encoder-cache reset happens only when configured and only after a refit that succeeded ------------
+
+
+def _generation_worker(reset: bool):
+    from gymv.cluster.workers import GenerationWorker, WorkerSpec
+    from gymv.train.data import EnvSpec
+    from tiny_models import tiny_path
+
+    return GenerationWorker(WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSpec("circle-count"),
+                                       reset_encoder_cache=reset, threads=1))
+
+
+@pytest.fixture(scope="module")
+def workers():
+    return {True: _generation_worker(True), False: _generation_worker(False)}
+
+
+def _payload(worker, scale=1.0, bad=False):
+    sd = {k: v * scale for k, v in worker.backend.model.state_dict().items()}
+    if bad:  # the last tensor is wrong: nothing before it may be loaded either
+        name = list(sd)[-1]
+        sd[name] = torch.zeros(*sd[name].shape, 2)
+    return make_sender("object_store", torch.float32, "cpu").publish(sd)
+
+
+def test_cache_is_reset_after_each_successful_refit_when_enabled(workers):
+    w = workers[True]
+    before = w.stats()["encoder_cache_resets"]
+    w.receive(_payload(w), version=1)
+    w.receive(_payload(w), version=2)
+    assert w.stats()["encoder_cache_resets"] == before + 2
+    assert w.stats()["weights_version"] == 2
+
+
+def test_cache_is_kept_when_the_reset_is_off(workers):
+    w = workers[False]
+    w.receive(_payload(w), version=1)
+    assert w.stats()["encoder_cache_resets"] == 0 and w.stats()["weight_updates"] == 1
+
+
+def test_a_failed_refit_changes_nothing_and_does_not_reset_the_cache(workers):
+    w = workers[True]
+    before, weights = w.stats(), w.weights_hash()
+    with pytest.raises(GymvError, match="shape"):
+        w.receive(_payload(w, scale=2.0, bad=True), version=9)
+    after = w.stats()
+    assert after["encoder_cache_resets"] == before["encoder_cache_resets"]
+    assert after["weights_version"] == before["weights_version"] and w.weights_hash() == weights
+
+
+def test_generation_worker_hash_matches_the_weights_it_received(workers):
+    w = workers[False]
+    sd = {k: v + 0.5 for k, v in w.backend.model.state_dict().items()}
+    w.receive(make_sender("object_store", torch.float32, "cpu").publish(sd), version=3)
+    assert w.weights_hash() == weights_hash(sd)
