@@ -46,11 +46,12 @@ def serve(
     port: int = typer.Option(8000, "--port", help="TCP port (0: pick a free one)."),
     max_body_mb: float = typer.Option(64.0, "--max-body-mb", help="Largest accepted request body, in MiB."),
     log_requests: bool = typer.Option(False, "--log-requests", help="Log each request on stderr."),
+    max_turns: int = typer.Option(None, "--max-turns", help="Model turns per episode on /step (default: the environment's own)."),
 ) -> None:
-    """Serve NAME with NeMo Gym's resources-server endpoints until interrupted.
+    """Serve NAME with NeMo Gym's resources-server and gymnasium endpoints until interrupted.
 
-    Endpoints: GET /, POST /seed_session, POST /verify, POST /aggregate_metrics and POST /<tool> per tool.
-    The first line on stdout is the URL.
+    Endpoints: GET /, GET /describe, POST /seed_session, POST /reset, POST /step, POST /verify,
+    POST /aggregate_metrics and POST /<tool> per tool. The first line on stdout is the URL.
 
     Example: gymv env serve circle-click --port 8001
     """
@@ -61,7 +62,7 @@ def serve(
 
     if max_body_mb <= 0:
         raise GymvError("--max-body-mb must be positive")
-    env = get_env(name)
+    env = get_env(name, **({"max_turns": max_turns} if max_turns is not None else {}))
     server = EnvServer(env, host, port, max_body_bytes=int(max_body_mb * 1024 * 1024), log_requests=log_requests)
     print(f"serving {env.name} on {server.url}", flush=True)
 

@@ -16,10 +16,10 @@ from gymv.envs.protocol import (
     ToolOutput,
     ToolResult,
 )
-from gymv.envs.registry import available, env_for_row, get_env, register
+from gymv.envs.registry import available, env_for_row, get_env, make_env, register
 
 __all__ = [
     "Environment", "EpisodeState", "Image", "Message", "ModelTurn", "RowError", "Score", "StepResult", "Text",
     "Tool", "ToolCall", "ToolCallError", "ToolOutput", "ToolResult", "available", "env_for_row", "get_env",
-    "register",
+    "make_env", "register",
 ]

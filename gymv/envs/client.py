@@ -6,6 +6,7 @@ Gym's agents do, so that stateful tools see the same session from seed_session t
 
 from __future__ import annotations
 
+import http.client
 import http.cookiejar
 import json
 import urllib.error
@@ -24,6 +25,10 @@ class EnvHTTPError(GymvError):
         self.status, self.detail = status, detail
 
 
+class EnvConnectionError(GymvError):
+    """The server could not be reached, or the connection broke before a whole answer arrived."""
+
+
 class EnvClient:
     def __init__(self, base_url: str, *, timeout: float = 60.0):
         self.base_url = base_url.rstrip("/")
@@ -38,7 +43,11 @@ class EnvClient:
                                      headers={"Content-Type": "application/json"} if data is not None else {})
         try:
             with self._opener.open(req, timeout=self.timeout) as resp:
-                return resp.read(), resp.headers
+                try:
+                    return resp.read(), resp.headers
+                except (http.client.HTTPException, OSError) as e:  # the server died mid-answer
+                    raise EnvConnectionError(f"the connection broke while reading the answer: {type(e).__name__}: {e}",
+                                             where=url, exit_code=1) from None
         except urllib.error.HTTPError as e:
             raw = e.read()
             try:
@@ -47,8 +56,11 @@ class EnvClient:
                 detail = raw.decode("utf-8", "replace")
             raise EnvHTTPError(e.code, str(detail), url) from None
         except urllib.error.URLError as e:
-            raise GymvError(f"cannot reach the environment server: {e.reason}", where=url,
-                            fix="start it with `gymv env serve NAME`", exit_code=1) from None
+            raise EnvConnectionError(f"cannot reach the environment server: {e.reason}", where=url,
+                                     fix="start it with `gymv env serve NAME`", exit_code=1) from None
+        except (http.client.HTTPException, OSError) as e:  # reset or dropped before the status line
+            raise EnvConnectionError(f"the connection to the environment server broke: {type(e).__name__}: {e}",
+                                     where=url, fix="check that the server is running", exit_code=1) from None
 
     def _json(self, method: str, path: str, body: Any = None) -> Any:
         raw, _ = self._request(method, path, body)
@@ -72,6 +84,18 @@ class EnvClient:
             images = [Image(p["image_url"], p.get("detail") or "auto") for p in parts if p.get("type") == "input_image"]
             return ToolOutput(text, images)
         return ToolOutput(raw.decode("utf-8"))
+
+    def describe(self) -> dict:
+        """gymv servers' GET /describe: name, agent_name, tool schemas, max_turns, endpoints."""
+        return self._json("GET", "/describe")
+
+    def reset(self, row: dict) -> dict:
+        """Gymnasium-style: start this session's episode; {"observation", "info"}."""
+        return self._json("POST", "/reset", row)
+
+    def step(self, row: dict, output: list[dict]) -> dict:
+        """Gymnasium-style: one model turn's output items; {"observation", "reward", "terminated", "truncated", "info"}."""
+        return self._json("POST", "/step", {**row, "response": {"output": output}})
 
     def verify(self, rollout: dict) -> dict:
         return self._json("POST", "/verify", rollout)

@@ -339,8 +339,13 @@ class Environment(ABC):
     def gold_turn(self, row: dict) -> ModelTurn:
         """The assistant turn that earns full reward (the SFT warm start trains on it)."""
 
+    def gold_turns(self, row: dict) -> list[ModelTurn]:
+        """Every assistant turn of a full-reward episode, in order; stepping them through `step` from `start`
+        ends the episode with reward 1. Single-turn environments need not override it."""
+        return [self.gold_turn(row)]
+
     def gold_answer(self, row: dict) -> str:
-        return self.gold_turn(row).as_text()
+        return " | ".join(t.as_text() for t in self.gold_turns(row))
 
     def check_knobs(self, knobs: Any) -> None:
         """Raise GymvError when knobs cannot produce valid rows."""

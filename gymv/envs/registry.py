@@ -25,12 +25,26 @@ BUILTINS: dict[str, str] = {
     "circle-count": "gymv.envs.circle_count:CircleCount",
     "circle-click": "gymv.envs.circle_click:CircleClick",
     "arithmetic": "gymv.envs.arithmetic:Arithmetic",
+    "polygon-naming": "gymv.envs.polygon_naming:PolygonNaming",
+    "doorkey": "gymv.envs.doorkey:DoorKey",
+    "tangram": "gymv.envs.tangram:Tangram",
+    "scripted": "gymv.envs.scripted:Scripted",
+}
+# Other names for built-ins: NeMo Gym's name of the environment whose rows a built-in serves.
+ALIASES: dict[str, str] = {
+    "example-multi-turn-gymnasium": "scripted",
 }
 _registered: dict[str, Any] = {}
 
 
 def normalize(name: str) -> str:
     return name.strip().lower().replace("_", "-")
+
+
+def canonical(name: str) -> str:
+    """The normalized name with aliases resolved (example_multi_turn_gymnasium -> scripted)."""
+    key = normalize(name)
+    return ALIASES.get(key, key)
 
 
 def register(name: str, factory: Any) -> None:
@@ -74,7 +88,7 @@ def _load(name: str) -> Any:
 
 def get_env(name: str, **kwargs: Any) -> Environment:
     """An instance of the named environment; keyword arguments go to its constructor."""
-    key = normalize(name)
+    key = canonical(name)
     factory = _load(key)
     try:
         env = factory(**kwargs) if callable(factory) else factory
@@ -117,3 +131,30 @@ def env_for_row(row: dict) -> Environment | None:
         if env.matches(row):
             return env
     return None
+
+
+def make_env(cfg: Any, **overrides: Any) -> Environment:
+    """The environment a run's `env:` section describes: in-process, or a `RemoteEnv` when `env.url` is set.
+
+    `cfg` is the validated `env` section (or a dict with the same keys): `name`, `url`, `max_turns`,
+    `timeout_s`, `retries`, `kwargs`. `kwargs` go to the environment's constructor (for a remote one:
+    `protocol`, `backoff_s`, `agent_name`); `overrides` win over everything.
+    """
+    def get(key: str, default: Any = None) -> Any:
+        return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
+
+    kwargs = {**(get("kwargs") or {}), **overrides}
+    if get("max_turns") is not None:
+        kwargs.setdefault("max_turns", get("max_turns"))
+    url = get("url")
+    if url:
+        from gymv.envs.remote import RemoteEnv
+
+        for key, value in (("timeout_s", get("timeout_s")), ("retries", get("retries"))):
+            if value is not None:
+                kwargs.setdefault(key, value)
+        return RemoteEnv(url, name=get("name"), **kwargs)
+    name = get("name")
+    if not name:
+        raise GymvError("env.name is not set", where="env.name", fix="name an environment (see `gymv env list`)")
+    return get_env(name, **kwargs)

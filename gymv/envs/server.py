@@ -5,16 +5,29 @@
     POST /<tool>             run a tool; the body is the tool's JSON arguments
     POST /verify             a row plus `response` in; the same plus `reward` and verifier extras out
     POST /aggregate_metrics  {"verify_responses": [...]} in; mean/max/min/median/std out
+    POST /reset              gymnasium style: a row in; the session holds its episode; {"observation", "info"} out
+    POST /step               gymnasium style: the row plus `response` (one model turn) in;
+                             {"observation", "reward", "terminated", "truncated", "info"} out
+    GET  /describe           the environment: name, agent name, tool schemas, max_turns, endpoints
 
 Each rollout is a session keyed by the `gymv_session` cookie, set on every response, which NeMo Gym's
 agents pass back. Bodies need a Content-Length no larger than the limit (413 otherwise); malformed JSON
 is a 400, a well-formed body that does not fit is a 422, an unknown path a 404, each with a message in
 `detail`. A tool that returns images answers with a JSON list of Responses input parts and the header
 `X-Gymv-Tool-Output: parts`; a text result is the plain body, as NeMo Gym's tools answer.
+
+`/step` answers as NeMo Gym's gymnasium servers do: the next user message as `observation` (text, or a
+list of input parts when it carries images), `info.tool_outputs` with one `{call_id, name, output}` per
+tool call (`output` is text, or a list of parts with images), per-step `reward` (the episode's reward on
+its last step, else 0), and `terminated` (the environment ended the episode) or `truncated` (its
+`max_turns` did). gymv also puts the follow-ups, lossless, in `info.user_messages`, and the verifier's
+extras and `failure_reason` in `info` on the last step. An episode whose step raised is dropped: a retry
+gets 409, never a half-applied turn.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import threading
@@ -26,12 +39,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from gymv.envs.protocol import Environment, EpisodeState, Text, ToolCallError, parts_to_items
+from gymv.envs.transcript import turn_from_items
 from gymv.envs.verify import aggregate_metrics
 from gymv.errors import GymvError
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 SESSION_COOKIE = "gymv_session"
-RESERVED = frozenset({"seed_session", "verify", "aggregate_metrics"})
+RESERVED = frozenset({"seed_session", "verify", "aggregate_metrics", "reset", "step"})
 
 
 class HTTPError(Exception):
@@ -131,6 +145,58 @@ class EnvServer:
     def liveness(self) -> dict:
         return {"status": "ok", "env": self.env.name, "tools": [t.name for t in self.env.tool_specs()]}
 
+    def describe(self) -> dict:
+        env = self.env
+        return {"name": env.name, "agent_name": env.agent_name, "description": env.description,
+                "max_turns": env.max_turns, "verifier_fields": list(env.verifier_fields), "tools": env.tools(),
+                "endpoints": ["/seed_session", "/reset", "/step", "/verify", "/aggregate_metrics",
+                              *(f"/{t.name}" for t in env.tool_specs())]}
+
+    def reset(self, sid: str, body: Any) -> dict:
+        if not isinstance(body, dict):
+            raise HTTPError(422, f"reset body must be a JSON object (a row), got {_kind(body)}")
+        try:
+            self.sessions.set(sid, self.env.start(body, where="reset body"))
+        except GymvError as e:
+            raise HTTPError(422, e.one_line()) from None
+        return {"observation": None, "info": {"env": self.env.name, "max_turns": self.env.max_turns}}
+
+    def step(self, sid: str, body: Any) -> dict:
+        env = self.env
+        response = body.get("response") if isinstance(body, dict) else None
+        if not isinstance(response, dict) or not isinstance(response.get("output"), list):
+            raise HTTPError(422, "step body must be a row plus 'response' with an 'output' list (one model turn)")
+        state = self.sessions.get(sid)
+        if state is None:
+            raise HTTPError(409, "no episode in this session: POST /reset with the row first (or the episode "
+                                 "was dropped after a failed step)")
+        if state.done:
+            raise HTTPError(409, "the episode in this session is over; POST /reset to start another")
+        turn = turn_from_items(response["output"])
+        try:
+            result = env.step(state, turn)
+            natural = env.is_done(dataclasses.replace(state, turns=0), turn, result.tool_results,
+                                  result.user_messages)
+            score = env.score(state) if state.done else None
+        except GymvError as e:
+            self.sessions.set(sid, None)
+            raise HTTPError(422, e.one_line()) from None
+        except Exception:
+            self.sessions.set(sid, None)
+            raise
+        tool_outputs = []
+        for r in result.tool_results:
+            out = {"call_id": r.call_id, "name": r.name, "output": r.to_item()["output"]}
+            if r.error:
+                out["error"] = r.error
+            tool_outputs.append(out)
+        messages = [{"type": "message", **m.to_item()} for m in result.user_messages]
+        info: dict[str, Any] = {"tool_outputs": tool_outputs, "user_messages": messages, "turn": state.turns}
+        if score is not None:
+            info.update(extras=score.extras, failure_reason=score.failure_reason)
+        return {"observation": _observation(result.user_messages), "reward": score.reward if score else 0.0,
+                "terminated": state.done and natural, "truncated": state.done and not natural, "info": info}
+
     def seed_session(self, sid: str, body: Any) -> dict:
         if not isinstance(body, dict):
             raise HTTPError(422, f"seed_session body must be a JSON object, got {_kind(body)}")
@@ -167,6 +233,15 @@ class EnvServer:
             return json.dumps(parts).encode(), {"Content-Type": "application/json", "X-Gymv-Tool-Output": "parts"}
         ctype = "application/json" if _is_json(out.text) else "text/plain; charset=utf-8"
         return out.text.encode("utf-8"), {"Content-Type": ctype}
+
+
+def _observation(messages: list) -> str | list | None:
+    """NeMo Gym's `observation`: the follow-up text, or input parts when a follow-up carries images."""
+    if not messages:
+        return None
+    if all(not m.images for m in messages):
+        return "\n\n".join(m.text for m in messages)
+    return [part for m in messages for part in parts_to_items(m.content)]
 
 
 def _is_json(text: str) -> bool:
@@ -257,8 +332,11 @@ class _Handler(BaseHTTPRequestHandler):
     # -- methods -------------------------------------------------------------------------------------
     def do_GET(self) -> None:  # noqa: N802 - the stdlib's naming
         sid = self.server_obj.sessions.touch(self._session_id())
-        if self.path.split("?", 1)[0] == "/":
+        path = self.path.split("?", 1)[0]
+        if path == "/":
             self._json(200, self.server_obj.liveness(), sid=sid)
+        elif path == "/describe":
+            self._json(200, self.server_obj.describe(), sid=sid)
         else:
             self._error(404, f"no GET endpoint {self.path}; GET / is the liveness check", sid=sid)
 
@@ -273,7 +351,7 @@ class _Handler(BaseHTTPRequestHandler):
                 tools = ", ".join(t.name for t in srv.env.tool_specs()) or "none"
                 # The body is left unread: close so that it cannot be taken for the next request.
                 raise HTTPError(404, f"unknown endpoint /{name}: tools are {tools}; endpoints are "
-                                     "/seed_session, /verify, /aggregate_metrics")
+                                     "/seed_session, /verify, /aggregate_metrics, /reset, /step")
             body = self._read_json()
             if name == "seed_session":
                 self._json(200, srv.seed_session(sid, body), sid=sid)
@@ -281,6 +359,10 @@ class _Handler(BaseHTTPRequestHandler):
                 self._json(200, srv.verify(body), sid=sid)
             elif name == "aggregate_metrics":
                 self._json(200, srv.aggregate(body), sid=sid)
+            elif name == "reset":
+                self._json(200, srv.reset(sid, body), sid=sid)
+            elif name == "step":
+                self._json(200, srv.step(sid, body), sid=sid)
             else:
                 payload, headers = srv.tool(sid, name, body)
                 self._send(200, payload, headers, sid=sid)

@@ -115,9 +115,10 @@ class _DataRows:
 
 
 def _needs_join(rollout: dict, env: Environment | None) -> bool:
+    env = env or env_for_row(rollout)  # found by agent_ref, it may still lack its verifier fields
     if env is not None:
         return any(k not in rollout for k in env.verifier_fields)
-    return env_for_row(rollout) is None
+    return True
 
 
 def score_rollout(rollout: dict, *, env: Environment | None = None, data: _DataRows | None = None,
