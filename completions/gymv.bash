@@ -5,7 +5,7 @@
 
 _gymv_subcommands() {
     case "$1" in
-        '') echo 'completion dry-run lint prepare train env model' ;;
+        '') echo 'completion dry-run lint prepare report train env model' ;;
         'env') echo 'list serve verify' ;;
         'model') echo 'init info' ;;
     esac
@@ -18,10 +18,11 @@ _gymv_options() {
         'dry-run') echo '--recipes-dir --json --fail-over-budget --help -h' ;;
         'lint') echo '--format -f --json --fix --list-rules --help -h' ;;
         'prepare') echo '--n --out --seed --split --preset --workers --preview --preview-count --list-knobs --json --help -h' ;;
+        'report') echo '--out --serve --port --json --help -h' ;;
         'train') echo '--resume --ray-address --json --help -h' ;;
         'env') echo '--help -h' ;;
         'env list') echo '--json --help -h' ;;
-        'env serve') echo '--host --port --max-body-mb --log-requests --help -h' ;;
+        'env serve') echo '--host --port --max-body-mb --log-requests --max-turns --help -h' ;;
         'env verify') echo '--data --env --on-error --out --fail-on-mismatch --json --help -h' ;;
         'model') echo '--help -h' ;;
         'model init') echo '--hidden --layers --image-size --patch-size --vocab-size --seed --force --json --help -h' ;;
@@ -44,11 +45,14 @@ _gymv_value_kind() {
         'prepare|--workers') echo 'none' ;;
         'prepare|--preview') echo 'files' ;;
         'prepare|--preview-count') echo 'none' ;;
+        'report|--out') echo 'dirs' ;;
+        'report|--port') echo 'none' ;;
         'train|--resume') echo 'files' ;;
         'train|--ray-address') echo 'files' ;;
         'env serve|--host') echo 'files' ;;
         'env serve|--port') echo 'none' ;;
         'env serve|--max-body-mb') echo 'none' ;;
+        'env serve|--max-turns') echo 'none' ;;
         'env verify|--data') echo 'files' ;;
         'env verify|--env') echo 'files' ;;
         'env verify|--on-error') echo 'files' ;;
@@ -70,6 +74,7 @@ _gymv_arg_kind() {
         'lint|'*) echo 'files' ;;
         'prepare|''0') echo 'files' ;;
         'prepare|'*) echo 'files' ;;
+        'report|''0') echo 'files' ;;
         'train|''0') echo 'files' ;;
         'train|'*) echo 'files' ;;
         'env serve|''0') echo 'files' ;;

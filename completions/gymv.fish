@@ -3,8 +3,8 @@
 
 # Install: copy this file to ~/.config/fish/completions/gymv.fish
 
-set -g __gymv_subcommands '|completion' '|dry-run' '|lint' '|prepare' '|train' '|env' '|model' 'env|list' 'env|serve' 'env|verify' 'model|init' 'model|info'
-set -g __gymv_value_options 'completion|--write' 'completion|--check' 'dry-run|--recipes-dir' 'lint|--format' 'lint|-f' 'prepare|--n' 'prepare|--out' 'prepare|--seed' 'prepare|--split' 'prepare|--preset' 'prepare|--workers' 'prepare|--preview' 'prepare|--preview-count' 'train|--resume' 'train|--ray-address' 'env serve|--host' 'env serve|--port' 'env serve|--max-body-mb' 'env verify|--data' 'env verify|--env' 'env verify|--on-error' 'env verify|--out' 'model init|--hidden' 'model init|--layers' 'model init|--image-size' 'model init|--patch-size' 'model init|--vocab-size' 'model init|--seed'
+set -g __gymv_subcommands '|completion' '|dry-run' '|lint' '|prepare' '|report' '|train' '|env' '|model' 'env|list' 'env|serve' 'env|verify' 'model|init' 'model|info'
+set -g __gymv_value_options 'completion|--write' 'completion|--check' 'dry-run|--recipes-dir' 'lint|--format' 'lint|-f' 'prepare|--n' 'prepare|--out' 'prepare|--seed' 'prepare|--split' 'prepare|--preset' 'prepare|--workers' 'prepare|--preview' 'prepare|--preview-count' 'report|--out' 'report|--port' 'train|--resume' 'train|--ray-address' 'env serve|--host' 'env serve|--port' 'env serve|--max-body-mb' 'env serve|--max-turns' 'env verify|--data' 'env verify|--env' 'env verify|--on-error' 'env verify|--out' 'model init|--hidden' 'model init|--layers' 'model init|--image-size' 'model init|--patch-size' 'model init|--vocab-size' 'model init|--seed'
 
 # Prints the command path (e.g. "env serve"), then the index of the positional argument being typed.
 function __gymv_state
@@ -61,6 +61,7 @@ complete -c gymv -n '__gymv_at \'\'' -a 'completion' -d 'Print, write or check s
 complete -c gymv -n '__gymv_at \'\'' -a 'dry-run' -d 'Count the GPU-hours of test-suite drivers without running them'
 complete -c gymv -n '__gymv_at \'\'' -a 'lint' -d 'Check recipes, their drivers and the suite lists; exit 0 when clean,...'
 complete -c gymv -n '__gymv_at \'\'' -a 'prepare' -d 'Generate a dataset of ENV rows (NeMo Gym JSONL, images as PNG data URLs)'
+complete -c gymv -n '__gymv_at \'\'' -a 'report' -d 'Write PNG plots (reward, accuracy, loss, KL, entropy, token_mult_prob...'
 complete -c gymv -n '__gymv_at \'\'' -a 'train' -d 'Train a policy with the algorithm of RECIPE (sft, vlm_sft, grpo, vlm_...'
 complete -c gymv -n '__gymv_at \'\'' -a 'env' -d 'Serve environments over HTTP and re-score rollout files'
 complete -c gymv -n '__gymv_at \'\'' -a 'model' -d 'Build and inspect policy checkpoints'
@@ -95,6 +96,12 @@ complete -c gymv -n '__gymv_at \'prepare\'' -l json -d 'Print a JSON summary on 
 complete -c gymv -n '__gymv_at \'prepare\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'prepare\'; and __gymv_argpos \'0\'' -F
 complete -c gymv -n '__gymv_at \'prepare\'; and __gymv_argpos \'*\'' -F
+complete -c gymv -n '__gymv_at \'report\'' -l out -r -a '(__fish_complete_directories (commandline -ct))' -d 'Folder to write the report to (default: RUN_DIR/report)'
+complete -c gymv -n '__gymv_at \'report\'' -l serve -d 'Serve the report on 127.0.0.1 until Ctrl-C; reloading the page picks...'
+complete -c gymv -n '__gymv_at \'report\'' -l port -r -d 'Port for --serve (0: any free port)'
+complete -c gymv -n '__gymv_at \'report\'' -l json -d 'Print one JSON object (files, counts, checks) instead of the table'
+complete -c gymv -n '__gymv_at \'report\'' -l help -s h -d 'Show this message and exit'
+complete -c gymv -n '__gymv_at \'report\'; and __gymv_argpos \'0\'' -F
 complete -c gymv -n '__gymv_at \'train\'' -l resume -r -F -d 'Continue this run directory from its newest checkpoint'
 complete -c gymv -n '__gymv_at \'train\'' -l ray-address -r -F -d 'Join this Ray cluster (HOST:PORT or auto) instead of starting one'
 complete -c gymv -n '__gymv_at \'train\'' -l json -d 'Print a JSON summary on stdout instead of the table'
@@ -102,7 +109,7 @@ complete -c gymv -n '__gymv_at \'train\'' -l help -s h -d 'Show this message and
 complete -c gymv -n '__gymv_at \'train\'; and __gymv_argpos \'0\'' -F
 complete -c gymv -n '__gymv_at \'train\'; and __gymv_argpos \'*\'' -F
 complete -c gymv -n '__gymv_at \'env\'' -a 'list' -d 'List the environments gymv can serve, verify and generate data for'
-complete -c gymv -n '__gymv_at \'env\'' -a 'serve' -d 'Serve NAME with NeMo Gym\'s resources-server endpoints until interrupted'
+complete -c gymv -n '__gymv_at \'env\'' -a 'serve' -d 'Serve NAME with NeMo Gym\'s resources-server and gymnasium endpoints u...'
 complete -c gymv -n '__gymv_at \'env\'' -a 'verify' -d 'Re-score rollouts with gymv\'s verifiers and compare with their record...'
 complete -c gymv -n '__gymv_at \'env\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'env list\'' -l json -d 'Print JSON on stdout'
@@ -111,6 +118,7 @@ complete -c gymv -n '__gymv_at \'env serve\'' -l host -r -F -d 'Interface to bin
 complete -c gymv -n '__gymv_at \'env serve\'' -l port -r -d 'TCP port (0: pick a free one)'
 complete -c gymv -n '__gymv_at \'env serve\'' -l max-body-mb -r -d 'Largest accepted request body, in MiB'
 complete -c gymv -n '__gymv_at \'env serve\'' -l log-requests -d 'Log each request on stderr'
+complete -c gymv -n '__gymv_at \'env serve\'' -l max-turns -r -d 'Model turns per episode on /step (default: the environment\'s own)'
 complete -c gymv -n '__gymv_at \'env serve\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'env serve\'; and __gymv_argpos \'0\'' -F
 complete -c gymv -n '__gymv_at \'env verify\'' -l data -r -F -d 'Rows the rollouts were run on, joined by _ng_task_index'

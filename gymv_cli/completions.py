@@ -107,6 +107,7 @@ def command_tree(root: Any, *, only: set[str] | None = None) -> Command:
             if getattr(p, "hidden", False):
                 continue
             opts = list(getattr(p, "opts", [])) + list(getattr(p, "secondary_opts", []))
+            opts.sort(key=lambda o: not o.startswith("--"))  # stable: click may hold help names in a set
             if type(p).__name__.endswith("Argument") or not any(o.startswith("-") for o in opts):
                 node.args.append((_kind(p), getattr(p, "nargs", 1) == -1))
                 continue

@@ -1,0 +1,164 @@
+"""PNG plots of a run's metrics (matplotlib, Agg backend: no display needed).
+
+Each plot is drawn only when at least one of its metrics was logged; per-environment breakdowns
+(`train/reward_mean/<agent>`) are drawn beside the totals. The step-time split stacks the phases of a step
+that do not overlap (generation includes the environment's time) and shows the rest as "other".
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+TIMING_PHASES = ("generation_s", "logprobs_s", "samples_s", "training_s", "refit_s", "validation_s", "checkpoint_s")
+
+
+@dataclass(frozen=True)
+class PlotSpec:
+    name: str
+    title: str
+    metrics: tuple[str, ...]
+    ylabel: str = ""
+    reference: float | None = None  # a dashed horizontal line (e.g. 1.1 for token_mult_prob_error)
+    band: dict | None = None  # metric -> its std metric, drawn as a ±1 std band
+
+
+PLOTS: tuple[PlotSpec, ...] = (
+    PlotSpec("reward", "Reward", ("train/reward_mean", "val/reward_mean"), "mean reward",
+             band={"train/reward_mean": "train/reward_std"}),
+    PlotSpec("accuracy", "Accuracy (share of rollouts with reward ≥ 1)", ("train/accuracy", "val/accuracy"), "accuracy"),
+    PlotSpec("loss", "Loss", ("train/loss", "train/pg_loss", "train/nll"), "loss"),
+    PlotSpec("kl", "KL divergence", ("train/kl_ref", "train/kl_teacher"), "KL"),
+    PlotSpec("entropy", "Entropy of the sampling distribution", ("train/entropy",), "nats / token"),
+    PlotSpec("token_mult_prob_error", "token_mult_prob_error (generation vs training logprobs)",
+             ("train/token_mult_prob_error",), "mean exp(|Δlogp|)", reference=1.1),
+)
+
+
+@dataclass(frozen=True)
+class Plot:
+    name: str
+    title: str
+    file: str  # relative to the report folder
+    metrics: tuple[str, ...]  # those actually drawn
+
+
+def _series(rows: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in rows:
+        v, s = r.get(key), r.get("step")
+        if isinstance(s, int) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            xs.append(s)
+            ys.append(float(v))
+    return xs, ys
+
+
+def _qualified(rows: Sequence[dict], base: str) -> list[str]:
+    keys = sorted({k for r in rows for k in r if k.startswith(base + "/")})
+    return keys[:8]  # enough to read; more lines would be noise
+
+
+def _figure(title: str, ylabel: str):
+    from matplotlib.figure import Figure  # the object API renders with Agg; pyplot (and a display) never loads
+
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(6.4, 3.6), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(title, fontsize=11, loc="left")
+    ax.set_xlabel("step")
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _save(fig, path: Path) -> None:
+    from gymv.io import atomic_open
+
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png")
+
+
+def line_plot(rows: Sequence[dict], spec: PlotSpec, out: Path) -> Plot | None:
+    drawn: list[str] = []
+    fig, ax = _figure(spec.title, spec.ylabel)
+    for key in spec.metrics:
+        xs, ys = _series(rows, key)
+        if not xs:
+            continue
+        marker = "o" if len(xs) < 30 or key.startswith("val/") else None
+        (line,) = ax.plot(xs, ys, marker=marker, markersize=3, linewidth=1.5, label=key)
+        drawn.append(key)
+        std_key = (spec.band or {}).get(key)
+        if std_key:
+            sx, sy = _series(rows, std_key)
+            std = dict(zip(sx, sy))
+            pts = [(x, y, std[x]) for x, y in zip(xs, ys) if x in std]
+            if pts:
+                ax.fill_between([p[0] for p in pts], [p[1] - p[2] for p in pts], [p[1] + p[2] for p in pts],
+                                color=line.get_color(), alpha=0.15, linewidth=0)
+        for q in _qualified(rows, key):
+            qx, qy = _series(rows, q)
+            if qx:
+                ax.plot(qx, qy, linestyle="--", linewidth=1, label=q)
+                drawn.append(q)
+    if not drawn:
+        return None
+    if spec.reference is not None:
+        ax.axhline(spec.reference, color="crimson", linestyle=":", linewidth=1, label=f"{spec.reference:g}")
+    ax.legend(fontsize=8, loc="best")
+    file = f"plots/{spec.name}.png"
+    _save(fig, out / file)
+    return Plot(spec.name, spec.title, file, tuple(drawn))
+
+
+def timing_plot(rows: Sequence[dict], out: Path) -> Plot | None:
+    """Seconds per step, stacked by phase; `other` is what step_s has beyond the phases."""
+    steps = sorted({r["step"] for r in rows if isinstance(r.get("step"), int) and
+                    any(isinstance(r.get(f"timing/{p}"), (int, float)) for p in (*TIMING_PHASES, "step_s"))})
+    if not steps:
+        return None
+    by_step: dict[int, dict] = {}
+    for r in rows:
+        if isinstance(r.get("step"), int):
+            by_step.setdefault(r["step"], {}).update(r)
+    phases = [p for p in TIMING_PHASES if any(isinstance(by_step[s].get(f"timing/{p}"), (int, float)) for s in steps)]
+    values = {p: [float(by_step[s].get(f"timing/{p}") or 0.0) for s in steps] for p in phases}
+    totals = [by_step[s].get("timing/step_s") for s in steps]
+    if any(isinstance(t, (int, float)) for t in totals):
+        values["other"] = [max(0.0, float(t) - sum(values[p][i] for p in phases)) if isinstance(t, (int, float)) else 0.0
+                           for i, t in enumerate(totals)]
+    fig, ax = _figure("Step time split", "seconds")
+    bottom = [0.0] * len(steps)
+    width = 0.8 if len(steps) < 2 else 0.8 * min(b - a for a, b in zip(steps, steps[1:]))
+    for label, vals in values.items():
+        if not any(vals):
+            continue
+        ax.bar(steps, vals, width=width, bottom=bottom, label=label.removesuffix("_s"),
+               color="lightgray" if label == "other" else None)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylim(0, max(bottom) * 1.3 if max(bottom) > 0 else 1)  # room for the legend above the bars
+    ax.legend(fontsize=8, loc="upper left", ncols=4)
+    file = "plots/timing.png"
+    _save(fig, out / file)
+    return Plot("timing", "Step time split", file, tuple(f"timing/{p}" for p in values if p != "other"))
+
+
+def write_plots(rows: Sequence[dict], out_dir: str | os.PathLike) -> list[Plot]:
+    """Draw every plot that has data into out_dir/plots/; returns those drawn, in PLOTS order, timing last."""
+    out = Path(out_dir)
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    drawn = [p for p in (line_plot(rows, spec, out) for spec in PLOTS) if p is not None]
+    t = timing_plot(rows, out)
+    if t is not None:
+        drawn.append(t)
+    wanted = {f"{p.name}.png" for p in drawn}
+    for stale in (out / "plots").glob("*.png"):  # a plot whose data is gone (a resumed run rewound) goes too
+        if stale.name not in wanted:
+            stale.unlink(missing_ok=True)
+    return drawn
