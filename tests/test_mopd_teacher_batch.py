@@ -152,6 +152,17 @@ def test_the_text_model_of_a_vlm_scores_text_rows_like_the_vlm():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+def test_a_text_prefixed_teacher_is_the_language_model_of_a_vlm_and_gets_text_only():
+    spec = TeacherSpec("arith", str(tiny_path("tiny-llava")), str(tiny_path("tiny-llava")), text_of=True)
+    teacher = TeacherModel(spec)
+    text_rows = [r for r in _rows() if not r.images]
+    assert teacher.text_only and type(teacher.model).__name__ == "LlamaForCausalLM"
+    for got, want in zip(teacher.score(text_rows), _vlm_scores(text_rows)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    with pytest.raises(GymvError, match="text-only"):
+        teacher.score(_rows())
+
+
 def test_a_vlm_teacher_loads_as_one_and_scores_images():
     spec = TeacherSpec("count", str(tiny_path("tiny-llava")), str(tiny_path("tiny-llava")))
     teacher = TeacherModel(spec)

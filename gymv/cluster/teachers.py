@@ -26,6 +26,7 @@ from pathlib import Path
 from gymv.errors import GymvError
 
 BACKENDS_HERE = ("torch",)
+TEXT_PREFIX = "text:"  # a teacher path `text:<checkpoint>` scores with that VLM's language model alone
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class TeacherSpec:
     alias: str
     path: str  # resolved checkpoint folder
     student_path: str  # the student's checkpoint: its tokenizer must equal the teacher's
+    text_of: bool = False  # score with only the language model of this (vision-language) checkpoint
     device: str = "cpu"
     dtype: str = "float32"
     temperature: float = 1.0
@@ -97,16 +99,21 @@ class TeacherModel:
 
         self.spec = spec
         dtype = getattr(torch, spec.dtype)
-        self.text_only = is_text_only(spec.path)
+        self.text_only = spec.text_of or is_text_only(spec.path)
         with quiet_transformers():
             student_tok = AutoTokenizer.from_pretrained(spec.student_path)
         self.forbidden_ids = student_vision_ids(spec.student_path)
         if self.text_only:
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
             with quiet_transformers():
                 self.tokenizer = AutoTokenizer.from_pretrained(spec.path)
-                self.model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)
+                if spec.text_of and not is_text_only(spec.path):
+                    vlm = AutoModelForImageTextToText.from_pretrained(spec.path, dtype=dtype)
+                    self.model = text_model_of(vlm, where=spec.path)
+                    del vlm
+                else:
+                    self.model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)
             self.adapter = TextOnlyAdapter(self.forbidden_ids, spec.alias)
         else:
             from gymv.models.load import load_policy
@@ -169,9 +176,11 @@ def teacher_specs(cfg, student_path: str) -> dict[str, TeacherSpec]:
         if t.backend not in BACKENDS_HERE:
             raise GymvError(f"teacher {alias!r} uses backend {t.backend!r}, which gymv train does not run yet",
                             where=f"mopd.teachers.{alias}.backend", fix="use backend: torch")
-        path = resolve_init_path(t.path, where=f"mopd.teachers.{alias}.path")
+        text_of = t.path.startswith(TEXT_PREFIX)
+        path = resolve_init_path(t.path[len(TEXT_PREFIX):] if text_of else t.path, where=f"mopd.teachers.{alias}.path")
         dtype = "bfloat16" if gpu and cfg.training.dtype in ("auto", "bfloat16") else "float32"
-        out[alias] = TeacherSpec(alias=alias, path=path, student_path=student_path, device="cuda" if gpu else "cpu",
+        out[alias] = TeacherSpec(alias=alias, path=path, text_of=text_of, student_path=student_path,
+                                 device="cuda" if gpu else "cpu",
                                  dtype=dtype, temperature=cfg.generation.temperature,
                                  max_tokens=cfg.training.micro_batch_tokens, seed=cfg.seed)
     return out
@@ -269,24 +278,32 @@ class TeacherPool:
 # --------------------------------------------------------------------------------- text-only checkpoints
 
 
+def text_model_of(vlm, *, where: str | None = None):
+    """The language model of a LLaVA-style VLM as a text-only Llama causal LM (weights copied)."""
+    from transformers import LlamaForCausalLM
+
+    if vlm.config.text_config.model_type != "llama":
+        raise GymvError(f"cannot take a text-only model out of a {vlm.config.model_type} checkpoint", where=where,
+                        fix="text:<checkpoint> supports LLaVA-style checkpoints (Llama text model)")
+    lm = LlamaForCausalLM(vlm.config.text_config).to(next(vlm.parameters()).dtype)
+    lm.model.load_state_dict(vlm.model.language_model.state_dict())
+    lm.lm_head.load_state_dict(vlm.lm_head.state_dict())
+    lm.generation_config = vlm.generation_config
+    return lm
+
+
 def save_text_model(vlm_path: str | Path, out_dir: str | Path) -> Path:
     """Write the language model of a LLaVA-style checkpoint as a text-only causal LM folder (same tokenizer
     and chat template): a text-only teacher with the weights a VLM learned."""
     import torch
-    from transformers import AutoModelForImageTextToText, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
 
     from gymv.models.quiet import quiet_transformers
 
     src, out = Path(vlm_path), Path(out_dir)
     with quiet_transformers():
         vlm = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32)
-        if vlm.config.text_config.model_type != "llama":
-            raise GymvError(f"cannot extract a text model from a {vlm.config.model_type} checkpoint", where=str(src),
-                            fix="save_text_model supports LLaVA-style checkpoints (Llama text model)")
-        lm = LlamaForCausalLM(vlm.config.text_config)
-        lm.model.load_state_dict(vlm.model.language_model.state_dict())
-        lm.lm_head.load_state_dict(vlm.lm_head.state_dict())
-        lm.generation_config = vlm.generation_config
+        lm = text_model_of(vlm, where=str(src))
         tok = AutoTokenizer.from_pretrained(src)
         out.mkdir(parents=True, exist_ok=True)
         lm.save_pretrained(out)

@@ -1,0 +1,92 @@
+"""The MOPD loss and its pieces: the environment-reward term, reward advantages and per-teacher reverse KL."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from gymv.algorithms.loss_fns import DistillationLoss, ISConfig
+from gymv.algorithms.losses import GlobalCounts
+from gymv.algorithms.mopd import MopdLoss, env_advantages, teacher_metrics
+
+
+def _batch(seed=0, B=3, T=7):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[:, 3:] = True
+    mask[2, 5:] = False
+    logp = -torch.rand(B, T, generator=g) * 3
+    return {
+        "loss_mask": mask,
+        "logp_teacher": -torch.rand(B, T, generator=g) * 3,
+        "logp_behaviour": logp + 0.05 * torch.randn(B, T, generator=g),
+        "advantages": torch.tensor([1.0, -0.5, 0.25]),
+    }, logp
+
+
+def _counts(batch):
+    m = batch["loss_mask"]
+    return GlobalCounts(tokens=float(m.sum()), sequences=float(m.any(-1).sum()))
+
+
+@pytest.mark.parametrize("importance", [ISConfig(), ISConfig(gate=(0.2, 5.0)), ISConfig(truncate_max=1.02)])
+def test_the_env_reward_term_equals_adding_c_times_the_reward_advantage_to_every_token(importance):
+    batch, logp0 = _batch()
+    c = 0.3
+    distill = DistillationLoss(importance=importance)
+
+    def grad(loss_fn, b):
+        logp = logp0.clone().requires_grad_(True)
+        loss, _ = loss_fn(b, logp, None, _counts(b))
+        loss.backward()
+        return loss.detach(), logp.grad
+
+    # the same advantage written into the teacher logprobs: A_t = (teacher + c*A) - student
+    shifted = {**batch, "logp_teacher": batch["logp_teacher"] + c * batch["advantages"][:, None]}
+    want_loss, want_grad = grad(distill, shifted)
+    got_loss, got_grad = grad(MopdLoss(distill, env_reward_coef=c), batch)
+    torch.testing.assert_close(got_loss, want_loss)
+    torch.testing.assert_close(got_grad, want_grad)
+
+
+def test_without_the_env_term_the_loss_is_the_distillation_loss():
+    batch, logp = _batch(1)
+    a, ma = DistillationLoss()(batch, logp, None, _counts(batch))
+    b, mb = MopdLoss(DistillationLoss(), 0.0)(batch, logp, None, _counts(batch))
+    assert torch.equal(a, b) and "env_pg_loss" not in mb
+
+
+@dataclass
+class T:
+    reward: float
+    error: str | None = None
+    logprobs: list = field(default_factory=list)
+    loss_mask: list = field(default_factory=list)
+
+
+def test_reward_advantages_leave_one_out_within_groups():
+    trajs = [T(1.0), T(0.0), T(0.0), T(1.0), T(1.0), T(1.0)]
+    assert env_advantages(trajs, 3) == pytest.approx([1.0, -0.5, -0.5, 0.0, 0.0, 0.0])
+
+
+def test_reward_advantages_of_single_generations_use_the_batch_mean():
+    assert env_advantages([T(1.0), T(0.0), T(0.0), T(1.0)], 1) == pytest.approx([0.5, -0.5, -0.5, 0.5])
+
+
+def test_failed_episodes_get_no_reward_advantage_and_stay_out_of_baselines():
+    trajs = [T(1.0), T(0.0, error="env down"), T(0.0)]
+    assert env_advantages(trajs, 1) == pytest.approx([0.5, 0.0, -0.5])
+    assert env_advantages(trajs, 3) == pytest.approx([1.0, 0.0, -1.0])
+
+
+def test_reverse_kl_per_teacher_is_the_token_mean_of_student_minus_teacher_on_generated_tokens():
+    a = T(0.0, logprobs=[0.0, -1.0, -2.0], loss_mask=[0, 1, 1])
+    b = T(0.0, logprobs=[0.0, -0.5], loss_mask=[0, 1])
+    c = T(0.0, logprobs=[0.0, -3.0], loss_mask=[0, 1])
+    lp = [torch.tensor([5.0, -1.5, -1.0]), torch.tensor([0.0, -0.5]), torch.tensor([9.0, -1.0])]
+    m = teacher_metrics([a, b, c], lp, ["count", "count", "arith"])
+    assert m["train/kl_teacher/count"] == pytest.approx((0.5 - 1.0 + 0.0) / 3)
+    assert m["train/kl_teacher/arith"] == pytest.approx(-2.0)
+    assert m["train/num_sequences/count"] == 2.0

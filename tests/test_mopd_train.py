@@ -1,0 +1,136 @@
+"""MOPD end to end on a real local Ray: a tiny LLaVA student, an image teacher for circle-count and a text-only
+teacher for arithmetic (two data-parallel replicas), on a mixed dataset; 3 steps, so batches 2 and 3 are
+sampled by refitted weights."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from gymv.data.mix import MixPart, write_mixed_dataset
+from gymv.errors import GymvError
+from gymv.train import Reporter, train
+from tiny_models import tiny_path
+from train_helpers import ray_session, write_recipe
+
+pytestmark = pytest.mark.slow
+
+COUNT, ARITH = "circle_count_simple_agent", "arithmetic_simple_agent"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray():
+    stop = ray_session()
+    yield
+    stop()
+
+
+class Recorder(Reporter):
+    def __init__(self):
+        self.refits: list[tuple[int, list[dict]]] = []
+
+    def on_refit(self, step, cluster):
+        self.refits.append((step, cluster.generation_stats()))
+
+
+def _settings(tmp, data, **extra):
+    from gymv.cluster.teachers import save_text_model
+    from gymv.models.tiny import init_tiny
+
+    vlm_teacher = tmp / "count-teacher"
+    if not vlm_teacher.exists():
+        init_tiny("tiny-llava", vlm_teacher, hidden=64, layers=1)  # same tokenizer (seed 0), other weights
+        save_text_model(vlm_teacher, tmp / "arith-teacher")
+    s = {
+        "model.path": str(tiny_path("tiny-llava")), "model.max_seq_len": 256,
+        "env.name": "circle-count", "env.max_turns": 1,
+        "data.train": str(data["train"]), "data.eval": str(data["eval"]), "data.prepare": None,
+        "generation.max_new_tokens": 6, "generation.reset_encoder_cache_after_weight_update": True,
+        "training.lr": 1.0e-3,
+        "mopd.prompts_per_step": 3, "mopd.max_steps": 3, "mopd.val_period": 0, "mopd.val_prompts": 2,
+        "mopd.teachers": {"_override_": True,
+                          "counting": {"path": str(vlm_teacher)},
+                          "arith": {"path": str(tmp / "arith-teacher"), "data_parallel_size": 2}},
+        "mopd.agent_to_teacher": {"_override_": True, COUNT: "counting", ARITH: "arith"},
+        "checkpoint.dir": str(tmp / "runs"), "checkpoint.period": 3,
+        "cluster.ray_address": None,
+    }
+    s.update(extra)
+    return s
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mopd-data")
+    parts = [MixPart("circle-count", "tiny", 6), MixPart("arithmetic", "tiny", 6)]
+    out = {split: tmp / f"{split}.jsonl" for split in ("train", "eval")}
+    for split, path in out.items():
+        write_mixed_dataset(path, parts, split=split)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mopd_run(tmp_path_factory, data):
+    tmp = tmp_path_factory.mktemp("mopd")
+    recipe = write_recipe(tmp, "mopd-e2e", "vlm/vlm_mopd-tinyllava-1n0g-torch.yaml", _settings(tmp, data))
+    rec = Recorder()
+    summary = train(recipe, reporter=rec)
+    return summary, rec, tmp / "runs" / "mopd-e2e", tmp
+
+
+def _metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _rollouts(run, step):
+    return [json.loads(line) for line in (run / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+
+
+def test_three_steps_train_with_a_reverse_kl_to_each_teacher(mopd_run):
+    summary, _, run, _ = mopd_run
+    rows = _metrics(run)
+    assert summary["complete"] and [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        for key in ("train/loss", "train/grad_norm", "train/kl_teacher/counting", "train/kl_teacher/arith",
+                    "train/kl_teacher", "timing/teacher_s"):
+            assert math.isfinite(r[key]), key
+        # other weights than the student (a sampled k1 estimate: nonzero, of either sign on a few tokens)
+        assert abs(r["train/kl_teacher/counting"]) > 1e-3 and abs(r["train/kl_teacher/arith"]) > 1e-3
+        assert r["train/grad_norm"] > 0
+
+
+def test_every_episode_is_scored_by_the_teacher_of_its_agent(mopd_run):
+    _, _, run, _ = mopd_run
+    for step in (1, 2, 3):
+        recs = _rollouts(run, step)
+        assert {r["agent_ref"]["name"] for r in recs} == {COUNT, ARITH}
+        for r in recs:
+            want = {COUNT: "counting", ARITH: "arith"}[r["agent_ref"]["name"]]
+            assert r["_gymv"]["teacher"] == want
+
+
+def test_later_batches_are_sampled_by_refitted_weights(mopd_run):
+    _, _, run, _ = mopd_run
+    versions = [{r["_gymv"]["weights_version"] for r in _rollouts(run, s)} for s in (1, 2, 3)]
+    assert versions == [{0}, {1}, {2}]
+
+
+def test_the_student_generator_resets_its_encoder_cache_after_each_refit(mopd_run):
+    _, rec, _, _ = mopd_run
+    assert [s for s, _ in rec.refits] == [1, 2, 3]
+    for step, stats in rec.refits:
+        assert all(g["encoder_cache_resets"] == step == g["weights_version"] for g in stats)
+
+
+def test_an_agent_without_a_teacher_stops_the_run_naming_it_before_workers_start(mopd_run, data):
+    _, _, _, tmp = mopd_run
+    settings = _settings(tmp, data, **{"mopd.agent_to_teacher": {"_override_": True, COUNT: "counting"}})
+    recipe = write_recipe(tmp, "mopd-unroutable", "vlm/vlm_mopd-tinyllava-1n0g-torch.yaml", settings)
+    with pytest.raises(GymvError, match=f"no teacher for agent '{ARITH}'") as e:
+        train(recipe)
+    assert str(data["train"]) in (e.value.where or "")
+    assert not (tmp / "runs" / "mopd-unroutable" / "checkpoints").exists() or not any(
+        (tmp / "runs" / "mopd-unroutable" / "checkpoints").iterdir())
+
