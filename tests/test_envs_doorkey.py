@@ -140,3 +140,10 @@ def test_grid_smaller_than_5_is_refused(env):
 
     with pytest.raises(GymvError, match="grid 4:4 must lie within 5:32"):
         resolve_knobs(env, "tiny", ["grid=4"])
+
+
+def test_pictures_with_cells_of_a_few_pixels_still_render_every_mark():
+    world = World.parse(GRID)
+    world.move("down")
+    for size in (5, 12, 20):
+        assert decode_data_url(world.render(size)).size == (size, size)

@@ -138,7 +138,7 @@ class World:
         line = max(1, cell // 6)
 
         def box(x: int, y: int, inset: float = 0.0) -> tuple[float, float, float, float]:
-            m = cell * inset
+            m = min(cell * inset, (cell - 1) / 2)  # tiny cells still get a one-pixel mark
             return (ox + x * cell + m, oy + y * cell + m, ox + (x + 1) * cell - 1 - m, oy + (y + 1) * cell - 1 - m)
 
         for y, row in enumerate(self.cells):

@@ -104,8 +104,11 @@ class RemoteEnv(Environment):
             except EnvConnectionError as e:
                 last = e
             except EnvHTTPError as e:
-                if e.status < 500:
+                if e.status < 500 and last is None:
                     raise
+                if e.status < 500:  # e.g. 409 after a 500: the server dropped the episode that failed
+                    raise RemoteEnvError(f"{what} failed: {last.message}; its retry answered HTTP {e.status}: "
+                                         f"{e.detail}", where=self.url, exit_code=1) from None
                 last = e
             if attempt < self.retries:
                 time.sleep(delay)

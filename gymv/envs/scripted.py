@@ -91,9 +91,10 @@ class Scripted(Environment):
         check_names(self.name, "shape_names", knobs.shape_names, POLYGONS)
         check_names(self.name, "palette", knobs.palette, COLORS)
         (slo, shi), (flo, fhi) = knobs.shapes, knobs.follow_ups
-        if slo < 1 or shi > min(len(knobs.shape_names), len(knobs.palette), len(ORDINALS)):
-            raise GymvError(f"{self.name}: shapes {slo}:{shi} must lie within 1:{min(len(knobs.shape_names), len(knobs.palette), len(ORDINALS))}"
-                            " (distinct shapes and colors)", fix="lower shapes or add shape_names and palette colors")
+        most = min(len(knobs.shape_names), len(knobs.palette), len(ORDINALS))
+        if slo < 1 or shi > most:
+            raise GymvError(f"{self.name}: shapes {slo}:{shi} must lie within 1:{most} (distinct shapes and colors)",
+                            fix="lower shapes or add shape_names and palette colors")
         if flo < 0 or fhi // 2 > slo - 1:
             raise GymvError(f"{self.name}: {fhi} follow-ups walk {fhi // 2} polygons to the right, which a row of "
                             f"{slo} polygons cannot always do", fix=f"use follow_ups up to {2 * (slo - 1) + 1}")
