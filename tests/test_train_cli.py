@@ -6,8 +6,16 @@ import json
 
 import pytest
 
+from gymv.errors import GymvError
+from gymv.train import train
 from tiny_models import tiny_path
-from train_helpers import plugin_env, tiny_grpo_settings, write_recipe
+from train_helpers import plugin_env, plugin_on_path, tiny_grpo_settings, write_recipe
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugin():
+    with plugin_on_path():
+        yield
 
 
 @pytest.fixture()
@@ -38,21 +46,28 @@ def test_missing_model_directory_names_the_recipe_line(gymv, recipe, tmp_path):
     assert not (tmp_path / "runs").exists()  # nothing written for a run that cannot start
 
 
-def test_rows_of_an_environment_nobody_configured_fail_before_ray_starts(gymv, recipe, tmp_path):
+def test_rows_of_an_environment_nobody_configured_fail_before_ray_starts(recipe, tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"responses_create_params": {"input": "hi"}, "parity": 0,
                                 "agent_ref": {"type": "responses_api_agents", "name": "chess_agent"}}) + "\n")
-    result = gymv("train", recipe(**{"data.train": str(rows)}), env=plugin_env())
-    line = _one_error_line(result)
-    assert result.code == 2 and "chess_agent" in line and "rows.jsonl line 1" in line
+    with pytest.raises(GymvError) as err:
+        train(recipe(**{"data.train": str(rows)}))
+    assert "chess_agent" in str(err.value) and "rows.jsonl line 1" in str(err.value)
+    assert not ray_is_up()
 
 
-def test_a_ray_cluster_that_cannot_be_reached_is_one_clear_line(gymv, recipe):
-    result = gymv("train", recipe(), "--ray-address", "127.0.0.1:1", env=plugin_env())
-    line = _one_error_line(result)
-    assert result.code == 2 and "cannot reach a Ray cluster at 127.0.0.1:1" in line
+def test_a_ray_cluster_that_cannot_be_reached_is_one_clear_error(recipe):
+    with pytest.raises(GymvError, match="cannot reach a Ray cluster at 127.0.0.1:1") as err:
+        train(recipe(), ray_address="127.0.0.1:1")
+    assert err.value.exit_code == 2
 
 
-def test_resume_of_a_folder_that_is_not_a_run_is_refused(gymv, tmp_path):
-    result = gymv("train", "--resume", tmp_path)
-    assert result.code == 2 and "no config.yaml" in _one_error_line(result)
+def test_resume_of_a_folder_that_is_not_a_run_is_refused(tmp_path):
+    with pytest.raises(GymvError, match="no config.yaml"):
+        train(None, resume_dir=str(tmp_path))
+
+
+def ray_is_up() -> bool:
+    import ray
+
+    return ray.is_initialized()

@@ -1,6 +1,7 @@
-"""Kill `gymv train` with SIGKILL after its first checkpoint, resume it, and compare with a run that was
-never interrupted: no step lost or repeated, the same rows in the same order, the same samples, and
-bit-identical final weights."""
+"""A run in three launches — stopped by `checkpoint.steps_per_run`, then continued by `gymv train --resume`
+in a subprocess killed with SIGKILL right after a checkpoint, then resumed to the end — against a run never
+interrupted: no step lost or repeated, the same rows in the same order, the same samples, and bit-identical
+final weights."""
 
 from __future__ import annotations
 
@@ -26,11 +27,10 @@ STEPS = 5
 
 @pytest.fixture(scope="module")
 def ray_address():
-    stop = ray_session()
     import ray
 
-    yield ray.get_runtime_context().gcs_address
-    stop()
+    with ray_session():
+        yield ray.get_runtime_context().gcs_address
 
 
 def _gymv(*args, ray_address: str):
@@ -43,10 +43,11 @@ def _recipe(dir, name):
     return write_recipe(dir, name, "vlm_grpo.yaml", settings)
 
 
-def _wait_for_checkpoint(proc, run, timeout=240):
+def _wait_for_checkpoint(proc, run, step, timeout=240):
+    latest = run / "checkpoints" / "latest"
     t0 = time.time()
     while time.time() - t0 < timeout:
-        if (run / "checkpoints" / "latest").exists():
+        if latest.exists() and latest.read_text().strip() == f"step_{step}":
             return
         if proc.poll() is not None:
             raise AssertionError(f"gymv train exited early: {proc.stderr.read()}")
@@ -61,21 +62,26 @@ def runs(ray_address, tmp_path_factory):
     (base / "b").mkdir()
     killed_run = base / "a" / "runs" / "r"
 
-    cmd, env = _gymv("train", _recipe(base / "a", "r"), ray_address=ray_address)
+    first = train(_recipe(base / "a", "r"), ["checkpoint.steps_per_run=2"])
+    segment = [json.loads(x)["step"] for x in (killed_run / "metrics.jsonl").read_text().splitlines()]
+
+    cmd, env = _gymv("train", "--resume", killed_run, "checkpoint.steps_per_run=null", ray_address=ray_address)
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for_checkpoint(proc, killed_run)
+    _wait_for_checkpoint(proc, killed_run, 3)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     steps_before = [json.loads(x)["step"] for x in (killed_run / "metrics.jsonl").read_text().splitlines()]
     assert max(steps_before) < STEPS, "the run finished before it could be killed"
 
-    cmd, env = _gymv("train", "--resume", killed_run, "--json", ray_address=ray_address)
-    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    summary = json.loads(done.stdout)
-
+    summary = train(None, ["checkpoint.steps_per_run=null"], resume_dir=str(killed_run))
+    assert not first["complete"] and first["step"] == 2
     train(_recipe(base / "b", "r"))
-    return killed_run, base / "b" / "runs" / "r", summary, steps_before
+    return killed_run, base / "b" / "runs" / "r", summary, segment
+
+
+def test_steps_per_run_stops_after_saving_that_many_steps(runs):
+    killed, _, _, segment = runs
+    assert segment == [1, 2]
 
 
 def test_resumed_run_logs_every_step_exactly_once(runs):

@@ -18,9 +18,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module", autouse=True)
 def ray():
-    stop = ray_session()
-    yield
-    stop()
+    with ray_session():
+        yield
 
 
 def sft_settings(tmp, **extra) -> dict:

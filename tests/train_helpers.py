@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -19,19 +20,34 @@ def plugin_env() -> dict:
     return {"PYTHONPATH": path}
 
 
-def use_plugin() -> None:
-    if str(PLUGIN_DIR) not in sys.path:
-        sys.path.insert(0, str(PLUGIN_DIR))
+@contextmanager
+def plugin_on_path():
+    """The test plugin importable here and in every child process (Ray workers, `gymv` subprocesses) until
+    the block ends; sys.path and PYTHONPATH are restored afterwards, so other test modules never see it."""
+    old_path, old_env = list(sys.path), os.environ.get("PYTHONPATH")
+    sys.path.insert(0, str(PLUGIN_DIR))
     os.environ.update(plugin_env())
+    try:
+        yield
+    finally:
+        sys.path[:] = old_path
+        if old_env is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_env
 
 
+@contextmanager
 def ray_session():
-    """Start one local Ray for a test module (workers inherit PYTHONPATH, so they see the plugin)."""
-    use_plugin()
+    """One local Ray for a test module; its workers inherit PYTHONPATH, so they see the plugin."""
     from gymv.cluster.ray_cluster import start_ray, stop_ray
 
-    start_ray()
-    return stop_ray
+    with plugin_on_path():
+        start_ray()
+        try:
+            yield
+        finally:
+            stop_ray()
 
 
 def write_recipe(dir: Path, name: str, exemplar: str, settings: dict) -> Path:

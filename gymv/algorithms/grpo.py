@@ -77,7 +77,7 @@ def train_grpo(ctx: RunContext, *, resume: bool) -> dict:
             # 1-2. rollouts of this step's prompts
             batch = data.next_batch(grpo.prompts_per_step)
             trajectories, timing = cluster.rollouts([(r.index, r.data) for r in batch], group_size=G, params=params,
-                                                    seed=step_seed(cfg.seed, step), source=None, **limits)
+                                                    seed=step_seed(cfg.seed, step), source=ctx.train_source, **limits)
 
             # 3. advantages and training samples
             advantages, adv_stats = group_advantages(trajectories, G, grpo.advantage)

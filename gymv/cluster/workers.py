@@ -41,6 +41,7 @@ class WorkerSpec:
     gradient_checkpointing: bool = False
     kl_reference: bool = False
     max_seq_len: int = 2048
+    max_image_pixels: int | None = None
 
 
 def _set_threads(threads: int | None) -> None:
@@ -300,13 +301,15 @@ class TrainingWorker:
         """Training samples of the rows' gold answers (tokens exactly as the agent loop would lay them out)."""
         import torch
 
-        from gymv.rollout import build_sft_sample
+        from gymv.rollout import ImageCache, build_sft_sample
 
         p = self.policy
+        cache = ImageCache(max_pixels=self.spec.max_image_pixels)
         out = []
         for task_index, row, where in rows:
             traj = build_sft_sample(self.router(row, where), row, p.adapter, p.tokenizer, p.chat_template,
-                                    max_seq_len=self.spec.max_seq_len, task_index=task_index)
+                                    max_seq_len=self.spec.max_seq_len, task_index=task_index,
+                                    max_image_pixels=self.spec.max_image_pixels, image_cache=cache)
             if getattr(traj, "error", None):
                 raise GymvError(f"cannot build an SFT sample: {traj.error}", where=where)
             out.append({"input_ids": torch.tensor(traj.token_ids, dtype=torch.long),

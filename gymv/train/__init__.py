@@ -85,7 +85,8 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
 
     info = start_ray(ray_address or cfg.cluster.ray_address)
     ctx = RunContext(cfg=cfg, run=run, model_path=model_path, train_rows=train_rows, eval_rows=eval_rows,
-                     ray_address=info.address, reporter=reporter)
+                     ray_address=info.address, reporter=reporter, train_source=_source(train_rows),
+                     eval_source=_source(eval_rows))
     try:
         if cfg.base_algorithm == "sft":
             from gymv.algorithms.sft import train_sft
@@ -107,6 +108,12 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
         if info.started_here:
             stop_ray()
     return summarize(cfg, run, result, time.time() - t0)
+
+
+def _source(rows) -> str | None:
+    """The file all rows came from (for "FILE line N" in rollout errors), else None."""
+    files = {r.where.rsplit(" line ", 1)[0] for r in rows}
+    return files.pop() if len(files) == 1 else None
 
 
 def summarize(cfg, run, result: dict, wall_s: float) -> dict:

@@ -44,7 +44,8 @@ class RunContext:
     eval_rows: list[Row]
     ray_address: str | None = None
     reporter: Reporter = field(default_factory=Reporter)
-    origin: Any = None  # LoadedRecipe.origin, to point errors at the recipe line
+    train_source: str | None = None  # the rows' file, when there is one, for "FILE line N" in errors
+    eval_source: str | None = None
 
 
 # ------------------------------------------------------------------------------------------ model path
@@ -132,6 +133,7 @@ def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature
         gradient_checkpointing=t.gradient_checkpointing,
         kl_reference=kl_reference,
         max_seq_len=cfg.model.max_seq_len,
+        max_image_pixels=cfg.vision.max_image_pixels if getattr(cfg, "vision", None) is not None else None,
     )
 
 

@@ -20,7 +20,7 @@ def validate(ctx: RunContext, cluster, step: int, val_prompts: int) -> dict[str,
     t0 = time.perf_counter()
     trajectories, _ = cluster.rollouts([(r.index, r.data) for r in rows], group_size=1,
                                        params=sampling_params(ctx.cfg, greedy=True),
-                                       seed=step_seed(ctx.cfg.seed, step, "val"), source="eval",
+                                       seed=step_seed(ctx.cfg.seed, step, "val"), source=ctx.eval_source,
                                        **rollout_kwargs(ctx.cfg))
     metrics = rollout_metrics(trajectories, "val")
     metrics = {k: v for k, v in metrics.items() if not k.endswith(("_std", "_max", "num_rollouts"))}
