@@ -1,4 +1,4 @@
-"""`gymv train RECIPE`: run SFT or GRPO from a recipe, with progress on stderr and a summary at the end."""
+"""`gymv train RECIPE`: run SFT, GRPO or MOPD from a recipe, with progress on stderr and a summary at the end."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import typer
 
 from gymv_cli.output import console, err_console, print_json, table
 
-_HELP = """Train a policy with the algorithm of RECIPE (sft, vlm_sft, grpo, vlm_grpo).
+_HELP = """Train a policy with the algorithm of RECIPE: SFT, GRPO or MOPD (text or vlm_).
 
 Writes runs/<name>/: config.yaml, metrics.jsonl, rollouts/, checkpoints/ and, when done, final/ (a Hugging
 Face folder). A run directory that already holds checkpoints is continued exactly where it stopped
@@ -49,7 +49,7 @@ def _display():
                                 TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
                                 console=err_console)
             self.task = None
-            self.last_val = ""
+            self.warned = False
 
         def on_message(self, text: str) -> None:
             (self.bar.console if self.task is not None else err_console).print(f"[dim]{text}[/dim]")
@@ -68,6 +68,11 @@ def _display():
                 self.bar.console.print(f"step {step}: val accuracy {metrics['val/accuracy']:.3f}  "
                                        f"reward {metrics.get('val/reward_mean', float('nan')):.3f}")
             self.bar.update(self.task, completed=step, info=text)
+            err = metrics.get("train/token_mult_prob_error")
+            if isinstance(err, float) and err > 1.05 and not self.warned:
+                self.warned = True
+                self.bar.console.print(f"[yellow]step {step}: token_mult_prob_error {err:.3f} > 1.05: the generator's "
+                                       "logprobs disagree with the trainer's (stale encoder cache? refit dtype?)[/yellow]")
 
         def on_checkpoint(self, step: int, path) -> None:
             self.bar.console.print(f"[dim]checkpoint {path}[/dim]")

@@ -11,14 +11,14 @@ import torch
 from gymv.runs.rollout_log import model_calls, read_rollouts
 from gymv.train import Reporter, train
 from tiny_models import tiny_path
-from train_helpers import model_weights, ray_session, read_weights, tiny_grpo_settings, write_recipe
+from train_helpers import model_weights, ray_module, read_weights, tiny_grpo_settings, write_recipe
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", autouse=True)
 def ray():
-    with ray_session():
+    with ray_module():
         yield
 
 

@@ -18,7 +18,7 @@ import torch
 from gymv.runs.rollout_log import read_rollouts
 from gymv.train import train
 from tiny_models import tiny_path
-from train_helpers import REPO, plugin_env, ray_session, read_weights, tiny_grpo_settings, write_recipe
+from train_helpers import REPO, plugin_env, ray_module, read_weights, tiny_grpo_settings, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ STEPS = 5
 def ray_address():
     import ray
 
-    with ray_session():
+    with ray_module():
         yield ray.get_runtime_context().gcs_address
 
 

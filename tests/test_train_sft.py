@@ -11,14 +11,14 @@ from gymv.errors import GymvError
 from gymv.runs.checkpoint import list_checkpoints, read_state
 from gymv.train import Reporter, train
 from tiny_models import tiny_path
-from train_helpers import model_weights, ray_session, read_weights, tiny_grpo_settings, write_recipe
+from train_helpers import model_weights, ray_module, read_weights, tiny_grpo_settings, write_recipe
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", autouse=True)
 def ray():
-    with ray_session():
+    with ray_module():
         yield
 
 
@@ -86,14 +86,21 @@ class Hashes(Reporter):
 
 def test_grpo_warm_starts_from_the_sft_runs_latest_checkpoint(sft_run, tmp_path):
     """SFT -> GRPO: model.path names the SFT run's `checkpoints/latest`; shm refit, KL to the frozen start,
-    encoder-cache reset after every refit."""
+    encoder-cache reset after every refit, and the environment served over HTTP (env.url)."""
+    from gymv.envs import get_env
+    from gymv.envs.server import EnvServer
+
     sft_tmp, _ = sft_run
     latest = sft_tmp / "runs" / "sft" / "checkpoints" / "latest"
-    settings = tiny_grpo_settings(tmp_path, latest, **{
-        "env.name": "circle-count", "env.preset": "tiny", "grpo.max_steps": 2, "training.lr": 1.0e-12,
-        "refit.transport": "shm", "grpo.loss.kl_coef": 0.05, "generation.reset_encoder_cache_after_weight_update": True})
-    hashes = Hashes()
-    train(write_recipe(tmp_path, "grpo", "vlm_grpo.yaml", settings), reporter=hashes)
+    with EnvServer(get_env("circle-count")) as server:
+        settings = tiny_grpo_settings(tmp_path, latest, **{
+            "env.name": "circle-count", "env.preset": "tiny", "env.url": server.url, "grpo.max_steps": 2,
+            "training.lr": 1.0e-12, "refit.transport": "shm", "grpo.loss.kl_coef": 0.05,
+            "generation.reset_encoder_cache_after_weight_update": True})
+        hashes = Hashes()
+        train(write_recipe(tmp_path, "grpo", "vlm_grpo.yaml", settings), reporter=hashes)
+        verified = server.sessions  # the rollouts were scored by the server
+    assert len(verified) > 0
     start = model_weights(sft_tmp / "runs" / "sft" / "checkpoints" / "step_4")
     base = model_weights(tiny_path("tiny-llava"))
     end = model_weights(tmp_path / "runs" / "grpo" / "final")

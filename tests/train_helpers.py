@@ -38,7 +38,7 @@ def plugin_on_path():
 
 
 @contextmanager
-def ray_session():
+def ray_module():
     """One local Ray for a test module; its workers inherit PYTHONPATH, so they see the plugin."""
     from gymv.cluster.ray_cluster import start_ray, stop_ray
 
@@ -48,6 +48,13 @@ def ray_session():
             yield
         finally:
             stop_ray()
+
+
+def ray_session():
+    """`ray_module()` for fixtures written as `stop = ray_session(); yield; stop()`."""
+    cm = ray_module()
+    cm.__enter__()
+    return lambda: cm.__exit__(None, None, None)
 
 
 def write_recipe(dir: Path, name: str, exemplar: str, settings: dict) -> Path:

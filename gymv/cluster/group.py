@@ -4,7 +4,8 @@ and turn a worker's failure into one clear error.
 Placement:
 - CPU (`gpus_per_node: 0`): one generation worker and one training worker (or `num_training` ranks),
   reserving no CPUs, since the phases of a synchronous step alternate and each takes every thread.
-- GPUs, colocated: one bundle per GPU; training rank i and generation worker i share bundle i.
+- GPUs, colocated: one bundle per GPU; training rank i and generation worker i share bundle i
+  (`self.placement_group`, which other actors such as MOPD teachers may join).
 - GPUs, separate: `training_gpus` training ranks and `generation_gpus` generation workers, one GPU each.
 """
 
@@ -99,6 +100,11 @@ class PolicyCluster:
         refs += [g.stats.remote() for g in self.generators]  # waits for the generation workers to load
         self.info = ray_get(refs, "starting the workers")[0]
         self._refit_ready = False
+
+    @property
+    def placement_group(self):
+        """The policy's placement group on GPUs when colocated (one bundle per GPU), else None."""
+        return self._pg
 
     # -- generation ----------------------------------------------------------------------------------
     def rollouts(self, rows: Sequence[tuple[int, dict]], *, seed: int, **kwargs) -> tuple[list, dict]:

@@ -23,7 +23,8 @@ __all__ = ["Reporter", "load_training_recipe", "train"]
 SUPPORTED = ("sft", "vlm_sft", "grpo", "vlm_grpo", "mopd", "vlm_mopd")
 
 
-def load_training_recipe(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, resume_dir: str | None = None):
+def load_training_recipe(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, resume_dir: str | None = None,
+                         smoke: bool = False):
     """The recipe to run: RECIPE with overrides, or (with only --resume) the run's own config.yaml."""
     from gymv.config import load_recipe
 
@@ -34,7 +35,7 @@ def load_training_recipe(recipe: str | os.PathLike | None, overrides: Sequence[s
         if not recipe.exists():
             raise GymvError("not a gymv run directory (no config.yaml)", where=str(resume_dir),
                             fix="pass the runs/<name> folder of an earlier `gymv train`")
-    return load_recipe(recipe, list(overrides))
+    return load_recipe(recipe, list(overrides), smoke=smoke)
 
 
 def _where(rec, key: str) -> str:
@@ -55,23 +56,28 @@ def _check_supported(rec, cfg) -> None:
     if cfg.training.backend != "torch":
         raise GymvError(f"training backend {cfg.training.backend!r} is not wired into gymv train yet",
                         where=_where(rec, "training.backend"), fix="use training.backend: torch")
+    if cfg.refit.transport == "nccl" and cfg.cluster.colocated:
+        raise GymvError("refit transport nccl cannot broadcast between a trainer and a generator on the same GPU",
+                        where=_where(rec, "refit.transport"),
+                        fix="use cuda_ipc when colocated, or set cluster.colocated: false for nccl")
     for key in ("tensorboard", "wandb"):
         if getattr(cfg.logger, key):
             raise GymvError(f"logger.{key} is not wired into gymv train yet", where=_where(rec, f"logger.{key}"),
                             fix=f"set logger.{key}: false; metrics.jsonl holds every metric")
-    if cfg.env.url is not None:
-        raise GymvError("remote environments (env.url) are not wired into gymv train yet", where=_where(rec, "env.url"),
-                        fix="set env.url: null to run the environment in-process")
 
 
 def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, resume_dir: str | None = None,
-          ray_address: str | None = None, reporter: Reporter | None = None) -> dict:
-    """Run one recipe to `max_steps` (or `checkpoint.steps_per_run` steps); returns a summary."""
+          ray_address: str | None = None, reporter: Reporter | None = None, smoke: bool = False) -> dict:
+    """Run one recipe to `max_steps` (or `checkpoint.steps_per_run` steps); returns a summary.
+
+    `smoke` applies the recipe's `smoke:` overrides first (what `gymv smoke` runs). Metrics are in
+    `<summary["run_dir"]>/metrics.jsonl`.
+    """
     from gymv.cluster.ray_cluster import start_ray, stop_ray
 
     t0 = time.time()
     reporter = reporter or Reporter()
-    rec = load_training_recipe(recipe, overrides, resume_dir=resume_dir)
+    rec = load_training_recipe(recipe, overrides, resume_dir=resume_dir, smoke=smoke)
     cfg = rec.validated
     _check_supported(rec, cfg)
     model_path = resolve_init_path(cfg.model.path, where=_where(rec, "model.path"))

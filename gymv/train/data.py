@@ -51,6 +51,9 @@ class EnvSpec:
     name: str
     kwargs: dict = field(default_factory=dict)
     max_turns: int | None = None
+    url: str | None = None  # a NeMo Gym / `gymv env serve` server; None = in-process
+    timeout_s: float = 30.0
+    retries: int = 2
 
 
 class EnvRouter:
@@ -61,16 +64,14 @@ class EnvRouter:
     """
 
     def __init__(self, spec: EnvSpec):
-        from gymv.envs import get_env
+        from gymv.envs.registry import make_env
 
         self.spec = spec
-        kwargs = dict(spec.kwargs)
-        if spec.max_turns is not None:
-            kwargs.setdefault("max_turns", spec.max_turns)
         try:
-            self.default = get_env(spec.name, **kwargs)
+            self.default = make_env({"name": spec.name, "url": spec.url, "max_turns": spec.max_turns,
+                                     "timeout_s": spec.timeout_s, "retries": spec.retries, "kwargs": dict(spec.kwargs)})
         except GymvError as e:
-            raise GymvError(e.message, where="env.name", fix=e.fix) from None
+            raise GymvError(e.message, where=e.where or ("env.url" if spec.url else "env.name"), fix=e.fix) from None
         self._by_agent: dict[str, Any] = {}
 
     def agent_of(self, row: dict) -> str | None:

@@ -75,7 +75,7 @@ def resolve_init_path(text: str, *, where: str | None = None) -> str:
             if latest is not None:
                 p = latest
     try:
-        return str(resolve_model_path(p))
+        return str(resolve_model_path(p).absolute())  # workers may run in another directory (a joined cluster)
     except GymvError as e:
         raise GymvError(f"{e.message}: {text}", where=where or "model.path",
                         fix="point model.path at a Hugging Face folder, a gymv run (runs/<name>, its final/ or "
@@ -102,11 +102,11 @@ def generation_dtype(cfg, model_path: str) -> str:
 def open_run(cfg, config_dict: dict, resume_dir: str | None) -> tuple[RunDir, bool]:
     """(the run directory, whether to resume from it). `--resume DIR` names it; else `<checkpoint.dir>/<name>`."""
     if resume_dir is not None:
-        path = Path(resume_dir)
+        path = Path(resume_dir).absolute()
         if not path.is_dir():
             raise GymvError("run directory not found", where=str(path), fix="pass the runs/<name> folder of an earlier run")
         return RunDir.create(path, config_dict, resume=True), True
-    path = run_path(cfg.checkpoint.dir, cfg.name)
+    path = run_path(cfg.checkpoint.dir, cfg.name).absolute()  # workers write checkpoints into it, from anywhere
     return RunDir.create(path, config_dict, resume=cfg.checkpoint.resume), cfg.checkpoint.resume
 
 
@@ -120,7 +120,7 @@ def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature
     precision = {"auto": "auto", "float32": "fp32", "bfloat16": "bf16"}[t.dtype]
     return WorkerSpec(
         model_path=model_path,
-        env=EnvSpec(cfg.env.name, dict(cfg.env.kwargs), cfg.env.max_turns),
+        env=EnvSpec(cfg.env.name, dict(cfg.env.kwargs), cfg.env.max_turns, cfg.env.url, cfg.env.timeout_s, cfg.env.retries),
         seed=cfg.seed,
         device="cuda" if cfg.cluster.gpus_per_node > 0 else "cpu",
         generation_dtype=generation_dtype(cfg, model_path),
