@@ -62,7 +62,7 @@ def _render(width: int, shapes: list[dict]) -> str:
 class Scripted(Environment):
     name = "scripted"
     agent_name = "example_multi_turn_gymnasium_agent"
-    description = "a picture, then scripted follow-up questions; the last answer must contain expected_answer"
+    description = "a picture, then scripted follow-ups; alias example-multi-turn-gymnasium (NeMo Gym's rule)"
     verifier_fields = ("follow_ups", "expected_answer")
     max_turns = 5  # NeMo Gym's max_steps for this environment
     Knobs = ScriptedKnobs
