@@ -5,7 +5,7 @@
 
 _gymv_subcommands() {
     case "$1" in
-        '') echo 'completion dry-run lint prepare report train env model' ;;
+        '') echo 'completion dry-run lint prepare report smoke train env model' ;;
         'env') echo 'list serve verify' ;;
         'model') echo 'init info' ;;
     esac
@@ -19,6 +19,7 @@ _gymv_options() {
         'lint') echo '--format -f --json --fix --list-rules --help -h' ;;
         'prepare') echo '--n --out --seed --split --preset --workers --preview --preview-count --list-knobs --json --help -h' ;;
         'report') echo '--out --serve --port --json --help -h' ;;
+        'smoke') echo '--steps --tiny --junit --out --timeout --ray-address --recipes-dir --json --help -h' ;;
         'train') echo '--resume --ray-address --json --help -h' ;;
         'env') echo '--help -h' ;;
         'env list') echo '--json --help -h' ;;
@@ -47,6 +48,12 @@ _gymv_value_kind() {
         'prepare|--preview-count') echo 'none' ;;
         'report|--out') echo 'dirs' ;;
         'report|--port') echo 'none' ;;
+        'smoke|--steps') echo 'none' ;;
+        'smoke|--junit') echo 'files' ;;
+        'smoke|--out') echo 'dirs' ;;
+        'smoke|--timeout') echo 'none' ;;
+        'smoke|--ray-address') echo 'files' ;;
+        'smoke|--recipes-dir') echo 'dirs' ;;
         'train|--resume') echo 'files' ;;
         'train|--ray-address') echo 'files' ;;
         'env serve|--host') echo 'files' ;;
@@ -75,6 +82,7 @@ _gymv_arg_kind() {
         'prepare|''0') echo 'files' ;;
         'prepare|'*) echo 'files' ;;
         'report|''0') echo 'files' ;;
+        'smoke|'*) echo 'suites' ;;
         'train|''0') echo 'files' ;;
         'train|'*) echo 'files' ;;
         'env serve|''0') echo 'files' ;;

@@ -3,8 +3,8 @@
 
 # Install: copy this file to ~/.config/fish/completions/gymv.fish
 
-set -g __gymv_subcommands '|completion' '|dry-run' '|lint' '|prepare' '|report' '|train' '|env' '|model' 'env|list' 'env|serve' 'env|verify' 'model|init' 'model|info'
-set -g __gymv_value_options 'completion|--write' 'completion|--check' 'dry-run|--recipes-dir' 'lint|--format' 'lint|-f' 'prepare|--n' 'prepare|--out' 'prepare|--seed' 'prepare|--split' 'prepare|--preset' 'prepare|--workers' 'prepare|--preview' 'prepare|--preview-count' 'report|--out' 'report|--port' 'train|--resume' 'train|--ray-address' 'env serve|--host' 'env serve|--port' 'env serve|--max-body-mb' 'env serve|--max-turns' 'env verify|--data' 'env verify|--env' 'env verify|--on-error' 'env verify|--out' 'model init|--hidden' 'model init|--layers' 'model init|--image-size' 'model init|--patch-size' 'model init|--vocab-size' 'model init|--seed'
+set -g __gymv_subcommands '|completion' '|dry-run' '|lint' '|prepare' '|report' '|smoke' '|train' '|env' '|model' 'env|list' 'env|serve' 'env|verify' 'model|init' 'model|info'
+set -g __gymv_value_options 'completion|--write' 'completion|--check' 'dry-run|--recipes-dir' 'lint|--format' 'lint|-f' 'prepare|--n' 'prepare|--out' 'prepare|--seed' 'prepare|--split' 'prepare|--preset' 'prepare|--workers' 'prepare|--preview' 'prepare|--preview-count' 'report|--out' 'report|--port' 'smoke|--steps' 'smoke|--junit' 'smoke|--out' 'smoke|--timeout' 'smoke|--ray-address' 'smoke|--recipes-dir' 'train|--resume' 'train|--ray-address' 'env serve|--host' 'env serve|--port' 'env serve|--max-body-mb' 'env serve|--max-turns' 'env verify|--data' 'env verify|--env' 'env verify|--on-error' 'env verify|--out' 'model init|--hidden' 'model init|--layers' 'model init|--image-size' 'model init|--patch-size' 'model init|--vocab-size' 'model init|--seed'
 
 # Prints the command path (e.g. "env serve"), then the index of the positional argument being typed.
 function __gymv_state
@@ -62,7 +62,8 @@ complete -c gymv -n '__gymv_at \'\'' -a 'dry-run' -d 'Count the GPU-hours of tes
 complete -c gymv -n '__gymv_at \'\'' -a 'lint' -d 'Check recipes, their drivers and the suite lists; exit 0 when clean,...'
 complete -c gymv -n '__gymv_at \'\'' -a 'prepare' -d 'Generate a dataset of ENV rows (NeMo Gym JSONL, images as PNG data URLs)'
 complete -c gymv -n '__gymv_at \'\'' -a 'report' -d 'Write PNG plots (reward, accuracy, loss, KL, entropy, token_mult_prob...'
-complete -c gymv -n '__gymv_at \'\'' -a 'train' -d 'Train a policy with the algorithm of RECIPE (sft, vlm_sft, grpo, vlm_...'
+complete -c gymv -n '__gymv_at \'\'' -a 'smoke' -d 'Run each recipe for a few steps, then evaluate its metric checks; exi...'
+complete -c gymv -n '__gymv_at \'\'' -a 'train' -d 'Train a policy with the algorithm of RECIPE: SFT, GRPO or MOPD (text...'
 complete -c gymv -n '__gymv_at \'\'' -a 'env' -d 'Serve environments over HTTP and re-score rollout files'
 complete -c gymv -n '__gymv_at \'\'' -a 'model' -d 'Build and inspect policy checkpoints'
 complete -c gymv -n '__gymv_at \'\'' -l version -d 'Print the version and exit'
@@ -102,6 +103,16 @@ complete -c gymv -n '__gymv_at \'report\'' -l port -r -d 'Port for --serve (0: a
 complete -c gymv -n '__gymv_at \'report\'' -l json -d 'Print one JSON object (files, counts, checks) instead of the table'
 complete -c gymv -n '__gymv_at \'report\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'report\'; and __gymv_argpos \'0\'' -F
+complete -c gymv -n '__gymv_at \'smoke\'' -l steps -r -d 'Steps per recipe (default: its smoke: section, else 2)'
+complete -c gymv -n '__gymv_at \'smoke\'' -l tiny -d 'Embedded tiny model on the CPU: validates a GPU recipe\'s plumbing on...'
+complete -c gymv -n '__gymv_at \'smoke\'' -l junit -r -F -d 'Also write JUnit XML to FILE'
+complete -c gymv -n '__gymv_at \'smoke\'' -l out -r -a '(__fish_complete_directories (commandline -ct))' -d 'Folder for the runs (default: runs/smoke/<time>)'
+complete -c gymv -n '__gymv_at \'smoke\'' -l timeout -r -d 'Seconds a recipe may run before it is stopped'
+complete -c gymv -n '__gymv_at \'smoke\'' -l ray-address -r -F -d 'Run every recipe on this Ray cluster instead of a fresh local one each'
+complete -c gymv -n '__gymv_at \'smoke\'' -l recipes-dir -r -a '(__fish_complete_directories (commandline -ct))' -d 'Where suite names are looked up'
+complete -c gymv -n '__gymv_at \'smoke\'' -l json -d 'Print one JSON object (every recipe, check and reason) instead of tables'
+complete -c gymv -n '__gymv_at \'smoke\'' -l help -s h -d 'Show this message and exit'
+complete -c gymv -n '__gymv_at \'smoke\'; and __gymv_argpos \'*\'' -F -a '(__gymv_suites)'
 complete -c gymv -n '__gymv_at \'train\'' -l resume -r -F -d 'Continue this run directory from its newest checkpoint'
 complete -c gymv -n '__gymv_at \'train\'' -l ray-address -r -F -d 'Join this Ray cluster (HOST:PORT or auto) instead of starting one'
 complete -c gymv -n '__gymv_at \'train\'' -l json -d 'Print a JSON summary on stdout instead of the table'

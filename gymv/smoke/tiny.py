@@ -1,0 +1,128 @@
+"""`--tiny`: the same recipe on the embedded tiny model and a CPU, so a laptop validates a GPU recipe's plumbing.
+
+What stays is what a smoke run is meant to exercise: the algorithm, the environment and its turns and tools,
+async generation and importance sampling, MOPD routing and teachers (their count, aliases and data-parallel
+padding), validation, checkpointing and the checks. What changes is everything that needs the cluster:
+model and teacher weights, GPUs and parallel sizes, vLLM and Megatron, GPU-only refit transports, remote
+environments and data files, and the sizes (sequence length, batch, data) shrink to seconds of CPU work.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+TINY_MODEL = "embedded:tiny-llava"
+MAX_SEQ_LEN = 512
+MAX_NEW_TOKENS = 16
+MAX_PROMPTS = 2
+MAX_GENERATIONS = 4
+MAX_BATCH = 4
+MAX_VAL_PROMPTS = 4
+N_TRAIN = 8
+N_EVAL = 4
+MAX_TEACHER_REPLICAS = 2
+
+
+def _set(changes: list[str], d: dict, path: str, value: Any) -> None:
+    """Set a dotted key, recording `key: old -> new` when it changes."""
+    keys = path.split(".")
+    node = d
+    for k in keys[:-1]:
+        if not isinstance(node.get(k), dict):
+            node[k] = {}
+        node = node[k]
+    old = node.get(keys[-1], None)
+    if old != value:
+        changes.append(f"{path}: {old!r} -> {value!r}")
+    node[keys[-1]] = value
+
+
+def _cap(changes: list[str], d: dict, path: str, cap: int) -> None:
+    node = d
+    keys = path.split(".")
+    for k in keys[:-1]:
+        node = node.get(k) if isinstance(node, dict) else None
+        if node is None:
+            return
+    v = node.get(keys[-1]) if isinstance(node, dict) else None
+    if isinstance(v, int) and not isinstance(v, bool) and v > cap:
+        _set(changes, d, path, cap)
+
+
+def _tiny_preset(env_name: str) -> str | None:
+    try:
+        from gymv.envs import get_env
+
+        return "tiny" if "tiny" in getattr(get_env(env_name), "presets", {}) else None
+    except Exception:  # an environment this machine cannot build keeps its own preset; the run will say why
+        return None
+
+
+def _gpu_transports() -> set[str]:
+    from gymv.config.transports import REFIT_TRANSPORTS
+
+    return {name for name, t in REFIT_TRANSPORTS.items() if t.needs_gpu}
+
+
+def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
+    """A copy of a resolved recipe with the tiny CPU settings, and the changes made (`key: old -> new`)."""
+    d = copy.deepcopy(config)
+    ch: list[str] = []
+    _set(ch, d, "model.path", TINY_MODEL)
+    _set(ch, d, "model.dtype", "auto")
+    _set(ch, d, "model.trust_remote_code", False)
+    _cap(ch, d, "model.max_seq_len", MAX_SEQ_LEN)
+    seq = d["model"].get("max_seq_len", MAX_SEQ_LEN)
+
+    env = d.setdefault("env", {})
+    _set(ch, d, "env.url", None)
+    preset = _tiny_preset(str(env.get("name", "")))
+    if preset is not None:
+        _set(ch, d, "env.preset", preset)
+    _cap(ch, d, "env.max_rollout_tokens", seq)
+
+    data = d.setdefault("data", {})
+    prepare = data.get("prepare") if isinstance(data.get("prepare"), dict) else {}
+    _set(ch, d, "data.train", None)
+    _set(ch, d, "data.eval", None)
+    _set(ch, d, "data.prepare", {
+        "n_train": min(int(prepare.get("n_train") or N_TRAIN), N_TRAIN),
+        "n_eval": min(int(prepare.get("n_eval") if prepare.get("n_eval") is not None else N_EVAL), N_EVAL),
+        "preset": env.get("preset"), "knobs": (prepare.get("knobs") or {}) if preset is None else {},
+        "seed": prepare.get("seed", d.get("seed", 0)),
+    })
+
+    _set(ch, d, "generation.backend", "hf")
+    _cap(ch, d, "generation.max_new_tokens", MAX_NEW_TOKENS)
+
+    _set(ch, d, "training.backend", "torch")
+    _set(ch, d, "training.dtype", "auto")
+    for k in ("tensor", "pipeline", "context", "expert"):
+        _set(ch, d, f"training.parallel.{k}", 1)
+    _set(ch, d, "training.global_batch_size", None)  # refilled: the samples of one (smaller) step
+
+    if d.get("refit", {}).get("transport") in _gpu_transports():
+        _set(ch, d, "refit.transport", "object_store")
+
+    for key, value in (("num_nodes", 1), ("gpus_per_node", 0), ("colocated", True), ("generation_gpus", None),
+                       ("training_gpus", None), ("ray_address", None)):
+        _set(ch, d, f"cluster.{key}", value)
+
+    base = algo.removeprefix("vlm_")
+    for key, cap in (("prompts_per_step", MAX_PROMPTS), ("generations_per_prompt", MAX_GENERATIONS),
+                     ("batch_size", MAX_BATCH), ("val_prompts", MAX_VAL_PROMPTS)):
+        _cap(ch, d, f"{base}.{key}", cap)
+    teachers = (d.get("mopd") or {}).get("teachers") if base == "mopd" else None
+    for alias, t in sorted((teachers or {}).items()):
+        if not isinstance(t, dict):
+            continue
+        _set(ch, d, f"mopd.teachers.{alias}.path", TINY_MODEL)
+        _set(ch, d, f"mopd.teachers.{alias}.backend", "torch")
+        _set(ch, d, f"mopd.teachers.{alias}.placement", "colocated")
+        _set(ch, d, f"mopd.teachers.{alias}.gpus", None)
+        _cap(ch, d, f"mopd.teachers.{alias}.data_parallel_size", MAX_TEACHER_REPLICAS)
+
+    _set(ch, d, "logger.wandb", False)  # no network in a smoke run
+    _set(ch, d, "logger.tensorboard", False)
+    return d, ch

@@ -1,0 +1,254 @@
+"""`gymv smoke` without training: which recipes a target names, how each is shrunk (smoke:, --steps, --tiny) into
+a recipe that validates, how checks are judged against a run's metrics, JUnit XML, and failures that never stop
+a suite (a recipe that does not load, a run that hangs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from gymv.config import load_recipe
+from gymv.errors import GymvError
+from gymv.smoke import (
+    DEFAULT_STEPS,
+    PreparedRun,
+    SmokeTarget,
+    evaluate_run,
+    junit_xml,
+    prepare_run,
+    resolve_targets,
+    run_smoke,
+    run_training,
+)
+from gymv.smoke.run import TrainOutcome
+from tests.conftest import REPO
+from tests.report_run import make_run
+
+GRPO = REPO / "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml"
+GPU_RECIPES = sorted(p for p in (REPO / "recipes").glob("*/*.yaml") if "n8g" in p.name)
+
+
+@pytest.fixture(autouse=True)
+def in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+# -- targets ----------------------------------------------------------------------------------------------
+
+
+def test_a_suite_name_runs_its_recipes_in_order_each_with_its_driver():
+    targets = resolve_targets(["release"])
+    listed = [ln.split("#")[0].strip() for ln in (REPO / "recipes/suites/release.txt").read_text().splitlines()]
+    assert [t.shown for t in targets] == ["recipes/" + x for x in listed if x]
+    assert all(t.suite == "release" and t.driver is not None and t.driver.is_file() for t in targets)
+
+
+def test_a_recipe_named_twice_runs_once():
+    assert len(resolve_targets([str(GRPO), "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml"])) == 1
+
+
+def test_a_target_that_is_neither_recipe_nor_suite_is_a_usage_error():
+    with pytest.raises(GymvError, match="neither a recipe file nor a suite") as e:
+        resolve_targets(["nightlly"])
+    assert "nightly" in e.value.fix
+
+
+# -- preparing a recipe ------------------------------------------------------------------------------------
+
+
+def prepared(tmp_path, recipe=GRPO, **kw) -> PreparedRun:
+    return prepare_run(SmokeTarget(Path(recipe)), out_dir=tmp_path / "out", name="r", **kw)
+
+
+def run_config(p: PreparedRun) -> dict:
+    return load_recipe(p.config_file).validated.to_dict()
+
+
+def test_the_recipes_smoke_section_sets_the_steps(tmp_path):
+    p = prepared(tmp_path)
+    cfg = run_config(p)
+    assert (p.max_steps, p.steps_from) == (2, "smoke:")
+    assert (cfg["grpo"]["max_steps"], cfg["data"]["prepare"]["n_train"], cfg["grpo"]["val_period"]) == (2, 8, 0)
+
+
+def test_steps_flag_wins_over_the_smoke_section(tmp_path):
+    p = prepared(tmp_path, steps=3)
+    assert (p.max_steps, p.steps_from, run_config(p)["grpo"]["max_steps"]) == (3, "--steps", 3)
+
+
+def test_a_recipe_without_smoke_steps_runs_the_default_few(tmp_path):
+    r = write(tmp_path / "plain.yaml", f"defaults: {REPO / 'recipes/grpo.yaml'}\n")
+    p = prepared(tmp_path, r)
+    assert (p.max_steps, p.steps_from) == (DEFAULT_STEPS, "default")
+
+
+def test_overrides_apply_after_the_smoke_section(tmp_path):
+    p = prepared(tmp_path, overrides=["grpo.max_steps=5", "seed=3"])
+    assert (p.max_steps, run_config(p)["seed"]) == (5, 3)
+
+
+def test_the_run_goes_to_a_fresh_directory_under_out_and_never_resumes(tmp_path):
+    cfg = run_config(prepared(tmp_path))
+    assert cfg["name"] == "r" and cfg["checkpoint"]["dir"] == str(tmp_path / "out")
+    assert (cfg["checkpoint"]["resume"], cfg["checkpoint"]["steps_per_run"]) == (False, None)
+
+
+def test_the_recipe_checks_keep_the_line_that_wrote_them(tmp_path):
+    r = write(tmp_path / "c.yaml", f"defaults: {GRPO}\nchecks:\n  - median(train/token_mult_prob_error) < 1.1\n")
+    [c] = prepared(tmp_path, r).checks
+    assert (c.text, c.where.rsplit(":", 1)[1]) == ("median(train/token_mult_prob_error) < 1.1", "3")
+
+
+def test_a_literal_dollar_brace_survives_the_resolved_recipe(tmp_path):
+    r = write(tmp_path / "d.yaml", f"defaults: {GRPO}\nlogger:\n  wandb_project: 'cost-\\${{x}}'\n")
+    assert run_config(prepared(tmp_path, r))["logger"]["wandb_project"] == "cost-${x}"
+
+
+def test_a_recipe_that_does_not_load_names_its_line(tmp_path):
+    r = write(tmp_path / "bad.yaml", f"defaults: {GRPO}\ngrpo:\n  clip_lo: 0.1\n")
+    with pytest.raises(GymvError) as e:
+        prepared(tmp_path, r)
+    assert e.value.where.endswith("bad.yaml:3") and "clip_lo" in e.value.message
+
+
+# -- --tiny ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES, ids=lambda p: p.name)
+def test_tiny_turns_every_gpu_recipe_into_a_valid_cpu_recipe(tmp_path, recipe):
+    p = prepared(tmp_path, recipe, tiny=True)
+    cfg = run_config(p)
+    assert cfg["model"]["path"] == "embedded:tiny-llava"
+    assert (cfg["cluster"]["gpus_per_node"], cfg["cluster"]["num_nodes"], cfg["cluster"]["ray_address"]) == (0, 1, None)
+    assert (cfg["training"]["backend"], cfg["generation"]["backend"]) == ("torch", "hf")
+    assert set(cfg["training"]["parallel"].values()) == {1}
+    assert cfg["refit"]["transport"] not in ("cuda_ipc", "nccl")
+    assert cfg["model"]["max_seq_len"] <= 512 and cfg["generation"]["max_new_tokens"] <= 16
+    assert cfg["data"]["prepare"]["n_train"] <= 8 and cfg["data"]["train"] is None
+    for teacher in (cfg.get("mopd") or {}).get("teachers", {}).values():
+        assert (teacher["path"], teacher["backend"], teacher["placement"]) == ("embedded:tiny-llava", "torch", "colocated")
+
+
+def test_tiny_keeps_what_the_smoke_run_is_meant_to_exercise(tmp_path):
+    recipe = REPO / "recipes/vlm/vlm_grpo-qwen2.5-vl-7b-1n8g-megatron-async-1off.yaml"
+    before = load_recipe(recipe, smoke=True).validated.to_dict()
+    after = run_config(prepared(tmp_path, recipe, tiny=True))
+    for key in ("algorithm", "seed"):
+        assert after[key] == before[key]
+    assert after["grpo"]["async"] == before["grpo"]["async"] and after["grpo"]["async"]["enabled"]
+    assert after["grpo"]["importance_sampling"] == before["grpo"]["importance_sampling"]
+    assert (after["env"]["name"], after["env"]["max_turns"]) == (before["env"]["name"], before["env"]["max_turns"])
+    assert after["generation"]["reset_encoder_cache_after_weight_update"] is True
+
+
+def test_tiny_records_each_change_it_made(tmp_path):
+    p = prepared(tmp_path, REPO / "recipes/llm/grpo-qwen3-1.7b-1n8g-megatron.yaml", tiny=True)
+    assert "model.path: 'Qwen/Qwen3-1.7B' -> 'embedded:tiny-llava'" in p.tiny_changes
+    assert "cluster.gpus_per_node: 8 -> 0" in p.tiny_changes
+
+
+# -- judging a run ---------------------------------------------------------------------------------------------
+
+
+def judged(tmp_path, checks: tuple[str, ...], outcome: str = "ok", driver_max_steps=None, driver_checks=()):
+    """Checks judged against a run directory written by gymv's writers (4 steps, see tests/report_run.py)."""
+    from gymv.checks import CheckSource
+
+    run = make_run(tmp_path / "out" / "r", steps=4)
+    p = PreparedRun(SmokeTarget(GRPO), "r", "vlm_grpo", 4, "--steps", tmp_path / "out" / "r.recipe.yaml", run,
+                    [CheckSource(c, f"x.yaml:{i}") for i, c in enumerate(checks, 1)],
+                    [CheckSource(c, f"x.sh:{i}") for i, c in enumerate(driver_checks, 1)], driver_max_steps)
+    return evaluate_run(p, TrainOutcome(outcome, 0 if outcome == "ok" else 1, 1.0, None,
+                                        None if outcome == "ok" else "boom", tmp_path / "log"))
+
+
+def test_a_run_whose_checks_all_hold_passes(tmp_path):
+    r = judged(tmp_path, ("median(train/token_mult_prob_error) < 1.1", "mean(train/reward_mean, last=3) > 0.2"))
+    assert (r.status, r.steps, [c.status for c in r.checks]) == ("PASS", 4, ["pass", "pass"])
+
+
+def test_one_false_check_fails_the_recipe_and_is_named(tmp_path):
+    r = judged(tmp_path, ("median(train/token_mult_prob_error) < 1.1", "mean(train/reward_mean) > 5"))
+    assert r.status == "FAIL" and r.reason == "1 of 2 checks failed: mean(train/reward_mean) > 5"
+
+
+def test_a_check_that_cannot_be_evaluated_fails_the_recipe(tmp_path):
+    r = judged(tmp_path, ("mean(train/kl_teacher) < 1",))
+    assert r.status == "FAIL" and r.checks[0].status == "error" and "never logged" in r.checks[0].error
+
+
+def test_a_crashed_run_skips_its_checks_and_keeps_the_reason(tmp_path):
+    r = judged(tmp_path, ("mean(train/reward_mean) > 0",), outcome="crash")
+    assert (r.status, r.reason, r.checks[0].status) == ("CRASH", "boom", "skip")
+
+
+def test_driver_checks_count_only_for_a_run_that_reached_max_steps(tmp_path):
+    short = judged(tmp_path / "a", (), driver_max_steps=40, driver_checks=("mean(train/reward_mean) > 5",))
+    assert (short.status, short.driver_checks[0].status) == ("PASS", "skip")
+    assert "step 4 of the driver's MAX_STEPS 40" in short.driver_checks[0].error
+    full = judged(tmp_path / "b", (), driver_max_steps=4, driver_checks=("mean(train/reward_mean) > 5",))
+    assert (full.status, full.driver_checks[0].status) == ("FAIL", "fail")
+
+
+# -- JUnit XML ----------------------------------------------------------------------------------------------
+
+
+def test_junit_has_a_train_case_and_one_case_per_check(tmp_path):
+    r = judged(tmp_path, ("median(train/token_mult_prob_error) < 1.1", "mean(train/reward_mean) > 5"))
+    root = ET.fromstring(junit_xml([r], "nightly"))
+    assert root.tag == "testsuite" and root.get("name") == "gymv smoke nightly"
+    assert (root.get("tests"), root.get("failures"), root.get("errors"), root.get("skipped")) == ("3", "1", "0", "0")
+    cases = root.findall("testcase")
+    assert [c.get("name") for c in cases] == ["train", "check: median(train/token_mult_prob_error) < 1.1",
+                                              "check: mean(train/reward_mean) > 5"]
+    assert "mean(train/reward_mean) = 0.25" in cases[2].find("failure").get("message")
+
+
+# -- failures never stop the suite ------------------------------------------------------------------------------
+
+
+def test_a_recipe_that_does_not_load_is_reported_and_the_next_one_still_runs(tmp_path):
+    bad = write(tmp_path / "bad.yaml", f"defaults: {GRPO}\ngrpo:\n  clip_lo: 0.1\n")
+    worse = write(tmp_path / "worse.yaml", "defaults: nowhere.yaml\n")
+    report = run_smoke([str(bad), str(worse)], out_dir=tmp_path / "out")
+    assert [r.status for r in report.results] == ["CONFIG", "CONFIG"]
+    assert "clip_lo" in report.results[0].reason and "nowhere.yaml" in report.results[1].reason
+    assert not report.passed
+
+
+def test_a_run_that_exceeds_the_timeout_is_stopped_with_its_process_group(tmp_path):
+    p = prepared(tmp_path)
+    outcome = run_training(p, timeout_s=1.0)
+    assert outcome.status == "timeout" and "no result after 1 s" in outcome.reason
+    with pytest.raises(ProcessLookupError):
+        os.killpg(outcome.pid, 0)
+
+
+def test_cli_exits_1_with_a_summary_and_writes_junit(tmp_path, gymv):
+    bad = write(tmp_path / "bad.yaml", f"defaults: {GRPO}\ngrpo:\n  clip_lo: 0.1\n")
+    r = gymv("smoke", bad, "--out", tmp_path / "out", "--junit", tmp_path / "j.xml", cwd=REPO)
+    assert r.code == 1
+    assert "Smoke summary" in r.stdout and "CONFIG" in r.stdout
+    assert ET.parse(tmp_path / "j.xml").getroot().get("errors") == "1"
+
+
+def test_cli_without_a_target_is_a_usage_error(tmp_path, gymv):
+    r = gymv("smoke", "grpo.max_steps=2", cwd=REPO)
+    assert r.code == 2 and "no recipe or suite given" in r.stderr
+
+
+def test_cli_json_lists_every_recipe(tmp_path, gymv):
+    bad = write(tmp_path / "bad.yaml", "defaults: nowhere.yaml\n")
+    r = gymv("smoke", bad, "--out", tmp_path / "out", "--json", cwd=REPO)
+    out = json.loads(r.stdout)
+    assert r.code == 1 and out["passed"] is False and out["counts"] == {"CONFIG": 1}
+    assert out["results"][0]["recipe"].endswith("bad.yaml")
