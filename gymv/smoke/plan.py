@@ -100,6 +100,16 @@ class PreparedRun:
     driver_max_steps: int | None = None
     tiny_changes: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    origins: dict[int, str] = field(default_factory=dict)  # line of config_file -> where the recipe wrote that key
+
+    def explain(self, text: str) -> str:
+        """Point a `config_file:LINE: ...` message at the recipe line that wrote that key as well."""
+        prefix = f"{self.config_file}:"
+        if not text.startswith(prefix):
+            return text
+        line, _, rest = text[len(prefix):].partition(":")
+        origin = self.origins.get(int(line)) if line.isdigit() else None
+        return f"{origin} (run as {self.config_file}:{line}):{rest}" if origin else text
 
 
 def _escape_interpolation(value):
@@ -120,6 +130,20 @@ def run_name(target: SmokeTarget, taken: set[str]) -> str:
         name, n = f"{base}-{n}", n + 1
     taken.add(name)
     return name
+
+
+def _origins(rec, text: str, where: str) -> dict[int, str]:
+    from gymv.config.yamlfile import parse_yaml
+
+    out = {}
+    for path, line in parse_yaml(text, where).lines.items():
+        try:
+            origin = rec.origin(path)
+        except (KeyError, TypeError):  # a key the schema or the smoke settings added: the recipe never wrote it
+            continue
+        if origin is not None and origin.line:
+            out[line] = str(origin)
+    return out
 
 
 def prepare_run(target: SmokeTarget, *, out_dir: str | os.PathLike, name: str, overrides: list[str] = (),
@@ -153,7 +177,8 @@ def prepare_run(target: SmokeTarget, *, out_dir: str | os.PathLike, name: str, o
     out_dir.mkdir(parents=True, exist_ok=True)
     config_file = out_dir / f"{name}.recipe.yaml"
     header = f"# gymv smoke: {target.shown} resolved{' with --tiny' if tiny else ''}; runs as written here\n"
-    atomic_write_text(config_file, header + yaml.safe_dump(_escape_interpolation(d), sort_keys=False, allow_unicode=True))
+    text = header + yaml.safe_dump(_escape_interpolation(d), sort_keys=False, allow_unicode=True)
+    atomic_write_text(config_file, text)
     try:
         load_recipe(config_file)  # what will run must validate: --tiny or --steps could have broken a rule
     except GymvError as e:
@@ -161,7 +186,7 @@ def prepare_run(target: SmokeTarget, *, out_dir: str | os.PathLike, name: str, o
                         fix=e.fix) from None
 
     prepared = PreparedRun(target, name, cfg.algorithm, int(d[base]["max_steps"]), steps_from, config_file, run_dir,
-                           recipe_checks(rec), tiny_changes=changes)
+                           recipe_checks(rec), tiny_changes=changes, origins=_origins(rec, text, str(config_file)))
     if target.driver is not None:
         try:
             from gymv.recipes.drivers import parse_driver

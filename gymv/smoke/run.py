@@ -157,7 +157,8 @@ def evaluate_run(prepared: PreparedRun, outcome: TrainOutcome) -> RecipeResult:
     metrics = MetricSeries.from_run(prepared.run_dir)
     result.steps = metrics.last_step
     if outcome.status != "ok":
-        result.status, result.reason = ("TIMEOUT" if outcome.status == "timeout" else "CRASH"), outcome.reason
+        result.status = "TIMEOUT" if outcome.status == "timeout" else "CRASH"
+        result.reason = prepared.explain(outcome.reason or "")
         result.checks = [CheckResult(c.text, "skip", (), "the run did not finish", c.where) for c in prepared.checks]
         return result
     result.checks = [evaluate_check(c.text, metrics, where=c.where) for c in prepared.checks]
