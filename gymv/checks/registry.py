@@ -18,7 +18,7 @@ KNOWN_METRICS: frozenset[str] = frozenset(
     [f"train/{n}" for n in (
         "loss", "grad_norm", "lr", "num_tokens", "num_sequences", "num_micro_batches", "num_input_tokens",
         "pg_loss", "clip_fraction", "kl_ref", "token_mult_prob_error", "is_weight_mean", "is_weight_max",
-        "is_gated_fraction", "entropy", "nll", "teacher_advantage", "kl_teacher")]
+        "is_gated_fraction", "entropy", "nll", "teacher_advantage", "kl_teacher", "env_pg_loss")]
     # rollout statistics of the training batch, GRPO advantages, async
     + [f"train/{n}" for n in _TRAIN_ROLLOUT]
     + [f"train/{n}" for n in ("advantage_mean", "advantage_std", "advantage_min", "advantage_max",
@@ -27,8 +27,8 @@ KNOWN_METRICS: frozenset[str] = frozenset(
     + [f"val/{n}" for n in _TRAIN_ROLLOUT]
     # wall-clock phases and throughput
     + [f"timing/{n}" for n in (
-        "step_s", "train_step_s", "generation_s", "env_s", "logprobs_s", "samples_s", "training_s", "refit_s",
-        "validation_s", "checkpoint_s", "tokens_per_s", "generation_tokens_per_s")]
+        "step_s", "train_step_s", "generation_s", "env_s", "logprobs_s", "teacher_s", "samples_s", "training_s",
+        "refit_s", "validation_s", "checkpoint_s", "tokens_per_s", "generation_tokens_per_s")]
 )
 
 _registered: set[str] = set()

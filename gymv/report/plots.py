@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-TIMING_PHASES = ("generation_s", "logprobs_s", "samples_s", "training_s", "refit_s", "validation_s", "checkpoint_s")
+TIMING_PHASES = ("generation_s", "logprobs_s", "teacher_s", "samples_s", "training_s", "refit_s", "validation_s", "checkpoint_s")
 
 
 @dataclass(frozen=True)
