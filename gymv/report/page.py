@@ -132,6 +132,7 @@ _JS = r"""
     s.appendChild(el('span', 'badge', r.turns + (r.turns === 1 ? ' turn' : ' turns')));
     if (r.finish) s.appendChild(el('span', 'badge', r.finish));
     if (r.truncated) s.appendChild(el('span', 'badge bad', 'truncated'));
+    if (r.failure) s.appendChild(el('span', 'badge', 'why: ' + r.failure));
     if (r.error) s.appendChild(el('span', 'badge bad', 'error: ' + r.error));
     d.appendChild(s);
     let current = null, box = null;

@@ -69,6 +69,7 @@ def _figure(title: str, ylabel: str):
     fig = Figure(figsize=(6.4, 3.6), dpi=100, layout="constrained")
     ax = fig.add_subplot()
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.ticklabel_format(axis="y", useOffset=False)  # 6.9051, not "+6.905" and 0.0005
     ax.set_title(title, fontsize=11, loc="left")
     ax.set_xlabel("step")
     if ylabel:

@@ -175,7 +175,8 @@ def rollout_view(split: str, step: int, record: Mapping[str, Any], images: Image
         "task": record.get("_ng_task_index"), "rollout": record.get("_ng_rollout_index"),
         "reward": float(reward) if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None,
         "agent": agent, "turns": turn, "tools": tools,
-        "finish": gymv.get("finish_reason"), "error": gymv.get("error") or record.get("failure_reason") or None,
+        "finish": gymv.get("finish_reason"), "error": gymv.get("error") or None,
+        "failure": record.get("failure_reason") or None,  # why the reward is not full: the model's fault
         "truncated": bool(record.get("truncated")),
         "entries": entries,
     }
