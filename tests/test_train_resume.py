@@ -112,5 +112,6 @@ def test_resumed_run_ends_with_bit_identical_weights(runs):
 
 def test_resume_keeps_only_the_newest_checkpoints(runs):
     killed, _, _, _ = runs
-    names = sorted(p.name for p in (killed / "checkpoints").iterdir())
-    assert names == ["latest", f"step_{STEPS - 1}", f"step_{STEPS}"]
+    # (a `.tmp-` folder the killed launch's trainer was still writing may remain: readers ignore those)
+    names = sorted(p.name for p in (killed / "checkpoints").iterdir() if not p.name.startswith("."))
+    assert names == ["latest", f"step_{STEPS - 1}", f"step_{STEPS}"], names
