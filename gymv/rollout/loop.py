@@ -14,6 +14,7 @@ wrong answers) is part of the episode: tool-error results, reward 0 with a `fail
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -21,13 +22,14 @@ from dataclasses import replace
 from gymv.backends.generation.base import GenerationBackend, GenerationRequest, SamplingParams
 from gymv.data.images import ImageError
 from gymv.data.rows import row_tools, to_chat_tool
-from gymv.envs.protocol import Environment, RowError
+from gymv.envs.protocol import Environment, ModelTurn, RowError, StepResult
 from gymv.errors import GymvError
 from gymv.rollout.episode import Episode
 from gymv.rollout.images import ImageCache
 from gymv.rollout.parse import parse_turn
 from gymv.rollout.record import to_rollout_record
-from gymv.rollout.render import ChatRenderer, message_dict, tool_message_dict
+from gymv.rollout.render import ChatRenderer, assistant_dict, message_dict, tool_message_dict
+from gymv.rollout.spans import check_image_spans
 from gymv.rollout.types import Trajectory
 
 __all__ = ["build_sft_sample", "run_rollouts", "to_rollout_record"]
@@ -120,18 +122,19 @@ def run_rollouts(backend: GenerationBackend, adapter, tokenizer, chat_template: 
                  group_size: int, params: SamplingParams, max_turns: int, max_rollout_tokens: int, max_seq_len: int,
                  weights_version: int = 0, max_images: int | None = None, seed: int | None = None,
                  max_image_pixels: int | None = None, source: str | None = None,
-                 stats: dict | None = None) -> list[Trajectory]:
+                 stats: dict | None = None, chat_template_kwargs: dict | None = None) -> list[Trajectory]:
     """Run `group_size` episodes of each (dataset index, row); trajectories come back grouped, in row order.
 
     Budgets: each model call generates at most `params.max_new_tokens`; an episode generates at most
     `max_rollout_tokens` in all; its whole sequence never exceeds `max_seq_len`. An episode that would cross
     a budget ends at the last turn boundary with `truncated=True`, finish_reason "length". `seed` (else
     `params.seed`) makes sampling deterministic; each turn draws from its own derived seed. `stats`, when
-    given, receives timings and image-dedup counts.
+    given, receives timings and image-dedup counts. `chat_template_kwargs` go into every rendering (pass
+    the same to `build_sft_sample` so that SFT and RL see the same tokens).
     """
     _check_limits(group_size, max_turns, max_rollout_tokens, max_seq_len, max_images)
     t_start = time.perf_counter()
-    renderer = ChatRenderer(tokenizer, chat_template)
+    renderer = ChatRenderer(tokenizer, chat_template, chat_template_kwargs)
     cache = ImageCache(max_pixels=max_image_pixels)
     resolve = _Resolver(env_for, source)
     episodes: list[Episode] = []
@@ -156,7 +159,7 @@ def run_rollouts(backend: GenerationBackend, adapter, tokenizer, chat_template: 
         requests = []
         for e in active:
             ids = e.request_ids()
-            adapter.check(ids, e.images, where=e.at(turn))
+            check_image_spans(adapter, ids, e.images, e.image_turns, e.model_calls, where=e.where)
             requests.append(GenerationRequest(ids, list(e.images), where=e.at(turn)))
         t0 = time.perf_counter()
         outs = backend.generate(requests, replace(params, max_new_tokens=max(caps), seed=_turn_seed(base_seed, turn)))
@@ -186,22 +189,11 @@ def _take_turn(e: Episode, out, cap: int, turn: int, *, renderer: ChatRenderer, 
     tokens, logprobs = list(out.token_ids[:cap]), list(out.logprobs[:cap])
     cut = len(out.token_ids) > cap  # sampled past this episode's own budget: keep the prefix that fits
     finish = "length" if cut else out.finish_reason
-    start = len(e.ids)
-    e.append_sampled(tokens, logprobs)
-    e.turns += 1
     text = tokenizer.decode(tokens, skip_special_tokens=True) if cut else out.text
-    model_turn = parse_turn(text, f"call_{e.task_index}_{e.sample_index}_{turn}")
-    first = len(e.state.output)
-    call = {"turn": turn, "prompt_end": start, "generation_start": start, "generation_end": len(e.ids),
-            "finish_reason": finish, "stop_reason": out.stop_reason, "output_index": None}
-    e.model_calls.append(call)
-    try:
-        result = e.env.step(e.state, model_turn)
-    except Exception as ex:  # a tool or env step that crashed: this episode only
-        call["output_index"] = _model_item_index(e, first, len(model_turn.to_items()))
-        e.fail(f"environment step failed at turn {turn}: {_describe(ex)}")
+    result = _model_turn(e, tokens, logprobs, parse_turn(text, _call_prefix(e, turn)), turn, adapter=adapter,
+                         finish=finish, stop_reason=out.stop_reason)
+    if result is None:
         return
-    call["output_index"] = _model_item_index(e, first, len(model_turn.to_items()))
     if finish == "length":
         return e.finish("length", truncated=True)
     if e.state.done or result.done:
@@ -210,18 +202,73 @@ def _take_turn(e: Episode, out, cap: int, turn: int, *, renderer: ChatRenderer, 
         return e.finish("max_turns")
     if e.generated >= max_rollout_tokens:
         return e.finish("length", truncated=True)
-    added = [tool_message_dict(r) for r in result.tool_results] + [message_dict(m) for m in result.user_messages]
-    text, new_images = renderer.addition(added, turn_closed=renderer.ends_turn(tokens))
+    _env_turn(e, result, turn, closed=renderer.ends_turn(tokens), renderer=renderer, cache=cache, adapter=adapter,
+              max_seq_len=max_seq_len, max_images=max_images)
+
+
+def _call_prefix(e: Episode, turn: int) -> str:
+    return f"call_{e.task_index}_{e.sample_index}_{turn}"
+
+
+def _model_turn(e: Episode, tokens: list[int], logprobs: list[float], model_turn: ModelTurn, turn: int, *, adapter,
+                finish: str, stop_reason) -> StepResult | None:
+    """Append one model call's tokens (mask 1) and step the environment with its turn.
+
+    None when the environment step failed (the episode is marked). Tokens that are image placeholders (or
+    other vision special tokens) raise: a backend must mask them out of sampling, and a sequence holding
+    one would make the next forward pass pair images with the wrong spans.
+    """
+    vision = set(getattr(adapter, "vision_token_ids", ()) or ())
+    bad = [t for t in tokens if t in vision]
+    if bad:
+        raise GymvError(f"the generation backend sampled {len(bad)} vision special token(s) (id {bad[0]}), which would "
+                        "break the image placeholder spans of this sequence", where=e.at(turn),
+                        fix="mask the adapter's vision_token_ids out of the sampling distribution (the hf backend does)")
+    start = len(e.ids)
+    e.append_sampled(tokens, logprobs)
+    e.turns += 1
+    first = len(e.state.output)
+    call = {"turn": turn, "prompt_end": start, "generation_start": start, "generation_end": len(e.ids),
+            "finish_reason": finish, "stop_reason": stop_reason, "output_index": None}
+    e.model_calls.append(call)
     try:
-        decoded = [cache.get(im, where=e.at(turn + 1)) for im in new_images]
-    except ImageError as ex:  # an image a tool or follow-up produced: the environment's fault
-        return e.fail(f"environment returned an unusable image at turn {turn + 1}: {ex}")
+        result = e.env.step(e.state, model_turn)
+    except Exception as ex:  # a tool or env step that crashed: this episode only
+        call["output_index"] = _model_item_index(e, first, len(model_turn.to_items()))
+        e.fail(f"environment step failed at turn {turn}: {_describe(ex)}")
+        return None
+    call["output_index"] = _model_item_index(e, first, len(model_turn.to_items()))
+    return result
+
+
+def _added_messages(result: StepResult) -> list[tuple[dict, list]]:
+    """What the environment added after a model turn, in order: tool results, then follow-up messages."""
+    return [tool_message_dict(r) for r in result.tool_results] + [message_dict(m) for m in result.user_messages]
+
+
+def _env_turn(e: Episode, result: StepResult, turn: int, *, closed: bool, renderer: ChatRenderer, cache: ImageCache,
+              adapter, max_seq_len: int, max_images: int | None) -> None:
+    """Append what the environment added after model call `turn` (mask 0); its images belong to turn + 1.
+
+    An image that cannot be decoded, or environment text that itself reads as an image placeholder (a tool
+    echoing `<image>`), is the environment's fault: this episode is marked, the batch goes on.
+    """
+    nxt = turn + 1
+    text, new_images = renderer.addition(_added_messages(result), turn_closed=closed)
+    try:
+        decoded = [cache.get(im, where=e.at(nxt)) for im in new_images]
+    except ImageError as ex:
+        return e.fail(f"environment returned an unusable image at turn {nxt}: {ex}")
     if max_images is not None and len(e.images) + len(decoded) > max_images:
         return e.finish("max_images", truncated=True)
-    ids = adapter.encode_text(text, [p for p, _ in decoded], where=e.at(turn + 1))
+    try:
+        ids = adapter.encode_text(text, [p for p, _ in decoded], where=e.at(nxt))
+    except GymvError as ex:
+        return e.fail(f"the environment's messages at turn {nxt} do not fit their images: {ex.message} "
+                      "(does a tool result or follow-up contain image placeholder text?)")
     if len(e.ids) + len(ids) + 1 > max_seq_len:
         return e.finish("length", truncated=True)
-    e.append_inserted(ids, decoded, turn + 1)
+    e.append_inserted(ids, decoded, nxt)
 
 
 def _score(e: Episode, weights_version: int) -> Trajectory:
@@ -245,37 +292,43 @@ def _score(e: Episode, weights_version: int) -> Trajectory:
 
 def build_sft_sample(env: Environment, row: dict, adapter, tokenizer, chat_template: str | None, *, max_seq_len: int,
                      task_index: int = 0, max_image_pixels: int | None = None, source: str | None = None,
-                     image_cache: ImageCache | None = None) -> Trajectory:
-    """A supervised sample: the row's prompt followed by the environment's gold assistant turn.
+                     image_cache: ImageCache | None = None, chat_template_kwargs: dict | None = None) -> Trajectory:
+    """A supervised sample: the row's gold episode laid out token for token as the agent loop would.
 
-    The loss mask is 1 exactly on the gold turn's tokens (its end-of-turn token included); logprobs are 0.
-    The gold turn is also stepped and scored, so `reward` says whether the gold answer earns full reward.
-    A sample longer than `max_seq_len` comes back with `error` set (it cannot be trained on uncut).
+    The prompt is rendered as a rollout's turn 0. Each of `env.gold_turns(row)` is rendered as the template
+    writes that assistant turn after the conversation so far (mask 1, end-of-turn token included, logprobs
+    0), read back with the loop's parser and stepped; what the environment adds (tool results, follow-ups,
+    their images) is appended by the loop's own code (mask 0), until the episode ends. A model that samples
+    these assistant tokens in a rollout gets this very sequence. The episode is scored, so `reward` says
+    whether the gold episode earns full reward. A sample longer than `max_seq_len` comes back with `error`
+    set (it cannot be trained on uncut).
     """
-    renderer = ChatRenderer(tokenizer, chat_template)
+    renderer = ChatRenderer(tokenizer, chat_template, chat_template_kwargs)
     cache = image_cache or ImageCache(max_pixels=max_image_pixels)
     ep = Episode(task_index, 0, row, env, _where(source, task_index), _agent_name(row, env))
-    ep.state = env.start(row, where=ep.where)
-    ep.tools = _tools(row, env)
-    text, images = renderer.prompt(ep.state.messages, ep.tools)
-    decoded = [cache.get(im, where=ep.at(0)) for im in images]
-    ep.append_inserted(adapter.encode_text(text, [p for p, _ in decoded], where=ep.at(0)), decoded, 0)
-    gold = env.gold_turn(row)
-    gold_ids = adapter.encode_text(renderer.gold(ep.state.messages, ep.tools, gold), [], where=ep.at(0))
-    start = len(ep.ids)
-    ep.append_sampled(gold_ids, [0.0] * len(gold_ids))
-    ep.turns = 1
-    first = len(ep.state.output)
-    call = {"turn": 0, "prompt_end": start, "generation_start": start, "generation_end": len(ep.ids),
-            "finish_reason": "stop", "stop_reason": None, "output_index": None}
-    ep.model_calls.append(call)
-    try:
-        env.step(ep.state, gold)
-    except Exception as ex:
-        ep.fail(f"environment step failed on the gold turn: {_describe(ex)}")
-    call["output_index"] = _model_item_index(ep, first, len(gold.to_items()))
+    _start(ep, renderer, cache, adapter, max_seq_len=max_seq_len, max_images=None)
+    if ep.error is not None:
+        return _score(ep, 0)
+    conversation = [message_dict(m)[0] for m in ep.state.messages]
+    golds = env.gold_turns(row)
+    for turn, gold in enumerate(golds):
+        ids = adapter.encode_text(renderer.assistant(conversation, ep.tools, gold), [], where=ep.at(turn))
+        said = parse_turn(tokenizer.decode(ids, skip_special_tokens=True), _call_prefix(ep, turn))
+        result = _model_turn(ep, ids, [0.0] * len(ids), said, turn, adapter=adapter, finish="stop", stop_reason=None)
+        if result is None:
+            break
+        if ep.state.done or result.done:
+            ep.finish("stop")
+            break
+        if turn + 1 >= len(golds):
+            ep.finish("max_turns")  # the gold episode ran out while the environment would go on
+            break
+        added = _added_messages(result)
+        conversation += [assistant_dict(said)] + [d for d, _ in added]
+        _env_turn(ep, result, turn, closed=True, renderer=renderer, cache=cache, adapter=adapter,
+                  max_seq_len=sys.maxsize, max_images=None)
+        if ep.done:
+            break
     if ep.error is None and len(ep.ids) > max_seq_len:
         ep.fail(f"the SFT sample has {len(ep.ids)} tokens, over max_seq_len {max_seq_len}")
-    elif ep.error is None:
-        ep.finish("stop")
     return _score(ep, 0)

@@ -39,7 +39,9 @@ def tool_message_dict(result: ToolResult) -> tuple[dict, list[Image]]:
 
 
 def assistant_dict(turn: ModelTurn) -> dict:
-    """A model turn as a chat-template assistant message (OpenAI tool_calls shape; arguments as objects)."""
+    """A model turn as a chat-template assistant message (OpenAI tool_calls shape; arguments as objects).
+
+    Reasoning goes into the content as a `<think>` block, the form the loop's parser reads back."""
     calls = []
     for c in turn.tool_calls:
         try:
@@ -47,18 +49,32 @@ def assistant_dict(turn: ModelTurn) -> dict:
         except (json.JSONDecodeError, TypeError):
             args = c.arguments
         calls.append({"type": "function", "id": c.call_id, "function": {"name": c.name, "arguments": args}})
-    out: dict = {"role": "assistant", "content": turn.text}
+    content = f"<think>{turn.reasoning}</think>{turn.text}" if turn.reasoning else turn.text
+    out: dict = {"role": "assistant", "content": content}
     if calls:
         out["tool_calls"] = calls
     return out
 
 
-class ChatRenderer:
-    """Renders prompts, per-turn additions and gold assistant turns with one tokenizer's chat template."""
+_RESERVED_KWARGS = ("messages", "tools", "tokenize", "add_generation_prompt", "chat_template", "conversation",
+                    "continue_final_message", "return_dict")
 
-    def __init__(self, tokenizer, chat_template: str | None):
+
+class ChatRenderer:
+    """Renders prompts, per-turn additions and gold assistant turns with one tokenizer's chat template.
+
+    `template_kwargs` (e.g. `{"enable_thinking": False}`) go into every rendering, so the prompt, each
+    turn's addition and an SFT sample's assistant turns all see the same template variables.
+    """
+
+    def __init__(self, tokenizer, chat_template: str | None, template_kwargs: dict | None = None):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.template_kwargs = dict(template_kwargs or {})
+        reserved = sorted(set(self.template_kwargs) & set(_RESERVED_KWARGS))
+        if reserved:
+            raise GymvError(f"chat-template kwargs may not set {', '.join(reserved)}: the agent loop sets them",
+                            fix="pass only the template's own variables (e.g. enable_thinking)")
         eos = tokenizer.eos_token
         if not eos:
             raise GymvError("the tokenizer has no eos_token, so the end of a model turn is unknown",
@@ -77,7 +93,7 @@ class ChatRenderer:
         try:
             return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt,
-                                                      chat_template=self.chat_template)
+                                                      chat_template=self.chat_template, **self.template_kwargs)
         except GymvError:
             raise
         except Exception as e:  # jinja errors: unsupported role or part type, template bugs
@@ -101,9 +117,10 @@ class ChatRenderer:
         text = ("" if turn_closed else self.turn_end) + self.glue + full[len(self._stand_in):]
         return text, [im for _, ims in added for im in ims]
 
-    def gold(self, messages: list[Message], tools: list[dict] | None, turn: ModelTurn) -> str:
-        """The text of a gold assistant turn after the prompt, ending with the end-of-turn token."""
-        dicts = [message_dict(m)[0] for m in messages]
+    def assistant(self, conversation: list[dict], tools: list[dict] | None, turn: ModelTurn) -> str:
+        """The text of an assistant turn after the conversation so far (message dicts), ending with the
+        end-of-turn token: what a model that says `turn` samples after the generation prompt."""
+        dicts = list(conversation)
         prompt = self.render(dicts, tools=tools, add_generation_prompt=True)
         full = self.render(dicts + [assistant_dict(turn)], tools=tools)
         if not full.startswith(prompt):
