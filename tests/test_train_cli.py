@@ -62,9 +62,14 @@ def test_a_ray_cluster_that_cannot_be_reached_is_one_clear_error(recipe):
     assert err.value.exit_code == 2
 
 
-def test_resume_of_a_folder_that_is_not_a_run_is_refused(tmp_path):
+def test_resume_of_a_folder_that_is_not_a_run_is_refused(recipe, tmp_path):
+    other = tmp_path / "photos"
+    other.mkdir()
     with pytest.raises(GymvError, match="no config.yaml"):
-        train(None, resume_dir=str(tmp_path))
+        train(None, resume_dir=str(other))
+    with pytest.raises(GymvError, match="no config.yaml"):
+        train(recipe(), resume_dir=str(other))
+    assert list(other.iterdir()) == []  # nothing written into it
 
 
 def ray_is_up() -> bool:

@@ -105,6 +105,9 @@ def open_run(cfg, config_dict: dict, resume_dir: str | None) -> tuple[RunDir, bo
         path = Path(resume_dir).absolute()
         if not path.is_dir():
             raise GymvError("run directory not found", where=str(path), fix="pass the runs/<name> folder of an earlier run")
+        if not (path / "config.yaml").exists():
+            raise GymvError("not a gymv run directory (no config.yaml)", where=str(path),
+                            fix="pass the runs/<name> folder of an earlier `gymv train`")
         return RunDir.create(path, config_dict, resume=True), True
     path = run_path(cfg.checkpoint.dir, cfg.name).absolute()  # workers write checkpoints into it, from anywhere
     return RunDir.create(path, config_dict, resume=cfg.checkpoint.resume), cfg.checkpoint.resume
