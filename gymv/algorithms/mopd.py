@@ -168,7 +168,7 @@ def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
     pool = None
     try:
         report.on_message(f"starting teachers: {', '.join(mopd.teachers)}")
-        pool = TeacherPool(cfg, specs, policy_pg=getattr(cluster, "_pg", None))
+        pool = TeacherPool(cfg, specs, policy_pg=cluster.placement_group)
         checkpoints = Checkpointer(ctx, cluster)
         restored = checkpoints.resume(resume)
         step = restored.step if restored else 0
@@ -198,7 +198,7 @@ def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
             # 1. the student's rollouts
             batch = data.next_batch(mopd.prompts_per_step)
             trajectories, timing = cluster.rollouts([(r.index, r.data) for r in batch], group_size=G, params=params,
-                                                    seed=step_seed(cfg.seed, step), source=getattr(ctx, "train_source", None), **limits)
+                                                    seed=step_seed(cfg.seed, step), source=ctx.train_source, **limits)
 
             # 2-3. routing and teacher scores of the usable episodes
             advantages = env_advantages(trajectories, G)

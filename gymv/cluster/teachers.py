@@ -18,6 +18,7 @@ Placement:
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -190,8 +191,9 @@ def replica_options(cfg, alias: str, *, policy_pg=None) -> tuple[list[dict], obj
     """(Ray actor options of each replica of `alias`, a placement group created for it or None)."""
     t = cfg.mopd.teachers[alias]
     dp = t.data_parallel_size
-    if cfg.cluster.gpus_per_node == 0:
-        return [{"num_cpus": 0}] * dp, None
+    if cfg.cluster.gpus_per_node == 0:  # idle OpenMP threads must not spin on a shared CPU
+        env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        return [{"num_cpus": 0, "runtime_env": {"env_vars": env}}] * dp, None
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
