@@ -1,0 +1,91 @@
+"""GRPO on GPUs: step time and tokens/s of `gymv train` with a locally built ~100M-parameter LLaVA-style VLM.
+
+Runs the quickstart recipe on circle-count (NeMo Gym's default 1000x1000 images) in two layouts, side by side:
+  separate   one GPU generating, one GPU training, refit broadcast over NCCL   (needs 2 GPUs)
+  colocated  generation and training share each GPU, refit through CUDA IPC    (1 or more GPUs)
+and prints a table of medians over the steps after the first (warm-up) one.
+
+Usage (on a GPU machine): python bench/gpu_grpo.py --out /tmp/gpu_grpo [--steps 8] [--layouts separate,colocated]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RECIPE = "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml"
+MODEL = dict(hidden=1024, layers=8, heads=16, kv_heads=4, intermediate=2816, vision_hidden=512, vision_layers=6,
+             vision_heads=8, image_size=224, patch_size=14, vocab_size=1024)
+COLUMNS = ["timing/step_s", "timing/generation_s", "timing/logprobs_s", "timing/training_s", "timing/refit_s",
+           "timing/generation_tokens_per_s", "timing/tokens_per_s", "train/token_mult_prob_error", "train/reward_mean"]
+
+
+def layouts(gpus: int) -> dict[str, list[str]]:
+    common = ["cluster.num_nodes=1", f"cluster.gpus_per_node={gpus}", "training.dtype=bfloat16", "model.dtype=bfloat16"]
+    return {
+        "separate": common + ["cluster.colocated=false", "cluster.generation_gpus=1", "cluster.training_gpus=1",
+                              "refit.transport=nccl"],
+        "colocated": common + ["cluster.colocated=true", "refit.transport=cuda_ipc"],
+    }
+
+
+def run(name: str, overrides: list[str], model_dir: Path, out: Path, steps: int) -> dict:
+    args = [sys.executable, "-m", "gymv_cli.main", "train", RECIPE, f"name=gpu-{name}", f"checkpoint.dir={out}",
+            f"model.path={model_dir}", f"grpo.max_steps={steps}", "grpo.prompts_per_step=16",
+            "grpo.generations_per_prompt=8", "generation.max_new_tokens=64", "grpo.val_period=0",
+            "env.preset=null", "data.prepare.n_train=256", "data.prepare.n_eval=16", "checkpoint.period=1000",
+            "training.micro_batch_tokens=16384", "model.max_seq_len=1024", *overrides, "--json"]
+    t0 = time.time()
+    p = subprocess.run(args, capture_output=True, text=True)
+    wall = time.time() - t0
+    if p.returncode != 0:
+        return {"layout": name, "error": (p.stderr.strip().splitlines() or ["?"])[-1], "wall_s": wall}
+    rows = [json.loads(line) for line in (out / f"gpu-{name}" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("step", 0) >= 2] or rows
+    med = {c: statistics.median([r[c] for r in rows if c in r]) for c in COLUMNS if any(c in r for r in rows)}
+    return {"layout": name, "wall_s": wall, "steps": len(rows), **med}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--layouts", default="separate,colocated")
+    a = ap.parse_args()
+    import torch
+
+    from gymv.models.tiny import init_tiny_llava
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        sys.exit("no CUDA device: this benchmark needs a GPU")
+    a.out.mkdir(parents=True, exist_ok=True)
+    model_dir = init_tiny_llava(a.out / "model", force=True, **MODEL)
+    n_params = sum(p.numel() for p in __import__("safetensors.torch", fromlist=["load_file"]).load_file(
+        str(model_dir / "model.safetensors")).values())
+    print(f"model: {n_params / 1e6:.1f}M parameters, {torch.cuda.get_device_name(0)} x {gpus}", flush=True)
+    results = []
+    for name in a.layouts.split(","):
+        if name == "separate" and gpus < 2:
+            results.append({"layout": name, "error": "needs 2 GPUs"})
+            continue
+        results.append(run(name, layouts(gpus)[name], model_dir, a.out, a.steps))
+        print(json.dumps(results[-1]), flush=True)
+    (a.out / "results.json").write_text(json.dumps({"params": n_params, "gpus": gpus, "results": results}, indent=2))
+    head = ["layout", "step s", "gen s", "logp s", "train s", "refit s", "gen tok/s", "tok/s", "mult_prob_err"]
+    print("\n" + " | ".join(head))
+    for r in results:
+        if "error" in r:
+            print(f"{r['layout']} | error: {r['error']}")
+            continue
+        vals = [r.get(c) for c in COLUMNS[:-1]]
+        print(" | ".join([r["layout"]] + [f"{v:.4g}" if isinstance(v, (int, float)) else "-" for v in vals]))
+
+
+if __name__ == "__main__":
+    main()
