@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Install gymv into .venv with the CPU build of PyTorch (torch==2.13.0; an unpinned torch would pull a multi-GB
+# CUDA build). GPU users: install your own torch first, then `pip install -e .`.
+# Usage: bash scripts/install.sh [EXTRAS]     e.g. bash scripts/install.sh dev
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+spec="."
+[ -n "$extras" ] && spec=".[${extras}]"
+if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
+.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -vE "Location 'file|^\s*$" || true
+.venv/bin/python -m pip install -q torch==2.13.0 -e "$spec" 2>&1 | grep -vE "Location 'file|^\s*$" || true
+.venv/bin/python -c "import gymv, torch; print(f'gymv {gymv.__version__} installed (torch {torch.__version__})')"
