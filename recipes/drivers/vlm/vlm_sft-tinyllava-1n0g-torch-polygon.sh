@@ -14,6 +14,10 @@ NUM_RUNS=$(( (MAX_STEPS + STEPS_PER_RUN - 1) / STEPS_PER_RUN ))
 NUM_MINUTES=15
 # ===== END CONFIG =====
 
+# ===== BEGIN CHECKS =====
+# max(val/reward_mean, last=1) > 0.2
+# ===== END CHECKS =====
+
 cd "$(dirname "$0")/../../.."
 exec gymv train recipes/vlm/vlm_sft-tinyllava-1n0g-torch-polygon.yaml \
   sft.max_steps="$MAX_STEPS" \
