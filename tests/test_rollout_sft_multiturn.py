@@ -128,3 +128,18 @@ def test_chat_template_kwargs_may_not_override_what_the_loop_sets(policy):
     env, [(_, row)] = tiny_rows("scripted", 1)
     with pytest.raises(GymvError, match="add_generation_prompt"):
         sft(policy, env, row, chat_template_kwargs={"add_generation_prompt": False})
+
+
+def test_sft_sample_through_a_remote_environment_equals_the_in_process_one(policy):
+    from gymv.envs import get_env, make_env
+    from gymv.envs.server import EnvServer
+
+    local = get_env("polygon-naming")
+    _, [(_, row)] = tiny_rows("polygon-naming", 1)
+    with EnvServer(local) as srv:
+        remote = make_env({"name": "polygon-naming", "url": srv.url, "max_turns": 3})
+        over_http = sft(policy, remote, row)
+    in_process = sft(policy, local, row)
+    assert over_http.error is None and over_http.reward == in_process.reward == 1.0
+    assert over_http.token_ids == in_process.token_ids and over_http.loss_mask == in_process.loss_mask
+    assert over_http.image_turns == in_process.image_turns == [0, 0, 1]
