@@ -173,10 +173,9 @@ def no_reset_transport():
 
 
 def test_encoder_cache_reset_with_a_transport_that_cannot_is_gv007(tree, no_reset_transport):
-    tree.append("vlm/vlm_grpo-tiny-1n0g-torch.yaml", "generation:\n  reset_encoder_cache_after_weight_update: true\n"
-                f"refit:\n  transport: {no_reset_transport}\n")
+    tree.append("vlm/vlm_grpo-tiny-1n0g-torch.yaml", f"refit:\n  transport: {no_reset_transport}\n")  # the flag is on by default
     [f] = lint()
-    assert (f.rule, f.check, f.path, f.line) == ("GV007", "refit.encoder-cache-reset", "recipes/vlm/vlm_grpo-tiny-1n0g-torch.yaml", 4)
+    assert (f.rule, f.check, f.path) == ("GV007", "refit.encoder-cache-reset", "recipes/vlm/vlm_grpo-tiny-1n0g-torch.yaml")
 
 
 def test_async_without_importance_sampling_is_gv007_on_the_recipe_that_enables_it(tree):
