@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -52,10 +54,18 @@ def test_worker_count_does_not_change_the_file(tmp_path):
 
 
 def test_rows_are_made_on_all_cores():
-    env = get_env("circle-count")
-    with RowGenerator(env, resolve_knobs(env, "tiny"), row_seeds("train", 0, 200)) as gen:
-        assert gen.processes == default_workers()
-        assert len(list(gen)) == 200
+    """In a fresh single-threaded interpreter, as `gymv prepare` runs (earlier tests may leave threads here)."""
+    code = (
+        "from gymv.envs import get_env\n"
+        "from gymv.envs.knobs import resolve_knobs\n"
+        "from gymv.data.generate import RowGenerator, row_seeds, default_workers\n"
+        "env = get_env('circle-count')\n"
+        "with RowGenerator(env, resolve_knobs(env, 'tiny'), row_seeds('train', 0, 200)) as gen:\n"
+        "    print(gen.processes, default_workers(), len(list(gen)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    processes, cores, rows = map(int, out)
+    assert processes == cores and rows == 200
 
 
 def test_a_caller_with_running_threads_gets_the_same_file_made_in_process(tmp_path):
