@@ -21,6 +21,7 @@ def init(
     out_dir: Path = typer.Argument(..., help="Folder to write the Hugging Face checkpoint to."),
     hidden: int = typer.Option(None, "--hidden", help="Text model width (default 128)."),
     layers: int = typer.Option(None, "--layers", help="Text decoder layers (default 2)."),
+    vision_layers: int = typer.Option(None, "--vision-layers", help="Vision encoder layers (default 2)."),
     image_size: int = typer.Option(None, "--image-size", help="Image side in pixels (default 56 LLaVA, 112 Qwen2-VL)."),
     patch_size: int = typer.Option(None, "--patch-size", help="Vision patch size (default 7)."),
     vocab_size: int = typer.Option(None, "--vocab-size", help="BPE vocabulary size (default 1024)."),
@@ -34,7 +35,7 @@ def init(
     """
     from gymv.models.tiny import count_parameters, init_tiny
 
-    knobs = dict(hidden=hidden, layers=layers, image_size=image_size, patch_size=patch_size,
+    knobs = dict(hidden=hidden, layers=layers, vision_layers=vision_layers, image_size=image_size, patch_size=patch_size,
                  vocab_size=vocab_size, seed=seed)
     with err_console.status(f"building {arch}"):
         path = init_tiny(arch, out_dir, force=force, **knobs)

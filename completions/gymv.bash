@@ -26,7 +26,7 @@ _gymv_options() {
         'env serve') echo '--host --port --max-body-mb --log-requests --max-turns --help -h' ;;
         'env verify') echo '--data --env --on-error --out --fail-on-mismatch --json --help -h' ;;
         'model') echo '--help -h' ;;
-        'model init') echo '--hidden --layers --image-size --patch-size --vocab-size --seed --force --json --help -h' ;;
+        'model init') echo '--hidden --layers --vision-layers --image-size --patch-size --vocab-size --seed --force --json --help -h' ;;
         'model info') echo '--json --help -h' ;;
     esac
 }
@@ -66,6 +66,7 @@ _gymv_value_kind() {
         'env verify|--out') echo 'files' ;;
         'model init|--hidden') echo 'none' ;;
         'model init|--layers') echo 'none' ;;
+        'model init|--vision-layers') echo 'none' ;;
         'model init|--image-size') echo 'none' ;;
         'model init|--patch-size') echo 'none' ;;
         'model init|--vocab-size') echo 'none' ;;

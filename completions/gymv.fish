@@ -4,7 +4,7 @@
 # Install: copy this file to ~/.config/fish/completions/gymv.fish
 
 set -g __gymv_subcommands '|completion' '|dry-run' '|lint' '|prepare' '|report' '|smoke' '|train' '|env' '|model' 'env|list' 'env|serve' 'env|verify' 'model|init' 'model|info'
-set -g __gymv_value_options 'completion|--write' 'completion|--check' 'dry-run|--recipes-dir' 'lint|--format' 'lint|-f' 'prepare|--n' 'prepare|--out' 'prepare|--seed' 'prepare|--split' 'prepare|--preset' 'prepare|--workers' 'prepare|--preview' 'prepare|--preview-count' 'report|--out' 'report|--port' 'smoke|--steps' 'smoke|--junit' 'smoke|--out' 'smoke|--timeout' 'smoke|--ray-address' 'smoke|--recipes-dir' 'train|--resume' 'train|--ray-address' 'env serve|--host' 'env serve|--port' 'env serve|--max-body-mb' 'env serve|--max-turns' 'env verify|--data' 'env verify|--env' 'env verify|--on-error' 'env verify|--out' 'model init|--hidden' 'model init|--layers' 'model init|--image-size' 'model init|--patch-size' 'model init|--vocab-size' 'model init|--seed'
+set -g __gymv_value_options 'completion|--write' 'completion|--check' 'dry-run|--recipes-dir' 'lint|--format' 'lint|-f' 'prepare|--n' 'prepare|--out' 'prepare|--seed' 'prepare|--split' 'prepare|--preset' 'prepare|--workers' 'prepare|--preview' 'prepare|--preview-count' 'report|--out' 'report|--port' 'smoke|--steps' 'smoke|--junit' 'smoke|--out' 'smoke|--timeout' 'smoke|--ray-address' 'smoke|--recipes-dir' 'train|--resume' 'train|--ray-address' 'env serve|--host' 'env serve|--port' 'env serve|--max-body-mb' 'env serve|--max-turns' 'env verify|--data' 'env verify|--env' 'env verify|--on-error' 'env verify|--out' 'model init|--hidden' 'model init|--layers' 'model init|--vision-layers' 'model init|--image-size' 'model init|--patch-size' 'model init|--vocab-size' 'model init|--seed'
 
 # Prints the command path (e.g. "env serve"), then the index of the positional argument being typed.
 function __gymv_state
@@ -145,6 +145,7 @@ complete -c gymv -n '__gymv_at \'model\'' -a 'info' -d 'Load a policy and show i
 complete -c gymv -n '__gymv_at \'model\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'model init\'' -l hidden -r -d 'Text model width (default 128)'
 complete -c gymv -n '__gymv_at \'model init\'' -l layers -r -d 'Text decoder layers (default 2)'
+complete -c gymv -n '__gymv_at \'model init\'' -l vision-layers -r -d 'Vision encoder layers (default 2)'
 complete -c gymv -n '__gymv_at \'model init\'' -l image-size -r -d 'Image side in pixels (default 56 LLaVA, 112 Qwen2-VL)'
 complete -c gymv -n '__gymv_at \'model init\'' -l patch-size -r -d 'Vision patch size (default 7)'
 complete -c gymv -n '__gymv_at \'model init\'' -l vocab-size -r -d 'BPE vocabulary size (default 1024)'

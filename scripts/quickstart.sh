@@ -11,12 +11,12 @@ rm -rf "$out"
 mkdir -p "$out"
 start=$(date +%s)
 
-echo "== 1/5 prepare circle-count (tiny preset): 2048 train rows, 200 held-out eval rows"
-gymv prepare circle-count --preset tiny --n 2048 --split train --out "$out/data/train.jsonl" --preview "$out/data/preview.png"
-gymv prepare circle-count --preset tiny --n 200 --split eval --out "$out/data/eval.jsonl"
+echo "== 1/5 prepare circle-count (tiny preset, radius 9): 2048 train rows, 200 held-out eval rows"
+gymv prepare circle-count --preset tiny --n 2048 --split train --out "$out/data/train.jsonl" --preview "$out/data/preview.png" radius=9
+gymv prepare circle-count --preset tiny --n 200 --split eval --out "$out/data/eval.jsonl" radius=9
 
 echo "== 2/5 build the tiny LLaVA-style VLM (random init, tokenizer trained on the fly)"
-gymv model init tiny-llava "$out/model"
+gymv model init tiny-llava "$out/model" --layers 1 --vision-layers 1
 
 data=("data.train=$out/data/train.jsonl" "data.eval=$out/data/eval.jsonl" "data.prepare=null" "checkpoint.dir=$out")
 
