@@ -87,8 +87,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/mopd-demo"))
     ap.add_argument("--plot", type=Path, default=REPO / "docs/mopd-demo.png")
     ap.add_argument("--json", type=Path, default=REPO / "docs/mopd-demo.json")
-    ap.add_argument("--mopd-steps", type=int, default=150)
+    ap.add_argument("--mopd-steps", type=int, default=700)
     ap.add_argument("--budget-s", type=float, default=600.0, help="MOPD wall-clock budget (the claim: <= 10 minutes)")
+    ap.add_argument("--no-control", action="store_true", help="skip the GRPO control run of the student")
     args = ap.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     out = args.out.absolute()
@@ -106,35 +107,45 @@ def main() -> None:
     # 1. teacher: SFT on the gold answers, then GRPO on the reward
     _run(out, "teacher-sft", SFT_RECIPE, {
         **common, "model.path": str(models / "teacher-init"), "training.lr": 1.0e-3, "training.warmup_steps": 20,
-        "sft.max_steps": 150, "sft.batch_size": 32, "sft.val_period": 50, "sft.val_prompts": EVAL_ROWS,
+        "sft.max_steps": 250, "sft.batch_size": 32, "sft.val_period": 50, "sft.val_prompts": EVAL_ROWS,
         "checkpoint.period": 50})
     _run(out, "teacher-grpo", GRPO_RECIPE, {
         **common, "model.path": str(out / "runs/teacher-sft"), "training.lr": 1.0e-4,
-        "grpo.prompts_per_step": 16, "grpo.generations_per_prompt": 4, "grpo.max_steps": 40,
+        "grpo.prompts_per_step": 16, "grpo.generations_per_prompt": 4, "grpo.max_steps": 60,
         "grpo.val_period": 20, "grpo.val_at_start": True, "grpo.val_prompts": EVAL_ROWS, "checkpoint.period": 20})
 
     # 2. student: a short SFT warm start (the answer format), then MOPD from the teacher
     _run(out, "student-warm", SFT_RECIPE, {
-        **common, "model.path": str(models / "student-init"), "training.lr": 1.0e-3, "training.warmup_steps": 5,
-        "sft.max_steps": 30, "sft.batch_size": 32, "sft.val_period": 30, "sft.val_prompts": EVAL_ROWS,
-        "checkpoint.period": 30})
+        **common, "model.path": str(models / "student-init"), "training.lr": 2.0e-3, "training.warmup_steps": 5,
+        "sft.max_steps": 100, "sft.batch_size": 32, "sft.val_period": 100, "sft.val_prompts": EVAL_ROWS,
+        "checkpoint.period": 100})
     teacher_path = str(out / "runs/teacher-grpo")
     mopd = _run(out, "student-mopd", MOPD_RECIPE, {
-        **common, "algorithm": "vlm_mopd", "model.path": str(out / "runs/student-warm"), "training.lr": 1.0e-3,
-        "mopd.prompts_per_step": 32, "mopd.generations_per_prompt": 1, "mopd.max_steps": args.mopd_steps,
-        "mopd.val_period": 10, "mopd.val_at_start": True, "mopd.val_prompts": EVAL_ROWS,
+        **common, "algorithm": "vlm_mopd", "model.path": str(out / "runs/student-warm"), "training.lr": 1.0e-4,
+        "generation.temperature": 0.5,  # student and teacher both scored at 0.5: fewer junk samples, less variance
+        "mopd.prompts_per_step": 16, "mopd.generations_per_prompt": 4, "mopd.max_steps": args.mopd_steps,
+        "mopd.val_period": 50, "mopd.val_at_start": True, "mopd.val_prompts": EVAL_ROWS,
         "mopd.teachers": {"_override_": True, "arith": {"path": f"text:{teacher_path}"}},
         "mopd.agent_to_teacher": {"_override_": True, "arithmetic_simple_agent": "arith"},
         "checkpoint.period": 50})
 
-    # 3. numbers and the plot
+    # 3. the control: the same student, samples and budget, trained by GRPO on the environment reward alone
+    control = None
+    if not args.no_control:
+        control = _run(out, "student-grpo-control", GRPO_RECIPE, {
+            **common, "model.path": str(out / "runs/student-warm"), "training.lr": 1.0e-4,
+            "generation.temperature": 0.5, "grpo.loss.kl_coef": 0.0,
+            "grpo.prompts_per_step": 16, "grpo.generations_per_prompt": 4, "grpo.max_steps": args.mopd_steps,
+            "grpo.val_period": 50, "grpo.val_at_start": True, "grpo.val_prompts": EVAL_ROWS, "checkpoint.period": 100})
+
+    # 4. numbers and the plot
     teacher_acc = _val(_metrics(out, "teacher-grpo"))[-1][1]
     rows = _metrics(out, "student-mopd")
     val = _val(rows)
     student_start, student_end = val[0][1], val[-1][1]
     gap = teacher_acc - student_start
     loop_s = sum(r.get("timing/step_s", 0.0) for r in rows) + sum(r.get("timing/validation_s", 0.0) for r in rows if r["step"] == 0)
-    kl = {k.rsplit("/", 1)[1]: [(r["step"], r[k]) for r in rows if k in r] for k in sorted({k for r in rows for k in r if k.startswith("train/kl_teacher/")})}
+    kl = {k.rsplit("/", 1)[1]: [(r["step"], round(r[k], 4)) for r in rows if k in r] for k in sorted({k for r in rows for k in r if k.startswith("train/kl_teacher/")})}
     result = {
         "task": "arithmetic tiny (one-digit sums), 2048 train rows, 200 held-out eval rows, greedy accuracy",
         "teacher": {"parameters": count_parameters(models / "teacher-init"), **TEACHER,
@@ -149,6 +160,10 @@ def main() -> None:
         "gap_closed_fraction": (student_end - student_start) / gap if gap > 0 else None,
         "within_budget": (mopd.get("wall_s") or 1e9) <= args.budget_s,
     }
+    if control is not None:
+        cval = _val(_metrics(out, "student-grpo-control"))
+        result["grpo_control"] = {"val_accuracy": cval, "run_wall_s": control.get("wall_s"),
+                                  "gap_closed_fraction": (cval[-1][1] - student_start) / gap if gap > 0 else None}
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     _plot(result, args.plot)
     print(json.dumps({k: result[k] for k in ("teacher_accuracy", "student_accuracy_before", "student_accuracy_after",
@@ -164,17 +179,24 @@ def _plot(result: dict, path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     for alias, series in result["mopd"]["reverse_kl"].items():
-        a.plot([s for s, _ in series], [v for _, v in series], label=f"teacher {alias!r}")
+        xs, ys = [s for s, _ in series], [v for _, v in series]
+        line, = a.plot(xs, ys, alpha=0.3)
+        k = 25  # a trailing mean over k steps
+        smooth = [sum(ys[max(0, i - k + 1):i + 1]) / len(ys[max(0, i - k + 1):i + 1]) for i in range(len(ys))]
+        a.plot(xs, smooth, color=line.get_color(), label=f"teacher {alias!r} ({k}-step mean)")
     a.set_xlabel("MOPD step")
     a.set_ylabel("KL(student || teacher) per token")
     a.set_title("reverse KL to each teacher (student samples)")
     a.legend()
     steps = [s for s, _ in result["mopd"]["val_accuracy"]]
     b.plot(steps, [v for _, v in result["mopd"]["val_accuracy"]], marker="o", label="student (MOPD)")
+    if "grpo_control" in result:
+        cv = result["grpo_control"]["val_accuracy"]
+        b.plot([s for s, _ in cv], [v for _, v in cv], marker="s", color="tab:orange", label="student (GRPO, same samples)")
     b.axhline(result["teacher_accuracy"], color="k", linestyle="--", label="teacher")
     b.axhline(result["student_accuracy_before"], color="gray", linestyle=":", label="student before")
     b.set_ylim(0, 1.02)
-    b.set_xlabel("MOPD step")
+    b.set_xlabel("step (64 student samples each)")
     b.set_ylabel("held-out accuracy (greedy)")
     b.set_title("held-out accuracy")
     b.legend(loc="lower right")
