@@ -134,3 +134,54 @@ def test_an_agent_without_a_teacher_stops_the_run_naming_it_before_workers_start
     assert not (tmp / "runs" / "mopd-unroutable" / "checkpoints").exists() or not any(
         (tmp / "runs" / "mopd-unroutable" / "checkpoints").iterdir())
 
+
+
+def _gpu_cfg(placement: str, gpus, dp: int):
+    from gymv.config import load_recipe
+    from train_helpers import REPO
+
+    teacher = f"{{path: embedded:tiny-llava, backend: torch, placement: {placement}, data_parallel_size: {dp}" + (
+        f", gpus: {gpus}}}" if gpus is not None else "}")
+    overrides = ["cluster.gpus_per_node=8", "mopd.prompts_per_step=8", f"mopd.teachers={{t: {teacher}}}",
+                 "mopd.agent_to_teacher={circle_count_simple_agent: t}"]
+    if placement == "separate":
+        overrides += ["cluster.colocated=false", "cluster.generation_gpus=2", "cluster.training_gpus=2"]
+    return load_recipe(REPO / "recipes/vlm/vlm_mopd-tinyllava-1n0g-torch.yaml", overrides).validated
+
+
+def test_a_separate_gpu_teacher_gets_its_own_placement_group_split_over_its_replicas():
+    from ray.util.placement_group import remove_placement_group
+
+    from gymv.cluster.teachers import replica_options
+
+    opts, pg = replica_options(_gpu_cfg("separate", 4, 2), "t")
+    try:
+        assert pg is not None and pg.bundle_count == 2 and pg.bundle_specs == [{"GPU": 2.0, "CPU": 1.0}] * 2
+        assert [o["num_gpus"] for o in opts] == [2, 2]
+        assert [o["scheduling_strategy"].placement_group_bundle_index for o in opts] == [0, 1]
+    finally:
+        remove_placement_group(pg)
+
+
+def test_a_colocated_gpu_teacher_joins_the_policy_bundles_beside_generation_and_training():
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from gymv.algorithms.mopd import COLOCATED_POLICY_SHARE
+    from gymv.cluster.teachers import COLOCATED_SHARE, replica_options
+
+    policy_pg = placement_group([{"CPU": 0.01}] * 2)
+    try:
+        opts, pg = replica_options(_gpu_cfg("colocated", None, 3), "t", policy_pg=policy_pg)
+        assert pg is None and all(o["num_gpus"] == COLOCATED_SHARE for o in opts)
+        assert [o["scheduling_strategy"].placement_group_bundle_index for o in opts] == [0, 1, 0]
+        assert all(o["scheduling_strategy"].placement_group is policy_pg for o in opts)
+        assert 2 * COLOCATED_POLICY_SHARE + COLOCATED_SHARE <= 1.0
+    finally:
+        remove_placement_group(policy_pg)
+
+
+def test_a_colocated_teacher_without_a_shared_policy_placement_is_refused():
+    from gymv.cluster.teachers import replica_options
+
+    with pytest.raises(GymvError, match="cluster.colocated: false"):
+        replica_options(_gpu_cfg("colocated", None, 1), "t", policy_pg=None)
