@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -83,7 +84,7 @@ def ensure_trl_venv() -> Path:
     probe = [str(python), "-c", "import trl, transformers, torch, PIL"]
     if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
         return python
-    print(f"making {TRL_VENV.relative_to(ROOT)}: pip install {' '.join(TRL_PACKAGES)}", file=sys.stderr)
+    print(f"making {TRL_VENV}: pip install {' '.join(TRL_PACKAGES)}", file=sys.stderr)
     base = getattr(sys, "_base_executable", None) or sys.executable
     subprocess.run([base, "-m", "venv", str(TRL_VENV)], check=True)
     subprocess.run([str(python), "-m", "pip", "install", "-q", *TRL_PACKAGES], check=True)
@@ -127,8 +128,6 @@ def run_gymv(work: Path, model: Path, rows: Path, args: argparse.Namespace, tag:
     name = f"gymv-{tag}"
     run_dir = work / name
     if run_dir.exists():
-        import shutil
-
         shutil.rmtree(run_dir)
     overrides = [
         f"model.path={model}", f"data.train={rows}", f"data.eval={rows}", "data.shuffle=false",
@@ -223,6 +222,7 @@ def trl_worker(spec_path: Path) -> None:
     spec = json.loads(spec_path.read_text())
     P, G = spec["prompts"], spec["generations"]
     step_ends: dict[int, float] = {}
+    rows: list[dict] = []
 
     class StepClock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -233,7 +233,6 @@ def trl_worker(spec_path: Path) -> None:
                 rows.append({"step": state.global_step,
                              **{k: v for k, v in logs.items() if isinstance(v, (int, float))}})
 
-    rows: list[dict] = []
     config = GRPOConfig(
         output_dir=spec["output_dir"], use_cpu=True, bf16=False, fp16=False, seed=SEED,
         per_device_train_batch_size=P * G, gradient_accumulation_steps=1, steps_per_generation=1,
