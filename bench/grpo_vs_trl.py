@@ -7,7 +7,7 @@ reference model, one optimizer step per step, fp32, two torch threads and OMP_WA
 reward function is gymv's circle-count verifier (`CircleCount.score_output`) on each completion's text.
 
 The checkpoint is a tiny LLaVA from `gymv model init tiny-llava` (`random` configs), or that model after
-100 SFT steps of the quickstart SFT recipe at lr 1e-3 (`sft` configs): its sampled completions are short
+100 SFT steps of 8 rows at lr 1e-3 on the same rows (`sft` configs): its sampled completions are short
 `\\boxed{N}<|im_end|>` answers with mixed rewards, as a warm-started policy's are, where random weights
 write until the limit and score 0.
 
@@ -21,7 +21,7 @@ Throughput is steady state: the wall time from the end of step 1 to the end of s
 and the first step's warm-up count for neither; samples/s = (N - 1) x prompts x generations / that time.
 Per config, the medians over the runs of each framework are compared. Target: gymv >= 2x TRL's samples/s.
 
-    .venv/bin/python bench/grpo_vs_trl.py [--configs quickstart,large-random] [--repeats 3] [--steps N] [--json]
+    .venv/bin/python bench/grpo_vs_trl.py [--configs 4x4-sft,8x8-random] [--repeats 3] [--steps N] [--json]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ SFT_RECIPE = "recipes/vlm/vlm_sft-tinyllava-1n0g-torch.yaml"
 RESULTS = ROOT / "bench" / "results" / "grpo_vs_trl.json"
 TARGET = 2.0
 THREADS = 2
-LR = 1.0e-4  # the quickstart recipe's
+LR = 1.0e-4
 SEED = 42
 
 
@@ -113,10 +113,11 @@ def prepare(work: Path, init: str) -> tuple[Path, Path]:
         return base, rows
     sft = work / "sft-warm" / "final"
     if not sft.exists():
-        print("warm start: SFT of the tiny model (quickstart SFT recipe, 100 steps at lr 1e-3)", file=sys.stderr)
+        print("warm start: SFT of the tiny model on the bench rows (100 steps of 8 at lr 1e-3)", file=sys.stderr)
         run([gymv, "train", SFT_RECIPE, f"model.path={base}", f"checkpoint.dir={work}", "name=sft-warm",
-             "sft.max_steps=100", "training.lr=1.0e-3", "sft.val_period=100", "checkpoint.period=100",
-             "checkpoint.resume=false"], log=work / "sft.log")
+             f"data.train={rows}", f"data.eval={rows}", "data.prepare=null", "sft.batch_size=8",
+             "sft.max_steps=100", "training.lr=1.0e-3", "sft.val_period=100", "sft.val_prompts=16",
+             "checkpoint.period=100", "checkpoint.resume=false"], log=work / "sft.log")
     return sft, rows
 
 
@@ -300,10 +301,10 @@ def run_trl(python: Path, work: Path, model: Path, rows: Path, args: argparse.Na
 
 # name: (init, prompts per step, generations per prompt, max new tokens, steps per run)
 CONFIGS = {
-    "quickstart": ("sft", 4, 4, 16, 20),          # the CPU quickstart recipe's batch, a warm-started policy
-    "quickstart-random": ("random", 4, 4, 16, 20),  # same batch, random weights: every completion runs to the limit
-    "large-sft": ("sft", 8, 8, 64, 10),           # 64 samples per step, short (warm-started) completions
-    "large-random": ("random", 8, 8, 64, 10),     # 64 samples per step, completions of 64 tokens
+    "4x4-sft": ("sft", 4, 4, 16, 20),         # 16 samples per step, short answers of a warm-started policy
+    "4x4-random": ("random", 4, 4, 16, 20),   # same batch, random weights: every completion runs to the limit
+    "8x8-sft": ("sft", 8, 8, 64, 10),         # 64 samples per step (the quickstart GRPO recipe's batch), short answers
+    "8x8-random": ("random", 8, 8, 64, 10),   # 64 samples per step, completions of 64 tokens
 }
 
 
