@@ -52,7 +52,7 @@ def episode(env, row: dict, task: int, sample: int, hit: bool) -> dict:
 
 def make_run(path: Path, *, steps: int = 4, checks: tuple[str, ...] = (), truncated_tail: bool = False) -> Path:
     """A GRPO run directory with `steps` steps of metrics (plus a step-0 validation) and rollouts each step."""
-    overrides = [f"checks={list(checks)!r}"] if checks else []
+    overrides = ["grpo.max_steps=40"] + ([f"checks={list(checks)!r}"] if checks else [])
     cfg = load_recipe(RECIPE, overrides).validated.to_dict()
     run = RunDir.create(path, cfg)
     env = get_env("circle-click")
