@@ -47,6 +47,7 @@ def serve(
     max_body_mb: float = typer.Option(64.0, "--max-body-mb", help="Largest accepted request body, in MiB."),
     log_requests: bool = typer.Option(False, "--log-requests", help="Log each request on stderr."),
     max_turns: int = typer.Option(None, "--max-turns", help="Model turns per episode on /step (default: the environment's own)."),
+    latency_ms: float = typer.Option(0.0, "--latency-ms", help="Delay every /step and tool call by this much (simulate a slow tool)."),
 ) -> None:
     """Serve NAME with NeMo Gym's resources-server and gymnasium endpoints until interrupted.
 
@@ -54,6 +55,7 @@ def serve(
     POST /aggregate_metrics and POST /<tool> per tool. The first line on stdout is the URL.
 
     Example: gymv env serve circle-click --port 8001
+             gymv env serve polygon-naming --port 8002 --latency-ms 100   # tools that take 100 ms
     """
     import signal
 
@@ -62,8 +64,11 @@ def serve(
 
     if max_body_mb <= 0:
         raise GymvError("--max-body-mb must be positive")
+    if latency_ms < 0:
+        raise GymvError("--latency-ms must be >= 0")
     env = get_env(name, **({"max_turns": max_turns} if max_turns is not None else {}))
-    server = EnvServer(env, host, port, max_body_bytes=int(max_body_mb * 1024 * 1024), log_requests=log_requests)
+    server = EnvServer(env, host, port, max_body_bytes=int(max_body_mb * 1024 * 1024), log_requests=log_requests,
+                        step_latency_s=latency_ms / 1000.0)
     print(f"serving {env.name} on {server.url}", flush=True)
 
     def stop(signum: int, frame: object) -> None:

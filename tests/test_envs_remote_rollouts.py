@@ -219,3 +219,66 @@ def test_scripted_follow_ups_over_http_end_the_episode_after_the_last_answer(pol
         assert t.reward == 1.0 and t.turns == 2 and t.finish_reason == "stop"
         assert [i.get("role") for i in t.output if i["type"] == "message"] == ["assistant", "user", "assistant"]
         assert t.agent_name == "example_multi_turn_gymnasium_agent"
+
+
+# ------------------------------------------------------------------------------------------- concurrency
+
+
+class _Counting:
+    """Wraps an environment's step: how many steps run at once (each takes `delay_s`)."""
+
+    def __init__(self, env, delay_s: float):
+        import threading
+
+        self.env, self.delay_s, self.lock = env, delay_s, threading.Lock()
+        self.now = self.most = 0
+        inner = env.step
+
+        def step(state, turn):
+            with self.lock:
+                self.now += 1
+                self.most = max(self.most, self.now)
+            try:
+                time.sleep(self.delay_s)
+                return inner(state, turn)
+            finally:
+                with self.lock:
+                    self.now -= 1
+
+        env.step = step
+
+
+def test_remote_episodes_of_a_batch_step_their_server_concurrently_with_the_same_results(policy):
+    local = get_env("polygon-naming")
+    rows = tiny_rows(local, 2)
+    reply = gold_script(local, dict(rows))
+    served = get_env("polygon-naming")
+    counting = _Counting(served, delay_s=0.05)
+    with EnvServer(served) as srv:
+        remote = make_env({"name": "polygon-naming", "url": srv.url, "max_turns": 3})
+        over_http = run(policy, reply, remote, rows, group_size=3, max_turns=3)
+    in_process = run(policy, reply, local, rows, group_size=3, max_turns=3)
+    assert counting.most > 1  # six episodes, one step each per turn, in flight together
+    assert [t.token_ids for t in over_http] == [t.token_ids for t in in_process]
+    assert [t.reward for t in over_http] == [t.reward for t in in_process] == [1.0] * 6
+
+
+def test_in_process_environments_are_stepped_one_episode_at_a_time(policy):
+    env = get_env("polygon-naming")
+    rows = tiny_rows(env, 2)
+    counting = _Counting(env, delay_s=0.01)
+    out = run(policy, gold_script(env, dict(rows)), env, rows, group_size=3, max_turns=3)
+    assert counting.most == 1 and all(t.reward == 1.0 for t in out)
+
+
+def test_env_serve_latency_delays_each_step_by_the_configured_time():
+    from gymv.envs.client import EnvClient
+
+    env = get_env("polygon-naming")
+    row = tiny_rows(env, 1)[0][1]
+    with EnvServer(env, step_latency_s=0.2) as srv:
+        client = EnvClient(srv.url)
+        client.reset(row)
+        t0 = time.perf_counter()
+        client.step(row, [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "no idea"}]}])
+        assert time.perf_counter() - t0 >= 0.2

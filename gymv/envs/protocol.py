@@ -229,6 +229,9 @@ class Environment(ABC):
     Knobs: ClassVar[type] = NoKnobs
     presets: ClassVar[dict[str, Any]] = {"default": NoKnobs()}
     description: ClassVar[str] = ""
+    # Its calls wait on I/O (a server) and may be made from several threads at once: the agent loop then
+    # starts, steps and scores the episodes of a batch concurrently instead of one after another.
+    concurrent_calls: ClassVar[bool] = False
 
     def __init__(self, *, max_turns: int | None = None):
         if max_turns is not None:

@@ -64,6 +64,7 @@ def _parts(content: Any) -> list:
 class RemoteEnv(Environment):
     name = "remote"
     agent_name = "remote"
+    concurrent_calls = True  # one client per episode; a server call is I/O wait
 
     def __init__(self, url: str, *, name: str | None = None, protocol: str = "auto", max_turns: int | None = None,
                  timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.25, agent_name: str | None = None):

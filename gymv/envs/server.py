@@ -31,6 +31,7 @@ import dataclasses
 import json
 import sys
 import threading
+import time
 import traceback
 import uuid
 from collections import OrderedDict
@@ -90,7 +91,9 @@ class EnvServer:
 
     def __init__(self, env: Environment, host: str = "127.0.0.1", port: int = 0, *,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_sessions: int = 10_000,
-                 request_timeout: float = 60.0, log_requests: bool = False):
+                 request_timeout: float = 60.0, log_requests: bool = False, step_latency_s: float = 0.0):
+        if step_latency_s < 0:
+            raise GymvError(f"step latency must be >= 0 seconds, got {step_latency_s}")
         clash = RESERVED.intersection(t.name for t in env.tool_specs())
         if clash:
             raise GymvError(f"environment {env.name!r} has a tool named like an endpoint: {sorted(clash)[0]}",
@@ -99,6 +102,7 @@ class EnvServer:
         self.max_body_bytes = max_body_bytes
         self.sessions = _Sessions(max_sessions)
         self.log_requests = log_requests
+        self.step_latency_s = float(step_latency_s)  # added to every /step and tool call: a slow tool, simulated
         handler = type("Handler", (_Handler,), {"server_obj": self, "timeout": request_timeout})
         try:
             self.httpd = ThreadingHTTPServer((host, port), handler)
@@ -173,6 +177,7 @@ class EnvServer:
         if state.done:
             raise HTTPError(409, "the episode in this session is over; POST /reset to start another")
         turn = turn_from_items(response["output"])
+        self._wait()
         try:
             result = env.step(state, turn)
             natural = env.is_done(dataclasses.replace(state, turns=0), turn, result.tool_results,
@@ -223,7 +228,12 @@ class EnvServer:
         except GymvError as e:
             raise HTTPError(422, e.one_line()) from None
 
+    def _wait(self) -> None:
+        if self.step_latency_s:
+            time.sleep(self.step_latency_s)
+
     def tool(self, sid: str, name: str, body: Any) -> tuple[bytes, dict[str, str]]:
+        self._wait()
         try:
             out = self.env.run_tool(self.sessions.get(sid), name, body)
         except ToolCallError as e:

@@ -17,7 +17,8 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 from gymv.backends.generation.base import GenerationBackend, GenerationRequest, SamplingParams
 from gymv.data.images import ImageError
@@ -35,6 +36,7 @@ from gymv.rollout.types import Trajectory
 __all__ = ["build_sft_sample", "run_rollouts", "to_rollout_record"]
 
 _MODEL_ITEM_TYPES = ("message", "function_call", "reasoning")
+MAX_ENV_THREADS = 64  # concurrent server calls per batch (environments with concurrent_calls)
 
 
 def _where(source: str | None, task_index: int, sample_index: int | None = None) -> str:
@@ -86,14 +88,31 @@ def _check_limits(group_size: int, max_turns: int, max_rollout_tokens: int, max_
         raise GymvError(f"max_images must be >= 0, got {max_images}")
 
 
-def _start(ep: Episode, renderer: ChatRenderer, cache: ImageCache, adapter, *, max_seq_len: int,
-           max_images: int | None) -> None:
+def _open(ep: Episode) -> None:
+    """Start the episode's environment (a server call for remote ones); a failure marks only this episode."""
     try:
         ep.state = ep.env.start(ep.row, where=ep.where)
     except RowError:
         raise
     except Exception as e:  # an environment that fails to start (server down, plugin bug)
         ep.fail(f"environment start failed: {_describe(e)}")
+
+
+def _each(fn: Callable, items: list) -> list:
+    """fn over items in order; concurrently when every item's environment allows concurrent calls."""
+    def env_of(item):
+        return (item[0] if isinstance(item, tuple) else item).env
+
+    if len(items) > 1 and all(env_of(i).concurrent_calls for i in items):
+        with ThreadPoolExecutor(max_workers=min(MAX_ENV_THREADS, len(items))) as pool:
+            return list(pool.map(fn, items))
+    return [fn(i) for i in items]
+
+
+def _start(ep: Episode, renderer: ChatRenderer, cache: ImageCache, adapter, *, max_seq_len: int,
+           max_images: int | None) -> None:
+    """Render and tokenize the prompt of an opened episode."""
+    if ep.error is not None:
         return
     ep.tools = _tools(ep.row, ep.env)
     text, images = renderer.prompt(ep.state.messages, ep.tools)
@@ -138,16 +157,16 @@ def run_rollouts(backend: GenerationBackend, adapter, tokenizer, chat_template: 
     cache = ImageCache(max_pixels=max_image_pixels)
     resolve = _Resolver(env_for, source)
     episodes: list[Episode] = []
-    env_s = 0.0
     for task_index, row in rows:
         env = resolve(row, task_index)
         for g in range(group_size):
-            ep = Episode(task_index, g, row, env, _where(source, task_index, g if group_size > 1 else None),
-                         _agent_name(row, env))
-            t0 = time.perf_counter()
-            _start(ep, renderer, cache, adapter, max_seq_len=max_seq_len, max_images=max_images)
-            env_s += time.perf_counter() - t0
-            episodes.append(ep)
+            episodes.append(Episode(task_index, g, row, env, _where(source, task_index, g if group_size > 1 else None),
+                                    _agent_name(row, env)))
+    t0 = time.perf_counter()
+    _each(_open, episodes)
+    for ep in episodes:
+        _start(ep, renderer, cache, adapter, max_seq_len=max_seq_len, max_images=max_images)
+    env_s = time.perf_counter() - t0
 
     base_seed = seed if seed is not None else params.seed
     gen_s, calls = 0.0, 0
@@ -169,14 +188,17 @@ def run_rollouts(backend: GenerationBackend, adapter, tokenizer, chat_template: 
             raise GymvError(f"the generation backend answered {len(outs)} of {len(requests)} requests",
                             fix="a backend must return one output per request, in order")
         t0 = time.perf_counter()
-        for e, cap, out in zip(active, caps, outs):
-            _take_turn(e, out, cap, turn, renderer=renderer, cache=cache, adapter=adapter, tokenizer=tokenizer,
-                       max_turns=max_turns, max_rollout_tokens=max_rollout_tokens, max_seq_len=max_seq_len,
-                       max_images=max_images)
+        taken = [_record_turn(e, out, cap, turn, adapter=adapter, tokenizer=tokenizer)
+                 for e, cap, out in zip(active, caps, outs)]
+        results = _each(lambda et: _step_env(et[0], et[1], turn), list(zip(active, taken)))
+        for e, t, result in zip(active, taken, results):
+            if result is not None:
+                _end_turn(e, t, result, turn, renderer=renderer, cache=cache, adapter=adapter, max_turns=max_turns,
+                          max_rollout_tokens=max_rollout_tokens, max_seq_len=max_seq_len, max_images=max_images)
         env_s += time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    trajectories = [_score(e, weights_version) for e in episodes]
+    trajectories = _each(lambda e: _score(e, weights_version), episodes)
     env_s += time.perf_counter() - t0
     if stats is not None:
         stats.update({"generation_s": gen_s, "env_s": env_s, "total_s": time.perf_counter() - t_start,
@@ -184,17 +206,29 @@ def run_rollouts(backend: GenerationBackend, adapter, tokenizer, chat_template: 
     return trajectories
 
 
-def _take_turn(e: Episode, out, cap: int, turn: int, *, renderer: ChatRenderer, cache: ImageCache, adapter,
-               tokenizer, max_turns: int, max_rollout_tokens: int, max_seq_len: int, max_images: int | None) -> None:
+@dataclass
+class _Turn:
+    """One model call, recorded: what the model said and where its tokens went."""
+
+    said: ModelTurn
+    call: dict
+    finish: str
+    tokens: list[int]
+
+
+def _record_turn(e: Episode, out, cap: int, turn: int, *, adapter, tokenizer) -> _Turn:
     tokens, logprobs = list(out.token_ids[:cap]), list(out.logprobs[:cap])
     cut = len(out.token_ids) > cap  # sampled past this episode's own budget: keep the prefix that fits
     finish = "length" if cut else out.finish_reason
     text = tokenizer.decode(tokens, skip_special_tokens=True) if cut else out.text
-    result = _model_turn(e, tokens, logprobs, parse_turn(text, _call_prefix(e, turn)), turn, adapter=adapter,
-                         finish=finish, stop_reason=out.stop_reason)
-    if result is None:
-        return
-    if finish == "length":
+    said = parse_turn(text, _call_prefix(e, turn))
+    return _Turn(said, _append_model_call(e, tokens, logprobs, turn, adapter=adapter, finish=finish,
+                                          stop_reason=out.stop_reason), finish, tokens)
+
+
+def _end_turn(e: Episode, t: _Turn, result: StepResult, turn: int, *, renderer: ChatRenderer, cache: ImageCache,
+              adapter, max_turns: int, max_rollout_tokens: int, max_seq_len: int, max_images: int | None) -> None:
+    if t.finish == "length":
         return e.finish("length", truncated=True)
     if e.state.done or result.done:
         return e.finish("stop")
@@ -202,7 +236,7 @@ def _take_turn(e: Episode, out, cap: int, turn: int, *, renderer: ChatRenderer, 
         return e.finish("max_turns")
     if e.generated >= max_rollout_tokens:
         return e.finish("length", truncated=True)
-    _env_turn(e, result, turn, closed=renderer.ends_turn(tokens), renderer=renderer, cache=cache, adapter=adapter,
+    _env_turn(e, result, turn, closed=renderer.ends_turn(t.tokens), renderer=renderer, cache=cache, adapter=adapter,
               max_seq_len=max_seq_len, max_images=max_images)
 
 
@@ -210,13 +244,12 @@ def _call_prefix(e: Episode, turn: int) -> str:
     return f"call_{e.task_index}_{e.sample_index}_{turn}"
 
 
-def _model_turn(e: Episode, tokens: list[int], logprobs: list[float], model_turn: ModelTurn, turn: int, *, adapter,
-                finish: str, stop_reason) -> StepResult | None:
-    """Append one model call's tokens (mask 1) and step the environment with its turn.
+def _append_model_call(e: Episode, tokens: list[int], logprobs: list[float], turn: int, *, adapter, finish: str,
+                       stop_reason) -> dict:
+    """Append one model call's tokens (mask 1); the call's record, which `_step_env` completes.
 
-    None when the environment step failed (the episode is marked). Tokens that are image placeholders (or
-    other vision special tokens) raise: a backend must mask them out of sampling, and a sequence holding
-    one would make the next forward pass pair images with the wrong spans.
+    Tokens that are image placeholders (or other vision special tokens) raise: a backend must mask them out
+    of sampling, and a sequence holding one would make the next forward pass pair images with the wrong spans.
     """
     vision = set(getattr(adapter, "vision_token_ids", ()) or ())
     bad = [t for t in tokens if t in vision]
@@ -227,17 +260,22 @@ def _model_turn(e: Episode, tokens: list[int], logprobs: list[float], model_turn
     start = len(e.ids)
     e.append_sampled(tokens, logprobs)
     e.turns += 1
-    first = len(e.state.output)
     call = {"turn": turn, "prompt_end": start, "generation_start": start, "generation_end": len(e.ids),
             "finish_reason": finish, "stop_reason": stop_reason, "output_index": None}
     e.model_calls.append(call)
+    return call
+
+
+def _step_env(e: Episode, t: _Turn, turn: int) -> StepResult | None:
+    """Step the environment with the model's turn; None when that failed (the episode is marked)."""
+    first = len(e.state.output)
     try:
-        result = e.env.step(e.state, model_turn)
+        result = e.env.step(e.state, t.said)
     except Exception as ex:  # a tool or env step that crashed: this episode only
-        call["output_index"] = _model_item_index(e, first, len(model_turn.to_items()))
+        t.call["output_index"] = _model_item_index(e, first, len(t.said.to_items()))
         e.fail(f"environment step failed at turn {turn}: {_describe(ex)}")
         return None
-    call["output_index"] = _model_item_index(e, first, len(model_turn.to_items()))
+    t.call["output_index"] = _model_item_index(e, first, len(t.said.to_items()))
     return result
 
 
@@ -306,6 +344,7 @@ def build_sft_sample(env: Environment, row: dict, adapter, tokenizer, chat_templ
     renderer = ChatRenderer(tokenizer, chat_template, chat_template_kwargs)
     cache = image_cache or ImageCache(max_pixels=max_image_pixels)
     ep = Episode(task_index, 0, row, env, _where(source, task_index), _agent_name(row, env))
+    _open(ep)
     _start(ep, renderer, cache, adapter, max_seq_len=max_seq_len, max_images=None)
     if ep.error is not None:
         return _score(ep, 0)
@@ -314,7 +353,8 @@ def build_sft_sample(env: Environment, row: dict, adapter, tokenizer, chat_templ
     for turn, gold in enumerate(golds):
         ids = adapter.encode_text(renderer.assistant(conversation, ep.tools, gold), [], where=ep.at(turn))
         said = parse_turn(tokenizer.decode(ids, skip_special_tokens=True), _call_prefix(ep, turn))
-        result = _model_turn(ep, ids, [0.0] * len(ids), said, turn, adapter=adapter, finish="stop", stop_reason=None)
+        call = _append_model_call(ep, ids, [0.0] * len(ids), turn, adapter=adapter, finish="stop", stop_reason=None)
+        result = _step_env(ep, _Turn(said, call, "stop", ids), turn)
         if result is None:
             break
         if ep.state.done or result.done:
