@@ -5,6 +5,8 @@ pass fills a DynamicCache and each step then feeds one token per unfinished row.
 batch (the cache drops them too). Image features come from a cache keyed by the image's pixel hash, so the
 G generations of one prompt, and later turns that repeat an image, encode it once; the cache is cleared
 only by `reset_encoder_cache()`, because whether the encoder's weights changed is the caller's knowledge.
+A hit on features computed before the latest weight update is counted (`encoder_cache_stale_hits`): with
+the reset policy on it stays 0, which is how tests and runs check it.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ class HFGenerationBackend(GenerationBackend):
         self.device = next(model.parameters()).device
         self.max_cached_images = max_cached_images
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
-        self._cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor | None]] = OrderedDict()
+        # image hash -> (features, grid, the weight update they were computed after)
+        self._cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor | None, int]] = OrderedDict()
         self._stats = {"encoder_cache_hits": 0, "encoder_cache_misses": 0, "encoder_cache_evictions": 0,
-                       "encoder_cache_resets": 0, "weight_updates": 0}
+                       "encoder_cache_resets": 0, "encoder_cache_stale_hits": 0, "weight_updates": 0}
         eos = {tokenizer.eos_token_id, *_as_ids(getattr(model.generation_config, "eos_token_id", None))}
         self.eos_token_ids = tuple(sorted(i for i in eos if i is not None))
         self.last_timing: dict = {}
@@ -52,27 +55,29 @@ class HFGenerationBackend(GenerationBackend):
                 if k in self._cache:
                     self._cache.move_to_end(k)
                     self._stats["encoder_cache_hits"] += 1
+                    if self._cache[k][2] != self._stats["weight_updates"]:  # features of older weights
+                        self._stats["encoder_cache_stale_hits"] += 1
                 elif k in todo:
                     self._stats["encoder_cache_hits"] += 1
                 else:
                     todo[k] = im
                     self._stats["encoder_cache_misses"] += 1
-        fresh: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        fresh: dict[str, tuple[torch.Tensor, torch.Tensor | None, int]] = {}
         if todo:
             inputs = self.adapter.preprocess(list(todo.values()))
             with torch.no_grad():
                 feats = self.adapter.image_features(self.model, inputs)
             for i, k in enumerate(todo):
                 grid = inputs.image_grid_thw[i:i + 1] if inputs.image_grid_thw is not None else None
-                fresh[k] = (feats[i], grid)
+                fresh[k] = (feats[i], grid, self._stats["weight_updates"])
         ordered = [fresh[k] if k in fresh else self._cache[k] for ks in keys for k in ks]
         for k, v in fresh.items():
             self._cache[k] = v
         while len(self._cache) > self.max_cached_images:
             self._cache.popitem(last=False)
             self._stats["encoder_cache_evictions"] += 1
-        feats = [f for f, _ in ordered]
-        grids = [g for _, g in ordered if g is not None]
+        feats = [f for f, _, _ in ordered]
+        grids = [g for _, g, _ in ordered if g is not None]
         return feats, (torch.cat(grids) if grids else None)
 
     def reset_encoder_cache(self) -> None:
