@@ -95,3 +95,84 @@ def test_right_pad_aligns_tokens_left_and_masks_the_rest():
     b = right_pad([[5, 6, 7], [8]], [[], []], pad_id=0)
     assert b.input_ids.tolist() == [[5, 6, 7], [8, 0, 0]]
     assert b.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def group_batch(policy, completion_lens=(3, 5, 1, 4)):
+    """A GRPO-shaped batch: rows of two prompts (one image each) with completions of several lengths;
+    loss mask 1 on the completion tokens only."""
+    im_end = policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    g = torch.Generator().manual_seed(0)
+    seqs, images, masks = [], [], []
+    for i, n in enumerate(completion_lens):
+        image = noise(20 + i % 2, (70, 60))
+        prompt = chat_ids(policy, "How many?" + " more" * (i % 2), [image])
+        completion = torch.randint(10, 200, (n,), generator=g).tolist()[:-1] + [im_end]
+        seqs.append(prompt + completion)
+        images.append([image])
+        masks.append([0] * len(prompt) + [1] * n)
+    batch = right_pad(seqs, images, policy.tokenizer.pad_token_id, where=[f"row {i}" for i in range(len(seqs))])
+    mask = torch.zeros_like(batch.input_ids, dtype=torch.bool)
+    for b, m in enumerate(masks):
+        mask[b, :len(m)] = torch.tensor(m, dtype=torch.bool)
+    return batch, mask
+
+
+@pytest.mark.parametrize("arch", ["tiny-llava", "tiny-qwen2vl"])
+def test_scoring_the_loss_mask_only_gives_the_full_logprobs_and_entropies_there_and_zero_elsewhere(arch):
+    policy = shared_policy(arch)
+    batch, mask = group_batch(policy)
+    with torch.no_grad():
+        lp_full, ent_full = sequence_logprobs(policy.model, policy.adapter, batch, 0.9, return_entropy=True)
+        lp, ent = sequence_logprobs(policy.model, policy.adapter, batch, 0.9, return_entropy=True, score_mask=mask)
+    assert torch.allclose(lp[mask], lp_full[mask], atol=1e-5)
+    assert torch.allclose(ent[mask], ent_full[mask], atol=1e-5)
+    assert (lp[~mask] == 0).all() and (ent[~mask] == 0).all()
+
+
+def test_gradients_of_a_loss_on_the_scored_tokens_equal_the_full_computations():
+    policy = fresh_policy("tiny-llava")
+    policy.model.train()
+    batch, mask = group_batch(policy)
+    adv = torch.tensor([1.0, -0.5, 0.25, -2.0])[:, None]
+
+    def grads(score_mask):
+        policy.model.zero_grad(set_to_none=True)
+        lp = sequence_logprobs(policy.model, policy.adapter, batch, score_mask=score_mask)
+        (-(lp * adv * mask).sum() / mask.sum()).backward()
+        return {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+
+    full, masked = grads(None), grads(mask)
+    assert full.keys() == masked.keys() and any("vision_tower" in n for n in full)
+    for n in full:
+        assert torch.allclose(masked[n], full[n], rtol=1e-4, atol=1e-6), n
+
+
+def test_the_lm_head_runs_only_on_the_columns_that_predict_scored_tokens():
+    policy = shared_policy("tiny-llava")
+    batch, mask = group_batch(policy, completion_lens=(2, 4))
+    rows_seen = []
+    hook = policy.model.get_output_embeddings().register_forward_hook(
+        lambda mod, args, out: rows_seen.append(args[0].shape[:-1].numel()))
+    try:
+        with torch.no_grad():
+            sequence_logprobs(policy.model, policy.adapter, batch, score_mask=mask)
+    finally:
+        hook.remove()
+    columns = int(mask.any(0).sum())  # the union over rows of the completion columns
+    assert rows_seen == [2 * columns]
+    assert columns < 8 < batch.input_ids.shape[1] - 60  # the image and prompt positions are never projected
+
+
+def test_an_image_shared_by_several_rows_goes_through_the_vision_tower_once():
+    policy = shared_policy("tiny-llava")
+    batch, mask = group_batch(policy)  # four rows, two distinct images
+    images_seen = []
+    hook = policy.model.model.vision_tower.register_forward_hook(
+        lambda mod, args, kwargs, out: images_seen.append(int((args[0] if args else kwargs["pixel_values"]).shape[0])),
+        with_kwargs=True)
+    try:
+        with torch.no_grad():
+            sequence_logprobs(policy.model, policy.adapter, batch, score_mask=mask)
+    finally:
+        hook.remove()
+    assert images_seen == [2]

@@ -5,6 +5,12 @@ applied) as generation, so `exp(|logp_gen - logp_train|)` is 1 up to float error
 Outputs align with the input ids: column t is the logprob of token t given tokens < t; column 0 and padding
 are 0. A target that is a masked vision token (image spans of the prompt) also gets 0 instead of -inf, so a
 loss mask of 0 there never multiplies an infinity.
+
+With a `score_mask` (the loss mask), only those target positions are scored: the LM head, log-softmax and
+entropy run on them alone, and every other column is exactly 0. A GRPO sample is mostly prompt (image
+tokens included), so this is most of the softmax work of a step saved, with the same values where it counts.
+Each distinct image of a batch goes through the vision tower once (the G samples of a group share theirs);
+gradients of a shared image's features add up over its uses, as they would for separate copies.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Any
 import torch
 
 from gymv.backends.hf_forward import forward_logits
-from gymv.backends.multimodal import MultimodalAdapter
+from gymv.backends.multimodal import MultimodalAdapter, image_hash
 from gymv.backends.sampling import forbidden_mask, policy_logits
 
 
@@ -43,29 +49,41 @@ def right_pad(sequences: Sequence[Sequence[int]], images: Sequence[Sequence[Any]
     return MultimodalBatch(ids, mask, [list(x) for x in images], list(where) if where else None)
 
 
-def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch) -> torch.Tensor:
+def _image_features(model, adapter: MultimodalAdapter, images: list) -> tuple[list, Any]:
+    """Features of `images` in order, each distinct image (by pixel hash) encoded once."""
+    keys = [image_hash(im) for im in images]
+    first: dict[str, int] = {}
+    for i, k in enumerate(keys):
+        first.setdefault(k, i)
+    unique = [images[i] for i in first.values()]
+    inputs = adapter.preprocess(unique)
+    feats = adapter.image_features(model, inputs)
+    slot = {k: n for n, k in enumerate(first)}
+    order = [slot[k] for k in keys]
+    grid = inputs.image_grid_thw
+    if grid is not None and len(unique) != len(images):
+        grid = grid[torch.tensor(order, device=grid.device)]
+    return [feats[n] for n in order], grid
+
+
+def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, keep=None) -> torch.Tensor:
+    """Logits [B, T, V], or [B, K, V] at the K sequence columns of the 1-D index tensor `keep`."""
     dev = next(model.parameters()).device
     adapter.check_batch(batch.input_ids, batch.images, batch.where, batch.attention_mask)
     ids, mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)
     flat = [im for row in batch.images for im in row]
     feats, grid = [], None
     if flat:
-        inputs = adapter.preprocess(flat)
-        grid = inputs.image_grid_thw
-        feats = adapter.image_features(model, inputs)
+        feats, grid = _image_features(model, adapter, flat)
     positions = adapter.position_ids(model, ids, mask, grid)
-    return forward_logits(model, input_ids=ids, attention_mask=mask, position_ids=positions,
-                          image_token_id=adapter.image_token_id, features=feats)
+    logits = forward_logits(model, input_ids=ids, attention_mask=mask, position_ids=positions,
+                            image_token_id=adapter.image_token_id, features=feats, logits_to_keep=keep)
+    if keep is not None and logits.shape[1] != keep.numel():  # the model ignored logits_to_keep
+        logits = logits[:, keep.to(logits.device)]
+    return logits
 
 
-def sequence_logprobs(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temperature: float = 1.0,
-                      forbidden_ids: Sequence[int] | None = None, *, return_entropy: bool = False):
-    """Per-token logprobs [B, T] (and entropies [B, T] with `return_entropy`); differentiable."""
-    logits = _forward_logits(model, adapter, batch)
-    ids = batch.input_ids.to(logits.device)
-    mask = batch.attention_mask.to(logits.device)
-    forbidden_ids = adapter.vision_token_ids if forbidden_ids is None else forbidden_ids
-    forbidden = forbidden_mask(logits.shape[-1], forbidden_ids, logits.device)
+def _full_logprobs(logits, ids, mask, temperature, forbidden, return_entropy):
     z = policy_logits(logits[:, :-1], temperature, forbidden)
     target = ids[:, 1:]
     lse = torch.logsumexp(z, dim=-1)
@@ -77,8 +95,54 @@ def sequence_logprobs(model, adapter: MultimodalAdapter, batch: MultimodalBatch,
     logprobs = torch.cat([lp.new_zeros((lp.shape[0], 1)), lp], dim=1)
     if not return_entropy:
         return logprobs
-    p = torch.softmax(z, dim=-1)
-    finite_z = z.masked_fill(torch.isinf(z), 0.0)
-    ent = lse - (p * finite_z).sum(-1)
+    ent = _entropy(z, lse)
     ent = torch.where(mask[:, 1:].bool(), ent, torch.zeros_like(ent))
     return logprobs, torch.cat([ent.new_zeros((ent.shape[0], 1)), ent], dim=1)
+
+
+def _entropy(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    p = torch.softmax(z, dim=-1)
+    finite_z = z.masked_fill(torch.isinf(z), 0.0)
+    return lse - (p * finite_z).sum(-1)
+
+
+def sequence_logprobs(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temperature: float = 1.0,
+                      forbidden_ids: Sequence[int] | None = None, *, return_entropy: bool = False,
+                      score_mask: torch.Tensor | None = None):
+    """Per-token logprobs [B, T] (and entropies [B, T] with `return_entropy`); differentiable.
+
+    `score_mask` [B, T] (e.g. the loss mask): score only these tokens; all other entries are 0.
+    """
+    forbidden_ids = adapter.vision_token_ids if forbidden_ids is None else forbidden_ids
+    ids_cpu, mask_cpu = batch.input_ids, batch.attention_mask
+    if score_mask is not None:
+        wanted = score_mask.to(mask_cpu.device).bool()[:, 1:] & mask_cpu[:, 1:].bool()
+        cols = wanted.any(0).nonzero().squeeze(-1)  # column c of the logits predicts token c + 1
+        if cols.numel() == 0:
+            score_mask = None  # nothing to score: the full path keeps the loss attached to the graph
+    if score_mask is None:
+        logits = _forward_logits(model, adapter, batch)
+        ids, mask = ids_cpu.to(logits.device), mask_cpu.to(logits.device)
+        forbidden = forbidden_mask(logits.shape[-1], forbidden_ids, logits.device)
+        return _full_logprobs(logits, ids, mask, temperature, forbidden, return_entropy)
+
+    dev = next(model.parameters()).device
+    cols_dev = cols.to(dev)
+    logits = _forward_logits(model, adapter, batch, keep=cols_dev)  # [B, K, V]
+    forbidden = forbidden_mask(logits.shape[-1], forbidden_ids, logits.device)
+    sel = wanted[:, cols].to(logits.device)  # [B, K]: the scored (row, column) pairs
+    rows, k = sel.nonzero(as_tuple=True)
+    t = cols_dev[k]  # logits column; the token scored is t + 1
+    z = policy_logits(logits[rows, k], temperature, forbidden)  # [N, V]
+    target = ids_cpu.to(dev)[rows, t + 1]
+    lse = torch.logsumexp(z, dim=-1)
+    picked = z.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    lp = picked - lse
+    if forbidden is not None:
+        lp = torch.where(forbidden[target], torch.zeros_like(lp), lp)
+    B, T = ids_cpu.shape
+    logprobs = lp.new_zeros((B, T)).index_put((rows, t + 1), lp)
+    if not return_entropy:
+        return logprobs
+    ent = _entropy(z, lse)
+    return logprobs, ent.new_zeros((B, T)).index_put((rows, t + 1), ent)

@@ -183,8 +183,10 @@ def _logprob_fn(adapter, temperature: float):
     from gymv.backends.logprobs import MultimodalBatch, sequence_logprobs
 
     def logprob_fn(model, mb):
+        """Scores the loss-masked tokens only (every loss reads logprobs there alone); other entries are 0."""
         batch = MultimodalBatch(mb["input_ids"], mb["attention_mask"], mb["images"], mb["where"])
-        return sequence_logprobs(model, adapter, batch, temperature, return_entropy=True)
+        return sequence_logprobs(model, adapter, batch, temperature, return_entropy=True,
+                                 score_mask=mb.get("loss_mask"))
 
     return logprob_fn
 

@@ -1,0 +1,78 @@
+"""One GRPO step on a training worker in-process (no Ray): how many forward passes it runs, and that the
+old-policy logprobs and token_mult_prob_error come from the right weights."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gymv.algorithms.loss_fns import PolicyLoss
+from gymv.backends.logprobs import right_pad, sequence_logprobs
+from gymv.cluster.workers import TrainingWorker, WorkerSpec
+from gymv.train.data import EnvSpec
+from tiny_models import chat_ids, noise, tiny_path
+
+
+def worker(micro_batch_tokens: int = 4096) -> TrainingWorker:
+    spec = WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSpec("circle-count"),
+                      trainer={"lr": 1e-2, "precision": "fp32", "micro_batch_tokens": micro_batch_tokens})
+    w = TrainingWorker(spec)
+    w.setup()
+    return w
+
+
+def samples_for(w: TrainingWorker, n: int = 4, behaviour_shift: float = 0.0) -> list[dict]:
+    """Prompt + a few completion tokens; behaviour logprobs are the worker's own (+ a shift)."""
+    policy = w.policy
+    im_end = policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    out = []
+    for i in range(n):
+        image = noise(i // 2, (70, 60))
+        prompt = chat_ids(policy, "How many?", [image])
+        ids = prompt + [20 + i, 30 + i, 40 + i][: 1 + i % 3] + [im_end]
+        mask = torch.tensor([0] * len(prompt) + [1] * (len(ids) - len(prompt)), dtype=torch.bool)
+        batch = right_pad([ids], [[image]], policy.tokenizer.pad_token_id)
+        with torch.no_grad():
+            lp = sequence_logprobs(w.trainer.model, policy.adapter, batch)[0]
+        out.append({"input_ids": torch.tensor(ids), "loss_mask": mask,
+                    "logp_behaviour": torch.where(mask, lp + behaviour_shift, torch.zeros_like(lp)),
+                    "advantages": torch.tensor(1.0 if i % 2 else -1.0), "images": [image], "where": f"sample {i}"})
+    return out
+
+
+def count_forwards(model) -> list[int]:
+    calls: list[int] = []
+    model.register_forward_hook(lambda mod, args, out: calls.append(1))
+    return calls
+
+
+def test_a_single_minibatch_step_runs_one_forward_pass_per_micro_batch():
+    w = worker(micro_batch_tokens=160)  # about two samples per micro-batch
+    samples = samples_for(w)
+    calls = count_forwards(w.trainer.model)
+    metrics = w.grpo_step([samples], PolicyLoss())
+    assert metrics["train/num_micro_batches"] >= 2
+    assert len(calls) == metrics["train/num_micro_batches"]
+    assert all("logp_old" not in s for s in samples)
+
+
+def test_token_mult_prob_error_of_a_single_minibatch_step_compares_the_training_forward_with_the_generator():
+    w = worker()
+    assert math.isclose(w.grpo_step([samples_for(w)], PolicyLoss())["train/token_mult_prob_error"], 1.0,
+                        abs_tol=1e-5)
+    shifted = w.grpo_step([samples_for(w, behaviour_shift=0.1)], PolicyLoss())
+    assert math.isclose(shifted["train/token_mult_prob_error"], math.exp(0.1), rel_tol=1e-5)
+
+
+def test_a_two_minibatch_step_scores_every_sample_under_the_old_weights_before_the_first_update():
+    w = worker()
+    samples = samples_for(w)
+    before = samples_for(w)  # behaviour logprobs = the logprobs under the weights before the step
+    calls = count_forwards(w.trainer.model)
+    metrics = w.grpo_step([samples[:2], samples[2:]], PolicyLoss())
+    # one no-grad pass over all four samples (one micro-batch) for the old logprobs, then one per minibatch
+    assert metrics["train/num_micro_batches"] == 2 and len(calls) == 1 + 2
+    for s, b in zip(samples, before):
+        m = s["loss_mask"]
+        assert torch.allclose(s["logp_old"][m], b["logp_behaviour"][m], atol=1e-5)
