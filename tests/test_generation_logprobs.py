@@ -97,9 +97,10 @@ def test_right_pad_aligns_tokens_left_and_masks_the_rest():
     assert b.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
 
 
-def group_batch(policy, completion_lens=(3, 5, 1, 4)):
+def group_batch(policy, completion_lens=(3, 5, 1, 4), second_turn_image=False):
     """A GRPO-shaped batch: rows of two prompts (one image each) with completions of several lengths;
-    loss mask 1 on the completion tokens only."""
+    loss mask 1 on the completion tokens only. With `second_turn_image`, each row goes on with a user turn
+    that brings another image and a second completion."""
     im_end = policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
     g = torch.Generator().manual_seed(0)
     seqs, images, masks = [], [], []
@@ -110,6 +111,11 @@ def group_batch(policy, completion_lens=(3, 5, 1, 4)):
         seqs.append(prompt + completion)
         images.append([image])
         masks.append([0] * len(prompt) + [1] * n)
+        if second_turn_image:
+            turn = chat_ids(policy, "And now?", [noise(30 + i, (60, 70))])
+            seqs[-1] += turn + completion
+            images[-1].append(noise(30 + i, (60, 70)))
+            masks[-1] += [0] * len(turn) + [1] * n
     batch = right_pad(seqs, images, policy.tokenizer.pad_token_id, where=[f"row {i}" for i in range(len(seqs))])
     mask = torch.zeros_like(batch.input_ids, dtype=torch.bool)
     for b, m in enumerate(masks):
@@ -118,9 +124,11 @@ def group_batch(policy, completion_lens=(3, 5, 1, 4)):
 
 
 @pytest.mark.parametrize("arch", ["tiny-llava", "tiny-qwen2vl"])
-def test_scoring_the_loss_mask_only_gives_the_full_logprobs_and_entropies_there_and_zero_elsewhere(arch):
+@pytest.mark.parametrize("second_turn_image", [False, True], ids=["one-turn", "image-in-a-later-turn"])
+def test_scoring_the_loss_mask_only_gives_the_full_logprobs_and_entropies_there_and_zero_elsewhere(
+        arch, second_turn_image):
     policy = shared_policy(arch)
-    batch, mask = group_batch(policy)
+    batch, mask = group_batch(policy, second_turn_image=second_turn_image)
     with torch.no_grad():
         lp_full, ent_full = sequence_logprobs(policy.model, policy.adapter, batch, 0.9, return_entropy=True)
         lp, ent = sequence_logprobs(policy.model, policy.adapter, batch, 0.9, return_entropy=True, score_mask=mask)
@@ -176,3 +184,20 @@ def test_an_image_shared_by_several_rows_goes_through_the_vision_tower_once():
     finally:
         hook.remove()
     assert images_seen == [2]
+
+
+@pytest.mark.parametrize("arch", ["tiny-llava", "tiny-qwen2vl"])
+def test_rows_that_share_a_prompt_and_image_run_that_prompt_through_the_decoder_once(arch):
+    policy = shared_policy(arch)
+    batch, mask = group_batch(policy)  # four rows, two distinct prompts
+    tokens_seen = []
+    layer = policy.model.model.language_model.layers[0]
+    hook = layer.register_forward_hook(lambda mod, args, out: tokens_seen.append(args[0].shape[:-1].numel()))
+    try:
+        with torch.no_grad():
+            sequence_logprobs(policy.model, policy.adapter, batch, score_mask=mask)
+    finally:
+        hook.remove()
+    prompt_lens = [int(mask[b].int().argmax()) - 1 for b in (0, 1)]  # the prefix ends before the last prompt token
+    completion_cols = int(((batch.attention_mask.sum(1)) - torch.tensor(prompt_lens * 2)).max())
+    assert tokens_seen == [2 * max(prompt_lens), 4 * completion_cols]

@@ -41,16 +41,18 @@ def samples_for(w: TrainingWorker, n: int = 4, behaviour_shift: float = 0.0) -> 
     return out
 
 
-def count_forwards(model) -> list[int]:
+def count_passes(model) -> list[int]:
+    """Calls of the vision tower: one per pass over a micro-batch (every sample here has an image; a pass
+    that shares prompts between samples calls the decoder twice, prompts then completions, but encodes once)."""
     calls: list[int] = []
-    model.register_forward_hook(lambda mod, args, out: calls.append(1))
+    model.model.vision_tower.register_forward_hook(lambda mod, args, out: calls.append(1))
     return calls
 
 
 def test_a_single_minibatch_step_runs_one_forward_pass_per_micro_batch():
     w = worker(micro_batch_tokens=160)  # about two samples per micro-batch
     samples = samples_for(w)
-    calls = count_forwards(w.trainer.model)
+    calls = count_passes(w.trainer.model)
     metrics = w.grpo_step([samples], PolicyLoss())
     assert metrics["train/num_micro_batches"] >= 2
     assert len(calls) == metrics["train/num_micro_batches"]
@@ -69,7 +71,7 @@ def test_a_two_minibatch_step_scores_every_sample_under_the_old_weights_before_t
     w = worker()
     samples = samples_for(w)
     before = samples_for(w)  # behaviour logprobs = the logprobs under the weights before the step
-    calls = count_forwards(w.trainer.model)
+    calls = count_passes(w.trainer.model)
     metrics = w.grpo_step([samples[:2], samples[2:]], PolicyLoss())
     # one no-grad pass over all four samples (one micro-batch) for the old logprobs, then one per minibatch
     assert metrics["train/num_micro_batches"] == 2 and len(calls) == 1 + 2

@@ -83,6 +83,89 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
     return logits
 
 
+def _recomputes_activations(model) -> bool:
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    return bool(getattr(model, name, False))
+
+
+def _shared_prefix_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, wanted: torch.Tensor):
+    """Logits [N, V] at the scored (row, column) pairs of `wanted` [B, T-1], with the tokens before each row's
+    first scored column run once per distinct prefix (the G samples of a GRPO group share their prompt and
+    image) and the rest of each row run on top of that prefix's KV cache. Causal attention makes this the
+    same computation as one pass over every row; gradients of a shared prefix add up over its rows.
+
+    Returns (logits, rows, columns), or None where it does not apply: no two rows share a prefix, an image
+    lies after a row's first scored token, or the model recomputes activations (no cache in training).
+    """
+    from transformers import DynamicCache
+
+    if _recomputes_activations(model):
+        return None
+    ids, mask = batch.input_ids, batch.attention_mask.bool()
+    B, T = ids.shape
+    if not bool(wanted.any(1).all()):
+        return None
+    first = wanted.int().argmax(1)  # first scored logits column = prefix length
+    if int(first.min()) < 1:
+        return None
+    columns = torch.arange(T)[None, :]
+    if bool(((ids == adapter.image_token_id) & mask & (columns >= first[:, None])).any()):
+        return None
+    hashes: dict[int, str] = {}
+    for row in batch.images:
+        for im in row:
+            if id(im) not in hashes:
+                hashes[id(im)] = image_hash(im)
+    groups: list[int] = []
+    keys: dict = {}
+    for b in range(B):
+        row_hashes = tuple(hashes[id(im)] for im in batch.images[b])
+        key = (tuple(ids[b, :int(first[b])].tolist()), row_hashes)
+        groups.append(keys.setdefault(key, len(keys)))
+    U = len(keys)
+    if U == B:
+        return None
+    adapter.check_batch(ids, batch.images, batch.where, batch.attention_mask)
+    reps = [groups.index(u) for u in range(U)]
+    P = int(first.max())
+    dev = next(model.parameters()).device
+    rep_idx = torch.tensor(reps)
+    pre_len = first[rep_idx]
+    pre_ids = ids[rep_idx, :P]
+    pre_mask = (torch.arange(P)[None, :] < pre_len[:, None]).long()
+    pre_ids = torch.where(pre_mask.bool(), pre_ids, pre_ids[:, :1]).to(dev)  # pads: a prefix's own first token
+    pre_mask = pre_mask.to(dev)
+    flat = [im for u in reps for im in batch.images[u]]
+    feats, grid = _image_features(model, adapter, flat) if flat else ([], None)
+    pre_pos = adapter.position_ids(model, pre_ids, pre_mask, grid)
+    cache = DynamicCache(config=model.config)
+    forward_logits(model, input_ids=pre_ids, attention_mask=pre_mask, position_ids=pre_pos,
+                   image_token_id=adapter.image_token_id, features=feats, cache=cache, logits_to_keep=1)
+    if cache.get_seq_length() != P:  # the model kept no cache: run every row in full
+        return None
+    group_idx = torch.tensor(groups, device=dev)
+    next_pos = adapter.next_positions(pre_pos, pre_mask)[group_idx]
+    cache.batch_select_indices(group_idx)
+
+    lengths = mask.sum(1)
+    S = int((lengths - first).max())
+    col = first[:, None] + torch.arange(S)[None, :]  # the original column of each suffix column
+    valid = col < lengths[:, None]
+    col = col.clamp(max=T - 1)
+    suf_ids = ids.gather(1, col)
+    suf_ids = torch.where(valid, suf_ids, suf_ids[:, :1]).to(dev)
+    suf_mask = torch.cat([pre_mask[group_idx], valid.long().to(dev)], dim=1)
+    positions = torch.cat([adapter.step_positions(next_pos + j) for j in range(S)], dim=-1)
+    suf_wanted = torch.cat([wanted, wanted.new_zeros((B, 1))], dim=1).gather(1, col) & valid  # the last token predicts nothing
+    keep = suf_wanted.any(0).nonzero().squeeze(-1).to(dev)
+    logits = forward_logits(model, input_ids=suf_ids, attention_mask=suf_mask, position_ids=positions, cache=cache,
+                            logits_to_keep=keep)
+    if logits.shape[1] != keep.numel():  # the model ignored logits_to_keep
+        logits = logits[:, keep]
+    rows, k = suf_wanted[:, keep.cpu()].to(dev).nonzero(as_tuple=True)
+    return logits[rows, k], rows, first.to(dev)[rows] + keep[k]
+
+
 def _full_logprobs(logits, ids, mask, temperature, forbidden, return_entropy):
     z = policy_logits(logits[:, :-1], temperature, forbidden)
     target = ids[:, 1:]
@@ -127,13 +210,17 @@ def sequence_logprobs(model, adapter: MultimodalAdapter, batch: MultimodalBatch,
         return _full_logprobs(logits, ids, mask, temperature, forbidden, return_entropy)
 
     dev = next(model.parameters()).device
-    cols_dev = cols.to(dev)
-    logits = _forward_logits(model, adapter, batch, keep=cols_dev)  # [B, K, V]
+    scored = _shared_prefix_logits(model, adapter, batch, wanted)
+    if scored is None:
+        cols_dev = cols.to(dev)
+        logits = _forward_logits(model, adapter, batch, keep=cols_dev)  # [B, K, V]
+        sel = wanted[:, cols].to(logits.device)  # [B, K]: the scored (row, column) pairs
+        rows, k = sel.nonzero(as_tuple=True)
+        t = cols_dev[k]  # logits column; the token scored is t + 1
+        scored = logits[rows, k], rows, t
+    logits, rows, t = scored
     forbidden = forbidden_mask(logits.shape[-1], forbidden_ids, logits.device)
-    sel = wanted[:, cols].to(logits.device)  # [B, K]: the scored (row, column) pairs
-    rows, k = sel.nonzero(as_tuple=True)
-    t = cols_dev[k]  # logits column; the token scored is t + 1
-    z = policy_logits(logits[rows, k], temperature, forbidden)  # [N, V]
+    z = policy_logits(logits, temperature, forbidden)  # [N, V]
     target = ids_cpu.to(dev)[rows, t + 1]
     lse = torch.logsumexp(z, dim=-1)
     picked = z.gather(-1, target.unsqueeze(-1)).squeeze(-1)
