@@ -23,6 +23,8 @@ Examples:
   gymv train recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml model.path=runs/sft-warm/final
 
   gymv train --resume runs/vlm_grpo-tinyllava-1n0g-torch grpo.max_steps=80
+
+  gymv train recipes/vlm/vlm_grpo-tinyllava-1n0g-torch-async-1off.yaml     (or: RECIPE --async)
 """
 
 
@@ -98,6 +100,8 @@ def train(
     resume: Path = typer.Option(None, "--resume", help="Continue this run directory from its newest checkpoint."),
     ray_address: str = typer.Option(None, "--ray-address", help="Join this Ray cluster (HOST:PORT or auto) instead of starting one."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout instead of the table."),
+    async_grpo: bool = typer.Option(False, "--async", help="GRPO with generation running ahead of training "
+                                    "(grpo.async.enabled; needs grpo.importance_sampling)."),
 ) -> None:
     from gymv.train import train as run_training
 
@@ -108,7 +112,7 @@ def train(
     display = _display()
     try:
         summary = run_training(recipe, overrides, resume_dir=str(resume) if resume else None,
-                               ray_address=ray_address, reporter=display)
+                               ray_address=ray_address, reporter=display, async_grpo=async_grpo)
     finally:
         display.stop()
     if json_out:

@@ -72,6 +72,31 @@ def test_async_on_colocated_gpus_is_an_error():
     assert rules_hit(c) == {"async.separate-gpus"}
 
 
+ASYNC = {"async": {"enabled": True}, "importance_sampling": {"kind": "truncated"}}
+
+
+def test_in_flight_weight_updates_with_the_encoder_cache_reset_are_an_error():
+    c = cfg(grpo=deep(ASYNC, {"async": {"in_flight_weight_updates": True}}),
+            generation={"reset_encoder_cache_after_weight_update": True})
+    [f] = check_compatibility(c)
+    assert f.rule == "async.in-flight-encoder-cache" and f.key == "grpo.async.in_flight_weight_updates"
+
+
+def test_in_flight_weight_updates_without_the_reset_are_fine():
+    c = cfg(grpo=deep(ASYNC, {"async": {"in_flight_weight_updates": True}}),
+            generation={"reset_encoder_cache_after_weight_update": False})
+    assert check_compatibility(c) == []
+
+
+def test_async_with_a_refit_buffer_the_next_publish_overwrites_is_an_error():
+    [f] = check_compatibility(cfg(grpo=ASYNC, refit={"transport": "shm"}))
+    assert f.rule == "async.refit-transport" and "object_store" in f.fix and "shm" not in f.fix
+
+
+def test_age_zero_is_a_valid_staleness_bound():
+    assert check_compatibility(cfg(grpo=deep(ASYNC, {"async": {"max_trajectory_age_steps": 0}}))) == []
+
+
 def test_parallel_sizes_must_divide_the_gpus():
     c = cfg(training={"backend": "megatron", "parallel": {"tensor": 3}}, **GPU)
     assert "parallel.divides-gpus" in rules_hit(c)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gymv.backends.training.micro_batches import pad_collate, plan_micro_batches
+from gymv.backends.training.micro_batches import pad_collate, plan_micro_batches, plan_shared_prefix_micro_batches
 from gymv.errors import GymvError
 
 
@@ -50,3 +50,34 @@ def test_collate_uses_given_pad_values():
 def test_collate_rejects_samples_with_different_fields():
     with pytest.raises(GymvError, match="sample 1"):
         pad_collate([{"input_ids": torch.tensor([1])}, {"input_ids": torch.tensor([1]), "x": torch.tensor(0.0)}])
+
+
+def shared_cost(plan, prefixes, lengths):
+    """Distinct prefixes x longest prefix + samples x longest remainder, per micro-batch."""
+    out = []
+    for b in plan:
+        keys = {prefixes[i] for i in b}
+        out.append(len(keys) * max(k[0] for k in keys) + len(b) * max(lengths[i] - prefixes[i][0] for i in b))
+    return out
+
+
+def test_a_groups_samples_share_a_micro_batch_whose_prompt_counts_once():
+    a, b = (70, "prompt a"), (72, "prompt b")
+    prefixes = [a, b, a, b, a, b]
+    lengths = [75, 80, 78, 74, 71, 79]
+    plan = plan_shared_prefix_micro_batches(prefixes, lengths, 2 * 72 + 6 * 8)
+    assert plan == [[2, 0, 4, 1, 5, 3]]  # prefix a's samples first, each prefix's longest remainder first
+    assert shared_cost(plan, prefixes, lengths) == [2 * 72 + 6 * 8]
+
+
+def test_shared_prefix_micro_batches_stay_within_the_budget_and_cover_every_sample():
+    prefixes = [(60 + i % 3, f"p{i % 3}") for i in range(12)]
+    lengths = [p[0] + 1 + (7 * i) % 5 for i, p in enumerate(prefixes)]
+    plan = plan_shared_prefix_micro_batches(prefixes, lengths, 150)
+    assert len(plan) > 1 and all(c <= 150 for c in shared_cost(plan, prefixes, lengths))
+    assert sorted(i for mb in plan for i in mb) == list(range(12))
+
+
+def test_a_sample_without_a_shareable_prefix_gets_the_padded_plan():
+    lengths = [75, 80, 78]
+    assert plan_shared_prefix_micro_batches([(70, "a"), None, (70, "a")], lengths, 160) == plan_micro_batches(lengths, 160)

@@ -83,9 +83,28 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
     return logits
 
 
-def _recomputes_activations(model) -> bool:
+def recomputes_activations(model) -> bool:
+    """Activation checkpointing on: the model keeps no KV cache in training, so prefixes cannot be shared."""
     name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
     return bool(getattr(model, name, False))
+
+
+def prefix_key(input_ids: torch.Tensor, score_mask: torch.Tensor, images: Sequence[Any], image_token_id: int,
+               hashes: dict[int, str] | None = None) -> tuple | None:
+    """What one unpadded row shares with the rows of its group under `sequence_logprobs(score_mask=...)`: the
+    tokens before the one that predicts its first scored token, and its images; (length, tokens, image hashes).
+    None when nothing is shared: no scored token after the second, or an image after the prefix."""
+    scored = score_mask[1:].bool().nonzero()
+    if scored.numel() == 0:
+        return None
+    p = int(scored[0])  # logits column of the first scored token = the prefix length
+    if p < 1 or bool((input_ids[p:] == image_token_id).any()):
+        return None
+    hashes = {} if hashes is None else hashes
+    for im in images:
+        if id(im) not in hashes:
+            hashes[id(im)] = image_hash(im)
+    return p, tuple(input_ids[:p].tolist()), tuple(hashes[id(im)] for im in images)
 
 
 def _shared_prefix_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, wanted: torch.Tensor):
@@ -99,7 +118,7 @@ def _shared_prefix_logits(model, adapter: MultimodalAdapter, batch: MultimodalBa
     """
     from transformers import DynamicCache
 
-    if _recomputes_activations(model):
+    if recomputes_activations(model):
         return None
     ids, mask = batch.input_ids, batch.attention_mask.bool()
     B, T = ids.shape

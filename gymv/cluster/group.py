@@ -44,6 +44,22 @@ def ray_get(refs, phase: str):
                         fix="the process may have run out of memory; lower the batch sizes or micro_batch_tokens") from None
 
 
+REFIT_GROUP = "refit"
+
+
+@dataclass
+class RolloutCall:
+    """One generation worker's share of a batch of rollouts, in flight (`ref`) or to (re)submit."""
+
+    worker: int
+    rows: list
+    seed: int
+    kwargs: dict
+    ref: object = None
+    submitted_at: float = 0.0
+    attempts: int = 0
+
+
 @dataclass(frozen=True)
 class Placement:
     num_generation: int = 1
@@ -75,7 +91,8 @@ def _split(items: Sequence, parts: int) -> list[list]:
 class PolicyCluster:
     """The generation workers and training ranks of one run, driven phase by phase."""
 
-    def __init__(self, spec: WorkerSpec, placement: Placement, *, generation: bool = True, gpu_share: float = 0.5):
+    def __init__(self, spec: WorkerSpec, placement: Placement, *, generation: bool = True, gpu_share: float = 0.5,
+                 in_flight_refit: bool = False):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -100,10 +117,13 @@ class PolicyCluster:
             gen_opts = [{"num_cpus": 0, "num_gpus": 1}] * n_gen
             train_opts = [{"num_cpus": 0, "num_gpus": 1}] * placement.num_training
         Train = ray.remote(TrainingWorker)
-        Gen = ray.remote(GenerationWorker)
+        # in-flight refits run in their own concurrency group, beside a rollout in progress
+        self._Gen = ray.remote(concurrency_groups={REFIT_GROUP: 1})(GenerationWorker) if in_flight_refit else ray.remote(GenerationWorker)
+        self.in_flight_refit = in_flight_refit
+        self._gen_opts = gen_opts
         world = placement.num_training
         self.trainers = [Train.options(**o).remote(spec, r, world) for r, o in enumerate(train_opts)]
-        self.generators = [Gen.options(**o).remote(spec, i) for i, o in enumerate(gen_opts)]
+        self.generators = [self._Gen.options(**o).remote(spec, i) for i, o in enumerate(gen_opts)]
         master = ray_get(self.trainers[0].address.remote(), "starting the training workers") if world > 1 else None
         refs = [t.setup.remote(master) for t in self.trainers]
         refs += [g.stats.remote() for g in self.generators]  # waits for the generation workers to load
@@ -116,15 +136,29 @@ class PolicyCluster:
         return self._pg
 
     # -- generation ----------------------------------------------------------------------------------
-    def rollouts(self, rows: Sequence[tuple[int, dict]], *, seed: int, **kwargs) -> tuple[list, dict]:
-        """Rollouts of every row, split by prompt across generation workers, in row order; also timings."""
+    def submit_rollouts(self, rows: Sequence[tuple[int, dict]], *, seed: int, **kwargs) -> list[RolloutCall]:
+        """Start rollouts of every row, split by prompt across generation workers; returns at once."""
         if not self.generators:
             raise GymvError("this run has no generation worker", where="cluster")
-        chunks = _split(list(rows), len(self.generators))
+        calls = []
+        for i, chunk in enumerate(_split(list(rows), len(self.generators))):
+            if chunk:
+                call = RolloutCall(i, chunk, seed + 104729 * i, kwargs)
+                calls.append(self.resubmit(call))
+        return calls
+
+    def resubmit(self, call: RolloutCall) -> RolloutCall:
+        """(Re)start one rollout call on its generation worker."""
+        call.attempts += 1
+        call.ref = self.generators[call.worker].rollouts.remote(call.rows, seed=call.seed, **call.kwargs)
+        call.submitted_at = time.time()
+        return call
+
+    def rollouts(self, rows: Sequence[tuple[int, dict]], *, seed: int, **kwargs) -> tuple[list, dict]:
+        """Rollouts of every row, split by prompt across generation workers, in row order; also timings."""
         t0 = time.perf_counter()
-        refs = [g.rollouts.remote(chunk, seed=seed + 104729 * i, **kwargs)
-                for i, (g, chunk) in enumerate(zip(self.generators, chunks)) if chunk]
-        out = ray_get(refs, "generation")
+        calls = self.submit_rollouts(rows, seed=seed, **kwargs)
+        out = ray_get([c.ref for c in calls], "generation")
         timing = {"generation_s": time.perf_counter() - t0,
                   "env_s": max(o["stats"].get("env_s", 0.0) for o in out)}
         return [t for o in out for t in o["trajectories"]], timing
@@ -167,6 +201,36 @@ class PolicyCluster:
         handed = payload if self._in_band else None
         ray_get([payload] + [g.receive.remote(handed, version) for g in self.generators], "refit")
         return time.perf_counter() - t0
+
+    def refit_async(self, version: int) -> list:
+        """Queue the trainer's new weights to every generation worker without waiting: each loads them after
+        the rollout it is running (or, with in-flight refits, between two of its generate calls). The refs
+        resolve to each receiver's result; a worker's error surfaces when they are read."""
+        if not self.generators:
+            return []
+        if not self._refit_ready:
+            self._connect_refit()
+        payload = self.trainers[0].publish.remote()
+        handed = payload if self._in_band else None
+        receive = [g.receive.options(concurrency_group=REFIT_GROUP) if self.in_flight_refit else g.receive
+                   for g in self.generators]
+        return [payload] + [r.remote(handed, version) for r in receive]
+
+    def replace_generator(self, index: int, version: int) -> None:
+        """Start a new generation worker in place of a dead one, with the trainer's current weights."""
+        import ray
+
+        if self._refit_ready and not self._in_band:
+            raise GymvError(f"generation worker {index} died, and refit transport {self.spec.refit_transport!r} "
+                            "cannot take a new member into its group", where="refit.transport",
+                            fix="use refit.transport: object_store to survive generation worker failures", exit_code=1)
+        try:
+            ray.kill(self.generators[index])
+        except Exception:
+            pass
+        fresh = self._Gen.options(**self._gen_opts[index]).remote(self.spec, index)
+        ray_get(fresh.restore.remote(self.trainers[0].weights.remote(), version), "restarting a generation worker")
+        self.generators[index] = fresh
 
     def weight_hashes(self) -> tuple[str, list[str]]:
         """(trainer hash in the generation dtype, each generation worker's hash): equal after a refit."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -102,6 +103,9 @@ class GenerationWorker:
         self.router = EnvRouter(spec.env)
         self.receiver = None
         self.weights_version = 0
+        # Held while generating and while loading weights: an in-flight refit (its own Ray concurrency
+        # group) lands between two generate calls, never inside one.
+        self._weights_lock = threading.Lock()
 
     # -- rollouts ------------------------------------------------------------------------------------
     def rollouts(self, rows: Sequence[tuple[int, dict]], *, group_size: int, params, seed: int | None,
@@ -109,13 +113,22 @@ class GenerationWorker:
         """Run the agent loop on `rows` (G episodes each); `limits` are run_rollouts' budget keywords."""
         from gymv.rollout import run_rollouts
 
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         p = self.policy
         stats: dict = {}
-        trajectories = run_rollouts(self.backend, p.adapter, p.tokenizer, p.chat_template, self.router, list(rows),
-                                    group_size=group_size, params=params, seed=seed,
-                                    weights_version=self.weights_version, stats=stats, **limits)
-        return {"trajectories": trajectories, "seconds": time.perf_counter() - t0, "stats": stats}
+        version = self.weights_version
+        cache_before = self.backend.stats()
+        trajectories = run_rollouts(_Locked(self.backend, self._weights_lock), p.adapter, p.tokenizer, p.chat_template,
+                                    self.router, list(rows), group_size=group_size, params=params, seed=seed,
+                                    weights_version=version, stats=stats, **limits)
+        cache_after = self.backend.stats()
+        stats["encoder_cache_stale_hits"] = cache_after["encoder_cache_stale_hits"] - cache_before["encoder_cache_stale_hits"]
+        return {"trajectories": trajectories, "seconds": time.perf_counter() - t0, "stats": stats,
+                "weights_version": version, "last_weights_version": self.weights_version,
+                "started_at": started, "ended_at": time.time()}
+
+    def pid(self) -> int:
+        return os.getpid()
 
     # -- refit ---------------------------------------------------------------------------------------
     def refit_connect(self, info: dict | None, rank: int) -> None:
@@ -130,17 +143,26 @@ class GenerationWorker:
         if self.receiver is None:
             self.refit_connect(None, 1 + self.index)
         weights = self.receiver.receive(payload)
-        self._check_weights(weights)  # all or nothing: never leave the generator with half a refit
-        self.backend.update_weights(weights)
-        del weights
-        if self.device.type == "cuda":
-            import torch
-
-            torch.cuda.synchronize(self.device)
-        self.weights_version = version
-        if self.spec.reset_encoder_cache:
-            self.backend.reset_encoder_cache()
+        self._load(weights, version)
         return {"seconds": time.perf_counter() - t0}
+
+    def restore(self, weights: dict, version: int) -> None:
+        """Load a CPU copy of the trainer's weights (a replacement worker catching up, outside the transport)."""
+        self._load(weights, version)
+
+    def _load(self, weights, version: int) -> None:
+        """Load the weights; reset the encoder cache only after they loaded (when configured)."""
+        self._check_weights(weights)  # all or nothing: never leave the generator with half a refit
+        with self._weights_lock:
+            self.backend.update_weights(weights)
+            del weights
+            if self.device.type == "cuda":
+                import torch
+
+                torch.cuda.synchronize(self.device)
+            self.weights_version = version
+            if self.spec.reset_encoder_cache:
+                self.backend.reset_encoder_cache()
 
     def _check_weights(self, weights) -> None:
         own = self.backend.model.state_dict()
@@ -161,6 +183,20 @@ class GenerationWorker:
     def close(self) -> None:
         if self.receiver is not None:
             self.receiver.close()
+
+
+class _Locked:
+    """The backend, with each generate call holding the weights lock."""
+
+    def __init__(self, backend, lock):
+        self.backend, self.lock = backend, lock
+
+    def generate(self, requests, params):
+        with self.lock:
+            return self.backend.generate(requests, params)
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -189,6 +225,23 @@ def _logprob_fn(adapter, temperature: float):
                                  score_mask=mb.get("loss_mask"))
 
     return logprob_fn
+
+
+def _plan_fn(adapter, model):
+    """Micro-batches that keep a group's samples together: their shared prompt then runs once per group."""
+    from gymv.backends.logprobs import prefix_key, recomputes_activations
+    from gymv.backends.training.micro_batches import plan_micro_batches, plan_shared_prefix_micro_batches
+
+    def plan(samples, max_tokens):
+        lengths = [int(s["input_ids"].shape[0]) for s in samples]
+        if recomputes_activations(model):
+            return plan_micro_batches(lengths, max_tokens)
+        hashes: dict = {}
+        keys = [prefix_key(s["input_ids"], s["loss_mask"], s.get("images") or (), adapter.image_token_id, hashes)
+                for s in samples]
+        return plan_shared_prefix_micro_batches(keys, lengths, max_tokens)
+
+    return plan
 
 
 def _merge_minibatch_metrics(rows: list[dict]) -> dict:
@@ -257,13 +310,13 @@ class TrainingWorker:
         self.logprob_fn = _logprob_fn(self.policy.adapter, self.spec.temperature)
         config = TrainerConfig(**self.spec.trainer)
         self.trainer = TorchTrainer(model, self.logprob_fn, config, collate_fn=self.collate, device=self.device,
-                                    process_group=group)
+                                    process_group=group, plan_fn=_plan_fn(self.policy.adapter, model))
         self.reference = None
         if self.spec.kl_reference:
             ref = load_policy(self.spec.model_path, device=str(self.device), dtype=torch.float32, seed=self.spec.seed).model
             ref.requires_grad_(True)
             self.reference = TorchTrainer(ref, self.logprob_fn, config, collate_fn=self.collate, device=self.device,
-                                          process_group=group)
+                                          process_group=group, plan_fn=_plan_fn(self.policy.adapter, ref))
         self.router = EnvRouter(self.spec.env)
         return {"parameters": sum(p.numel() for p in model.parameters())}
 

@@ -128,6 +128,28 @@ def _async_gpus(cfg: RecipeBase) -> Iterator[Finding]:
                    "set cluster.colocated: false with cluster.generation_gpus and cluster.training_gpus")
 
 
+@rule("async.in-flight-encoder-cache", "in-flight weight updates cannot honour an encoder-cache reset")
+def _async_in_flight(cfg: RecipeBase) -> Iterator[Finding]:
+    g = _grpo(cfg)
+    if g and g.async_.enabled and g.async_.in_flight_weight_updates and cfg.generation.reset_encoder_cache_after_weight_update:
+        yield _err("async.in-flight-encoder-cache", "grpo.async.in_flight_weight_updates",
+                   "in-flight weight updates land in the middle of a rollout, whose later turns would mix image features "
+                   "of two weight versions, so they cannot be combined with reset_encoder_cache_after_weight_update",
+                   "set grpo.async.in_flight_weight_updates: false (updates then land between rollouts)")
+
+
+@rule("async.refit-transport", "async GRPO needs a refit transport that a lagging generator can read safely")
+def _async_transport(cfg: RecipeBase) -> Iterator[Finding]:
+    g = _grpo(cfg)
+    t = REFIT_TRANSPORTS.get(cfg.refit.transport)
+    if g and g.async_.enabled and t is not None and not t.lag_safe:
+        able = sorted(n for n, x in REFIT_TRANSPORTS.items() if x.lag_safe)
+        yield _err("async.refit-transport", "refit.transport",
+                   f"refit transport {t.name!r} reuses one buffer, which the next publish overwrites while a generator "
+                   "that is still busy with a rollout has not read it yet",
+                   f"use refit.transport {' / '.join(able)} with grpo.async.enabled")
+
+
 # ---- GPUs and parallelism --------------------------------------------------------------------------------
 
 @rule("cluster.gpu-split", "generation_gpus/training_gpus are set exactly when not colocated, and fit the cluster")

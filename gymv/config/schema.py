@@ -161,7 +161,7 @@ class Advantage(Section):
 
 class AsyncSection(Section):
     enabled: bool = False
-    max_trajectory_age_steps: PosInt = 1
+    max_trajectory_age_steps: NonNegInt = 1
     in_flight_weight_updates: bool = False
 
 

@@ -16,6 +16,9 @@ class RefitTransport:
     needs_gpu: bool = False
     colocated_only: bool = False  # both sides must share the GPUs (e.g. CUDA IPC handles)
     single_node_only: bool = False  # both sides must share a host (e.g. shared memory)
+    # A generator that lags behind still reads whole weights: each publish is its own object, or the sender
+    # waits for the receivers. A buffer that the next publish overwrites is not (async GRPO needs this).
+    lag_safe: bool = True
     description: str = ""
 
 
@@ -35,8 +38,8 @@ def unregister_refit_transport(name: str) -> None:
 
 for _t in (
     RefitTransport("object_store", True, description="weights go through the Ray object store; works anywhere, CPU included"),
-    RefitTransport("shm", True, single_node_only=True, description="POSIX shared memory between processes of one host"),
-    RefitTransport("cuda_ipc", True, needs_gpu=True, colocated_only=True,
+    RefitTransport("shm", True, single_node_only=True, lag_safe=False, description="POSIX shared memory between processes of one host"),
+    RefitTransport("cuda_ipc", True, needs_gpu=True, colocated_only=True, lag_safe=False,
                    description="CUDA IPC handles: zero-copy when training and generation share the GPUs"),
     RefitTransport("nccl", True, needs_gpu=True, description="NCCL broadcast from trainer ranks to generation workers"),
 ):

@@ -24,9 +24,18 @@ SUPPORTED = ("sft", "vlm_sft", "grpo", "vlm_grpo", "mopd", "vlm_mopd")
 
 
 def load_training_recipe(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, resume_dir: str | None = None,
-                         smoke: bool = False):
-    """The recipe to run: RECIPE with overrides, or (with only --resume) the run's own config.yaml."""
+                         smoke: bool = False, async_grpo: bool = False):
+    """The recipe to run: RECIPE with overrides, or (with only --resume) the run's own config.yaml.
+
+    `async_grpo` (`gymv train --async`) sets grpo.async.enabled, after checking that the recipe is GRPO."""
     from gymv.config import load_recipe
+
+    if async_grpo:
+        base = load_training_recipe(recipe, overrides, resume_dir=resume_dir, smoke=smoke)
+        if base.validated.base_algorithm != "grpo":
+            raise GymvError(f"--async runs GRPO asynchronously, but this recipe's algorithm is {base.validated.algorithm!r}",
+                            where=_where(base, "algorithm"), fix="drop --async, or pass a (vlm_)grpo recipe")
+        overrides = [*overrides, "grpo.async.enabled=true"]
 
     if recipe is None:
         if resume_dir is None:
@@ -47,9 +56,6 @@ def _check_supported(rec, cfg) -> None:
     if cfg.algorithm not in SUPPORTED:
         raise GymvError(f"gymv train does not run {cfg.algorithm!r} yet", where=_where(rec, "algorithm"),
                         fix=f"use one of: {', '.join(SUPPORTED)}")
-    if cfg.base_algorithm == "grpo" and cfg.grpo.async_.enabled:
-        raise GymvError("async GRPO is not implemented in gymv train yet", where=_where(rec, "grpo.async.enabled"),
-                        fix="set grpo.async.enabled: false")
     if cfg.generation.backend != "hf":
         raise GymvError(f"generation backend {cfg.generation.backend!r} is not wired into gymv train yet",
                         where=_where(rec, "generation.backend"), fix="use generation.backend: hf")
@@ -67,17 +73,19 @@ def _check_supported(rec, cfg) -> None:
 
 
 def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, resume_dir: str | None = None,
-          ray_address: str | None = None, reporter: Reporter | None = None, smoke: bool = False) -> dict:
+          ray_address: str | None = None, reporter: Reporter | None = None, smoke: bool = False,
+          async_grpo: bool = False) -> dict:
     """Run one recipe to `max_steps` (or `checkpoint.steps_per_run` steps); returns a summary.
 
-    `smoke` applies the recipe's `smoke:` overrides first (what `gymv smoke` runs). Metrics are in
+    `smoke` applies the recipe's `smoke:` overrides first (what `gymv smoke` runs); `async_grpo` is
+    `gymv train --async` (grpo.async.enabled). Metrics are in
     `<summary["run_dir"]>/metrics.jsonl`.
     """
     from gymv.cluster.ray_cluster import start_ray, stop_ray
 
     t0 = time.time()
     reporter = reporter or Reporter()
-    rec = load_training_recipe(recipe, overrides, resume_dir=resume_dir, smoke=smoke)
+    rec = load_training_recipe(recipe, overrides, resume_dir=resume_dir, smoke=smoke, async_grpo=async_grpo)
     cfg = rec.validated
     _check_supported(rec, cfg)
     model_path = resolve_init_path(cfg.model.path, where=_where(rec, "model.path"))
@@ -102,6 +110,10 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
             from gymv.algorithms.mopd import train_mopd
 
             result = train_mopd(ctx, resume=resume)
+        elif cfg.grpo.async_.enabled:
+            from gymv.algorithms.grpo_async import train_grpo_async
+
+            result = train_grpo_async(ctx, resume=resume)
         else:
             from gymv.algorithms.grpo import train_grpo
 

@@ -23,6 +23,8 @@ LogprobFn = Callable[[Any, MicroBatch], "tuple[Tensor, Tensor | None]"]
 LossFn = Callable[[MicroBatch, Tensor, "Tensor | None", GlobalCounts], "tuple[Tensor, dict[str, Tensor]]"]
 """loss_fn(micro_batch, logprobs, entropy, global_counts) -> (loss share, metric shares); see loss_fns."""
 CollateFn = Callable[[Sequence[Sample]], MicroBatch]
+PlanFn = Callable[[Sequence[Sample], int], "list[list[int]]"]
+"""plan_fn(samples, micro_batch_tokens) -> index lists, one per micro-batch (default: padded token budget)."""
 
 
 class TrainingBackend(Protocol):

@@ -40,6 +40,42 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
     return plan
 
 
+def plan_shared_prefix_micro_batches(prefixes: Sequence[tuple | None], lengths: Sequence[int],
+                                     max_tokens: int) -> list[list[int]]:
+    """Index lists for a forward pass that runs each distinct prefix once and every sample's remainder on
+    top of it (gymv.backends.logprobs): a micro-batch costs distinct prefixes x longest prefix + samples x
+    longest remainder, at most max_tokens. `prefixes[i]` is (length, key...) or None; the samples of one
+    prefix stay together (longest remainder first), prefixes in order of first appearance, so the plan is
+    deterministic. Any None: the plain padded plan of :func:`plan_micro_batches`.
+    """
+    if any(p is None for p in prefixes):
+        return plan_micro_batches(lengths, max_tokens)
+    if max_tokens < 1:
+        raise GymvError(f"micro_batch_tokens must be >= 1, got {max_tokens}", fix="set trainer.micro_batch_tokens to a positive token count")
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(prefixes):
+        groups.setdefault(p, []).append(i)
+    plan: list[list[int]] = []
+    current: list[int] = []
+    keys: set = set()
+    longest_prefix = longest_rest = 0
+    for key, members in groups.items():
+        prefix = key[0]
+        for i in sorted(members, key=lambda i: (-(lengths[i] - prefix), i)):
+            rest = lengths[i] - prefix
+            new_keys = len(keys) + (key not in keys)
+            cost = new_keys * max(longest_prefix, prefix) + (len(current) + 1) * max(longest_rest, rest)
+            if current and cost > max_tokens:
+                plan.append(current)
+                current, keys, longest_prefix, longest_rest = [], set(), 0, 0
+            current.append(i)
+            keys.add(key)
+            longest_prefix, longest_rest = max(longest_prefix, prefix), max(longest_rest, rest)
+    if current:
+        plan.append(current)
+    return plan
+
+
 def pad_collate(samples: Sequence[Mapping[str, Tensor]], pad_values: Mapping[str, float | int | bool] | None = None) -> dict[str, Tensor]:
     """Stack samples key by key: 1-D+ tensors are right-padded along dim 0, 0-d tensors are stacked.
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from gymv.algorithms.losses import GlobalCounts
-from gymv.backends.training.base import CollateFn, LogprobFn, LossFn, MicroBatch, Sample
+from gymv.backends.training.base import CollateFn, LogprobFn, LossFn, MicroBatch, PlanFn, Sample
 from gymv.backends.training.data_parallel import DataParallel
 from gymv.backends.training.micro_batches import pad_collate, plan_micro_batches
 from gymv.errors import GymvError
@@ -70,10 +70,12 @@ class TorchTrainer:
         collate_fn: CollateFn = pad_collate,
         device: torch.device | str | None = None,
         process_group=None,
+        plan_fn: PlanFn | None = None,
     ):
         self.config = config
         self.logprob_fn = logprob_fn
         self.collate_fn = collate_fn
+        self.plan_fn = plan_fn
         first = next(model.parameters(), None)
         self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
         self.model = model.to(self.device)
@@ -112,6 +114,8 @@ class TorchTrainer:
         return logp.float(), (entropy.float() if entropy is not None else None)
 
     def _plan(self, samples: Sequence[Sample]) -> list[list[int]]:
+        if self.plan_fn is not None:
+            return self.plan_fn(samples, self.config.micro_batch_tokens)
         lengths = [int(s["input_ids"].shape[0]) for s in samples]
         return plan_micro_batches(lengths, self.config.micro_batch_tokens)
 
