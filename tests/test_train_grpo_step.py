@@ -78,3 +78,10 @@ def test_a_two_minibatch_step_scores_every_sample_under_the_old_weights_before_t
     for s, b in zip(samples, before):
         m = s["loss_mask"]
         assert torch.allclose(s["logp_old"][m], b["logp_behaviour"][m], atol=1e-5)
+
+
+def test_the_training_worker_plans_micro_batches_that_keep_a_groups_samples_together():
+    w = worker(micro_batch_tokens=160)  # room for one prompt and its completions, not two prompts
+    samples = samples_for(w)  # samples 0 and 1 share a prompt and image, as do 2 and 3
+    plan = w.trainer._plan(samples)
+    assert sorted(sorted(mb) for mb in plan) == [[0, 1], [2, 3]]
