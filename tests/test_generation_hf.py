@@ -235,3 +235,24 @@ def test_bad_sampling_params_are_errors():
     for params in (SamplingParams(temperature=-1), SamplingParams(top_p=0), SamplingParams(max_new_tokens=0)):
         with pytest.raises(GymvError):
             backend.generate(requests(policy, n=1), params)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_requests_with_the_same_prompt_and_image_are_prefilled_once_and_decode_as_if_alone(arch):
+    policy = shared_policy(arch)
+    a, b = requests(policy, n=2)
+    batch = [a, b, a, a, b]  # two groups, interleaved as a rollout batch may be
+    layer = policy.model.model.language_model.layers[0]
+    rows_seen = []
+    hook = layer.register_forward_hook(lambda mod, args, out: rows_seen.append(tuple(args[0].shape[:2])))
+    backend = HFGenerationBackend.from_policy(policy)
+    try:
+        outs = backend.generate(batch, SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+    finally:
+        hook.remove()
+    assert rows_seen[0][0] == 2 and all(r == (5, 1) for r in rows_seen[1:])  # prefill of 2 rows, then 5 per step
+    assert backend.last_timing["prefill_rows"] == 2
+    for req, out in zip(batch, outs):
+        alone = backend.generate([req], SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))[0]
+        assert out.token_ids == alone.token_ids
+        assert out.logprobs == pytest.approx(alone.logprobs, abs=1e-4)

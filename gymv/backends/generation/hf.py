@@ -46,9 +46,10 @@ class HFGenerationBackend(GenerationBackend):
         return cls(policy.model, policy.tokenizer, policy.adapter, **kwargs)
 
     # -- image features ------------------------------------------------------------------------------
-    def _encode(self, requests: Sequence[GenerationRequest]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    def _encode(self, requests: Sequence[GenerationRequest],
+                keys: list[list[str]] | None = None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Features of every image of every request, in sequence order, through the hash-keyed cache."""
-        keys = [[image_hash(im) for im in r.images] for r in requests]
+        keys = [[image_hash(im) for im in r.images] for r in requests] if keys is None else keys
         todo: dict[str, Any] = {}
         for r, ks in zip(requests, keys):
             for im, k in zip(r.images, ks):
@@ -123,13 +124,29 @@ class HFGenerationBackend(GenerationBackend):
         model, dev = self.model, self.device
         generator = self._generator if params.seed is None else torch.Generator(device=dev).manual_seed(params.seed)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        feats, grid = self._encode(requests)
+        keys = [[image_hash(im) for im in r.images] for r in requests]
+        feats, grid = self._encode(requests, keys)
+        # Requests with the same prompt and images (the G samples of a group) are prefilled once; their
+        # rows of the KV cache and of the first logits are then copies of that one row.
+        slots: dict[tuple, int] = {}
+        row_slot = [slots.setdefault((tuple(r.prompt_token_ids), tuple(ks)), len(slots))
+                    for r, ks in zip(requests, keys)]
+        firsts = [row_slot.index(u) for u in range(len(slots))]
+        if len(firsts) < len(requests):
+            starts = [0]
+            for r in requests:
+                starts.append(starts[-1] + len(r.images))
+            image_idx = [i for b in firsts for i in range(starts[b], starts[b + 1])]
+            feats = [feats[i] for i in image_idx]
+            if grid is not None:
+                grid = grid[torch.tensor(image_idx, device=grid.device, dtype=torch.long)]
+        prompts = [requests[b] for b in firsts]
         t_enc = time.perf_counter()
 
-        B, L = len(requests), max(len(r.prompt_token_ids) for r in requests)
-        input_ids = torch.full((B, L), pad, dtype=torch.long)
-        mask = torch.zeros((B, L), dtype=torch.long)
-        for b, r in enumerate(requests):
+        B, U, L = len(requests), len(prompts), max(len(r.prompt_token_ids) for r in prompts)
+        input_ids = torch.full((U, L), pad, dtype=torch.long)
+        mask = torch.zeros((U, L), dtype=torch.long)
+        for b, r in enumerate(prompts):
             n = len(r.prompt_token_ids)
             input_ids[b, L - n:] = torch.tensor(r.prompt_token_ids, dtype=torch.long)
             mask[b, L - n:] = 1
@@ -140,6 +157,10 @@ class HFGenerationBackend(GenerationBackend):
         logits = forward_logits(model, input_ids=input_ids, attention_mask=mask, position_ids=positions,
                                 image_token_id=self.adapter.image_token_id, features=feats, cache=cache,
                                 logits_to_keep=1)[:, -1]
+        if U < B:
+            rows = torch.tensor(row_slot, device=dev)
+            cache.batch_select_indices(rows)
+            logits, mask, next_pos = logits[rows], mask[rows], next_pos[rows]
         t_prefill = time.perf_counter()
 
         forbidden = forbidden_mask(logits.shape[-1], self.adapter.vision_token_ids, dev)
@@ -182,7 +203,7 @@ class HFGenerationBackend(GenerationBackend):
         t_end = time.perf_counter()
         n_new = sum(len(t) for t in tokens)
         self.last_timing = {"encode_s": t_enc - t0, "prefill_s": t_prefill - t_enc, "decode_s": t_end - t_prefill,
-                            "total_s": t_end - t0, "new_tokens": n_new, "batch": B}
+                            "total_s": t_end - t0, "new_tokens": n_new, "batch": B, "prefill_rows": U}
         return [
             GenerationOutput(token_ids=tokens[b], logprobs=logps[b],
                              text=self.tokenizer.decode(tokens[b], skip_special_tokens=True),
