@@ -225,8 +225,13 @@ def test_the_registry_holds_the_documented_metric_names():
 
     doc = (REPO / "docs" / "algorithms.md").read_text()
     section = doc.split("## 10. Metric names", 1)[1].split("## 11.", 1)[0]
-    documented = set(re.findall(r"`((?:train|val|timing)/[a-z_]+)`", section))
+    documented = set(re.findall(r"`((?:train|val|timing|async)/[a-z_]+)`", section))
     assert documented - KNOWN_METRICS == set()
+
+
+def test_every_bin_of_the_staleness_histogram_is_known():
+    assert is_known_metric("async/age_0_fraction") and is_known_metric("async/age_12_fraction")
+    assert not is_known_metric("async/age_x_fraction")
 
 
 def test_a_per_environment_qualifier_of_a_known_metric_is_known():
@@ -243,5 +248,5 @@ def test_every_metric_name_the_engine_writes_literally_is_known():
     written = set()
     for path in (REPO / "gymv").rglob("*.py"):
         if "checks" not in path.parts:
-            written |= set(re.findall(r"[\"']((?:train|val|timing)/[a-z_]+[a-z])[\"']", path.read_text()))
+            written |= set(re.findall(r"[\"']((?:train|val|timing|async)/[a-z_]+[a-z])[\"']", path.read_text()))
     assert {n for n in written if not is_known_metric(n)} == set()

@@ -22,14 +22,19 @@ KNOWN_METRICS: frozenset[str] = frozenset(
     # rollout statistics of the training batch, GRPO advantages, async
     + [f"train/{n}" for n in _TRAIN_ROLLOUT]
     + [f"train/{n}" for n in ("advantage_mean", "advantage_std", "advantage_min", "advantage_max",
-                              "zero_std_group_fraction", "trajectory_age_mean", "stale_dropped")]
+                              "zero_std_group_fraction")]
+    + [f"async/{n}" for n in (
+        "age_mean", "age_max", "dropped_trajectories", "dropped_trajectories_total", "failed_calls_total",
+        "retried_calls_total", "worker_restarts_total", "buffered_groups", "encoder_cache_stale_hits_total",
+        "overlap_fraction")]
     # validation rollouts
     + [f"val/{n}" for n in _TRAIN_ROLLOUT]
     # wall-clock phases and throughput
     + [f"timing/{n}" for n in (
         "step_s", "train_step_s", "generation_s", "env_s", "logprobs_s", "teacher_s", "samples_s", "training_s",
-        "refit_s", "validation_s", "checkpoint_s", "tokens_per_s", "generation_tokens_per_s")]
+        "refit_s", "validation_s", "checkpoint_s", "tokens_per_s", "generation_tokens_per_s", "wait_s", "overlap_s")]
 )
+_PATTERNS = (re.compile(r"^async/age_\d+_fraction$"),)  # the staleness histogram: one bin per age
 
 _registered: set[str] = set()
 _QUALIFIER = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -50,7 +55,7 @@ def known_metrics() -> frozenset[str]:
 def is_known_metric(name: str) -> bool:
     """Known as is, or a known metric with a per-environment qualifier appended."""
     known = known_metrics()
-    if name in known:
+    if name in known or any(p.match(name) for p in _PATTERNS):
         return True
     base, _, qualifier = name.rpartition("/")
     return base in known and bool(_QUALIFIER.match(qualifier))

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Async GRPO on polygon-naming (one step off-policy), CPU only: the polygon driver with this recipe.
+set -euo pipefail
+
+# ===== BEGIN CONFIG =====
+NUM_NODES=1
+GPUS_PER_NODE=0
+STEPS_PER_RUN=100
+MAX_STEPS=100
+NUM_RUNS=$(( (MAX_STEPS + STEPS_PER_RUN - 1) / STEPS_PER_RUN ))
+NUM_MINUTES=20
+# ===== END CONFIG =====
+
+# ===== BEGIN CHECKS =====
+# median(train/token_mult_prob_error) < 1.1
+# max(async/age_max) <= 1
+# mean(train/reward_mean, last=10) > mean(train/reward_mean, first=10)
+# ===== END CHECKS =====
+
+cd "$(dirname "$0")/../../.."
+RUNS="${CHECKPOINT_DIR:-runs}"
+WARM="$RUNS/vlm_sft-tinyllava-1n0g-torch-polygon"
+if [ ! -d "$WARM/final" ]; then
+  CHECKPOINT_DIR="$RUNS" bash recipes/drivers/vlm/vlm_sft-tinyllava-1n0g-torch-polygon.sh
+fi
+exec gymv train recipes/vlm/vlm_grpo-tinyllava-1n0g-torch-polygon-async-1off.yaml \
+  model.path="$WARM" \
+  grpo.max_steps="$MAX_STEPS" \
+  checkpoint.steps_per_run="$STEPS_PER_RUN" \
+  checkpoint.dir="$RUNS" \
+  "$@"
