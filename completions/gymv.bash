@@ -20,10 +20,10 @@ _gymv_options() {
         'prepare') echo '--n --out --seed --split --preset --workers --preview --preview-count --list-knobs --json --help -h' ;;
         'report') echo '--out --serve --port --json --help -h' ;;
         'smoke') echo '--steps --tiny --junit --out --timeout --ray-address --recipes-dir --json --help -h' ;;
-        'train') echo '--resume --ray-address --json --help -h' ;;
+        'train') echo '--resume --ray-address --json --async --help -h' ;;
         'env') echo '--help -h' ;;
         'env list') echo '--json --help -h' ;;
-        'env serve') echo '--host --port --max-body-mb --log-requests --max-turns --help -h' ;;
+        'env serve') echo '--host --port --max-body-mb --log-requests --max-turns --latency-ms --help -h' ;;
         'env verify') echo '--data --env --on-error --out --fail-on-mismatch --json --help -h' ;;
         'model') echo '--help -h' ;;
         'model init') echo '--hidden --layers --vision-layers --image-size --patch-size --vocab-size --seed --force --json --help -h' ;;
@@ -60,6 +60,7 @@ _gymv_value_kind() {
         'env serve|--port') echo 'none' ;;
         'env serve|--max-body-mb') echo 'none' ;;
         'env serve|--max-turns') echo 'none' ;;
+        'env serve|--latency-ms') echo 'none' ;;
         'env verify|--data') echo 'files' ;;
         'env verify|--env') echo 'files' ;;
         'env verify|--on-error') echo 'files' ;;

@@ -4,7 +4,7 @@
 # Install: copy this file to ~/.config/fish/completions/gymv.fish
 
 set -g __gymv_subcommands '|completion' '|dry-run' '|lint' '|prepare' '|report' '|smoke' '|train' '|env' '|model' 'env|list' 'env|serve' 'env|verify' 'model|init' 'model|info'
-set -g __gymv_value_options 'completion|--write' 'completion|--check' 'dry-run|--recipes-dir' 'lint|--format' 'lint|-f' 'prepare|--n' 'prepare|--out' 'prepare|--seed' 'prepare|--split' 'prepare|--preset' 'prepare|--workers' 'prepare|--preview' 'prepare|--preview-count' 'report|--out' 'report|--port' 'smoke|--steps' 'smoke|--junit' 'smoke|--out' 'smoke|--timeout' 'smoke|--ray-address' 'smoke|--recipes-dir' 'train|--resume' 'train|--ray-address' 'env serve|--host' 'env serve|--port' 'env serve|--max-body-mb' 'env serve|--max-turns' 'env verify|--data' 'env verify|--env' 'env verify|--on-error' 'env verify|--out' 'model init|--hidden' 'model init|--layers' 'model init|--vision-layers' 'model init|--image-size' 'model init|--patch-size' 'model init|--vocab-size' 'model init|--seed'
+set -g __gymv_value_options 'completion|--write' 'completion|--check' 'dry-run|--recipes-dir' 'lint|--format' 'lint|-f' 'prepare|--n' 'prepare|--out' 'prepare|--seed' 'prepare|--split' 'prepare|--preset' 'prepare|--workers' 'prepare|--preview' 'prepare|--preview-count' 'report|--out' 'report|--port' 'smoke|--steps' 'smoke|--junit' 'smoke|--out' 'smoke|--timeout' 'smoke|--ray-address' 'smoke|--recipes-dir' 'train|--resume' 'train|--ray-address' 'env serve|--host' 'env serve|--port' 'env serve|--max-body-mb' 'env serve|--max-turns' 'env serve|--latency-ms' 'env verify|--data' 'env verify|--env' 'env verify|--on-error' 'env verify|--out' 'model init|--hidden' 'model init|--layers' 'model init|--vision-layers' 'model init|--image-size' 'model init|--patch-size' 'model init|--vocab-size' 'model init|--seed'
 
 # Prints the command path (e.g. "env serve"), then the index of the positional argument being typed.
 function __gymv_state
@@ -116,6 +116,7 @@ complete -c gymv -n '__gymv_at \'smoke\'; and __gymv_argpos \'*\'' -F -a '(__gym
 complete -c gymv -n '__gymv_at \'train\'' -l resume -r -F -d 'Continue this run directory from its newest checkpoint'
 complete -c gymv -n '__gymv_at \'train\'' -l ray-address -r -F -d 'Join this Ray cluster (HOST:PORT or auto) instead of starting one'
 complete -c gymv -n '__gymv_at \'train\'' -l json -d 'Print a JSON summary on stdout instead of the table'
+complete -c gymv -n '__gymv_at \'train\'' -l async -d 'GRPO with generation running ahead of training (grpo.async.enabled; n...'
 complete -c gymv -n '__gymv_at \'train\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'train\'; and __gymv_argpos \'0\'' -F
 complete -c gymv -n '__gymv_at \'train\'; and __gymv_argpos \'*\'' -F
@@ -130,6 +131,7 @@ complete -c gymv -n '__gymv_at \'env serve\'' -l port -r -d 'TCP port (0: pick a
 complete -c gymv -n '__gymv_at \'env serve\'' -l max-body-mb -r -d 'Largest accepted request body, in MiB'
 complete -c gymv -n '__gymv_at \'env serve\'' -l log-requests -d 'Log each request on stderr'
 complete -c gymv -n '__gymv_at \'env serve\'' -l max-turns -r -d 'Model turns per episode on /step (default: the environment\'s own)'
+complete -c gymv -n '__gymv_at \'env serve\'' -l latency-ms -r -d 'Delay every /step and tool call by this much (simulate a slow tool)'
 complete -c gymv -n '__gymv_at \'env serve\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'env serve\'; and __gymv_argpos \'0\'' -F
 complete -c gymv -n '__gymv_at \'env verify\'' -l data -r -F -d 'Rows the rollouts were run on, joined by _ng_task_index'
