@@ -12,10 +12,10 @@ the generation worker runs beside training. Both train the same checkpoint on th
 order with the same seeds. Runs alternate (sync, async, async, sync, ...) so that load from other work
 falls on both alike.
 
-Throughput is steady state: samples from the end of step 1 to the end of step N over that wall time (the
-`wall_time` of each metrics.jsonl row). Held-out accuracy is measured once at the end of each run (greedy,
+Throughput is steady state: samples from the end of step 1 to the end of step N-1 over that wall time (the
+`wall_time` of each metrics.jsonl row; step N also validates). Held-out accuracy is measured once at the end of each run (greedy,
 `--eval-rows` rows): the two modes have then trained on the same number of samples. The step-time split
-(means over steps 2..N) explains the ratio: in sync the phases add up; in async `wait_s` is what training
+(means over steps 2..N-1) explains the ratio: in sync the phases add up; in async `wait_s` is what training
 waited for rollouts and `overlap_fraction` the share of the step during which both ran.
 
     .venv/bin/python bench/async_vs_sync.py [--workloads polygon,circle] [--steps 30] [--repeats 2]
@@ -91,7 +91,7 @@ def warm_start(work: Path, name: str, spec: dict, model: Path, args) -> Path:
     if not (run / "final" / "config.json").exists():
         print(f"[{name}] SFT warm start ...", flush=True)
         gymv(["train", spec["sft"], f"name=sft-{name}", f"checkpoint.dir={work / 'runs'}", f"model.path={model}",
-              "checkpoint.resume=false", *gpu_overrides(args.gpus, "sft")], work / f"sft-{name}.log")
+              "checkpoint.resume=false", *gpu_overrides(args.gpus, "sft"), *args.sft_override], work / f"sft-{name}.log")
     return run / "final"
 
 
@@ -114,13 +114,15 @@ def run_grpo(work: Path, name: str, spec: dict, init: Path, mode: str, tag: str,
     rows = [r for r in metrics(work / "runs" / run_name) if r.get("step", 0) >= 1]
     by_step = {r["step"]: r for r in rows}
     n = max(by_step)
-    samples = sum(r["train/num_rollouts"] for s, r in by_step.items() if s >= 2)
-    span = by_step[n]["wall_time"] - by_step[1]["wall_time"]
-    steady = [r for s, r in by_step.items() if s >= 2]
+    last = n - 1  # step n also validates: left out of the throughput
+    samples = sum(r["train/num_rollouts"] for s, r in by_step.items() if 2 <= s <= last)
+    span = by_step[last]["wall_time"] - by_step[1]["wall_time"]
+    steady = [r for s, r in by_step.items() if 2 <= s <= last]
     split = {k: statistics.mean(r.get(f"timing/{k}", 0.0) for r in steady) for k in SPLIT}
     split["overlap_fraction"] = statistics.mean(r.get("async/overlap_fraction", 0.0) for r in steady)
     return {"mode": mode, "samples_per_s": samples / span, "steps": n, "wall_s": time.time() - t0,
-            "val_accuracy": by_step[n].get("val/accuracy"), "train_reward_last10":
+            "val_accuracy": by_step[n].get("val/accuracy"), "val_reward": by_step[n].get("val/reward_mean"),
+            "train_reward_last10":
             statistics.mean(r["train/reward_mean"] for r in rows[-10:]), "turns_mean":
             statistics.mean(r["train/turns_mean"] for r in steady), "split": split, "load_before": before,
             "load_after": load()}
@@ -166,6 +168,7 @@ def bench_workload(work: Path, name: str, args) -> dict:
         mine = [r for r in runs if r["mode"] == mode]
         out[mode] = {"samples_per_s": statistics.median(r["samples_per_s"] for r in mine),
                      "val_accuracy": statistics.mean(r["val_accuracy"] for r in mine),
+                     "val_reward": statistics.mean(r["val_reward"] for r in mine),
                      "split": {k: statistics.median(r["split"][k] for r in mine) for k in mine[0]["split"]}}
     out["ratio"] = out["async"]["samples_per_s"] / out["sync"]["samples_per_s"]
     out["accuracy_gap_points"] = 100 * (out["async"]["val_accuracy"] - out["sync"]["val_accuracy"])
@@ -173,13 +176,14 @@ def bench_workload(work: Path, name: str, args) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-    print("\n| workload | sync samples/s | async samples/s | **ratio** | sync held-out | async held-out | gap (points) |")
+    print("\n| workload | sync samples/s | async samples/s | **ratio** | held-out accuracy sync / async | gap (points) "
+          "| held-out reward sync / async |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['workload']} | {r['sync']['samples_per_s']:.2f} | {r['async']['samples_per_s']:.2f} | "
-              f"**{r['ratio']:.2f}x** | {r['sync']['val_accuracy']:.3f} | {r['async']['val_accuracy']:.3f} | "
-              f"{r['accuracy_gap_points']:+.1f} |")
-    print("\nStep-time split (medians of per-run means over steps 2..N, seconds):\n")
+              f"**{r['ratio']:.2f}x** | {r['sync']['val_accuracy']:.3f} / {r['async']['val_accuracy']:.3f} | "
+              f"{r['accuracy_gap_points']:+.1f} | {r['sync']['val_reward']:.3f} / {r['async']['val_reward']:.3f} |")
+    print("\nStep-time split (medians of per-run means over steps 2..N-1, seconds):\n")
     print("| workload | mode | " + " | ".join(SPLIT) + " | overlap fraction |")
     print("|---|---|" + "---|" * (len(SPLIT) + 1))
     for r in results:
@@ -197,6 +201,7 @@ def main() -> None:
     p.add_argument("--latency-ms", type=float, default=100.0)
     p.add_argument("--gpus", type=int, default=0, help="0: this CPU; N: sync on all N GPUs against async N/2 + N/2")
     p.add_argument("--batch", default=None, help="prompts x generations per step, e.g. 16x8 (default: the recipe's)")
+    p.add_argument("--sft-override", action="append", default=[], help="extra override for the warm start (repeatable)")
     p.add_argument("--work", type=Path, default=Path("/tmp/gymv-bench-async"))
     p.add_argument("--out", type=Path, default=RESULTS / "async_vs_sync.json")
     args = p.parse_args()
