@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -51,6 +52,8 @@ def build_app() -> typer.Typer:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     _state["debug"] = "--debug" in argv
+    if _state["debug"]:
+        os.environ["GYMV_DEBUG"] = "1"  # the engine then prints what it would summarise (a worker's traceback)
     app = build_app()
     command = typer.main.get_command(app)
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ def ray_get(refs, phase: str):
     try:
         return ray.get(refs)
     except RayTaskError as e:
+        if os.environ.get("GYMV_DEBUG"):
+            print(str(e), file=sys.stderr)  # the worker's own traceback
         cause = getattr(e, "cause", None)
         if isinstance(cause, GymvError):
             raise GymvError(cause.message, where=cause.where, fix=cause.fix, exit_code=cause.exit_code) from None
