@@ -85,7 +85,8 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
 
 def recomputes_activations(model) -> bool:
     """Activation checkpointing on: the model keeps no KV cache in training, so prefixes cannot be shared."""
-    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    new = hasattr(type(model), "is_activation_checkpointing")  # the older name warns from transformers 5.2x
+    name = "is_activation_checkpointing" if new else "is_gradient_checkpointing"
     return bool(getattr(model, name, False))
 
 
@@ -120,7 +121,8 @@ def _shared_prefix_logits(model, adapter: MultimodalAdapter, batch: MultimodalBa
 
     if recomputes_activations(model):
         return None
-    ids, mask = batch.input_ids, batch.attention_mask.bool()
+    # the bookkeeping below runs on CPU copies (the batch may live on the GPU); model inputs move to `dev`
+    ids, mask, wanted = batch.input_ids.cpu(), batch.attention_mask.bool().cpu(), wanted.cpu()
     B, T = ids.shape
     if not bool(wanted.any(1).all()):
         return None
@@ -175,7 +177,8 @@ def _shared_prefix_logits(model, adapter: MultimodalAdapter, batch: MultimodalBa
     suf_ids = torch.where(valid, suf_ids, suf_ids[:, :1]).to(dev)
     suf_mask = torch.cat([pre_mask[group_idx], valid.long().to(dev)], dim=1)
     positions = torch.cat([adapter.step_positions(next_pos + j) for j in range(S)], dim=-1)
-    suf_wanted = torch.cat([wanted, wanted.new_zeros((B, 1))], dim=1).gather(1, col) & valid  # the last token predicts nothing
+    last_predicts_nothing = torch.cat([wanted, wanted.new_zeros((B, 1))], dim=1)
+    suf_wanted = last_predicts_nothing.gather(1, col) & valid
     keep = suf_wanted.any(0).nonzero().squeeze(-1).to(dev)
     logits = forward_logits(model, input_ids=suf_ids, attention_mask=suf_mask, position_ids=positions, cache=cache,
                             logits_to_keep=keep)
