@@ -11,9 +11,9 @@ rm -rf "$out"
 mkdir -p "$out"
 start=$(date +%s)
 
-echo "== 1/5 prepare circle-count (tiny preset, radius 9): 2048 train rows, 200 held-out eval rows"
-gymv prepare circle-count --preset tiny --n 2048 --split train --out "$out/data/train.jsonl" --preview "$out/data/preview.png" radius=9
-gymv prepare circle-count --preset tiny --n 200 --split eval --out "$out/data/eval.jsonl" radius=9
+echo "== 1/5 prepare circle-count (tiny preset, radius 9): 4096 train rows, 400 held-out eval rows"
+gymv prepare circle-count --preset tiny --n 4096 --split train --out "$out/data/train.jsonl" --preview "$out/data/preview.png" radius=9
+gymv prepare circle-count --preset tiny --n 400 --split eval --out "$out/data/eval.jsonl" radius=9
 
 echo "== 2/5 build the tiny LLaVA-style VLM (random init, tokenizer trained on the fly)"
 gymv model init tiny-llava "$out/model" --layers 1 --vision-layers 1
@@ -30,13 +30,14 @@ gymv train recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml name=grpo "model.path=
 echo "== 5/5 result"
 gymv report "$out/grpo" --out "$out/grpo/report" >/dev/null
 .venv/bin/python - "$out/grpo/metrics.jsonl" "$start" <<'PY'
-import json, sys, time
+import json, os, sys, time
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 val = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
 (s0, before), (s1, after) = val[0], val[-1]
-print(f"held-out accuracy (greedy, {sys.argv[1].rsplit('/', 2)[0]}/data/eval.jsonl):")
+n = sum(1 for l in open(sys.argv[1].rsplit('/', 2)[0] + "/data/eval.jsonl") if l.strip())
+print(f"held-out accuracy (greedy, all {n} rows of {sys.argv[1].rsplit('/', 2)[0]}/data/eval.jsonl, disjoint from train):")
 print(f"  before GRPO (step {s0}, after SFT): {before:6.1%}")
 print(f"  after  GRPO (step {s1}):            {after:6.1%}   ({(after - before) * 100:+.1f} points)")
-print(f"total wall time: {time.time() - float(sys.argv[2]):.0f} s")
+print(f"total wall time: {time.time() - float(sys.argv[2]):.0f} s (load average now: {os.getloadavg()[0]:.1f})")
 PY
 echo "report: $out/grpo/report/index.html   plots and every rollout with its image"
