@@ -71,6 +71,8 @@ def _display():
                                        f"reward {metrics.get('val/reward_mean', float('nan')):.3f}")
             self.bar.update(self.task, completed=step, info=text)
             err = metrics.get("train/token_mult_prob_error")
+            if "async/age_mean" in metrics and metrics["async/age_mean"] > 0:
+                err = None  # async: the trainer is ahead of the weights that sampled, by design (docs/async.md)
             if isinstance(err, float) and err > 1.05 and not self.warned:
                 self.warned = True
                 self.bar.console.print(f"[yellow]step {step}: token_mult_prob_error {err:.3f} > 1.05: the generator's "
