@@ -22,6 +22,7 @@ and the first step's warm-up count for neither; samples/s = (N - 1) x prompts x 
 Per config, the medians over the runs of each framework are compared. Target: gymv >= 2x TRL's samples/s.
 
     .venv/bin/python bench/grpo_vs_trl.py [--configs 4x4-sft,8x8-random] [--repeats 3] [--steps N] [--json]
+    .venv/bin/python bench/grpo_vs_trl.py --gymv-only [--configs ...]   # gymv alone: A/B of gymv changes
 """
 
 from __future__ import annotations
@@ -317,14 +318,16 @@ def median_of(runs: list[dict]) -> dict:
     return out
 
 
-def bench_config(name: str, python: Path, work: Path, repeats: int, steps: int | None, loads: list) -> dict:
+def bench_config(name: str, python: Path | None, work: Path, repeats: int, steps: int | None, loads: list) -> dict:
+    """Both frameworks, alternating; gymv alone when `python` (TRL's environment) is None."""
     init, prompts, generations, max_new_tokens, default_steps = CONFIGS[name]
     cfg = argparse.Namespace(prompts=prompts, generations=generations, max_new_tokens=max_new_tokens,
                              steps=steps or default_steps)
     model, rows = prepare(work, init)
     runs: dict[str, list[dict]] = {"gymv": [], "trl": []}
     for i in range(repeats):
-        for which in (("gymv", "trl") if i % 2 == 0 else ("trl", "gymv")):
+        order = ("gymv", "trl") if i % 2 == 0 else ("trl", "gymv")
+        for which in (order if python is not None else ("gymv",)):
             before = os.getloadavg()[0]
             tag = f"{name}-{i}"
             r = run_gymv(work, model, rows, cfg, tag) if which == "gymv" else run_trl(python, work, model, rows, cfg, tag)
@@ -333,6 +336,13 @@ def bench_config(name: str, python: Path, work: Path, repeats: int, steps: int |
             runs[which].append(r)
             print(f"{name} {which} run {i}: {r['samples_per_s']:.1f} samples/s, {r['steps_per_min']:.1f} steps/min "
                   f"(load {r['load_before']:.1f} -> {r['load_after']:.1f})", file=sys.stderr)
+    if python is None:
+        g = median_of(runs["gymv"])
+        g["other_s"] = round(g["rest_s"] - g["median_training_s"] - g["median_refit_s"], 4)
+        return {"name": name, "setup": {"init": init, "prompts_per_step": prompts, "generations_per_prompt": generations,
+                                        "samples_per_step": prompts * generations, "max_new_tokens": max_new_tokens,
+                                        "steps": cfg.steps, "repeats": repeats},
+                "gymv": {"median": g, "runs": runs["gymv"]}}
     g, t = median_of(runs["gymv"]), median_of(runs["trl"])
     pairs = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(runs["gymv"], runs["trl"])]
     ratio = round(g["samples_per_s"] / t["samples_per_s"], 2)
@@ -370,6 +380,33 @@ def print_table(res: dict) -> None:
           f"{'PASS' if res['pass'] else 'FAIL'})")
 
 
+def gymv_only(args: argparse.Namespace, names: list[str], work: Path) -> None:
+    loads: list[float] = []
+    configs = [bench_config(n, None, work, args.repeats, args.steps, loads) for n in names]
+    out = args.out if args.out != RESULTS else RESULTS.with_name("gymv_only.json")
+    result = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "load_average_1min": {"min": round(min(loads), 2), "max": round(max(loads), 2),
+                                    "mean": round(statistics.mean(loads), 2)},
+              "versions": {"gymv_env": package_versions(ROOT / ".venv" / "bin" / "python",
+                                                        ["torch", "transformers", "ray"])},
+              "configs": configs}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(out)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"gymv alone, load average {result['load_average_1min']['min']:.1f}-{result['load_average_1min']['max']:.1f}"
+          f"; medians of {args.repeats} runs, seconds per step")
+    print(f"{'config':<12} {'samples/s':>10} {'step':>7} {'gen+reward':>11} {'training':>9} {'refit':>7} {'other':>7}")
+    for c in configs:
+        g = c["gymv"]["median"]
+        print(f"{c['name']:<12} {g['samples_per_s']:>10.1f} {g['step_s']:>7.3f} {g['median_generation_s']:>11.3f} "
+              f"{g['median_training_s']:>9.3f} {g['median_refit_s']:>7.3f} {g['other_s']:>7.3f}")
+    print(f"-> {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=",".join(CONFIGS),
@@ -379,6 +416,9 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-grpo-vs-trl", help="scratch folder")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    ap.add_argument("--gymv-only", action="store_true",
+                    help="run gymv alone (no TRL environment): its samples/s and per-step split, for A/B comparisons "
+                         "of gymv changes; results go to bench/results/gymv_only.json unless --out is given")
     ap.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_worker:
@@ -392,6 +432,9 @@ def main() -> None:
         ap.error("--steps must be at least 3 (step 1 is warm-up)")
 
     work = args.work.resolve()
+    if args.gymv_only:
+        gymv_only(args, names, work)
+        return
     python = ensure_trl_venv()
     loads: list[float] = []
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")

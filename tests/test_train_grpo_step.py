@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from gymv.algorithms.loss_fns import PolicyLoss
@@ -85,3 +86,14 @@ def test_the_training_worker_plans_micro_batches_that_keep_a_groups_samples_toge
     samples = samples_for(w)  # samples 0 and 1 share a prompt and image, as do 2 and 3
     plan = w.trainer._plan(samples)
     assert sorted(sorted(mb) for mb in plan) == [[0, 1], [2, 3]]
+
+
+def test_a_step_takes_samples_whose_fields_are_plain_lists_as_it_takes_tensors():
+    a, b = worker(), worker()
+    tensors = samples_for(a)
+    lists = [{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for s in tensors]
+    want = a.grpo_step([tensors], PolicyLoss())
+    got = b.grpo_step([lists], PolicyLoss())
+    for k in ("train/loss", "train/grad_norm", "train/token_mult_prob_error", "train/num_tokens"):
+        assert got[k] == pytest.approx(want[k], rel=1e-6), k
+    assert all(torch.equal(x, y) for x, y in zip(a.weights().values(), b.weights().values()))

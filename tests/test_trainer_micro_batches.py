@@ -80,4 +80,5 @@ def test_shared_prefix_micro_batches_stay_within_the_budget_and_cover_every_samp
 
 def test_a_sample_without_a_shareable_prefix_gets_the_padded_plan():
     lengths = [75, 80, 78]
-    assert plan_shared_prefix_micro_batches([(70, "a"), None, (70, "a")], lengths, 160) == plan_micro_batches(lengths, 160)
+    plan = plan_shared_prefix_micro_batches([(70, "a"), None, (70, "a")], lengths, 160)
+    assert plan == plan_micro_batches(lengths, 160)

@@ -43,20 +43,4 @@ def sample(z: torch.Tensor, top_p: float, greedy: bool, generator: torch.Generat
         before = sorted_p.cumsum(-1) - sorted_p
         sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return _inverse_cdf(probs, generator)
-
-
-def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row from unnormalised `probs` [B, V]: a uniform point on the float64 cumulative mass.
-
-    One random number per row, where torch.multinomial draws one exponential per vocabulary entry (most of
-    a CPU decode step's sampling time). A token of zero mass spans an empty interval and is never drawn; the
-    clamp covers a point that rounds onto the total.
-    """
-    cum = probs.double().cumsum(-1)
-    u = torch.rand((probs.shape[0], 1), generator=generator, dtype=torch.float64, device=probs.device)
-    idx = torch.searchsorted(cum, u * cum[:, -1:], right=True).squeeze(-1)
-    over = idx >= probs.shape[-1]
-    if bool(over.any()):  # the last token with mass
-        idx[over] = probs.shape[-1] - 1 - (probs[over] > 0).flip(-1).int().argmax(-1)
-    return idx
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

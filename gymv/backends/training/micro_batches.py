@@ -48,10 +48,8 @@ def plan_shared_prefix_micro_batches(prefixes: Sequence[tuple | None], lengths: 
     prefix stay together (longest remainder first), prefixes in order of first appearance, so the plan is
     deterministic. Any None: the plain padded plan of :func:`plan_micro_batches`.
     """
-    if any(p is None for p in prefixes):
+    if any(p is None for p in prefixes) or max_tokens < 1:
         return plan_micro_batches(lengths, max_tokens)
-    if max_tokens < 1:
-        raise GymvError(f"micro_batch_tokens must be >= 1, got {max_tokens}", fix="set trainer.micro_batch_tokens to a positive token count")
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(prefixes):
         groups.setdefault(p, []).append(i)
