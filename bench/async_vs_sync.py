@@ -18,7 +18,7 @@ Throughput is steady state: samples from the end of step 1 to the end of step N-
 (means over steps 2..N-1) explains the ratio: in sync the phases add up; in async `wait_s` is what training
 waited for rollouts and `overlap_fraction` the share of the step during which both ran.
 
-    .venv/bin/python bench/async_vs_sync.py [--workloads polygon,circle] [--steps 30] [--repeats 2]
+    .venv/bin/python bench/async_vs_sync.py [--workloads polygon,circle] [--steps N] [--repeats 2]
 
 Targets (issue #6): polygon >= 1.5x sync's samples/s on this CPU; circle: report the ratio; held-out
 accuracy within 3 points of sync's.
@@ -41,10 +41,10 @@ TARGET = 1.5
 WORKLOADS = {
     "polygon": {"sft": "recipes/vlm/vlm_sft-tinyllava-1n0g-torch-polygon.yaml",
                 "grpo": "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch-polygon.yaml", "env": "polygon-naming",
-                "remote": True, "n_eval": 128},
+                "remote": True, "n_eval": 128, "steps": 30},
     "circle": {"sft": "recipes/vlm/vlm_sft-tinyllava-1n0g-torch.yaml",
                "grpo": "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", "env": "circle-count",
-               "remote": False, "n_eval": 200},
+               "remote": False, "n_eval": 400, "steps": 150},
 }
 SPLIT = ("step_s", "generation_s", "env_s", "training_s", "refit_s", "wait_s", "overlap_s")
 
@@ -97,9 +97,10 @@ def warm_start(work: Path, name: str, spec: dict, model: Path, args) -> Path:
 
 def run_grpo(work: Path, name: str, spec: dict, init: Path, mode: str, tag: str, args, url: str | None) -> dict:
     run_name = f"{name}-{mode}-{tag}"
+    steps = args.steps or spec["steps"]
     over = [f"name={run_name}", f"checkpoint.dir={work / 'runs'}", f"model.path={init}", "checkpoint.resume=false",
-            f"grpo.max_steps={args.steps}", f"grpo.val_period={args.steps}", f"grpo.val_prompts={spec['n_eval']}",
-            "grpo.val_at_start=false", f"checkpoint.period={args.steps}", f"data.prepare.n_eval={spec['n_eval']}"]
+            f"grpo.max_steps={steps}", f"grpo.val_period={steps}", f"grpo.val_prompts={spec['n_eval']}",
+            "grpo.val_at_start=false", f"checkpoint.period={steps}", f"data.prepare.n_eval={spec['n_eval']}"]
     if url:
         over.append(f"env.url={url}")
     if args.batch:
@@ -196,7 +197,7 @@ def print_table(results: list[dict]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="polygon,circle")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default: polygon 30, circle 150)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--latency-ms", type=float, default=100.0)
     p.add_argument("--gpus", type=int, default=0, help="0: this CPU; N: sync on all N GPUs against async N/2 + N/2")
@@ -209,7 +210,7 @@ def main() -> None:
     results = [bench_workload(args.work, name, args) for name in args.workloads.split(",")]
     print_table(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"steps": args.steps, "repeats": args.repeats, "gpus": args.gpus,
+    args.out.write_text(json.dumps({"steps": {n: args.steps or WORKLOADS[n]["steps"] for n in args.workloads.split(",")}, "repeats": args.repeats, "gpus": args.gpus,
                                     "batch": args.batch, "results": results,
                                     "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")}, indent=1))
     for r in results:
