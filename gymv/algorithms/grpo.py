@@ -24,7 +24,6 @@ from gymv.train.setup import (
     RunContext,
     rollout_kwargs,
     sampling_params,
-    should_checkpoint,
     should_validate,
     step_seed,
     worker_spec,
@@ -68,7 +67,6 @@ def train_grpo(ctx: RunContext, *, resume: bool) -> dict:
             metrics_log.log(0, row)
             report.on_step(0, row)
 
-        steps_run = 0
         final_metrics: dict = {}
         while step < grpo.max_steps:
             step += 1
@@ -110,18 +108,9 @@ def train_grpo(ctx: RunContext, *, resume: bool) -> dict:
             report.on_step(step, metrics)
             final_metrics = metrics
 
-            steps_run += 1
-            stopping = cfg.checkpoint.steps_per_run is not None and steps_run >= cfg.checkpoint.steps_per_run
-            if should_checkpoint(step, cfg.checkpoint.period, grpo.max_steps, stopping):
-                checkpoints.save(step, data.position)
-            if stopping:
+            if checkpoints.end_step(step, grpo.max_steps, data.position):
                 break
 
-        final_dir = None
-        if step >= grpo.max_steps:
-            final_dir = cluster.export(run.path / "final")
-        metrics_log.close()
-        return {"step": step, "steps_run": steps_run, "max_steps": grpo.max_steps, "final_dir": final_dir,
-                "last_metrics": final_metrics, "checkpoint_s": checkpoints.seconds}
+        return checkpoints.finish(cluster, step, grpo.max_steps, metrics_log, final_metrics)
     finally:
         cluster.shutdown()

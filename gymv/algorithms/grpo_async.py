@@ -30,7 +30,6 @@ from gymv.train.setup import (
     RunContext,
     rollout_kwargs,
     sampling_params,
-    should_checkpoint,
     should_validate,
     worker_spec,
 )
@@ -70,7 +69,6 @@ def train_grpo_async(ctx: RunContext, *, resume: bool) -> dict:
             report.on_step(0, row)
         pipeline.fill()  # generation starts here and from now on runs beside training
 
-        steps_run = 0
         final_metrics: dict = {}
         t_prev = time.time()
         while step < grpo.max_steps:
@@ -132,19 +130,10 @@ def train_grpo_async(ctx: RunContext, *, resume: bool) -> dict:
             final_metrics = metrics
             t_prev = now
 
-            steps_run += 1
-            stopping = cfg.checkpoint.steps_per_run is not None and steps_run >= cfg.checkpoint.steps_per_run
-            if should_checkpoint(step, cfg.checkpoint.period, grpo.max_steps, stopping):
-                checkpoints.save(step, pipeline.positions.get(step, data.position))
-            if stopping:
+            if checkpoints.end_step(step, grpo.max_steps, pipeline.positions.get(step, data.position)):
                 break
 
         pipeline.close()
-        final_dir = None
-        if step >= grpo.max_steps:
-            final_dir = cluster.export(run.path / "final")
-        metrics_log.close()
-        return {"step": step, "steps_run": steps_run, "max_steps": grpo.max_steps, "final_dir": final_dir,
-                "last_metrics": final_metrics, "checkpoint_s": checkpoints.seconds}
+        return checkpoints.finish(cluster, step, grpo.max_steps, metrics_log, final_metrics)
     finally:
         cluster.shutdown()

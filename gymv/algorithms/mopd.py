@@ -33,7 +33,6 @@ from gymv.train.setup import (
     RunContext,
     rollout_kwargs,
     sampling_params,
-    should_checkpoint,
     should_validate,
     step_seed,
     worker_spec,
@@ -189,7 +188,6 @@ def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
             metrics_log.log(0, row)
             report.on_step(0, row)
 
-        steps_run = 0
         final_metrics: dict = {}
         while step < mopd.max_steps:
             step += 1
@@ -237,19 +235,10 @@ def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
             report.on_step(step, metrics)
             final_metrics = metrics
 
-            steps_run += 1
-            stopping = cfg.checkpoint.steps_per_run is not None and steps_run >= cfg.checkpoint.steps_per_run
-            if should_checkpoint(step, cfg.checkpoint.period, mopd.max_steps, stopping):
-                checkpoints.save(step, data.position)
-            if stopping:
+            if checkpoints.end_step(step, mopd.max_steps, data.position):
                 break
 
-        final_dir = None
-        if step >= mopd.max_steps:
-            final_dir = cluster.export(run.path / "final")
-        metrics_log.close()
-        return {"step": step, "steps_run": steps_run, "max_steps": mopd.max_steps, "final_dir": final_dir,
-                "last_metrics": final_metrics, "checkpoint_s": checkpoints.seconds}
+        return checkpoints.finish(cluster, step, mopd.max_steps, metrics_log, final_metrics)
     finally:
         if pool is not None:
             pool.shutdown()

