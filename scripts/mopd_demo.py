@@ -5,10 +5,12 @@
 1. Data: circle-count `tiny` with radius 9 (the quickstart's image task: 1-3 circles of one color in a 56 px
    image) and arithmetic `tiny` (one-digit sums, text only); train rows and held-out eval rows come from
    disjoint seed ranges, and the mixed files interleave the two tasks evenly (as `gymv prepare mix` does).
-2. Teachers: the counting teacher is the quickstart's tiny LLaVA trained on circle-count alone (SFT on gold
-   answers, then GRPO on the reward); the arithmetic teacher is the same architecture trained by SFT on
-   arithmetic alone, used as `text:` (its language model, which never sees an image argument).
-3. Student: a tiny LLaVA with the same tokenizer, warm-started briefly by SFT on the mixed rows, then
+2. Teachers: the counting teacher is a tiny LLaVA larger than the student (hidden 192, 2 text layers:
+   1.15 M parameters) trained on circle-count alone (SFT on gold answers, then GRPO on the reward); the
+   arithmetic teacher is the same architecture trained by SFT on arithmetic alone, used as `text:` (its
+   language model, which never sees an image argument).
+3. Student: the quickstart's tiny LLaVA (hidden 128, 1 text layer: 0.53 M parameters) with the same
+   tokenizer, warm-started briefly by SFT on the mixed rows, then
    distilled with MOPD on the mixed rows: each episode goes to the teacher of its agent (circle-count
    episodes to the counting teacher with their images, arithmetic episodes to the text teacher).
 4. Control: the same warm start trained by GRPO on the environment reward, same rows, samples and steps.
@@ -34,10 +36,12 @@ SFT_RECIPE = REPO / "recipes/vlm/vlm_sft-tinyllava-1n0g-torch.yaml"
 GRPO_RECIPE = REPO / "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml"
 MOPD_RECIPE = REPO / "recipes/vlm/vlm_mopd-tinyllava-1n0g-torch.yaml"
 
-# tiny LLaVA sizes (seed 0: one tokenizer for all); the counting teacher is the quickstart model
-COUNT_TEACHER = {"hidden": 128, "layers": 1, "vision_layers": 1}
-ARITH_TEACHER = {"hidden": 128, "layers": 1, "vision_layers": 1}
+# tiny LLaVA sizes (seed 0: one tokenizer for all): both teachers are wider and deeper (1.15 M parameters)
+# than the student, which is the quickstart model (0.53 M)
+COUNT_TEACHER = {"hidden": 192, "layers": 2, "vision_layers": 1}
+ARITH_TEACHER = {"hidden": 192, "layers": 2, "vision_layers": 1}
 STUDENT = {"hidden": 128, "layers": 1, "vision_layers": 1}
+TEACHER_SFT_LR, TEACHER_GRPO_LR = 5.0e-4, 5.0e-5  # the student's: 1e-3 (SFT), 3e-4 (MOPD, GRPO)
 TRAIN_ROWS = 2048  # per task
 EVAL_ROWS = 200    # per task
 CC_KNOBS = ["radius=9"]
@@ -80,7 +84,7 @@ def _run(out: Path, name: str, parent: Path, settings: dict) -> dict:
                                 if k.startswith("val/accuracy/"))
                 print(f"[{name}] step {step}: val accuracy {m['val/accuracy']:.3f}  {per}", flush=True)
 
-    t0 = time.time()
+    t0, load0 = time.time(), os.getloadavg()
     for attempt in range(4):
         try:
             summary = train(recipe, reporter=Say())
@@ -90,6 +94,7 @@ def _run(out: Path, name: str, parent: Path, settings: dict) -> dict:
                 raise
             print(f"[{name}] {e.message}; resuming", flush=True)
     summary["stage_wall_s"] = time.time() - t0
+    summary["load_average_start_end"] = [round(x, 2) for x in (*load0, *os.getloadavg())]  # 1, 5, 15 min, twice
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -170,14 +175,19 @@ def main() -> None:
             "grpo.val_prompts": 2 * EVAL_ROWS}
 
     # 1. teachers: counting (images) and arithmetic (text), each trained on its own task only
+    # the larger teachers need lower learning rates than the student: at lr 1e-3 the counting teacher's SFT
+    # stalled at 0.705 held-out (60 GRPO steps at 3e-4 then took it to 0.54); at 5e-4 it reaches 1.00. GRPO on
+    # that near-perfect teacher is unstable (a group with one wrong sample gives it a large negative advantage;
+    # grad norm spikes to 5-13): 40 steps at 1.5e-4 ended at 0.905, 30 at 5e-5 at 0.97 (1.00 at steps 10, 20)
     _run(out, "count-teacher-sft", SFT_RECIPE, {
-        **sft, **on("cc"), "model.path": str(models / "count-teacher-init"), "sft.max_steps": 240, "sft.val_period": 80})
+        **sft, **on("cc"), "model.path": str(models / "count-teacher-init"), "training.lr": TEACHER_SFT_LR,
+        "sft.max_steps": 200, "sft.val_period": 100})
     _run(out, "count-teacher-grpo", GRPO_RECIPE, {
-        **grpo, **on("cc"), "model.path": str(out / "runs/count-teacher-sft"),
-        "grpo.prompts_per_step": 8, "grpo.generations_per_prompt": 8, "grpo.max_steps": 60, "grpo.val_period": 30})
+        **grpo, **on("cc"), "model.path": str(out / "runs/count-teacher-sft"), "training.lr": TEACHER_GRPO_LR,
+        "grpo.prompts_per_step": 8, "grpo.generations_per_prompt": 8, "grpo.max_steps": 20, "grpo.val_period": 10})
     _run(out, "arith-teacher-sft", SFT_RECIPE, {
         **sft, **on("ar"), "env.name": "arithmetic", "model.path": str(models / "arith-teacher-init"),
-        "sft.max_steps": 240, "sft.val_period": 80})
+        "training.lr": TEACHER_SFT_LR, "sft.max_steps": 240, "sft.val_period": 80})
     # no GRPO for the arithmetic teacher: 60 steps of it (8 x 8, lr 3e-4) raised greedy accuracy 0.805 -> 0.835
     # while the teacher stopped ending its answers ("\boxed{11}}}}" until max_new_tokens; the verifier reads
     # the first box), so it put logprob -20 on the end-of-turn token that every student answer ends with
@@ -238,6 +248,8 @@ def main() -> None:
               "student-mopd"] + ([] if control is None else ["student-grpo-control"])
     result["stage_wall_s"] = {n: round(json.loads((out / "runs" / n / "summary.json").read_text())["stage_wall_s"], 1)
                               for n in stages}
+    result["stage_load_average_start_end"] = {
+        n: json.loads((out / "runs" / n / "summary.json").read_text()).get("load_average_start_end") for n in stages}
     result["this_invocation_wall_s"] = round(time.time() - t_start, 1)  # less than the sum when stages were reused
     result["load_average"] = os.getloadavg()
     args.json.write_text(json.dumps(result, indent=2) + "\n")
