@@ -18,7 +18,6 @@ import time
 from gymv.algorithms.loss_fns import ISConfig, PolicyLoss
 from gymv.cluster.group import Placement, PolicyCluster
 from gymv.rollout import to_rollout_record
-from gymv.train.data import RowStream
 from gymv.train.setup import (
     Checkpointer,
     RunContext,
@@ -49,12 +48,7 @@ def train_grpo(ctx: RunContext, *, resume: bool) -> dict:
     cluster = PolicyCluster(worker_spec(cfg, ctx.model_path, kl_reference=grpo.loss.kl_coef > 0), Placement.from_config(cfg))
     try:
         checkpoints = Checkpointer(ctx, cluster)
-        restored = checkpoints.resume(resume)
-        step = restored.step if restored else 0
-        data = RowStream(ctx.train_rows, seed=cfg.seed, shuffle=cfg.data.shuffle,
-                         position=restored.data_position if restored else None)
-        if restored:
-            cluster.refit(step)  # the generators start from the restored weights too
+        restored, step, data = checkpoints.start(resume, cluster)
         loss_fn = policy_loss(grpo)
         params = sampling_params(cfg)
         limits = rollout_kwargs(cfg)

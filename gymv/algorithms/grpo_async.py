@@ -22,7 +22,6 @@ from collections import Counter
 from gymv.algorithms.grpo import policy_loss
 from gymv.cluster.group import Placement, PolicyCluster
 from gymv.rollout import to_rollout_record
-from gymv.train.data import RowStream
 from gymv.train.pipeline import RolloutPipeline
 from gymv.train.replay import ReplayBuffer
 from gymv.train.setup import (
@@ -47,12 +46,7 @@ def train_grpo_async(ctx: RunContext, *, resume: bool) -> dict:
                             Placement.from_config(cfg), in_flight_refit=grpo.async_.in_flight_weight_updates)
     try:
         checkpoints = Checkpointer(ctx, cluster)
-        restored = checkpoints.resume(resume)
-        step = restored.step if restored else 0
-        data = RowStream(ctx.train_rows, seed=cfg.seed, shuffle=cfg.data.shuffle,
-                         position=restored.data_position if restored else None)
-        if restored:
-            cluster.refit(step)
+        restored, step, data = checkpoints.start(resume, cluster)
         loss_fn = policy_loss(grpo)
         pipeline = RolloutPipeline(cluster, data, ReplayBuffer.for_run(P, max_age), prompts_per_step=P, group_size=G,
                                    max_steps=grpo.max_steps, seed=cfg.seed, start_step=step,

@@ -27,7 +27,6 @@ from gymv.algorithms.loss_fns import DistillationLoss, ISConfig, PolicyLoss
 from gymv.algorithms.mopd_routing import TeacherRouter
 from gymv.cluster.group import Placement, PolicyCluster
 from gymv.rollout import to_rollout_record
-from gymv.train.data import RowStream
 from gymv.train.setup import (
     Checkpointer,
     RunContext,
@@ -169,12 +168,7 @@ def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
         report.on_message(f"starting teachers: {', '.join(mopd.teachers)}")
         pool = TeacherPool(cfg, specs, policy_pg=cluster.placement_group)
         checkpoints = Checkpointer(ctx, cluster)
-        restored = checkpoints.resume(resume)
-        step = restored.step if restored else 0
-        data = RowStream(ctx.train_rows, seed=cfg.seed, shuffle=cfg.data.shuffle,
-                         position=restored.data_position if restored else None)
-        if restored:
-            cluster.refit(step)
+        restored, step, data = checkpoints.start(resume, cluster)
         loss_fn = mopd_loss(mopd)
         params = sampling_params(cfg)
         limits = rollout_kwargs(cfg)

@@ -13,7 +13,6 @@ import time
 
 from gymv.algorithms.loss_fns import SFTLoss
 from gymv.cluster.group import Placement, PolicyCluster
-from gymv.train.data import RowStream
 from gymv.train.setup import Checkpointer, RunContext, should_validate, worker_spec
 from gymv.train.validation import validate
 
@@ -28,10 +27,7 @@ def train_sft(ctx: RunContext, *, resume: bool) -> dict:
                             generation=validates)
     try:
         checkpoints = Checkpointer(ctx, cluster)
-        restored = checkpoints.resume(resume)
-        step = restored.step if restored else 0
-        data = RowStream(ctx.train_rows, seed=cfg.seed, shuffle=cfg.data.shuffle,
-                         position=restored.data_position if restored else None)
+        restored, step, data = checkpoints.start(resume, cluster)
         loss_fn = SFTLoss(aggregation=sft.aggregation)
         metrics_log = run.metrics_log()
         report.on_start({"algorithm": cfg.algorithm, "run_dir": str(run.path), "start_step": step,

@@ -14,7 +14,7 @@ from typing import Any
 from gymv.errors import GymvError
 from gymv.runs.checkpoint import LATEST, CheckpointState, DataPosition, find_latest
 from gymv.runs.run_dir import RunDir, run_path
-from gymv.train.data import EnvSpec, Row
+from gymv.train.data import EnvSpec, Row, RowStream
 
 FINAL_DIR = "final"
 
@@ -192,6 +192,18 @@ class Checkpointer:
         self.ctx.reporter.on_checkpoint(step, path)
         return path
 
+
+    def start(self, resume: bool, cluster) -> tuple[CheckpointState | None, int, RowStream]:
+        """(the restored checkpoint or None, the step to continue from, the training rows' stream at its
+        position); a restored policy's weights also go to the generation workers."""
+        restored = self.resume(resume)
+        step = restored.step if restored else 0
+        cfg = self.ctx.cfg
+        data = RowStream(self.ctx.train_rows, seed=cfg.seed, shuffle=cfg.data.shuffle,
+                         position=restored.data_position if restored else None)
+        if restored and cluster.generators:
+            cluster.refit(step)
+        return restored, step, data
 
     def end_step(self, step: int, max_steps: int, position: DataPosition) -> bool:
         """Count a finished step and checkpoint when due; True when this process should stop here
