@@ -117,7 +117,7 @@ def prepare(work: Path, init: str) -> tuple[Path, Path]:
         print("warm start: SFT of the tiny model on the bench rows (100 steps of 8 at lr 1e-3)", file=sys.stderr)
         run([gymv, "train", SFT_RECIPE, f"model.path={base}", f"checkpoint.dir={work}", "name=sft-warm",
              f"data.train={rows}", f"data.eval={rows}", "data.prepare=null", "sft.batch_size=8",
-             "sft.max_steps=100", "training.lr=1.0e-3", "sft.val_period=100", "sft.val_prompts=16",
+             "sft.max_steps=100", "training.lr=1.0e-3", "training.warmup_steps=0", "sft.val_period=100", "sft.val_prompts=16",
              "checkpoint.period=100", "checkpoint.resume=false"], log=work / "sft.log")
     return sft, rows
 
