@@ -155,6 +155,29 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_p
     assert all(torch.equal(saved[k], v) for k, v in fresh.state_dict().items())
 
 
+def test_a_prune_interrupted_mid_delete_leaves_no_half_deleted_checkpoint(tmp_path, monkeypatch):
+    """A SIGKILL inside the delete of an old checkpoint (seen in the kill-and-resume test) must not leave a
+    step_<N> folder without its state.json, which would never read as a checkpoint and never be pruned."""
+    import shutil
+
+    d = tmp_path / "checkpoints"
+    manager = CheckpointManager(d, keep=1)
+    t = new_trainer()
+    manager.save(1, t, DataPosition())
+
+    def killed_midway(path, ignore_errors=False):
+        (Path(path) / "state.json").unlink()  # the delete got this far
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        manager.save(2, t, DataPosition())
+    monkeypatch.undo()
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith("step_")) == ["step_2"]
+    manager.save(3, t, DataPosition())  # the next save clears the interrupted delete's leftovers
+    assert sorted(p.name for p in d.iterdir()) == ["latest", "step_3"]
+
+
 def test_the_next_save_clears_a_crashed_saves_temp_dir(tmp_path):
     stale = tmp_path / "checkpoints" / ".tmp-step_2-0badf00d"
     stale.mkdir(parents=True)

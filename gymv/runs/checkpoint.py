@@ -204,4 +204,8 @@ class CheckpointManager:
         found = list_checkpoints(self.directory)
         for _, path in found[: max(0, len(found) - self.keep)]:
             if path != keep_also:
-                shutil.rmtree(path, ignore_errors=True)
+                # renamed first: a process killed mid-delete leaves a temp folder (removed by the next save),
+                # never a half-deleted step_<N> that no longer reads as a checkpoint and is never pruned
+                trash = self.directory / f"{TMP_PREFIX}pruned-{path.name}-{uuid.uuid4().hex[:8]}"
+                os.rename(path, trash)
+                shutil.rmtree(trash, ignore_errors=True)
