@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -85,6 +86,16 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
+def cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) jiffies of the whole machine from /proc/stat (Linux), else None."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return sum(fields) - idle, sum(fields)
+
+
 def warm_start(work: Path, name: str, spec: dict, model: Path, args) -> Path:
     """The SFT run the GRPO runs start from (its final/ export), trained once."""
     run = work / "runs" / f"sft-{name}"
@@ -109,9 +120,13 @@ def run_grpo(work: Path, name: str, spec: dict, init: Path, mode: str, tag: str,
     over += gpu_overrides(args.gpus, mode)
     if mode == "async":
         over += ["--async", "grpo.importance_sampling.kind=truncated"]
+    shutil.rmtree(work / "runs" / run_name, ignore_errors=True)  # a scratch run of an earlier invocation
     before = load()
+    ticks0 = cpu_ticks()
     t0 = time.time()
     gymv(["train", spec["grpo"], *over], work / f"{run_name}.log")
+    ticks1 = cpu_ticks()
+    busy = (ticks1[0] - ticks0[0]) / max(ticks1[1] - ticks0[1], 1) if ticks0 and ticks1 else None
     rows = [r for r in metrics(work / "runs" / run_name) if r.get("step", 0) >= 1]
     by_step = {r["step"]: r for r in rows}
     n = max(by_step)
@@ -125,7 +140,7 @@ def run_grpo(work: Path, name: str, spec: dict, init: Path, mode: str, tag: str,
             "val_accuracy": by_step[n].get("val/accuracy"), "val_reward": by_step[n].get("val/reward_mean"),
             "train_reward_last10":
             statistics.mean(r["train/reward_mean"] for r in rows[-10:]), "turns_mean":
-            statistics.mean(r["train/turns_mean"] for r in steady), "split": split, "load_before": before,
+            statistics.mean(r["train/turns_mean"] for r in steady), "split": split, "cpu_busy": busy, "load_before": before,
             "load_after": load()}
 
 
@@ -159,8 +174,9 @@ def bench_workload(work: Path, name: str, args) -> dict:
                 print(f"[{name}] {mode} run {i + 1} ...", flush=True)
                 runs.append(run_grpo(work, name, spec, init, mode, str(i), args, url))
                 r = runs[-1]
+                busy = f", machine CPU busy {100 * r['cpu_busy']:.0f}%" if r["cpu_busy"] is not None else ""
                 print(f"    {r['samples_per_s']:.2f} samples/s, val {r['val_accuracy']}, load {r['load_before']:.1f}"
-                      f"-{r['load_after']:.1f}", flush=True)
+                      f"-{r['load_after']:.1f}{busy}", flush=True)
     finally:
         if server is not None:
             server.close()
