@@ -97,10 +97,10 @@ def train_grpo_async(ctx: RunContext, *, resume: bool) -> dict:
             overlap = pipeline.overlap_s(t_train, t_trained)
             generated = sum(sum(t.loss_mask) for t in trajectories)
             total_tokens = sum(len(t.token_ids) for t in trajectories)
-            gen_s = sum(pipeline.consumed_seconds)
+            gen_s, env_s = pipeline.timings()
             metrics.update({
                 "timing/step_s": step_s, "timing/wait_s": wait_s, "timing/refit_s": refit_s,
-                "timing/generation_s": gen_s, "timing/env_s": max(pipeline.env_seconds, default=0.0),
+                "timing/generation_s": gen_s, "timing/env_s": env_s,
                 "timing/overlap_s": overlap, "async/overlap_fraction": overlap / max(step_s, 1e-9),
                 "timing/generation_tokens_per_s": generated / max(gen_s, 1e-9),
                 "timing/tokens_per_s": total_tokens / max(step_s, 1e-9),
@@ -115,8 +115,6 @@ def train_grpo_async(ctx: RunContext, *, resume: bool) -> dict:
                 "async/buffered_groups": float(len(pipeline.buffer)),
                 "async/encoder_cache_stale_hits_total": float(pipeline.stats.stale_encoder_hits),
             })
-            pipeline.consumed_seconds.clear()
-            pipeline.env_seconds.clear()
             if cfg.logger.log_rollouts:
                 run.write_rollouts(step, [to_rollout_record(t) for t in trajectories])
             metrics_log.log(step, metrics)

@@ -28,7 +28,6 @@ from gymv.train.setup import step_seed
 @dataclass
 class _Batch:
     index: int  # the step it was drawn for
-    version: int  # weights version queued before it
     calls: list[RolloutCall] = field(default_factory=list)
 
 
@@ -56,8 +55,8 @@ class RolloutPipeline:
         self._refills = 0
         self._done: list[tuple[int, float, float]] = []  # (worker, started_at, ended_at) of finished calls
         self._last_end: dict[int, float] = {}
-        self.consumed_seconds: list[float] = []  # generation seconds of the calls whose groups were buffered
-        self.env_seconds: list[float] = []
+        self._gen_s: list[float] = []  # per finished call, since the last `timings()`
+        self._env_s: list[float] = []
 
     # -- producing -----------------------------------------------------------------------------------
     def outstanding_groups(self) -> int:
@@ -73,7 +72,7 @@ class RolloutPipeline:
     def _submit(self, index: int, seed: int) -> None:
         rows = self.data.next_batch(self.P)
         self.positions[index] = self.data.position
-        batch = _Batch(index, self.version)
+        batch = _Batch(index)
         for call in self.cluster.submit_rollouts([(r.index, r.data) for r in rows], group_size=self.G, seed=seed,
                                                  **self.kwargs):
             batch.calls.append(call)
@@ -160,8 +159,8 @@ class RolloutPipeline:
     def _finished(self, batch: _Batch, call: RolloutCall, out: dict) -> None:
         self._done.append((call.worker, out["started_at"], out["ended_at"]))
         self._last_end[call.worker] = out["ended_at"]
-        self.consumed_seconds.append(out["seconds"])
-        self.env_seconds.append(out["stats"].get("env_s", 0.0))
+        self._gen_s.append(out["seconds"])
+        self._env_s.append(out["stats"].get("env_s", 0.0))
         self.stats.stale_encoder_hits += int(out["stats"].get("encoder_cache_stale_hits", 0))
         trajectories = out["trajectories"]
         version = int(out["weights_version"])
@@ -187,6 +186,12 @@ class RolloutPipeline:
         self._check_refits(block=True)
 
     # -- accounting ----------------------------------------------------------------------------------
+    def timings(self) -> tuple[float, float]:
+        """(generation seconds, longest env seconds) of the calls finished since the last call."""
+        out = (sum(self._gen_s), max(self._env_s, default=0.0))
+        self._gen_s, self._env_s = [], []
+        return out
+
     def overlap_s(self, start: float, end: float) -> float:
         """Seconds of [start, end] (wall clock) during which some generation worker was busy.
 
