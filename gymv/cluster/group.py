@@ -121,7 +121,9 @@ class PolicyCluster:
             train_opts = [{"num_cpus": 0, "num_gpus": 1}] * placement.num_training
         Train = ray.remote(TrainingWorker)
         # in-flight refits run in their own concurrency group, beside a rollout in progress
-        self._Gen = ray.remote(concurrency_groups={REFIT_GROUP: 1})(GenerationWorker) if in_flight_refit else ray.remote(GenerationWorker)
+        self._Gen = ray.remote(GenerationWorker)
+        if in_flight_refit:
+            self._Gen = ray.remote(concurrency_groups={REFIT_GROUP: 1})(GenerationWorker)
         self.in_flight_refit = in_flight_refit
         self._gen_opts = gen_opts
         world = placement.num_training

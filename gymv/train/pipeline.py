@@ -25,6 +25,22 @@ from gymv.train.replay import Group, ReplayBuffer
 from gymv.train.setup import step_seed
 
 
+_DIED = object()
+
+
+def _result(ref, phase: str):
+    """The ref's value, or _DIED when its actor died; any other failure raises as ray_get's one-line error."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        return ray.get(ref)
+    except RayActorError:
+        return _DIED
+    except Exception:
+        return ray_get(ref, phase)  # raises it again, as one GymvError line
+
+
 @dataclass
 class _Batch:
     index: int  # the step it was drawn for
@@ -85,21 +101,14 @@ class RolloutPipeline:
         self._check_refits(block=False)
 
     def _check_refits(self, *, block: bool) -> None:
+        """Surface a failed refit (a dead generator's queued refit is fine: the worker is replaced anyway)."""
         import ray
-        from ray.exceptions import RayActorError
 
         if not self._refits:
             return
-        ready, self._refits = ray.wait(self._refits, num_returns=len(self._refits) if block else 1,
-                                       timeout=None if block else 0)
+        ready, self._refits = ray.wait(self._refits, num_returns=len(self._refits), timeout=None if block else 0)
         for ref in ready:
-            try:
-                ray_get(ref, "refit")
-            except GymvError as e:
-                if "worker died" not in e.message:  # a dead generator's queued refit: it is replaced anyway
-                    raise
-            except RayActorError:
-                pass
+            _result(ref, "refit")
 
     # -- consuming -----------------------------------------------------------------------------------
     def take(self, step: int) -> tuple[list[Group], int, float]:
@@ -131,7 +140,6 @@ class RolloutPipeline:
     def _collect(self, *, block: bool) -> None:
         """Process every finished call (waiting for at least one when `block`)."""
         import ray
-        from ray.exceptions import RayActorError
 
         if not self._inflight:
             return
@@ -144,15 +152,11 @@ class RolloutPipeline:
         self._inflight = [(b, c) for b, c in self._inflight if c.ref not in done]
         lost: dict[int, list[tuple[_Batch, RolloutCall]]] = {}
         for batch, call in finished:
-            try:
-                out = ray.get(call.ref)
-            except RayActorError:
+            out = _result(call.ref, "generation")
+            if out is _DIED:
                 lost.setdefault(call.worker, []).append((batch, call))
-                continue
-            except Exception:
-                ray_get(call.ref, "generation")  # raises it as one GymvError line
-                raise
-            self._finished(batch, call, out)
+            else:
+                self._finished(batch, call, out)
         for worker, calls in lost.items():
             self._recover(worker, calls)
 
