@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -157,6 +158,28 @@ def test_the_server_keeps_serving_after_bad_requests(click_server):
     post(click_server, "/verify", b"{{{{")
     post(click_server, "/nope", b"{}")
     assert EnvClient(click_server.url).health()["status"] == "ok"
+
+
+def test_a_burst_of_connections_all_queue_before_the_server_accepts_any():
+    """A batch opens one connection per episode at once; an overflowing listen queue costs a 1 s SYN resend."""
+    srv = EnvServer(get_env("circle-count"))  # not started: nothing accepts
+    socks = []
+    try:
+        connected = 0
+        for _ in range(64):
+            s = socket.socket()
+            s.settimeout(0.3)
+            socks.append(s)
+            try:
+                s.connect((srv.host, srv.port))
+                connected += 1
+            except OSError:
+                pass
+        assert connected == 64
+    finally:
+        for s in socks:
+            s.close()
+        srv.httpd.server_close()
 
 
 class Camera(Environment):

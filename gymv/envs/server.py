@@ -86,6 +86,14 @@ class _Sessions:
         return len(self._items)
 
 
+class _ListeningServer(ThreadingHTTPServer):
+    """A deep listen backlog: a batch opens one connection per episode at once, and the standard 5 would make
+    the kernel drop the excess SYNs, which the client resends only after a second."""
+
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 class EnvServer:
     """A threaded HTTP server for one environment; `start()` serves in the background, `close()` stops."""
 
@@ -105,10 +113,9 @@ class EnvServer:
         self.step_latency_s = float(step_latency_s)  # added to every /step and tool call: a slow tool, simulated
         handler = type("Handler", (_Handler,), {"server_obj": self, "timeout": request_timeout})
         try:
-            self.httpd = ThreadingHTTPServer((host, port), handler)
+            self.httpd = _ListeningServer((host, port), handler)
         except OSError as e:
             raise GymvError(f"cannot listen on {host}:{port}: {e.strerror}", fix="pick another --port") from None
-        self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
 
     @property
