@@ -42,7 +42,7 @@ TARGET = 1.5
 WORKLOADS = {
     "polygon": {"sft": "recipes/vlm/vlm_sft-tinyllava-1n0g-torch-polygon.yaml",
                 "grpo": "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch-polygon.yaml", "env": "polygon-naming",
-                "remote": True, "n_eval": 128, "steps": 30},
+                "remote": True, "n_eval": 128, "steps": 100},
     "circle": {"sft": "recipes/vlm/vlm_sft-tinyllava-1n0g-torch.yaml",
                "grpo": "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", "env": "circle-count",
                "remote": False, "n_eval": 400, "steps": 150},
@@ -210,10 +210,28 @@ def print_table(results: list[dict]) -> None:
                   + f" | {s['overlap_fraction']:.2f} |")
 
 
+def write_results(args, results: list[dict]) -> None:
+    """Merge into --out: the workloads run now replace their earlier entries, the others are kept."""
+    ran = {r["workload"] for r in results}
+    try:
+        old = json.loads(args.out.read_text())
+    except (OSError, ValueError):
+        old = {}
+    same = all(old.get(k) == getattr(args, k) for k in ("repeats", "gpus", "batch"))
+    kept = [r for r in old.get("results", []) if r["workload"] not in ran] if same else []
+    steps = {**(old.get("steps", {}) if same else {}),
+             **{n: args.steps or WORKLOADS[n]["steps"] for n in ran}}
+    order = list(WORKLOADS)
+    merged = sorted(kept + results, key=lambda r: order.index(r["workload"]))
+    dates = {**(old.get("dates", {}) if same else {}), **{n: time.strftime("%Y-%m-%d %H:%M") for n in ran}}
+    args.out.write_text(json.dumps({"steps": steps, "repeats": args.repeats, "gpus": args.gpus, "batch": args.batch,
+                                    "results": merged, "cpus": os.cpu_count(), "dates": dates}, indent=1))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="polygon,circle")
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default: polygon 30, circle 150)")
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default: polygon 100, circle 150)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--latency-ms", type=float, default=100.0)
     p.add_argument("--gpus", type=int, default=0, help="0: this CPU; N: sync on all N GPUs against async N/2 + N/2")
@@ -226,9 +244,7 @@ def main() -> None:
     results = [bench_workload(args.work, name, args) for name in args.workloads.split(",")]
     print_table(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"steps": {n: args.steps or WORKLOADS[n]["steps"] for n in args.workloads.split(",")}, "repeats": args.repeats, "gpus": args.gpus,
-                                    "batch": args.batch, "results": results,
-                                    "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")}, indent=1))
+    write_results(args, results)
     for r in results:
         if r["workload"] == "polygon":
             verdict = "meets" if r["ratio"] >= TARGET else "misses"
