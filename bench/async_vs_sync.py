@@ -50,9 +50,9 @@ WORKLOADS = {
 SPLIT = ("step_s", "generation_s", "env_s", "training_s", "refit_s", "wait_s", "overlap_s")
 
 
-def gpu_overrides(gpus: int, mode: str) -> list[str]:
+def gpu_overrides(gpus: int, mode: str, gen_workers: int = 1) -> list[str]:
     """Sync: every GPU generates and trains (colocated, CUDA IPC refit). Async: one GPU set generates, the
-    other trains (NCCL refit), as async needs."""
+    other trains (NCCL refit; with several generation workers per GPU, the object store), as async needs."""
     if gpus == 0:
         return []
     common = ["cluster.num_nodes=1", f"cluster.gpus_per_node={gpus}", "training.dtype=bfloat16", "model.dtype=bfloat16"]
@@ -60,8 +60,10 @@ def gpu_overrides(gpus: int, mode: str) -> list[str]:
         return common
     if mode == "sync":
         return common + ["cluster.colocated=true", "refit.transport=cuda_ipc"]
-    return common + ["cluster.colocated=false", f"cluster.generation_gpus={gpus // 2}",
-                     f"cluster.training_gpus={gpus - gpus // 2}", "refit.transport=nccl"]
+    split = ["cluster.colocated=false", f"cluster.generation_gpus={gpus // 2}", f"cluster.training_gpus={gpus - gpus // 2}"]
+    if gen_workers > 1:
+        return common + split + [f"cluster.generation_workers_per_gpu={gen_workers}", "refit.transport=object_store"]
+    return common + split + ["refit.transport=nccl"]
 
 
 def bench_env() -> dict:
@@ -117,7 +119,7 @@ def run_grpo(work: Path, name: str, spec: dict, init: Path, mode: str, tag: str,
     if args.batch:
         prompts, group = args.batch.split("x")
         over += [f"grpo.prompts_per_step={prompts}", f"grpo.generations_per_prompt={group}"]
-    over += gpu_overrides(args.gpus, mode)
+    over += gpu_overrides(args.gpus, mode, args.async_gen_workers) + args.grpo_override
     if mode == "async":
         over += ["--async", "grpo.importance_sampling.kind=truncated"]
     shutil.rmtree(work / "runs" / run_name, ignore_errors=True)  # a scratch run of an earlier invocation
@@ -217,7 +219,7 @@ def write_results(args, results: list[dict]) -> None:
         old = json.loads(args.out.read_text())
     except (OSError, ValueError):
         old = {}
-    same = all(old.get(k) == getattr(args, k) for k in ("repeats", "gpus", "batch"))
+    same = all(old.get(k) == getattr(args, k) for k in ("repeats", "gpus", "batch", "async_gen_workers"))
     kept = [r for r in old.get("results", []) if r["workload"] not in ran] if same else []
     steps = {**(old.get("steps", {}) if same else {}),
              **{n: args.steps or WORKLOADS[n]["steps"] for n in ran}}
@@ -225,7 +227,7 @@ def write_results(args, results: list[dict]) -> None:
     merged = sorted(kept + results, key=lambda r: order.index(r["workload"]))
     dates = {**(old.get("dates", {}) if same else {}), **{n: time.strftime("%Y-%m-%d %H:%M") for n in ran}}
     args.out.write_text(json.dumps({"steps": steps, "repeats": args.repeats, "gpus": args.gpus, "batch": args.batch,
-                                    "results": merged, "cpus": os.cpu_count(), "dates": dates}, indent=1))
+                                    "async_gen_workers": args.async_gen_workers, "results": merged, "cpus": os.cpu_count(), "dates": dates}, indent=1))
 
 
 def main() -> None:
@@ -237,6 +239,9 @@ def main() -> None:
     p.add_argument("--gpus", type=int, default=0, help="0: this CPU; N: sync on all N GPUs against async N/2 + N/2")
     p.add_argument("--batch", default=None, help="prompts x generations per step, e.g. 16x8 (default: the recipe's)")
     p.add_argument("--sft-override", action="append", default=[], help="extra override for the warm start (repeatable)")
+    p.add_argument("--async-gen-workers", type=int, default=1,
+                   help="with --gpus: generation workers sharing each generating GPU in async (object-store refit when > 1)")
+    p.add_argument("--grpo-override", action="append", default=[], help="extra override for both GRPO runs (repeatable)")
     p.add_argument("--work", type=Path, default=Path("/tmp/gymv-bench-async"))
     p.add_argument("--out", type=Path, default=RESULTS / "async_vs_sync.json")
     args = p.parse_args()

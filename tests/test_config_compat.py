@@ -140,6 +140,18 @@ def test_shared_memory_refit_cannot_cross_nodes():
     assert rules_hit(c) == {"refit.transport-placement"}
 
 
+def test_several_generation_workers_per_gpu_with_nccl_refit_is_an_error():
+    split = deep(GPU, {"cluster": {"colocated": False, "generation_gpus": 4, "training_gpus": 4,
+                                   "generation_workers_per_gpu": 2}})
+    assert rules_hit(cfg(refit={"transport": "nccl"}, **split)) == {"refit.transport-workers-per-gpu"}
+
+
+def test_several_generation_workers_per_gpu_with_object_store_refit_are_fine():
+    split = deep(GPU, {"cluster": {"colocated": False, "generation_gpus": 4, "training_gpus": 4,
+                                   "generation_workers_per_gpu": 2}})
+    assert rules_hit(cfg(**split)) == set()
+
+
 def test_vllm_tensor_parallel_must_divide_the_generation_gpus():
     c = cfg(generation={"backend": "vllm", "vllm": {"tensor_parallel_size": 3}}, **GPU)
     assert rules_hit(c) == {"vllm.tensor-parallel"}

@@ -103,6 +103,22 @@ def test_final_export_loads_as_a_hugging_face_model(grpo_run):
     assert all(torch.equal(v, final[k]) for k, v in policy.model.state_dict().items() if k in final)
 
 
+def test_two_generation_workers_split_each_batch_and_both_hold_the_trainers_weights(tmp_path):
+    class Workers(Recorder):
+        def on_refit(self, step, cluster):
+            super().on_refit(step, cluster)
+            self.generated = [s["episodes"] for s in cluster.generation_stats()]
+
+    recipe = write_recipe(tmp_path, "two-gen", "vlm_grpo.yaml",
+                          tiny_grpo_settings(tmp_path, tiny_path("tiny-llava"), **{"cluster.generation_workers_per_gpu": 2}))
+    rec = Workers()
+    assert train(recipe, reporter=rec)["complete"]
+    assert [s for s, _, _ in rec.hashes] == [1, 2, 3]
+    for _, trainer, generators in rec.hashes:
+        assert generators == [trainer, trainer]
+    assert len(rec.generated) == 2 and all(n > 0 for n in rec.generated)  # each worker took its share
+
+
 def test_two_training_ranks_take_the_same_step_as_one(tmp_path):
     """Data parallel over gloo: the batch is split across two ranks and the update equals one rank's."""
     import ray

@@ -9,6 +9,8 @@ Placement:
 - GPUs, colocated: one bundle per GPU; training rank i and generation worker i share bundle i
   (`self.placement_group`, which other actors such as MOPD teachers may join).
 - GPUs, separate: `training_gpus` training ranks and `generation_gpus` generation workers, one GPU each.
+- `generation_workers_per_gpu` k > 1: k generation workers share each generation GPU (on a CPU: k in all);
+  a batch is split by prompt across all of them.
 """
 
 from __future__ import annotations
@@ -69,16 +71,18 @@ class Placement:
     num_training: int = 1
     gpus: int = 0  # GPUs of the whole run (0 = CPU)
     colocated: bool = True
+    generation_per_gpu: int = 1  # generation workers sharing each generation GPU
 
     @classmethod
     def from_config(cls, cfg, *, num_training: int | None = None) -> Placement:
         c = cfg.cluster
+        k = c.generation_workers_per_gpu
         total = c.num_nodes * c.gpus_per_node
         if total == 0:
-            return cls(1, num_training or 1, 0, True)
+            return cls(k, num_training or 1, 0, True, k)
         if c.colocated:
-            return cls(total, num_training or total, total, True)
-        return cls(c.generation_gpus or 1, num_training or c.training_gpus or 1, total, False)
+            return cls(total * k, num_training or total, total, True, k)
+        return cls((c.generation_gpus or 1) * k, num_training or c.training_gpus or 1, total, False, k)
 
 
 def cpu_env() -> dict[str, str]:
@@ -112,12 +116,13 @@ class PolicyCluster:
         elif placement.colocated:
             self._pg = placement_group([{"GPU": 1, "CPU": 1}] * placement.gpus, strategy="PACK")
             ray_get(self._pg.ready(), "placing workers on GPUs")
-            at = lambda i: {"num_cpus": 0, "num_gpus": gpu_share,  # noqa: E731  (less than 0.5 leaves room for a colocated MOPD teacher)
-                            "scheduling_strategy": PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i)}
-            gen_opts = [at(i % placement.gpus) for i in range(n_gen)]
+            at = lambda i, share=gpu_share: {  # noqa: E731  (less than 0.5 leaves room for a colocated MOPD teacher)
+                "num_cpus": 0, "num_gpus": share,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i)}
+            gen_opts = [at(i % placement.gpus, gpu_share / placement.generation_per_gpu) for i in range(n_gen)]
             train_opts = [at(i % placement.gpus) for i in range(placement.num_training)]
         else:
-            gen_opts = [{"num_cpus": 0, "num_gpus": 1}] * n_gen
+            gen_opts = [{"num_cpus": 0, "num_gpus": 1 / placement.generation_per_gpu}] * n_gen
             train_opts = [{"num_cpus": 0, "num_gpus": 1}] * placement.num_training
         Train = ray.remote(TrainingWorker)
         # in-flight refits run in their own concurrency group, beside a rollout in progress

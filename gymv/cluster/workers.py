@@ -103,6 +103,7 @@ class GenerationWorker:
         self.router = EnvRouter(spec.env)
         self.receiver = None
         self.weights_version = 0
+        self.episodes = 0  # episodes this worker has run
         # Held while generating and while loading weights: an in-flight refit (its own Ray concurrency
         # group) lands between two generate calls, never inside one.
         self._weights_lock = threading.Lock()
@@ -122,6 +123,7 @@ class GenerationWorker:
                                     self.router, list(rows), group_size=group_size, params=params, seed=seed,
                                     weights_version=version, stats=stats, **limits)
         cache_after = self.backend.stats()
+        self.episodes += len(trajectories)
         stats["encoder_cache_stale_hits"] = cache_after["encoder_cache_stale_hits"] - cache_before["encoder_cache_stale_hits"]
         return {"trajectories": trajectories, "seconds": time.perf_counter() - t0, "stats": stats,
                 "weights_version": version, "last_weights_version": self.weights_version,
@@ -178,7 +180,7 @@ class GenerationWorker:
         return weights_hash(self.backend.model.state_dict())
 
     def stats(self) -> dict:
-        return {**self.backend.stats(), "weights_version": self.weights_version}
+        return {**self.backend.stats(), "weights_version": self.weights_version, "episodes": self.episodes}
 
     def close(self) -> None:
         if self.receiver is not None:

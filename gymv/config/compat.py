@@ -108,6 +108,16 @@ def _transport_layout(cfg: RecipeBase) -> Iterator[Finding]:
                    "use refit.transport: nccl or object_store across nodes")
 
 
+@rule("refit.transport-workers-per-gpu", "several generation workers on one GPU need a refit transport that allows it")
+def _transport_workers_per_gpu(cfg: RecipeBase) -> Iterator[Finding]:
+    t, k = REFIT_TRANSPORTS[cfg.refit.transport], cfg.cluster.generation_workers_per_gpu
+    if k > 1 and total_gpus(cfg) > 0 and not t.shares_gpus:
+        yield _err("refit.transport-workers-per-gpu", "cluster.generation_workers_per_gpu",
+                   f"cluster.generation_workers_per_gpu is {k}, but refit transport {t.name!r} takes one receiver per GPU"
+                   + (" (NCCL refuses two ranks on one device)" if t.name == "nccl" else ""),
+                   "use refit.transport: object_store, or one generation worker per GPU")
+
+
 # ---- async -----------------------------------------------------------------------------------------------
 
 @rule("async.importance-sampling", "async GRPO trains on stale samples and must correct with importance sampling")

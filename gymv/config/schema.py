@@ -117,6 +117,9 @@ class ClusterSection(Section):
     colocated: bool = True
     generation_gpus: NonNegInt | None = None
     training_gpus: NonNegInt | None = None
+    # generation processes per generation GPU (on a CPU: in all); the HF backend's host work (rendering,
+    # tokenizing, env calls) is single-process Python, so a GPU that one process cannot keep busy takes more
+    generation_workers_per_gpu: PosInt = 1
     ray_address: str | None = None
 
 

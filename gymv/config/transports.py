@@ -19,6 +19,7 @@ class RefitTransport:
     # A generator that lags behind still reads whole weights: each publish is its own object, or the sender
     # waits for the receivers. A buffer that the next publish overwrites is not (async GRPO needs this).
     lag_safe: bool = True
+    shares_gpus: bool = True  # several receivers may sit on one GPU (cluster.generation_workers_per_gpu > 1)
     description: str = ""
 
 
@@ -39,8 +40,8 @@ def unregister_refit_transport(name: str) -> None:
 for _t in (
     RefitTransport("object_store", True, description="weights go through the Ray object store; works anywhere, CPU included"),
     RefitTransport("shm", True, single_node_only=True, lag_safe=False, description="POSIX shared memory between processes of one host"),
-    RefitTransport("cuda_ipc", True, needs_gpu=True, colocated_only=True, lag_safe=False,
+    RefitTransport("cuda_ipc", True, needs_gpu=True, colocated_only=True, lag_safe=False, shares_gpus=False,
                    description="CUDA IPC handles: zero-copy when training and generation share the GPUs"),
-    RefitTransport("nccl", True, needs_gpu=True, description="NCCL broadcast from trainer ranks to generation workers"),
+    RefitTransport("nccl", True, needs_gpu=True, shares_gpus=False, description="NCCL broadcast from trainer ranks to generation workers"),
 ):
     register_refit_transport(_t)
