@@ -111,9 +111,10 @@ def warm_start(work: Path, name: str, spec: dict, model: Path, args) -> Path:
 def run_grpo(work: Path, name: str, spec: dict, init: Path, mode: str, tag: str, args, url: str | None) -> dict:
     run_name = f"{name}-{mode}-{tag}"
     steps = args.steps or spec["steps"]
+    n_eval = args.eval_rows or spec["n_eval"]
     over = [f"name={run_name}", f"checkpoint.dir={work / 'runs'}", f"model.path={init}", "checkpoint.resume=false",
-            f"grpo.max_steps={steps}", f"grpo.val_period={steps}", f"grpo.val_prompts={spec['n_eval']}",
-            "grpo.val_at_start=false", f"checkpoint.period={steps}", f"data.prepare.n_eval={spec['n_eval']}"]
+            f"grpo.max_steps={steps}", f"grpo.val_period={steps}", f"grpo.val_prompts={n_eval}",
+            "grpo.val_at_start=false", f"checkpoint.period={steps}", f"data.prepare.n_eval={n_eval}"]
     if url:
         over.append(f"env.url={url}")
     if args.batch:
@@ -235,6 +236,7 @@ def main() -> None:
     p.add_argument("--workloads", default="polygon,circle")
     p.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default: polygon 100, circle 150)")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--eval-rows", type=int, default=None, help="held-out rows (default: polygon 128, circle 400)")
     p.add_argument("--latency-ms", type=float, default=100.0)
     p.add_argument("--gpus", type=int, default=0, help="0: this CPU; N: sync on all N GPUs against async N/2 + N/2")
     p.add_argument("--batch", default=None, help="prompts x generations per step, e.g. 16x8 (default: the recipe's)")
