@@ -34,6 +34,14 @@ def test_zero_leave_one_out_std_leaves_the_advantage_undivided():
     assert adv([1, 0, 0]) == pytest.approx([1.0, -1.0, -1.0], rel=1e-5)
 
 
+def test_equal_rewards_that_binary_cannot_hold_exactly_count_as_no_spread():
+    # polygon-naming scores thirds: seven others at 1/3 have no spread, so the lone 0 gets -1/3, not -3e5
+    r = torch.tensor([1 / 3] * 7 + [0.0], dtype=torch.float64)
+    a = grpo_advantages(r, torch.zeros(8, dtype=torch.long)).tolist()
+    assert a[7] == pytest.approx(-1 / 3, rel=1e-9)
+    assert max(abs(x) for x in a) < 10
+
+
 def test_group_mean_baseline_includes_the_sample_itself():
     # mean .5, std .5 -> A = +-0.5 / (0.5 + 1e-6)
     assert adv([1, 0, 0, 1], baseline="mean") == pytest.approx([1, -1, -1, 1], rel=1e-5)

@@ -15,6 +15,7 @@ from torch import Tensor
 from gymv.errors import GymvError
 
 Baseline = Literal["leave_one_out", "mean"]
+SPREAD_TOLERANCE = 1e-6  # a reward std below this (relative to the baseline, at least 1) is rounding, not spread
 
 
 def group_ids_for(num_prompts: int, group_size: int, device: torch.device | str | None = None) -> Tensor:
@@ -62,7 +63,10 @@ def group_baseline_and_std(
     base = s / n_safe
     var = (ss / n_safe - base * base).clamp(min=0)
     base = torch.where(has, base, r)
-    std = torch.where(has, var.sqrt(), torch.zeros_like(var))
+    # E[x^2] - E[x]^2 leaves ~1e-9 where the rewards are equal but not exact in binary (thirds): that is
+    # no spread, and dividing by it would turn a 1/3 gap into an advantage of 3e5
+    std = var.sqrt()
+    std = torch.where(has & (std > SPREAD_TOLERANCE * base.abs().clamp(min=1.0)), std, torch.zeros_like(std))
     dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     return base.to(dtype), std.to(dtype), has
 
