@@ -119,6 +119,14 @@ def test_two_generation_workers_split_each_batch_and_both_hold_the_trainers_weig
     assert len(rec.generated) == 2 and all(n > 0 for n in rec.generated)  # each worker took its share
 
 
+def test_a_cosine_schedule_ends_the_run_at_its_floor(tmp_path):
+    settings = tiny_grpo_settings(tmp_path, tiny_path("tiny-llava"), **{
+        "training.lr_schedule": "cosine", "training.min_lr_ratio": 0.1, "checkpoint.period": 10})
+    train(write_recipe(tmp_path, "cosine", "vlm_grpo.yaml", settings))
+    lrs = [r["train/lr"] for r in _metrics(tmp_path / "runs" / "cosine")]
+    assert lrs == pytest.approx([1e-3, 0.55e-3, 0.1e-3])  # steps 1, 2, 3 of 3
+
+
 def test_two_training_ranks_take_the_same_step_as_one(tmp_path):
     """Data parallel over gloo: the batch is split across two ranks and the update equals one rank's."""
     import ray

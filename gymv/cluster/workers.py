@@ -39,6 +39,9 @@ class WorkerSpec:
     reset_encoder_cache: bool = False
     trainer: dict = field(default_factory=dict)  # TrainerConfig fields
     warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    min_lr_ratio: float = 0.0
+    total_steps: int = 0  # optimizer steps of the whole run (the schedule's end)
     gradient_checkpointing: bool = False
     kl_reference: bool = False
     max_seq_len: int = 2048
@@ -338,10 +341,14 @@ class TrainingWorker:
 
     # -- steps ---------------------------------------------------------------------------------------
     def _set_lr(self) -> None:
-        if self.spec.warmup_steps <= 0:
+        from gymv.backends.training.lr_schedule import lr_factor
+
+        s = self.spec
+        if s.warmup_steps <= 0 and s.lr_schedule == "constant":
             return
-        k = self.trainer.steps + 1
-        lr = self.trainer.config.lr * min(1.0, k / self.spec.warmup_steps)
+        lr = self.trainer.config.lr * lr_factor(self.trainer.steps + 1, warmup_steps=s.warmup_steps,
+                                                total_steps=s.total_steps, schedule=s.lr_schedule,
+                                                min_ratio=s.min_lr_ratio)
         for g in self.trainer.optimizer.param_groups:
             g["lr"] = lr
 

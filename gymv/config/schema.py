@@ -89,6 +89,8 @@ class TrainingSection(Section):
     backend: Literal["torch", "megatron"] = "torch"
     lr: PosFloat = 1e-6
     warmup_steps: NonNegInt = 0
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after the warm-up
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0  # where linear/cosine end, as a fraction of lr
     weight_decay: NonNegFloat = 0.0
     betas: Annotated[list[float], Field(min_length=2, max_length=2)] = [0.9, 0.999]
     eps: PosFloat = 1e-8
@@ -242,6 +244,12 @@ class RecipeBase(Section):
         if isinstance(s, SftSection):
             return s.batch_size
         return s.prompts_per_step * s.generations_per_prompt  # type: ignore[attr-defined]
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps of the whole run: max_steps x (samples of a step / global_batch_size)."""
+        per_step = max(1, self.samples_per_step // (self.training.global_batch_size or self.samples_per_step))
+        return self.algo_section.max_steps * per_step  # type: ignore[attr-defined]
 
     @property
     def base_algorithm(self) -> str:
