@@ -12,7 +12,8 @@
 3. Student: the quickstart's tiny LLaVA (hidden 128, 1 text layer: 0.53 M parameters) with the same
    tokenizer, warm-started by SFT on the mixed rows (200 steps at lr 5e-4 after a 20-step warm-up), then
    distilled with MOPD on the mixed rows: each episode goes to the teacher of its agent (circle-count
-   episodes to the counting teacher with their images, arithmetic episodes to the text teacher).
+   episodes to the counting teacher with their images, arithmetic episodes to the text teacher), which
+   hands back its 16 likeliest tokens at every position of the episode (`mopd.top_k`).
 4. Control: the same warm start trained by GRPO on the environment reward, same rows, samples and steps.
 
 Every stage is an ordinary recipe (written into OUT/recipes/, inheriting the repo's CPU recipes; every
@@ -146,6 +147,8 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, default=REPO / "docs/mopd-demo.png")
     ap.add_argument("--json", type=Path, default=REPO / "docs/mopd-demo.json")
     ap.add_argument("--mopd-steps", type=int, default=800)
+    ap.add_argument("--top-k", type=int, default=16,
+                    help="distil each teacher's k likeliest tokens per position (0: the sampled-token advantage)")
     ap.add_argument("--no-control", action="store_true", help="skip the GRPO control run of the student")
     args = ap.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -208,7 +211,7 @@ def main() -> None:
                "training.min_lr_ratio": 0.1}
     mopd = _run(out, "student-mopd", MOPD_RECIPE, {
         **common, **on("mix"), "algorithm": "vlm_mopd", "model.path": str(out / "runs/student-warm"),
-        **student, **{f"mopd.{k}": v for k, v in loop.items()},
+        **student, "mopd.top_k": args.top_k, **{f"mopd.{k}": v for k, v in loop.items()},
         "mopd.teachers": {"_override_": True, **teachers},
         "mopd.agent_to_teacher": {"_override_": True, "circle_count_simple_agent": "counting",
                                   "arithmetic_simple_agent": "arith"}})
@@ -244,7 +247,7 @@ def main() -> None:
         "student_accuracy_after": {t: s[-1][1] for t, s in mopd_val.items()},
         "gap_closed_fraction": {t: gap_closed(s, t) for t, s in mopd_val.items()},
         "gap_closed_fraction_both_tasks": _both(mopd_val, teacher_acc),
-        "mopd": {"val_accuracy": mopd_val, "reverse_kl": kl, "steps": rows[-1]["step"],
+        "mopd": {"top_k": args.top_k, "val_accuracy": mopd_val, "reverse_kl": kl, "steps": rows[-1]["step"],
                  "run_wall_s": mopd.get("wall_s"), "stage_wall_s": mopd.get("stage_wall_s")},
     }
     if control is not None:

@@ -137,6 +137,29 @@ def test_scoring_the_loss_mask_only_gives_the_full_logprobs_and_entropies_there_
     assert (lp[~mask] == 0).all() and (ent[~mask] == 0).all()
 
 
+@pytest.mark.parametrize("arch", ["tiny-llava", "tiny-qwen2vl"])
+@pytest.mark.parametrize("second_turn_image", [False, True], ids=["one-turn", "image-in-a-later-turn"])
+def test_candidate_tokens_are_scored_from_the_same_distribution_as_the_sampled_ones(arch, second_turn_image):
+    """Top-k distillation: at every scored position, the student's logprobs of a teacher's candidates."""
+    from gymv.backends.logprobs import _forward_logits, forbidden_mask, policy_logits
+
+    policy = shared_policy(arch)
+    batch, mask = group_batch(policy, second_turn_image=second_turn_image)
+    B, T = batch.input_ids.shape
+    cand = torch.randint(10, 200, (B, T, 3), generator=torch.Generator().manual_seed(3))
+    cand[..., 0] = batch.input_ids  # the sampled token among them
+    with torch.no_grad():
+        lp, _, got = sequence_logprobs(policy.model, policy.adapter, batch, 0.9, return_entropy=True, score_mask=mask,
+                                       gather_ids=cand)
+        logits = _forward_logits(policy.model, policy.adapter, batch)
+        z = policy_logits(logits[:, :-1], 0.9, forbidden_mask(logits.shape[-1], policy.adapter.vision_token_ids, logits.device))
+        want = torch.log_softmax(z, -1).gather(-1, cand[:, 1:])
+    m = mask[:, 1:]
+    assert torch.allclose(got[:, 1:][m], want[m], atol=1e-5)
+    assert torch.allclose(got[..., 0][mask], lp[mask], atol=1e-5)
+    assert (got[~mask] == 0).all()
+
+
 def test_gradients_of_a_loss_on_the_scored_tokens_equal_the_full_computations():
     policy = fresh_policy("tiny-llava")
     policy.model.train()

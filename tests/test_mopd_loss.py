@@ -90,3 +90,36 @@ def test_reverse_kl_per_teacher_is_the_token_mean_of_student_minus_teacher_on_ge
     assert m["train/kl_teacher/count"] == pytest.approx((0.5 - 1.0 + 0.0) / 3)
     assert m["train/kl_teacher/arith"] == pytest.approx(-2.0)
     assert m["train/num_sequences/count"] == 2.0
+
+
+def test_top_k_loss_is_the_cross_entropy_from_the_teachers_renormalised_candidates():
+    from gymv.algorithms.loss_fns import topk_cross_entropy
+
+    teacher = torch.log(torch.tensor([[[0.6, 0.2, 0.1]]]))  # renormalised: 2/3, 2/9, 1/9
+    student = torch.log(torch.tensor([[[0.5, 0.3, 0.2]]]))
+    ce, kl = topk_cross_entropy(teacher, student)
+    pt = torch.tensor([2 / 3, 2 / 9, 1 / 9])
+    assert ce.item() == pytest.approx(float(-(pt * student[0, 0]).sum()), rel=1e-6)
+    assert kl.item() == pytest.approx(float((pt * (pt.log() - student[0, 0])).sum()), rel=1e-6)
+
+
+def test_a_top_k_step_moves_the_student_toward_the_teachers_candidates():
+    batch, logp = _batch()
+    B, T, k = logp.shape[0], logp.shape[1], 4
+    g = torch.Generator().manual_seed(1)
+    batch["teacher_topk_logp"] = torch.log_softmax(torch.randn(B, T, k, generator=g) * 3, -1)
+    logits = torch.zeros(B, T, k, requires_grad=True)
+    loss_fn = DistillationLoss(top_k=True)
+
+    def step():
+        batch["logp_student_topk"] = torch.log_softmax(logits, -1)
+        return loss_fn(batch, logp, None, _counts(batch))
+
+    loss, m0 = step()
+    loss.backward()
+    with torch.no_grad():
+        logits -= 5.0 * logits.grad
+    _, m1 = step()
+    assert m1["topk_kl"] < m0["topk_kl"]
+    unmasked = ~batch["loss_mask"]
+    assert torch.all(logits.grad[unmasked] == 0)  # positions the student did not generate give no gradient

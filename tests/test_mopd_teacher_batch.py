@@ -176,3 +176,27 @@ def test_a_teacher_with_another_tokenizer_is_refused():
     other = hf_tokenizer(train_bpe(1, 1024, ["<image>"]), image_token="<image>")
     with pytest.raises(GymvError, match="does not share the student's tokenizer"):
         check_same_tokenizer(other, shared_policy("tiny-llava").tokenizer, "count")
+
+
+# -- top-k distillation -------------------------------------------------------------------------------------
+
+
+def test_top_k_scores_are_the_teachers_k_likeliest_next_tokens_of_every_row():
+    from gymv.backends.logprobs import MultimodalBatch, policy_logits
+
+    p = shared_policy("tiny-llava")
+    rows = _rows()
+    got = _vlm_scores(rows, top_k=5)
+    for row, plain, top in zip(rows, _vlm_scores(rows), got):
+        torch.testing.assert_close(top["logp"], plain, atol=1e-5, rtol=0)  # the own tokens' logprobs unchanged
+        ids = torch.tensor([row.input_ids])
+        with torch.no_grad():
+            from gymv.backends.logprobs import _forward_logits, forbidden_mask
+
+            logits = _forward_logits(p.model, p.adapter, MultimodalBatch(ids, torch.ones_like(ids), [row.images], [row.where]))
+            z = policy_logits(logits[0, :-1], 1.0, forbidden_mask(logits.shape[-1], p.adapter.vision_token_ids, logits.device))
+            want_lp, want_ids = torch.log_softmax(z, -1).topk(5, -1)
+        assert top["topk_ids"].shape == (len(row.input_ids), 5)
+        assert torch.equal(top["topk_ids"][1:], want_ids)  # position t holds the distribution of token t
+        torch.testing.assert_close(top["topk_logp"][1:], want_lp, atol=1e-5, rtol=0)
+        assert not set(top["topk_ids"][1:].flatten().tolist()) & set(p.adapter.vision_token_ids)

@@ -101,6 +101,16 @@ def test_three_steps_train_with_a_reverse_kl_to_each_teacher(mopd_run):
         assert r["train/grad_norm"] > 0
 
 
+def test_top_k_distillation_trains_on_each_teachers_candidates(tmp_path, data):
+    settings = _settings(tmp_path, data, **{"mopd.top_k": 4, "mopd.max_steps": 2, "checkpoint.period": 2})
+    recipe = write_recipe(tmp_path, "mopd-topk", "vlm/vlm_mopd-tinyllava-1n0g-torch.yaml", settings)
+    assert train(recipe)["complete"]
+    rows = _metrics(tmp_path / "runs" / "mopd-topk")
+    for r in rows:
+        # KL over the teacher's 4 candidates, renormalised: other weights than the student's, so above 0
+        assert r["train/topk_kl"] > 1e-3 and math.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0
+
+
 def test_every_episode_is_scored_by_the_teacher_of_its_agent(mopd_run):
     _, _, run, _ = mopd_run
     for step in (1, 2, 3):

@@ -85,6 +85,16 @@ def _importance(batch: dict, logp_old: Tensor, mask: Tensor, cfg: ISConfig, coun
     return weights, kept, metrics
 
 
+def topk_cross_entropy(teacher_topk_logp: Tensor, student_topk_logp: Tensor) -> tuple[Tensor, Tensor]:
+    """Per token [B,T]: (-sum_k p_t log p_s, the KL over the k: sum_k p_t (log p_t - log p_s)), p_t being the
+    teacher's top-k probabilities renormalised to sum to 1."""
+    log_pt = torch.log_softmax(teacher_topk_logp.float(), dim=-1)
+    pt = log_pt.exp()
+    ls = student_topk_logp.float()
+    ce = -(pt * ls).sum(-1)
+    return ce, (pt * (log_pt - ls)).sum(-1).detach()
+
+
 @dataclass(frozen=True)
 class PolicyLoss:
     """GRPO: clipped-ratio policy loss, optional KL to a reference, optional IS against the behaviour policy.
@@ -138,10 +148,18 @@ class SFTLoss:
 
 @dataclass(frozen=True)
 class DistillationLoss:
-    """MOPD: REINFORCE on the per-token advantage stop_grad(logp_teacher - logp_student), same IS gate as GRPO."""
+    """MOPD: REINFORCE on the per-token advantage stop_grad(logp_teacher - logp_student), same IS gate as GRPO.
+
+    `top_k`: instead, at every generated position the cross-entropy from the teacher's k most likely tokens
+    (their probabilities renormalised over the k) to the student: -sum_v p_teacher(v) log pi_student(v).
+    One sampled token says only how good that token is; the teacher's candidates also say which token it
+    would have written. Reads `teacher_topk_logp` [B,T,k] and `logp_student_topk` [B,T,k] (the student's
+    logprobs of those tokens, which the trainer's logprob function puts in the batch).
+    """
 
     aggregation: Aggregation = "token_mean"
     importance: ISConfig = ISConfig()
+    top_k: bool = False
 
     def __call__(self, batch: dict, logp: Tensor, entropy: Tensor | None, counts: GlobalCounts) -> tuple[Tensor, Metrics]:
         who = "distillation loss"
@@ -150,7 +168,12 @@ class DistillationLoss:
         logp_old = batch.get("logp_old", logp.detach())
         weights, kept, metrics = _importance(batch, logp_old, mask, self.importance, counts, who)
         adv = mopd_advantages(teacher, logp_old, kept)
-        per_token = reinforce_loss(logp, adv, kept, logp_old)
+        if self.top_k:
+            per_token, topk_kl = topk_cross_entropy(_require(batch, "teacher_topk_logp", who),
+                                                    _require(batch, "logp_student_topk", who))
+            metrics["topk_kl"] = _token_share(topk_kl, kept, counts)
+        else:
+            per_token = reinforce_loss(logp, adv, kept, logp_old)
         if weights is not None:
             per_token = per_token * weights.detach()
         loss = aggregate(per_token, kept, self.aggregation, counts)

@@ -69,8 +69,8 @@ class MopdLoss:
 
 
 def mopd_loss(mopd, aggregation: str = "token_mean") -> MopdLoss:
-    return MopdLoss(DistillationLoss(aggregation=aggregation, importance=importance_config(mopd.importance_sampling)),
-                    mopd.env_reward_coef)
+    return MopdLoss(DistillationLoss(aggregation=aggregation, importance=importance_config(mopd.importance_sampling),
+                                     top_k=mopd.top_k > 0), mopd.env_reward_coef)
 
 
 def env_advantages(trajectories: Sequence, group_size: int) -> list[float]:
@@ -112,20 +112,30 @@ def teacher_scores(pool, router: TeacherRouter, usable: Sequence) -> tuple[list,
     return logprobs, aliases, time.perf_counter() - t0
 
 
+def _own_logp(scored):
+    """The teacher's logprobs of the sequence's own tokens from a scorer's entry (a tensor, or a dict with
+    the top-k candidates too)."""
+    return scored["logp"] if isinstance(scored, dict) else scored
+
+
 def distillation_samples(usable: Sequence, teacher_logprobs: Sequence, advantages: Sequence[float]) -> list[dict]:
     import torch
 
     out = []
     for t, lp, a in zip(usable, teacher_logprobs, advantages):
-        out.append({
+        sample = {
             "input_ids": torch.tensor(t.token_ids, dtype=torch.long),
             "loss_mask": torch.tensor(t.loss_mask, dtype=torch.bool),
             "logp_behaviour": torch.tensor(t.logprobs, dtype=torch.float32),
-            "logp_teacher": lp.to(torch.float32),
+            "logp_teacher": _own_logp(lp).to(torch.float32),
             "advantages": torch.tensor(float(a), dtype=torch.float32),
             "images": list(t.images),
             "where": _where(t),
-        })
+        }
+        if isinstance(lp, dict):
+            sample["teacher_topk_ids"] = lp["topk_ids"].to(torch.long)
+            sample["teacher_topk_logp"] = lp["topk_logp"].to(torch.float32)
+        out.append(sample)
     return out
 
 
@@ -135,7 +145,7 @@ def teacher_metrics(usable: Sequence, teacher_logprobs: Sequence, aliases: Seque
     sums: dict[str, list[float]] = {}
     for t, lp, alias in zip(usable, teacher_logprobs, aliases):
         acc = sums.setdefault(alias, [0.0, 0.0, 0.0])
-        gap = sum(s - x for s, x, m in zip(t.logprobs, lp.tolist(), t.loss_mask) if m)
+        gap = sum(s - x for s, x, m in zip(t.logprobs, _own_logp(lp).tolist(), t.loss_mask) if m)
         acc[0] += gap
         acc[1] += sum(t.loss_mask)
         acc[2] += 1

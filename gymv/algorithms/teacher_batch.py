@@ -91,13 +91,15 @@ class TextOnlyAdapter:
 
 
 def teacher_logprobs(model, adapter, rows: Sequence[TeacherRow], *, pad_id: int, temperature: float = 1.0,
-                     forbidden_ids: Sequence[int] | None = None, max_tokens: int = 8192) -> list[torch.Tensor]:
+                     forbidden_ids: Sequence[int] | None = None, max_tokens: int = 8192, top_k: int = 0) -> list:
     """Per-row teacher logprobs `[len(row)]` (float32, CPU), in row order; no gradients.
 
+    With `top_k` > 0 each row's entry is a dict: `logp` [len], and the teacher's k most likely tokens at
+    every position with their logprobs, `topk_ids` [len, k] and `topk_logp` [len, k] (top-k distillation).
     Rows are packed into micro-batches by padded token count (`max_tokens`); each micro-batch is one
     right-padded batch of whole rows, so images always travel with their row.
     """
-    from gymv.backends.logprobs import right_pad, sequence_logprobs
+    from gymv.backends.logprobs import right_pad, sequence_logprobs, sequence_topk
     from gymv.backends.training.micro_batches import plan_micro_batches
 
     out: list[torch.Tensor | None] = [None] * len(rows)
@@ -107,6 +109,13 @@ def teacher_logprobs(model, adapter, rows: Sequence[TeacherRow], *, pad_id: int,
             part = [rows[i] for i in idx]
             batch = right_pad([r.input_ids for r in part], [r.images for r in part], pad_id,
                               [r.where or f"teacher row {i}" for i, r in zip(idx, part)])
+            if top_k > 0:
+                lp, ids, top = sequence_topk(model, adapter, batch, top_k, temperature, forbidden_ids)
+                for k, i in enumerate(idx):
+                    n = len(rows[i].input_ids)
+                    out[i] = {"logp": lp[k, :n].float().cpu(), "topk_ids": ids[k, :n].cpu(),
+                              "topk_logp": top[k, :n].float().cpu()}
+                continue
             lp = sequence_logprobs(model, adapter, batch, temperature, forbidden_ids)
             for k, i in enumerate(idx):
                 out[i] = lp[k, :len(rows[i].input_ids)].float().cpu()

@@ -205,6 +205,25 @@ def _full_logprobs(logits, ids, mask, temperature, forbidden, return_entropy):
     return logprobs, torch.cat([ent.new_zeros((ent.shape[0], 1)), ent], dim=1)
 
 
+def sequence_topk(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k: int, temperature: float = 1.0,
+                  forbidden_ids: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprobs [B, T] of the sequence's own tokens, the k most likely next tokens [B, T, k] and their
+    logprobs [B, T, k]), position t holding the distribution of token t (position 0 and padding: 0)."""
+    forbidden_ids = adapter.vision_token_ids if forbidden_ids is None else forbidden_ids
+    logits = _forward_logits(model, adapter, batch)
+    ids, mask = batch.input_ids.to(logits.device), batch.attention_mask.to(logits.device)
+    forbidden = forbidden_mask(logits.shape[-1], forbidden_ids, logits.device)
+    logprobs = _full_logprobs(logits, ids, mask, temperature, forbidden, False)
+    z = policy_logits(logits[:, :-1], temperature, forbidden)
+    top_lp, top_ids = torch.log_softmax(z.float(), dim=-1).topk(min(k, z.shape[-1]), dim=-1)
+    top_lp = top_lp.clamp(min=-1e4)  # a forbidden token among the k: probability 0, no -inf in the loss
+    keep = mask[:, 1:].bool().unsqueeze(-1)
+    top_lp = torch.where(keep, top_lp, torch.zeros_like(top_lp))
+    top_ids = torch.where(keep, top_ids, torch.zeros_like(top_ids))
+    pad = lambda x: torch.cat([x.new_zeros((x.shape[0], 1, x.shape[2])), x], dim=1)  # noqa: E731
+    return logprobs, pad(top_ids), pad(top_lp)
+
+
 def _entropy(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     p = torch.softmax(z, dim=-1)
     finite_z = z.masked_fill(torch.isinf(z), 0.0)
@@ -213,11 +232,15 @@ def _entropy(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 def sequence_logprobs(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temperature: float = 1.0,
                       forbidden_ids: Sequence[int] | None = None, *, return_entropy: bool = False,
-                      score_mask: torch.Tensor | None = None):
+                      score_mask: torch.Tensor | None = None, gather_ids: torch.Tensor | None = None):
     """Per-token logprobs [B, T] (and entropies [B, T] with `return_entropy`); differentiable.
 
     `score_mask` [B, T] (e.g. the loss mask): score only these tokens; all other entries are 0.
+    `gather_ids` [B, T, k] (with `score_mask`): also return the logprobs of these candidate tokens at each
+    scored position, [B, T, k] (e.g. a teacher's top k there), as the last element of the result.
     """
+    if gather_ids is not None and score_mask is None:
+        raise ValueError("gather_ids needs score_mask")
     forbidden_ids = adapter.vision_token_ids if forbidden_ids is None else forbidden_ids
     ids_cpu, mask_cpu = batch.input_ids, batch.attention_mask
     if score_mask is not None:
@@ -229,7 +252,11 @@ def sequence_logprobs(model, adapter: MultimodalAdapter, batch: MultimodalBatch,
         logits = _forward_logits(model, adapter, batch)
         ids, mask = ids_cpu.to(logits.device), mask_cpu.to(logits.device)
         forbidden = forbidden_mask(logits.shape[-1], forbidden_ids, logits.device)
-        return _full_logprobs(logits, ids, mask, temperature, forbidden, return_entropy)
+        out = _full_logprobs(logits, ids, mask, temperature, forbidden, return_entropy)
+        if gather_ids is None:
+            return out
+        none = logits.new_zeros(gather_ids.shape) + 0.0 * logits.sum()  # nothing scored, still on the graph
+        return (*out, none) if return_entropy else (out, none)
 
     dev = next(model.parameters()).device
     scored = _shared_prefix_logits(model, adapter, batch, wanted)
@@ -251,7 +278,13 @@ def sequence_logprobs(model, adapter: MultimodalAdapter, batch: MultimodalBatch,
         lp = torch.where(forbidden[target], torch.zeros_like(lp), lp)
     B, T = ids_cpu.shape
     logprobs = lp.new_zeros((B, T)).index_put((rows, t + 1), lp)
-    if not return_entropy:
-        return logprobs
-    ent = _entropy(z, lse)
-    return logprobs, ent.new_zeros((B, T)).index_put((rows, t + 1), ent)
+    out = [logprobs]
+    if return_entropy:
+        ent = _entropy(z, lse)
+        out.append(ent.new_zeros((B, T)).index_put((rows, t + 1), ent))
+    if gather_ids is not None:
+        cand = gather_ids.to(dev)[rows, t + 1]  # [N, k]
+        got = (z - lse.unsqueeze(-1)).gather(-1, cand)
+        got = torch.where(torch.isfinite(got), got, torch.zeros_like(got))  # a forbidden candidate
+        out.append(got.new_zeros((B, T, cand.shape[-1])).index_put((rows, t + 1), got))
+    return out[0] if len(out) == 1 else tuple(out)

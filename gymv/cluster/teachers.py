@@ -44,6 +44,7 @@ class TeacherSpec:
     max_tokens: int = 8192  # padded tokens per forward pass
     threads: int | None = None
     seed: int = 0
+    top_k: int = 0  # > 0: also the teacher's k most likely tokens per position (top-k distillation)
 
 
 def is_text_only(path: str | Path) -> bool:
@@ -131,7 +132,7 @@ class TeacherModel:
         from gymv.algorithms.teacher_batch import teacher_logprobs
 
         return teacher_logprobs(self.model, self.adapter, rows, pad_id=self.pad_id, temperature=self.spec.temperature,
-                                forbidden_ids=self.forbidden_ids, max_tokens=self.spec.max_tokens)
+                                forbidden_ids=self.forbidden_ids, max_tokens=self.spec.max_tokens, top_k=self.spec.top_k)
 
 
 class TeacherWorker:
@@ -183,7 +184,7 @@ def teacher_specs(cfg, student_path: str) -> dict[str, TeacherSpec]:
         out[alias] = TeacherSpec(alias=alias, path=path, text_of=text_of, student_path=student_path,
                                  device="cuda" if gpu else "cpu",
                                  dtype=dtype, temperature=cfg.generation.temperature,
-                                 max_tokens=cfg.training.micro_batch_tokens, seed=cfg.seed)
+                                 max_tokens=cfg.training.micro_batch_tokens, seed=cfg.seed, top_k=cfg.mopd.top_k)
     return out
 
 

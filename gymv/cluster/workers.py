@@ -224,10 +224,17 @@ def _logprob_fn(adapter, temperature: float):
     from gymv.backends.logprobs import MultimodalBatch, sequence_logprobs
 
     def logprob_fn(model, mb):
-        """Scores the loss-masked tokens only (every loss reads logprobs there alone); other entries are 0."""
+        """Scores the loss-masked tokens only (every loss reads logprobs there alone); other entries are 0.
+        With a teacher's top-k candidates in the batch, their student logprobs go into it as
+        `logp_student_topk` [B, T, k] for the loss to read."""
         batch = MultimodalBatch(mb["input_ids"], mb["attention_mask"], mb["images"], mb["where"])
-        return sequence_logprobs(model, adapter, batch, temperature, return_entropy=True,
-                                 score_mask=mb.get("loss_mask"))
+        candidates = mb.get("teacher_topk_ids")
+        out = sequence_logprobs(model, adapter, batch, temperature, return_entropy=True,
+                                score_mask=mb.get("loss_mask"), gather_ids=candidates)
+        if candidates is None:
+            return out
+        logp, entropy, mb["logp_student_topk"] = out
+        return logp, entropy
 
     return logprob_fn
 
@@ -249,7 +256,7 @@ def _plan_fn(adapter, model):
     return plan
 
 
-_SAMPLE_DTYPES = {"input_ids": "long", "loss_mask": "bool"}  # any other numeric field: float32
+_SAMPLE_DTYPES = {"input_ids": "long", "loss_mask": "bool", "teacher_topk_ids": "long"}  # any other numeric field: float32
 
 
 def _as_tensors(sample: dict) -> dict:

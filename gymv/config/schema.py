@@ -212,6 +212,9 @@ class MopdSection(Section):
     strict_agent_name_match: bool = True
     default_teacher_alias: str | None = None
     env_reward_coef: NonNegFloat = 0.0
+    # 0: per-token advantage log pi_teacher - log pi_student on the sampled token; k > 0: distil the
+    # teacher's k most likely tokens at every position of the student's samples (cross-entropy to them)
+    top_k: NonNegInt = 0
     importance_sampling: ImportanceSampling = ImportanceSampling()
 
 
