@@ -213,9 +213,12 @@ def sequence_topk(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k: 
     logits = _forward_logits(model, adapter, batch)
     ids, mask = batch.input_ids.to(logits.device), batch.attention_mask.to(logits.device)
     forbidden = forbidden_mask(logits.shape[-1], forbidden_ids, logits.device)
-    logprobs = _full_logprobs(logits, ids, mask, temperature, forbidden, False)
-    z = policy_logits(logits[:, :-1], temperature, forbidden)
-    top_lp, top_ids = torch.log_softmax(z.float(), dim=-1).topk(min(k, z.shape[-1]), dim=-1)
+    lsm = torch.log_softmax(policy_logits(logits[:, :-1], temperature, forbidden).float(), dim=-1)
+    target = ids[:, 1:]
+    valid = mask[:, 1:].bool() if forbidden is None else mask[:, 1:].bool() & ~forbidden[target]
+    own = torch.where(valid, lsm.gather(-1, target.unsqueeze(-1)).squeeze(-1), torch.zeros_like(lsm[..., 0]))
+    logprobs = torch.cat([own.new_zeros((own.shape[0], 1)), own], dim=1)  # as _full_logprobs, from one softmax
+    top_lp, top_ids = lsm.topk(min(k, lsm.shape[-1]), dim=-1)
     top_lp = top_lp.clamp(min=-1e4)  # a forbidden token among the k: probability 0, no -inf in the loss
     keep = mask[:, 1:].bool().unsqueeze(-1)
     top_lp = torch.where(keep, top_lp, torch.zeros_like(top_lp))
