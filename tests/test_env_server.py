@@ -16,6 +16,7 @@ import pytest
 from gymv.data.images import png_data_url
 from gymv.envs import Environment, Image, ModelTurn, Score, Tool, ToolOutput, get_env
 from gymv.envs.client import EnvClient, EnvHTTPError
+from gymv.envs.responses import request_body
 from gymv.envs.server import EnvServer
 
 
@@ -88,29 +89,48 @@ def test_aggregate_metrics_match_nemo_gyms_summary_statistics(count_server, vect
     assert [g["_ng_task_index"] for g in metrics["group_level_metrics"]] == [0, 1, 2, 3, 4]
 
 
-def test_malformed_json_body_is_400_with_a_message(click_server):
+def messages(body: dict) -> str:
+    """The messages of a FastAPI-style error list, joined (what a 422 from NeMo Gym or gymv carries)."""
+    return " | ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in body["detail"])
+
+
+def test_malformed_json_body_is_422_json_invalid_as_nemo_gym_answers(click_server):
     status, body, _ = post(click_server, "/verify", b'{"response": ')
-    assert status == 400 and "malformed JSON body" in body["detail"]
+    assert status == 422 and body["detail"][0]["type"] == "json_invalid"
 
 
 def test_body_that_is_not_an_object_is_422(click_server):
     status, body, _ = post(click_server, "/verify", b"[1, 2]")
-    assert status == 422 and "must be a JSON object" in body["detail"]
+    assert status == 422 and "must be a JSON object" in messages(body)
 
 
-def test_empty_body_is_400(click_server):
+def test_empty_body_is_422_body_required(click_server):
     status, body, _ = post(click_server, "/seed_session", b"")
-    assert status == 400 and "empty request body" in body["detail"]
+    assert status == 422 and messages(body) == "body: Field required"
 
 
 def test_verify_of_a_row_missing_verifier_fields_is_422_naming_the_field(click_server):
-    status, body, _ = post(click_server, "/verify", json.dumps({"response": {"output": []}}).encode())
-    assert status == 422 and "'circles'" in body["detail"]
+    row = {"responses_create_params": {"input": "click"}, "target_color": "red"}
+    status, body, _ = post(click_server, "/verify", json.dumps(request_body(row, [])).encode())
+    assert status == 422 and "'circles'" in messages(body)
+
+
+def test_verify_with_a_short_response_is_422_naming_each_missing_field(click_server):
+    row = {"responses_create_params": {"input": "click"}, "circles": [], "target_color": "red"}
+    status, body, _ = post(click_server, "/verify", json.dumps({**row, "response": {"output": []}}).encode())
+    assert status == 422 and "body.response.id: Field required" in messages(body)
+    assert "body.response.parallel_tool_calls: Field required" in messages(body)
+
+
+def test_verify_with_an_unknown_key_in_responses_create_params_is_422(click_server):
+    row = {"responses_create_params": {"input": "click", "max_tokens": 5}, "circles": [], "target_color": "red"}
+    status, body, _ = post(click_server, "/verify", json.dumps(request_body(row, [])).encode())
+    assert status == 422 and "body.responses_create_params.max_tokens: Extra inputs are not permitted" in messages(body)
 
 
 def test_verify_without_a_response_is_422(click_server):
     status, body, _ = post(click_server, "/verify", json.dumps({"circles": [], "target_color": "red"}).encode())
-    assert status == 422 and "'response'" in body["detail"]
+    assert status == 422 and "body.response: Field required" in messages(body)
 
 
 def test_oversized_body_is_413_without_reading_it(click_server):
@@ -137,7 +157,7 @@ def test_seed_session_with_a_row_whose_image_is_not_a_data_url_is_422(click_serv
     row = {"responses_create_params": {"input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "file:///etc/passwd"}]}]}, "circles": [], "target_color": "red"}
     status, body, _ = post(click_server, "/seed_session", json.dumps(row).encode())
-    assert status == 422 and "not a data URL" in body["detail"]
+    assert status == 422 and "not a data URL" in messages(body)
 
 
 def test_post_without_content_length_is_411(click_server):

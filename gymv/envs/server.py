@@ -39,7 +39,9 @@ from http.cookies import CookieError, SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from gymv.envs.nemo_schema import RunRequest, SchemaError, VerifyRequest, validate_body
 from gymv.envs.protocol import Environment, EpisodeState, Text, ToolCallError, parts_to_items
+from gymv.envs.responses import encode_parts
 from gymv.envs.transcript import turn_from_items
 from gymv.envs.verify import aggregate_metrics
 from gymv.errors import GymvError
@@ -50,9 +52,20 @@ RESERVED = frozenset({"seed_session", "verify", "aggregate_metrics", "reset", "s
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, detail: str):
-        super().__init__(detail)
+    """An error answer; a 422's `detail` is FastAPI's list of errors, as NeMo Gym's servers answer."""
+
+    def __init__(self, status: int, detail: str | list):
+        if status == 422 and isinstance(detail, str):
+            detail = [{"type": "value_error", "loc": ["body"], "msg": detail, "input": None}]
+        super().__init__(detail if isinstance(detail, str) else detail[0]["msg"])
         self.status, self.detail = status, detail
+
+
+def _validate(model, body: Any) -> None:
+    try:
+        validate_body(model, body)
+    except SchemaError as e:
+        raise HTTPError(422, e.detail) from None
 
 
 class _Sessions:
@@ -166,6 +179,7 @@ class EnvServer:
     def reset(self, sid: str, body: Any) -> dict:
         if not isinstance(body, dict):
             raise HTTPError(422, f"reset body must be a JSON object (a row), got {_kind(body)}")
+        _validate(RunRequest, body)
         try:
             self.sessions.set(sid, self.env.start(body, where="reset body"))
         except GymvError as e:
@@ -174,9 +188,10 @@ class EnvServer:
 
     def step(self, sid: str, body: Any) -> dict:
         env = self.env
-        response = body.get("response") if isinstance(body, dict) else None
-        if not isinstance(response, dict) or not isinstance(response.get("output"), list):
-            raise HTTPError(422, "step body must be a row plus 'response' with an 'output' list (one model turn)")
+        if not isinstance(body, dict):
+            raise HTTPError(422, f"step body must be a row plus 'response' (one model turn), got {_kind(body)}")
+        _validate(VerifyRequest, body)
+        response = body["response"]
         state = self.sessions.get(sid)
         if state is None:
             raise HTTPError(409, "no episode in this session: POST /reset with the row first (or the episode "
@@ -198,7 +213,9 @@ class EnvServer:
             raise
         tool_outputs = []
         for r in result.tool_results:
-            out = {"call_id": r.call_id, "name": r.name, "output": r.to_item()["output"]}
+            output = r.to_item()["output"]
+            out = {"call_id": r.call_id, "name": r.name,
+                   "output": output if isinstance(output, str) else encode_parts(output)}
             if r.error:
                 out["error"] = r.error
             tool_outputs.append(out)
@@ -222,6 +239,7 @@ class EnvServer:
     def verify(self, body: Any) -> dict:
         if not isinstance(body, dict):
             raise HTTPError(422, f"verify body must be a JSON object (a row plus 'response'), got {_kind(body)}")
+        _validate(VerifyRequest, body)
         try:
             return self.env.verify(body, where="verify body")
         except GymvError as e:
@@ -252,13 +270,13 @@ class EnvServer:
         return out.text.encode("utf-8"), {"Content-Type": ctype}
 
 
-def _observation(messages: list) -> str | list | None:
-    """NeMo Gym's `observation`: the follow-up text, or input parts when a follow-up carries images."""
+def _observation(messages: list) -> str | None:
+    """NeMo Gym's `observation` (a string): the follow-up text, or the encoded input parts when it has images."""
     if not messages:
         return None
     if all(not m.images for m in messages):
         return "\n\n".join(m.text for m in messages)
-    return [part for m in messages for part in parts_to_items(m.content)]
+    return encode_parts([part for m in messages for part in parts_to_items(m.content)])
 
 
 def _is_json(text: str) -> bool:
@@ -314,7 +332,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, obj: Any, *, sid: str | None = None, close: bool = False) -> None:
         self._send(status, json.dumps(obj, ensure_ascii=False).encode("utf-8"), sid=sid, close=close)
 
-    def _error(self, status: int, detail: str, *, sid: str | None = None, close: bool = False) -> None:
+    def _error(self, status: int, detail: str | list, *, sid: str | None = None, close: bool = False) -> None:
         self._json(status, {"detail": detail}, sid=sid, close=close)
 
     def _read_json(self) -> Any:
@@ -336,13 +354,14 @@ class _Handler(BaseHTTPRequestHandler):
         if len(raw) < length:
             raise HTTPError(400, f"request body ended after {len(raw)} of {length} bytes")
         if not raw.strip():
-            raise HTTPError(400, "empty request body; send a JSON object")
+            raise HTTPError(422, [{"type": "missing", "loc": ["body"], "msg": "Field required", "input": None}])
         try:
             return json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError:
             raise HTTPError(400, "request body is not UTF-8") from None
         except json.JSONDecodeError as e:
-            raise HTTPError(400, f"malformed JSON body: {e.msg} at line {e.lineno} column {e.colno}") from None
+            raise HTTPError(422, [{"type": "json_invalid", "loc": ["body", e.pos], "msg": "JSON decode error",
+                                   "input": {}, "ctx": {"error": f"{e.msg} at line {e.lineno} column {e.colno}"}}]) from None
         except RecursionError:
             raise HTTPError(400, "malformed JSON body: nested too deeply") from None
 
