@@ -11,15 +11,16 @@
     GET  /describe           the environment: name, agent name, tool schemas, max_turns, endpoints
 
 Each rollout is a session keyed by the `gymv_session` cookie, set on every response, which NeMo Gym's
-agents pass back. Bodies need a Content-Length no larger than the limit (413 otherwise); malformed JSON
-is a 400, a well-formed body that does not fit is a 422, an unknown path a 404, each with a message in
-`detail`. A tool that returns images answers with a JSON list of Responses input parts and the header
-`X-Gymv-Tool-Output: parts`; a text result is the plain body, as NeMo Gym's tools answer.
+agents pass back. Requests are validated as NeMo Gym's servers validate them (`gymv.envs.nemo_schema`):
+a body NeMo Gym refuses is a 422 whose `detail` is FastAPI's list of errors; a body over the size limit is
+a 413, an unknown path a 404. A tool that returns images answers with the JSON text of a list of Responses
+input parts (and the header `X-Gymv-Tool-Output: parts`); a text result is the plain body, as NeMo Gym's
+tools answer.
 
-`/step` answers as NeMo Gym's gymnasium servers do: the next user message as `observation` (text, or a
-list of input parts when it carries images), `info.tool_outputs` with one `{call_id, name, output}` per
-tool call (`output` is text, or a list of parts with images), per-step `reward` (the episode's reward on
-its last step, else 0), and `terminated` (the environment ended the episode) or `truncated` (its
+`/step` answers as NeMo Gym's gymnasium servers do, with strings where NeMo Gym's agents need strings: the
+next user message as `observation`, `info.tool_outputs` with one `{call_id, name, output}` per tool call
+(`output` is the text, or the JSON text of its parts when it has images), per-step `reward` (the episode's
+reward on its last step, else 0), and `terminated` (the environment ended the episode) or `truncated` (its
 `max_turns` did). gymv also puts the follow-ups, lossless, in `info.user_messages`, and the verifier's
 extras and `failure_reason` in `info` on the last step. An episode whose step raised is dropped: a retry
 gets 409, never a half-applied turn.
