@@ -140,6 +140,8 @@ def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature
         kl_reference=kl_reference,
         max_seq_len=cfg.model.max_seq_len,
         max_image_pixels=cfg.vision.max_image_pixels if getattr(cfg, "vision", None) is not None else None,
+        generation_backend=cfg.generation.backend,
+        training_backend=t.backend,
     )
 
 
