@@ -234,7 +234,7 @@ def test_generated_rows_are_accepted_back_by_the_environment(tmp_path):
     env = get_env("circle-click")
     write_dataset(tmp_path / "r.jsonl", env, resolve_knobs(env, "default"), n=3, workers=1)
     for row in _rows(tmp_path / "r.jsonl"):
-        from gymv.data.rows import check_images
+        from gymv.envs.rows import check_images
 
         assert check_images(row) == 1
         assert env.start(row).messages[-1].images

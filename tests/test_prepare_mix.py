@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gymv.data.generate import write_dataset
-from gymv.data.mix import MixPart, interleave_order, parse_mix_spec, write_mixed_dataset
+from gymv.envs.mix import MixPart, interleave_order, parse_mix_spec, write_mixed_dataset
 from gymv.envs import get_env
 from gymv.envs.knobs import resolve_knobs
 from gymv.errors import GymvError

@@ -7,31 +7,18 @@ over micro-batches and summing them over ranks reproduces one pass over the whol
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
 from gymv.algorithms.masked import as_bool, masked_fill_zero
+from gymv.backends.training.base import GlobalCounts  # noqa: F401  (the losses take it; trainers count it)
 from gymv.errors import GymvError
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 KLEstimator = Literal["k1", "k2", "k3"]
-
-
-@dataclass(frozen=True)
-class GlobalCounts:
-    """Valid tokens and sequences with at least one valid token, over the whole (global) batch."""
-
-    tokens: float
-    sequences: float
-
-    @staticmethod
-    def of(mask: Tensor) -> GlobalCounts:
-        m = as_bool(mask)
-        return GlobalCounts(tokens=float(m.sum()), sequences=float(m.any(dim=-1).sum()))
 
 
 def aggregate(per_token: Tensor, mask: Tensor, mode: Aggregation = "token_mean", counts: GlobalCounts | None = None) -> Tensor:

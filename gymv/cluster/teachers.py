@@ -170,7 +170,7 @@ def _with_device(spec: TeacherSpec, device: str) -> TeacherSpec:
 
 def teacher_specs(cfg, student_path: str) -> dict[str, TeacherSpec]:
     """One spec per alias from a validated MOPD config; a backend not wired here is an error naming it."""
-    from gymv.train.setup import resolve_init_path
+    from gymv.models.init_path import resolve_init_path
 
     gpu = cfg.cluster.gpus_per_node > 0
     out = {}

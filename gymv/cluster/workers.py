@@ -21,7 +21,7 @@ from pathlib import Path
 from gymv.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
 from gymv.backends.training.base import TrainingSetup
 from gymv.errors import GymvError
-from gymv.train.data import EnvRouter, EnvSpec
+from gymv.envs.routing import EnvRouter, EnvSpec
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from gymv.config.transports import REFIT_TRANSPORTS
 
@@ -72,8 +73,9 @@ def _known_backend(key: str, name: str) -> str:
     from gymv.capabilities import backend_names
 
     known = backend_names(key)
-    if name not in known:
-        raise ValueError(f"unknown {key.split('.')[0]} backend {name!r}; known: {', '.join(known)}")
+    if name not in known:  # reported like a bad Literal choice (gymv.config.validate)
+        raise PydanticCustomError("choice", "unknown {what} backend '{name}'; known: {known}",
+                                  {"what": key.split(".")[0], "name": name, "known": ", ".join(known), "choices": known})
     return name
 
 

@@ -3,8 +3,8 @@
     from gymv.train import train
     summary = train("recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", ["grpo.max_steps=3"])
 
-The loops themselves are gymv/algorithms/sft.py, grpo.py and mopd.py; the builders they share
-live in this package (data, setup, stats, validation).
+The loops themselves are sft.py, grpo.py, grpo_async.py and mopd.py here (the math they call is
+gymv.algorithms); the builders they share live here too (data, setup, stats, validation).
 """
 
 from __future__ import annotations
@@ -96,19 +96,19 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
                      eval_source=_source(eval_rows))
     try:
         if cfg.base_algorithm == "sft":
-            from gymv.algorithms.sft import train_sft
+            from gymv.train.sft import train_sft
 
             result = train_sft(ctx, resume=resume)
         elif cfg.base_algorithm == "mopd":
-            from gymv.algorithms.mopd import train_mopd
+            from gymv.train.mopd import train_mopd
 
             result = train_mopd(ctx, resume=resume)
         elif cfg.grpo.async_.enabled:
-            from gymv.algorithms.grpo_async import train_grpo_async
+            from gymv.train.grpo_async import train_grpo_async
 
             result = train_grpo_async(ctx, resume=resume)
         else:
-            from gymv.algorithms.grpo import train_grpo
+            from gymv.train.grpo import train_grpo
 
             result = train_grpo(ctx, resume=resume)
     except GymvError as e:

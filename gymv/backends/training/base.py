@@ -14,9 +14,23 @@ from dataclasses import dataclass, field
 from os import PathLike
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from gymv.algorithms.losses import GlobalCounts
+
+@dataclass(frozen=True)
+class GlobalCounts:
+    """Valid tokens and sequences with at least one valid token, over the whole (global) batch: what a
+    trainer counts across its ranks before a step, and every loss normalises by."""
+
+    tokens: float
+    sequences: float
+
+    @staticmethod
+    def of(mask: Tensor) -> GlobalCounts:
+        m = mask if mask.dtype == torch.bool else mask != 0
+        return GlobalCounts(tokens=float(m.sum()), sequences=float(m.any(dim=-1).sum()))
+
 
 Sample = dict[str, Tensor]
 MicroBatch = dict[str, Any]

@@ -20,8 +20,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from gymv.algorithms.losses import GlobalCounts
-from gymv.backends.training.base import CollateFn, LogprobFn, LossFn, MicroBatch, PlanFn, Sample
+from gymv.backends.training.base import CollateFn, GlobalCounts, LogprobFn, LossFn, MicroBatch, PlanFn, Sample
 from gymv.backends.training.data_parallel import DataParallel
 from gymv.backends.training.micro_batches import pad_collate, plan_micro_batches
 from gymv.errors import GymvError
