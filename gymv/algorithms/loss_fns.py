@@ -153,15 +153,16 @@ class DistillationLoss:
     `top_k`: instead, at every generated position the cross-entropy from the teacher's k most likely tokens
     (their probabilities renormalised over the k) to the student: -sum_v p_teacher(v) log pi_student(v).
     One sampled token says only how good that token is; the teacher's candidates also say which token it
-    would have written. Reads `teacher_topk_logp` [B,T,k] and `logp_student_topk` [B,T,k] (the student's
-    logprobs of those tokens, which the trainer's logprob function puts in the batch).
+    would have written. Reads `teacher_topk_logp` [B,T,k] from the batch and takes `candidates` [B,T,k] (the
+    student's logprobs of those tokens, which the trainer's logprob function returns beside `logp`).
     """
 
     aggregation: Aggregation = "token_mean"
     importance: ISConfig = ISConfig()
     top_k: bool = False
 
-    def __call__(self, batch: dict, logp: Tensor, entropy: Tensor | None, counts: GlobalCounts) -> tuple[Tensor, Metrics]:
+    def __call__(self, batch: dict, logp: Tensor, entropy: Tensor | None, counts: GlobalCounts,
+                 candidates: Tensor | None = None) -> tuple[Tensor, Metrics]:
         who = "distillation loss"
         mask = as_bool(_require(batch, "loss_mask", who))
         teacher = _require(batch, "logp_teacher", who)
@@ -169,8 +170,9 @@ class DistillationLoss:
         weights, kept, metrics = _importance(batch, logp_old, mask, self.importance, counts, who)
         adv = mopd_advantages(teacher, logp_old, kept)
         if self.top_k:
-            per_token, topk_kl = topk_cross_entropy(_require(batch, "teacher_topk_logp", who),
-                                                    _require(batch, "logp_student_topk", who))
+            if candidates is None:
+                raise RuntimeError("top-k distillation needs the student's logprobs of the teacher's candidates")
+            per_token, topk_kl = topk_cross_entropy(_require(batch, "teacher_topk_logp", who), candidates)
             metrics["topk_kl"] = _token_share(topk_kl, kept, counts)
         else:
             per_token = reinforce_loss(logp, adv, kept, logp_old)

@@ -21,8 +21,8 @@ class MopdLoss:
     distill: DistillationLoss
     env_reward_coef: float = 0.0
 
-    def __call__(self, batch, logp, entropy, counts):
-        loss, metrics = self.distill(batch, logp, entropy, counts)
+    def __call__(self, batch, logp, entropy, counts, candidates=None):
+        loss, metrics = self.distill(batch, logp, entropy, counts, candidates)
         if self.env_reward_coef > 0:
             # unclipped ratio * A: the REINFORCE form of the distillation loss, on the reward advantage
             env = PolicyLoss(eps_low=1.0, eps_high=1e9, aggregation=self.distill.aggregation,
@@ -66,24 +66,13 @@ def _own_logp(scored):
 
 
 def distillation_samples(usable: Sequence, teacher_logprobs: Sequence, advantages: Sequence[float]) -> list[dict]:
-    import torch
+    """Training samples of the usable episodes with their teacher's scores (gymv.backends.training.samples)."""
+    from gymv.backends.training.samples import training_sample
 
-    out = []
-    for t, lp, a in zip(usable, teacher_logprobs, advantages):
-        sample = {
-            "input_ids": torch.tensor(t.token_ids, dtype=torch.long),
-            "loss_mask": torch.tensor(t.loss_mask, dtype=torch.bool),
-            "logp_behaviour": torch.tensor(t.logprobs, dtype=torch.float32),
-            "logp_teacher": _own_logp(lp).to(torch.float32),
-            "advantages": torch.tensor(float(a), dtype=torch.float32),
-            "images": list(t.images),
-            "where": sample_where(t),
-        }
-        if isinstance(lp, dict):
-            sample["teacher_topk_ids"] = lp["topk_ids"].to(torch.long)
-            sample["teacher_topk_logp"] = lp["topk_logp"].to(torch.float32)
-        out.append(sample)
-    return out
+    return [training_sample(t.token_ids, t.loss_mask, images=t.images, where=sample_where(t),
+                            logp_behaviour=t.logprobs, advantage=a, logp_teacher=_own_logp(lp),
+                            teacher_topk=(lp["topk_ids"], lp["topk_logp"]) if isinstance(lp, dict) else None)
+            for t, lp, a in zip(usable, teacher_logprobs, advantages)]
 
 
 def teacher_metrics(usable: Sequence, teacher_logprobs: Sequence, aliases: Sequence[str]) -> dict[str, float]:

@@ -279,8 +279,7 @@ class TrainingWorker:
 
     def sft_samples(self, rows: Sequence[tuple[int, dict, str]]) -> list[dict]:
         """Training samples of the rows' gold answers (tokens exactly as the agent loop would lay them out)."""
-        import torch
-
+        from gymv.backends.training.samples import training_sample
         from gymv.rollout import ImageCache, build_sft_sample
 
         b = self.backend
@@ -292,9 +291,7 @@ class TrainingWorker:
                                     max_image_pixels=self.spec.max_image_pixels, image_cache=cache)
             if getattr(traj, "error", None):
                 raise GymvError(f"cannot build an SFT sample: {traj.error}", where=where)
-            out.append({"input_ids": torch.tensor(traj.token_ids, dtype=torch.long),
-                        "loss_mask": torch.tensor(traj.loss_mask, dtype=torch.bool),
-                        "images": list(traj.images or ()), "where": where})
+            out.append(training_sample(traj.token_ids, traj.loss_mask, images=traj.images or (), where=where))
         return out
 
     def sft_step(self, rows: Sequence[tuple[int, dict, str]], loss_fn) -> dict:

@@ -85,23 +85,13 @@ def group_advantages(trajectories: Sequence[Any], group_size: int, advantage_cfg
 
 
 def policy_samples(trajectories: Sequence[Any], advantages: Sequence[float]) -> list[dict]:
-    """Training samples of the usable trajectories: tokens, loss mask, behaviour logprobs, advantage, images.
+    """Training samples of the usable trajectories: tokens, loss mask, behaviour logprobs, advantage, images
+    (gymv.backends.training.samples)."""
+    from gymv.backends.training.samples import training_sample
 
-    Fields are plain lists and floats: they cross Ray to the training workers about 20x cheaper than small
-    tensors pickled one by one, and the workers make the tensors (gymv.cluster.workers._as_tensors)."""
-    out = []
-    for t, a in zip(trajectories, advantages):
-        if t.error is not None or not any(t.loss_mask):
-            continue
-        out.append({
-            "input_ids": list(t.token_ids),
-            "loss_mask": [bool(m) for m in t.loss_mask],
-            "logp_behaviour": [float(x) for x in t.logprobs],
-            "advantages": float(a),
-            "images": list(t.images),
-            "where": f"row {t.task_index} sample {t.sample_index}",
-        })
-    return out
+    return [training_sample(t.token_ids, t.loss_mask, images=t.images, where=f"row {t.task_index} sample {t.sample_index}",
+                            logp_behaviour=t.logprobs, advantage=a)
+            for t, a in zip(trajectories, advantages) if t.error is None and any(t.loss_mask)]
 
 
 def minibatches(samples: list, global_batch_size: int, samples_per_step: int) -> list[list]:

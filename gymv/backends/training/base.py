@@ -34,10 +34,12 @@ class GlobalCounts:
 
 Sample = dict[str, Tensor]
 MicroBatch = dict[str, Any]
-LogprobFn = Callable[[Any, MicroBatch], "tuple[Tensor, Tensor | None]"]
-"""logprob_fn(model, micro_batch) -> (logprobs [B,T], entropy [B,T] or None), aligned with input_ids."""
-LossFn = Callable[[MicroBatch, Tensor, "Tensor | None", GlobalCounts], "tuple[Tensor, dict[str, Tensor]]"]
-"""loss_fn(micro_batch, logprobs, entropy, global_counts) -> (loss share, metric shares); see loss_fns."""
+LogprobFn = Callable[[Any, MicroBatch], "tuple[Tensor, ...]"]
+"""logprob_fn(model, micro_batch) -> (logprobs [B,T], entropy [B,T] or None[, candidate logprobs [B,T,k]
+or None]), aligned with input_ids (gymv.backends.logprobs.TokenScores); it never writes into the batch."""
+LossFn = Callable[..., "tuple[Tensor, dict[str, Tensor]]"]
+"""loss_fn(micro_batch, logprobs, entropy, global_counts[, candidates=...]) -> (loss share, metric shares);
+`candidates` is passed when the logprob function returned some (see loss_fns)."""
 CollateFn = Callable[[Sequence[Sample]], MicroBatch]
 PlanFn = Callable[[Sequence[Sample], int], "list[list[int]]"]
 """plan_fn(samples, micro_batch_tokens) -> index lists, one per micro-batch (default: padded token budget)."""

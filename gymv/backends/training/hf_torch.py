@@ -44,20 +44,14 @@ def samples_collate(pad_id: int):
 
 
 def logprob_fn(adapter, temperature: float):
-    from gymv.backends.logprobs import MultimodalBatch, sequence_logprobs
+    from gymv.backends.logprobs import MultimodalBatch, token_scores
 
     def fn(model, mb):
         """Scores the loss-masked tokens only (every loss reads logprobs there alone); other entries are 0.
-        With a teacher's top-k candidates in the batch, their student logprobs go into it as
-        `logp_student_topk` [B, T, k] for the loss to read."""
+        With a teacher's top-k candidates in the batch, also the student's logprobs of them."""
         batch = MultimodalBatch(mb["input_ids"], mb["attention_mask"], mb["images"], mb["where"])
-        candidates = mb.get("teacher_topk_ids")
-        out = sequence_logprobs(model, adapter, batch, temperature, return_entropy=True,
-                                score_mask=mb.get("loss_mask"), gather_ids=candidates)
-        if candidates is None:
-            return out
-        logp, entropy, mb["logp_student_topk"] = out
-        return logp, entropy
+        return token_scores(model, adapter, batch, temperature, entropy=True, score_mask=mb.get("loss_mask"),
+                            gather_ids=mb.get("teacher_topk_ids"))
 
     return fn
 

@@ -107,10 +107,13 @@ class TorchTrainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def _forward(self, mb: MicroBatch) -> tuple[Tensor, Tensor | None]:
+    def _forward(self, mb: MicroBatch) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """(logprobs, entropies or None, candidate logprobs or None): what the logprob function returned."""
         with self._autocast():
-            logp, entropy = self.logprob_fn(self.model, mb)
-        return logp.float(), (entropy.float() if entropy is not None else None)
+            logp, entropy, *rest = self.logprob_fn(self.model, mb)
+        candidates = rest[0] if rest else None
+        as_float = lambda t: t.float() if t is not None else None  # noqa: E731
+        return logp.float(), as_float(entropy), as_float(candidates)
 
     def _plan(self, samples: Sequence[Sample]) -> list[list[int]]:
         if self.plan_fn is not None:
@@ -140,8 +143,9 @@ class TorchTrainer:
         bad = ""
         for indices in plan:
             mb = _to_device(self.collate_fn([samples[i] for i in indices]), self.device)
-            logp, entropy = self._forward(mb)
-            loss, metrics = loss_fn(mb, logp, entropy, counts)
+            logp, entropy, candidates = self._forward(mb)
+            extra = {"candidates": candidates} if candidates is not None else {}
+            loss, metrics = loss_fn(mb, logp, entropy, counts, **extra)
             if not bool(torch.isfinite(loss)):
                 bad = f"non-finite loss {float(loss.detach())} in a micro-batch of {len(indices)} samples"
                 break
@@ -215,7 +219,7 @@ class TorchTrainer:
         try:
             for indices in self._plan(samples):
                 mb = _to_device(self.collate_fn([samples[i] for i in indices]), self.device)
-                logp, _ = self._forward(mb)
+                logp, _, _ = self._forward(mb)
                 for row, i in enumerate(indices):
                     out[i] = logp[row, : samples[i]["input_ids"].shape[0]].cpu()
         finally:
