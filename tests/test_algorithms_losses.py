@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from gymv.algorithms.losses import GlobalCounts, aggregate, clipped_policy_loss, kl_penalty, reinforce_loss, sft_loss
+from gymv.algorithms.losses import GlobalCounts, aggregate, clipped_policy_loss, kl_penalty, reinforce_loss
 from gymv.errors import GymvError
 
 L = math.log
@@ -104,8 +104,3 @@ def test_reinforce_gradient_is_minus_advantage():
     loss.sum().backward()
     assert loss.tolist() == [[-2.0, 1.0]]
     assert logp.grad.tolist() == [[-2.0, 1.0]]
-
-
-def test_sft_loss_is_token_mean_nll():
-    logp = torch.tensor([[0.0, L(0.5), L(0.25)]])
-    assert sft_loss(logp, torch.tensor([[0, 1, 1]])).item() == pytest.approx((L(2) + L(4)) / 2)

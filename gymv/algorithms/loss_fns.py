@@ -5,7 +5,8 @@ model under training; `counts` are the global-batch counts. The loss is this mic
 global loss, and every metric is a share too (sum over micro-batches and ranks gives the global value),
 except keys ending in `_max` / `_min`, which reduce by max / min.
 
-Batch keys read here (per-token tensors are aligned with input_ids, see gymv.algorithms.logprobs):
+Batch keys read here (per-token tensors are aligned with input_ids, see gymv.backends.logprobs; the
+sample contract is gymv.backends.training.samples):
   loss_mask [B,T]        1 on generated tokens
   advantages [B]|[B,T]   GRPO advantages
   logp_old [B,T]         trainer logprobs before this step (default: logp detached, i.e. one step per batch)
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 
 from gymv.algorithms.advantages import mopd_advantages
-from gymv.algorithms.importance import behaviour_ratio, icepop_gate
+from gymv.algorithms.importance import icepop_gate, truncated_is_weights
 from gymv.algorithms.losses import (
     Aggregation,
     GlobalCounts,
@@ -73,8 +74,8 @@ def _importance(batch: dict, logp_old: Tensor, mask: Tensor, cfg: ISConfig, coun
     metrics["token_mult_prob_error"] = _token_share(err, mask, counts)
     if not cfg.enabled:
         return None, mask, metrics
-    rho = behaviour_ratio(logp_old, behaviour, mask)
-    weights = rho.clamp(max=cfg.truncate_max) if cfg.truncate_max is not None else torch.ones_like(rho)
+    weights = (truncated_is_weights(logp_old, behaviour, mask, cfg.truncate_max) if cfg.truncate_max is not None
+               else torch.ones_like(logp_old))
     kept = mask
     if cfg.gate is not None:
         kept = icepop_gate(logp_old, behaviour, mask, *cfg.gate)

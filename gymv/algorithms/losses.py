@@ -105,8 +105,3 @@ def reinforce_loss(logp: Tensor, advantages: Tensor, mask: Tensor, logp_old: Ten
 def nll_loss(logp: Tensor, mask: Tensor) -> Tensor:
     """Per-token negative log-likelihood (SFT), 0 off the mask."""
     return masked_fill_zero(-logp, mask)
-
-
-def sft_loss(logp: Tensor, mask: Tensor, counts: GlobalCounts | None = None) -> Tensor:
-    """Token-mean NLL over the (global) batch."""
-    return aggregate(nll_loss(logp, mask), mask, "token_mean", counts)
