@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tests.conftest import REPO
+from conftest import REPO
 
 BEGIN = "# ===== BEGIN CONFIG ====="
 END = "# ===== END CONFIG ====="

@@ -11,7 +11,7 @@ import pytest
 
 from gymv.envs import available, env_for_row, get_env
 from gymv.errors import GymvError
-from tests.conftest import run_gymv
+from conftest import run_gymv
 
 PLUGIN = '''
 from gymv.envs import Environment, ModelTurn, Score

@@ -7,7 +7,7 @@ import torch
 
 from gymv.backends.logprobs import right_pad, sequence_logprobs, token_scores
 from gymv.errors import GymvError
-from tests.tiny_models import chat_ids, fresh_policy, noise, shared_policy
+from tiny_models import chat_ids, fresh_policy, noise, shared_policy
 
 
 def batch_of(policy, n=3):

@@ -9,8 +9,8 @@ import pytest
 from gymv.config.compat import RULES as COMPAT_RULES
 from gymv.config.lint import RULES, LintFinding, lint_paths, rule_id
 from gymv.config.transports import RefitTransport, register_refit_transport, unregister_refit_transport
-from tests.conftest import REPO
-from tests.lint_tree import Tree, block
+from conftest import REPO
+from lint_tree import Tree, block
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from gymv.data.generate import SPLIT_SPAN, RowGenerator, default_workers, row_se
 from gymv.envs import Environment, ModelTurn, Score, get_env
 from gymv.envs.knobs import resolve_knobs
 from gymv.errors import GymvError
-from tests.conftest import run_gymv
+from conftest import run_gymv
 
 
 def _structure(value):

@@ -12,7 +12,7 @@ from gymv.envs.mix import MixPart, interleave_order, parse_mix_spec, write_mixed
 from gymv.envs import get_env
 from gymv.envs.knobs import resolve_knobs
 from gymv.errors import GymvError
-from tests.conftest import run_gymv
+from conftest import run_gymv
 
 SPEC = [MixPart("circle-count", "tiny", 6), MixPart("arithmetic", "tiny", 3)]
 

@@ -25,8 +25,8 @@ from gymv.smoke import (
     run_training,
 )
 from gymv.smoke.run import TrainOutcome
-from tests.conftest import REPO
-from tests.report_run import make_run
+from conftest import REPO
+from report_run import make_run
 
 GRPO = REPO / "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml"
 GPU_RECIPES = sorted(p for p in (REPO / "recipes").glob("*/*.yaml") if "n8g" in p.name)
