@@ -69,7 +69,7 @@ def test_a_batch_already_a_multiple_is_not_padded():
 def test_shards_are_equal_and_contiguous():
     rows = _rows()
     assert shard_rows(rows, 2) == [rows[:2], rows[2:]]
-    with pytest.raises(GymvError, match="do not split evenly"):
+    with pytest.raises(RuntimeError, match="do not split evenly"):
         shard_rows(rows[:3], 2)
 
 

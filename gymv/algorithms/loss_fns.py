@@ -35,14 +35,13 @@ from gymv.algorithms.losses import (
     reinforce_loss,
 )
 from gymv.algorithms.masked import as_bool, masked_fill_zero, masked_max
-from gymv.errors import GymvError
 
 Metrics = dict[str, Tensor]
 
 
 def _require(batch: dict, key: str, who: str) -> Tensor:
     if key not in batch:
-        raise GymvError(f"micro-batch lacks {key!r}", where=who, fix=f"put {key!r} in every training sample")
+        raise RuntimeError(f"{who}: the micro-batch lacks {key!r} (the training samples were built without it)")
     return batch[key]
 
 

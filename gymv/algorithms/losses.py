@@ -14,7 +14,6 @@ from torch import Tensor
 
 from gymv.algorithms.masked import as_bool, masked_fill_zero
 from gymv.backends.training.base import GlobalCounts  # noqa: F401  (the losses take it; trainers count it)
-from gymv.errors import GymvError
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
@@ -38,7 +37,7 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: Aggregation = "token_mean",
     if mode == "seq_mean_token_mean":
         seq_sum = seq_sum / m.sum(dim=-1).clamp(min=1).to(x.dtype)
     elif mode != "seq_mean_token_sum":
-        raise GymvError(f"unknown loss aggregation {mode!r}", fix=f"use one of {', '.join(AGGREGATIONS)}")
+        raise ValueError(f"unknown loss aggregation {mode!r}: use one of {', '.join(AGGREGATIONS)}")
     return seq_sum.sum() / max(counts.sequences, 1.0)
 
 
@@ -86,7 +85,7 @@ def kl_penalty(logp: Tensor, logp_ref: Tensor, mask: Tensor, estimator: KLEstima
     elif estimator == "k3":
         kl = torch.exp(d) - d - 1.0
     else:
-        raise GymvError(f"unknown KL estimator {estimator!r}", fix="use k1, k2 or k3")
+        raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3")
     return masked_fill_zero(kl, m)
 
 

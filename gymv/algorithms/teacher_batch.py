@@ -40,7 +40,7 @@ class TeacherRow:
 def pad_rows(rows: Sequence[TeacherRow], multiple: int) -> tuple[list[TeacherRow], int]:
     """(rows padded to a multiple of `multiple` by repeating whole rows, number of real rows)."""
     if multiple < 1:
-        raise GymvError(f"data_parallel_size must be at least 1, got {multiple}", where="mopd.teachers")
+        raise ValueError(f"data_parallel_size must be at least 1, got {multiple}")
     rows = list(rows)
     n = len(rows)
     if n == 0:
@@ -53,8 +53,7 @@ def pad_rows(rows: Sequence[TeacherRow], multiple: int) -> tuple[list[TeacherRow
 def shard_rows(rows: Sequence[TeacherRow], parts: int) -> list[list[TeacherRow]]:
     """Contiguous equal shards (the rows must already be padded to a multiple of `parts`)."""
     if len(rows) % parts:
-        raise GymvError(f"{len(rows)} rows do not split evenly over {parts} teacher replicas",
-                        where="teacher batch", fix="pad with pad_rows first")
+        raise RuntimeError(f"{len(rows)} rows do not split evenly over {parts} teacher replicas (pad_rows first)")
     size = len(rows) // parts
     return [list(rows[i * size:(i + 1) * size]) for i in range(parts)]
 

@@ -6,7 +6,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from gymv.errors import GymvError
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -60,8 +59,7 @@ def group_advantages(trajectories: Sequence[Any], group_size: int, advantage_cfg
 
     n = len(trajectories)
     if n % group_size:
-        raise GymvError(f"{n} trajectories do not form groups of {group_size}", where="grpo advantages",
-                        fix="this is a gymv bug; please report it")
+        raise RuntimeError(f"{n} trajectories do not form groups of {group_size}")
     valid = torch.tensor([t.error is None and sum(t.loss_mask) > 0 for t in trajectories])
     rewards = torch.tensor([float(t.reward) if t.error is None else float("nan") for t in trajectories], dtype=torch.float64)
     groups = group_ids_for(n // group_size, group_size)

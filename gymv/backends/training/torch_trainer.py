@@ -98,9 +98,10 @@ class TorchTrainer:
             return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else None
         if precision == "bf16":
             if not (cuda and torch.cuda.is_bf16_supported()):
-                raise GymvError("precision bf16 needs a CUDA device with bf16 support", where="trainer.precision", fix="use precision: auto (fp32 on CPU)")
+                raise GymvError("training.dtype bfloat16 needs a CUDA device with bf16 support", where="training.dtype",
+                               fix="use training.dtype: auto (float32 on CPU)")
             return torch.bfloat16
-        raise GymvError(f"unknown precision {precision!r}", where="trainer.precision", fix="use auto, fp32 or bf16")
+        raise ValueError(f"unknown precision {precision!r}: TrainerConfig.precision is auto, fp32 or bf16")
 
     def _autocast(self):
         if self.autocast_dtype is None:
