@@ -126,11 +126,12 @@ def test_no_new_cycle_between_gymv_packages_and_no_stale_entry_in_the_known_list
 
 def test_the_cluster_layer_names_no_concrete_backend():
     """Workers build backends through gymv.backends.registry; a concrete one is named there alone."""
-    from gymv.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
+    from gymv.backends.registry import GENERATION_BACKENDS, TEACHER_BACKENDS, TRAINING_BACKENDS
 
     graph = import_graph(ROOT, "gymv")
-    concrete = {path.partition(":")[0] for r in (GENERATION_BACKENDS, TRAINING_BACKENDS) for path in r.builtins.values()}
-    concrete.add("gymv.backends.training.torch_trainer")
+    registries = (GENERATION_BACKENDS, TRAINING_BACKENDS, TEACHER_BACKENDS)
+    concrete = {path.partition(":")[0] for r in registries for path in r.builtins.values()}
+    concrete |= {"gymv.backends.training.torch_trainer", "gymv.models.load"}
     for name, deps in graph.items():
         if name.startswith("gymv.cluster"):
             assert not deps & concrete, f"{name} imports {sorted(deps & concrete)}"

@@ -8,8 +8,9 @@ from functools import lru_cache
 import pytest
 import torch
 
-from gymv.algorithms.teacher_batch import TeacherRow, TextOnlyAdapter, pad_rows, shard_rows, teacher_logprobs, trim
-from gymv.cluster.teachers import TeacherModel, TeacherSpec, check_same_tokenizer, save_text_model
+from gymv.algorithms.teacher_batch import TeacherRow, pad_rows, shard_rows, trim
+from gymv.backends.teacher import TeacherModel, TextOnlyAdapter, check_same_tokenizer, save_text_model, teacher_logprobs
+from gymv.cluster.teachers import TeacherSpec
 from gymv.errors import GymvError
 from tiny_models import chat_ids, noise, shared_policy, tiny_path
 

@@ -36,7 +36,7 @@ class Recorder(Reporter):
 
 
 def _settings(tmp, data, **extra):
-    from gymv.cluster.teachers import save_text_model
+    from gymv.backends.teacher import save_text_model
     from gymv.models.tiny import init_tiny
 
     vlm_teacher = tmp / "count-teacher"

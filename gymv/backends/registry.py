@@ -14,6 +14,9 @@ GENERATION_BACKENDS = Registry("generation backend", "gymv.generation_backends",
                                {"hf": "gymv.backends.generation.hf:HFGenerationBackend"}, where="generation.backend")
 TRAINING_BACKENDS = Registry("training backend", "gymv.training_backends",
                              {"torch": "gymv.backends.training.hf_torch:HFTorchBackend"}, where="training.backend")
+# a MOPD teacher's scorer, built from a gymv.cluster.teachers.TeacherSpec
+TEACHER_BACKENDS = Registry("teacher backend", "gymv.teacher_backends",
+                            {"torch": "gymv.backends.teacher:TeacherModel"}, where="mopd.teachers.*.backend")
 # a transport's entry is its sender class; the sender names its receiver class (`receiver`)
 REFIT_TRANSPORTS = Registry("refit transport", "gymv.refit_transports", {
     "object_store": "gymv.cluster.refit:ObjectStoreSender",
