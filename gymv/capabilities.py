@@ -92,11 +92,14 @@ def _gaps(cfg) -> Iterator[Gap]:
     if tp > MAX_GENERATION_TP.get(g.backend, tp):
         yield Gap("generation.vllm.tensor_parallel_size", f"generation backend {g.backend} runs an engine on one GPU",
                   "set the tensor parallel size to 1")
+    from gymv.backends.registry import TEACHER_BACKENDS
+
     mopd = getattr(cfg, "mopd", None)
     for alias, t in (mopd.teachers.items() if mopd is not None else ()):
-        gap = _not_wired(f"mopd.teachers.{alias}.backend", t.backend, "mopd.teachers.*.backend")
-        if gap:
-            yield gap
+        key = f"mopd.teachers.{alias}.backend"
+        if t.backend not in TEACHER_BACKENDS:
+            yield _not_wired(key, t.backend, "mopd.teachers.*.backend") or Gap(
+                key, f"no teacher backend {t.backend!r} is installed", "use backend: torch")
     for key, value in (("logger.tensorboard", cfg.logger.tensorboard), ("logger.wandb", cfg.logger.wandb),
                        ("model.trust_remote_code", cfg.model.trust_remote_code)):
         gap = _not_wired(key, value)
@@ -111,11 +114,12 @@ def _gaps(cfg) -> Iterator[Gap]:
 
 def table() -> dict[str, dict[str, str]]:
     """The capability table for people (docs, `gymv train --help` texts): key -> {value: 'runs' or why not}."""
-    from gymv.backends.registry import GENERATION_BACKENDS, REFIT_TRANSPORTS, TRAINING_BACKENDS
+    from gymv.backends.registry import GENERATION_BACKENDS, REFIT_TRANSPORTS, TEACHER_BACKENDS, TRAINING_BACKENDS
 
     out: dict[str, dict[str, str]] = {
         "generation.backend": {n: "runs" for n in GENERATION_BACKENDS.available()},
         "training.backend": {n: "runs" for n in TRAINING_BACKENDS.available()},
+        "mopd.teachers.*.backend": {n: "runs" for n in TEACHER_BACKENDS.available()},
         "refit.transport": {n: "runs" for n in REFIT_TRANSPORTS.available()},
     }
     for key, row in NOT_WIRED.items():
