@@ -47,7 +47,7 @@ def _data(tmp: Path) -> list[str]:
     env = get_env("circle-count")
     knobs = resolve_knobs(env, "tiny", ["radius=9"])
     write_dataset(tmp / "train.jsonl", env, knobs, n=4096, split="train", seed=0)
-    write_dataset(tmp / "eval.jsonl", env, knobs, n=64, split="eval", seed=0)
+    write_dataset(tmp / "eval.jsonl", env, knobs, n=128, split="eval", seed=0)
     return [f"data.train={tmp / 'train.jsonl'}", f"data.eval={tmp / 'eval.jsonl'}"]
 
 
@@ -61,17 +61,22 @@ def test_grpo_through_nemo_gym_agents_learns_circle_count(nemo_gym, tmp_path):
             "data.prepare": None, "checkpoint.dir": str(tmp_path / "runs"), "cluster.ray_address": None}
     _data(tmp_path)
     sft = write_recipe(tmp_path, "sft", "vlm/vlm_sft-tinyllava-1n0g-torch.yaml", {
-        **data, "model.path": str(tiny_path("tiny-llava")), "sft.val_period": 0})
+        **data, "model.path": str(tiny_path("tiny-llava")), "sft.val_period": 0, "sft.max_steps": 80})
     train(sft)
     grpo = write_recipe(tmp_path, "grpo", "vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", {
-        **data, "model.path": str(tmp_path / "runs" / "sft" / "final"), "grpo.max_steps": 40,
-        "grpo.val_period": 40, "grpo.val_prompts": 64, "grpo.val_at_start": True, "checkpoint.period": 40,
+        **data, "model.path": str(tmp_path / "runs" / "sft" / "final"), "grpo.max_steps": 60,
+        "grpo.val_period": 60, "grpo.val_prompts": 128, "grpo.val_at_start": True, "checkpoint.period": 60,
         "rollout.driver": "nemo_gym_agents",
         "rollout.agents": {"circle_count_simple_agent": nemo_gym["agent"].url},
         "rollout.model_server_port": nemo_gym["model_port"]})
     train(grpo)
     run = tmp_path / "runs" / "grpo"
-    val = [m["val/accuracy"] for m in _metrics(run) if "val/accuracy" in m]
+    metrics = _metrics(run)
+    val = [m["val/accuracy"] for m in metrics if "val/accuracy" in m]
+    reward = [m["train/reward_mean"] for m in metrics if "train/reward_mean" in m]
+    first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
+    print(f"held-out accuracy {val[0]:.3f} -> {val[-1]:.3f}; train reward {first:.3f} -> {last:.3f}")
     assert len(val) == 2 and val[-1] > val[0], val
+    assert last > first + 0.1, (first, last)
     records = [json.loads(x) for x in (run / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert all(r["response"]["output"][-1]["generation_token_ids"] for r in records)
