@@ -27,6 +27,7 @@ from gymv.algorithms.loss_fns import DistillationLoss, ISConfig, PolicyLoss
 from gymv.algorithms.mopd_routing import TeacherRouter
 from gymv.cluster.group import Placement, PolicyCluster
 from gymv.rollout import to_rollout_record
+from gymv.train.failures import FailureGuard
 from gymv.train.setup import (
     Checkpointer,
     RunContext,
@@ -183,6 +184,7 @@ def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
         params = sampling_params(cfg)
         limits = rollout_kwargs(cfg)
         metrics_log = run.metrics_log()
+        guard = FailureGuard.from_config(cfg, ctx.train_source)
         report.on_start({"algorithm": cfg.algorithm, "run_dir": str(run.path), "start_step": step,
                          "max_steps": mopd.max_steps, "resumed_from": str(restored.path) if restored else None,
                          "teachers": pool.info})
@@ -201,6 +203,7 @@ def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
             batch = data.next_batch(mopd.prompts_per_step)
             trajectories, timing = cluster.rollouts([(r.index, r.data) for r in batch], group_size=G, params=params,
                                                     seed=step_seed(cfg.seed, step), source=ctx.train_source, **limits)
+            guard.check(step, trajectories)
 
             # 2-3. routing and teacher scores of the usable episodes
             advantages = env_advantages(trajectories, G)

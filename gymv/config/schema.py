@@ -59,6 +59,9 @@ class EnvSection(Section):
     max_rollout_tokens: PosInt = 2048
     timeout_s: PosFloat = 30.0
     retries: NonNegInt = 2
+    max_failed_fraction: Annotated[float, Field(ge=0, le=1)] = 0.5  # of one step's rollouts, else the run stops
+    failed_window_steps: PosInt = 10
+    max_failed_fraction_window: Annotated[float, Field(ge=0, le=1)] = 0.25  # over the last failed_window_steps
     kwargs: dict[str, Any] = {}
 
 
