@@ -57,8 +57,8 @@ class FailureGuard:
             return
         n_failed, n_total = (sum(x) for x in zip(*self._window))
         if n_failed and n_failed / max(n_total, 1) > self.max_window_fraction:
-            self._stop(f"{n_failed} of {n_total} rollouts of the last {len(self._window)} steps (to step {step}) failed",
-                       failed or [], "env.max_failed_fraction_window", self.max_window_fraction)
+            summary = f"{n_failed} of {n_total} rollouts of the last {len(self._window)} steps (to step {step}) failed"
+            self._stop(summary, failed, "env.max_failed_fraction_window", self.max_window_fraction)
 
     def _stop(self, summary: str, failed: Sequence[Any], key: str, limit: float) -> None:
         if failed:
