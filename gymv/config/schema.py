@@ -20,7 +20,7 @@ Fraction = Annotated[float, Field(gt=0, le=1)]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)  # lr=inf is no learning rate
 
 
 class ModelSection(Section):

@@ -16,7 +16,7 @@ import yaml
 
 from gymv.errors import GymvError
 from gymv.io import atomic_write_text
-from gymv.runs.checkpoint import CheckpointManager, CheckpointState, Checkpointable
+from gymv.runs.checkpoint import CheckpointManager, CheckpointState, Checkpointable, unusable_checkpoints
 from gymv.runs.metrics import MetricsLog, read_metrics, truncate_metrics_after
 from gymv.runs.rollout_log import SPLITS, rollout_files, write_rollouts
 
@@ -93,8 +93,17 @@ class RunDir:
     def resume(self, trainer: Checkpointable, keep: int | None = None) -> CheckpointState | None:
         """Restore the newest complete checkpoint into `trainer` (and the RNGs) and rewind the logs to it.
 
-        With no checkpoint every log row is dropped (a fresh start) and None is returned.
+        With no checkpoint folder at all every log row is dropped (a fresh start) and None is returned;
+        checkpoint folders none of which is complete are an error that lists them (never a silent restart).
         """
-        state = self.checkpoints(keep).restore(trainer)
+        manager = self.checkpoints(keep)
+        if manager.latest() is None:
+            bad = unusable_checkpoints(self.checkpoints_dir)
+            if bad:  # never restart over checkpoints that exist but do not read: that would replace them
+                found = "; ".join(f"{p.name}: {why}" for p, why in bad[-3:])
+                raise GymvError(f"no usable checkpoint to resume from ({found})", where=str(self.checkpoints_dir),
+                                fix="restore the checkpoints from a copy, or move checkpoints/ away to start the "
+                                    "run again at step 1")
+        state = manager.restore(trainer)
         self.rewind(state.step if state else -1)
         return state

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gymv.errors import GymvError
-from gymv.runs.checkpoint import LATEST, CheckpointState, DataPosition, find_latest
+from gymv.runs.checkpoint import LATEST, CheckpointState, DataPosition, find_latest, unusable_checkpoints
 from gymv.runs.run_dir import RunDir, run_path
 from gymv.train.data import EnvSpec, Row, RowStream
 
@@ -186,7 +186,16 @@ class Checkpointer:
         if not resume:
             self.ctx.run.rewind(-1)
             return None
-        return self.ctx.run.resume(self.handle, keep=self.ctx.cfg.checkpoint.keep)
+        run, say = self.ctx.run, self.ctx.reporter.on_message
+        logged = sum(1 for r in run.read_metrics() if r.get("step", 0) > 0)
+        skipped = unusable_checkpoints(run.checkpoints_dir)
+        state = run.resume(self.handle, keep=self.ctx.cfg.checkpoint.keep)
+        for path, why in skipped:
+            if state is not None and int(path.name.split("_")[1]) > state.step:
+                say(f"skipped {path.name}: {why}")
+        if state is None and logged:
+            say(f"no checkpoint in {run.checkpoints_dir}: starting again at step 1 ({logged} logged steps dropped)")
+        return state
 
     def save(self, step: int, position: DataPosition) -> Path:
         t0 = time.perf_counter()
