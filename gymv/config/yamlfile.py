@@ -61,12 +61,53 @@ _SafeLoader.add_implicit_resolver(
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
+# Bounded work on untrusted YAML: aliases let ~500 bytes stand for billions of values (an "alias bomb"),
+# and nesting depth costs recursion. A recipe holds hundreds of values; these caps are far above that.
+MAX_VALUES = 200_000
+MAX_DEPTH = 100
+
+
+class _Budget:
+    def __init__(self, where: str):
+        self.where, self.left = where, MAX_VALUES
+
+    def spend(self, node: yaml.Node, depth: int) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise GymvError(f"the YAML expands to more than {MAX_VALUES} values (aliases repeating aliases?)",
+                            where=f"{self.where}:{node.start_mark.line + 1}",
+                            fix="write the values out instead of nesting `*alias` references")
+        if depth > MAX_DEPTH:
+            raise GymvError(f"the YAML nests more than {MAX_DEPTH} levels deep", where=f"{self.where}:{node.start_mark.line + 1}",
+                            fix="flatten the structure")
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int], depth: int = 0) -> int:
+    """How many values `node` stands for once every alias is expanded (each shared node counted once per
+    use), computed over distinct nodes only: linear in the text, however large the expansion."""
+    known = memo.get(id(node))
+    if known is not None:
+        return known
+    if depth > MAX_DEPTH:
+        return MAX_VALUES + 1
+    memo[id(node)] = MAX_VALUES + 1  # a node that contains itself (a recursive alias) counts as too big
+    if isinstance(node, yaml.MappingNode):
+        size = 1 + sum(_expanded_size(k, memo, depth + 1) + _expanded_size(v, memo, depth + 1) for k, v in node.value)
+    elif isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(v, memo, depth + 1) for v in node.value)
+    else:
+        size = 1
+    memo[id(node)] = size = min(size, MAX_VALUES + 1)
+    return size
+
+
 class YamlDoc(NamedTuple):
     data: Any
     lines: dict  # KeyPath -> 1-based line of the key (or list item)
 
 
-def _build(node: yaml.Node, loader: _SafeLoader, prefix: KeyPath, lines: dict, where: str) -> Any:
+def _build(node: yaml.Node, loader: _SafeLoader, prefix: KeyPath, lines: dict, where: str, budget: _Budget) -> Any:
+    budget.spend(node, len(prefix))
     if isinstance(node, yaml.MappingNode):
         seen: dict[Any, int] = {}
         for k_node, _ in node.value:
@@ -89,13 +130,13 @@ def _build(node: yaml.Node, loader: _SafeLoader, prefix: KeyPath, lines: dict, w
                                 where=f"{where}:{line}", fix=f"quote it: '{key}'")
             path = prefix + (key,)
             lines[path] = line
-            out[key] = _build(v_node, loader, path, lines, where)
+            out[key] = _build(v_node, loader, path, lines, where, budget)
         return out
     if isinstance(node, yaml.SequenceNode):
         items = []
         for i, item in enumerate(node.value):
             lines[prefix + (i,)] = item.start_mark.line + 1
-            items.append(_build(item, loader, prefix + (i,), lines, where))
+            items.append(_build(item, loader, prefix + (i,), lines, where, budget))
         return items
     return loader.construct_object(node, deep=True)
 
@@ -106,7 +147,13 @@ def parse_yaml(text: str, where: str) -> YamlDoc:
     try:
         node = loader.get_single_node()
         lines: dict = {}
-        data = None if node is None else _build(node, loader, (), lines, where)
+        if node is not None and _expanded_size(node, {}) > MAX_VALUES:
+            raise GymvError(f"the YAML expands to more than {MAX_VALUES} values, or nests more than {MAX_DEPTH} "
+                            "levels deep (aliases repeating aliases?)", where=where,
+                            fix="write the values out instead of nesting `*alias` references")
+        data = None if node is None else _build(node, loader, (), lines, where, _Budget(where))
+    except RecursionError:
+        raise GymvError("the YAML nests too deeply to read", where=where, fix="flatten the structure") from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         loc = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark else where
@@ -148,3 +195,8 @@ def parse_scalar(text: str) -> Any:
         return ""
     doc = parse_yaml(text, f"value {text!r}")
     return doc.data
+
+
+def load_yaml_text(text: str, where: str) -> Any:
+    """Safe-load one YAML document with the same bounds as recipes (for files a run or a user wrote)."""
+    return parse_yaml(text, where).data

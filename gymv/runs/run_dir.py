@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from gymv.config.yamlfile import load_yaml_text
 from gymv.errors import GymvError
 from gymv.io import atomic_write_text
 from gymv.runs.checkpoint import CheckpointManager, CheckpointState, Checkpointable, unusable_checkpoints
@@ -65,7 +66,7 @@ class RunDir:
 
     def read_config(self) -> dict:
         try:
-            data = yaml.safe_load(self.config_path.read_text(encoding="utf-8"))
+            data = load_yaml_text(self.config_path.read_text(encoding="utf-8"), str(self.config_path))
         except FileNotFoundError:
             raise GymvError("no config.yaml", where=str(self.path), fix="is this a gymv run directory?") from None
         return data or {}
