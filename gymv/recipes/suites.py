@@ -136,12 +136,9 @@ def load_budgets(recipes_dir: str | Path) -> dict[str, Fraction]:
     if not path.is_file():
         return {}
     text = path.read_text(encoding="utf-8")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise GymvError(f"invalid YAML: {getattr(e, 'problem', None) or e}", where=where, fix="fix the YAML syntax") from None
+    from gymv.config.yamlfile import load_yaml_text  # gymv.config imports this module
+
+    data = load_yaml_text(text, str(path))  # bounded: an alias bomb is refused, not expanded
     if data is None:
         return {}
     if not isinstance(data, dict):
