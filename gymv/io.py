@@ -54,6 +54,23 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> int:
     return n
 
 
+def parse_json_line(line: bytes | str) -> dict:
+    """One JSONL line as a dict; anything else (bytes that are not UTF-8, bad JSON, nesting too deep for
+    the parser, integers too long to convert, a non-object) is a ValueError saying which."""
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"not UTF-8 text (byte 0x{line[e.start]:02x} at column {e.start + 1})") from None
+    try:
+        row = json.loads(line)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+    return row
+
+
 def iter_jsonl(path: str | os.PathLike, *, on_error: str = "fail", errors: list | None = None) -> Iterator[tuple[int, dict]]:
     """Yield (line_number, row) for each non-blank line.
 
@@ -64,7 +81,7 @@ def iter_jsonl(path: str | os.PathLike, *, on_error: str = "fail", errors: list 
         raise GymvError(f"unknown on_error mode {on_error!r}", fix="use 'skip' or 'fail'")
     path = Path(path)
     try:
-        f = path.open("r", encoding="utf-8")
+        f = path.open("rb")
     except FileNotFoundError:
         raise GymvError("file not found", where=str(path), fix="check the path") from None
     except OSError as e:
@@ -74,9 +91,7 @@ def iter_jsonl(path: str | os.PathLike, *, on_error: str = "fail", errors: list 
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-                if not isinstance(row, dict):
-                    raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+                row = parse_json_line(line)
             except ValueError as e:
                 msg = f"malformed JSON line: {e}"
                 if on_error == "fail":
