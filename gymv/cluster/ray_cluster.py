@@ -4,7 +4,8 @@ A cluster started here listens on the loopback interface only. Ray on Linux reso
 127.0.0.1 to the host's network address (so that other nodes could join) and then binds its GCS, raylet,
 workers, dashboard and agents to every interface; its switch for single-machine clusters
 (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read by the driver and inherited by every Ray process it starts)
-keeps them on 127.0.0.1. A multi-node cluster is opened deliberately: `ray start --head
+keeps them on 127.0.0.1. A watcher process (gymv.cluster.reaper) stops the cluster's processes if the
+driver dies without shutting it down. A multi-node cluster is opened deliberately: `ray start --head
 --node-ip-address=IP` on the head, then `--ray-address IP:PORT` (docs/security.md).
 """
 
@@ -15,6 +16,7 @@ import os
 import socket
 from dataclasses import dataclass
 
+from gymv.cluster.reaper import start_reaper, stop_reaper
 from gymv.errors import GymvError
 
 
@@ -43,6 +45,7 @@ def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
 
 def start_ray(address: str | None = None, *, num_cpus: int | None = None, num_gpus: int | None = None) -> ClusterInfo:
     """Join `address` (HOST:PORT or 'auto') or start a private local cluster bound to 127.0.0.1."""
+    global _REAPER
     try:
         import ray
     except ImportError as e:  # pragma: no cover - ray is a core dependency
@@ -71,6 +74,7 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None, num_gp
                 **kwargs,
             )
             started = True
+            _REAPER = start_reaper()
     except GymvError:
         raise
     except Exception as e:
@@ -94,11 +98,17 @@ def _loopback_only(ray) -> None:
         constants.ENABLE_RAY_CLUSTER = False  # read at import; ray may have been imported already
 
 
+_REAPER = None  # the watcher of a cluster started here (gymv.cluster.reaper)
+
+
 def stop_ray() -> None:
     import ray
 
+    global _REAPER
     if ray.is_initialized():
         ray.shutdown()
+    stop_reaper(_REAPER)
+    _REAPER = None
 
 
 def _local_gpu_count() -> int:
