@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -17,20 +18,40 @@ from gymv.errors import GymvError
 def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
     """Write to a temporary file beside `path`, fsync, then rename over it; on error the target is untouched."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "is a directory")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:200]}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise _write_error(path, e) from None
     try:
         with os.fdopen(fd, mode, **kwargs) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(e, OSError) and e.errno in _FILE_ERRNOS:
+            raise _write_error(path, e) from None
         raise
+
+
+_FILE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EISDIR, errno.ENOTDIR, errno.ENAMETOOLONG,
+                errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST}
+_FIXES = {errno.ENOSPC: "free disk space", errno.EDQUOT: "free disk space (quota)",
+          errno.EFBIG: "the file outgrew the size limit (ulimit -f); raise it", errno.EISDIR: "pass a file path",
+          errno.ENAMETOOLONG: "use a shorter path", errno.EROFS: "write to a writable disk"}
+
+
+def _write_error(path: Path, e: OSError) -> GymvError:
+    """One line naming the file being written (never its temporary name) and what to do."""
+    return GymvError(f"cannot write: {e.strerror or e}", where=str(path),
+                     fix=_FIXES.get(e.errno, "check the path and its folder's permissions"))
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -140,9 +140,12 @@ def compose(path: str | Path, _stack: tuple[Path, ...] = (), cache: dict[Path, C
             cycle = " -> ".join(display_path(p) for p in stack[stack.index(parent):] + (parent,))
             raise GymvError(f"`defaults` cycle: {cycle}", where=where,
                             fix="remove one of these `defaults` entries so the chain ends at an exemplar")
-        if not parent.is_file():
+        if not parent.exists():
             raise GymvError(f"parent recipe {text!r} not found (looked for {display_path(parent)})", where=where,
                             fix="paths in `defaults` are relative to the file that declares them")
+        if not parent.is_file():
+            raise GymvError(f"parent recipe {text!r} is not a regular file ({display_path(parent)})", where=where,
+                            fix="`defaults` names YAML files")
         sub = compose(parent, stack, cache)
         parents = merge(parents, sub.tree)
         chain.extend(p for p in sub.chain if p not in seen)

@@ -154,6 +154,8 @@ def parse_yaml(text: str, where: str) -> YamlDoc:
         data = None if node is None else _build(node, loader, (), lines, where, _Budget(where))
     except RecursionError:
         raise GymvError("the YAML nests too deeply to read", where=where, fix="flatten the structure") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        raise GymvError(f"a value cannot be read: {str(e).split(';')[0]}", where=where, fix="shorten that value") from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         loc = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark else where
@@ -171,6 +173,8 @@ def read_yaml_mapping(path: str | os.PathLike) -> YamlDoc:
     """Read a file whose root must be a mapping (every recipe is)."""
     path = Path(path)
     where = display_path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():  # a FIFO or device would block or never end
+        raise GymvError("is not a regular file", where=where, fix="point at a YAML file")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -50,10 +50,14 @@ class RunDir:
         the new resolved config, e.g. with a larger max_steps).
         """
         run = cls(path)
-        if not resume and run.path.exists() and any(run.path.iterdir()):
-            raise GymvError("run directory already exists and is not empty", where=str(run.path),
-                            fix="resume it (--resume) or choose another run name")
-        run.path.mkdir(parents=True, exist_ok=True)
+        try:
+            if not resume and run.path.exists() and any(run.path.iterdir()):
+                raise GymvError("run directory already exists and is not empty", where=str(run.path),
+                                fix="resume it (--resume) or choose another run name")
+            run.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # checkpoint.dir=/dev/null, a name too long, a read-only disk
+            raise GymvError(f"cannot create the run directory: {e.strerror or e}", where=str(run.path),
+                            fix="set checkpoint.dir to a writable folder (and keep the run name short)") from None
         run.write_config(config)
         return run
 
