@@ -73,3 +73,19 @@ def test_the_build_refuses_a_report_link_out_of_the_run(tmp_path):
     with pytest.raises(GymvError, match="report: is a symbolic link"):
         build_report(run)
     assert list(elsewhere.iterdir()) == []
+
+
+def test_an_image_too_large_to_view_is_not_copied_into_the_report(tmp_path):
+    import base64
+    import io
+
+    from PIL import Image
+
+    from gymv.report.viewer import ImageStore
+
+    buf = io.BytesIO()
+    Image.new("1", (20000, 20000)).save(buf, "PNG")  # about 50 KB on disk, 400 megapixels in a browser
+    store = ImageStore(tmp_path)
+    part = store.save("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+    assert "400000000 pixels, over the" in part["missing"] and store.refused == 1
+    assert not (tmp_path / "images").exists()
