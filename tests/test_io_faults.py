@@ -79,3 +79,14 @@ def test_an_unknown_env_kwargs_argument_is_blamed_on_env_kwargs():
     with pytest.raises(GymvError, match="does not take these arguments.*bogus") as e:
         get_env("circle-count", bogus=1)
     assert e.value.where == "env.kwargs" and "max_turns" in e.value.fix
+
+
+@pytest.mark.parametrize("expr, expected", [("(" * 5000 + "1" + ")" * 5000, "nests too deeply"),
+                                            ("- " * 5000 + "1", "nests too deeply"),
+                                            ("9" * 5000 + " + 1", "number too long")])
+def test_driver_arithmetic_past_the_parsers_limits_is_a_one_line_error(expr, expected):
+    from gymv.recipes.arith import evaluate
+
+    with pytest.raises(GymvError, match=expected) as e:
+        evaluate(expr, lambda name: None, where="d.sh:3")
+    assert e.value.where == "d.sh:3"
