@@ -340,10 +340,8 @@ class CollectiveSender(RefitSender):
         self._flat: torch.Tensor | None = None
 
     def rendezvous(self, state_dict) -> dict:
-        from torch.distributed import TCPStore
-
         host = _node_ip()
-        self._store = TCPStore(host, 0, world_size=self.num_receivers + 1, is_master=True, wait_for_workers=False)
+        self._store, self._listener = master_store(host, self.num_receivers + 1)
         return {"host": host, "port": self._store.port, "world_size": self.num_receivers + 1, "backend": self.backend,
                 "layout": self._layout(state_dict)}
 
@@ -360,6 +358,24 @@ class CollectiveSender(RefitSender):
 
     def close(self) -> None:
         self._pg = self._store = self._flat = None
+        if getattr(self, "_listener", None) is not None:
+            self._listener.close()
+            self._listener = None
+
+
+def master_store(host: str, world_size: int):
+    """(a TCPStore server listening on `host` only, its socket): torch's own server listens on every
+    interface whatever host it is given, so it is handed a socket bound here (keep the socket open)."""
+    import socket
+
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.bind((host, 0))
+    sock.listen()
+    store = TCPStore(host, sock.getsockname()[1], world_size=world_size, is_master=True, wait_for_workers=False,
+                     master_listen_fd=sock.fileno())
+    return store, sock
 
 
 class CollectiveReceiver(RefitReceiver):
