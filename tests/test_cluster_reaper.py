@@ -85,7 +85,7 @@ def test_a_killed_drivers_processes_are_stopped_by_the_reaper():
 
 
 def test_a_clean_shutdown_leaves_the_drivers_processes_alone():
-    before, left, _ = _harness([sys.executable, "-c", _DRIVER, "clean"], "READY", mode="clean", wait=3)
+    before, left, _ = _harness([sys.executable, "-c", _DRIVER, "clean"], "READY", mode="clean", wait=1.5)
     assert left == 1  # the sleep: Ray's own shutdown is what stops a cluster's processes on a clean exit
 
 

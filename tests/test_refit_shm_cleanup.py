@@ -27,16 +27,19 @@ _TRAINER = textwrap.dedent("""
 """)
 
 
-def _start_trainer():
-    proc = subprocess.Popen([sys.executable, "-c", _TRAINER], stdout=subprocess.PIPE, text=True, start_new_session=True)
-    name = proc.stdout.readline().strip()
-    assert name.startswith(SHM_PREFIX) and (Path("/dev/shm") / name).exists()
-    return proc, name
+def _start_trainers(n: int):
+    procs = [subprocess.Popen([sys.executable, "-c", _TRAINER], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True) for _ in range(n)]
+    out = []
+    for proc in procs:
+        name = proc.stdout.readline().strip()
+        assert name.startswith(SHM_PREFIX) and (Path("/dev/shm") / name).exists()
+        out.append((proc, name))
+    return out
 
 
 def test_a_killed_trainers_segment_is_removed_by_the_next_sender_and_a_live_ones_kept():
-    dead, dead_name = _start_trainer()
-    live, live_name = _start_trainer()
+    (dead, dead_name), (live, live_name) = _start_trainers(2)
     try:
         os.killpg(dead.pid, signal.SIGKILL)  # the trainer and its resource tracker: nothing unlinks the segment
         dead.wait()
