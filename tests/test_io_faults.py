@@ -90,3 +90,13 @@ def test_driver_arithmetic_past_the_parsers_limits_is_a_one_line_error(expr, exp
     with pytest.raises(GymvError, match=expected) as e:
         evaluate(expr, lambda name: None, where="d.sh:3")
     assert e.value.where == "d.sh:3"
+
+
+def test_lint_calls_a_fifo_what_it_is_and_an_over_long_path_unreadable(tmp_path):
+    from gymv.config.lint import lint_paths
+
+    os.mkfifo(tmp_path / "r.yaml")
+    with pytest.raises(GymvError, match="is not a regular file or directory"):
+        lint_paths([tmp_path / "r.yaml"])
+    with pytest.raises(GymvError, match="cannot read: File name too long"):
+        lint_paths([tmp_path / ("a" * 400)])
