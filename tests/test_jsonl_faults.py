@@ -12,8 +12,8 @@ from gymv.errors import GymvError
 from gymv.io import iter_jsonl
 from gymv.report import build_report
 from gymv.runs.metrics import read_metrics
-from tests.conftest import run_gymv
-from tests.report_run import make_run
+from conftest import run_gymv
+from report_run import make_run
 
 GOOD = {"circles": [{"x": 5, "y": 5, "radius": 3, "color": "red"}], "target_color": "red",
         "response": {"output": [{"type": "message", "role": "assistant",

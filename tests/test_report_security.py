@@ -10,7 +10,7 @@ import pytest
 
 from gymv.errors import GymvError
 from gymv.report import build_report, serve_report
-from tests.report_run import make_run
+from report_run import make_run
 
 
 @pytest.fixture(scope="module")

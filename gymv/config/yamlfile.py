@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import yaml
 
 from gymv.errors import GymvError
+from gymv.yaml_bounds import MAX_DEPTH, MAX_VALUES, check_bounds
 
 KeyPath = tuple  # tuple[str | int, ...]
 
@@ -61,12 +62,6 @@ _SafeLoader.add_implicit_resolver(
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
-# Bounded work on untrusted YAML: aliases let ~500 bytes stand for billions of values (an "alias bomb"),
-# and nesting depth costs recursion. A recipe holds hundreds of values; these caps are far above that.
-MAX_VALUES = 200_000
-MAX_DEPTH = 100
-
-
 class _Budget:
     def __init__(self, where: str):
         self.where, self.left = where, MAX_VALUES
@@ -80,25 +75,6 @@ class _Budget:
         if depth > MAX_DEPTH:
             raise GymvError(f"the YAML nests more than {MAX_DEPTH} levels deep", where=f"{self.where}:{node.start_mark.line + 1}",
                             fix="flatten the structure")
-
-
-def _expanded_size(node: yaml.Node, memo: dict[int, int], depth: int = 0) -> int:
-    """How many values `node` stands for once every alias is expanded (each shared node counted once per
-    use), computed over distinct nodes only: linear in the text, however large the expansion."""
-    known = memo.get(id(node))
-    if known is not None:
-        return known
-    if depth > MAX_DEPTH:
-        return MAX_VALUES + 1
-    memo[id(node)] = MAX_VALUES + 1  # a node that contains itself (a recursive alias) counts as too big
-    if isinstance(node, yaml.MappingNode):
-        size = 1 + sum(_expanded_size(k, memo, depth + 1) + _expanded_size(v, memo, depth + 1) for k, v in node.value)
-    elif isinstance(node, yaml.SequenceNode):
-        size = 1 + sum(_expanded_size(v, memo, depth + 1) for v in node.value)
-    else:
-        size = 1
-    memo[id(node)] = size = min(size, MAX_VALUES + 1)
-    return size
 
 
 class YamlDoc(NamedTuple):
@@ -147,10 +123,7 @@ def parse_yaml(text: str, where: str) -> YamlDoc:
     try:
         node = loader.get_single_node()
         lines: dict = {}
-        if node is not None and _expanded_size(node, {}) > MAX_VALUES:
-            raise GymvError(f"the YAML expands to more than {MAX_VALUES} values, or nests more than {MAX_DEPTH} "
-                            "levels deep (aliases repeating aliases?)", where=where,
-                            fix="write the values out instead of nesting `*alias` references")
+        check_bounds(node, where)
         data = None if node is None else _build(node, loader, (), lines, where, _Budget(where))
     except RecursionError:
         raise GymvError("the YAML nests too deeply to read", where=where, fix="flatten the structure") from None
@@ -200,7 +173,3 @@ def parse_scalar(text: str) -> Any:
     doc = parse_yaml(text, f"value {text!r}")
     return doc.data
 
-
-def load_yaml_text(text: str, where: str) -> Any:
-    """Safe-load one YAML document with the same bounds as recipes (for files a run or a user wrote)."""
-    return parse_yaml(text, where).data

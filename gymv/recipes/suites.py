@@ -14,6 +14,7 @@ from pathlib import Path, PurePosixPath
 import yaml
 
 from gymv.errors import GymvError
+from gymv.yaml_bounds import safe_load
 
 SUITES_DIR = "suites"
 DRIVERS_DIR = "drivers"
@@ -136,9 +137,7 @@ def load_budgets(recipes_dir: str | Path) -> dict[str, Fraction]:
     if not path.is_file():
         return {}
     text = path.read_text(encoding="utf-8")
-    from gymv.config.yamlfile import load_yaml_text  # gymv.config imports this module
-
-    data = load_yaml_text(text, str(path))  # bounded: an alias bomb is refused, not expanded
+    data = safe_load(text, str(path))  # bounded: an alias bomb is refused, not expanded
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from gymv.config.yamlfile import load_yaml_text
 from gymv.errors import GymvError
+from gymv.yaml_bounds import safe_load
 from gymv.runs.metrics import read_metrics
 from gymv.runs.rollout_log import SPLITS, read_rollouts, rollout_files
 
@@ -65,7 +65,7 @@ def read_run(path: str | os.PathLike) -> RunData:
     cfg_path = path / CONFIG_FILE
     if cfg_path.is_file():
         try:
-            run.config = load_yaml_text(cfg_path.read_text(encoding="utf-8"), str(cfg_path)) or {}
+            run.config = safe_load(cfg_path.read_text(encoding="utf-8"), str(cfg_path)) or {}
         except GymvError as e:
             run.problems.append(e.one_line())
         except (OSError, UnicodeDecodeError) as e:

@@ -14,8 +14,8 @@ from typing import Any
 
 import yaml
 
-from gymv.config.yamlfile import load_yaml_text
 from gymv.errors import GymvError
+from gymv.yaml_bounds import safe_load
 from gymv.io import atomic_write_text
 from gymv.runs.checkpoint import CheckpointManager, CheckpointState, Checkpointable, unusable_checkpoints
 from gymv.runs.metrics import MetricsLog, read_metrics, truncate_metrics_after
@@ -70,7 +70,7 @@ class RunDir:
 
     def read_config(self) -> dict:
         try:
-            data = load_yaml_text(self.config_path.read_text(encoding="utf-8"), str(self.config_path))
+            data = safe_load(self.config_path.read_text(encoding="utf-8"), str(self.config_path))
         except FileNotFoundError:
             raise GymvError("no config.yaml", where=str(self.path), fix="is this a gymv run directory?") from None
         return data or {}

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gymv.data.images import DEFAULT_MAX_PIXELS, ImageError
-from gymv.data.rows import check_images, input_messages
+from gymv.envs.rows import check_images, input_messages
 from gymv.envs.protocol import RowError, Text
 from gymv.errors import GymvError
 
