@@ -1,6 +1,6 @@
 """A driver killed with SIGKILL leaves no Ray (or other) processes behind: the reaper stops them; a clean
 shutdown leaves everything to Ray. Real processes and signals; orphans are found by making the test's
-helper a child subreaper (Linux)."""
+harness process a child subreaper (Linux)."""
 
 from __future__ import annotations
 
