@@ -66,3 +66,46 @@ def test_resume_without_a_checkpoint_starts_over(tmp_path):
 def test_a_config_that_is_not_plain_data_is_an_error(tmp_path):
     with pytest.raises(GymvError, match="not plain data"):
         RunDir.create(tmp_path / "demo", {"x": torch.zeros(1)})
+
+
+def _run_with_checkpoint(tmp_path, step=2):
+    run = RunDir.create(tmp_path / "demo", CONFIG)
+    t = TorchTrainer(tiny_lm(0), logprob_fn, TrainerConfig(lr=1e-2))
+    with run.metrics_log() as log:
+        for s in range(1, step + 1):
+            log.log(s, t.train_step(make_samples(2, seed=s), SFTLoss()))
+            run.write_rollouts(s, [record()])
+    run.checkpoints().save(step, t, DataPosition(index=2 * step))
+    return run
+
+
+def test_resume_when_no_checkpoint_reads_is_an_error_that_keeps_everything(tmp_path):
+    run = _run_with_checkpoint(tmp_path)
+    state = run.checkpoints_dir / "step_2" / "state.json"
+    state.write_text(state.read_text()[:10])  # torn
+    weights = (run.checkpoints_dir / "step_2" / "model.safetensors").read_bytes()
+    with pytest.raises(GymvError, match=r"no usable checkpoint to resume from \(step_2: unreadable state.json"):
+        run.resume(TorchTrainer(tiny_lm(1), logprob_fn))
+    assert [r["step"] for r in run.read_metrics()] == [1, 2]  # nothing rewound
+    assert [s for s, _ in rollout_files(run.path)] == [1, 2]
+    assert (run.checkpoints_dir / "step_2" / "model.safetensors").read_bytes() == weights
+
+
+def test_a_truncated_weights_file_makes_a_checkpoint_incomplete(tmp_path):
+    run = _run_with_checkpoint(tmp_path)
+    weights = run.checkpoints_dir / "step_2" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert run.checkpoints().latest() is None
+    with pytest.raises(GymvError, match="step_2: model.safetensors is .* bytes, its header says"):
+        run.resume(TorchTrainer(tiny_lm(1), logprob_fn))
+
+
+def test_a_checkpoint_of_non_finite_weights_is_refused_and_the_previous_one_kept(tmp_path):
+    run = _run_with_checkpoint(tmp_path)
+    t = TorchTrainer(tiny_lm(0), logprob_fn, TrainerConfig(lr=1e-2))
+    with torch.no_grad():
+        next(t.model.parameters()).fill_(float("inf"))
+    with pytest.raises(GymvError, match="after step 3 hold non-finite values .* training diverged"):
+        run.checkpoints().save(3, t, DataPosition(index=6))
+    assert run.checkpoints().latest().name == "step_2"
+    assert not any(p.name.startswith(".tmp-") for p in run.checkpoints_dir.iterdir())

@@ -15,6 +15,7 @@ from gymv.config.yamlfile import KeyPath, Origin, display_path, read_yaml_mappin
 from gymv.errors import GymvError
 
 DEFAULTS_KEY = "defaults"
+MAX_DEPTH = 64  # files in one line of `defaults:` ancestry (exemplar -> recipe is 2 or 3)
 
 
 @dataclass
@@ -31,6 +32,10 @@ class Composed:
     own: ConfigTree
     chain: list[Path] = field(default_factory=list)
     parent_paths: list[Path] = field(default_factory=list)
+
+    @property
+    def chain_set(self) -> frozenset:
+        return frozenset(self.chain)
 
 
 def _own_tree(path: Path, data: dict, lines: dict) -> ConfigTree:
@@ -110,16 +115,23 @@ def compose(path: str | Path, _stack: tuple[Path, ...] = (), cache: dict[Path, C
     """Load `path` and everything its `defaults:` name, merged; raises GymvError on any bad input.
 
     `cache` (resolved path -> Composed), shared across calls, loads each parent once when many recipes
-    inherit the same files (`gymv lint`); results are never mutated, so sharing them is safe.
+    inherit the same files (`gymv lint`); results are never mutated, so sharing them is safe. Without one, a
+    cache private to this call still resolves every file once (a `defaults:` diamond is linear, not
+    exponential).
     """
     path = Path(path).resolve()
-    if cache is not None:
-        hit = cache.get(path)
-        if hit is not None and not any(p in _stack for p in hit.chain):
-            return hit  # a chain that meets the stack is a cycle: compose again below to report it
+    if cache is None:
+        cache = {}  # even for one recipe: a `defaults:` diamond reaches the same file by many paths
+    if len(_stack) >= MAX_DEPTH:
+        raise GymvError(f"`defaults` chain deeper than {MAX_DEPTH} files", where=display_path(_stack[-1]),
+                        fix="inherit from an exemplar in a few steps")
+    hit = cache.get(path)
+    if hit is not None and hit.chain_set.isdisjoint(_stack):
+        return hit  # a chain that meets the stack is a cycle: compose again below to report it
     doc = read_yaml_mapping(path)
     parents = ConfigTree()
     chain: list[Path] = []
+    seen: set[Path] = set()  # each file once in the chain, however many parents share it
     parent_paths: list[Path] = []
     stack = _stack + (path,)
     for parent, text, line in _defaults_entries(path, doc.data, doc.lines):
@@ -128,16 +140,19 @@ def compose(path: str | Path, _stack: tuple[Path, ...] = (), cache: dict[Path, C
             cycle = " -> ".join(display_path(p) for p in stack[stack.index(parent):] + (parent,))
             raise GymvError(f"`defaults` cycle: {cycle}", where=where,
                             fix="remove one of these `defaults` entries so the chain ends at an exemplar")
-        if not parent.is_file():
+        if not parent.exists():
             raise GymvError(f"parent recipe {text!r} not found (looked for {display_path(parent)})", where=where,
                             fix="paths in `defaults` are relative to the file that declares them")
+        if not parent.is_file():
+            raise GymvError(f"parent recipe {text!r} is not a regular file ({display_path(parent)})", where=where,
+                            fix="`defaults` names YAML files")
         sub = compose(parent, stack, cache)
         parents = merge(parents, sub.tree)
-        chain.extend(sub.chain)
+        chain.extend(p for p in sub.chain if p not in seen)
+        seen.update(sub.chain)
         parent_paths.append(parent)
     own = _own_tree(path, doc.data, doc.lines)
     tree = merge(parents, own)
     out = Composed(path=path, tree=tree, parents=parents, own=own, chain=chain + [path], parent_paths=parent_paths)
-    if cache is not None:
-        cache[path] = out
+    cache[path] = out
     return out

@@ -14,6 +14,7 @@ from pathlib import Path, PurePosixPath
 import yaml
 
 from gymv.errors import GymvError
+from gymv.yaml_bounds import safe_load
 
 SUITES_DIR = "suites"
 DRIVERS_DIR = "drivers"
@@ -136,12 +137,7 @@ def load_budgets(recipes_dir: str | Path) -> dict[str, Fraction]:
     if not path.is_file():
         return {}
     text = path.read_text(encoding="utf-8")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise GymvError(f"invalid YAML: {getattr(e, 'problem', None) or e}", where=where, fix="fix the YAML syntax") from None
+    data = safe_load(text, str(path))  # bounded: an alias bomb is refused, not expanded
     if data is None:
         return {}
     if not isinstance(data, dict):

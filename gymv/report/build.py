@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gymv.io import atomic_write_text
+from gymv.errors import GymvError
 from gymv.report.page import render_data, render_index
 from gymv.report.plots import Plot, write_plots
 from gymv.report.run import RunData, read_run
@@ -69,10 +70,21 @@ def _publish(paths) -> None:
             pass
 
 
+def _refuse_links_out(out: Path) -> None:
+    """RUN_DIR/report and its folders are written into, never followed: a symbolic link there (in a run
+    someone else wrote) would make the report write wherever it points."""
+    for path in (out, out / "plots", out / "images"):
+        if path.is_symlink():
+            raise GymvError("is a symbolic link; the report is only written into the run's own folder", where=str(path),
+                            fix="remove the link, or pass --out DIR to write the report elsewhere")
+
+
 def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> ReportResult:
     """Write the report of `run_dir` into `out_dir` (default: RUN_DIR/report); returns what it holds."""
     run = read_run(run_dir)
     out = Path(out_dir) if out_dir is not None else default_out_dir(run_dir)
+    if out_dir is None:
+        _refuse_links_out(out)
     out.mkdir(parents=True, exist_ok=True)
     plots = write_plots(run.rows, out)
     views, images = rollout_views(run.rollouts, out)

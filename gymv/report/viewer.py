@@ -13,14 +13,16 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import io
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gymv.data.images import DEFAULT_MAX_BYTES, ImageError, split_data_url
+from gymv.data.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, ImageError, split_data_url
 from gymv.envs.responses import decode_parts
 
 _MAGIC = ((b"\x89PNG\r\n\x1a\n", "png"), (b"\xff\xd8\xff", "jpg"), (b"GIF87a", "gif"), (b"GIF89a", "gif"), (b"BM", "bmp"))
@@ -35,6 +37,20 @@ def _kind(raw: bytes) -> str | None:
         if raw.startswith(magic):
             return ext
     return None
+
+
+def _pixels(raw: bytes) -> tuple[int, int] | None:
+    """Width and height from the image header alone (nothing is decompressed), or None if unreadable."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(raw)) as img:
+            return img.size
+    except Image.DecompressionBombError as e:  # PIL refuses the header itself: far over any limit
+        nums = [int(n) for n in re.findall(r"\((\d+) pixels\)", str(e))]
+        return (nums[0], 1) if nums else (DEFAULT_MAX_PIXELS + 1, 1)
+    except Exception:
+        return None
 
 
 @dataclass
@@ -59,6 +75,11 @@ class ImageStore:
         if ext is None:
             self.refused += 1
             return {"kind": "image", "missing": "image not shown: not a PNG, JPEG, GIF, WebP or BMP file"}
+        size = _pixels(raw)
+        if size is None or size[0] * size[1] > DEFAULT_MAX_PIXELS:  # a browser would decode it in full
+            self.refused += 1
+            shown = f"{size[0] * size[1]} pixels, over the {DEFAULT_MAX_PIXELS} pixel limit" if size else "unreadable"
+            return {"kind": "image", "missing": f"image not shown: {shown}"}
         digest = hashlib.sha256(raw).hexdigest()
         rel = self.written.get(digest)
         if rel is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gymv.errors import GymvError
-from gymv.io import atomic_open
+from gymv.io import atomic_open, parse_json_line
 
 RESERVED = ("step", "wall_time")
 
@@ -86,19 +86,19 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     """All step rows in file order. A truncated last line is skipped; a broken line elsewhere is an error."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_bytes()
     except FileNotFoundError:
         raise GymvError("metrics file not found", where=str(path), fix="check the run directory") from None
-    lines = text.split("\n")
-    complete = text.endswith("\n")
+    except OSError as e:
+        raise GymvError(f"cannot read: {e.strerror}", where=str(path)) from None
+    lines = text.split(b"\n")
+    complete = text.endswith(b"\n")
     rows = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-            if not isinstance(row, dict):
-                raise ValueError("not a JSON object")
+            row = parse_json_line(line)
         except ValueError as e:
             if n == len(lines) and not complete:
                 break

@@ -15,8 +15,9 @@ from typing import Any
 import yaml
 
 from gymv.errors import GymvError
+from gymv.yaml_bounds import safe_load
 from gymv.io import atomic_write_text
-from gymv.runs.checkpoint import CheckpointManager, CheckpointState, Checkpointable
+from gymv.runs.checkpoint import CheckpointManager, CheckpointState, Checkpointable, unusable_checkpoints
 from gymv.runs.metrics import MetricsLog, read_metrics, truncate_metrics_after
 from gymv.runs.rollout_log import SPLITS, rollout_files, write_rollouts
 
@@ -49,10 +50,14 @@ class RunDir:
         the new resolved config, e.g. with a larger max_steps).
         """
         run = cls(path)
-        if not resume and run.path.exists() and any(run.path.iterdir()):
-            raise GymvError("run directory already exists and is not empty", where=str(run.path),
-                            fix="resume it (--resume) or choose another run name")
-        run.path.mkdir(parents=True, exist_ok=True)
+        try:
+            if not resume and run.path.exists() and any(run.path.iterdir()):
+                raise GymvError("run directory already exists and is not empty", where=str(run.path),
+                                fix="resume it (--resume) or choose another run name")
+            run.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # checkpoint.dir=/dev/null, a name too long, a read-only disk
+            raise GymvError(f"cannot create the run directory: {e.strerror or e}", where=str(run.path),
+                            fix="set checkpoint.dir to a writable folder (and keep the run name short)") from None
         run.write_config(config)
         return run
 
@@ -65,7 +70,7 @@ class RunDir:
 
     def read_config(self) -> dict:
         try:
-            data = yaml.safe_load(self.config_path.read_text(encoding="utf-8"))
+            data = safe_load(self.config_path.read_text(encoding="utf-8"), str(self.config_path))
         except FileNotFoundError:
             raise GymvError("no config.yaml", where=str(self.path), fix="is this a gymv run directory?") from None
         return data or {}
@@ -93,8 +98,17 @@ class RunDir:
     def resume(self, trainer: Checkpointable, keep: int | None = None) -> CheckpointState | None:
         """Restore the newest complete checkpoint into `trainer` (and the RNGs) and rewind the logs to it.
 
-        With no checkpoint every log row is dropped (a fresh start) and None is returned.
+        With no checkpoint folder at all every log row is dropped (a fresh start) and None is returned;
+        checkpoint folders none of which is complete are an error that lists them (never a silent restart).
         """
-        state = self.checkpoints(keep).restore(trainer)
+        manager = self.checkpoints(keep)
+        if manager.latest() is None:
+            bad = unusable_checkpoints(self.checkpoints_dir)
+            if bad:  # never restart over checkpoints that exist but do not read: that would replace them
+                found = "; ".join(f"{p.name}: {why}" for p, why in bad[-3:])
+                raise GymvError(f"no usable checkpoint to resume from ({found})", where=str(self.checkpoints_dir),
+                                fix="restore the checkpoints from a copy, or move checkpoints/ away to start the "
+                                    "run again at step 1")
+        state = manager.restore(trainer)
         self.rewind(state.step if state else -1)
         return state

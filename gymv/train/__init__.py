@@ -17,6 +17,7 @@ from pathlib import Path
 from gymv.capabilities import gaps
 from gymv.errors import GymvError
 from gymv.train.data import EnvRouter, training_rows
+from gymv.train.row_checks import check_training_rows
 from gymv.train.setup import Reporter, RunContext, open_run, resolve_init_path, worker_spec
 
 __all__ = ["Reporter", "load_training_recipe", "train"]
@@ -89,6 +90,9 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
     train_rows, eval_rows = training_rows(cfg, run.path)
     router.check(train_rows)
     router.check(eval_rows)
+    vision = getattr(cfg, "vision", None)
+    check_training_rows([*train_rows, *eval_rows], model_path=model_path, max_seq_len=cfg.model.max_seq_len,
+                        max_pixels=vision.max_image_pixels if vision is not None else None)
 
     info = start_ray(ray_address or cfg.cluster.ray_address)
     ctx = RunContext(cfg=cfg, run=run, model_path=model_path, train_rows=train_rows, eval_rows=eval_rows,

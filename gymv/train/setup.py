@@ -13,7 +13,7 @@ from typing import Any
 
 from gymv.errors import GymvError
 from gymv.models.init_path import FINAL_DIR, resolve_init_path  # noqa: F401  (train and tests import it here)
-from gymv.runs.checkpoint import CheckpointState, DataPosition
+from gymv.runs.checkpoint import CheckpointState, DataPosition, unusable_checkpoints
 from gymv.runs.run_dir import RunDir, run_path
 from gymv.train.data import EnvSpec, Row, RowStream
 
@@ -169,7 +169,16 @@ class Checkpointer:
         if not resume:
             self.ctx.run.rewind(-1)
             return None
-        return self.ctx.run.resume(self.handle, keep=self.ctx.cfg.checkpoint.keep)
+        run, say = self.ctx.run, self.ctx.reporter.on_message
+        logged = sum(1 for r in run.read_metrics() if r.get("step", 0) > 0)
+        skipped = unusable_checkpoints(run.checkpoints_dir)
+        state = run.resume(self.handle, keep=self.ctx.cfg.checkpoint.keep)
+        for path, why in skipped:
+            if state is not None and int(path.name.split("_")[1]) > state.step:
+                say(f"skipped {path.name}: {why}")
+        if state is None and logged:
+            say(f"no checkpoint in {run.checkpoints_dir}: starting again at step 1 ({logged} logged steps dropped)")
+        return state
 
     def save(self, step: int, position: DataPosition) -> Path:
         t0 = time.perf_counter()
