@@ -15,7 +15,7 @@ def dry_run(
         help="Suite names (nightly, release, ...), suite .txt files, drivers (.sh), recipes (.yaml) or directories "
              "(searched recursively). Default: every suite except disabled.",
     ),
-    recipes_dir: Path = typer.Option(Path("recipes"), "--recipes-dir", file_okay=False, help="The recipes directory (holds suites/ and drivers/)."),
+    recipes_dir: Path = typer.Option(None, "--recipes-dir", file_okay=False, help="The recipes directory (holds suites/ and drivers/). Default: the project's recipes/, found from any sub-folder, else the recipes gymv ships."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (drivers, per-suite subtotals and budgets, total) instead of tables."),
     fail_over_budget: bool = typer.Option(False, "--fail-over-budget", help="Exit 1 when a suite's GPU-hours exceed its budget."),
 ) -> None:
@@ -27,8 +27,10 @@ def dry_run(
 
     Example: gymv dry-run nightly   (or: gymv dry-run recipes/drivers/vlm --json)
     """
+    from gymv.config.exemplars import project_recipes_dir
     from gymv.recipes.gpu_hours import plan
 
+    recipes_dir = recipes_dir or project_recipes_dir()
     result = plan(targets or (), recipes_dir)
     for w in result.warnings():
         err_console.print(f"warning: {w}", markup=False, highlight=False, soft_wrap=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gymv.errors import GymvError
+from gymv.io import follow_umask
 from gymv.train.data import EnvRouter, EnvSpec
 
 HF_FILE_PREFIXES = ("config.json", "generation_config.json", "tokenizer", "special_tokens_map", "vocab", "merges",
@@ -477,6 +478,7 @@ class TrainingWorker:
         with quiet_transformers():
             self.trainer.model.save_pretrained(tmp)
         copy_hf_files(self.spec.model_path, tmp)
+        follow_umask(tmp)
         if target.exists():
             old = target.with_name(f".{target.name}.old")
             shutil.rmtree(old, ignore_errors=True)

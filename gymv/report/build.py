@@ -60,15 +60,6 @@ def _checks(run: RunData) -> list:
     return evaluate_checks(texts, MetricSeries(run.rows)) if texts else []
 
 
-def _publish(paths) -> None:
-    """Atomic writes leave files private (0600); a report is for reading, so give them the usual 0644."""
-    for p in paths:
-        try:
-            os.chmod(p, 0o644)
-        except OSError:
-            pass
-
-
 def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> ReportResult:
     """Write the report of `run_dir` into `out_dir` (default: RUN_DIR/report); returns what it holds."""
     run = read_run(run_dir)
@@ -87,6 +78,5 @@ def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     index = out / "index.html"
     atomic_write_text(index, render_index(title=run.name, meta=meta, plots=plots, checks=checks, latest=_latest(run),
                                           problems=run.problems, n_rollouts=len(views)))
-    _publish([out / "data.js", index, *(out / p.file for p in plots), *(out / rel for rel in images.written.values())])
     return ReportResult(out, index, tuple(plots), len(views), len(images.written), step, run.finished, tuple(checks),
                         tuple(run.problems))
