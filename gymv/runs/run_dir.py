@@ -35,6 +35,7 @@ def run_path(root: str | os.PathLike, name: str) -> Path:
 class RunDir:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        self.loggers: list = []  # gymv.loggers the metrics log feeds (set by `gymv train`)
 
     config_path = property(lambda self: self.path / CONFIG_FILE)
     metrics_path = property(lambda self: self.path / METRICS_FILE)
@@ -71,7 +72,7 @@ class RunDir:
         return data or {}
 
     def metrics_log(self) -> MetricsLog:
-        return MetricsLog(self.metrics_path)
+        return MetricsLog(self.metrics_path, sinks=self.loggers)
 
     def read_metrics(self) -> list[dict]:
         return read_metrics(self.metrics_path) if self.metrics_path.exists() else []

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gymv.errors import GymvError
+from gymv.loggers import build_loggers, logger_classes
 from gymv.train.data import EnvRouter, training_rows
 from gymv.train.setup import Reporter, RunContext, open_run, resolve_init_path, worker_spec
 
@@ -66,10 +67,10 @@ def _check_supported(rec, cfg) -> None:
         raise GymvError("refit transport nccl cannot broadcast between a trainer and a generator on the same GPU",
                         where=_where(rec, "refit.transport"),
                         fix="use cuda_ipc when colocated, or set cluster.colocated: false for nccl")
-    for key in ("tensorboard", "wandb"):
-        if getattr(cfg.logger, key):
-            raise GymvError(f"logger.{key} is not wired into gymv train yet", where=_where(rec, f"logger.{key}"),
-                            fix=f"set logger.{key}: false; metrics.jsonl holds every metric")
+    try:
+        logger_classes(cfg)  # a missing TensorBoard/W&B library fails here, before the run directory is written
+    except GymvError as e:
+        raise GymvError(e.message, where=_where(rec, e.where or "logger"), fix=e.fix) from None
 
 
 def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, resume_dir: str | None = None,
@@ -97,7 +98,12 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
     router.check(train_rows)
     router.check(eval_rows)
 
-    info = start_ray(ray_address or cfg.cluster.ray_address)
+    run.loggers = build_loggers(cfg, cfg.to_dict(), run.path)
+    try:
+        info = start_ray(ray_address or cfg.cluster.ray_address)
+    except BaseException:
+        _close_loggers(run)
+        raise
     ctx = RunContext(cfg=cfg, run=run, model_path=model_path, train_rows=train_rows, eval_rows=eval_rows,
                      ray_address=info.address, reporter=reporter, train_source=_source(train_rows),
                      eval_source=_source(eval_rows))
@@ -123,9 +129,15 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
         note = f"; the run stopped, its newest complete checkpoint is {latest}" if latest else "; the run stopped before its first checkpoint"
         raise GymvError(e.message + note, where=e.where, fix=e.fix, exit_code=e.exit_code) from None
     finally:
+        _close_loggers(run)
         if info.started_here:
             stop_ray()
     return summarize(cfg, run, result, time.time() - t0)
+
+
+def _close_loggers(run) -> None:
+    for logger in run.loggers:
+        logger.close()
 
 
 def _source(rows) -> str | None:
