@@ -45,6 +45,9 @@ def load_training_recipe(recipe: str | os.PathLike | None, overrides: Sequence[s
         if not recipe.exists():
             raise GymvError("not a gymv run directory (no config.yaml)", where=str(resume_dir),
                             fix="pass the runs/<name> folder of an earlier `gymv train`")
+        from gymv.runs.config_history import change_overrides, read_changes
+
+        overrides = [*change_overrides(read_changes(resume_dir)), *overrides]  # the run's current config
     return load_recipe(recipe, list(overrides), smoke=smoke)
 
 
@@ -93,14 +96,22 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
     router = EnvRouter(worker_spec(cfg, model_path).env)  # an unknown env.name fails before anything is written
 
     run, resume = open_run(cfg, cfg.to_dict(), resume_dir)
+    reporter.on_run(run.path)
     reporter.on_message(f"run directory {run.path}")
+    if run.changes:
+        from gymv.runs.config_history import describe
+
+        reporter.on_message(f"config changed for this launch: {describe(run.changes, limit=6)} "
+                            "(recorded in config_changes.jsonl; config.yaml keeps the original)")
     train_rows, eval_rows = training_rows(cfg, run.path)
     router.check(train_rows)
     router.check(eval_rows)
 
     run.loggers = build_loggers(cfg, cfg.to_dict(), run.path)
     try:
-        info = start_ray(ray_address or cfg.cluster.ray_address)
+        address = ray_address or cfg.cluster.ray_address
+        reporter.on_message(f"joining Ray at {address}" if address else "starting a local Ray cluster")
+        info = start_ray(address)
     except BaseException:
         _close_loggers(run)
         raise

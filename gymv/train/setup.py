@@ -22,6 +22,9 @@ FINAL_DIR = "final"
 class Reporter:
     """What a loop tells its caller (the CLI renders it; tests listen). Every hook is optional."""
 
+    def on_run(self, run_dir: Path) -> None:
+        """The run directory is open (before Ray starts): where an interrupted run resumes from."""
+
     def on_start(self, info: dict) -> None: ...
 
     def on_message(self, text: str) -> None: ...
@@ -110,7 +113,29 @@ def open_run(cfg, config_dict: dict, resume_dir: str | None) -> tuple[RunDir, bo
                             fix="pass the runs/<name> folder of an earlier `gymv train`")
         return RunDir.create(path, config_dict, resume=True), True
     path = run_path(cfg.checkpoint.dir, cfg.name).absolute()  # workers write checkpoints into it, from anywhere
+    if cfg.checkpoint.resume and (path / "config.yaml").exists():
+        refuse_changed_config(RunDir(path), config_dict)
     return RunDir.create(path, config_dict, resume=cfg.checkpoint.resume), cfg.checkpoint.resume
+
+
+def refuse_changed_config(run: RunDir, config_dict: dict) -> None:
+    """Running a recipe onto an existing run continues it only when the config is the run's own: weights
+    trained at one learning rate must never be recorded under another."""
+    from gymv.runs.config_history import LAUNCH_KEYS, describe, diff
+
+    changes = diff(run.read_config(), config_dict, ignore=LAUNCH_KEYS)
+    if changes:
+        shown = _shown_path(run.path)
+        raise GymvError(f"{shown} holds a run with another config: {describe(changes)}", where=str(shown / "config.yaml"),
+                        fix=f"continue it as recorded: gymv train --resume {shown} (overrides after it are recorded "
+                            f"in config_changes.jsonl), or start a new run: add name=<new-name>")
+
+
+def _shown_path(path: Path) -> Path:
+    try:
+        return path.relative_to(Path.cwd())
+    except ValueError:
+        return path
 
 
 # ------------------------------------------------------------------------------------------ workers
