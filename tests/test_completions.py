@@ -252,3 +252,17 @@ def test_fish_completes_options_and_suite_names(project):
     script = COMPLETIONS / "gymv.fish"
     assert fish_complete(script, "gymv dry-run --js", project) == ["--json"]
     assert fish_complete(script, "gymv dry-run ni", project) == ["nightly"]
+
+
+@needs_zsh
+def test_zsh_completes_environment_names_and_override_keys(project):
+    assert zsh_complete(COMPLETIONS, "gymv prepare circle-c", project) == ["circle-click", "circle-count"]
+    assert zsh_complete(COMPLETIONS, "gymv train r.yaml training.l", project) == ["training.lr=", "training.lr_schedule="]
+
+
+@needs_fish
+def test_fish_completes_architectures_and_override_keys_but_not_values(project):
+    script = COMPLETIONS / "gymv.fish"
+    assert fish_complete(script, "gymv model init tiny-", project) == ["tiny-llava", "tiny-qwen2vl"]
+    assert fish_complete(script, "gymv train r.yaml training.l", project) == ["training.lr=", "training.lr_schedule="]
+    assert fish_complete(script, "gymv train r.yaml training.lr=", project) == []

@@ -79,6 +79,23 @@ def test_the_wheel_ships_templates_exemplars_suites_and_drivers(wheel_site):
 
 
 @pytest.mark.slow
+def test_the_wheel_carries_the_apache_license_text(wheel_site):
+    site, _ = wheel_site
+    licenses = list(site.glob("gymv-*.dist-info/licenses/LICENSE"))
+    assert len(licenses) == 1 and "Apache License" in licenses[0].read_text()
+
+
+def test_the_repository_has_the_license_its_metadata_names():
+    assert 'license = "Apache-2.0"' in (REPO / "pyproject.toml").read_text()
+    text = (REPO / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+
+
+def test_contributor_guide_replaces_the_internal_working_agreement():
+    assert (REPO / "CONTRIBUTING.md").is_file() and not (REPO / "docs" / "HELPERS.md").exists()
+
+
+@pytest.mark.slow
 def test_an_installed_gymv_lints_and_dry_runs_its_shipped_recipes_from_any_folder(wheel_site, tmp_path):
     site, _ = wheel_site
     env = {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
