@@ -40,11 +40,14 @@ def project_recipes_dir(start: str | os.PathLike = ".") -> Path:
     (from any sub-folder of it, or from inside recipes/ itself), else the recipes gymv ships."""
     p = Path(start).resolve()
     for d in [p, *p.parents]:
-        if _has_exemplars(d / "recipes"):
-            return d / "recipes"
-        if _has_exemplars(d):
-            return d
+        if _looks_like_recipes(d / "recipes"):
+            return Path("recipes") if d == Path.cwd().resolve() and start == "." else d / "recipes"
     return default_recipes_root()
+
+
+def _looks_like_recipes(d: Path) -> bool:
+    """A gymv recipes folder: it holds suite lists, drivers or the exemplars."""
+    return d.is_dir() and ((d / "suites").is_dir() or (d / "drivers").is_dir() or _has_exemplars(d))
 
 
 def resolve_parent(declaring: Path, text: str) -> Path:

@@ -23,7 +23,9 @@ from gymv.recipes.suites import (
     SuiteEntry,
     duplicate_entries,
     driver_for_recipe,
+    is_driver_suite,
     load_budgets,
+    load_driver_suite,
     load_suite,
     load_suites,
     recipe_for_driver,
@@ -111,7 +113,9 @@ class DryRun:
                 for iv in d.config.ignored_wrapper_values:
                     if (iv.where, iv.name) not in seen:
                         seen.add((iv.where, iv.name))
-                        out.append(f"{iv.where}: {iv.message()}")
+                        sized = iv.name in ("NUM_NODES", "GPUS_PER_NODE", "NUM_MINUTES", "NUM_RUNS", "MAX_STEPS", "STEPS_PER_RUN")
+                        out.append(f"{iv.where}: {iv.message()}" + ("; GPU-hours count the wrapper's value, which the "
+                                                                      "launcher allocates" if sized else ""))
         return out
 
     def to_dict(self) -> dict:
@@ -183,6 +187,19 @@ class _Planner:
                 raise GymvError(f"recipe {e.recipe} has no driver", where=e.where, fix=f"create {driver}")
             costs.append(DriverCost(self.driver(driver), e.recipe, e))
         return Group(suite.name, suite.path, budgets.get(suite.name), tuple(costs))
+
+    def driver_suite_group(self, path: Path, budgets: dict[str, Fraction]) -> Group:
+        """A suite list of driver scripts (NeMo RL's format): each driver costed from its own CONFIG block."""
+        entries = load_driver_suite(path)
+        seen: dict[Path, int] = {}
+        for e in entries:
+            key = e.driver.resolve()
+            if key in seen:
+                raise GymvError(f"{e.written} is listed twice in suite {path.stem!r} (first on line {seen[key]})",
+                                where=e.where, fix="remove the repeated line")
+            seen[key] = e.line
+        costs = tuple(DriverCost(self.driver(e.driver), None) for e in entries)
+        return Group(path.stem, path, budgets.get(path.stem), costs)
 
     def path_drivers(self, target: Path) -> list[Path]:
         if target.is_dir():
@@ -268,7 +285,10 @@ def plan(targets: Sequence[str | Path] = (), recipes_dir: str | Path = "recipes"
                             fix=f"pass a suite name (suites in {recipes_dir / SUITES_DIR}: {names}) or an existing path")
         if suite_path.resolve() not in seen_suites:
             seen_suites.add(suite_path.resolve())
-            groups.append(planner.suite_group(load_suite(suite_path, recipes_dir), budgets))
+            if is_driver_suite(suite_path):
+                groups.append(planner.driver_suite_group(suite_path, budgets))
+            else:
+                groups.append(planner.suite_group(load_suite(suite_path, recipes_dir), budgets))
     if path_drivers:
         unique: dict[Path, Path] = {}
         for p in path_drivers:
