@@ -77,7 +77,8 @@ def _render(result, recipes_dir: Path) -> None:
         for d in g.drivers:
             c = d.config
             name = _shown(c.path, drivers_dir) + "".join(f"\n  exec {p.name}" for p in c.chain[1:])
-            t.add_row(name, str(c.num_nodes), str(c.gpus_per_node), str(c.num_runs), str(c.num_minutes),
+            t.add_row(name, str(c.allocation("NUM_NODES")), str(c.allocation("GPUS_PER_NODE")), str(c.allocation("NUM_RUNS")),
+                      str(c.allocation("NUM_MINUTES")),
                       format_gpu_hours(c.gpu_minutes))
         t.add_section()
         t.add_row("subtotal", "", "", "", "", format_gpu_hours(g.gpu_minutes), style="bold")

@@ -357,6 +357,14 @@ def test_cli_reads_a_nemo_rl_suite_list_from_a_sub_folder(gymv, nemo_rl):
     assert r.code == 0, r.stderr
     assert r.stdout.rstrip("\n").splitlines()[-1] == "Total GPU hours: 72.00"  # 64 + 8
     assert "grpo-a-1n8g-long.sh" in r.stdout and "not a recipe" not in r.stderr
+    assert "BUDGET" not in r.stdout  # gymv's own budgets.yaml speaks of gymv's suites, not of this list
+
+
+def test_cli_json_shows_the_allocated_sizing_and_what_the_execd_driver_runs_with(gymv, nemo_rl):
+    r = gymv("dry-run", "tests/test_suites/nightly.txt", "--json", cwd=nemo_rl)
+    wrapper = json.loads(r.stdout)["suites"][0]["drivers"][1]
+    assert (wrapper["num_nodes"], wrapper["num_minutes"], wrapper["gpu_hours"]) == (1, 30, 8.0)
+    assert wrapper["runs_with"] == {"num_nodes": 4, "num_minutes": 60}
 
 
 def test_a_missing_driver_in_a_nemo_rl_list_names_its_line(nemo_rl):

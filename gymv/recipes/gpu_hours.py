@@ -145,12 +145,15 @@ def _driver_dict(d: DriverCost) -> dict:
     return {
         "driver": str(c.path),
         "recipe": d.recipe,
-        "num_nodes": c.num_nodes,
-        "gpus_per_node": c.gpus_per_node,
+        "num_nodes": c.allocation("NUM_NODES"),
+        "gpus_per_node": c.allocation("GPUS_PER_NODE"),
         "steps_per_run": c.steps_per_run,
         "max_steps": c.max_steps,
-        "num_runs": c.num_runs,
-        "num_minutes": c.num_minutes,
+        "num_runs": c.allocation("NUM_RUNS"),
+        "num_minutes": c.allocation("NUM_MINUTES"),
+        "runs_with": {k.lower(): v for k, v in (("NUM_NODES", c.num_nodes), ("GPUS_PER_NODE", c.gpus_per_node),
+                                                ("NUM_RUNS", c.num_runs), ("NUM_MINUTES", c.num_minutes))
+                      if k in c.allocated},
         "gpu_minutes": c.gpu_minutes,
         "gpu_hours": _json_hours(c.gpu_hours),
         "defaulted": sorted(c.defaulted),
@@ -199,7 +202,8 @@ class _Planner:
                                 where=e.where, fix="remove the repeated line")
             seen[key] = e.line
         costs = tuple(DriverCost(self.driver(e.driver), None) for e in entries)
-        return Group(path.stem, path, budgets.get(path.stem), costs)
+        ours = path.resolve().parent == (self.recipes_abs / SUITES_DIR).resolve()  # budgets.yaml speaks of our suites
+        return Group(path.stem, path, budgets.get(path.stem) if ours else None, costs)
 
     def path_drivers(self, target: Path) -> list[Path]:
         if target.is_dir():
