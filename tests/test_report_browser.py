@@ -105,12 +105,12 @@ def _pixels(path, rgb) -> int:
     from PIL import Image
 
     with Image.open(path) as img:
-        return sum(1 for p in img.convert("RGB").getdata() if p == rgb)
+        return sum(1 for p in img.convert("RGB").get_flattened_data() if p == rgb)
 
 
 def test_a_screenshot_shows_the_group_card_with_colored_advantages_and_plots(report, tmp_path):
     shot = tmp_path / "page.png"
-    chromium(tmp_path, report.index.as_uri() + "#step=2", f"--screenshot={shot}", size="1400,3200")
+    chromium(tmp_path, report.index.as_uri() + "#step=2", f"--screenshot={shot}", size="1400,6000")
     green, red = (0x1a, 0x7f, 0x37), (0xc6, 0x28, 0x28)  # --ok and --bad: positive and negative advantages
     assert _pixels(shot, green) > 20 and _pixels(shot, red) > 20
     from PIL import Image
@@ -118,4 +118,4 @@ def test_a_screenshot_shows_the_group_card_with_colored_advantages_and_plots(rep
     with Image.open(shot) as img:
         # the plots grid: many distinct colors (lines, bands, legends) in the upper part of the page
         top = img.convert("RGB").crop((0, 0, 1400, 1600))
-        assert len(set(top.getdata())) > 200
+        assert len(set(top.get_flattened_data())) > 200
