@@ -18,7 +18,7 @@ _gymv_options() {
         'dry-run') echo '--recipes-dir --json --fail-over-budget --help -h' ;;
         'lint') echo '--format -f --json --fix --list-rules --help -h' ;;
         'prepare') echo '--n --out --seed --split --preset --workers --preview --preview-count --list-knobs --json --help -h' ;;
-        'report') echo '--out --serve --port --json --help -h' ;;
+        'report') echo '--out --serve --port --compare --smoothing --json --help -h' ;;
         'smoke') echo '--steps --tiny --junit --out --timeout --ray-address --recipes-dir --json --help -h' ;;
         'train') echo '--resume --ray-address --json --async --help -h' ;;
         'env') echo '--help -h' ;;
@@ -48,6 +48,8 @@ _gymv_value_kind() {
         'prepare|--preview-count') echo 'none' ;;
         'report|--out') echo 'dirs' ;;
         'report|--port') echo 'none' ;;
+        'report|--compare') echo 'files' ;;
+        'report|--smoothing') echo 'none' ;;
         'smoke|--steps') echo 'none' ;;
         'smoke|--junit') echo 'files' ;;
         'smoke|--out') echo 'dirs' ;;
