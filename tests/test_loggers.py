@@ -58,10 +58,13 @@ def test_a_resumed_run_shows_each_step_once_in_tensorboard(tmp_path):
     assert _tb_scalars(run.path / "tensorboard", "train/loss") == [(1, 1.0), (2, 20.0), (3, 30.0), (4, 40.0)]
 
 
+@pytest.mark.slow  # starts W&B's own service process
 def test_wandb_offline_logs_into_the_run_directory_and_a_resume_keeps_the_run_id(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "300")  # a loaded 2-core machine starts the service slowly
+    monkeypatch.setenv("WANDB__SERVICE_WAIT", "300")
     cfg = _cfg(wandb=True, wandb_project="gymv-test")
     run = _run(tmp_path, cfg)
     with run.metrics_log() as log:
