@@ -91,6 +91,12 @@ def test_the_repository_has_the_license_its_metadata_names():
     assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
 
 
+def test_readme_says_how_to_get_gymv_on_the_path_and_what_a_plain_pip_install_pulls():
+    text = (REPO / "README.md").read_text()
+    assert ".venv/bin/gymv" in text and "source .venv/bin/activate" in text
+    assert "CUDA build" in text and "--index-url https://download.pytorch.org/whl/cpu" in text
+
+
 def test_contributor_guide_replaces_the_internal_working_agreement():
     assert (REPO / "CONTRIBUTING.md").is_file() and not (REPO / "docs" / "HELPERS.md").exists()
 
