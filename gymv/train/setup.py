@@ -113,9 +113,15 @@ def open_run(cfg, config_dict: dict, resume_dir: str | None) -> tuple[RunDir, bo
                             fix="pass the runs/<name> folder of an earlier `gymv train`")
         return RunDir.create(path, config_dict, resume=True), True
     path = run_path(cfg.checkpoint.dir, cfg.name).absolute()  # workers write checkpoints into it, from anywhere
-    if cfg.checkpoint.resume and (path / "config.yaml").exists():
+    if cfg.checkpoint.resume and (path / "config.yaml").exists() and _has_trained(RunDir(path)):
         refuse_changed_config(RunDir(path), config_dict)
     return RunDir.create(path, config_dict, resume=cfg.checkpoint.resume), cfg.checkpoint.resume
+
+
+def _has_trained(run: RunDir) -> bool:
+    """Whether any step ran (a checkpoint or a metrics row): a launch that stopped before training (bad data, an
+    interrupted Ray start) left no weights its config could be confused with."""
+    return find_latest(run.path) is not None or bool(run.read_metrics())
 
 
 def refuse_changed_config(run: RunDir, config_dict: dict) -> None:
