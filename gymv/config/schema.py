@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from gymv.config.transports import REFIT_TRANSPORTS
 
@@ -68,14 +69,29 @@ class VllmSection(Section):
     enforce_eager: bool = False
 
 
+def _known_backend(key: str, name: str) -> str:
+    from gymv.capabilities import backend_names
+
+    known = backend_names(key)
+    if name not in known:  # reported like a bad Literal choice (gymv.config.validate)
+        raise PydanticCustomError("choice", "unknown {what} backend '{name}'; known: {known}",
+                                  {"what": key.split(".")[0], "name": name, "known": ", ".join(known), "choices": known})
+    return name
+
+
 class GenerationSection(Section):
-    backend: Literal["hf", "vllm"] = "hf"
+    backend: str = "hf"  # a registered generation backend, or a planned one (gymv.capabilities)
     temperature: NonNegFloat = 1.0
     top_p: Fraction = 1.0
     max_new_tokens: PosInt = 64
     stop_strings: list[str] = []
     reset_encoder_cache_after_weight_update: bool = False
     vllm: VllmSection = VllmSection()
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, v: str) -> str:
+        return _known_backend("generation.backend", v)
 
 
 class ParallelSection(Section):
@@ -86,7 +102,7 @@ class ParallelSection(Section):
 
 
 class TrainingSection(Section):
-    backend: Literal["torch", "megatron"] = "torch"
+    backend: str = "torch"  # a registered training backend, or a planned one (gymv.capabilities)
     lr: PosFloat = 1e-6
     warmup_steps: NonNegInt = 0
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after the warm-up
@@ -100,6 +116,11 @@ class TrainingSection(Section):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     gradient_checkpointing: bool = False
     parallel: ParallelSection = ParallelSection()
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, v: str) -> str:
+        return _known_backend("training.backend", v)
 
 
 class RefitSection(Section):
