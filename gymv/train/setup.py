@@ -13,7 +13,7 @@ from typing import Any
 
 from gymv.errors import GymvError
 from gymv.models.init_path import FINAL_DIR, resolve_init_path  # noqa: F401  (train and tests import it here)
-from gymv.runs.checkpoint import CheckpointState, DataPosition
+from gymv.runs.checkpoint import CheckpointState, DataPosition, find_latest
 from gymv.runs.run_dir import RunDir, run_path
 from gymv.train.data import EnvSpec, Row, RowStream
 
