@@ -175,7 +175,7 @@ def _summary_rows(summary: dict) -> list[tuple[str, str]]:
 def train(
     recipe: str = typer.Argument(None, help="Recipe YAML (optional with --resume: the run's own config.yaml)."),
     overrides: list[str] = typer.Argument(None, metavar="[KEY=VALUE]...", help="Overrides KEY=VALUE, +KEY=VALUE, ~KEY.", show_default=False),
-    resume: Path = typer.Option(None, "--resume", help="Continue this run directory from its newest checkpoint."),
+    resume: Path = typer.Option(None, "--resume", help="Continue this run directory from its newest checkpoint, with its recorded config (overrides given are recorded in config_changes.jsonl)."),
     ray_address: str = typer.Option(None, "--ray-address", help="Join this Ray cluster (HOST:PORT or auto) instead of starting one."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout instead of the table."),
     async_grpo: bool = typer.Option(False, "--async", help="GRPO with generation running ahead of training "

@@ -120,7 +120,7 @@ complete -c gymv -n '__gymv_at \'smoke\'' -l recipes-dir -r -a '(__fish_complete
 complete -c gymv -n '__gymv_at \'smoke\'' -l json -d 'Print one JSON object (every recipe, check and reason) instead of tables'
 complete -c gymv -n '__gymv_at \'smoke\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'smoke\'; and __gymv_argpos \'*\'' -F -a '(__gymv_suites)'
-complete -c gymv -n '__gymv_at \'train\'' -l resume -r -F -d 'Continue this run directory from its newest checkpoint'
+complete -c gymv -n '__gymv_at \'train\'' -l resume -r -F -d 'Continue this run directory from its newest checkpoint, with its reco...'
 complete -c gymv -n '__gymv_at \'train\'' -l ray-address -r -F -d 'Join this Ray cluster (HOST:PORT or auto) instead of starting one'
 complete -c gymv -n '__gymv_at \'train\'' -l json -d 'Print a JSON summary on stdout instead of the table'
 complete -c gymv -n '__gymv_at \'train\'' -l async -d 'GRPO with generation running ahead of training (grpo.async.enabled; n...'
