@@ -47,6 +47,9 @@ class WorkerSpec:
     kl_reference: bool = False
     max_seq_len: int = 2048
     max_image_pixels: int | None = None
+    agents: dict = field(default_factory=dict)  # rollout.driver nemo_gym_agents: agent name -> URL
+    model_server: tuple[str, int] | None = None  # where those agents call the policy
+    agent_timeout_s: float = 600.0
     generation_backend: str = "hf"  # a name in GENERATION_BACKENDS, or its "module:Class" path
     training_backend: str = "torch"  # a name in TRAINING_BACKENDS, or its "module:Class" path
 
@@ -125,9 +128,16 @@ class GenerationWorker:
         stats: dict = {}
         version = self.weights_version
         cache_before = self.backend.stats()
-        trajectories = run_rollouts(_Locked(self.backend, self._weights_lock), b.adapter, b.tokenizer, b.chat_template,
-                                    self.router, list(rows), group_size=group_size, params=params, seed=seed,
-                                    weights_version=version, stats=stats, **limits)
+        if self.spec.agents:
+            from gymv.rollout.agent_driver import run_agent_rollouts
+
+            trajectories = run_agent_rollouts(self._policy_server(params), self.spec.agents, list(rows),
+                                              group_size=group_size, params=params, weights_version=version,
+                                              timeout_s=self.spec.agent_timeout_s, stats=stats)
+        else:
+            trajectories = run_rollouts(_Locked(self.backend, self._weights_lock), b.adapter, b.tokenizer,
+                                        b.chat_template, self.router, list(rows), group_size=group_size,
+                                        params=params, seed=seed, weights_version=version, stats=stats, **limits)
         cache_after = self.backend.stats()
         self.episodes += len(trajectories)
         stale = "encoder_cache_stale_hits"
@@ -135,6 +145,17 @@ class GenerationWorker:
         return {"trajectories": trajectories, "seconds": time.perf_counter() - t0, "stats": stats,
                 "weights_version": version, "last_weights_version": self.weights_version,
                 "started_at": started, "ended_at": time.time()}
+
+    def _policy_server(self, params):
+        """The model server the NeMo Gym agents call, started on first use and kept for the run."""
+        if getattr(self, "_server", None) is None:
+            from gymv.rollout.policy_server import PolicyServer
+
+            host, port = self.spec.model_server
+            self._server = PolicyServer(_Locked(self.backend, self._weights_lock), params=params,
+                                        max_seq_len=self.spec.max_seq_len, host=host, port=port,
+                                        max_image_pixels=self.spec.max_image_pixels).start()
+        return self._server
 
     def pid(self) -> int:
         return os.getpid()

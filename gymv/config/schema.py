@@ -63,6 +63,23 @@ class EnvSection(Section):
     kwargs: dict[str, Any] = {}
 
 
+class RolloutSection(Section):
+    """Who runs episodes: gymv's own agent loop, or NeMo Gym agent servers calling gymv's model server."""
+
+    driver: Literal["gymv", "nemo_gym_agents"] = "gymv"
+    agents: dict[str, str] = {}  # agent_ref.name -> the agent server's URL
+    model_server_host: str = "127.0.0.1"
+    model_server_port: NonNegInt = 0  # where the agents were told the policy model is
+    agent_timeout_s: PosFloat = 600.0
+
+    @model_validator(mode="after")
+    def _agents_given(self) -> "RolloutSection":
+        if self.driver == "nemo_gym_agents" and (not self.agents or not self.model_server_port):
+            raise ValueError("driver nemo_gym_agents needs rollout.agents (agent name -> URL) and "
+                             "rollout.model_server_port (the port the agents call the policy model on)")
+        return self
+
+
 class VllmSection(Section):
     gpu_memory_utilization: Fraction = 0.6
     tensor_parallel_size: PosInt = 1
@@ -247,6 +264,7 @@ class RecipeBase(Section):
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
     env: EnvSection = EnvSection()
+    rollout: RolloutSection = RolloutSection()
     generation: GenerationSection = GenerationSection()
     training: TrainingSection = TrainingSection()
     refit: RefitSection = RefitSection()

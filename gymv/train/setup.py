@@ -141,7 +141,20 @@ def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature
         max_image_pixels=cfg.vision.max_image_pixels if getattr(cfg, "vision", None) is not None else None,
         generation_backend=cfg.generation.backend,
         training_backend=t.backend,
+        **_agent_driver(cfg),
     )
+
+
+def _agent_driver(cfg) -> dict:
+    """WorkerSpec fields of `rollout.driver: nemo_gym_agents` (none for gymv's own loop)."""
+    r = getattr(cfg, "rollout", None)
+    if r is None or r.driver != "nemo_gym_agents":
+        return {}
+    if cfg.cluster.generation_workers_per_gpu != 1 or (cfg.cluster.generation_gpus or 0) > 1:
+        raise GymvError("rollout.driver nemo_gym_agents runs one generation worker (the agents call one model "
+                        "server)", where="cluster.generation_workers_per_gpu", fix="set it to 1")
+    return {"agents": dict(r.agents), "model_server": (r.model_server_host, r.model_server_port),
+            "agent_timeout_s": r.agent_timeout_s}
 
 
 def sampling_params(cfg, *, greedy: bool = False):
