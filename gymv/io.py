@@ -14,6 +14,44 @@ from typing import IO, Any
 from gymv.errors import GymvError
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it where the OS allows (Linux /proc), else by a quick swap."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode a plain `open()` would give a new file (0o644 under umask 022): teammates can read runs."""
+    return 0o666 & ~current_umask()
+
+
+def dir_mode() -> int:
+    """The mode a plain `mkdir` would give a new folder (0o755 under umask 022)."""
+    return 0o777 & ~current_umask()
+
+
+def follow_umask(path: str | os.PathLike) -> None:
+    """Give a folder written by a library that creates private files (safetensors writes 0600, mkdtemp makes
+    0700) the modes a plain write would have had, recursively; call it before the folder is renamed into place."""
+    path = Path(path)
+    fmode, dmode = file_mode(), dir_mode()
+    os.chmod(path, dmode if path.is_dir() else fmode)
+    for root, dirs, files in os.walk(path):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), dmode)
+        for f in files:
+            if not os.path.islink(os.path.join(root, f)):
+                os.chmod(os.path.join(root, f), fmode)
+
+
 @contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
     """Write to a temporary file beside `path`, fsync, then rename over it; on error the target is untouched."""
@@ -26,6 +64,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iter
     except OSError as e:
         raise _write_error(path, e) from None
     try:
+        os.fchmod(fd, file_mode())  # mkstemp makes 0600; the finished file follows the umask like any other
         with os.fdopen(fd, mode, **kwargs) as f:
             yield f
             f.flush()

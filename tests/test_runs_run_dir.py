@@ -109,3 +109,27 @@ def test_a_checkpoint_of_non_finite_weights_is_refused_and_the_previous_one_kept
         run.checkpoints().save(3, t, DataPosition(index=6))
     assert run.checkpoints().latest().name == "step_2"
     assert not any(p.name.startswith(".tmp-") for p in run.checkpoints_dir.iterdir())
+
+
+def test_resuming_never_rewrites_config_yaml_and_records_what_changed(tmp_path):
+    RunDir.create(tmp_path / "demo", CONFIG)
+    original = (tmp_path / "demo" / "config.yaml").read_text()
+    run = RunDir.create(tmp_path / "demo", {**CONFIG, "trainer": {"lr": 1e-3}}, resume=True)
+    assert (tmp_path / "demo" / "config.yaml").read_text() == original
+    assert run.changes == [("trainer.lr", 1e-2, 1e-3)]
+    assert run.read_original_config() == CONFIG and run.read_config()["trainer"]["lr"] == 1e-3
+    again = RunDir.create(tmp_path / "demo", {**CONFIG, "trainer": {"lr": 1e-3}}, resume=True)
+    assert again.changes == []  # the current config already says so: nothing new to record
+
+
+def test_a_recipe_onto_a_trained_run_with_another_config_is_refused_but_an_untrained_one_is_not(tmp_path):
+    from gymv.train.setup import _has_trained, refuse_changed_config
+
+    run = RunDir.create(tmp_path / "demo", CONFIG)
+    assert not _has_trained(run)
+    with run.metrics_log() as log:
+        log.log(1, {"train/loss": 1.0})
+    assert _has_trained(run)
+    with pytest.raises(GymvError, match=r"holds a run with another config: trainer.lr 0.01 -> 0.5"):
+        refuse_changed_config(run, {**CONFIG, "trainer": {"lr": 0.5}})
+    refuse_changed_config(run, {**CONFIG, "checkpoint": {"steps_per_run": 2}})  # how a launch runs: allowed

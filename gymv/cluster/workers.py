@@ -21,6 +21,7 @@ from pathlib import Path
 from gymv.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
 from gymv.backends.training.base import TrainingSetup
 from gymv.errors import GymvError
+from gymv.io import follow_umask
 from gymv.envs.routing import EnvRouter, EnvSpec
 
 
@@ -382,6 +383,7 @@ class TrainingWorker:
         self.backend.export_hf(tmp)
         if self.rank != 0:
             return str(target)
+        follow_umask(tmp)  # save_pretrained writes 0600 files; the export is for a team to read
         if target.exists():
             old = target.with_name(f".{target.name}.old")
             shutil.rmtree(old, ignore_errors=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gymv.config.exemplars import resolve_parent
 from gymv.config.tree import OVERRIDE_MARKER, ConfigTree, dotted, strip_markers
 from gymv.config.yamlfile import KeyPath, Origin, display_path, read_yaml_mapping
 from gymv.errors import GymvError
@@ -69,7 +70,7 @@ def _defaults_entries(path: Path, data: dict, lines: dict) -> list[tuple[Path, s
     where = display_path(path)
     value = data[DEFAULTS_KEY]
     key_line = lines.get((DEFAULTS_KEY,), 1)
-    fix = "write `defaults: ../grpo.yaml` or a list of such paths (relative to this file)"
+    fix = "write `defaults: ../grpo.yaml` (relative to this file), `defaults: grpo` (a shipped exemplar) or a list"
     if value is None:
         return []
     if isinstance(value, str):
@@ -83,7 +84,7 @@ def _defaults_entries(path: Path, data: dict, lines: dict) -> list[tuple[Path, s
     for text, line in items:
         if not isinstance(text, str) or not text.strip():
             raise GymvError(f"`defaults` entry {text!r} is not a path", where=f"{where}:{line}", fix=fix)
-        out.append(((path.parent / text).resolve(), text, line))
+        out.append((resolve_parent(path, text), text, line))
     return out
 
 

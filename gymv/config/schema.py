@@ -178,6 +178,7 @@ class LoggerSection(Section):
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str | None = None
+    plugins: list[str] = []  # logger plugins (entry-point group gymv.loggers) to log to as well
     log_rollouts: bool = True
 
 

@@ -98,9 +98,11 @@ class _Handler(SimpleHTTPRequestHandler):
 class ReportServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, run_dir: Path | None, out_dir: Path, host: str, port: int, signature: tuple | None = None):
+    def __init__(self, run_dir: Path | None, out_dir: Path, host: str, port: int, signature: tuple | None = None,
+                 build_options: dict | None = None):
         self.run_dir, self.out_dir = run_dir, out_dir
         self.root = Path(os.path.realpath(out_dir))
+        self.build_options = dict(build_options or {})  # build_report's smoothing and compare, kept on rebuilds
         self._lock = threading.Lock()
         self._built = signature if signature is not None or run_dir is None else run_signature(run_dir)
         self.rebuilds = 0
@@ -117,14 +119,14 @@ class ReportServer(ThreadingHTTPServer):
         with self._lock:
             sig = run_signature(self.run_dir)
             if sig != self._built:
-                build_report(self.run_dir, self.out_dir)
+                build_report(self.run_dir, self.out_dir, **self.build_options)
                 self._built = sig
                 self.rebuilds += 1
 
 
 def serve_report(out_dir: str | os.PathLike, run_dir: str | os.PathLike | None = None, *, host: str = "127.0.0.1",
-                 port: int = 0, signature: tuple | None = None) -> ReportServer:
+                 port: int = 0, signature: tuple | None = None, build_options: dict | None = None) -> ReportServer:
     """A server for `out_dir` (call serve_forever(); port 0 picks a free one). With `run_dir`, the report is
     rebuilt on a page request whenever the run has written something new since the last build; pass the
     `run_signature` taken before that build, so a step logged while it was being built is not missed."""
-    return ReportServer(Path(run_dir) if run_dir is not None else None, Path(out_dir), host, port, signature)
+    return ReportServer(Path(run_dir) if run_dir is not None else None, Path(out_dir), host, port, signature, build_options)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from gymv.errors import GymvError
-from gymv.io import atomic_write_text
+from gymv.io import atomic_write_text, follow_umask
 
 STATE_FILE = "state.json"
 RNG_FILE = "rng.pt"
@@ -219,6 +219,7 @@ class CheckpointManager:
             torch.save(capture_rng_state(), tmp / RNG_FILE)
             state = {"format_version": FORMAT_VERSION, "step": int(step), "data_position": asdict(data_position), "extra": extra or {}}
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
+            follow_umask(tmp)
             for f in tmp.iterdir():
                 if f.is_file():
                     _fsync_file(f)

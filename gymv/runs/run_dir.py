@@ -16,6 +16,7 @@ import yaml
 
 from gymv.errors import GymvError
 from gymv.yaml_bounds import safe_load
+from gymv.runs import config_history
 from gymv.io import atomic_write_text
 from gymv.runs.checkpoint import CheckpointManager, CheckpointState, Checkpointable, unusable_checkpoints
 from gymv.runs.metrics import MetricsLog, read_metrics, truncate_metrics_after
@@ -36,6 +37,8 @@ def run_path(root: str | os.PathLike, name: str) -> Path:
 class RunDir:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        self.loggers: list = []  # gymv.loggers the metrics log feeds (set by `gymv train`)
+        self.changes: list = []  # what this launch changed in the config: (key, old, new)
 
     config_path = property(lambda self: self.path / CONFIG_FILE)
     metrics_path = property(lambda self: self.path / METRICS_FILE)
@@ -46,8 +49,9 @@ class RunDir:
     def create(cls, path: str | os.PathLike, config: Mapping[str, Any], *, resume: bool = False) -> RunDir:
         """Make the directory and write the resolved config.
 
-        A directory that already holds a run is an error unless `resume` (then config.yaml is replaced by
-        the new resolved config, e.g. with a larger max_steps).
+        A directory that already holds a run is an error unless `resume`. Resuming never rewrites config.yaml:
+        what differs from the run's current config (e.g. a larger max_steps) is appended to
+        config_changes.jsonl and listed in `run.changes`.
         """
         run = cls(path)
         try:
@@ -58,7 +62,12 @@ class RunDir:
         except OSError as e:  # checkpoint.dir=/dev/null, a name too long, a read-only disk
             raise GymvError(f"cannot create the run directory: {e.strerror or e}", where=str(run.path),
                             fix="set checkpoint.dir to a writable folder (and keep the run name short)") from None
-        run.write_config(config)
+        if run.config_path.exists():
+            run.changes = config_history.diff(run.read_config(), config)
+            if run.changes:
+                config_history.append_changes(run.path, run.changes)
+        else:
+            run.write_config(config)
         return run
 
     def write_config(self, config: Mapping[str, Any]) -> None:
@@ -68,15 +77,20 @@ class RunDir:
             raise GymvError(f"resolved config is not plain data: {e}", where=str(self.config_path), fix="pass dicts, lists, strings and numbers") from None
         atomic_write_text(self.config_path, text)
 
-    def read_config(self) -> dict:
+    def read_original_config(self) -> dict:
+        """config.yaml: the config the run started with."""
         try:
             data = safe_load(self.config_path.read_text(encoding="utf-8"), str(self.config_path))
         except FileNotFoundError:
             raise GymvError("no config.yaml", where=str(self.path), fix="is this a gymv run directory?") from None
         return data or {}
 
+    def read_config(self) -> dict:
+        """The run's current config: config.yaml with the changes later launches recorded."""
+        return config_history.apply_changes(self.read_original_config(), config_history.read_changes(self.path))
+
     def metrics_log(self) -> MetricsLog:
-        return MetricsLog(self.metrics_path)
+        return MetricsLog(self.metrics_path, sinks=self.loggers)
 
     def read_metrics(self) -> list[dict]:
         return read_metrics(self.metrics_path) if self.metrics_path.exists() else []

@@ -92,7 +92,7 @@ def train_grpo(ctx: RunContext, *, resume: bool) -> dict:
                 "timing/tokens_per_s": total_tokens / max(step_s, 1e-9),
             })
             if cfg.logger.log_rollouts:
-                run.write_rollouts(step, [to_rollout_record(t) for t in trajectories])
+                run.write_rollouts(step, [to_rollout_record(t, advantage=a) for t, a in zip(trajectories, advantages)])
             metrics_log.log(step, metrics)
             report.on_step(step, metrics)
             final_metrics = metrics

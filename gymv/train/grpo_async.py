@@ -119,7 +119,7 @@ def train_grpo_async(ctx: RunContext, *, resume: bool) -> dict:
                 "async/encoder_cache_stale_hits_total": float(pipeline.stats.stale_encoder_hits),
             })
             if cfg.logger.log_rollouts:
-                run.write_rollouts(step, [to_rollout_record(t) for t in trajectories])
+                run.write_rollouts(step, [to_rollout_record(t, advantage=a) for t, a in zip(trajectories, advantages)])
             metrics_log.log(step, metrics)
             report.on_step(step, metrics)
             final_metrics = metrics
