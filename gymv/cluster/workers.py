@@ -20,8 +20,8 @@ from pathlib import Path
 
 from gymv.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
 from gymv.backends.training.base import TrainingSetup
-from gymv.errors import GymvError
 from gymv.envs.routing import EnvRouter, EnvSpec
+from gymv.errors import GymvError
 
 
 @dataclass(frozen=True)
