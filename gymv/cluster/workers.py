@@ -314,7 +314,7 @@ class TrainingWorker:
         from gymv.cluster.refit import make_sender
 
         self.sender = make_sender(self.spec.refit_transport, self._generation_dtype(), self.device, num_receivers)
-        return {"info": self.sender.rendezvous(dict(self.backend.named_weights())), "in_band": self.sender.in_band}
+        return {"info": self.sender.rendezvous(self.backend.named_weights()), "in_band": self.sender.in_band}
 
     def refit_connect(self) -> None:
         self.sender.connect()
@@ -324,7 +324,7 @@ class TrainingWorker:
         return {k: v.detach().cpu().clone() for k, v in self.backend.named_weights()}
 
     def publish(self):
-        return self.sender.publish(dict(self.backend.named_weights()))
+        return self.sender.publish(self.backend.named_weights())
 
     def weights_hash(self) -> str:
         return self.backend.weights_hash(self._generation_dtype())
