@@ -46,6 +46,13 @@ def test_transport_delivers_every_weight_in_the_generation_dtype(transport, dtyp
         sender.close()
 
 
+def test_a_sender_takes_weights_streamed_as_name_tensor_pairs_like_a_state_dict():
+    sd = _state()
+    sender, receiver = make_sender("object_store", torch.float32, "cpu"), make_receiver("object_store", "cpu")
+    got = receiver.receive(sender.publish((name, t) for name, t in sd.items()))  # a trainer's named_weights()
+    assert weights_hash(got) == weights_hash(sd) and dict(sender.layout.aliases) == {"head.weight": "embed.weight"}
+
+
 def test_collective_transport_broadcasts_over_its_own_process_group():
     """The code path behind `nccl`, run on gloo: rank 0 sends, two receivers get the weights."""
     sd = _state()

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from gymv.backends.generation.base import Weights, named
 from gymv.backends.weights import weights_hash  # noqa: F401  (its old home)
 from gymv.errors import GymvError
 
@@ -108,17 +109,21 @@ class RefitSender(ABC):
             self.layout = layout
         return self.layout
 
-    def rendezvous(self, state_dict: Mapping[str, torch.Tensor]) -> dict | None:
+    def rendezvous(self, weights: Weights) -> dict | None:
         """Connection info receivers need before the first refit (collective transports); else None."""
         return None
 
     def connect(self) -> None:
         """Join the receivers (called at the same time as every receiver's `connect`)."""
 
+    def publish(self, weights: Weights) -> Any:
+        """Send the weights: a mapping, or (name, tensor) pairs as a trainer streams them
+        (`TrainingBackend.named_weights`), gathered as references before the one flattening copy."""
+        return self.send(named(weights))
+
     @abstractmethod
-    def publish(self, state_dict: Mapping[str, torch.Tensor]) -> Any:
-        """Send the weights; a trainer streams them as (name, tensor) pairs, gathered into a mapping of
-        references (`gymv.backends.generation.base.named`) before the one flattening copy."""
+    def send(self, state_dict: Mapping[str, torch.Tensor]) -> Any:
+        """What `publish` returns to the driver for every receiver."""
 
     def close(self) -> None:
         """Free what the sender holds (shared memory, process groups)."""
@@ -145,7 +150,7 @@ class ObjectStoreSender(RefitSender):
 
     name = "object_store"
 
-    def publish(self, state_dict):
+    def send(self, state_dict):
         layout = self._layout(state_dict)
         flat = flatten_into(torch.empty(layout.numel, dtype=layout.torch_dtype), state_dict, layout)
         if flat.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the bits
@@ -223,7 +228,7 @@ class ShmSender(RefitSender):
         super().__init__(*args, **kwargs)
         self._shm = None
 
-    def publish(self, state_dict):
+    def send(self, state_dict):
         from multiprocessing import shared_memory
 
         layout = self._layout(state_dict)
@@ -287,7 +292,7 @@ class CudaIpcSender(RefitSender):
         super().__init__(*args, **kwargs)
         self._flat: torch.Tensor | None = None
 
-    def publish(self, state_dict):
+    def send(self, state_dict):
         from torch.multiprocessing.reductions import reduce_tensor
 
         if self.device.type != "cuda":
@@ -329,7 +334,8 @@ class CollectiveSender(RefitSender):
         self._pg = None
         self._flat: torch.Tensor | None = None
 
-    def rendezvous(self, state_dict) -> dict:
+    def rendezvous(self, weights) -> dict:
+        state_dict = named(weights)
         host = _node_ip()
         self._store, self._listener = master_store(host, self.num_receivers + 1)
         return {"host": host, "port": self._store.port, "world_size": self.num_receivers + 1, "backend": self.backend,
@@ -338,7 +344,7 @@ class CollectiveSender(RefitSender):
     def connect(self) -> None:
         self._pg = _process_group(self.backend, self._store, 0, self.num_receivers + 1)
 
-    def publish(self, state_dict):
+    def send(self, state_dict):
         layout = self._layout(state_dict)
         if self._flat is None or self._flat.numel() != layout.numel or self._flat.dtype != layout.torch_dtype:
             self._flat = torch.empty(layout.numel, dtype=layout.torch_dtype, device=self.device)

@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gymv.capabilities import gaps
+from gymv.envs.routing import EnvRouter
 from gymv.errors import GymvError
 from gymv.loggers import build_loggers, logger_classes
-from gymv.train.data import EnvRouter, training_rows
+from gymv.train.data import training_rows
 from gymv.train.row_checks import check_training_rows
 from gymv.train.setup import Reporter, RunContext, open_run, resolve_init_path, worker_spec
 
