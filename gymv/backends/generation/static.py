@@ -1,0 +1,407 @@
+"""GPU decoding on a preallocated KV cache: every decode step is one replay of a captured CUDA graph.
+
+The HF backend's loop spends its time on the host: a transformers forward per token (hundreds of small
+launches, a cache that grows by concatenation) and a `.tolist()` per token for the stop checks. Here the
+prompt is prefilled exactly as there (one pass per distinct prompt, images through the hash-keyed feature
+cache), its keys and values are copied into a static cache of shape [batch bucket, kv heads, length bucket,
+head dim], and a decode step (sample from the last logits, record token and logprob, check stops, run the
+text model on the sampled token) touches only fixed buffers. On CUDA that step is captured once per
+(batch bucket, length bucket, sampling mode) and replayed; the host only checks every `sync_every` steps
+whether all rows have finished, one step group behind, so the GPU never waits for it.
+
+The decode step calls the model's own modules (embeddings, norms, projections, MLP, rotary embedding, LM
+head) and does attention itself over the static cache, so it serves Llama-family text models with 1-D
+rotary positions (LLaVA-style VLMs); others, and sliding-window attention, fall back to the HF loop.
+
+Sampling: the logprob is `log_softmax(policy_logits / temperature)` of the drawn token, the trainer's
+definition; vision tokens are at -inf. Draws use Gumbel-max with noise hashed from (row seed, step, token):
+no generator state, so a graph replays it, and a row's samples depend on its seed alone, not on the batch
+it shares (`SamplingParams.seed` s gives row b the seed (s, b)). Stop strings are found on the host after
+the loop (the tokens after the match are cut), so they end a row's output but not its GPU work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gymv.backends.generation.base import GenerationOutput, GenerationRequest, SamplingParams
+from gymv.backends.generation.hf import HFGenerationBackend
+from gymv.backends.hf_forward import forward_logits
+from gymv.backends.multimodal import image_hash
+from gymv.backends.sampling import forbidden_mask, policy_logits
+
+_M32 = 0xFFFFFFFF
+SUPPORTED_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
+
+
+@dataclass
+class TextModel:
+    """The parts of a decoder-only text model that one decode step uses."""
+
+    embed: torch.nn.Module
+    layers: Any
+    norm: torch.nn.Module
+    rotary: torch.nn.Module
+    lm_head: torch.nn.Module
+    kv_heads: int
+    heads: int
+    head_dim: int
+
+
+def text_model(model) -> TextModel | str:
+    """The text model's parts, or why the static decoder cannot run this model."""
+    inner = getattr(model, "model", None)
+    lm = next((m for m in (getattr(inner, "language_model", None), inner) if m is not None
+               and all(hasattr(m, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))), None)
+    if lm is None:
+        return f"{type(model).__name__}: no decoder with embed_tokens/layers/norm/rotary_emb found"
+    attn = lm.layers[0].self_attn
+    if type(attn).__name__ not in SUPPORTED_ATTENTION:
+        return f"attention {type(attn).__name__} is not one of {', '.join(SUPPORTED_ATTENTION)}"
+    if any(getattr(layer.self_attn, "sliding_window", None) for layer in lm.layers):
+        return "sliding-window attention"
+    cfg = attn.config
+    if getattr(cfg, "rope_scaling", None) and (cfg.rope_scaling or {}).get("mrope_section"):
+        return "multimodal (3-D) rotary positions"
+    heads = cfg.num_attention_heads
+    return TextModel(embed=lm.embed_tokens, layers=lm.layers, norm=lm.norm, rotary=lm.rotary_emb,
+                     lm_head=model.get_output_embeddings(), kv_heads=cfg.num_key_value_heads, heads=heads,
+                     head_dim=attn.head_dim)
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply, constants below 2**31 so int64 never overflows)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x45D9F3B) & _M32
+    h = h ^ (h >> 16)
+    h = (h * 0x45D9F3B) & _M32
+    return h ^ (h >> 16)
+
+
+def gumbel_noise(seeds: torch.Tensor, step: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, V], a pure function of (seed of row b, step, token id)."""
+    key = _mix32((_mix32(seeds & _M32) + step * 0x3C6EF35) & _M32)
+    h = _mix32((_mix32(key[:, None] ^ vocab[None, :]) + key[:, None]) & _M32)
+    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(-torch.log(u))
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    step = buckets[-1]
+    return -(-n // step) * step
+
+
+class _State:
+    """The fixed buffers of one (batch bucket, length bucket, mode), and its captured graph."""
+
+    def __init__(self, tm: TextModel, B: int, S: int, T: int, vocab: int, dtype, device):
+        z = dict(device=device)
+        self.B, self.S, self.T = B, S, T
+        self.k = [torch.zeros(B, tm.kv_heads, S, tm.head_dim, dtype=dtype, **z) for _ in tm.layers]
+        self.v = [torch.zeros(B, tm.kv_heads, S, tm.head_dim, dtype=dtype, **z) for _ in tm.layers]
+        self.valid = torch.zeros(B, S, dtype=torch.bool, **z)
+        self.logits = torch.zeros(B, vocab, dtype=torch.float32, **z)
+        self.pos = torch.zeros(B, dtype=torch.long, **z)
+        self.col = torch.zeros(1, dtype=torch.long, **z)
+        self.step = torch.zeros(1, dtype=torch.long, **z)
+        self.seeds = torch.zeros(B, dtype=torch.long, **z)
+        self.done = torch.zeros(B, dtype=torch.bool, **z)
+        self.tokens = torch.zeros(B, T, dtype=torch.long, **z)
+        self.logprobs = torch.zeros(B, T, dtype=torch.float32, **z)
+        self.temperature = torch.ones((), dtype=torch.float32, **z)
+        self.top_p = torch.ones((), dtype=torch.float32, **z)
+        self.stop_ids = torch.full((8,), -1, dtype=torch.long, **z)
+        self.vocab = torch.arange(vocab, dtype=torch.long, **z)
+        self.pad = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+
+class StaticDecodeBackend(HFGenerationBackend):
+    """Same interface and outputs as `HFGenerationBackend`; decoding on a static cache, graph-replayed on CUDA.
+
+    `cuda_graphs` None means: on CUDA devices. `sync_every` is how many steps run between checks for
+    "every row finished". Graph states are kept for the `max_states` most recent shapes.
+    """
+
+    BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    LENGTH_BUCKET = 64
+
+    def __init__(self, model, tokenizer, adapter, *, seed: int = 0, max_cached_images: int = 4096,
+                 cuda_graphs: bool | None = None, sync_every: int = 16, max_states: int = 4):
+        super().__init__(model, tokenizer, adapter, seed=seed, max_cached_images=max_cached_images)
+        tm = text_model(model)
+        if isinstance(tm, str):
+            raise ValueError(f"static decoding does not support this model: {tm}")
+        self.tm = tm
+        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        self.sync_every = max(1, sync_every)
+        self.max_states = max_states
+        self._states: OrderedDict[tuple, _State] = OrderedDict()
+        self._pool = None
+        self._forbidden = None
+
+    # -- the decode step -----------------------------------------------------------------------------
+    def _forward_token(self, st: _State, tok: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] (float32) after feeding one token per row at column `st.col`, positions `st.pos`."""
+        tm, B = self.tm, st.B
+        x = tm.embed(tok[:, None])
+        cos, sin = tm.rotary(x, st.pos[:, None])
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, head_dim]
+        st.valid.index_fill_(1, st.col, True)
+        mask = st.valid[:, None, None, :]
+        groups = tm.heads // tm.kv_heads
+        for i, layer in enumerate(tm.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(B, 1, tm.heads, tm.head_dim).transpose(1, 2)
+            k = attn.k_proj(h).view(B, 1, tm.kv_heads, tm.head_dim).transpose(1, 2)
+            v = attn.v_proj(h).view(B, 1, tm.kv_heads, tm.head_dim).transpose(1, 2)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            st.k[i].index_copy_(2, st.col, k.to(st.k[i].dtype))
+            st.v[i].index_copy_(2, st.col, v.to(st.v[i].dtype))
+            # the query heads that share one kv head attend as one short sequence against it
+            qg = q.reshape(B, tm.kv_heads, groups, tm.head_dim)
+            o = F.scaled_dot_product_attention(qg, st.k[i], st.v[i], attn_mask=mask, scale=attn.scaling)
+            x = x + attn.o_proj(o.reshape(B, 1, tm.heads * tm.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return tm.lm_head(tm.norm(x))[:, 0].float()
+
+    def _sample(self, st: _State, greedy: bool, nucleus: bool) -> torch.Tensor:
+        """Draw from `st.logits`, record token and logprob at `st.step`, update the stop flags."""
+        z = policy_logits(st.logits, 1.0, self._forbidden) / st.temperature
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)
+        if greedy:
+            tok = z.argmax(-1)
+        else:
+            drawn = z
+            if nucleus:
+                p = torch.softmax(z, dim=-1)
+                sp, order = p.sort(dim=-1, descending=True)
+                drop = (sp.cumsum(-1) - sp) >= st.top_p
+                drawn = z.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), float("-inf"))
+            tok = (drawn + gumbel_noise(st.seeds, st.step, st.vocab)).argmax(-1)
+        lp = (z.gather(-1, tok[:, None]) - lse).squeeze(-1)
+        tok = torch.where(st.done, torch.full_like(tok, st.pad), tok)
+        st.tokens.index_copy_(1, st.step, tok[:, None])
+        st.logprobs.index_copy_(1, st.step, lp[:, None])
+        st.done |= torch.isin(tok, st.stop_ids)
+        return tok
+
+    def _decode_step(self, st: _State, greedy: bool, nucleus: bool) -> None:
+        tok = self._sample(st, greedy, nucleus)
+        st.logits.copy_(self._forward_token(st, tok))
+        st.step += 1
+        st.col += 1
+        st.pos += 1
+
+    def _capture(self, st: _State, greedy: bool, nucleus: bool) -> None:
+        """Capture one decode step as a graph; buffers are saved and restored around the warm-up runs."""
+        saved = [t.clone() for t in (st.logits, st.pos, st.col, st.step, st.done, st.valid)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._decode_step(st, greedy, nucleus)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(g, pool=self._pool):
+            self._decode_step(st, greedy, nucleus)
+        for t, s in zip((st.logits, st.pos, st.col, st.step, st.done, st.valid), saved):
+            t.copy_(s)
+        st.graph = g
+
+    def _state(self, B: int, S: int, T: int, vocab: int, greedy: bool, nucleus: bool) -> tuple[_State, bool]:
+        key = (B, S, T, vocab, greedy, nucleus)
+        if key in self._states:
+            self._states.move_to_end(key)
+            return self._states[key], False
+        while len(self._states) >= self.max_states:
+            self._states.popitem(last=False)
+        dtype = next(self.model.parameters()).dtype
+        st = _State(self.tm, B, S, T, vocab, dtype, self.device)
+        self._states[key] = st
+        return st, True
+
+    def drop_graphs(self) -> None:
+        """Free every static cache and captured graph (e.g. before training shares the GPU)."""
+        self._states.clear()
+        self._pool = None
+
+    # -- generation ----------------------------------------------------------------------------------
+    def _generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[GenerationOutput]:
+        from transformers import DynamicCache
+
+        t0 = time.perf_counter()
+        model, dev, tm = self.model, self.device, self.tm
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        keys = [[image_hash(im) for im in r.images] for r in requests]
+        feats, grid = self._encode(requests, keys)
+        slots: dict[tuple, int] = {}
+        row_slot = [slots.setdefault((tuple(r.prompt_token_ids), tuple(ks)), len(slots))
+                    for r, ks in zip(requests, keys)]
+        firsts = [row_slot.index(u) for u in range(len(slots))]
+        if len(firsts) < len(requests):
+            starts = [0]
+            for r in requests:
+                starts.append(starts[-1] + len(r.images))
+            feats = [feats[i] for b in firsts for i in range(starts[b], starts[b + 1])]
+        prompts = [requests[b] for b in firsts]
+        t_enc = time.perf_counter()
+
+        B, U, L = len(requests), len(prompts), max(len(r.prompt_token_ids) for r in prompts)
+        T = params.max_new_tokens
+        input_ids = torch.full((U, L), pad, dtype=torch.long)
+        mask = torch.zeros((U, L), dtype=torch.long)
+        for b, r in enumerate(prompts):
+            n = len(r.prompt_token_ids)
+            input_ids[b, L - n:] = torch.tensor(r.prompt_token_ids, dtype=torch.long)
+            mask[b, L - n:] = 1
+        input_ids, mask = input_ids.to(dev), mask.to(dev)
+        positions = self.adapter.position_ids(model, input_ids, mask, grid)
+        cache = DynamicCache(config=model.config)
+        logits = forward_logits(model, input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                                image_token_id=self.adapter.image_token_id, features=feats, cache=cache,
+                                logits_to_keep=1)[:, -1]
+
+        greedy, nucleus = params.temperature == 0, params.top_p < 1.0
+        Bb = _bucket(B, self.BATCH_BUCKETS)
+        S = -(-(L + T) // self.LENGTH_BUCKET) * self.LENGTH_BUCKET
+        st, fresh = self._state(Bb, S, T, logits.shape[-1], greedy, nucleus)
+        if self._forbidden is None or self._forbidden.shape[0] != logits.shape[-1]:
+            self._forbidden = forbidden_mask(logits.shape[-1], self.adapter.vision_token_ids, dev)
+        # rows beyond B (bucket padding) copy row 0 and start finished
+        rows = torch.tensor(row_slot + [row_slot[0]] * (Bb - B), device=dev)
+        for i, (k, v) in enumerate(_cache_tensors(cache, len(tm.layers))):
+            st.k[i][:, :, :L].copy_(k[rows])
+            st.v[i][:, :, :L].copy_(v[rows])
+        st.valid.zero_()
+        st.valid[:, :L] = mask[rows].bool()
+        st.logits.copy_(logits[rows].float())
+        st.pos.copy_(mask.sum(-1)[rows])
+        st.col.fill_(L)
+        st.step.zero_()
+        st.done.zero_()
+        st.done[B:] = True
+        st.tokens.fill_(pad)
+        st.logprobs.zero_()
+        st.pad = pad
+        st.temperature.fill_(1.0 if greedy else float(params.temperature))
+        st.top_p.fill_(float(params.top_p))
+        stop = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
+        if len(stop) > st.stop_ids.numel():
+            st.stop_ids = torch.full((len(stop),), -1, dtype=torch.long, device=dev)
+            st.graph = None
+        st.stop_ids.fill_(-1)
+        if stop:
+            st.stop_ids[:len(stop)] = torch.tensor(stop, device=dev)
+        st.seeds.copy_(self._row_seeds(Bb, params.seed))
+        t_prefill = time.perf_counter()
+
+        use_graph = self.cuda_graphs and dev.type == "cuda"
+        if use_graph and st.graph is None:
+            self._capture(st, greedy, nucleus)
+        t_capture = time.perf_counter()
+        flag = torch.zeros((), dtype=torch.bool, pin_memory=dev.type == "cuda")
+        pending: torch.cuda.Event | None = None
+        steps = 0
+        for step in range(T - 1):
+            if use_graph:
+                st.graph.replay()
+            else:
+                self._decode_step(st, greedy, nucleus)
+            steps += 1
+            if (step + 1) % self.sync_every:
+                continue
+            if dev.type != "cuda":
+                if bool(st.done.all()):
+                    break
+                continue
+            if pending is not None:  # one group behind: the GPU keeps `sync_every` steps queued
+                pending.synchronize()
+                if bool(flag):
+                    break
+            flag.copy_(st.done.all(), non_blocking=True)
+            pending = torch.cuda.Event()
+            pending.record()
+        self._sample(st, greedy, nucleus)
+        tokens, logps = st.tokens[:B].tolist(), st.logprobs[:B].tolist()
+        t_end = time.perf_counter()
+
+        outs = [self._finish(tokens[b], logps[b], steps + 1, set(stop), params) for b in range(B)]
+        self.last_timing = {"encode_s": t_enc - t0, "prefill_s": t_prefill - t_enc, "capture_s": t_capture - t_prefill,
+                            "decode_s": t_end - t_capture, "total_s": t_end - t0,
+                            "new_tokens": sum(len(o.token_ids) for o in outs), "decode_steps": steps + 1,
+                            "batch": B, "batch_bucket": Bb, "cache_len": S, "prefill_rows": U}
+        return outs
+
+    def _row_seeds(self, n: int, seed: int | None) -> torch.Tensor:
+        if seed is None:
+            return torch.randint(0, 2**31 - 1, (n,), generator=self._generator, device=self.device)
+        return _mix32(torch.arange(n, dtype=torch.long, device=self.device) + (int(seed) & _M32) * 0x10001 & _M32)
+
+    def _finish(self, row: list[int], lps: list[float], n: int, stop_ids: set[int],
+                params: SamplingParams) -> GenerationOutput:
+        toks, lps = row[:n], lps[:n]
+        end = next((j for j, t in enumerate(toks) if t in stop_ids), None)
+        finish: tuple[str, Any] = ("length", None)
+        if end is not None:
+            toks, lps, finish = toks[:end + 1], lps[:end + 1], ("stop", toks[end])
+        stop_strings = tuple(s for s in params.stop_strings if s)
+        if stop_strings:
+            windows = {s: len(s.encode("utf-8")) + 1 for s in stop_strings}
+            for j in range(len(toks)):
+                hit = self._stop_string(toks[:j + 1], stop_strings, windows)
+                if hit is not None:
+                    toks, lps, finish = toks[:j + 1], lps[:j + 1], ("stop", hit)
+                    break
+        return GenerationOutput(token_ids=toks, logprobs=lps, text=self.tokenizer.decode(toks, skip_special_tokens=True),
+                                finish_reason=finish[0], stop_reason=finish[1])
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _cache_tensors(cache, n_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) [B, kv heads, L, head dim] of every layer of a transformers DynamicCache (5.x layouts)."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers[:n_layers]]
+    return list(zip(cache.key_cache[:n_layers], cache.value_cache[:n_layers]))
+
+
+DECODE_MODES = ("auto", "eager", "static")
+
+
+def hf_backend(policy, *, decode: str = "auto", **kwargs) -> HFGenerationBackend:
+    """The in-process backend for `policy`: `static` decodes on a static cache (CUDA graphs on a GPU),
+    `eager` is the HF loop, `auto` picks static on CUDA where the model is supported and eager otherwise."""
+    from gymv.errors import GymvError
+
+    if decode not in DECODE_MODES:
+        raise GymvError(f"generation.decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}",
+                        fix="use auto (static on CUDA), static or eager")
+    on_cuda = next(policy.model.parameters()).device.type == "cuda"
+    if decode == "eager" or (decode == "auto" and not on_cuda):
+        return HFGenerationBackend.from_policy(policy, **kwargs)
+    why = text_model(policy.model)
+    if isinstance(why, str):
+        if decode == "auto":
+            return HFGenerationBackend.from_policy(policy, **kwargs)
+        raise GymvError(f"static decoding does not support this model: {why}", where="generation.decode",
+                        fix="use generation.decode=eager (or auto, which falls back by itself)")
+    return StaticDecodeBackend.from_policy(policy, **kwargs)
