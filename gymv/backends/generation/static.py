@@ -66,12 +66,18 @@ def text_model(model) -> TextModel | str:
         return f"attention {type(attn).__name__} is not one of {', '.join(SUPPORTED_ATTENTION)}"
     if any(getattr(layer.self_attn, "sliding_window", None) for layer in lm.layers):
         return "sliding-window attention"
+    mlp = lm.layers[0].mlp
+    if not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")) or mlp.gate_proj.bias is not None:
+        return f"MLP {type(mlp).__name__} is not a bias-free gated MLP"
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "bias", None) is not None:
+        return "no bias-free LM head"
     cfg = attn.config
     if getattr(cfg, "rope_scaling", None) and (cfg.rope_scaling or {}).get("mrope_section"):
         return "multimodal (3-D) rotary positions"
     heads = cfg.num_attention_heads
     return TextModel(embed=lm.embed_tokens, layers=lm.layers, norm=lm.norm, rotary=lm.rotary_emb,
-                     lm_head=model.get_output_embeddings(), kv_heads=cfg.num_key_value_heads, heads=heads,
+                     lm_head=head, kv_heads=cfg.num_key_value_heads, heads=heads,
                      head_dim=attn.head_dim)
 
 
@@ -129,14 +135,16 @@ class StaticDecodeBackend(HFGenerationBackend):
     """Same interface and outputs as `HFGenerationBackend`; decoding on a static cache, graph-replayed on CUDA.
 
     `cuda_graphs` None means: on CUDA devices. `sync_every` is how many steps run between checks for
-    "every row finished". Graph states are kept for the `max_states` most recent shapes.
+    "every row finished". Graph states are kept for the `max_states` most recent shapes. `compile` runs the
+    per-layer pieces of the step through `torch.compile` (fused norms, rotary and residuals; compiled once
+    per batch bucket, since the weights are arguments and every layer reuses one compiled graph).
     """
 
     BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     LENGTH_BUCKET = 64
 
     def __init__(self, model, tokenizer, adapter, *, seed: int = 0, max_cached_images: int = 4096,
-                 cuda_graphs: bool | None = None, sync_every: int = 16, max_states: int = 4):
+                 cuda_graphs: bool | None = None, sync_every: int = 16, max_states: int = 4, compile: bool = False):
         super().__init__(model, tokenizer, adapter, seed=seed, max_cached_images=max_cached_images)
         tm = text_model(model)
         if isinstance(tm, str):
@@ -148,6 +156,15 @@ class StaticDecodeBackend(HFGenerationBackend):
         self._states: OrderedDict[tuple, _State] = OrderedDict()
         self._pool = None
         self._forbidden = None
+        layer = tm.layers[0]
+        self._eps = float(layer.input_layernorm.variance_epsilon)
+        self._scale = float(layer.self_attn.scaling)
+        self._act = layer.mlp.act_fn
+        self.compile = compile
+        pre, post, head = _layer_pre, _layer_post, _lm_head
+        if compile:
+            pre, post, head = (torch.compile(f, dynamic=False) for f in (pre, post, head))
+        self._pre, self._post, self._head = pre, post, head
 
     # -- the decode step -----------------------------------------------------------------------------
     def _forward_token(self, st: _State, tok: torch.Tensor) -> torch.Tensor:
@@ -158,25 +175,26 @@ class StaticDecodeBackend(HFGenerationBackend):
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, head_dim]
         st.valid.index_fill_(1, st.col, True)
         mask = st.valid[:, None, None, :]
-        groups = tm.heads // tm.kv_heads
-        for i, layer in enumerate(tm.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(B, 1, tm.heads, tm.head_dim).transpose(1, 2)
-            k = attn.k_proj(h).view(B, 1, tm.kv_heads, tm.head_dim).transpose(1, 2)
-            v = attn.v_proj(h).view(B, 1, tm.kv_heads, tm.head_dim).transpose(1, 2)
-            if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            st.k[i].index_copy_(2, st.col, k.to(st.k[i].dtype))
-            st.v[i].index_copy_(2, st.col, v.to(st.v[i].dtype))
-            # the query heads that share one kv head attend as one short sequence against it
-            qg = q.reshape(B, tm.kv_heads, groups, tm.head_dim)
-            o = F.scaled_dot_product_attention(qg, st.k[i], st.v[i], attn_mask=mask, scale=attn.scaling)
-            x = x + attn.o_proj(o.reshape(B, 1, tm.heads * tm.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return tm.lm_head(tm.norm(x))[:, 0].float()
+        for i, w in enumerate(self._weights()):
+            q, k, v = self._pre(x, cos, sin, *w[:9], heads=tm.heads, kv_heads=tm.kv_heads, head_dim=tm.head_dim,
+                                eps=self._eps)
+            st.k[i].index_copy_(2, st.col, k)
+            st.v[i].index_copy_(2, st.col, v)
+            o = F.scaled_dot_product_attention(q, st.k[i], st.v[i], attn_mask=mask, scale=self._scale)
+            x = self._post(x, o, *w[9:], act=self._act, eps=self._eps)
+        return self._head(x, tm.norm.weight, tm.lm_head.weight, eps=self._eps)
+
+    def _weights(self) -> list[tuple]:
+        """Per layer, the tensors the step reads (the model's own parameters, so refits reach them)."""
+        out = []
+        for layer in self.tm.layers:
+            a, m = layer.self_attn, layer.mlp
+            out.append((layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
+                        a.v_proj.weight, a.v_proj.bias, getattr(getattr(a, "q_norm", None), "weight", None),
+                        getattr(getattr(a, "k_norm", None), "weight", None), a.o_proj.weight, a.o_proj.bias,
+                        layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight,
+                        m.down_proj.weight))
+        return out
 
     def _sample(self, st: _State, greedy: bool, nucleus: bool) -> torch.Tensor:
         """Draw from `st.logits`, record token and logprob at `st.step`, update the stop flags."""
@@ -370,6 +388,42 @@ class StaticDecodeBackend(HFGenerationBackend):
                     break
         return GenerationOutput(token_ids=toks, logprobs=lps, text=self.tokenizer.decode(toks, skip_special_tokens=True),
                                 finish_reason=finish[0], stop_reason=finish[1])
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: normalised in float32, cast back, then scaled."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _layer_pre(x, cos, sin, ln, wq, bq, wk, bk, wv, bv, qn, kn, *, heads: int, kv_heads: int, head_dim: int,
+               eps: float):
+    """Norm, projections and rotary of one token per row: q [B, kv heads, heads per kv head, d], k and v
+    [B, kv heads, 1, d]; the query heads that share a kv head attend as one short sequence against it."""
+    B = x.shape[0]
+    h = _rms(x, ln, eps)
+    q = F.linear(h, wq, bq).view(B, 1, heads, head_dim)
+    k = F.linear(h, wk, bk).view(B, 1, kv_heads, head_dim)
+    v = F.linear(h, wv, bv).view(B, 1, kv_heads, head_dim).transpose(1, 2)
+    if qn is not None:
+        q, k = _rms(q, qn, eps), _rms(k, kn, eps)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q.reshape(B, kv_heads, heads // kv_heads, head_dim), k, v
+
+
+def _layer_post(x, o, wo, bo, ln, wg, wu, wd, *, act, eps: float):
+    """Output projection, residual, norm, gated MLP, residual."""
+    B = x.shape[0]
+    x = x + F.linear(o.reshape(B, 1, -1), wo, bo)
+    h = _rms(x, ln, eps)
+    return x + F.linear(act(F.linear(h, wg)) * F.linear(h, wu), wd)
+
+
+def _lm_head(x, norm, head, *, eps: float):
+    return F.linear(_rms(x, norm, eps), head)[:, 0].float()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
