@@ -21,6 +21,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 MODEL = dict(hidden=2048, layers=16, heads=16, kv_heads=8, intermediate=5632, vision_hidden=256, vision_layers=4,
@@ -298,6 +299,11 @@ def main() -> None:
                 row.update(ms_per_step=ms, tokens_per_s=batch / ms * 1e3, limit_ms=lim, fraction_of_limit=lim / ms)
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                traceback.print_exc()
+                if "CUDA error" in str(e):  # the context is broken: nothing after this can run
+                    result["rows"].append(row)
+                    save()
+                    raise
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
             result["rows"].append(row)
