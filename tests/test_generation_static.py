@@ -31,11 +31,13 @@ def test_greedy_equals_no_cache_greedy_with_the_batch_padded_to_its_bucket():
         assert (out.finish_reason, len(out.logprobs)) == ("length", 8)
 
 
-def test_greedy_tokens_and_logprobs_equal_the_hf_loop():
-    policy = shared_policy("tiny-llava")
+@pytest.mark.parametrize("fuse_weights", [True, False])
+def test_greedy_tokens_and_logprobs_equal_the_hf_loop_across_attention_windows(fuse_weights):
+    policy = fresh_policy("tiny-llava")
     reqs = requests(policy, n=5)
-    new = StaticDecodeBackend.from_policy(policy).generate(reqs, GREEDY)
-    old = HFGenerationBackend.from_policy(policy).generate(reqs, GREEDY)
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)  # crosses 32-column windows
+    new = StaticDecodeBackend.from_policy(policy, fuse_weights=fuse_weights).generate(reqs, params)
+    old = HFGenerationBackend.from_policy(policy).generate(reqs, params)
     for a, b in zip(new, old):
         assert a.token_ids == b.token_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
@@ -148,15 +150,34 @@ def test_group_is_prefilled_once_and_images_encoded_once():
     assert (backend.stats()["encoder_cache_misses"], backend.stats()["encoder_cache_hits"]) == (1, 3)
 
 
-def test_update_weights_reaches_the_decoder():
+@pytest.mark.parametrize("part", ["self_attn.k_proj", "mlp.up_proj", "mlp.down_proj"])
+def test_update_weights_reaches_the_decoder_through_fused_and_plain_weights(part):
+    policy = fresh_policy("tiny-llava")
+    backend = StaticDecodeBackend.from_policy(policy)
+    reqs = requests(policy, n=2)
+    before = backend.generate(reqs, GREEDY)
+    name = next(n for n in policy.model.state_dict() if n.endswith(f"language_model.layers.0.{part}.weight"))
+    new = torch.randn_like(policy.model.state_dict()[name], generator=torch.Generator().manual_seed(1))
+    backend.update_weights({name: new})
+    after = backend.generate(reqs, GREEDY)
+    reference = HFGenerationBackend.from_policy(policy).generate(reqs, GREEDY)
+    moved = max(abs(x - y) for a, b in zip(after, before) for x, y in zip(a.logprobs, b.logprobs))
+    assert moved > 1e-3
+    for a, b in zip(after, reference):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_a_replaced_parameter_is_read_from_its_new_place():
     policy = fresh_policy("tiny-llava")
     backend = StaticDecodeBackend.from_policy(policy)
     reqs = requests(policy, n=2)
     before = [o.token_ids for o in backend.generate(reqs, GREEDY)]
-    w = policy.model.model.language_model.layers[-1].mlp.down_proj.weight
-    backend.update_weights({name: torch.randn_like(p, generator=torch.Generator().manual_seed(1))
-                            for name, p in policy.model.state_dict().items() if p is w or name.endswith("lm_head.weight")})
-    assert [o.token_ids for o in backend.generate(reqs, GREEDY)] != before
+    proj = policy.model.model.language_model.layers[0].self_attn.q_proj
+    proj.weight = torch.nn.Parameter(torch.randn_like(proj.weight, generator=torch.Generator().manual_seed(2)))
+    after = [o.token_ids for o in backend.generate(reqs, GREEDY)]
+    assert after != before
+    assert after == [o.token_ids for o in HFGenerationBackend.from_policy(policy).generate(reqs, GREEDY)]
 
 
 def test_decode_mode_selection():

@@ -107,7 +107,7 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 
 class _State:
-    """The fixed buffers of one (batch bucket, length bucket, mode), and its captured graph."""
+    """The fixed buffers of one (batch bucket, length bucket, mode), and its captured graphs."""
 
     def __init__(self, tm: TextModel, B: int, S: int, T: int, vocab: int, dtype, device):
         z = dict(device=device)
@@ -128,23 +128,31 @@ class _State:
         self.stop_ids = torch.full((8,), -1, dtype=torch.long, **z)
         self.vocab = torch.arange(vocab, dtype=torch.long, **z)
         self.pad = 0
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # attention window -> the step that attends over it
 
 
 class StaticDecodeBackend(HFGenerationBackend):
     """Same interface and outputs as `HFGenerationBackend`; decoding on a static cache, graph-replayed on CUDA.
 
     `cuda_graphs` None means: on CUDA devices. `sync_every` is how many steps run between checks for
-    "every row finished". Graph states are kept for the `max_states` most recent shapes. `compile` runs the
-    per-layer pieces of the step through `torch.compile` (fused norms, rotary and residuals; compiled once
-    per batch bucket, since the weights are arguments and every layer reuses one compiled graph).
+    "every row finished". Graph states are kept for the `max_states` most recent shapes. `compile` (None: on
+    CUDA) runs the per-layer pieces of the step and the sampling through `torch.compile` (fused norms,
+    rotary, residuals and noise; compiled once per batch bucket: the weights are arguments, so every layer
+    reuses one compiled graph); if compiling fails the step runs uncompiled. `fuse_weights` stores each
+    layer's q/k/v and gate/up weights in one tensor, the model's parameters becoming views of it, so one
+    matrix product reads them (refits that copy into the parameters, as `update_weights` does, reach it).
+
+    Each step attends over the cache columns up to the next multiple of `ATTENTION_CHUNK` past the newest
+    token (one graph per such window), not over the whole preallocated length.
     """
 
     BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     LENGTH_BUCKET = 64
+    ATTENTION_CHUNK = 32
 
     def __init__(self, model, tokenizer, adapter, *, seed: int = 0, max_cached_images: int = 4096,
-                 cuda_graphs: bool | None = None, sync_every: int = 16, max_states: int = 4, compile: bool = False):
+                 cuda_graphs: bool | None = None, sync_every: int = 16, max_states: int = 4,
+                 compile: bool | None = None, fuse_weights: bool = True):
         super().__init__(model, tokenizer, adapter, seed=seed, max_cached_images=max_cached_images)
         tm = text_model(model)
         if isinstance(tm, str):
@@ -160,87 +168,103 @@ class StaticDecodeBackend(HFGenerationBackend):
         self._eps = float(layer.input_layernorm.variance_epsilon)
         self._scale = float(layer.self_attn.scaling)
         self._act = layer.mlp.act_fn
-        self.compile = compile
-        pre, post, head = _layer_pre, _layer_post, _lm_head
-        if compile:
-            pre, post, head = (torch.compile(f, dynamic=False) for f in (pre, post, head))
-        self._pre, self._post, self._head = pre, post, head
+        self.compile = (self.device.type == "cuda") if compile is None else compile
+        self._set_functions(self.compile)
+        self._fused: list[tuple] = []
+        self.fuse_weights = fuse_weights
+
+    def _set_functions(self, compiled: bool) -> None:
+        fns = (_layer_pre, _layer_post, _lm_head, _draw)
+        if compiled:
+            fns = tuple(torch.compile(f, dynamic=False) for f in fns)
+        self._pre, self._post, self._head, self._draw = fns
 
     # -- the decode step -----------------------------------------------------------------------------
-    def _forward_token(self, st: _State, tok: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] (float32) after feeding one token per row at column `st.col`, positions `st.pos`."""
-        tm, B = self.tm, st.B
+    def _forward_token(self, st: _State, tok: torch.Tensor, window: int) -> torch.Tensor:
+        """Logits [B, V] (float32) after feeding one token per row at column `st.col` (< `window`), positions
+        `st.pos`; attention reads the cache's first `window` columns."""
+        tm = self.tm
         x = tm.embed(tok[:, None])
         cos, sin = tm.rotary(x, st.pos[:, None])
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, head_dim]
         st.valid.index_fill_(1, st.col, True)
-        mask = st.valid[:, None, None, :]
-        for i, w in enumerate(self._weights()):
-            q, k, v = self._pre(x, cos, sin, *w[:9], heads=tm.heads, kv_heads=tm.kv_heads, head_dim=tm.head_dim,
+        bias = torch.zeros(st.valid.shape[0], 1, 1, window, dtype=x.dtype, device=x.device)
+        bias = bias.masked_fill(~st.valid[:, None, None, :window], float("-inf"))
+        for i, w in enumerate(self._fused):
+            w = tuple(torch.cat(t) if isinstance(t, list) else t for t in w)
+            q, k, v = self._pre(x, cos, sin, *w[:5], heads=tm.heads, kv_heads=tm.kv_heads, head_dim=tm.head_dim,
                                 eps=self._eps)
             st.k[i].index_copy_(2, st.col, k)
             st.v[i].index_copy_(2, st.col, v)
-            o = F.scaled_dot_product_attention(q, st.k[i], st.v[i], attn_mask=mask, scale=self._scale)
-            x = self._post(x, o, *w[9:], act=self._act, eps=self._eps)
+            o = F.scaled_dot_product_attention(q, st.k[i][:, :, :window], st.v[i][:, :, :window], attn_mask=bias,
+                                               scale=self._scale)
+            x = self._post(x, o, *w[5:], act=self._act, eps=self._eps)
         return self._head(x, tm.norm.weight, tm.lm_head.weight, eps=self._eps)
 
-    def _weights(self) -> list[tuple]:
-        """Per layer, the tensors the step reads (the model's own parameters, so refits reach them)."""
-        out = []
+    def _fuse(self) -> None:
+        """Per layer, the tensors the step reads: the model's own parameters, q/k/v and gate/up as views of
+        one tensor each (`fuse_weights`) or as lists concatenated at each step. Redone when a parameter no
+        longer lies in its fused tensor (it was replaced), and graphs that read the old memory are dropped."""
+        if self._fused and self._still_fused():
+            return
+        self._states.clear()
+        self._fused = []
+        join = _fuse_params if self.fuse_weights else list
         for layer in self.tm.layers:
             a, m = layer.self_attn, layer.mlp
-            out.append((layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
-                        a.v_proj.weight, a.v_proj.bias, getattr(getattr(a, "q_norm", None), "weight", None),
-                        getattr(getattr(a, "k_norm", None), "weight", None), a.o_proj.weight, a.o_proj.bias,
-                        layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight,
-                        m.down_proj.weight))
-        return out
+            qkv = (a.q_proj, a.k_proj, a.v_proj)
+            self._fused.append((layer.input_layernorm.weight, join([p.weight for p in qkv]),
+                                join([p.bias for p in qkv]) if a.q_proj.bias is not None else None,
+                                getattr(getattr(a, "q_norm", None), "weight", None),
+                                getattr(getattr(a, "k_norm", None), "weight", None),
+                                a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight,
+                                join([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight))
+
+    def _still_fused(self) -> bool:
+        if not self.fuse_weights:
+            return True
+        for layer, f in zip(self.tm.layers, self._fused):
+            a, m = layer.self_attn, layer.mlp
+            parts = [(a.q_proj.weight, f[1]), (a.k_proj.weight, f[1]), (a.v_proj.weight, f[1]),
+                     (m.gate_proj.weight, f[8]), (m.up_proj.weight, f[8])]
+            if any(p.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for p, t in parts):
+                return False
+        return True
 
     def _sample(self, st: _State, greedy: bool, nucleus: bool) -> torch.Tensor:
         """Draw from `st.logits`, record token and logprob at `st.step`, update the stop flags."""
-        z = policy_logits(st.logits, 1.0, self._forbidden) / st.temperature
-        lse = torch.logsumexp(z, dim=-1, keepdim=True)
-        if greedy:
-            tok = z.argmax(-1)
-        else:
-            drawn = z
-            if nucleus:
-                p = torch.softmax(z, dim=-1)
-                sp, order = p.sort(dim=-1, descending=True)
-                drop = (sp.cumsum(-1) - sp) >= st.top_p
-                drawn = z.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), float("-inf"))
-            tok = (drawn + gumbel_noise(st.seeds, st.step, st.vocab)).argmax(-1)
-        lp = (z.gather(-1, tok[:, None]) - lse).squeeze(-1)
-        tok = torch.where(st.done, torch.full_like(tok, st.pad), tok)
+        tok, lp, done = self._draw(st.logits, self._forbidden, st.temperature, st.top_p, st.seeds, st.step, st.vocab,
+                                   st.done, st.stop_ids, pad=st.pad, greedy=greedy, nucleus=nucleus)
         st.tokens.index_copy_(1, st.step, tok[:, None])
         st.logprobs.index_copy_(1, st.step, lp[:, None])
-        st.done |= torch.isin(tok, st.stop_ids)
+        st.done.copy_(done)
         return tok
 
-    def _decode_step(self, st: _State, greedy: bool, nucleus: bool) -> None:
+    def _decode_step(self, st: _State, greedy: bool, nucleus: bool, window: int) -> None:
         tok = self._sample(st, greedy, nucleus)
-        st.logits.copy_(self._forward_token(st, tok))
+        st.logits.copy_(self._forward_token(st, tok, window))
         st.step += 1
         st.col += 1
         st.pos += 1
 
-    def _capture(self, st: _State, greedy: bool, nucleus: bool) -> None:
-        """Capture one decode step as a graph; buffers are saved and restored around the warm-up runs."""
-        saved = [t.clone() for t in (st.logits, st.pos, st.col, st.step, st.done, st.valid)]
+    def _capture(self, st: _State, greedy: bool, nucleus: bool, window: int) -> None:
+        """Capture one decode step as a graph; buffers are saved and restored around the warm-up runs (which
+        also compile), so capturing changes nothing a later step reads."""
+        kept = (st.logits, st.pos, st.col, st.step, st.done, st.valid)
+        saved = [t.clone() for t in kept]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._decode_step(st, greedy, nucleus)
+        with torch.cuda.stream(side):  # one warm-up step, at the column the first real step rewrites
+            self._decode_step(st, greedy, nucleus, window)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(g, pool=self._pool):
-            self._decode_step(st, greedy, nucleus)
-        for t, s in zip((st.logits, st.pos, st.col, st.step, st.done, st.valid), saved):
+            self._decode_step(st, greedy, nucleus, window)
+        for t, s in zip(kept, saved):
             t.copy_(s)
-        st.graph = g
+        st.graphs[window] = g
 
     def _state(self, B: int, S: int, T: int, vocab: int, greedy: bool, nucleus: bool) -> tuple[_State, bool]:
         key = (B, S, T, vocab, greedy, nucleus)
@@ -296,6 +320,7 @@ class StaticDecodeBackend(HFGenerationBackend):
                                 logits_to_keep=1)[:, -1]
 
         greedy, nucleus = params.temperature == 0, params.top_p < 1.0
+        self._fuse()
         Bb = _bucket(B, self.BATCH_BUCKETS)
         S = -(-(L + T) // self.LENGTH_BUCKET) * self.LENGTH_BUCKET
         st, fresh = self._state(Bb, S, T, logits.shape[-1], greedy, nucleus)
@@ -322,25 +347,28 @@ class StaticDecodeBackend(HFGenerationBackend):
         stop = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
         if len(stop) > st.stop_ids.numel():
             st.stop_ids = torch.full((len(stop),), -1, dtype=torch.long, device=dev)
-            st.graph = None
+            st.graphs.clear()
         st.stop_ids.fill_(-1)
         if stop:
             st.stop_ids[:len(stop)] = torch.tensor(stop, device=dev)
         st.seeds.copy_(self._row_seeds(Bb, params.seed))
         t_prefill = time.perf_counter()
 
-        use_graph = self.cuda_graphs and dev.type == "cuda"
-        if use_graph and st.graph is None:
-            self._capture(st, greedy, nucleus)
+        C = self.ATTENTION_CHUNK
+        windows = [min(S, (L + j) // C * C + C) for j in range(T - 1)]  # step j writes column L + j
+        use_graph = self.cuda_graphs and dev.type == "cuda" and T > 1  # one token: no decode step to replay
+        if use_graph:
+            for w in sorted(set(windows) - set(st.graphs)):
+                self._capture_or_uncompile(st, greedy, nucleus, w)
         t_capture = time.perf_counter()
         flag = torch.zeros((), dtype=torch.bool, pin_memory=dev.type == "cuda")
         pending: torch.cuda.Event | None = None
         steps = 0
         for step in range(T - 1):
             if use_graph:
-                st.graph.replay()
+                st.graphs[windows[step]].replay()
             else:
-                self._decode_step(st, greedy, nucleus)
+                self._decode_step(st, greedy, nucleus, windows[step])
             steps += 1
             if (step + 1) % self.sync_every:
                 continue
@@ -365,6 +393,21 @@ class StaticDecodeBackend(HFGenerationBackend):
                             "new_tokens": sum(len(o.token_ids) for o in outs), "decode_steps": steps + 1,
                             "batch": B, "batch_bucket": Bb, "cache_len": S, "prefill_rows": U}
         return outs
+
+    def _capture_or_uncompile(self, st: _State, greedy: bool, nucleus: bool, window: int) -> None:
+        try:
+            self._capture(st, greedy, nucleus, window)
+        except Exception as e:  # noqa: BLE001 - a compiler missing or failing must not stop generation
+            if not self.compile:
+                raise
+            import warnings
+
+            warnings.warn(f"torch.compile of the decode step failed ({type(e).__name__}: {e}); decoding uncompiled",
+                          stacklevel=2)
+            self.compile = False
+            self._set_functions(False)
+            st.graphs.clear()
+            self._capture(st, greedy, nucleus, window)
 
     def _row_seeds(self, n: int, seed: int | None) -> torch.Tensor:
         if seed is None:
@@ -397,15 +440,27 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
-def _layer_pre(x, cos, sin, ln, wq, bq, wk, bk, wv, bv, qn, kn, *, heads: int, kv_heads: int, head_dim: int,
-               eps: float):
+def _fuse_params(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """One tensor holding `params` end to end along dim 0; each parameter becomes a view of its rows."""
+    fused = torch.cat([p.data for p in params])
+    start = 0
+    for p in params:
+        n = p.shape[0]
+        p.data = fused[start:start + n]
+        start += n
+    return fused
+
+
+def _layer_pre(x, cos, sin, ln, wqkv, bqkv, qn, kn, *, heads: int, kv_heads: int, head_dim: int, eps: float):
     """Norm, projections and rotary of one token per row: q [B, kv heads, heads per kv head, d], k and v
     [B, kv heads, 1, d]; the query heads that share a kv head attend as one short sequence against it."""
     B = x.shape[0]
     h = _rms(x, ln, eps)
-    q = F.linear(h, wq, bq).view(B, 1, heads, head_dim)
-    k = F.linear(h, wk, bk).view(B, 1, kv_heads, head_dim)
-    v = F.linear(h, wv, bv).view(B, 1, kv_heads, head_dim).transpose(1, 2)
+    qkv = F.linear(h, wqkv, bqkv)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = q.view(B, 1, heads, head_dim)
+    k = k.view(B, 1, kv_heads, head_dim)
+    v = v.view(B, 1, kv_heads, head_dim).transpose(1, 2)
     if qn is not None:
         q, k = _rms(q, qn, eps), _rms(k, kn, eps)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -414,12 +469,33 @@ def _layer_pre(x, cos, sin, ln, wq, bq, wk, bk, wv, bv, qn, kn, *, heads: int, k
     return q.reshape(B, kv_heads, heads // kv_heads, head_dim), k, v
 
 
-def _layer_post(x, o, wo, bo, ln, wg, wu, wd, *, act, eps: float):
+def _layer_post(x, o, wo, bo, ln, wgu, wd, *, act, eps: float):
     """Output projection, residual, norm, gated MLP, residual."""
     B = x.shape[0]
     x = x + F.linear(o.reshape(B, 1, -1), wo, bo)
-    h = _rms(x, ln, eps)
-    return x + F.linear(act(F.linear(h, wg)) * F.linear(h, wu), wd)
+    gate, up = F.linear(_rms(x, ln, eps), wgu).chunk(2, dim=-1)
+    return x + F.linear(act(gate) * up, wd)
+
+
+def _draw(logits, forbidden, temperature, top_p, seeds, step, vocab, done, stop_ids, *, pad: int, greedy: bool,
+          nucleus: bool):
+    """(token, its logprob under the policy distribution, finished flags) for one step of every row; a row
+    already finished draws `pad`."""
+    z = policy_logits(logits, 1.0, forbidden) / temperature
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    if greedy:
+        tok = z.argmax(-1)
+    else:
+        drawn = z
+        if nucleus:
+            p = torch.softmax(z, dim=-1)
+            sp, order = p.sort(dim=-1, descending=True)
+            drop = (sp.cumsum(-1) - sp) >= top_p
+            drawn = z.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), float("-inf"))
+        tok = (drawn + gumbel_noise(seeds, step, vocab)).argmax(-1)
+    lp = (z.gather(-1, tok[:, None]) - lse).squeeze(-1)
+    tok = torch.where(done, torch.full_like(tok, pad), tok)
+    return tok, lp, done | torch.isin(tok, stop_ids)
 
 
 def _lm_head(x, norm, head, *, eps: float):
