@@ -190,3 +190,17 @@ def test_decode_mode_selection():
         hf_backend(qwen, decode="static")
     with pytest.raises(GymvError, match="generation.decode must be one of"):
         hf_backend(llava, decode="fast")
+
+
+def test_the_recipes_decode_mode_reaches_the_generation_worker_spec():
+    from pathlib import Path
+
+    from gymv.config import load_recipe
+    from gymv.train.setup import worker_spec
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml"
+    assert worker_spec(load_recipe(recipe).validated, "m").generation_decode == "auto"
+    cfg = load_recipe(recipe, overrides=["generation.decode=static"]).validated
+    assert worker_spec(cfg, "m").generation_decode == "static"
+    with pytest.raises(GymvError, match="decode"):
+        load_recipe(recipe, overrides=["generation.decode=fast"]).validated

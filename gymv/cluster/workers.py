@@ -33,6 +33,7 @@ class WorkerSpec:
     seed: int = 0
     device: str = "cpu"
     generation_dtype: str = "float32"
+    generation_decode: str = "auto"
     temperature: float = 1.0
     threads: int | None = None
     refit_transport: str = "object_store"
@@ -94,7 +95,7 @@ class GenerationWorker:
     def __init__(self, spec: WorkerSpec, index: int = 0):
         import torch
 
-        from gymv.backends.generation.hf import HFGenerationBackend
+        from gymv.backends.generation.static import hf_backend
         from gymv.models.load import load_policy
 
         _set_threads(spec.threads)
@@ -102,7 +103,7 @@ class GenerationWorker:
         self.device = _device(spec)
         self.dtype = getattr(torch, spec.generation_dtype)
         self.policy = load_policy(spec.model_path, device=str(self.device), dtype=self.dtype, seed=spec.seed)
-        self.backend = HFGenerationBackend.from_policy(self.policy, seed=spec.seed + 7919 * index)
+        self.backend = hf_backend(self.policy, decode=spec.generation_decode, seed=spec.seed + 7919 * index)
         self.router = EnvRouter(spec.env)
         self.receiver = None
         self.weights_version = 0

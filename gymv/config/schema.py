@@ -70,6 +70,7 @@ class VllmSection(Section):
 
 class GenerationSection(Section):
     backend: Literal["hf", "vllm"] = "hf"
+    decode: Literal["auto", "eager", "static"] = "auto"
     temperature: NonNegFloat = 1.0
     top_p: Fraction = 1.0
     max_new_tokens: PosInt = 64

@@ -323,7 +323,8 @@ class StaticDecodeBackend(HFGenerationBackend):
         self._fuse()
         Bb = _bucket(B, self.BATCH_BUCKETS)
         S = -(-(L + T) // self.LENGTH_BUCKET) * self.LENGTH_BUCKET
-        st, fresh = self._state(Bb, S, T, logits.shape[-1], greedy, nucleus)
+        st, fresh = self._state(Bb, S, -(-T // self.LENGTH_BUCKET) * self.LENGTH_BUCKET, logits.shape[-1], greedy,
+                                nucleus)
         if self._forbidden is None or self._forbidden.shape[0] != logits.shape[-1]:
             self._forbidden = forbidden_mask(logits.shape[-1], self.adapter.vision_token_ids, dev)
         # rows beyond B (bucket padding) copy row 0 and start finished
