@@ -35,6 +35,7 @@ from gymv.backends.generation.hf import HFGenerationBackend
 from gymv.backends.hf_forward import forward_logits
 from gymv.backends.multimodal import image_hash
 from gymv.backends.sampling import forbidden_mask, policy_logits
+from gymv.errors import GymvError
 
 _M32 = 0xFFFFFFFF
 SUPPORTED_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
@@ -156,7 +157,8 @@ class StaticDecodeBackend(HFGenerationBackend):
         super().__init__(model, tokenizer, adapter, seed=seed, max_cached_images=max_cached_images)
         tm = text_model(model)
         if isinstance(tm, str):
-            raise ValueError(f"static decoding does not support this model: {tm}")
+            raise GymvError(f"static decoding does not support this model: {tm}", where="generation.decode",
+                            fix="use generation.decode=eager (or auto, which falls back by itself)")
         self.tm = tm
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self.sync_every = max(1, sync_every)
@@ -171,6 +173,7 @@ class StaticDecodeBackend(HFGenerationBackend):
         self.compile = (self.device.type == "cuda") if compile is None else compile
         self._set_functions(self.compile)
         self._fused: list[tuple] = []
+        self._fused_at: list[int] = []
         self.fuse_weights = fuse_weights
 
     def _set_functions(self, compiled: bool) -> None:
@@ -203,9 +206,9 @@ class StaticDecodeBackend(HFGenerationBackend):
 
     def _fuse(self) -> None:
         """Per layer, the tensors the step reads: the model's own parameters, q/k/v and gate/up as views of
-        one tensor each (`fuse_weights`) or as lists concatenated at each step. Redone when a parameter no
-        longer lies in its fused tensor (it was replaced), and graphs that read the old memory are dropped."""
-        if self._fused and self._still_fused():
+        one tensor each (`fuse_weights`) or as lists concatenated at each step. Redone, and the graphs that
+        read the old memory dropped, when a parameter no longer lies where it did (it was replaced)."""
+        if self._fused and self._where() == self._fused_at:
             return
         self._states.clear()
         self._fused = []
@@ -219,17 +222,12 @@ class StaticDecodeBackend(HFGenerationBackend):
                                 getattr(getattr(a, "k_norm", None), "weight", None),
                                 a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight,
                                 join([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight))
+        self._fused_at = self._where()
 
-    def _still_fused(self) -> bool:
-        if not self.fuse_weights:
-            return True
-        for layer, f in zip(self.tm.layers, self._fused):
-            a, m = layer.self_attn, layer.mlp
-            parts = [(a.q_proj.weight, f[1]), (a.k_proj.weight, f[1]), (a.v_proj.weight, f[1]),
-                     (m.gate_proj.weight, f[8]), (m.up_proj.weight, f[8])]
-            if any(p.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for p, t in parts):
-                return False
-        return True
+    def _where(self) -> list[int]:
+        """The address of every tensor of the text model a captured step reads."""
+        mods = [self.tm.embed, self.tm.norm, self.tm.lm_head, self.tm.rotary, *self.tm.layers]
+        return [t.data_ptr() for m in mods for t in (*m.parameters(), *m.buffers())]
 
     def _sample(self, st: _State, greedy: bool, nucleus: bool) -> torch.Tensor:
         """Draw from `st.logits`, record token and logprob at `st.step`, update the stop flags."""
@@ -521,18 +519,12 @@ DECODE_MODES = ("auto", "eager", "static")
 def hf_backend(policy, *, decode: str = "auto", **kwargs) -> HFGenerationBackend:
     """The in-process backend for `policy`: `static` decodes on a static cache (CUDA graphs on a GPU),
     `eager` is the HF loop, `auto` picks static on CUDA where the model is supported and eager otherwise."""
-    from gymv.errors import GymvError
-
     if decode not in DECODE_MODES:
         raise GymvError(f"generation.decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}",
                         fix="use auto (static on CUDA), static or eager")
     on_cuda = next(policy.model.parameters()).device.type == "cuda"
     if decode == "eager" or (decode == "auto" and not on_cuda):
         return HFGenerationBackend.from_policy(policy, **kwargs)
-    why = text_model(policy.model)
-    if isinstance(why, str):
-        if decode == "auto":
-            return HFGenerationBackend.from_policy(policy, **kwargs)
-        raise GymvError(f"static decoding does not support this model: {why}", where="generation.decode",
-                        fix="use generation.decode=eager (or auto, which falls back by itself)")
+    if decode == "auto" and isinstance(text_model(policy.model), str):
+        return HFGenerationBackend.from_policy(policy, **kwargs)
     return StaticDecodeBackend.from_policy(policy, **kwargs)
