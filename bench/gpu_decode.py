@@ -200,8 +200,20 @@ def parity(policy) -> dict:
     same = [next((j for j, (a, b) in enumerate(zip(x.token_ids, y.token_ids)) if a != b), len(x.token_ids))
             for x, y in zip(new, old)]
     vision = set(policy.adapter.vision_token_ids)
+    # graphs against the same step run eagerly: same seed, same samples (capture changed no state)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=7)
+    eager = StaticDecodeBackend.from_policy(policy, cuda_graphs=False).generate(reqs, sampled)
+    graphed = backend.generate(reqs, sampled)
+    graph_equal = sum(a.token_ids == b.token_ids for a, b in zip(eager, graphed))
+    # a stop token ends every row of a group (greedy: the rows are alike); the loop then ends early
+    stop = new[0].token_ids[2]
+    stopped = backend.generate(reqs[:GROUP], SamplingParams(temperature=0, max_new_tokens=128, stop_token_ids=(stop,)))
     return {"token_mult_prob_error": err, "greedy_first_divergence_per_row": same,
-            "vision_tokens_sampled": sum(t in vision for o in outs for t in o.token_ids)}
+            "vision_tokens_sampled": sum(t in vision for o in outs for t in o.token_ids),
+            "graph_equals_eager_rows": f"{graph_equal}/{len(reqs)}",
+            "stop_rows": sum(o.finish_reason == "stop" and o.token_ids[-1] == stop for o in stopped),
+            "stop_decode_steps": backend.last_timing["decode_steps"],
+            "longest_row": max(len(o.token_ids) for o in stopped)}
 
 
 def profile(policy, batch: int, top: int = 15) -> list[dict]:

@@ -258,7 +258,7 @@ class StaticDecodeBackend(HFGenerationBackend):
         g = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(g, pool=self._pool):
+        with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
             self._decode_step(st, greedy, nucleus, window)
         for t, s in zip(kept, saved):
             t.copy_(s)
