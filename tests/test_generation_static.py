@@ -11,7 +11,7 @@ import torch
 
 from gymv.backends.generation.base import GenerationRequest, SamplingParams
 from gymv.backends.generation.hf import HFGenerationBackend
-from gymv.backends.generation.static import StaticDecodeBackend, gumbel_noise, hf_backend, text_model
+from gymv.backends.generation.static import StaticDecodeBackend, _fuse_params, gumbel_noise, hf_backend, text_model
 from gymv.backends.logprobs import right_pad, sequence_logprobs
 from gymv.errors import GymvError
 from tests.test_generation_hf import no_cache_greedy, requests
@@ -205,3 +205,17 @@ def test_the_recipes_decode_mode_reaches_the_generation_worker_spec():
     assert worker_spec(cfg, "m").generation_decode == "static"
     with pytest.raises(GymvError, match="decode"):
         load_recipe(recipe, overrides=["generation.decode=fast"]).validated
+
+
+def test_fusing_views_again_keeps_them_in_place():
+    layer = torch.nn.ModuleList([torch.nn.Linear(4, 3), torch.nn.Linear(4, 2)])
+    params = [m.weight for m in layer]
+    values = [p.detach().clone() for p in params]
+    fused = _fuse_params(params)
+    assert torch.equal(fused, torch.cat(values))
+    where = [p.data_ptr() for p in params]
+    again = _fuse_params(params)  # a second backend on the same model
+    assert again.data_ptr() == fused.data_ptr() and [p.data_ptr() for p in params] == where
+    with torch.no_grad():
+        params[1].copy_(torch.ones(2, 4))  # a refit writes through the view
+    assert torch.equal(again[3:], torch.ones(2, 4))

@@ -130,6 +130,7 @@ class _State:
         self.vocab = torch.arange(vocab, dtype=torch.long, **z)
         self.pad = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # attention window -> the step that attends over it
+        self.pool = None  # the graphs' memory pool: shared by this state's graphs only, freed with them
 
 
 class StaticDecodeBackend(HFGenerationBackend):
@@ -164,7 +165,6 @@ class StaticDecodeBackend(HFGenerationBackend):
         self.sync_every = max(1, sync_every)
         self.max_states = max_states
         self._states: OrderedDict[tuple, _State] = OrderedDict()
-        self._pool = None
         self._forbidden = None
         layer = tm.layers[0]
         self._eps = float(layer.input_layernorm.variance_epsilon)
@@ -210,7 +210,7 @@ class StaticDecodeBackend(HFGenerationBackend):
         read the old memory dropped, when a parameter no longer lies where it did (it was replaced)."""
         if self._fused and self._where() == self._fused_at:
             return
-        self._states.clear()
+        self.drop_graphs()
         self._fused = []
         join = _fuse_params if self.fuse_weights else list
         for layer in self.tm.layers:
@@ -256,9 +256,9 @@ class StaticDecodeBackend(HFGenerationBackend):
             self._decode_step(st, greedy, nucleus, window)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
+        if st.pool is None:
+            st.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(g, pool=st.pool, capture_error_mode="thread_local"):
             self._decode_step(st, greedy, nucleus, window)
         for t, s in zip(kept, saved):
             t.copy_(s)
@@ -279,7 +279,6 @@ class StaticDecodeBackend(HFGenerationBackend):
     def drop_graphs(self) -> None:
         """Free every static cache and captured graph (e.g. before training shares the GPU)."""
         self._states.clear()
-        self._pool = None
 
     # -- generation ----------------------------------------------------------------------------------
     def _generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[GenerationOutput]:
@@ -406,6 +405,7 @@ class StaticDecodeBackend(HFGenerationBackend):
             self.compile = False
             self._set_functions(False)
             st.graphs.clear()
+            st.pool = None
             self._capture(st, greedy, nucleus, window)
 
     def _row_seeds(self, n: int, seed: int | None) -> torch.Tensor:
@@ -440,7 +440,18 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _fuse_params(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """One tensor holding `params` end to end along dim 0; each parameter becomes a view of its rows."""
+    """One tensor holding `params` end to end along dim 0; each parameter becomes a view of its rows. Where
+    they already are (fused before, by this or another backend on the same model), that tensor is reused."""
+    first = params[0].data
+    rows = sum(p.shape[0] for p in params)
+    if all(p.data.is_contiguous() and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+           for p in params):
+        offsets = [first.storage_offset()]
+        for p in params[:-1]:
+            offsets.append(offsets[-1] + p.numel())
+        if all(p.storage_offset() == o for p, o in zip(params, offsets)):
+            return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
+                                           (rows, *first.shape[1:]), first.stride())
     fused = torch.cat([p.data for p in params])
     start = 0
     for p in params:
