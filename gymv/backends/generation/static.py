@@ -5,13 +5,13 @@ launches, a cache that grows by concatenation) and a `.tolist()` per token for t
 prompt is prefilled exactly as there (one pass per distinct prompt, images through the hash-keyed feature
 cache), its keys and values are copied into a static cache of shape [batch bucket, kv heads, length bucket,
 head dim], and a decode step (sample from the last logits, record token and logprob, check stops, run the
-text model on the sampled token) touches only fixed buffers. On CUDA that step is captured once per
-(batch bucket, length bucket, sampling mode) and replayed; the host only checks every `sync_every` steps
-whether all rows have finished, one step group behind, so the GPU never waits for it.
+text model on the sampled token) touches only fixed buffers. On CUDA that step is captured once per batch
+bucket, length bucket, sampling mode and attention window, and replayed; the host only checks every
+`sync_every` steps whether all rows have finished, one step group behind, so the GPU never waits for it.
 
-The decode step calls the model's own modules (embeddings, norms, projections, MLP, rotary embedding, LM
-head) and does attention itself over the static cache, so it serves Llama-family text models with 1-D
-rotary positions (LLaVA-style VLMs); others, and sliding-window attention, fall back to the HF loop.
+The decode step reads the model's own parameters through small pure functions (Llama's RMSNorm, rotary
+embedding, attention over the static cache, gated MLP), so it serves Llama-family text models with 1-D
+rotary positions (LLaVA-style VLMs); `text_model` says why any other model is left to the HF loop.
 
 Sampling: the logprob is `log_softmax(policy_logits / temperature)` of the drawn token, the trainer's
 definition; vision tokens are at -inf. Draws use Gumbel-max with noise hashed from (row seed, step, token):
@@ -68,7 +68,8 @@ def text_model(model) -> TextModel | str:
     if any(getattr(layer.self_attn, "sliding_window", None) for layer in lm.layers):
         return "sliding-window attention"
     mlp = lm.layers[0].mlp
-    if not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")) or mlp.gate_proj.bias is not None:
+    gated = all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+    if not gated or mlp.gate_proj.bias is not None:
         return f"MLP {type(mlp).__name__} is not a bias-free gated MLP"
     head = model.get_output_embeddings()
     if head is None or getattr(head, "bias", None) is not None:
@@ -320,7 +321,7 @@ class StaticDecodeBackend(HFGenerationBackend):
         self._fuse()
         Bb = _bucket(B, self.BATCH_BUCKETS)
         S = -(-(L + T) // self.LENGTH_BUCKET) * self.LENGTH_BUCKET
-        st, fresh = self._state(Bb, S, -(-T // self.LENGTH_BUCKET) * self.LENGTH_BUCKET, logits.shape[-1], greedy,
+        st, _ = self._state(Bb, S, -(-T // self.LENGTH_BUCKET) * self.LENGTH_BUCKET, logits.shape[-1], greedy,
                                 nucleus)
         if self._forbidden is None or self._forbidden.shape[0] != logits.shape[-1]:
             self._forbidden = forbidden_mask(logits.shape[-1], self.adapter.vision_token_ids, dev)
@@ -428,7 +429,8 @@ class StaticDecodeBackend(HFGenerationBackend):
                 if hit is not None:
                     toks, lps, finish = toks[:j + 1], lps[:j + 1], ("stop", hit)
                     break
-        return GenerationOutput(token_ids=toks, logprobs=lps, text=self.tokenizer.decode(toks, skip_special_tokens=True),
+        return GenerationOutput(token_ids=toks, logprobs=lps,
+                                text=self.tokenizer.decode(toks, skip_special_tokens=True),
                                 finish_reason=finish[0], stop_reason=finish[1])
 
 
