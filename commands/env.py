@@ -45,6 +45,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind (127.0.0.1: this machine only)."),
     port: int = typer.Option(8000, "--port", help="TCP port (0: pick a free one)."),
     max_body_mb: float = typer.Option(64.0, "--max-body-mb", help="Largest accepted request body, in MiB."),
+    max_session_mb: float = typer.Option(1024.0, "--max-session-mb", help="Memory for open episodes, in MiB (the least recently used go first)."),
     log_requests: bool = typer.Option(False, "--log-requests", help="Log each request on stderr."),
     max_turns: int = typer.Option(None, "--max-turns", help="Model turns per episode on /step (default: the environment's own)."),
     latency_ms: float = typer.Option(0.0, "--latency-ms", help="Delay every /step and tool call by this much (simulate a slow tool)."),
@@ -62,13 +63,13 @@ def serve(
     from gymv.envs import get_env
     from gymv.envs.server import EnvServer
 
-    if max_body_mb <= 0:
-        raise GymvError("--max-body-mb must be positive")
+    if max_body_mb <= 0 or max_session_mb <= 0:
+        raise GymvError("--max-body-mb and --max-session-mb must be positive")
     if latency_ms < 0:
         raise GymvError("--latency-ms must be >= 0")
     env = get_env(name, **({"max_turns": max_turns} if max_turns is not None else {}))
     server = EnvServer(env, host, port, max_body_bytes=int(max_body_mb * 1024 * 1024), log_requests=log_requests,
-                        step_latency_s=latency_ms / 1000.0)
+                        max_session_bytes=int(max_session_mb * 1024 * 1024), step_latency_s=latency_ms / 1000.0)
     print(f"serving {env.name} on {server.url}", flush=True)
 
     def stop(signum: int, frame: object) -> None:

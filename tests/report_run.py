@@ -16,7 +16,7 @@ from gymv.envs import get_env
 from gymv.envs.protocol import Image, ModelTurn, ToolCall, ToolResult
 from gymv.runs.rollout_log import attach_model_call_tokens, make_rollout_record
 from gymv.runs.run_dir import RunDir
-from tests.conftest import REPO
+from conftest import REPO
 
 RECIPE = REPO / "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml"
 TOOL_TEXT = "zoomed in on the region around the click"

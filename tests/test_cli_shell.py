@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import gymv
-from tests.conftest import run_gymv
+from conftest import run_gymv
 
 
 def test_version_flag_prints_package_version():

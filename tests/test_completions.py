@@ -12,7 +12,7 @@ import pytest
 import typer
 
 from gymv_cli.completions import FILENAMES, command_tree, render
-from tests.conftest import REPO
+from conftest import REPO
 
 COMPLETIONS = REPO / "completions"
 needs_zsh = pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh is not installed")

@@ -17,7 +17,7 @@ from gymv.recipes.suites import (
     load_suite,
     recipe_for_driver,
 )
-from tests.conftest import REPO
+from conftest import REPO
 
 BEGIN = "# ===== BEGIN CONFIG ====="
 END = "# ===== END CONFIG ====="

@@ -11,7 +11,14 @@ import torch
 
 from gymv.backends.generation.base import GenerationRequest, SamplingParams
 from gymv.backends.generation.hf import HFGenerationBackend
-from gymv.backends.generation.static import StaticDecodeBackend, _fuse_params, gumbel_noise, hf_backend, text_model
+from gymv.backends.generation.static import (
+    StaticDecodeBackend,
+    _fuse_params,
+    gumbel_noise,
+    hf_backend,
+    text_model,
+    with_decode,
+)
 from gymv.backends.logprobs import right_pad, sequence_logprobs
 from gymv.errors import GymvError
 from tests.test_generation_hf import no_cache_greedy, requests
@@ -191,6 +198,11 @@ def test_decode_mode_selection():
         hf_backend(qwen, decode="static")
     with pytest.raises(GymvError, match="generation.decode must be one of"):
         hf_backend(llava, decode="fast")
+    eager = HFGenerationBackend.from_policy(llava, seed=3)
+    assert with_decode(eager, "auto") is eager and with_decode(eager, "eager") is eager
+    static = with_decode(eager, "static", seed=3)
+    assert type(static) is StaticDecodeBackend and static.model is eager.model
+    assert static.chat_template == eager.chat_template
 
 
 def test_the_recipes_decode_mode_reaches_the_generation_worker_spec():

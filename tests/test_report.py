@@ -22,7 +22,7 @@ from gymv.report.run import run_signature
 from gymv.runs.metrics import MetricsLog
 from gymv.runs.rollout_log import make_rollout_record
 from gymv.runs.run_dir import RunDir
-from tests.report_run import TOOL_TEXT, make_run
+from report_run import TOOL_TEXT, make_run
 
 CHECKS = ("median(train/token_mult_prob_error) < 1.1", "mean(train/reward_mean, last=3) > 0.9")
 

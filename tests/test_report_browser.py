@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from gymv.report import build_report
-from tests.report_run import TOOL_TEXT, make_run
+from report_run import TOOL_TEXT, make_run
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (CI installs Debian's chromium)")

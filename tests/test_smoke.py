@@ -25,8 +25,8 @@ from gymv.smoke import (
     run_training,
 )
 from gymv.smoke.run import TrainOutcome
-from tests.conftest import REPO
-from tests.report_run import make_run
+from conftest import REPO
+from report_run import make_run
 
 GRPO = REPO / "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml"
 GPU_RECIPES = sorted(p for p in (REPO / "recipes").glob("*/*.yaml") if "n8g" in p.name)
@@ -148,6 +148,21 @@ def test_tiny_keeps_what_the_smoke_run_is_meant_to_exercise(tmp_path):
     assert after["grpo"]["importance_sampling"] == before["grpo"]["importance_sampling"]
     assert (after["env"]["name"], after["env"]["max_turns"]) == (before["env"]["name"], before["env"]["max_turns"])
     assert after["generation"]["reset_encoder_cache_after_weight_update"] is True
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES, ids=lambda p: p.name)
+def test_the_tiny_stand_in_of_every_gpu_recipe_is_something_gymv_train_runs(tmp_path, recipe):
+    from gymv.capabilities import gaps
+
+    p = prepared(tmp_path, recipe, tiny=True)
+    assert gaps(load_recipe(p.config_file).validated) == []
+
+
+def test_tiny_says_it_checks_plumbing_with_stand_ins_and_names_what_it_stood_in_for(tmp_path):
+    p = prepared(tmp_path, REPO / "recipes/llm/grpo-qwen3-1.7b-1n8g-megatron.yaml", tiny=True)
+    assert p.notes[0].startswith("--tiny checks the plumbing with stand-ins")
+    stood_in = [n for n in p.notes if n.startswith("stand-in for what gymv train cannot run here")]
+    assert any("generation.backend" in n for n in stood_in) and any("training.backend" in n for n in stood_in)
 
 
 def test_tiny_records_each_change_it_made(tmp_path):

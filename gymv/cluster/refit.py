@@ -17,7 +17,6 @@ Encoder-cache resets are the receiver's caller's job (GenerationWorker), after a
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 import warnings
 from abc import ABC, abstractmethod
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from gymv.backends.weights import weights_hash  # noqa: F401  (its old home)
 from gymv.errors import GymvError
 
 
@@ -87,19 +87,6 @@ def unflatten(flat: torch.Tensor, layout: WeightLayout) -> dict[str, torch.Tenso
     return out
 
 
-def weights_hash(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> str:
-    """Content hash of named weights (optionally cast to `dtype` first): equal weights, equal hash."""
-    h = hashlib.blake2b(digest_size=16)
-    for name in sorted(state_dict):
-        t = state_dict[name].detach()
-        if dtype is not None:
-            t = t.to(dtype)
-        t = t.cpu().contiguous()
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
 # ------------------------------------------------------------------------------------------- transports
 
 
@@ -107,6 +94,7 @@ class RefitSender(ABC):
     """Lives in training rank 0; `publish` returns what the driver hands to every receiver."""
 
     name: str
+    receiver: type[RefitReceiver]  # the class each generation worker receives with
     in_band = True  # False: receivers get the weights through the transport itself, not the returned payload
 
     def __init__(self, dtype: torch.dtype, device: torch.device, num_receivers: int = 1):
@@ -127,7 +115,9 @@ class RefitSender(ABC):
         """Join the receivers (called at the same time as every receiver's `connect`)."""
 
     @abstractmethod
-    def publish(self, state_dict: Mapping[str, torch.Tensor]) -> Any: ...
+    def publish(self, state_dict: Mapping[str, torch.Tensor]) -> Any:
+        """Send the weights; a trainer streams them as (name, tensor) pairs, gathered into a mapping of
+        references (`gymv.backends.generation.base.named`) before the one flattening copy."""
 
     def close(self) -> None:
         """Free what the sender holds (shared memory, process groups)."""
@@ -382,21 +372,26 @@ def _process_group(backend: str, store, rank: int, world_size: int):
     raise GymvError(f"unknown collective backend {backend!r}", fix="use gloo or nccl")
 
 
-SENDERS: dict[str, type[RefitSender]] = {
-    c.name: c for c in (ObjectStoreSender, ShmSender, CudaIpcSender, NcclSender, CollectiveSender)}
-RECEIVERS: dict[str, type[RefitReceiver]] = {
-    c.name: c for c in (ObjectStoreReceiver, ShmReceiver, CudaIpcReceiver, NcclReceiver, CollectiveReceiver)}
+ObjectStoreSender.receiver = ObjectStoreReceiver
+ShmSender.receiver = ShmReceiver
+CudaIpcSender.receiver = CudaIpcReceiver
+CollectiveSender.receiver = CollectiveReceiver
+NcclSender.receiver = NcclReceiver
+
+
+def _sender_class(name: str) -> type[RefitSender]:
+    from gymv.backends.registry import REFIT_TRANSPORTS
+
+    if name not in REFIT_TRANSPORTS:
+        raise GymvError(f"refit transport {name!r} has no implementation here", where="refit.transport",
+                        fix=f"use one of: {', '.join(REFIT_TRANSPORTS.available())}")
+    return REFIT_TRANSPORTS.load(name)
 
 
 def make_sender(name: str, dtype: torch.dtype, device, num_receivers: int = 1) -> RefitSender:
-    if name not in SENDERS:
-        raise GymvError(f"refit transport {name!r} has no implementation here", where="refit.transport",
-                        fix=f"use one of: {', '.join(sorted(SENDERS))}")
-    return SENDERS[name](dtype, device, num_receivers)
+    """The sender of the transport registered as `name` (gymv.backends.registry.REFIT_TRANSPORTS)."""
+    return _sender_class(name)(dtype, device, num_receivers)
 
 
 def make_receiver(name: str, device, info: dict | None = None, rank: int = 1) -> RefitReceiver:
-    if name not in RECEIVERS:
-        raise GymvError(f"refit transport {name!r} has no implementation here", where="refit.transport",
-                        fix=f"use one of: {', '.join(sorted(RECEIVERS))}")
-    return RECEIVERS[name](device, info, rank)
+    return _sender_class(name).receiver(device, info, rank)

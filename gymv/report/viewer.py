@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gymv.data.images import DEFAULT_MAX_BYTES, ImageError, split_data_url
+from gymv.envs.responses import decode_parts
 
 _MAGIC = ((b"\x89PNG\r\n\x1a\n", "png"), (b"\xff\xd8\xff", "jpg"), (b"GIF87a", "gif"), (b"GIF89a", "gif"), (b"BM", "bmp"))
 _MODEL_TYPES = ("reasoning", "function_call")
@@ -132,7 +133,8 @@ def _entry(item: Any, images: ImageStore) -> dict:
         return {"kind": "tool_call", "name": str(item.get("name", "?")), "call_id": str(item.get("call_id", "")),
                 "arguments": _arguments(item.get("arguments", ""))}
     if t == "function_call_output":
-        return {"kind": "tool_result", "call_id": str(item.get("call_id", "")), "parts": _parts(item.get("output"), images)}
+        return {"kind": "tool_result", "call_id": str(item.get("call_id", "")),
+                "parts": _parts(decode_parts(item.get("output")), images)}
     return {"kind": "other", "type": str(t), "parts": [{"kind": "text", "text": _text(dict(item))}]}
 
 

@@ -142,7 +142,7 @@ class CheckpointManager:
 
     def __init__(self, directory: str | os.PathLike, keep: int | None = None):
         if keep is not None and keep < 1:
-            raise GymvError(f"checkpoint keep must be >= 1, got {keep}", where="checkpointing.keep", fix="set keep to 1 or more, or leave it unset to keep all")
+            raise GymvError(f"checkpoint keep must be >= 1, got {keep}", where="checkpoint.keep", fix="set keep to 1 or more, or leave it unset to keep all")
         self.directory = Path(directory)
         self.keep = keep
 

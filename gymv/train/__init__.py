@@ -3,8 +3,8 @@
     from gymv.train import train
     summary = train("recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", ["grpo.max_steps=3"])
 
-The loops themselves are gymv/algorithms/sft.py, grpo.py and mopd.py; the builders they share
-live in this package (data, setup, stats, validation).
+The loops themselves are sft.py, grpo.py, grpo_async.py and mopd.py here (the math they call is
+gymv.algorithms); the builders they share live here too (data, setup, stats, validation).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from gymv.capabilities import gaps
 from gymv.errors import GymvError
 from gymv.train.data import EnvRouter, training_rows
 from gymv.train.setup import Reporter, RunContext, open_run, resolve_init_path, worker_spec
@@ -56,20 +57,12 @@ def _check_supported(rec, cfg) -> None:
     if cfg.algorithm not in SUPPORTED:
         raise GymvError(f"gymv train does not run {cfg.algorithm!r} yet", where=_where(rec, "algorithm"),
                         fix=f"use one of: {', '.join(SUPPORTED)}")
-    if cfg.generation.backend != "hf":
-        raise GymvError(f"generation backend {cfg.generation.backend!r} is not wired into gymv train yet",
-                        where=_where(rec, "generation.backend"), fix="use generation.backend: hf")
-    if cfg.training.backend != "torch":
-        raise GymvError(f"training backend {cfg.training.backend!r} is not wired into gymv train yet",
-                        where=_where(rec, "training.backend"), fix="use training.backend: torch")
     if cfg.refit.transport == "nccl" and cfg.cluster.colocated:
         raise GymvError("refit transport nccl cannot broadcast between a trainer and a generator on the same GPU",
                         where=_where(rec, "refit.transport"),
                         fix="use cuda_ipc when colocated, or set cluster.colocated: false for nccl")
-    for key in ("tensorboard", "wandb"):
-        if getattr(cfg.logger, key):
-            raise GymvError(f"logger.{key} is not wired into gymv train yet", where=_where(rec, f"logger.{key}"),
-                            fix=f"set logger.{key}: false; metrics.jsonl holds every metric")
+    for gap in gaps(cfg):
+        raise GymvError(gap.message, where=_where(rec, gap.key), fix=gap.fix)
 
 
 def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, resume_dir: str | None = None,
@@ -103,19 +96,19 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
                      eval_source=_source(eval_rows))
     try:
         if cfg.base_algorithm == "sft":
-            from gymv.algorithms.sft import train_sft
+            from gymv.train.sft import train_sft
 
             result = train_sft(ctx, resume=resume)
         elif cfg.base_algorithm == "mopd":
-            from gymv.algorithms.mopd import train_mopd
+            from gymv.train.mopd import train_mopd
 
             result = train_mopd(ctx, resume=resume)
         elif cfg.grpo.async_.enabled:
-            from gymv.algorithms.grpo_async import train_grpo_async
+            from gymv.train.grpo_async import train_grpo_async
 
             result = train_grpo_async(ctx, resume=resume)
         else:
-            from gymv.algorithms.grpo import train_grpo
+            from gymv.train.grpo import train_grpo
 
             result = train_grpo(ctx, resume=resume)
     except GymvError as e:

@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from gymv.errors import GymvError
-from gymv.runs.checkpoint import LATEST, CheckpointState, DataPosition, find_latest
+from gymv.models.init_path import FINAL_DIR, resolve_init_path  # noqa: F401  (train and tests import it here)
+from gymv.runs.checkpoint import CheckpointState, DataPosition
 from gymv.runs.run_dir import RunDir, run_path
 from gymv.train.data import EnvSpec, Row, RowStream
-
-FINAL_DIR = "final"
 
 
 class Reporter:
@@ -49,37 +48,6 @@ class RunContext:
 
 
 # ------------------------------------------------------------------------------------------ model path
-
-
-def resolve_init_path(text: str, *, where: str | None = None) -> str:
-    """The checkpoint folder a run starts from. Besides HF folders and `embedded:<arch>` it accepts
-    another gymv run: `runs/<name>` (its `final/` export, else its newest checkpoint),
-    `runs/<name>/checkpoints` (newest), `runs/<name>/checkpoints/latest` (the pointer) or `.../step_<N>`.
-    """
-    from gymv.models.load import EMBEDDED_PREFIX, resolve_model_path
-
-    if text.startswith(EMBEDDED_PREFIX):
-        try:
-            return str(resolve_model_path(text))
-        except GymvError as e:
-            raise GymvError(e.message, where=where or "model.path", fix=e.fix) from None
-    p = Path(text).expanduser()
-    if p.is_file() and p.name == LATEST:
-        p = p.parent / p.read_text().strip()
-    elif p.is_dir() and not (p / "config.json").exists():
-        final = p / FINAL_DIR
-        if (final / "config.json").exists():
-            p = final
-        else:
-            latest = find_latest(p)
-            if latest is not None:
-                p = latest
-    try:
-        return str(resolve_model_path(p).absolute())  # workers may run in another directory (a joined cluster)
-    except GymvError as e:
-        raise GymvError(f"{e.message}: {text}", where=where or "model.path",
-                        fix="point model.path at a Hugging Face folder, a gymv run (runs/<name>, its final/ or "
-                            "checkpoints/latest), or embedded:tiny-llava") from None
 
 
 def generation_dtype(cfg, model_path: str) -> str:
@@ -141,7 +109,22 @@ def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature
         kl_reference=kl_reference,
         max_seq_len=cfg.model.max_seq_len,
         max_image_pixels=cfg.vision.max_image_pixels if getattr(cfg, "vision", None) is not None else None,
+        generation_backend=cfg.generation.backend,
+        training_backend=t.backend,
+        **_agent_driver(cfg),
     )
+
+
+def _agent_driver(cfg) -> dict:
+    """WorkerSpec fields of `rollout.driver: nemo_gym_agents` (none for gymv's own loop)."""
+    r = getattr(cfg, "rollout", None)
+    if r is None or r.driver != "nemo_gym_agents":
+        return {}
+    if cfg.cluster.generation_workers_per_gpu != 1 or (cfg.cluster.generation_gpus or 0) > 1:
+        raise GymvError("rollout.driver nemo_gym_agents runs one generation worker (the agents call one model "
+                        "server)", where="cluster.generation_workers_per_gpu", fix="set it to 1")
+    return {"agents": dict(r.agents), "model_server": (r.model_server_host, r.model_server_port),
+            "agent_timeout_s": r.agent_timeout_s}
 
 
 def sampling_params(cfg, *, greedy: bool = False):

@@ -155,8 +155,9 @@ class StaticDecodeBackend(HFGenerationBackend):
 
     def __init__(self, model, tokenizer, adapter, *, seed: int = 0, max_cached_images: int = 4096,
                  cuda_graphs: bool | None = None, sync_every: int = 16, max_states: int = 4,
-                 compile: bool | None = None, fuse_weights: bool = True):
-        super().__init__(model, tokenizer, adapter, seed=seed, max_cached_images=max_cached_images)
+                 compile: bool | None = None, fuse_weights: bool = True, chat_template: str | None = None):
+        super().__init__(model, tokenizer, adapter, seed=seed, max_cached_images=max_cached_images,
+                         chat_template=chat_template)
         tm = text_model(model)
         if isinstance(tm, str):
             raise GymvError(f"static decoding does not support this model: {tm}", where="generation.decode",
@@ -529,15 +530,27 @@ def _cache_tensors(cache, n_layers: int) -> list[tuple[torch.Tensor, torch.Tenso
 DECODE_MODES = ("auto", "eager", "static")
 
 
-def hf_backend(policy, *, decode: str = "auto", **kwargs) -> HFGenerationBackend:
-    """The in-process backend for `policy`: `static` decodes on a static cache (CUDA graphs on a GPU),
-    `eager` is the HF loop, `auto` picks static on CUDA where the model is supported and eager otherwise."""
+def with_decode(backend, decode: str = "auto", *, seed: int = 0):
+    """`backend` with the decode loop `decode` asks for (`generation.decode`): `static` turns an
+    `HFGenerationBackend` into a `StaticDecodeBackend` on the same model (static cache, CUDA graphs on a
+    GPU), `eager` keeps it, `auto` is static on CUDA where the model allows it and eager otherwise. Other
+    engines decode their own way: they pass through `auto` and `eager`, and `static` is an error."""
     if decode not in DECODE_MODES:
         raise GymvError(f"generation.decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}",
                         fix="use auto (static on CUDA), static or eager")
-    on_cuda = next(policy.model.parameters()).device.type == "cuda"
-    if decode == "eager" or (decode == "auto" and not on_cuda):
-        return HFGenerationBackend.from_policy(policy, **kwargs)
-    if decode == "auto" and isinstance(text_model(policy.model), str):
-        return HFGenerationBackend.from_policy(policy, **kwargs)
-    return StaticDecodeBackend.from_policy(policy, **kwargs)
+    if isinstance(backend, StaticDecodeBackend) or decode == "eager":
+        return backend
+    if type(backend) is not HFGenerationBackend:
+        if decode == "static":
+            raise GymvError(f"generation.decode=static needs the hf backend, not {type(backend).__name__}",
+                            where="generation.decode", fix="use generation.decode=auto with this backend")
+        return backend
+    if decode == "auto" and (backend.device.type != "cuda" or isinstance(text_model(backend.model), str)):
+        return backend
+    return StaticDecodeBackend(backend.model, backend.tokenizer, backend.adapter, seed=seed,
+                               max_cached_images=backend.max_cached_images, chat_template=backend.chat_template)
+
+
+def hf_backend(policy, *, decode: str = "auto", seed: int = 0, **kwargs) -> HFGenerationBackend:
+    """The in-process backend for `policy` with the decode loop `decode` asks for (see `with_decode`)."""
+    return with_decode(HFGenerationBackend.from_policy(policy, seed=seed, **kwargs), decode, seed=seed)
