@@ -34,6 +34,7 @@ class WorkerSpec:
     seed: int = 0
     device: str = "cpu"
     generation_dtype: str = "float32"
+    generation_decode: str = "auto"
     temperature: float = 1.0
     threads: int | None = None
     refit_transport: str = "object_store"
@@ -103,12 +104,15 @@ class GenerationWorker:
     """Hosts a generation backend, the environments and the agent loop; receives refits."""
 
     def __init__(self, spec: WorkerSpec, index: int = 0):
+        from gymv.backends.generation.static import with_decode
+
         _set_threads(spec.threads)
         self.spec, self.index = spec, index
         self.device = _device(spec)
         backend_cls = GENERATION_BACKENDS.load(spec.generation_backend)
         self.backend = backend_cls.create(spec.model_path, device=str(self.device), dtype=spec.generation_dtype,
                                           seed=spec.seed + 7919 * index)
+        self.backend = with_decode(self.backend, spec.generation_decode, seed=spec.seed + 7919 * index)
         self.router = EnvRouter(spec.env)
         self.receiver = None
         self.weights_version = 0
