@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
 
 from gymv.runs.rollout_log import model_calls, read_rollouts
 from gymv.train import Reporter, train
+from net_listeners import descendants, is_loopback, listeners
 from tiny_models import tiny_path
 from train_helpers import model_weights, ray_module, read_weights, tiny_grpo_settings, write_recipe
 
@@ -175,8 +177,10 @@ def test_two_training_ranks_take_the_same_step_as_one(tmp_path):
         two = cluster.grpo_step([samples], PolicyLoss())
         h2a, h2b = ray.get([t.weights_hash.remote() for t in cluster.trainers])
         weights = ray.get(cluster.trainers[0].weights.remote())
+        listening = listeners(descendants(os.getpid()))  # Ray's and the rank group's rendezvous included
     finally:
         cluster.shutdown()
+    assert [(addr, port) for _, addr, port in listening if not is_loopback(addr)] == []
     assert h2a == h2b  # both ranks hold the same weights after the step
     assert two["train/num_sequences"] == one["train/num_sequences"] == 4
     assert abs(two["train/loss"] - one["train/loss"]) < 1e-6

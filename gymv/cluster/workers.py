@@ -253,18 +253,18 @@ class TrainingWorker:
         self.sender = None
 
     def address(self) -> tuple[str, int]:
-        """(host, free port) for the data-parallel rendezvous (asked of rank 0)."""
-        import socket
-
+        """(host, port) of the rank group's rendezvous store, which rank 0 (asked this) serves on the node's
+        address only (torch's own store would listen on every interface)."""
         import ray.util
+
+        from gymv.cluster.refit import master_store
 
         try:
             host = ray.util.get_node_ip_address()
         except Exception:
             host = "127.0.0.1"
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return host, s.getsockname()[1]
+        self._store, self._listener = master_store(host, self.world_size)
+        return host, self._store.port
 
     def setup(self, master: tuple[str, int] | None = None) -> dict:
         """Join the rank group (if any) and build this rank of the training backend."""
@@ -273,8 +273,10 @@ class TrainingWorker:
 
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             host, port = master
-            dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
-                                    world_size=self.world_size)
+            store = getattr(self, "_store", None)
+            if store is None:
+                store = dist.TCPStore(host, port, world_size=self.world_size, is_master=False)
+            dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size)
         backend_cls = TRAINING_BACKENDS.load(self.spec.training_backend)
         self.backend = backend_cls.create(self.spec.training_setup(), device=self.device, rank=self.rank,
                                           world_size=self.world_size)
