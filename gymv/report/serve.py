@@ -7,7 +7,6 @@ directory's signature (metrics, rollouts, config, final/) with the one the repor
 from __future__ import annotations
 
 import functools
-import ipaddress
 import os
 import stat
 import threading
@@ -15,18 +14,9 @@ import urllib.parse
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from gymv.net import host_allowed
 from gymv.report.build import build_report
 from gymv.report.run import run_signature
-
-
-_LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 class _Handler(SimpleHTTPRequestHandler):
@@ -42,11 +32,7 @@ class _Handler(SimpleHTTPRequestHandler):
 
     def _host_ok(self) -> bool:
         """On a loopback address, only loopback names: a page elsewhere cannot rebind its own name to us."""
-        if not _is_loopback(self.server.server_address[0]):
-            return True
-        host = self.headers.get("Host") or ""
-        name = host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
-        return not host or name in _LOOPBACK_NAMES
+        return host_allowed(self.server.server_address[0], self.headers.get("Host"))
 
     def _file(self) -> Path | None:
         """The regular file the request names inside the root, or None."""
