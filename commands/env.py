@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -41,7 +42,7 @@ def list_envs(json_out: bool = typer.Option(False, "--json", help="Print JSON on
 
 @app.command()
 def serve(
-    name: str = typer.Argument(..., help="Environment to serve, e.g. circle-click."),
+    name: str = typer.Argument(..., metavar="ENV", help="Environment to serve, e.g. circle-click."),
     host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind (127.0.0.1: this machine only)."),
     port: int = typer.Option(8000, "--port", help="TCP port (0: pick a free one)."),
     max_body_mb: float = typer.Option(64.0, "--max-body-mb", help="Largest accepted request body, in MiB."),
@@ -53,7 +54,8 @@ def serve(
     """Serve NAME with NeMo Gym's resources-server and gymnasium endpoints until interrupted.
 
     Endpoints: GET /, GET /describe, POST /seed_session, POST /reset, POST /step, POST /verify,
-    POST /aggregate_metrics and POST /<tool> per tool. The first line on stdout is the URL.
+    POST /aggregate_metrics and POST /<tool> per tool. The first line on stdout is the URL alone
+    (e.g. http://127.0.0.1:8001); what is served goes to stderr.
 
     Example: gymv env serve circle-click --port 8001
              gymv env serve polygon-naming --port 8002 --latency-ms 100   # tools that take 100 ms
@@ -70,7 +72,8 @@ def serve(
     env = get_env(name, **({"max_turns": max_turns} if max_turns is not None else {}))
     server = EnvServer(env, host, port, max_body_bytes=int(max_body_mb * 1024 * 1024), log_requests=log_requests,
                         max_session_bytes=int(max_session_mb * 1024 * 1024), step_latency_s=latency_ms / 1000.0)
-    print(f"serving {env.name} on {server.url}", flush=True)
+    print(server.url, flush=True)  # the URL alone, so that `read -r URL` or a script's readline() gets it
+    print(f"serving {env.name} on {server.url} (Ctrl-C stops)", file=sys.stderr, flush=True)
 
     def stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -88,7 +91,7 @@ def serve(
 def verify(
     rollouts: Path = typer.Argument(..., help="Rollout JSONL (NeMo Gym's format: rows plus `response`)."),
     data: Path = typer.Option(None, "--data", help="Rows the rollouts were run on, joined by _ng_task_index."),
-    env: str = typer.Option(None, "--env", help="Environment to score with (default: from each row)."),
+    env: str = typer.Option(None, "--env", metavar="ENV", help="Environment to score with (default: from each row)."),
     on_error: str = typer.Option("fail", "--on-error", help="fail: stop at the first unusable line; skip: count it and go on."),
     out: Path = typer.Option(None, "--out", help="Also write the scored rollouts (reward and extras) here."),
     fail_on_mismatch: bool = typer.Option(False, "--fail-on-mismatch", help="Exit 1 when a recorded reward differs."),

@@ -235,6 +235,19 @@ def test_tool_images_come_back_as_parts_and_tool_state_is_per_session():
         assert b.call_tool("shoot", {}).text == "shot 1"
 
 
+def test_cli_prints_the_url_alone_on_the_first_stdout_line():
+    proc = subprocess.Popen([sys.executable, "-m", "gymv_cli.main", "env", "serve", "circle-count", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().rstrip("\n")
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+", line), line
+        assert EnvClient(line).health()["env"] == "circle-count"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert "serving circle-count on " + line in proc.stderr.read()
+
+
 def test_cli_serves_on_a_free_port_until_terminated():
     proc = subprocess.Popen([sys.executable, "-m", "gymv_cli.main", "env", "serve", "circle-count", "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -20,8 +20,9 @@ from pathlib import Path
 
 from gymv.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
 from gymv.backends.training.base import TrainingSetup
-from gymv.errors import GymvError
+from gymv.io import follow_umask
 from gymv.envs.routing import EnvRouter, EnvSpec
+from gymv.errors import GymvError
 
 
 @dataclass(frozen=True)
@@ -339,7 +340,7 @@ class TrainingWorker:
         from gymv.cluster.refit import make_sender
 
         self.sender = make_sender(self.spec.refit_transport, self._generation_dtype(), self.device, num_receivers)
-        return {"info": self.sender.rendezvous(dict(self.backend.named_weights())), "in_band": self.sender.in_band}
+        return {"info": self.sender.rendezvous(self.backend.named_weights()), "in_band": self.sender.in_band}
 
     def refit_connect(self) -> None:
         self.sender.connect()
@@ -349,7 +350,7 @@ class TrainingWorker:
         return {k: v.detach().cpu().clone() for k, v in self.backend.named_weights()}
 
     def publish(self):
-        return self.sender.publish(dict(self.backend.named_weights()))
+        return self.sender.publish(self.backend.named_weights())
 
     def weights_hash(self) -> str:
         return self.backend.weights_hash(self._generation_dtype())
@@ -386,6 +387,7 @@ class TrainingWorker:
         self.backend.export_hf(tmp)
         if self.rank != 0:
             return str(target)
+        follow_umask(tmp)  # save_pretrained writes 0600 files; the export is for a team to read
         if target.exists():
             old = target.with_name(f".{target.name}.old")
             shutil.rmtree(old, ignore_errors=True)

@@ -21,7 +21,7 @@ Fraction = Annotated[float, Field(gt=0, le=1)]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)  # lr=inf is no learning rate
 
 
 class ModelSection(Section):
@@ -60,6 +60,9 @@ class EnvSection(Section):
     max_rollout_tokens: PosInt = 2048
     timeout_s: PosFloat = 30.0
     retries: NonNegInt = 2
+    max_failed_fraction: Annotated[float, Field(ge=0, le=1)] = 0.5  # of one step's rollouts, else the run stops
+    failed_window_steps: PosInt = 10
+    max_failed_fraction_window: Annotated[float, Field(ge=0, le=1)] = 0.25  # over the last failed_window_steps
     kwargs: dict[str, Any] = {}
 
 
@@ -176,6 +179,7 @@ class LoggerSection(Section):
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str | None = None
+    plugins: list[str] = []  # logger plugins (entry-point group gymv.loggers) to log to as well
     log_rollouts: bool = True
 
 
