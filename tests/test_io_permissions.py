@@ -67,8 +67,12 @@ def test_a_checkpoint_written_with_private_files_follows_umask_022(umask, tmp_pa
 
     class PrivateWriter:  # writes the way safetensors does: a new file created 0600
         def save(self, path):
-            fd = os.open(os.path.join(path, "model.safetensors"), os.O_WRONLY | os.O_CREAT, 0o600)
-            os.close(fd)
+            import torch
+            from safetensors.torch import save_file
+
+            target = os.path.join(path, "model.safetensors")
+            save_file({"w": torch.zeros(2)}, target)  # a complete checkpoint: its header must read
+            os.chmod(target, 0o600)
 
         def load(self, path):
             pass
