@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 from gymv.errors import GymvError
 
-SUPPORTED_PROCESSORS = {"LlavaProcessor": "placeholder", "Qwen2VLProcessor": "grid"}
+SUPPORTED_PROCESSORS = {"LlavaProcessor": "placeholder", "Qwen2VLProcessor": "grid", "Qwen2_5_VLProcessor": "grid"}
 
 
 def supported_text() -> str:
@@ -285,6 +285,53 @@ class GridAdapter(MultimodalAdapter):
 
     def step_positions(self, next_pos):
         return next_pos.view(1, -1, 1).expand(3, -1, 1)
+
+
+class TextAdapter(MultimodalAdapter):
+    """A text-only causal LM: no image token at all (id -1 matches no token), nothing masked out of sampling,
+    and any image is a one-line error naming the row, before a forward pass."""
+
+    style = "text"
+
+    def __init__(self, tokenizer, image_processor=None, config=None, processor_class: str = "", hf_processor=None):
+        self.tokenizer = tokenizer
+        self.image_processor = None
+        self.config = config
+        self.processor_class = processor_class or type(tokenizer).__name__
+        self.hf_processor = None
+        self.image_token = None
+        self.image_token_id = -1
+        self.vision_token_ids: tuple[int, ...] = ()
+
+    def _no_images(self, images: Sequence, where: str | None) -> None:
+        if len(images):
+            raise GymvError(f"this model is text-only, but {len(images)} image(s) were given", where=where,
+                            fix="train a vision-language model on rows with images, or use a text-only environment")
+
+    def tokens_per_image(self, image) -> int:
+        self._no_images([image], None)
+        return 0
+
+    def encode_text(self, text: str, images: Sequence = (), *, where: str | None = None) -> list[int]:
+        self._no_images(images, where)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def count_placeholders(self, ids) -> int:
+        return 0
+
+    def check(self, ids, images: Sequence, *, where: str | None = None) -> None:
+        self._no_images(images, where)
+
+    def preprocess(self, images: Sequence) -> ImageInputs:
+        self._no_images(images, None)
+        return ImageInputs(None, None, [])
+
+    def image_features(self, model, inputs: ImageInputs) -> list:
+        return []
+
+    def describe(self) -> dict:
+        return {"style": self.style, "processor": self.processor_class, "image_token": None,
+                "image_token_id": None, "vision_token_ids": []}
 
 
 _STYLES = {"placeholder": PlaceholderAdapter, "grid": GridAdapter}

@@ -66,6 +66,8 @@ def student_vision_ids(student_path: str | Path) -> tuple[int, ...]:
     from gymv.models.quiet import quiet_transformers
 
     path = Path(student_path)
+    if is_text_only(path):  # a text-only student samples every token
+        return ()
     cls = ""
     for name in ("processor_config.json", "preprocessor_config.json"):
         f = path / name

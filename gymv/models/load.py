@@ -78,7 +78,9 @@ def load_policy(path: str | os.PathLike, device: str = "cpu", dtype: Any = None,
                 attn_implementation: str | None = None) -> Policy:
     """Load model + tokenizer + image processor, and choose the multimodal adapter from the processor.
 
-    The composite processor is loaded with AutoProcessor where possible; where it cannot be (Qwen2-VL's
+    A checkpoint whose config has no `vision_config` is a text-only causal LM: it loads with
+    AutoModelForCausalLM and the text adapter (no image processor is looked for). Otherwise the composite
+    processor is loaded with AutoProcessor where possible; where it cannot be (Qwen2-VL's
     processor needs torchvision for its video half), the same parts are loaded one by one, which is all
     gymv needs. An unsupported processor class fails here with the list of supported ones.
     """
@@ -94,11 +96,46 @@ def load_policy(path: str | os.PathLike, device: str = "cpu", dtype: Any = None,
         return _load(ckpt, device, dtype, attn_implementation)
 
 
+def is_text_only(path: str | os.PathLike) -> bool:
+    """A checkpoint without a vision tower: its config.json has no `vision_config`."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise GymvError(f"cannot read config.json: {e}", where=str(path),
+                        fix="point at a Hugging Face checkpoint folder") from None
+    return "vision_config" not in config
+
+
+def _load_text(ckpt: Path, device, dtype, attn_implementation) -> Policy:
+    """A text-only causal LM: tokenizer and AutoModelForCausalLM, no processor looked for."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gymv.backends.multimodal import TextAdapter
+
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    kwargs = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(ckpt, **kwargs)
+    except ValueError as e:
+        raise GymvError(f"cannot load a causal language model: {str(e).splitlines()[0]}", where=str(ckpt),
+                        fix="a text-only checkpoint must load with AutoModelForCausalLM") from None
+    model.to(device)
+    model.eval()
+    adapter = TextAdapter(tokenizer, config=model.config)
+    info = {"processor_class": None, "style": adapter.style, "model_class": type(model).__name__}
+    return Policy(model=model, tokenizer=tokenizer, image_processor=None, adapter=adapter, processor=None, path=ckpt,
+                  chat_template=getattr(tokenizer, "chat_template", None), info=info)
+
+
 def _load(ckpt: Path, device, dtype, attn_implementation) -> Policy:
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
     from gymv.backends.multimodal import SUPPORTED_PROCESSORS, make_adapter, supported_text
 
+    if is_text_only(ckpt):
+        return _load_text(ckpt, device, dtype, attn_implementation)
     processor_class = _processor_class(ckpt)
     hf_processor, why = None, None
     try:
@@ -125,7 +162,7 @@ def _load(ckpt: Path, device, dtype, attn_implementation) -> Policy:
     model.eval()
     adapter = make_adapter(processor_class, tokenizer, image_processor, model.config, hf_processor)
     template = getattr(hf_processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
-    info = {"processor_class": processor_class, "style": adapter.style}
+    info = {"processor_class": processor_class, "style": adapter.style, "model_class": type(model).__name__}
     if why:
         info["processor_fallback"] = why
     return Policy(model=model, tokenizer=tokenizer, image_processor=image_processor, adapter=adapter,

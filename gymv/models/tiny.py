@@ -57,8 +57,12 @@ class TinyKnobs:
                       "pass --vocab-size 512 or more")
 
 
-ARCHES = ("tiny-llava", "tiny-qwen2vl")
-DEFAULTS = {"tiny-llava": TinyKnobs(), "tiny-qwen2vl": TinyKnobs(image_size=112)}
+ARCHES = ("tiny-llava", "tiny-qwen2vl", "tiny-qwen2_5vl", "tiny-qwen3", "tiny-llama")
+GRID_ARCHES = {"tiny-qwen2vl": "Qwen2VL", "tiny-qwen2_5vl": "Qwen2_5_VL"}  # arch -> transformers class prefix
+TEXT_ONLY_ARCHES = ("tiny-qwen3", "tiny-llama")
+DEFAULTS = {"tiny-llava": TinyKnobs(), "tiny-qwen2vl": TinyKnobs(image_size=112),
+            "tiny-qwen2_5vl": TinyKnobs(image_size=112),
+            "tiny-qwen3": TinyKnobs(), "tiny-llama": TinyKnobs()}
 
 
 def knobs_for(arch: str, **overrides) -> TinyKnobs:
@@ -169,8 +173,12 @@ QWEN2VL_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", 
 MERGE_SIZE = 2
 
 
-def init_tiny_qwen2vl(out_dir: str | os.PathLike, *, force: bool = False, reuse: bool = False, **knobs) -> Path:
+def init_tiny_qwen2vl(out_dir: str | os.PathLike, *, force: bool = False, reuse: bool = False,
+                      arch: str = "tiny-qwen2vl", **knobs) -> Path:
     """Write a Qwen2-VL-style VLM (grid processor: `image_grid_thw`, M-RoPE, 2x2 patch merging).
+
+    `arch="tiny-qwen2_5vl"` writes the Qwen2.5-VL classes instead: the same processor style, with a vision
+    tower of windowed attention (RMSNorm, SwiGLU; the last layer attends fully) and `Qwen2_5_VLProcessor`.
 
     The model, image processor, tokenizer and chat template load with the Auto* classes. The composite
     `Qwen2VLProcessor` also needs a video processor, which transformers implements only with torchvision;
@@ -178,15 +186,17 @@ def init_tiny_qwen2vl(out_dir: str | os.PathLike, *, force: bool = False, reuse:
     loader assembles the same parts itself. The processor config is written by hand in the layout
     `Qwen2VLProcessor.save_pretrained` produces, so that AutoProcessor loads it where torchvision exists.
     """
-    k = knobs_for("tiny-qwen2vl", **knobs)
-    k.validate("tiny-qwen2vl")
+    if arch not in GRID_ARCHES:
+        raise GymvError(f"{arch!r} is not a grid-processor tiny architecture", fix=f"use one of: {', '.join(GRID_ARCHES)}")
+    k = knobs_for(arch, **knobs)
+    k.validate(arch)
     factor = k.patch_size * MERGE_SIZE
     if k.image_size % factor:
         raise GymvError(f"image size {k.image_size} is not a multiple of patch_size*merge_size = {factor}",
-                        where="model init tiny-qwen2vl", fix=f"use a multiple of {factor}, e.g. {8 * factor}")
+                        where=f"model init {arch}", fix=f"use a multiple of {factor}, e.g. {8 * factor}")
 
     def build(tmp: Path) -> None:
-        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+        import transformers
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         from gymv.models.chat_template import chat_template
@@ -204,15 +214,22 @@ def init_tiny_qwen2vl(out_dir: str | os.PathLike, *, force: bool = False, reuse:
         text = dict(_text_kwargs(k, len(tok), tok),
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                      "mrope_section": [t_sec, h_sec, half - t_sec - h_sec]})
-        vision = dict(depth=k.vision_layers, embed_dim=k.vision_hidden, hidden_size=k.hidden,
-                      num_heads=k.vision_heads, mlp_ratio=2, patch_size=k.patch_size,
-                      spatial_merge_size=MERGE_SIZE, temporal_patch_size=2)
-        config = Qwen2VLConfig(
+        prefix = GRID_ARCHES[arch]
+        if arch == "tiny-qwen2vl":
+            vision = dict(depth=k.vision_layers, embed_dim=k.vision_hidden, hidden_size=k.hidden,
+                          num_heads=k.vision_heads, mlp_ratio=2, patch_size=k.patch_size,
+                          spatial_merge_size=MERGE_SIZE, temporal_patch_size=2)
+        else:  # windows of 4x4 merged patches, so an image at the 112 px budget spans several windows
+            vision = dict(depth=k.vision_layers, hidden_size=k.vision_hidden, intermediate_size=2 * k.vision_hidden,
+                          num_heads=k.vision_heads, out_hidden_size=k.hidden, patch_size=k.patch_size,
+                          spatial_merge_size=MERGE_SIZE, temporal_patch_size=2, window_size=4 * factor,
+                          fullatt_block_indexes=[k.vision_layers - 1])
+        config = getattr(transformers, f"{prefix}Config")(
             text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
             video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
             vision_end_token_id=ids["<|vision_end|>"],
         )
-        model = _seeded_model(Qwen2VLForConditionalGeneration, config, k.seed)
+        model = _seeded_model(getattr(transformers, f"{prefix}ForConditionalGeneration"), config, k.seed)
         _set_generation_defaults(model, tok)
         image_processor = Qwen2VLImageProcessorPil(
             patch_size=k.patch_size, merge_size=MERGE_SIZE, temporal_patch_size=2,
@@ -223,12 +240,12 @@ def init_tiny_qwen2vl(out_dir: str | os.PathLike, *, force: bool = False, reuse:
         tok.save_pretrained(tmp)
         image_processor.save_pretrained(tmp)
         (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")
-        _write_qwen2vl_processor_config(tmp, image_processor, k)
+        _write_qwen2vl_processor_config(tmp, image_processor, k, f"{prefix}Processor")
 
-    return _write(Path(out_dir), "tiny-qwen2vl", k, build, force, reuse)
+    return _write(Path(out_dir), arch, k, build, force, reuse)
 
 
-def _write_qwen2vl_processor_config(tmp: Path, image_processor, k: TinyKnobs) -> None:
+def _write_qwen2vl_processor_config(tmp: Path, image_processor, k: TinyKnobs, processor_class: str) -> None:
     image_cfg = json.loads((tmp / "preprocessor_config.json").read_text())
     video_cfg = {
         "video_processor_type": "Qwen2VLVideoProcessor",
@@ -238,8 +255,41 @@ def _write_qwen2vl_processor_config(tmp: Path, image_processor, k: TinyKnobs) ->
         "image_std": list(image_processor.image_std), "rescale_factor": image_processor.rescale_factor,
         "resample": int(image_processor.resample), "do_sample_frames": False,
     }
-    cfg = {"processor_class": "Qwen2VLProcessor", "image_processor": image_cfg, "video_processor": video_cfg}
+    cfg = {"processor_class": processor_class, "image_processor": image_cfg, "video_processor": video_cfg}
     (tmp / "processor_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def init_tiny_text(arch: str, out_dir: str | os.PathLike, *, force: bool = False, reuse: bool = False,
+                   **knobs) -> Path:
+    """Write a text-only causal LM (`tiny-qwen3`: Qwen3ForCausalLM, `tiny-llama`: LlamaForCausalLM) with the
+    same tokenizer and chat template as the VLMs minus every vision token: no image processor, no vision
+    config, so it loads as a text-only policy. The vision knobs are ignored."""
+    if arch not in TEXT_ONLY_ARCHES:
+        raise GymvError(f"{arch!r} is not a text-only tiny architecture", fix=f"use one of: {', '.join(TEXT_ONLY_ARCHES)}")
+    k = knobs_for(arch, **knobs)
+    k.validate(arch)
+
+    def build(tmp: Path) -> None:
+        from gymv.models.chat_template import chat_template
+        from gymv.models.tokenizer import hf_tokenizer, train_bpe
+
+        tok = hf_tokenizer(train_bpe(k.seed, k.vocab_size, []), image_token=None)
+        kwargs = _text_kwargs(k, len(tok), tok)
+        if arch == "tiny-qwen3":
+            from transformers import Qwen3Config as Config
+            from transformers import Qwen3ForCausalLM as Model
+
+            kwargs["head_dim"] = k.hidden // k.heads
+        else:
+            from transformers import LlamaConfig as Config
+            from transformers import LlamaForCausalLM as Model
+        model = _seeded_model(Model, Config(**kwargs), k.seed)
+        _set_generation_defaults(model, tok)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "chat_template.jinja").write_text(chat_template(None), encoding="utf-8")
+
+    return _write(Path(out_dir), arch, k, build, force, reuse)
 
 
 def _set_generation_defaults(model, tok) -> None:
@@ -253,8 +303,10 @@ def init_tiny(arch: str, out_dir: str | os.PathLike, *, force: bool = False, reu
     """Dispatch on the architecture name used by `gymv model init` and `embedded:<arch>` paths."""
     if arch == "tiny-llava":
         return init_tiny_llava(out_dir, force=force, reuse=reuse, **knobs)
-    if arch == "tiny-qwen2vl":
-        return init_tiny_qwen2vl(out_dir, force=force, reuse=reuse, **knobs)
+    if arch in GRID_ARCHES:
+        return init_tiny_qwen2vl(out_dir, force=force, reuse=reuse, arch=arch, **knobs)
+    if arch in TEXT_ONLY_ARCHES:
+        return init_tiny_text(arch, out_dir, force=force, reuse=reuse, **knobs)
     raise GymvError(f"unknown tiny architecture {arch!r}", fix=f"use one of: {', '.join(ARCHES)}")
 
 

@@ -1,0 +1,165 @@
+"""Every model family gymv supports, each on a random-initialised model of its real transformers class built
+locally: the model loads as that class, rollouts carry an image per turn with the placeholder check before
+every forward pass, vision tokens are never sampled, generation logprobs equal the trainer's, and a GRPO
+step trains it. Text-only families (no vision path at all) run the same on a text environment."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from family_checks import (check_trajectory_images, continue_with_hf, favour_vision_tokens, grpo_step,
+                           logprob_error, picture_rollout)
+from gymv.backends.generation import GenerationRequest, SamplingParams
+from gymv.backends.generation.hf import HFGenerationBackend
+from gymv.errors import GymvError
+from gymv.rollout import run_rollouts
+from rollout_helpers import tiny_rows
+from tiny_models import fresh_policy, shared_policy, solid, tiny_path
+
+# arch -> (model class, processor class, adapter style)
+VLM_FAMILIES = {
+    "tiny-llava": ("LlavaForConditionalGeneration", "LlavaProcessor", "placeholder"),
+    "tiny-qwen2vl": ("Qwen2VLForConditionalGeneration", "Qwen2VLProcessor", "grid"),
+    "tiny-qwen2_5vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor", "grid"),
+}
+TEXT_FAMILIES = {
+    "tiny-qwen3": "Qwen3ForCausalLM",
+    "tiny-llama": "LlamaForCausalLM",
+}
+
+
+# -------------------------------------------------------------------------------------------- text-only
+
+
+@pytest.mark.parametrize("arch", TEXT_FAMILIES)
+def test_text_only_tiny_is_a_causal_lm_with_no_vision_files_config_or_tokens(arch):
+    path = tiny_path(arch)
+    policy = shared_policy(arch)
+    assert not (path / "preprocessor_config.json").exists() and not (path / "processor_config.json").exists()
+    assert "vision_config" not in json.loads((path / "config.json").read_text())
+    assert type(policy.model).__name__ == TEXT_FAMILIES[arch]
+    assert (policy.adapter.style, policy.image_processor, policy.processor) == ("text", None, None)
+    assert policy.adapter.vision_token_ids == ()
+    assert not any(k in policy.tokenizer.get_vocab() for k in ("<image>", "<|image_pad|>", "<|vision_start|>"))
+
+
+def test_text_only_policy_refuses_an_image_with_a_line_naming_the_row():
+    policy = shared_policy("tiny-qwen3")
+    backend = HFGenerationBackend.from_policy(policy)
+    with pytest.raises(GymvError, match="text-only.*1 image") as e:
+        backend.generate([GenerationRequest([1, 2, 3], [solid("red")], where="rows.jsonl line 4")], SamplingParams())
+    assert "rows.jsonl line 4" in str(e.value)
+
+
+def test_text_only_chat_template_rejects_an_image_part():
+    policy = shared_policy("tiny-llama")
+    with pytest.raises(Exception, match="text-only"):
+        policy.tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], tokenize=False,
+                                             chat_template=policy.chat_template)
+
+
+def arithmetic_rollouts(policy, n_rows=2, group_size=2):
+    env, rows = tiny_rows("arithmetic", n_rows)
+    backend = HFGenerationBackend.from_policy(policy, seed=0)
+    return run_rollouts(backend, policy.adapter, policy.tokenizer, policy.chat_template, env, rows,
+                        group_size=group_size, params=SamplingParams(max_new_tokens=8), max_turns=1,
+                        max_rollout_tokens=64, max_seq_len=256, seed=0)
+
+
+@pytest.mark.parametrize("arch", TEXT_FAMILIES)
+def test_text_only_rollouts_have_generation_logprobs_equal_to_the_trainers(arch):
+    from gymv.algorithms.metrics import token_mult_prob_error
+    from gymv.backends.logprobs import right_pad, sequence_logprobs
+
+    policy = shared_policy(arch)
+    trajs = arithmetic_rollouts(policy)
+    assert len(trajs) == 4 and all(t.error is None and t.num_generated > 0 and not t.images for t in trajs)
+    batch = right_pad([t.token_ids for t in trajs], [[] for _ in trajs], policy.tokenizer.pad_token_id)
+    with torch.no_grad():
+        train = sequence_logprobs(policy.model, policy.adapter, batch)
+    gen = torch.zeros_like(train)
+    mask = torch.zeros_like(train, dtype=torch.bool)
+    for b, t in enumerate(trajs):
+        gen[b, :len(t.logprobs)] = torch.tensor(t.logprobs)
+        mask[b, :len(t.loss_mask)] = torch.tensor(t.loss_mask, dtype=torch.bool)
+    assert float(token_mult_prob_error(gen, train, mask)[1]) < 1.05
+
+
+@pytest.mark.parametrize("arch", TEXT_FAMILIES)
+def test_a_grpo_step_trains_a_text_only_policy(arch):
+    [traj] = arithmetic_rollouts(shared_policy(arch), n_rows=1, group_size=1)
+    metrics, changed = grpo_step(arch, traj)
+    assert changed
+    assert metrics["train/token_mult_prob_error"] < 1.05
+    assert all(torch.isfinite(torch.tensor(v)) for k, v in metrics.items() if k.startswith("train/loss"))
+
+
+# -------------------------------------------------------------------------------------- vision-language
+
+
+@pytest.mark.parametrize("arch", VLM_FAMILIES)
+def test_vlm_family_loads_as_its_real_transformers_class(arch):
+    model_cls, processor_cls, style = VLM_FAMILIES[arch]
+    policy = shared_policy(arch)
+    assert type(policy.model).__name__ == model_cls
+    assert (policy.info["processor_class"], policy.adapter.style) == (processor_cls, style)
+    assert policy.adapter.image_token_id in policy.adapter.vision_token_ids
+
+
+@pytest.mark.parametrize("arch", VLM_FAMILIES)
+def test_vlm_family_rollout_attributes_an_image_to_each_turn_and_passes_the_placeholder_check(arch):
+    policy = shared_policy(arch)
+    traj = picture_rollout(policy)
+    assert traj.error is None and traj.turns == 3
+    assert traj.image_turns == [0, 1, 2]
+    check_trajectory_images(traj, policy.adapter)
+    cut = list(traj.token_ids)
+    cut.remove(policy.adapter.image_token_id)  # one placeholder token short
+    with pytest.raises(GymvError, match="placeholder"):
+        policy.adapter.check(cut, traj.images, where="row 0")
+
+
+@pytest.mark.parametrize("arch", VLM_FAMILIES)
+def test_vlm_family_generation_logprobs_equal_the_trainers_after_three_image_turns(arch):
+    policy = shared_policy(arch)
+    traj = picture_rollout(policy)
+    seqs, images, outs = continue_with_hf(policy, traj, n=2, max_new_tokens=6, temperature=1.0)
+    assert logprob_error(policy, seqs, images, outs, len(traj.token_ids)) < 1.05
+
+
+@pytest.mark.parametrize("arch", VLM_FAMILIES)
+def test_vlm_family_never_samples_a_vision_token_even_when_the_model_prefers_one(arch):
+    policy = fresh_policy(arch)
+    traj = picture_rollout(policy)
+    handle = favour_vision_tokens(policy)
+    try:
+        _, _, outs = continue_with_hf(policy, traj, n=2, max_new_tokens=4)
+    finally:
+        handle.remove()
+    assert all(o.token_ids and not set(o.token_ids) & set(policy.adapter.vision_token_ids) for o in outs)
+
+
+@pytest.mark.parametrize("arch", VLM_FAMILIES)
+def test_a_grpo_step_trains_a_vlm_family_on_a_three_image_episode(arch):
+    traj = picture_rollout(shared_policy(arch))
+    metrics, changed = grpo_step(arch, traj)
+    assert changed
+    assert metrics["train/token_mult_prob_error"] < 1.05
+    assert all(torch.isfinite(torch.tensor(v)) for k, v in metrics.items() if k.startswith("train/loss"))
+
+
+@pytest.mark.slow
+def test_model_init_and_info_build_and_describe_a_text_only_model(tmp_path):
+    from tests.conftest import run_gymv
+
+    out = tmp_path / "q3"
+    made = run_gymv("model", "init", "tiny-qwen3", str(out), "--layers", "1", "--json")
+    assert made.code == 0, made.stderr
+    assert json.loads(made.stdout)["arch"] == "tiny-qwen3"
+    shown = run_gymv("model", "info", str(out), "--json")
+    assert shown.code == 0, shown.stderr
+    info = json.loads(shown.stdout)
+    assert (info["style"], info["model_class"], info["vision_token_ids"]) == ("text", "Qwen3ForCausalLM", [])
