@@ -24,6 +24,8 @@ VLM_FAMILIES = {
     "tiny-llava": ("LlavaForConditionalGeneration", "LlavaProcessor", "placeholder"),
     "tiny-qwen2vl": ("Qwen2VLForConditionalGeneration", "Qwen2VLProcessor", "grid"),
     "tiny-qwen2_5vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor", "grid"),
+    "tiny-llava-next": ("LlavaNextForConditionalGeneration", "LlavaNextProcessor", "anyres"),
+    "tiny-llava-onevision": ("LlavaOnevisionForConditionalGeneration", "LlavaOnevisionProcessor", "anyres"),
 }
 TEXT_FAMILIES = {
     "tiny-qwen3": "Qwen3ForCausalLM",
@@ -163,3 +165,12 @@ def test_model_init_and_info_build_and_describe_a_text_only_model(tmp_path):
     assert shown.code == 0, shown.stderr
     info = json.loads(shown.stdout)
     assert (info["style"], info["model_class"], info["vision_token_ids"]) == ("text", "Qwen3ForCausalLM", [])
+
+
+def test_any_resolution_token_counts_depend_on_the_image_and_equal_the_hf_processors():
+    policy = shared_policy("tiny-llava-next")
+    images = [solid("red", (64, 48)), solid("blue", (30, 90)), solid("green", (120, 120))]
+    counts = [policy.adapter.tokens_per_image(im) for im in images]
+    assert len(set(counts)) == 3
+    out = policy.processor(images=images, text=["<image>a<image>b<image>"], return_tensors="pt")
+    assert int((out["input_ids"] == policy.adapter.image_token_id).sum()) == sum(counts)

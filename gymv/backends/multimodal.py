@@ -23,7 +23,8 @@ from typing import Any, ClassVar
 
 from gymv.errors import GymvError
 
-SUPPORTED_PROCESSORS = {"LlavaProcessor": "placeholder", "Qwen2VLProcessor": "grid", "Qwen2_5_VLProcessor": "grid"}
+SUPPORTED_PROCESSORS = {"LlavaProcessor": "placeholder", "Qwen2VLProcessor": "grid", "Qwen2_5_VLProcessor": "grid",
+                        "LlavaNextProcessor": "anyres", "LlavaOnevisionProcessor": "anyres"}
 
 
 def supported_text() -> str:
@@ -45,11 +46,13 @@ class ImageInputs:
     pixel_values: Any
     image_grid_thw: Any | None
     tokens_per_image: list[int]
+    image_sizes: Any | None = None  # any-resolution tiling: each image's (height, width)
 
     def select(self, index: int) -> ImageInputs:
         """The inputs of one image (grid pixel rows are split by each image's patch count)."""
         if self.image_grid_thw is None:
-            return ImageInputs(self.pixel_values[index:index + 1], None, [self.tokens_per_image[index]])
+            sizes = self.image_sizes[index:index + 1] if self.image_sizes is not None else None
+            return ImageInputs(self.pixel_values[index:index + 1], None, [self.tokens_per_image[index]], sizes)
         counts = self.image_grid_thw.prod(-1).tolist()
         start = sum(counts[:index])
         return ImageInputs(self.pixel_values[start:start + counts[index]], self.image_grid_thw[index:index + 1],
@@ -287,6 +290,57 @@ class GridAdapter(MultimodalAdapter):
         return next_pos.view(1, -1, 1).expand(3, -1, 1)
 
 
+class AnyResAdapter(MultimodalAdapter):
+    """LLaVA-NeXT and LLaVA-OneVision: the image is tiled at the best-fitting grid resolution plus one base
+    tile, so its token count (tiles, unpadded to the aspect ratio, one newline per row) depends on its size.
+
+    The count comes from the processor class's own formula, run on a bare instance that holds only what the
+    formula reads, so it works where the composite processor cannot load (OneVision's needs torchvision for
+    video). Every image is tiled as a single image: OneVision's processor tiles a lone image but gives each
+    image of a multi-image prompt one base tile, which would make an image's tokens depend on the images
+    other turns add later; gymv appends turns without re-tokenizing, so it tiles each image on its own, in
+    generation and training alike (docs/models.md).
+    """
+
+    style = "anyres"
+    adjacent_images_merge = True
+
+    def __init__(self, tokenizer, image_processor, config, processor_class: str, hf_processor=None):
+        super().__init__(tokenizer, image_processor, config, processor_class, hf_processor)
+        import transformers
+
+        vc = config.vision_config
+        self.strategy = config.vision_feature_select_strategy
+        counter = object.__new__(getattr(transformers, processor_class))
+        side = vc.image_size // vc.patch_size
+        counter.__dict__.update(image_processor=image_processor, patch_size=vc.patch_size,
+                                num_additional_image_tokens=0 if "siglip" in vc.model_type else 1,
+                                vision_feature_select_strategy=self.strategy, num_image_tokens=side * side,
+                                vision_aspect_ratio=getattr(config, "vision_aspect_ratio", "anyres_max_9"))
+        self._counter = counter
+        crop = getattr(image_processor, "crop_size", None) or getattr(image_processor, "size", None) or {}
+        crop = dict(crop)
+        self.tile = (crop.get("height") or crop.get("shortest_edge") or vc.image_size,
+                     crop.get("width") or crop.get("shortest_edge") or vc.image_size)
+
+    def tokens_per_image(self, image) -> int:
+        w, h = image.size
+        n = int(self._counter._get_number_of_features(h, w, *self.tile))
+        return n - 1 if self.strategy == "default" else n
+
+    def preprocess(self, images: Sequence) -> ImageInputs:
+        out = self.image_processor(images=list(images), return_tensors="pt")
+        return ImageInputs(out["pixel_values"], None, [self.tokens_per_image(im) for im in images], out["image_sizes"])
+
+    def image_features(self, model, inputs: ImageInputs) -> list:
+        dtype = next(model.parameters()).dtype
+        out = model.get_image_features(pixel_values=inputs.pixel_values.to(model.device, dtype),
+                                       image_sizes=inputs.image_sizes.to(model.device),
+                                       vision_feature_layer=self.config.vision_feature_layer,
+                                       vision_feature_select_strategy=self.strategy)
+        return _per_image(out, inputs.tokens_per_image)
+
+
 class TextAdapter(MultimodalAdapter):
     """A text-only causal LM: no image token at all (id -1 matches no token), nothing masked out of sampling,
     and any image is a one-line error naming the row, before a forward pass."""
@@ -334,7 +388,7 @@ class TextAdapter(MultimodalAdapter):
                 "image_token_id": None, "vision_token_ids": []}
 
 
-_STYLES = {"placeholder": PlaceholderAdapter, "grid": GridAdapter}
+_STYLES = {"placeholder": PlaceholderAdapter, "grid": GridAdapter, "anyres": AnyResAdapter}
 
 
 def make_adapter(processor_class: str, tokenizer, image_processor, config, hf_processor=None) -> MultimodalAdapter:

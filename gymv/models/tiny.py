@@ -57,11 +57,14 @@ class TinyKnobs:
                       "pass --vocab-size 512 or more")
 
 
-ARCHES = ("tiny-llava", "tiny-qwen2vl", "tiny-qwen2_5vl", "tiny-qwen3", "tiny-llama")
+ARCHES = ("tiny-llava", "tiny-llava-next", "tiny-llava-onevision", "tiny-qwen2vl", "tiny-qwen2_5vl", "tiny-qwen3",
+          "tiny-llama")
+ANYRES_ARCHES = ("tiny-llava-next", "tiny-llava-onevision")
 GRID_ARCHES = {"tiny-qwen2vl": "Qwen2VL", "tiny-qwen2_5vl": "Qwen2_5_VL"}  # arch -> transformers class prefix
 TEXT_ONLY_ARCHES = ("tiny-qwen3", "tiny-llama")
 DEFAULTS = {"tiny-llava": TinyKnobs(), "tiny-qwen2vl": TinyKnobs(image_size=112),
             "tiny-qwen2_5vl": TinyKnobs(image_size=112),
+            "tiny-llava-next": TinyKnobs(), "tiny-llava-onevision": TinyKnobs(),
             "tiny-qwen3": TinyKnobs(), "tiny-llama": TinyKnobs()}
 
 
@@ -167,6 +170,79 @@ def init_tiny_llava(out_dir: str | os.PathLike, *, force: bool = False, reuse: b
         processor.save_pretrained(tmp)
 
     return _write(Path(out_dir), "tiny-llava", k, build, force, reuse)
+
+
+def init_tiny_anyres(arch: str, out_dir: str | os.PathLike, *, force: bool = False, reuse: bool = False,
+                     **knobs) -> Path:
+    """Write an any-resolution LLaVA: `tiny-llava-next` (CLIP tower, LlavaNextProcessor) or
+    `tiny-llava-onevision` (SigLIP tower, LlavaOnevisionProcessor). An image is tiled at the best of the
+    grid resolutions 1x2, 2x1 and 2x2 tiles of `image_size` px plus one base tile, so its token count
+    depends on its size and aspect ratio (64 base + up to 272 more at the defaults).
+
+    OneVision's composite processor also holds a video processor (torchvision only), so its
+    processor_config.json is written by hand in the layout save_pretrained produces, as for Qwen2-VL.
+    """
+    if arch not in ANYRES_ARCHES:
+        raise GymvError(f"{arch!r} is not an any-resolution tiny architecture", fix=f"use one of: {', '.join(ANYRES_ARCHES)}")
+    k = knobs_for(arch, **knobs)
+    k.validate(arch)
+    t = k.image_size
+    pinpoints = [[t, 2 * t], [2 * t, t], [2 * t, 2 * t]]
+    onevision = arch == "tiny-llava-onevision"
+
+    def build(tmp: Path) -> None:
+        import transformers
+        from transformers import LlamaConfig
+
+        from gymv.models.chat_template import chat_template
+        from gymv.models.tokenizer import hf_tokenizer, train_bpe
+
+        specials = ["<image>", "<video>"] if onevision else ["<image>"]
+        tok = hf_tokenizer(train_bpe(k.seed, k.vocab_size, specials), image_token="<image>",
+                           extra={"video_token": "<video>"} if onevision else None)
+        tower = dict(hidden_size=k.vision_hidden, intermediate_size=2 * k.vision_hidden,
+                     num_hidden_layers=k.vision_layers, num_attention_heads=k.vision_heads, image_size=t,
+                     patch_size=k.patch_size)
+        text = LlamaConfig(**_text_kwargs(k, len(tok), tok))
+        ids = dict(image_token_index=tok.convert_tokens_to_ids("<image>"), image_grid_pinpoints=pinpoints,
+                   vision_feature_layer=-1, text_config=text)
+        if onevision:
+            from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+                LlavaOnevisionImageProcessorPil as ImageProcessor)
+
+            config = transformers.LlavaOnevisionConfig(
+                vision_config=transformers.SiglipVisionConfig(**tower), vision_feature_select_strategy="full",
+                video_token_index=tok.convert_tokens_to_ids("<video>"), **ids)
+            model_cls = transformers.LlavaOnevisionForConditionalGeneration
+            image_processor = ImageProcessor(size={"height": t, "width": t}, image_grid_pinpoints=pinpoints)
+        else:
+            from transformers.models.llava_next.image_processing_pil_llava_next import (
+                LlavaNextImageProcessorPil as ImageProcessor)
+
+            config = transformers.LlavaNextConfig(
+                vision_config=transformers.CLIPVisionConfig(projection_dim=k.vision_hidden, **tower),
+                vision_feature_select_strategy="default", **ids)
+            model_cls = transformers.LlavaNextForConditionalGeneration
+            image_processor = ImageProcessor(size={"shortest_edge": t}, crop_size={"height": t, "width": t},
+                                             image_grid_pinpoints=pinpoints)
+        model = _seeded_model(model_cls, config, k.seed)
+        _set_generation_defaults(model, tok)
+        template = chat_template("<image>")
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        image_processor.save_pretrained(tmp)
+        (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")
+        image_cfg = json.loads((tmp / "preprocessor_config.json").read_text())
+        side = t // k.patch_size
+        cfg = ({"processor_class": "LlavaOnevisionProcessor", "num_image_tokens": side * side,
+                "vision_feature_select_strategy": "full", "vision_aspect_ratio": "anyres_max_9",
+                "image_processor": image_cfg} if onevision else
+               {"processor_class": "LlavaNextProcessor", "patch_size": k.patch_size,
+                "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1,
+                "image_processor": image_cfg})
+        (tmp / "processor_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+    return _write(Path(out_dir), arch, k, build, force, reuse)
 
 
 QWEN2VL_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -305,6 +381,8 @@ def init_tiny(arch: str, out_dir: str | os.PathLike, *, force: bool = False, reu
         return init_tiny_llava(out_dir, force=force, reuse=reuse, **knobs)
     if arch in GRID_ARCHES:
         return init_tiny_qwen2vl(out_dir, force=force, reuse=reuse, arch=arch, **knobs)
+    if arch in ANYRES_ARCHES:
+        return init_tiny_anyres(arch, out_dir, force=force, reuse=reuse, **knobs)
     if arch in TEXT_ONLY_ARCHES:
         return init_tiny_text(arch, out_dir, force=force, reuse=reuse, **knobs)
     raise GymvError(f"unknown tiny architecture {arch!r}", fix=f"use one of: {', '.join(ARCHES)}")
