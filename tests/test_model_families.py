@@ -26,6 +26,7 @@ VLM_FAMILIES = {
     "tiny-qwen2_5vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor", "grid"),
     "tiny-llava-next": ("LlavaNextForConditionalGeneration", "LlavaNextProcessor", "anyres"),
     "tiny-llava-onevision": ("LlavaOnevisionForConditionalGeneration", "LlavaOnevisionProcessor", "anyres"),
+    "tiny-gemma3": ("Gemma3ForConditionalGeneration", "Gemma3Processor", "image_block"),
 }
 TEXT_FAMILIES = {
     "tiny-qwen3": "Qwen3ForCausalLM",
@@ -174,3 +175,40 @@ def test_any_resolution_token_counts_depend_on_the_image_and_equal_the_hf_proces
     assert len(set(counts)) == 3
     out = policy.processor(images=images, text=["<image>a<image>b<image>"], return_tensors="pt")
     assert int((out["input_ids"] == policy.adapter.image_token_id).sum()) == sum(counts)
+
+
+def test_gemma3_ids_and_logprobs_equal_the_hf_processor_and_forward_with_bidirectional_image_attention():
+    from gymv.backends.logprobs import right_pad, sequence_logprobs
+
+    policy = shared_policy("tiny-gemma3")
+    images = [solid("red", (64, 48)), solid("blue", (40, 40))]
+    text = "<start_of_image>How many?<start_of_image>And?"
+    ours = policy.adapter.encode_text(text, images)
+    hf = policy.processor(images=images, text=[text], return_tensors="pt")
+    assert ours == hf["input_ids"][0].tolist()
+    vision = list(policy.adapter.vision_token_ids)
+    with torch.no_grad():
+        want = policy.model(**hf).logits[0].float()
+        causal = policy.model(**{k: v for k, v in hf.items() if k != "token_type_ids"}).logits[0]
+        want[:, vision] = causal[:, vision] = float("-inf")  # gymv's logprobs exclude what is never sampled
+        want, causal = torch.log_softmax(want, -1), torch.log_softmax(causal, -1)
+        got = sequence_logprobs(policy.model, policy.adapter, right_pad([ours], [images], 0))[0]
+    ids = torch.tensor(ours)
+    text_pos = ~torch.isin(ids[1:], torch.tensor(policy.adapter.vision_token_ids))
+    ref = want[:-1].gather(-1, ids[1:, None]).squeeze(-1)
+    assert torch.allclose(got[1:][text_pos], ref[text_pos], atol=1e-5)
+    assert not torch.allclose(causal[-1], want[-1], atol=1e-4)  # the image attention is really bidirectional
+
+
+def test_gemma3_refuses_pan_and_scan_at_load_time(tmp_path):
+    import shutil
+
+    from gymv.models.load import load_policy
+
+    folder = tmp_path / "g3"
+    shutil.copytree(tiny_path("tiny-gemma3"), folder)
+    cfg = json.loads((folder / "processor_config.json").read_text())
+    cfg["image_processor"]["do_pan_and_scan"] = True
+    (folder / "processor_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(GymvError, match="pan_and_scan"):
+        load_policy(folder)

@@ -24,7 +24,8 @@ from typing import Any, ClassVar
 from gymv.errors import GymvError
 
 SUPPORTED_PROCESSORS = {"LlavaProcessor": "placeholder", "Qwen2VLProcessor": "grid", "Qwen2_5_VLProcessor": "grid",
-                        "LlavaNextProcessor": "anyres", "LlavaOnevisionProcessor": "anyres"}
+                        "LlavaNextProcessor": "anyres", "LlavaOnevisionProcessor": "anyres",
+                        "Gemma3Processor": "image_block"}
 
 
 def supported_text() -> str:
@@ -176,6 +177,10 @@ class MultimodalAdapter:
     def image_features(self, model, inputs: ImageInputs) -> list:
         """One feature tensor per image ([tokens, hidden]); gradients flow when called outside no_grad."""
         raise NotImplementedError
+
+    def forward_kwargs(self, input_ids) -> dict:
+        """Extra model inputs of a pass over `input_ids` that holds image tokens (none for most families)."""
+        return {}
 
     def position_ids(self, model, input_ids, attention_mask, image_grid_thw=None):
         """Positions for a padded batch (left or right): pads are skipped, so padding never shifts them."""
@@ -341,6 +346,64 @@ class AnyResAdapter(MultimodalAdapter):
         return _per_image(out, inputs.tokens_per_image)
 
 
+class ImageBlockAdapter(MultimodalAdapter):
+    """Gemma 3: the chat text holds `<start_of_image>`, which becomes `\\n\\n<start_of_image>`, a fixed number
+    of `<image_soft_token>` and `<end_of_image>\\n\\n`; the image tokens attend to each other both ways.
+
+    The block is expanded in token space (the newline ids are the tokenizer's own for "\\n\\n"), so the turns
+    before it are never re-tokenized. Pan-and-scan (extra crops per image) is refused: a checkpoint that turns
+    it on in its image processor fails at load time with the fix.
+    """
+
+    style = "image_block"
+    adjacent_images_merge = False
+
+    def __init__(self, tokenizer, image_processor, config, processor_class: str, hf_processor=None):
+        super().__init__(tokenizer, image_processor, config, processor_class, hf_processor)
+        if getattr(image_processor, "do_pan_and_scan", False):
+            raise GymvError("the image processor has do_pan_and_scan on, which gymv does not support",
+                            where=processor_class, fix='set "do_pan_and_scan": false in preprocessor_config.json')
+        self.boi_id = int(config.boi_token_index)
+        self.eoi_id = int(config.eoi_token_index)
+        self.num_image_tokens = int(config.mm_tokens_per_image)
+        self.newline_ids = list(tokenizer.encode("\n\n", add_special_tokens=False))
+
+    def _image_token(self) -> str:
+        return getattr(self.tokenizer, "image_token", None) or "<image_soft_token>"
+
+    def tokens_per_image(self, image) -> int:
+        return self.num_image_tokens
+
+    def image_token_ids(self, image) -> list[int]:
+        return [*self.newline_ids, self.boi_id, *[self.image_token_id] * self.num_image_tokens, self.eoi_id,
+                *self.newline_ids]
+
+    def encode_text(self, text: str, images: Sequence = (), *, where: str | None = None) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        n = sum(1 for t in ids if t == self.boi_id)
+        if n != len(images) or self.image_token_id in ids:
+            raise GymvError(f"text has {n} <start_of_image> placeholder(s) but {len(images)} image(s) were given",
+                            where=where, fix="pass exactly one image per image part of the messages")
+        out: list[int] = []
+        it = iter(images)
+        for t in ids:
+            out.extend(self.image_token_ids(next(it)) if t == self.boi_id else (t,))
+        return out
+
+    def forward_kwargs(self, input_ids) -> dict:
+        is_image = input_ids == self.image_token_id
+        return {"token_type_ids": is_image.long()} if bool(is_image.any()) else {}
+
+    def preprocess(self, images: Sequence) -> ImageInputs:
+        out = self.image_processor(images=list(images), return_tensors="pt", do_pan_and_scan=False)
+        return ImageInputs(out["pixel_values"], None, [self.num_image_tokens] * len(images))
+
+    def image_features(self, model, inputs: ImageInputs) -> list:
+        dtype = next(model.parameters()).dtype
+        out = model.get_image_features(pixel_values=inputs.pixel_values.to(model.device, dtype))
+        return _per_image(out, inputs.tokens_per_image)
+
+
 class TextAdapter(MultimodalAdapter):
     """A text-only causal LM: no image token at all (id -1 matches no token), nothing masked out of sampling,
     and any image is a one-line error naming the row, before a forward pass."""
@@ -388,7 +451,8 @@ class TextAdapter(MultimodalAdapter):
                 "image_token_id": None, "vision_token_ids": []}
 
 
-_STYLES = {"placeholder": PlaceholderAdapter, "grid": GridAdapter, "anyres": AnyResAdapter}
+_STYLES = {"placeholder": PlaceholderAdapter, "grid": GridAdapter, "anyres": AnyResAdapter,
+           "image_block": ImageBlockAdapter}
 
 
 def make_adapter(processor_class: str, tokenizer, image_processor, config, hf_processor=None) -> MultimodalAdapter:

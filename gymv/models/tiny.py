@@ -57,14 +57,14 @@ class TinyKnobs:
                       "pass --vocab-size 512 or more")
 
 
-ARCHES = ("tiny-llava", "tiny-llava-next", "tiny-llava-onevision", "tiny-qwen2vl", "tiny-qwen2_5vl", "tiny-qwen3",
-          "tiny-llama")
+ARCHES = ("tiny-llava", "tiny-llava-next", "tiny-llava-onevision", "tiny-qwen2vl", "tiny-qwen2_5vl", "tiny-gemma3",
+          "tiny-qwen3", "tiny-llama")
 ANYRES_ARCHES = ("tiny-llava-next", "tiny-llava-onevision")
 GRID_ARCHES = {"tiny-qwen2vl": "Qwen2VL", "tiny-qwen2_5vl": "Qwen2_5_VL"}  # arch -> transformers class prefix
 TEXT_ONLY_ARCHES = ("tiny-qwen3", "tiny-llama")
 DEFAULTS = {"tiny-llava": TinyKnobs(), "tiny-qwen2vl": TinyKnobs(image_size=112),
             "tiny-qwen2_5vl": TinyKnobs(image_size=112),
-            "tiny-llava-next": TinyKnobs(), "tiny-llava-onevision": TinyKnobs(),
+            "tiny-llava-next": TinyKnobs(), "tiny-llava-onevision": TinyKnobs(), "tiny-gemma3": TinyKnobs(),
             "tiny-qwen3": TinyKnobs(), "tiny-llama": TinyKnobs()}
 
 
@@ -245,6 +245,63 @@ def init_tiny_anyres(arch: str, out_dir: str | os.PathLike, *, force: bool = Fal
     return _write(Path(out_dir), arch, k, build, force, reuse)
 
 
+GEMMA3_VISION_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+GEMMA3_POOL = 2  # average-pool 2x2 patches into one image token
+
+
+def init_tiny_gemma3(out_dir: str | os.PathLike, *, force: bool = False, reuse: bool = False, **knobs) -> Path:
+    """Write a Gemma 3 VLM (SigLIP tower, 2x2 average pooling, Gemma3Processor with pan-and-scan off).
+
+    The chat text holds `<start_of_image>`; the processor expands it to `\\n\\n<start_of_image>`, a fixed block
+    of `<image_soft_token>` (16 at the defaults: 8x8 patches pooled 2x2) and `<end_of_image>\\n\\n`. The image
+    tokens attend to each other bidirectionally (token_type_ids), the rest causally.
+    """
+    k = knobs_for("tiny-gemma3", **knobs)
+    k.validate("tiny-gemma3")
+    side = k.image_size // k.patch_size
+    if side % GEMMA3_POOL:
+        raise GymvError(f"image_size/patch_size = {side} must be even (2x2 pooling)", where="model init tiny-gemma3",
+                        fix="use e.g. --image-size 56 --patch-size 7")
+
+    def build(tmp: Path) -> None:
+        import torch
+        from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor, SiglipVisionConfig
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        from gymv.models.chat_template import chat_template
+        from gymv.models.tokenizer import hf_tokenizer, train_bpe
+
+        boi, eoi, soft = GEMMA3_VISION_TOKENS
+        tok = hf_tokenizer(train_bpe(k.seed, k.vocab_size, GEMMA3_VISION_TOKENS), image_token=soft,
+                           extra={"boi_token": boi, "eoi_token": eoi})
+        n_tokens = (side // GEMMA3_POOL) ** 2
+        head_dim = k.hidden // k.heads
+        text = dict(_text_kwargs(k, len(tok), tok), head_dim=head_dim, query_pre_attn_scalar=head_dim,
+                    sliding_window=512)
+        vision = SiglipVisionConfig(hidden_size=k.vision_hidden, intermediate_size=2 * k.vision_hidden,
+                                    num_hidden_layers=k.vision_layers, num_attention_heads=k.vision_heads,
+                                    image_size=k.image_size, patch_size=k.patch_size, vision_use_head=False)
+        config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=n_tokens,
+                              boi_token_index=tok.convert_tokens_to_ids(boi),
+                              eoi_token_index=tok.convert_tokens_to_ids(eoi),
+                              image_token_index=tok.convert_tokens_to_ids(soft), tie_word_embeddings=False)
+        model = _seeded_model(Gemma3ForConditionalGeneration, config, k.seed)
+        proj = model.model.multi_modal_projector.mm_input_projection_weight
+        if not proj.abs().sum():  # left at zeros by init: images would not reach the text model
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                torch.manual_seed(k.seed + 1)
+                proj.normal_(0.0, 0.02)
+        _set_generation_defaults(model, tok)
+        image_processor = Gemma3ImageProcessorPil(size={"height": k.image_size, "width": k.image_size},
+                                                  do_pan_and_scan=False)
+        processor = Gemma3Processor(image_processor=image_processor, tokenizer=tok, image_seq_length=n_tokens,
+                                    chat_template=chat_template(boi))
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+
+    return _write(Path(out_dir), "tiny-gemma3", k, build, force, reuse)
+
+
 QWEN2VL_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 MERGE_SIZE = 2
 
@@ -381,6 +438,8 @@ def init_tiny(arch: str, out_dir: str | os.PathLike, *, force: bool = False, reu
         return init_tiny_llava(out_dir, force=force, reuse=reuse, **knobs)
     if arch in GRID_ARCHES:
         return init_tiny_qwen2vl(out_dir, force=force, reuse=reuse, arch=arch, **knobs)
+    if arch == "tiny-gemma3":
+        return init_tiny_gemma3(out_dir, force=force, reuse=reuse, **knobs)
     if arch in ANYRES_ARCHES:
         return init_tiny_anyres(arch, out_dir, force=force, reuse=reuse, **knobs)
     if arch in TEXT_ONLY_ARCHES:
