@@ -27,6 +27,7 @@ VLM_FAMILIES = {
     "tiny-llava-next": ("LlavaNextForConditionalGeneration", "LlavaNextProcessor", "anyres"),
     "tiny-llava-onevision": ("LlavaOnevisionForConditionalGeneration", "LlavaOnevisionProcessor", "anyres"),
     "tiny-gemma3": ("Gemma3ForConditionalGeneration", "Gemma3Processor", "image_block"),
+    "tiny-smolvlm": ("SmolVLMForConditionalGeneration", "SmolVLMProcessor", "split"),
 }
 TEXT_FAMILIES = {
     "tiny-qwen3": "Qwen3ForCausalLM",
@@ -212,3 +213,16 @@ def test_gemma3_refuses_pan_and_scan_at_load_time(tmp_path):
     (folder / "processor_config.json").write_text(json.dumps(cfg))
     with pytest.raises(GymvError, match="pan_and_scan"):
         load_policy(folder)
+
+
+def test_smolvlm_splits_each_image_into_the_tiles_its_image_processor_makes():
+    policy = shared_policy("tiny-smolvlm")
+    images = [solid("red", (64, 48)), solid("blue", (30, 90)), solid("green", (20, 20))]
+    info = policy.image_processor(images=[[im] for im in images], return_row_col_info=True)
+    tiles = [r[0] * c[0] + 1 for r, c in zip(info["rows"], info["cols"])]
+    assert [len(policy.adapter.runs(im)) for im in images] == tiles == [5, 3, 5]
+    ids = policy.adapter.image_token_ids(images[1])
+    tokens = policy.tokenizer.convert_ids_to_tokens(ids)
+    assert [t for t in tokens if t.startswith("<row_") or t == "<global-img>"] == ["<row_1_col_1>", "<row_2_col_1>",
+                                                                                   "<global-img>"]
+    assert not set(ids) - set(policy.adapter.vision_token_ids) - set(policy.tokenizer.encode("\n", add_special_tokens=False))

@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from gymv.errors import GymvError
 
 SUPPORTED_PROCESSORS = {"LlavaProcessor": "placeholder", "Qwen2VLProcessor": "grid", "Qwen2_5_VLProcessor": "grid",
                         "LlavaNextProcessor": "anyres", "LlavaOnevisionProcessor": "anyres",
-                        "Gemma3Processor": "image_block"}
+                        "Gemma3Processor": "image_block", "Idefics3Processor": "split", "SmolVLMProcessor": "split"}
 
 
 def supported_text() -> str:
@@ -48,12 +49,14 @@ class ImageInputs:
     image_grid_thw: Any | None
     tokens_per_image: list[int]
     image_sizes: Any | None = None  # any-resolution tiling: each image's (height, width)
+    extra: dict = field(default_factory=dict)  # per-image tensors the vision tower also takes (first dim: images)
 
     def select(self, index: int) -> ImageInputs:
         """The inputs of one image (grid pixel rows are split by each image's patch count)."""
         if self.image_grid_thw is None:
             sizes = self.image_sizes[index:index + 1] if self.image_sizes is not None else None
-            return ImageInputs(self.pixel_values[index:index + 1], None, [self.tokens_per_image[index]], sizes)
+            return ImageInputs(self.pixel_values[index:index + 1], None, [self.tokens_per_image[index]], sizes,
+                               {k: v[index:index + 1] for k, v in self.extra.items()})
         counts = self.image_grid_thw.prod(-1).tolist()
         start = sum(counts[:index])
         return ImageInputs(self.pixel_values[start:start + counts[index]], self.image_grid_thw[index:index + 1],
@@ -404,6 +407,74 @@ class ImageBlockAdapter(MultimodalAdapter):
         return _per_image(out, inputs.tokens_per_image)
 
 
+class SplitAdapter(MultimodalAdapter):
+    """Idefics3 and SmolVLM: an image is split into rows x cols tiles plus a global view; each tile is a
+    `<fake_token_around_image><row_i_col_j>` header and `image_seq_len` image tokens, so an image holds
+    (rows*cols + 1) runs of image tokens (one run when the image needs no split).
+
+    The expansion is the processor module's own prompt-string function, tokenized on its own: every piece is
+    bounded by special tokens, so it tokenizes as it would inside the whole text.
+    """
+
+    style = "split"
+    adjacent_images_merge = False
+    _TILE = re.compile(r"<row_\d+_col_\d+>")
+
+    def __init__(self, tokenizer, image_processor, config, processor_class: str, hf_processor=None):
+        super().__init__(tokenizer, image_processor, config, processor_class, hf_processor)
+        vc = config.vision_config
+        self.seq_len = int((vc.image_size // vc.patch_size) ** 2 // config.scale_factor ** 2)
+        self.fake = getattr(tokenizer, "fake_image_token", None) or "<fake_token_around_image>"
+        self.global_token = getattr(tokenizer, "global_image_token", None) or "<global-img>"
+        module = "smolvlm" if processor_class.startswith("SmolVLM") else "idefics3"
+        self._prompt = getattr(__import__(f"transformers.models.{module}.processing_{module}",
+                                          fromlist=["get_image_prompt_string"]), "get_image_prompt_string")
+        self.vision_token_ids = tuple(sorted(set(self.vision_token_ids) | {
+            int(i) for t, i in tokenizer.get_vocab().items() if self._TILE.fullmatch(t)}
+            | {int(tokenizer.convert_tokens_to_ids(t)) for t in (self.fake, self.global_token)}))
+
+    def _grid(self, image) -> tuple[int, int]:
+        w, h = image.size
+        _, rows, cols = self.image_processor.get_number_of_image_patches(h, w, {})
+        return int(rows), int(cols)
+
+    def runs(self, image) -> list[int]:
+        rows, cols = self._grid(image)
+        return [self.seq_len] * (rows * cols + 1)
+
+    def tokens_per_image(self, image) -> int:
+        return sum(self.runs(image))
+
+    def image_token_ids(self, image) -> list[int]:
+        rows, cols = self._grid(image)
+        text = self._prompt(rows, cols, self.seq_len, fake_token_around_image=self.fake, image_token=self.image_token,
+                            global_image_token=self.global_token)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check(self, ids, images: Sequence, *, where: str | None = None) -> None:
+        runs = _runs(_as_list(ids), self.image_token_id)
+        need = [n for im in images for n in self.runs(im)]
+        if runs != need:
+            raise GymvError(
+                f"image placeholder tokens do not match the images: the sequence has {sum(runs)} placeholder "
+                f"token(s) in {len(runs)} tile span(s), its {len(images)} image(s) need {sum(need)} in {len(need)}",
+                where=where,
+                fix="append image tokens with adapter.image_token_ids(image) for every image the turn adds, "
+                    "and never truncate or re-tokenize inside an image span")
+
+    def preprocess(self, images: Sequence) -> ImageInputs:
+        out = self.image_processor(images=[[im] for im in images], return_tensors="pt")
+        return ImageInputs(out["pixel_values"], None, [self.tokens_per_image(im) for im in images],
+                           extra={"pixel_attention_mask": out["pixel_attention_mask"]})
+
+    def image_features(self, model, inputs: ImageInputs) -> list:
+        dtype = next(model.parameters()).dtype
+        mask = inputs.extra["pixel_attention_mask"].to(model.device)
+        out = model.get_image_features(pixel_values=inputs.pixel_values.to(model.device, dtype),
+                                       pixel_attention_mask=mask)
+        return _per_image(out, inputs.tokens_per_image)
+
+
 class TextAdapter(MultimodalAdapter):
     """A text-only causal LM: no image token at all (id -1 matches no token), nothing masked out of sampling,
     and any image is a one-line error naming the row, before a forward pass."""
@@ -452,7 +523,7 @@ class TextAdapter(MultimodalAdapter):
 
 
 _STYLES = {"placeholder": PlaceholderAdapter, "grid": GridAdapter, "anyres": AnyResAdapter,
-           "image_block": ImageBlockAdapter}
+           "image_block": ImageBlockAdapter, "split": SplitAdapter}
 
 
 def make_adapter(processor_class: str, tokenizer, image_processor, config, hf_processor=None) -> MultimodalAdapter:

@@ -58,13 +58,14 @@ class TinyKnobs:
 
 
 ARCHES = ("tiny-llava", "tiny-llava-next", "tiny-llava-onevision", "tiny-qwen2vl", "tiny-qwen2_5vl", "tiny-gemma3",
-          "tiny-qwen3", "tiny-llama")
+          "tiny-smolvlm", "tiny-qwen3", "tiny-llama")
 ANYRES_ARCHES = ("tiny-llava-next", "tiny-llava-onevision")
 GRID_ARCHES = {"tiny-qwen2vl": "Qwen2VL", "tiny-qwen2_5vl": "Qwen2_5_VL"}  # arch -> transformers class prefix
 TEXT_ONLY_ARCHES = ("tiny-qwen3", "tiny-llama")
 DEFAULTS = {"tiny-llava": TinyKnobs(), "tiny-qwen2vl": TinyKnobs(image_size=112),
             "tiny-qwen2_5vl": TinyKnobs(image_size=112),
             "tiny-llava-next": TinyKnobs(), "tiny-llava-onevision": TinyKnobs(), "tiny-gemma3": TinyKnobs(),
+            "tiny-smolvlm": TinyKnobs(),
             "tiny-qwen3": TinyKnobs(), "tiny-llama": TinyKnobs()}
 
 
@@ -302,6 +303,60 @@ def init_tiny_gemma3(out_dir: str | os.PathLike, *, force: bool = False, reuse: 
     return _write(Path(out_dir), "tiny-gemma3", k, build, force, reuse)
 
 
+SMOLVLM_MAX_TILES = 4  # tiles per side the tokenizer has <row_i_col_j> tokens for
+
+
+def smolvlm_vision_tokens() -> list[str]:
+    return (["<image>", "<fake_token_around_image>", "<global-img>"]
+            + [f"<row_{r}_col_{c}>" for r in range(1, SMOLVLM_MAX_TILES + 1) for c in range(1, SMOLVLM_MAX_TILES + 1)])
+
+
+def init_tiny_smolvlm(out_dir: str | os.PathLike, *, force: bool = False, reuse: bool = False, **knobs) -> Path:
+    """Write a SmolVLM (Idefics3 family: SigLIP-style tower, pixel-shuffle connector, Llama text model) whose
+    image processor splits an image into tiles of `image_size` px (up to 2x2 at the defaults) plus a global
+    view; each tile is `<fake_token_around_image><row_i_col_j>` and 16 `<image>` tokens.
+
+    The composite SmolVLMProcessor needs num2words and a torchvision video processor, so, as for Qwen2-VL,
+    processor_config.json is written by hand and gymv loads the parts.
+    """
+    k = knobs_for("tiny-smolvlm", **knobs)
+    k.validate("tiny-smolvlm")
+    side = k.image_size // k.patch_size
+    if side % 2:
+        raise GymvError(f"image_size/patch_size = {side} must be even (pixel shuffle by 2)", where="model init tiny-smolvlm",
+                        fix="use e.g. --image-size 56 --patch-size 7")
+
+    def build(tmp: Path) -> None:
+        from transformers import LlamaConfig, SmolVLMConfig, SmolVLMForConditionalGeneration
+        from transformers.models.smolvlm.configuration_smolvlm import SmolVLMVisionConfig
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+        from gymv.models.chat_template import chat_template
+        from gymv.models.tokenizer import hf_tokenizer, train_bpe
+
+        tok = hf_tokenizer(train_bpe(k.seed, k.vocab_size, smolvlm_vision_tokens()), image_token="<image>",
+                           extra={"fake_image_token": "<fake_token_around_image>", "global_image_token": "<global-img>"})
+        vision = SmolVLMVisionConfig(hidden_size=k.vision_hidden, intermediate_size=2 * k.vision_hidden,
+                                     num_hidden_layers=k.vision_layers, num_attention_heads=k.vision_heads,
+                                     image_size=k.image_size, patch_size=k.patch_size)
+        text = LlamaConfig(**_text_kwargs(k, len(tok), tok))
+        config = SmolVLMConfig(vision_config=vision, text_config=text, scale_factor=2,
+                               image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
+        model = _seeded_model(SmolVLMForConditionalGeneration, config, k.seed)
+        _set_generation_defaults(model, tok)
+        image_processor = SmolVLMImageProcessorPil(do_image_splitting=True, size={"longest_edge": 2 * k.image_size},
+                                                   max_image_size={"longest_edge": k.image_size})
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        image_processor.save_pretrained(tmp)
+        (tmp / "chat_template.jinja").write_text(chat_template("<image>"), encoding="utf-8")
+        image_cfg = json.loads((tmp / "preprocessor_config.json").read_text())
+        cfg = {"processor_class": "SmolVLMProcessor", "image_seq_len": (side // 2) ** 2, "image_processor": image_cfg}
+        (tmp / "processor_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+    return _write(Path(out_dir), "tiny-smolvlm", k, build, force, reuse)
+
+
 QWEN2VL_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 MERGE_SIZE = 2
 
@@ -438,6 +493,8 @@ def init_tiny(arch: str, out_dir: str | os.PathLike, *, force: bool = False, reu
         return init_tiny_llava(out_dir, force=force, reuse=reuse, **knobs)
     if arch in GRID_ARCHES:
         return init_tiny_qwen2vl(out_dir, force=force, reuse=reuse, arch=arch, **knobs)
+    if arch == "tiny-smolvlm":
+        return init_tiny_smolvlm(out_dir, force=force, reuse=reuse, **knobs)
     if arch == "tiny-gemma3":
         return init_tiny_gemma3(out_dir, force=force, reuse=reuse, **knobs)
     if arch in ANYRES_ARCHES:
