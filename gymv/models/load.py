@@ -1,4 +1,5 @@
-"""Load a policy checkpoint (a folder, or `embedded:<tiny-arch>`) with its tokenizer, image processor and adapter.
+"""Load a policy checkpoint (a folder, a hub id from the local cache, or `embedded:<tiny-arch>`) with its
+tokenizer, image processor and adapter.
 
 `embedded:tiny-llava` means "the tiny default, built here": it is built once per (arch, seed, builder
 version) under a cache folder and reused, so every worker of a run sees the same weights without a hub.
@@ -39,10 +40,15 @@ def resolve_model_path(path: str | os.PathLike, *, cache_dir: str | os.PathLike 
         if not (target / MARKER_FILE).exists():
             init_tiny(arch, target, reuse=True, seed=seed)
         return target
+    from gymv.models.hub import is_hub_id, resolve_hub_id
+
+    if is_hub_id(text):
+        return resolve_hub_id(text)
     p = Path(text).expanduser()
     if not p.is_dir():
         raise GymvError("model folder not found", where=text,
-                        fix="pass a Hugging Face checkpoint folder, or embedded:tiny-llava / embedded:tiny-qwen2vl")
+                        fix="pass a Hugging Face checkpoint folder, a hub id in the local cache (org/name), "
+                            "or embedded:<tiny arch> (e.g. embedded:tiny-qwen2_5vl)")
     if not (p / "config.json").exists():
         raise GymvError("not a Hugging Face checkpoint (no config.json)", where=text,
                         fix="point at the folder written by save_pretrained or `gymv model init`")
