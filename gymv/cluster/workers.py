@@ -46,6 +46,9 @@ class WorkerSpec:
     kl_reference: bool = False
     max_seq_len: int = 2048
     max_image_pixels: int | None = None
+    trust_remote_code: bool = False
+    chat_template_kwargs: dict = field(default_factory=dict)  # into every chat-template rendering
+    tool_call_format: str = "hermes"
 
 
 def _set_threads(threads: int | None) -> None:
@@ -101,7 +104,8 @@ class GenerationWorker:
         self.spec, self.index = spec, index
         self.device = _device(spec)
         self.dtype = getattr(torch, spec.generation_dtype)
-        self.policy = load_policy(spec.model_path, device=str(self.device), dtype=self.dtype, seed=spec.seed)
+        self.policy = load_policy(spec.model_path, device=str(self.device), dtype=self.dtype, seed=spec.seed,
+                                  trust_remote_code=spec.trust_remote_code)
         self.backend = HFGenerationBackend.from_policy(self.policy, seed=spec.seed + 7919 * index)
         self.router = EnvRouter(spec.env)
         self.receiver = None
@@ -327,7 +331,8 @@ class TrainingWorker:
             host, port = master
             dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
                                     world_size=self.world_size)
-        self.policy = load_policy(self.spec.model_path, device=str(self.device), dtype=torch.float32, seed=self.spec.seed)
+        self.policy = load_policy(self.spec.model_path, device=str(self.device), dtype=torch.float32, seed=self.spec.seed,
+                                  trust_remote_code=self.spec.trust_remote_code)
         model = self.policy.model
         if self.spec.gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -339,7 +344,8 @@ class TrainingWorker:
                                     process_group=group, plan_fn=_plan_fn(self.policy.adapter, model))
         self.reference = None
         if self.spec.kl_reference:
-            ref = load_policy(self.spec.model_path, device=str(self.device), dtype=torch.float32, seed=self.spec.seed).model
+            ref = load_policy(self.spec.model_path, device=str(self.device), dtype=torch.float32, seed=self.spec.seed,
+                              trust_remote_code=self.spec.trust_remote_code).model
             ref.requires_grad_(True)
             self.reference = TorchTrainer(ref, self.logprob_fn, config, collate_fn=self.collate, device=self.device,
                                           process_group=group, plan_fn=_plan_fn(self.policy.adapter, ref))
@@ -394,7 +400,9 @@ class TrainingWorker:
         for task_index, row, where in rows:
             traj = build_sft_sample(self.router(row, where), row, p.adapter, p.tokenizer, p.chat_template,
                                     max_seq_len=self.spec.max_seq_len, task_index=task_index,
-                                    max_image_pixels=self.spec.max_image_pixels, image_cache=cache)
+                                    max_image_pixels=self.spec.max_image_pixels, image_cache=cache,
+                                    chat_template_kwargs=self.spec.chat_template_kwargs or None,
+                                    tool_call_format=self.spec.tool_call_format)
             if getattr(traj, "error", None):
                 raise GymvError(f"cannot build an SFT sample: {traj.error}", where=where)
             out.append({"input_ids": torch.tensor(traj.token_ids, dtype=torch.long),

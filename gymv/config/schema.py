@@ -74,8 +74,22 @@ class GenerationSection(Section):
     top_p: Fraction = 1.0
     max_new_tokens: PosInt = 64
     stop_strings: list[str] = []
+    chat_template_kwargs: dict[str, Any] = {}  # the chat template's own variables, e.g. {enable_thinking: false}
     reset_encoder_cache_after_weight_update: bool = False
     vllm: VllmSection = VllmSection()
+
+
+class RolloutSection(Section):
+    tool_call_format: str = "hermes"
+
+    @field_validator("tool_call_format")
+    @classmethod
+    def _known_format(cls, v: str) -> str:
+        from gymv.rollout.tool_formats import available
+
+        if v not in available():
+            raise ValueError(f"unknown tool-call format {v!r}; registered: {', '.join(available())}")
+        return v
 
 
 class ParallelSection(Section):
@@ -226,6 +240,7 @@ class RecipeBase(Section):
     data: DataSection = DataSection()
     env: EnvSection = EnvSection()
     generation: GenerationSection = GenerationSection()
+    rollout: RolloutSection = RolloutSection()
     training: TrainingSection = TrainingSection()
     refit: RefitSection = RefitSection()
     cluster: ClusterSection = ClusterSection()
