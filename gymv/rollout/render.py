@@ -143,8 +143,11 @@ class ChatRenderer:
         return text
 
     def _same_calls(self, text: str, turn: ModelTurn) -> bool:
-        got = self.tool_call_format.parse(text).tool_calls
-        return [(c.name, _args(c.arguments)) for c in got] == [(c.name, _args(c.arguments)) for c in turn.tool_calls]
+        """The rendered turn reads back, in the recipe's format, as the same calls and the same visible text."""
+        body = text[:-len(self.turn_end)] if text.endswith(self.turn_end) else text
+        got = self.tool_call_format.parse(body)
+        return ([(c.name, _args(c.arguments)) for c in got.tool_calls]
+                == [(c.name, _args(c.arguments)) for c in turn.tool_calls] and got.text.strip() == turn.text.strip())
 
     def _calls_in_content(self, turn: ModelTurn) -> dict:
         content = assistant_dict(ModelTurn(text=turn.text, reasoning=turn.reasoning))["content"]
