@@ -17,8 +17,9 @@ app = typer.Typer(
 
 @app.command("init")
 def init(
-    arch: str = typer.Argument(..., help="Architecture: tiny-llava (placeholder processor), tiny-qwen2vl or tiny-qwen2_5vl "
-                                         "(grid processor), tiny-qwen3 or tiny-llama (text only)."),
+    arch: str = typer.Argument(..., help="Architecture: tiny-llava, tiny-llava-next, tiny-llava-onevision, tiny-qwen2vl, "
+                                         "tiny-qwen2_5vl, tiny-qwen3vl, tiny-gemma3, tiny-smolvlm, or the text-only "
+                                         "tiny-qwen3 and tiny-llama (docs/models.md)."),
     out_dir: Path = typer.Argument(..., help="Folder to write the Hugging Face checkpoint to."),
     hidden: int = typer.Option(None, "--hidden", help="Text model width (default 128)."),
     layers: int = typer.Option(None, "--layers", help="Text decoder layers (default 2)."),

@@ -142,7 +142,7 @@ complete -c gymv -n '__gymv_at \'env verify\'' -l fail-on-mismatch -d 'Exit 1 wh
 complete -c gymv -n '__gymv_at \'env verify\'' -l json -d 'Print the report as JSON on stdout'
 complete -c gymv -n '__gymv_at \'env verify\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'env verify\'; and __gymv_argpos \'0\'' -F
-complete -c gymv -n '__gymv_at \'model\'' -a 'init' -d 'Write a random-initialised tiny VLM + processor that AutoModelForImag...'
+complete -c gymv -n '__gymv_at \'model\'' -a 'init' -d 'Write a random-initialised tiny model: a VLM + processor that AutoMod...'
 complete -c gymv -n '__gymv_at \'model\'' -a 'info' -d 'Load a policy and show its processor style, image tokens and vision s...'
 complete -c gymv -n '__gymv_at \'model\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'model init\'' -l hidden -r -d 'Text model width (default 128)'

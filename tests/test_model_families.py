@@ -24,6 +24,7 @@ VLM_FAMILIES = {
     "tiny-llava": ("LlavaForConditionalGeneration", "LlavaProcessor", "placeholder"),
     "tiny-qwen2vl": ("Qwen2VLForConditionalGeneration", "Qwen2VLProcessor", "grid"),
     "tiny-qwen2_5vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor", "grid"),
+    "tiny-qwen3vl": ("Qwen3VLForConditionalGeneration", "Qwen3VLProcessor", "grid_deepstack"),
     "tiny-llava-next": ("LlavaNextForConditionalGeneration", "LlavaNextProcessor", "anyres"),
     "tiny-llava-onevision": ("LlavaOnevisionForConditionalGeneration", "LlavaOnevisionProcessor", "anyres"),
     "tiny-gemma3": ("Gemma3ForConditionalGeneration", "Gemma3Processor", "image_block"),
@@ -226,3 +227,24 @@ def test_smolvlm_splits_each_image_into_the_tiles_its_image_processor_makes():
     assert [t for t in tokens if t.startswith("<row_") or t == "<global-img>"] == ["<row_1_col_1>", "<row_2_col_1>",
                                                                                    "<global-img>"]
     assert not set(ids) - set(policy.adapter.vision_token_ids) - set(policy.tokenizer.encode("\n", add_special_tokens=False))
+
+
+@pytest.mark.parametrize("arch", ["tiny-qwen2_5vl", "tiny-qwen3vl"])
+def test_grid_family_logprobs_equal_the_plain_hf_forward_from_pixels(arch):
+    """gymv's precomputed-feature forward (Qwen3-VL: with its deepstack features) is the model's own."""
+    from gymv.backends.logprobs import right_pad, sequence_logprobs
+    from tiny_models import chat_ids
+
+    policy = shared_policy(arch)
+    images = [solid("red", (64, 48)), solid("blue", (30, 90))]
+    ids = chat_ids(policy, "How many?", images)
+    inputs = policy.adapter.preprocess(images)
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        logits = policy.model(input_ids=t, pixel_values=inputs.pixel_values, image_grid_thw=inputs.image_grid_thw,
+                              mm_token_type_ids=(t == policy.adapter.image_token_id).int()).logits[0].float()
+        got = sequence_logprobs(policy.model, policy.adapter, right_pad([ids], [images], 0))[0]
+    logits[:, list(policy.adapter.vision_token_ids)] = float("-inf")
+    ref = torch.log_softmax(logits, -1)[:-1].gather(-1, t[0, 1:, None]).squeeze(-1)
+    text = ~torch.isin(t[0, 1:], torch.tensor(policy.adapter.vision_token_ids))
+    assert torch.allclose(got[1:][text], ref[text], atol=1e-5)

@@ -84,7 +84,7 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
     positions = adapter.position_ids(model, ids, mask, grid)
     logits = forward_logits(model, input_ids=ids, attention_mask=mask, position_ids=positions,
                             image_token_id=adapter.image_token_id, features=feats, logits_to_keep=keep,
-                            extra=_forward_kwargs(adapter, ids))
+                            extra=_forward_kwargs(adapter, ids), adapter=adapter)
     if keep is not None and logits.shape[1] != keep.numel():  # the model ignored logits_to_keep
         logits = logits[:, keep.to(logits.device)]
     return logits
@@ -169,7 +169,7 @@ def _shared_prefix_logits(model, adapter: MultimodalAdapter, batch: MultimodalBa
     cache = DynamicCache(config=model.config)
     forward_logits(model, input_ids=pre_ids, attention_mask=pre_mask, position_ids=pre_pos,
                    image_token_id=adapter.image_token_id, features=feats, cache=cache, logits_to_keep=1,
-                   extra=_forward_kwargs(adapter, pre_ids))
+                   extra=_forward_kwargs(adapter, pre_ids), adapter=adapter)
     if cache.get_seq_length() != P:  # the model kept no cache: run every row in full
         return None
     group_idx = torch.tensor(groups, device=dev)

@@ -26,7 +26,7 @@ from gymv.errors import GymvError
 
 SUPPORTED_PROCESSORS = {"LlavaProcessor": "placeholder", "Qwen2VLProcessor": "grid", "Qwen2_5_VLProcessor": "grid",
                         "LlavaNextProcessor": "anyres", "LlavaOnevisionProcessor": "anyres",
-                        "Gemma3Processor": "image_block", "Idefics3Processor": "split", "SmolVLMProcessor": "split"}
+                        "Qwen3VLProcessor": "grid_deepstack", "Gemma3Processor": "image_block", "Idefics3Processor": "split", "SmolVLMProcessor": "split"}
 
 
 def supported_text() -> str:
@@ -185,6 +185,13 @@ class MultimodalAdapter:
         """Extra model inputs of a pass over `input_ids` that holds image tokens (none for most families)."""
         return {}
 
+    def feature_inputs(self, model, input_ids, features: list) -> dict:
+        """The model inputs that carry `features` (one per image, in order) for a pass over `input_ids`:
+        the token embeddings with each image's features written over its placeholders."""
+        from gymv.backends.hf_forward import embed_with_images
+
+        return {"inputs_embeds": embed_with_images(model, input_ids, self.image_token_id, features)}
+
     def position_ids(self, model, input_ids, attention_mask, image_grid_thw=None):
         """Positions for a padded batch (left or right): pads are skipped, so padding never shifts them."""
         pos = attention_mask.long().cumsum(-1) - 1
@@ -296,6 +303,51 @@ class GridAdapter(MultimodalAdapter):
 
     def step_positions(self, next_pos):
         return next_pos.view(1, -1, 1).expand(3, -1, 1)
+
+
+@dataclass
+class DeepstackFeatures:
+    """One image's features for Qwen3-VL: the merged tokens, and per deepstack layer the features added to the
+    decoder's hidden states at the image's positions."""
+
+    main: Any
+    deepstack: list
+
+    @property
+    def shape(self):
+        return self.main.shape
+
+    def reshape(self, *shape):
+        return self.main.reshape(*shape)
+
+
+class DeepstackGridAdapter(GridAdapter):
+    """Qwen3-VL: the grid style, plus deepstack features (vision layers feeding the first decoder layers).
+
+    Those cannot ride in `inputs_embeds`, so a pass over image tokens hands the model its own
+    `mm_encoder_outputs` (the merged features and the deepstack features, one entry per image, in order)
+    with the token ids; the model then writes both where its own forward would.
+    """
+
+    style = "grid_deepstack"
+
+    def image_features(self, model, inputs: ImageInputs) -> list:
+        dtype = next(model.parameters()).dtype
+        out = model.get_image_features(pixel_values=inputs.pixel_values.to(model.device, dtype),
+                                       image_grid_thw=inputs.image_grid_thw.to(model.device))
+        main = _per_image(out, inputs.tokens_per_image)
+        layers = [list(layer) if not hasattr(layer, "split") else list(layer.split(inputs.tokens_per_image))
+                  for layer in out.deepstack_features]
+        return [DeepstackFeatures(m, [layer[i] for layer in layers]) for i, m in enumerate(main)]
+
+    def feature_inputs(self, model, input_ids, features: list) -> dict:
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+        n_layers = len(features[0].deepstack)
+        image = BaseModelOutputWithDeepstackFeatures(
+            pooler_output=[f.main for f in features],
+            deepstack_features=[[f.deepstack[k] for f in features] for k in range(n_layers)])
+        return {"input_ids": input_ids, "mm_encoder_outputs": {"image": image}}
 
 
 class AnyResAdapter(MultimodalAdapter):
@@ -522,7 +574,8 @@ class TextAdapter(MultimodalAdapter):
                 "image_token_id": None, "vision_token_ids": []}
 
 
-_STYLES = {"placeholder": PlaceholderAdapter, "grid": GridAdapter, "anyres": AnyResAdapter,
+_STYLES = {"placeholder": PlaceholderAdapter, "grid": GridAdapter, "grid_deepstack": DeepstackGridAdapter,
+           "anyres": AnyResAdapter,
            "image_block": ImageBlockAdapter, "split": SplitAdapter}
 
 

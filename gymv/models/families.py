@@ -12,6 +12,7 @@ import re
 
 # (pattern on the lower-cased path, tiny arch)
 STAND_INS: tuple[tuple[str, str], ...] = (
+    (r"qwen3[-_]?vl", "tiny-qwen3vl"),
     (r"qwen2\.?5[-_]?vl", "tiny-qwen2_5vl"),
     (r"qwen2[-_]?vl", "tiny-qwen2vl"),
     (r"llava[-_]?onevision", "tiny-llava-onevision"),

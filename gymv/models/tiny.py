@@ -57,13 +57,13 @@ class TinyKnobs:
                       "pass --vocab-size 512 or more")
 
 
-ARCHES = ("tiny-llava", "tiny-llava-next", "tiny-llava-onevision", "tiny-qwen2vl", "tiny-qwen2_5vl", "tiny-gemma3",
-          "tiny-smolvlm", "tiny-qwen3", "tiny-llama")
+ARCHES = ("tiny-llava", "tiny-llava-next", "tiny-llava-onevision", "tiny-qwen2vl", "tiny-qwen2_5vl", "tiny-qwen3vl",
+          "tiny-gemma3", "tiny-smolvlm", "tiny-qwen3", "tiny-llama")
 ANYRES_ARCHES = ("tiny-llava-next", "tiny-llava-onevision")
-GRID_ARCHES = {"tiny-qwen2vl": "Qwen2VL", "tiny-qwen2_5vl": "Qwen2_5_VL"}  # arch -> transformers class prefix
+GRID_ARCHES = {"tiny-qwen2vl": "Qwen2VL", "tiny-qwen2_5vl": "Qwen2_5_VL", "tiny-qwen3vl": "Qwen3VL"}  # arch -> transformers class prefix
 TEXT_ONLY_ARCHES = ("tiny-qwen3", "tiny-llama")
 DEFAULTS = {"tiny-llava": TinyKnobs(), "tiny-qwen2vl": TinyKnobs(image_size=112),
-            "tiny-qwen2_5vl": TinyKnobs(image_size=112),
+            "tiny-qwen2_5vl": TinyKnobs(image_size=112), "tiny-qwen3vl": TinyKnobs(image_size=112),
             "tiny-llava-next": TinyKnobs(), "tiny-llava-onevision": TinyKnobs(), "tiny-gemma3": TinyKnobs(),
             "tiny-smolvlm": TinyKnobs(),
             "tiny-qwen3": TinyKnobs(), "tiny-llama": TinyKnobs()}
@@ -367,6 +367,8 @@ def init_tiny_qwen2vl(out_dir: str | os.PathLike, *, force: bool = False, reuse:
 
     `arch="tiny-qwen2_5vl"` writes the Qwen2.5-VL classes instead: the same processor style, with a vision
     tower of windowed attention (RMSNorm, SwiGLU; the last layer attends fully) and `Qwen2_5_VLProcessor`.
+    `arch="tiny-qwen3vl"` writes Qwen3-VL: a learned position table in the tower, interleaved M-RoPE, and
+    "deepstack" features of an early vision layer added to the first decoder layers' image positions.
 
     The model, image processor, tokenizer and chat template load with the Auto* classes. The composite
     `Qwen2VLProcessor` also needs a video processor, which transformers implements only with torchvision;
@@ -407,6 +409,14 @@ def init_tiny_qwen2vl(out_dir: str | os.PathLike, *, force: bool = False, reuse:
             vision = dict(depth=k.vision_layers, embed_dim=k.vision_hidden, hidden_size=k.hidden,
                           num_heads=k.vision_heads, mlp_ratio=2, patch_size=k.patch_size,
                           spatial_merge_size=MERGE_SIZE, temporal_patch_size=2)
+        elif arch == "tiny-qwen3vl":  # learned 2-D position table; deepstack features from the first layer
+            side = k.image_size // k.patch_size
+            vision = dict(depth=k.vision_layers, hidden_size=k.vision_hidden, intermediate_size=2 * k.vision_hidden,
+                          num_heads=k.vision_heads, out_hidden_size=k.hidden, patch_size=k.patch_size,
+                          spatial_merge_size=MERGE_SIZE, temporal_patch_size=2, num_position_embeddings=side * side,
+                          deepstack_visual_indexes=[0])
+            text["head_dim"] = k.hidden // k.heads
+            text["rope_parameters"]["mrope_interleaved"] = True
         else:  # windows of 4x4 merged patches, so an image at the 112 px budget spans several windows
             vision = dict(depth=k.vision_layers, hidden_size=k.vision_hidden, intermediate_size=2 * k.vision_hidden,
                           num_heads=k.vision_heads, out_hidden_size=k.hidden, patch_size=k.patch_size,
@@ -436,7 +446,7 @@ def init_tiny_qwen2vl(out_dir: str | os.PathLike, *, force: bool = False, reuse:
 def _write_qwen2vl_processor_config(tmp: Path, image_processor, k: TinyKnobs, processor_class: str) -> None:
     image_cfg = json.loads((tmp / "preprocessor_config.json").read_text())
     video_cfg = {
-        "video_processor_type": "Qwen2VLVideoProcessor",
+        "video_processor_type": processor_class.replace("Processor", "VideoProcessor").replace("Qwen2_5_VL", "Qwen2VL"),
         "patch_size": k.patch_size, "temporal_patch_size": 2, "merge_size": MERGE_SIZE,
         "size": dict(image_processor.size), "do_resize": True, "do_rescale": True, "do_normalize": True,
         "do_convert_rgb": True, "image_mean": list(image_processor.image_mean),

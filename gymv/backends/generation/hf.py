@@ -156,7 +156,8 @@ class HFGenerationBackend(GenerationBackend):
         cache = DynamicCache(config=model.config)
         logits = forward_logits(model, input_ids=input_ids, attention_mask=mask, position_ids=positions,
                                 image_token_id=self.adapter.image_token_id, features=feats, cache=cache,
-                                logits_to_keep=1, extra=_forward_kwargs(self.adapter, input_ids))[:, -1]
+                                logits_to_keep=1, extra=_forward_kwargs(self.adapter, input_ids),
+                                adapter=self.adapter)[:, -1]
         if U < B:
             rows = torch.tensor(row_slot, device=dev)
             cache.batch_select_indices(rows)
