@@ -45,6 +45,7 @@ class TeacherSpec:
     threads: int | None = None
     seed: int = 0
     top_k: int = 0  # > 0: also the teacher's k most likely tokens per position (top-k distillation)
+    trust_remote_code: bool = False  # the recipe's model.trust_remote_code, for teachers too
 
 
 def is_text_only(path: str | Path) -> bool:
@@ -110,19 +111,24 @@ class TeacherModel:
         if self.text_only:
             from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+            from gymv.models.load import check_remote_code
+
+            trust = spec.trust_remote_code
+            check_remote_code(Path(spec.path), trust)
             with quiet_transformers():
-                self.tokenizer = AutoTokenizer.from_pretrained(spec.path)
+                self.tokenizer = AutoTokenizer.from_pretrained(spec.path, trust_remote_code=trust)
                 if spec.text_of and not is_text_only(spec.path):
-                    vlm = AutoModelForImageTextToText.from_pretrained(spec.path, dtype=dtype)
+                    vlm = AutoModelForImageTextToText.from_pretrained(spec.path, dtype=dtype, trust_remote_code=trust)
                     self.model = text_model_of(vlm, where=spec.path)
                     del vlm
                 else:
-                    self.model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)
+                    self.model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, trust_remote_code=trust)
             self.adapter = TextOnlyAdapter(self.forbidden_ids, spec.alias)
         else:
             from gymv.models.load import load_policy
 
-            policy = load_policy(spec.path, device="cpu", dtype=dtype, seed=spec.seed)
+            policy = load_policy(spec.path, device="cpu", dtype=dtype, seed=spec.seed,
+                                 trust_remote_code=spec.trust_remote_code)
             self.model, self.tokenizer, self.adapter = policy.model, policy.tokenizer, policy.adapter
         check_same_tokenizer(self.tokenizer, student_tok, spec.alias)
         self.model.to(spec.device)
@@ -186,7 +192,8 @@ def teacher_specs(cfg, student_path: str) -> dict[str, TeacherSpec]:
         out[alias] = TeacherSpec(alias=alias, path=path, text_of=text_of, student_path=student_path,
                                  device="cuda" if gpu else "cpu",
                                  dtype=dtype, temperature=cfg.generation.temperature,
-                                 max_tokens=cfg.training.micro_batch_tokens, seed=cfg.seed, top_k=cfg.mopd.top_k)
+                                 max_tokens=cfg.training.micro_batch_tokens, seed=cfg.seed, top_k=cfg.mopd.top_k,
+                                 trust_remote_code=cfg.model.trust_remote_code)
     return out
 
 
