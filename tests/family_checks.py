@@ -8,6 +8,8 @@ equal to the trainer's, and a GRPO step on a training worker.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from gymv.algorithms.loss_fns import PolicyLoss
@@ -29,6 +31,15 @@ def picture_rollout(policy):
                           [(0, picture_row())], group_size=1, params=SamplingParams(max_new_tokens=48), max_turns=3,
                           max_rollout_tokens=1024, max_seq_len=4096, seed=0)
     return traj
+
+
+@lru_cache(maxsize=None)
+def family_rollout(arch: str):
+    """The 3-turn picture episode of one family, once per test process (its tokens and images do not depend
+    on the weights: the replies are scripted)."""
+    from tiny_models import shared_policy
+
+    return picture_rollout(shared_policy(arch))
 
 
 def continue_with_hf(policy, traj, n: int = 2, max_new_tokens: int = 6, temperature: float = 1.0):
@@ -89,5 +100,5 @@ def grpo_step(arch: str, traj) -> tuple[dict, bool]:
     return metrics, changed
 
 
-__all__ = ["check_trajectory_images", "continue_with_hf", "favour_vision_tokens", "grpo_step", "logprob_error",
+__all__ = ["check_trajectory_images", "continue_with_hf", "family_rollout", "favour_vision_tokens", "grpo_step", "logprob_error",
            "noise", "picture_rollout"]

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 # GYMV_ALL_FAMILIES=1 runs this end-to-end test on all of them (docs/models.md lists the last full run).
 FAMILIES = ["tiny-qwen2_5vl", "tiny-gemma3", "tiny-qwen3"]
 if os.environ.get("GYMV_ALL_FAMILIES"):
-    FAMILIES += ["tiny-llava-next", "tiny-llava-onevision", "tiny-smolvlm", "tiny-llama"]
+    FAMILIES += ["tiny-qwen3vl", "tiny-llava-next", "tiny-llava-onevision", "tiny-smolvlm", "tiny-llama"]
 
 
 @pytest.fixture(scope="module", autouse=True)
