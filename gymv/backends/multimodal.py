@@ -2,12 +2,14 @@
 
 The agent loop appends token ids turn by turn and never re-tokenizes earlier text, so it needs to know the
 exact ids one image occupies; generation and training need the model's image inputs, image features,
-position ids, and the vision special tokens that must never be sampled. Two styles are supported:
+position ids, and the vision special tokens that must never be sampled. The styles:
 
 - ``placeholder`` (LLaVA): one image token in the text becomes N copies of it; N is fixed by the crop size.
-- ``grid`` (Qwen2-VL): ``<|vision_start|><|image_pad|><|vision_end|>`` in the text; the pad becomes
-  ``t*h*w / merge_size**2`` copies, which depends on the image size; inputs carry ``image_grid_thw`` and the
-  text model uses 3-D (M-RoPE) positions.
+- ``grid`` (Qwen2-VL, Qwen2.5-VL; ``grid_deepstack`` for Qwen3-VL): ``<|vision_start|><|image_pad|><|vision_end|>``
+  in the text; the pad becomes ``t*h*w / merge_size**2`` copies, which depends on the image size; inputs carry
+  ``image_grid_thw`` and the text model uses 3-D (M-RoPE) positions.
+- ``anyres`` (LLaVA-NeXT, OneVision), ``image_block`` (Gemma 3), ``split`` (SmolVLM, Idefics3): see their
+  classes; ``text``: a causal LM with no vision path at all.
 
 Every forward pass in gymv first calls :meth:`MultimodalAdapter.check` on each sequence, so a placeholder
 count that does not match the images is a one-line error naming the row and turn, never a wrong tensor.
@@ -24,9 +26,11 @@ from typing import Any, ClassVar
 
 from gymv.errors import GymvError
 
-SUPPORTED_PROCESSORS = {"LlavaProcessor": "placeholder", "Qwen2VLProcessor": "grid", "Qwen2_5_VLProcessor": "grid",
-                        "LlavaNextProcessor": "anyres", "LlavaOnevisionProcessor": "anyres",
-                        "Qwen3VLProcessor": "grid_deepstack", "Gemma3Processor": "image_block", "Idefics3Processor": "split", "SmolVLMProcessor": "split"}
+SUPPORTED_PROCESSORS = {
+    "LlavaProcessor": "placeholder", "Qwen2VLProcessor": "grid", "Qwen2_5_VLProcessor": "grid",
+    "Qwen3VLProcessor": "grid_deepstack", "LlavaNextProcessor": "anyres", "LlavaOnevisionProcessor": "anyres",
+    "Gemma3Processor": "image_block", "Idefics3Processor": "split", "SmolVLMProcessor": "split",
+}
 
 
 def supported_text() -> str:
@@ -464,8 +468,9 @@ class SplitAdapter(MultimodalAdapter):
     `<fake_token_around_image><row_i_col_j>` header and `image_seq_len` image tokens, so an image holds
     (rows*cols + 1) runs of image tokens (one run when the image needs no split).
 
-    The expansion is the processor module's own prompt-string function, tokenized on its own: every piece is
-    bounded by special tokens, so it tokenizes as it would inside the whole text.
+    The expansion is SmolVLM's processor module's own prompt-string function (Idefics3's processor writes the
+    same layout), tokenized on its own: every piece is bounded by special tokens, so it tokenizes as it would
+    inside the whole text.
     """
 
     style = "split"
@@ -478,9 +483,10 @@ class SplitAdapter(MultimodalAdapter):
         self.seq_len = int((vc.image_size // vc.patch_size) ** 2 // config.scale_factor ** 2)
         self.fake = getattr(tokenizer, "fake_image_token", None) or "<fake_token_around_image>"
         self.global_token = getattr(tokenizer, "global_image_token", None) or "<global-img>"
-        module = "smolvlm" if processor_class.startswith("SmolVLM") else "idefics3"
-        self._prompt = getattr(__import__(f"transformers.models.{module}.processing_{module}",
-                                          fromlist=["get_image_prompt_string"]), "get_image_prompt_string")
+        # Idefics3Processor writes the same layout in a method of its own; SmolVLM's module has it as a function
+        from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+        self._prompt = get_image_prompt_string
         self.vision_token_ids = tuple(sorted(set(self.vision_token_ids) | {
             int(i) for t, i in tokenizer.get_vocab().items() if self._TILE.fullmatch(t)}
             | {int(tokenizer.convert_tokens_to_ids(t)) for t in (self.fake, self.global_token)}))
