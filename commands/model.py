@@ -17,7 +17,7 @@ app = typer.Typer(
 
 @app.command("init")
 def init(
-    arch: str = typer.Argument(..., help="Architecture: tiny-llava, tiny-llava-next, tiny-llava-onevision, tiny-qwen2vl, "
+    arch: str = typer.Argument(..., metavar="ARCH", help="Architecture: tiny-llava, tiny-llava-next, tiny-llava-onevision, tiny-qwen2vl, "
                                          "tiny-qwen2_5vl, tiny-qwen3vl, tiny-gemma3, tiny-smolvlm, or the text-only "
                                          "tiny-qwen3 and tiny-llama (docs/models.md)."),
     out_dir: Path = typer.Argument(..., help="Folder to write the Hugging Face checkpoint to."),

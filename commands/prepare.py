@@ -29,7 +29,7 @@ rows `gymv prepare ENV --preset PRESET --n N` would (same --split and --seed), e
 
 
 def prepare(
-    env: str = typer.Argument(..., help="Environment to generate rows for, e.g. circle-count or circle-click."),
+    env: str = typer.Argument(..., metavar="ENV", help="Environment to generate rows for, e.g. circle-count or circle-click."),
     knobs: list[str] = typer.Argument(None, help="Knob overrides KEY=VALUE, e.g. circles=1:3 radius=7.", show_default=False),
     n: int = typer.Option(None, "--n", help="Number of rows."),
     out: Path = typer.Option(None, "--out", help="Output JSONL file (written atomically)."),
@@ -83,7 +83,7 @@ def prepare(
     if preview is not None:
         import json
 
-        from gymv.data.preview import contact_sheet
+        from gymv.envs.preview import contact_sheet
 
         contact_sheet(environment, [json.loads(s) for s in sample], preview)
 
@@ -104,7 +104,7 @@ def prepare(
 
 def _prepare_mix(spec: list[str], *, out, seed: int, split: str, preset: str, workers: int, preview, list_knobs: bool,
                  n, json_out: bool) -> None:
-    from gymv.data.mix import parse_mix_spec, write_mixed_dataset
+    from gymv.envs.mix import parse_mix_spec, write_mixed_dataset
     from gymv_cli.output import console, print_json, progress
 
     unsupported = [flag for flag, given in (("--preset", preset != "default"), ("--preview", preview is not None),

@@ -70,6 +70,6 @@ def dataset(env: Environment, path: Path, *, preset: str = "tiny", n: int = 40, 
 
 
 def prompt_images(row: dict) -> list[str]:
-    from gymv.data.rows import input_messages
+    from gymv.envs.rows import input_messages
 
     return [im.url for m in input_messages(row) for im in m.images]

@@ -129,7 +129,7 @@ class PictureEnv(Environment):
         return []
 
     def score_output(self, row, output):
-        from gymv.data.rows import output_text
+        from gymv.envs.rows import output_text
 
         ok = "blue" in output_text(output)
         return Score(1.0 if ok else 0.0, {"said_blue": ok}, None if ok else "no_blue")

@@ -219,7 +219,7 @@ def test_evaluation_never_calls_python_eval(run_dir, monkeypatch):
 
 
 def test_the_registry_holds_the_documented_metric_names():
-    from tests.conftest import REPO
+    from conftest import REPO
 
     import re
 
@@ -243,7 +243,7 @@ def test_every_metric_name_the_engine_writes_literally_is_known():
     """A metric the training code logs under a literal name must be checkable without a GV021 finding."""
     import re
 
-    from tests.conftest import REPO
+    from conftest import REPO
 
     written = set()
     for path in (REPO / "gymv").rglob("*.py"):

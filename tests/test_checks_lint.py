@@ -9,7 +9,7 @@ from gymv.checks import BEGIN_CHECKS, END_CHECKS, driver_checks, register_metric
 from gymv.checks import registry
 from gymv.config.lint import LintFinding, lint_paths
 from gymv.errors import GymvError
-from tests.lint_tree import Tree, block
+from lint_tree import Tree, block
 
 RECIPE = "llm/grpo-tiny-1n0g-torch.yaml"
 DRIVER = "drivers/llm/grpo-tiny-1n0g-torch.sh"

@@ -16,6 +16,7 @@ import pytest
 from gymv.data.images import png_data_url
 from gymv.envs import Environment, Image, ModelTurn, Score, Tool, ToolOutput, get_env
 from gymv.envs.client import EnvClient, EnvHTTPError
+from gymv.envs.responses import request_body
 from gymv.envs.server import EnvServer
 
 
@@ -88,29 +89,48 @@ def test_aggregate_metrics_match_nemo_gyms_summary_statistics(count_server, vect
     assert [g["_ng_task_index"] for g in metrics["group_level_metrics"]] == [0, 1, 2, 3, 4]
 
 
-def test_malformed_json_body_is_400_with_a_message(click_server):
+def messages(body: dict) -> str:
+    """The messages of a FastAPI-style error list, joined (what a 422 from NeMo Gym or gymv carries)."""
+    return " | ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in body["detail"])
+
+
+def test_malformed_json_body_is_422_json_invalid_as_nemo_gym_answers(click_server):
     status, body, _ = post(click_server, "/verify", b'{"response": ')
-    assert status == 400 and "malformed JSON body" in body["detail"]
+    assert status == 422 and body["detail"][0]["type"] == "json_invalid"
 
 
 def test_body_that_is_not_an_object_is_422(click_server):
     status, body, _ = post(click_server, "/verify", b"[1, 2]")
-    assert status == 422 and "must be a JSON object" in body["detail"]
+    assert status == 422 and "must be a JSON object" in messages(body)
 
 
-def test_empty_body_is_400(click_server):
+def test_empty_body_is_422_body_required(click_server):
     status, body, _ = post(click_server, "/seed_session", b"")
-    assert status == 400 and "empty request body" in body["detail"]
+    assert status == 422 and messages(body) == "body: Field required"
 
 
 def test_verify_of_a_row_missing_verifier_fields_is_422_naming_the_field(click_server):
-    status, body, _ = post(click_server, "/verify", json.dumps({"response": {"output": []}}).encode())
-    assert status == 422 and "'circles'" in body["detail"]
+    row = {"responses_create_params": {"input": "click"}, "target_color": "red"}
+    status, body, _ = post(click_server, "/verify", json.dumps(request_body(row, [])).encode())
+    assert status == 422 and "'circles'" in messages(body)
+
+
+def test_verify_with_a_short_response_is_422_naming_each_missing_field(click_server):
+    row = {"responses_create_params": {"input": "click"}, "circles": [], "target_color": "red"}
+    status, body, _ = post(click_server, "/verify", json.dumps({**row, "response": {"output": []}}).encode())
+    assert status == 422 and "body.response.id: Field required" in messages(body)
+    assert "body.response.parallel_tool_calls: Field required" in messages(body)
+
+
+def test_verify_with_an_unknown_key_in_responses_create_params_is_422(click_server):
+    row = {"responses_create_params": {"input": "click", "max_tokens": 5}, "circles": [], "target_color": "red"}
+    status, body, _ = post(click_server, "/verify", json.dumps(request_body(row, [])).encode())
+    assert status == 422 and "body.responses_create_params.max_tokens: Extra inputs are not permitted" in messages(body)
 
 
 def test_verify_without_a_response_is_422(click_server):
     status, body, _ = post(click_server, "/verify", json.dumps({"circles": [], "target_color": "red"}).encode())
-    assert status == 422 and "'response'" in body["detail"]
+    assert status == 422 and "body.response: Field required" in messages(body)
 
 
 def test_oversized_body_is_413_without_reading_it(click_server):
@@ -137,7 +157,7 @@ def test_seed_session_with_a_row_whose_image_is_not_a_data_url_is_422(click_serv
     row = {"responses_create_params": {"input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "file:///etc/passwd"}]}]}, "circles": [], "target_color": "red"}
     status, body, _ = post(click_server, "/seed_session", json.dumps(row).encode())
-    assert status == 422 and "not a data URL" in body["detail"]
+    assert status == 422 and "not a data URL" in messages(body)
 
 
 def test_post_without_content_length_is_411(click_server):
@@ -215,6 +235,19 @@ def test_tool_images_come_back_as_parts_and_tool_state_is_per_session():
         assert b.call_tool("shoot", {}).text == "shot 1"
 
 
+def test_cli_prints_the_url_alone_on_the_first_stdout_line():
+    proc = subprocess.Popen([sys.executable, "-m", "gymv_cli.main", "env", "serve", "circle-count", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().rstrip("\n")
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+", line), line
+        assert EnvClient(line).health()["env"] == "circle-count"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert "serving circle-count on " + line in proc.stderr.read()
+
+
 def test_cli_serves_on_a_free_port_until_terminated():
     proc = subprocess.Popen([sys.executable, "-m", "gymv_cli.main", "env", "serve", "circle-count", "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -227,3 +260,45 @@ def test_cli_serves_on_a_free_port_until_terminated():
         t0 = time.time()
         proc.wait(timeout=10)
     assert time.time() - t0 < 5
+
+
+def test_a_host_header_naming_another_host_is_403_on_a_loopback_server(click_server):
+    status, body, _ = post(click_server, "/seed_session", b"{}", {"Host": "attacker.example:8000"})
+    assert status == 403 and "loopback names only" in body["detail"]
+
+
+def test_loopback_host_names_are_served(click_server):
+    for host in ("localhost", f"127.0.0.1:{click_server.port}", f"[::1]:{click_server.port}"):
+        assert post(click_server, "/seed_session", b"{}", {"Host": host})[0] == 200
+
+
+def test_a_post_from_a_page_of_another_origin_is_403(click_server):
+    status, body, _ = post(click_server, "/seed_session", b"{}", {"Origin": "https://attacker.example"})
+    assert status == 403 and "attacker.example" in body["detail"]
+
+
+def test_sessions_are_bounded_in_bytes_dropping_the_least_recently_used():
+    from rollout_helpers import tiny_rows
+
+    env, rows = tiny_rows("circle-count", 3)
+    size = len(json.dumps(rows[0][1]).encode())
+    with EnvServer(env, max_session_bytes=int(size * 2.5)) as srv:
+        clients = [EnvClient(srv.url) for _ in rows]
+        for client, (_, row) in zip(clients, rows):
+            client.reset(row)
+        assert srv.sessions.bytes <= size * 2.5
+        with pytest.raises(EnvHTTPError) as e:  # the first episode made room for the third
+            clients[0].step(rows[0][1], ModelTurn(text="\\boxed{1}").to_items())
+        assert e.value.status == 409
+        assert clients[2].step(rows[2][1], ModelTurn(text="\\boxed{1}").to_items())["terminated"]
+
+
+def test_a_stalled_body_is_408_and_the_server_goes_on():
+    with EnvServer(get_env("circle-click"), request_timeout=0.5) as srv:
+        sock = socket.create_connection((srv.host, srv.port), timeout=10)
+        sock.sendall(b"POST /verify HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"resp")
+        reply = sock.recv(65536).decode()
+        sock.close()
+        assert reply.startswith("HTTP/1.1 408") and "stopped arriving" in reply
+        assert EnvClient(srv.url).health()["status"] == "ok"

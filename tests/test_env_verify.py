@@ -9,7 +9,7 @@ import pytest
 
 from gymv.envs.verify import verify_rollouts
 from gymv.errors import GymvError
-from tests.conftest import run_gymv
+from conftest import run_gymv
 
 EXTRAS = {"circle_count": ("predicted_count", "expected_count", "correct"),
           "circle_click": ("clicked_x", "clicked_y", "hit")}

@@ -36,7 +36,7 @@ class ShapeQuiz(Environment):
         return []
 
     def score_output(self, row, output):
-        from gymv.data.rows import output_text
+        from gymv.envs.rows import output_text
 
         ok = row["answer"] in output_text(output).lower()
         return Score(1.0 if ok else 0.0, {}, None if ok else "wrong")

@@ -11,7 +11,7 @@ import pytest
 
 from gymv.envs import available, env_for_row, get_env
 from gymv.errors import GymvError
-from tests.conftest import run_gymv
+from conftest import run_gymv
 
 PLUGIN = '''
 from gymv.envs import Environment, ModelTurn, Score
@@ -24,7 +24,7 @@ class EchoEnv(Environment):
     description = "say the word"
 
     def score_output(self, row, output):
-        from gymv.data.rows import output_text
+        from gymv.envs.rows import output_text
         return Score(float(row["word"] in output_text(output)))
 
     def gold_turn(self, row):

@@ -35,8 +35,9 @@ def test_reset_then_step_plays_an_episode_with_tool_images_and_the_reward_on_the
     first = client.step(row, items(fetch))
     (out,) = first["info"]["tool_outputs"]
     assert out["call_id"] == "call_gold_0" and out["name"] == "get_picture"
-    assert [p["type"] for p in out["output"]] == ["input_text", "input_image"]
-    assert out["output"][1]["image_url"] == env.picture(row, 3)
+    parts = json.loads(out["output"])  # a string, as NeMo Gym's function_call_output needs: the parts' JSON
+    assert [p["type"] for p in parts] == ["input_text", "input_image"]
+    assert parts[1]["image_url"] == env.picture(row, 3)
     assert (first["reward"], first["terminated"], first["truncated"], first["observation"]) == (0.0, False, False, None)
     last = client.step(row, items(answer))
     assert last["reward"] == 1.0 and last["terminated"] and not last["truncated"]

@@ -12,7 +12,7 @@ from gymv.data.images import decode_data_url
 from gymv.envs import ModelTurn, RowError, env_for_row, get_env
 from gymv.envs.verify import verify_rollouts
 from gymv.errors import GymvError
-from tests.conftest import run_gymv
+from conftest import run_gymv
 
 NEMO = "nemo_gym/example_multi_turn_gymnasium"
 

@@ -9,7 +9,7 @@ from gymv.backends.generation.base import GenerationRequest, SamplingParams
 from gymv.backends.generation.hf import HFGenerationBackend
 from gymv.backends.logprobs import right_pad, sequence_logprobs
 from gymv.errors import GymvError
-from tests.tiny_models import chat_ids, fresh_policy, noise, shared_policy, solid
+from tiny_models import chat_ids, fresh_policy, noise, shared_policy, solid
 
 ARCHES = ["tiny-llava", "tiny-qwen2vl"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gymv.backends.logprobs import right_pad, sequence_logprobs
+from gymv.backends.logprobs import right_pad, sequence_logprobs, token_scores
 from gymv.errors import GymvError
-from tests.tiny_models import chat_ids, fresh_policy, noise, shared_policy
+from tiny_models import chat_ids, fresh_policy, noise, shared_policy
 
 
 def batch_of(policy, n=3):
@@ -63,7 +63,7 @@ def test_entropy_is_that_of_the_masked_scaled_distribution():
     policy = shared_policy("tiny-llava")
     batch = batch_of(policy, n=1)
     with torch.no_grad():
-        _, ent = sequence_logprobs(policy.model, policy.adapter, batch, temperature=0.8, return_entropy=True)
+        _, ent, _ = token_scores(policy.model, policy.adapter, batch, temperature=0.8, entropy=True)
     logp, ids = reference(policy, batch, 0, 0.8)
     p = logp.exp()
     want = -(p * logp.masked_fill(p == 0, 0)).sum(-1)
@@ -74,7 +74,7 @@ def test_gradients_are_finite_through_masked_vision_targets():
     policy = fresh_policy("tiny-llava")
     policy.model.train()
     batch = batch_of(policy)
-    lp, ent = sequence_logprobs(policy.model, policy.adapter, batch, return_entropy=True)
+    lp, ent, _ = token_scores(policy.model, policy.adapter, batch, entropy=True)
     loss = -(lp * batch.attention_mask).sum() - 0.01 * ent.sum()
     loss.backward()
     grads = [p.grad for p in policy.model.parameters() if p.grad is not None]
@@ -130,8 +130,8 @@ def test_scoring_the_loss_mask_only_gives_the_full_logprobs_and_entropies_there_
     policy = shared_policy(arch)
     batch, mask = group_batch(policy, second_turn_image=second_turn_image)
     with torch.no_grad():
-        lp_full, ent_full = sequence_logprobs(policy.model, policy.adapter, batch, 0.9, return_entropy=True)
-        lp, ent = sequence_logprobs(policy.model, policy.adapter, batch, 0.9, return_entropy=True, score_mask=mask)
+        lp_full, ent_full, _ = token_scores(policy.model, policy.adapter, batch, 0.9, entropy=True)
+        lp, ent, _ = token_scores(policy.model, policy.adapter, batch, 0.9, entropy=True, score_mask=mask)
     assert torch.allclose(lp[mask], lp_full[mask], atol=1e-5)
     assert torch.allclose(ent[mask], ent_full[mask], atol=1e-5)
     assert (lp[~mask] == 0).all() and (ent[~mask] == 0).all()
@@ -149,8 +149,8 @@ def test_candidate_tokens_are_scored_from_the_same_distribution_as_the_sampled_o
     cand = torch.randint(10, 200, (B, T, 3), generator=torch.Generator().manual_seed(3))
     cand[..., 0] = batch.input_ids  # the sampled token among them
     with torch.no_grad():
-        lp, _, got = sequence_logprobs(policy.model, policy.adapter, batch, 0.9, return_entropy=True, score_mask=mask,
-                                       gather_ids=cand)
+        lp, _, got = token_scores(policy.model, policy.adapter, batch, 0.9, entropy=True, score_mask=mask,
+                                  gather_ids=cand)
         logits = _forward_logits(policy.model, policy.adapter, batch)
         z = policy_logits(logits[:, :-1], 0.9, forbidden_mask(logits.shape[-1], policy.adapter.vision_token_ids, logits.device))
         want = torch.log_softmax(z, -1).gather(-1, cand[:, 1:])

@@ -9,8 +9,8 @@ import pytest
 from gymv.config.compat import RULES as COMPAT_RULES
 from gymv.config.lint import RULES, LintFinding, lint_paths, rule_id
 from gymv.config.transports import RefitTransport, register_refit_transport, unregister_refit_transport
-from tests.conftest import REPO
-from tests.lint_tree import Tree, block
+from conftest import REPO
+from lint_tree import Tree, block
 
 
 @pytest.fixture
@@ -187,14 +187,29 @@ def test_async_without_importance_sampling_is_gv007_on_the_recipe_that_enables_i
 
 def test_parallel_sizes_that_do_not_divide_the_gpus_are_gv007(tree):
     text = Tree.GPU_RECIPE.replace("backend: megatron\n", "backend: megatron\n  parallel:\n    tensor: 3\n")
-    tree.add("llm/grpo-big-1n8g-megatron.yaml", text, gpus=8)
+    tree.add("llm/grpo-big-1n8g-megatron.yaml", text, gpus=8, suite=None)
+    tree.disable("llm/grpo-big-1n8g-megatron.yaml")
     [f] = lint()
     assert (f.rule, f.check, f.line) == ("GV007", "parallel.divides-gpus", 4)
 
 
 def test_a_gpu_recipe_whose_parallel_sizes_divide_its_gpus_is_clean(tree):
     text = Tree.GPU_RECIPE.replace("backend: megatron\n", "backend: megatron\n  parallel:\n    tensor: 2\n")
-    tree.add("llm/grpo-big-1n8g-megatron.yaml", text, gpus=8)
+    tree.add("llm/grpo-big-1n8g-megatron.yaml", text, gpus=8, suite=None)
+    tree.disable("llm/grpo-big-1n8g-megatron.yaml")
+    assert lint() == []
+
+
+def test_a_recipe_gymv_train_cannot_run_on_a_run_suite_is_gv022_at_its_entry(tree):
+    tree.add("llm/grpo-big-1n8g-megatron.yaml", Tree.GPU_RECIPE, gpus=8, minutes=1)
+    [f] = lint()
+    assert (f.rule, f.path, f.line) == ("GV022", "recipes/suites/nightly.txt", tree.line_of("suites/nightly.txt", "grpo-big"))
+    assert "training.backend" in f.message and "disabled.txt" in f.fix
+
+
+def test_the_same_recipe_in_disabled_with_a_reason_is_clean(tree):
+    tree.add("llm/grpo-big-1n8g-megatron.yaml", Tree.GPU_RECIPE, gpus=8, suite=None)
+    tree.disable("llm/grpo-big-1n8g-megatron.yaml")
     assert lint() == []
 
 
@@ -286,14 +301,14 @@ def test_a_driver_whose_gpus_per_node_is_not_its_suites_is_gv016(tree):
 
 
 def test_a_suite_over_its_budget_is_gv017_at_its_budget_line(tree):
-    tree.add("llm/grpo-big-1n8g-megatron.yaml", Tree.GPU_RECIPE, gpus=8, minutes=120)
+    tree.add("llm/grpo-big-1n8g-torch.yaml", Tree.RUNNABLE_GPU_RECIPE, gpus=8, minutes=120)
     [f] = lint()
     assert (f.rule, f.path, f.line) == ("GV017", "recipes/suites/budgets.yaml", 1)
     assert f.message == "suite nightly needs 16.00 GPU-hours, over its budget of 10.00"
 
 
 def test_a_suite_within_its_budget_is_clean(tree):
-    tree.add("llm/grpo-big-1n8g-megatron.yaml", Tree.GPU_RECIPE, gpus=8, minutes=120)
+    tree.add("llm/grpo-big-1n8g-torch.yaml", Tree.RUNNABLE_GPU_RECIPE, gpus=8, minutes=120)
     tree.write("suites/budgets.yaml", "nightly: 16\nrelease: 100\n")
     assert lint() == []
 

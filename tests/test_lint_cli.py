@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gymv.config.lint import RULES
-from tests.lint_tree import Tree, block
+from lint_tree import Tree, block
 
 GRPO = "recipes/llm/grpo-tiny-1n0g-torch.yaml"
 

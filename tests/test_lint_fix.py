@@ -10,7 +10,7 @@ import pytest
 from gymv.config import check_minimal, load_recipe
 from gymv.config.lint import fix_minimality
 from gymv.errors import GymvError
-from tests.lint_tree import Tree
+from lint_tree import Tree
 
 REL = "llm/grpo-tiny-1n0g-torch.yaml"
 

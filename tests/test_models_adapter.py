@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gymv.errors import GymvError
-from tests.tiny_models import chat_ids, shared_policy, solid
+from tiny_models import chat_ids, shared_policy, solid
 
 
 def test_llava_processor_expansion_equals_adapter_span():

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gymv.errors import GymvError
-from tests.conftest import run_gymv
-from tests.tiny_models import chat_ids, shared_policy, solid, tiny_path
+from conftest import run_gymv
+from tiny_models import chat_ids, shared_policy, solid, tiny_path
 
 
 def test_tiny_llava_loads_with_auto_classes_and_generates():

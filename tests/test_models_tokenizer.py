@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.tiny_models import shared_policy
+from tiny_models import shared_policy
 
 TOOLS = [{"type": "function", "function": {"name": "click", "description": "click a point",
           "parameters": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}}}]

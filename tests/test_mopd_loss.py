@@ -112,8 +112,7 @@ def test_a_top_k_step_moves_the_student_toward_the_teachers_candidates():
     loss_fn = DistillationLoss(top_k=True)
 
     def step():
-        batch["logp_student_topk"] = torch.log_softmax(logits, -1)
-        return loss_fn(batch, logp, None, _counts(batch))
+        return loss_fn(batch, logp, None, _counts(batch), candidates=torch.log_softmax(logits, -1))
 
     loss, m0 = step()
     loss.backward()

@@ -8,8 +8,9 @@ from functools import lru_cache
 import pytest
 import torch
 
-from gymv.algorithms.teacher_batch import TeacherRow, TextOnlyAdapter, pad_rows, shard_rows, teacher_logprobs, trim
-from gymv.cluster.teachers import TeacherModel, TeacherSpec, check_same_tokenizer, save_text_model
+from gymv.algorithms.teacher_batch import TeacherRow, pad_rows, shard_rows, trim
+from gymv.backends.teacher import TeacherModel, TextOnlyAdapter, check_same_tokenizer, save_text_model, teacher_logprobs
+from gymv.cluster.teachers import TeacherSpec
 from gymv.errors import GymvError
 from tiny_models import chat_ids, noise, shared_policy, tiny_path
 
@@ -69,7 +70,7 @@ def test_a_batch_already_a_multiple_is_not_padded():
 def test_shards_are_equal_and_contiguous():
     rows = _rows()
     assert shard_rows(rows, 2) == [rows[:2], rows[2:]]
-    with pytest.raises(GymvError, match="do not split evenly"):
+    with pytest.raises(RuntimeError, match="do not split evenly"):
         shard_rows(rows[:3], 2)
 
 

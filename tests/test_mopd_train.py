@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from gymv.data.mix import MixPart, write_mixed_dataset
+from gymv.envs.mix import MixPart, write_mixed_dataset
 from gymv.errors import GymvError
 from gymv.train import Reporter, train
 from tiny_models import tiny_path
@@ -36,7 +36,7 @@ class Recorder(Reporter):
 
 
 def _settings(tmp, data, **extra):
-    from gymv.cluster.teachers import save_text_model
+    from gymv.backends.teacher import save_text_model
     from gymv.models.tiny import init_tiny
 
     vlm_teacher = tmp / "count-teacher"
@@ -176,7 +176,7 @@ def test_a_separate_gpu_teacher_gets_its_own_placement_group_split_over_its_repl
 def test_a_colocated_gpu_teacher_joins_the_policy_bundles_beside_generation_and_training():
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from gymv.algorithms.mopd import COLOCATED_POLICY_SHARE
+    from gymv.train.mopd import COLOCATED_POLICY_SHARE
     from gymv.cluster.teachers import COLOCATED_SHARE, replica_options
 
     policy_pg = placement_group([{"CPU": 0.01}] * 2)

@@ -16,7 +16,7 @@ from gymv.data.generate import SPLIT_SPAN, RowGenerator, default_workers, row_se
 from gymv.envs import Environment, ModelTurn, Score, get_env
 from gymv.envs.knobs import resolve_knobs
 from gymv.errors import GymvError
-from tests.conftest import run_gymv
+from conftest import run_gymv
 
 
 def _structure(value):
@@ -234,7 +234,7 @@ def test_generated_rows_are_accepted_back_by_the_environment(tmp_path):
     env = get_env("circle-click")
     write_dataset(tmp_path / "r.jsonl", env, resolve_knobs(env, "default"), n=3, workers=1)
     for row in _rows(tmp_path / "r.jsonl"):
-        from gymv.data.rows import check_images
+        from gymv.envs.rows import check_images
 
         assert check_images(row) == 1
         assert env.start(row).messages[-1].images

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from gymv.data.generate import write_dataset
-from gymv.data.mix import MixPart, interleave_order, parse_mix_spec, write_mixed_dataset
+from gymv.envs.mix import MixPart, interleave_order, parse_mix_spec, write_mixed_dataset
 from gymv.envs import get_env
 from gymv.envs.knobs import resolve_knobs
 from gymv.errors import GymvError
-from tests.conftest import run_gymv
+from conftest import run_gymv
 
 SPEC = [MixPart("circle-count", "tiny", 6), MixPart("arithmetic", "tiny", 3)]
 

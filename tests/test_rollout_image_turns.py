@@ -52,7 +52,7 @@ class StagedEnv(Environment):
         return [Message("user", list(parts))] if parts else []
 
     def score_output(self, row, output):
-        from gymv.data.rows import output_text
+        from gymv.envs.rows import output_text
 
         return Score(1.0 if "done" in output_text(output) else 0.0)
 

@@ -25,8 +25,8 @@ from gymv.smoke import (
     run_training,
 )
 from gymv.smoke.run import TrainOutcome
-from tests.conftest import REPO
-from tests.report_run import make_run
+from conftest import REPO
+from report_run import make_run
 
 GRPO = REPO / "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml"
 GPU_RECIPES = sorted(p for p in (REPO / "recipes").glob("*/*.yaml") if "n8g" in p.name)
@@ -167,6 +167,21 @@ def test_tiny_stands_in_a_model_of_the_recipes_own_family_for_the_student_and_it
     assert all(t["path"] == f"embedded:{stand_in}" for t in teachers.values())
 
 
+@pytest.mark.parametrize("recipe", GPU_RECIPES, ids=lambda p: p.name)
+def test_the_tiny_stand_in_of_every_gpu_recipe_is_something_gymv_train_runs(tmp_path, recipe):
+    from gymv.capabilities import gaps
+
+    p = prepared(tmp_path, recipe, tiny=True)
+    assert gaps(load_recipe(p.config_file).validated) == []
+
+
+def test_tiny_says_it_checks_plumbing_with_stand_ins_and_names_what_it_stood_in_for(tmp_path):
+    p = prepared(tmp_path, REPO / "recipes/llm/grpo-qwen3-1.7b-1n8g-megatron.yaml", tiny=True)
+    assert p.notes[0].startswith("--tiny checks the plumbing with stand-ins")
+    stood_in = [n for n in p.notes if n.startswith("stand-in for what gymv train cannot run here")]
+    assert any("generation.backend" in n for n in stood_in) and any("training.backend" in n for n in stood_in)
+
+
 def test_tiny_records_each_change_it_made(tmp_path):
     p = prepared(tmp_path, REPO / "recipes/llm/grpo-qwen3-1.7b-1n8g-megatron.yaml", tiny=True)
     assert "model.path: 'Qwen/Qwen3-1.7B' -> 'embedded:tiny-qwen3'" in p.tiny_changes
@@ -228,6 +243,16 @@ def test_junit_has_a_train_case_and_one_case_per_check(tmp_path):
     assert [c.get("name") for c in cases] == ["train", "check: median(train/token_mult_prob_error) < 1.1",
                                               "check: mean(train/reward_mean) > 5"]
     assert "mean(train/reward_mean) = 0.25" in cases[2].find("failure").get("message")
+
+
+def test_junit_stays_well_formed_when_a_check_or_log_holds_control_characters(tmp_path):
+    r = judged(tmp_path, ("mean(train/reward_mean) > 5",))
+    r.log = "worker said \x1b[31mred\x1b[0m and \x00"
+    r.status, r.reason = "CRASH", "bell \x07"
+    text = junit_xml([r], "nightly\x01")
+    root = ET.fromstring(text)  # raises on ill-formed XML
+    assert root.get("name") == "gymv smoke nightly\\x01"
+    assert "\\x1b[31mred" in root.find("testcase/error").text
 
 
 # -- failures never stop the suite ------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from tests.conftest import REPO
+from conftest import REPO
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ def suite(tmp_path_factory):
                                     "  - max(train/failed_fraction) == 0\n")
     (base / "planted.yaml").write_text("defaults: grpo.yaml\nchecks:\n  - median(train/token_mult_prob_error) < 1.1\n"
                                        "  - mean(train/reward_mean) > 5\n")
-    from tests.conftest import run_gymv
+    from conftest import run_gymv
 
     r = run_gymv("smoke", *(base / f"{n}.yaml" for n in ("crash", "sft", "grpo", "planted")), "--steps", "1",
                  "--out", base / "runs", "--junit", base / "smoke.xml", cwd=REPO, timeout=1200)
@@ -71,7 +71,7 @@ def test_junit_records_each_recipe_and_check(suite):
 
 
 def test_tiny_runs_a_gpu_recipe_on_the_cpu(tmp_path):
-    from tests.conftest import run_gymv
+    from conftest import run_gymv
 
     recipe = REPO / "recipes/vlm/vlm_grpo-qwen2.5-vl-7b-1n8g-megatron.yaml"
     r = run_gymv("smoke", recipe, "--tiny", "--steps", "1", "--out", tmp_path / "runs", "--json", cwd=REPO, timeout=900)

@@ -3,7 +3,7 @@ between rollouts by default, beside a running rollout with in-flight updates."""
 
 from __future__ import annotations
 
-import time
+import threading
 
 import pytest
 
@@ -22,6 +22,14 @@ STEP_S = 3.0  # every env step on the server takes this long
 @pytest.fixture(scope="module")
 def server():
     with EnvServer(get_env("circle-count"), step_latency_s=STEP_S) as srv:
+        srv.step_started = threading.Event()  # set when a step (or tool call) reaches the server
+        slow = srv._wait
+
+        def wait():
+            srv.step_started.set()
+            slow()
+
+        srv._wait = wait
         yield srv
 
 
@@ -50,8 +58,9 @@ def test_an_async_refit_lands_after_the_running_rollout_unless_in_flight(server,
         cluster, kwargs = cluster_for(server, in_flight=in_flight)
         try:
             cluster.refit(0)  # transports connect once, synchronously, before the run starts
+            server.step_started.clear()
             [call] = cluster.submit_rollouts([(0, row())], seed=1, **kwargs)
-            time.sleep(1.0)  # the rollout is now waiting on the server's slow step
+            assert server.step_started.wait(timeout=120)  # the rollout now waits on the server's slow step
             import ray
 
             refs = cluster.refit_async(1)

@@ -25,7 +25,7 @@ def worker(micro_batch_tokens: int = 4096) -> TrainingWorker:
 
 def samples_for(w: TrainingWorker, n: int = 4, behaviour_shift: float = 0.0) -> list[dict]:
     """Prompt + a few completion tokens; behaviour logprobs are the worker's own (+ a shift)."""
-    policy = w.policy
+    policy = w.backend.policy
     im_end = policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
     out = []
     for i in range(n):
@@ -35,7 +35,7 @@ def samples_for(w: TrainingWorker, n: int = 4, behaviour_shift: float = 0.0) -> 
         mask = torch.tensor([0] * len(prompt) + [1] * (len(ids) - len(prompt)), dtype=torch.bool)
         batch = right_pad([ids], [[image]], policy.tokenizer.pad_token_id)
         with torch.no_grad():
-            lp = sequence_logprobs(w.trainer.model, policy.adapter, batch)[0]
+            lp = sequence_logprobs(w.backend.model, policy.adapter, batch)[0]
         out.append({"input_ids": torch.tensor(ids), "loss_mask": mask,
                     "logp_behaviour": torch.where(mask, lp + behaviour_shift, torch.zeros_like(lp)),
                     "advantages": torch.tensor(1.0 if i % 2 else -1.0), "images": [image], "where": f"sample {i}"})
@@ -53,7 +53,7 @@ def count_passes(model) -> list[int]:
 def test_a_single_minibatch_step_runs_one_forward_pass_per_micro_batch():
     w = worker(micro_batch_tokens=160)  # about two samples per micro-batch
     samples = samples_for(w)
-    calls = count_passes(w.trainer.model)
+    calls = count_passes(w.backend.model)
     metrics = w.grpo_step([samples], PolicyLoss())
     assert metrics["train/num_micro_batches"] >= 2
     assert len(calls) == metrics["train/num_micro_batches"]
@@ -72,7 +72,7 @@ def test_a_two_minibatch_step_scores_every_sample_under_the_old_weights_before_t
     w = worker()
     samples = samples_for(w)
     before = samples_for(w)  # behaviour logprobs = the logprobs under the weights before the step
-    calls = count_passes(w.trainer.model)
+    calls = count_passes(w.backend.model)
     metrics = w.grpo_step([samples[:2], samples[2:]], PolicyLoss())
     # one no-grad pass over all four samples (one micro-batch) for the old logprobs, then one per minibatch
     assert metrics["train/num_micro_batches"] == 2 and len(calls) == 1 + 2
@@ -84,7 +84,7 @@ def test_a_two_minibatch_step_scores_every_sample_under_the_old_weights_before_t
 def test_the_training_worker_plans_micro_batches_that_keep_a_groups_samples_together():
     w = worker(micro_batch_tokens=160)  # room for one prompt and its completions, not two prompts
     samples = samples_for(w)  # samples 0 and 1 share a prompt and image, as do 2 and 3
-    plan = w.trainer._plan(samples)
+    plan = w.backend.trainer._plan(samples)
     assert sorted(sorted(mb) for mb in plan) == [[0, 1], [2, 3]]
 
 

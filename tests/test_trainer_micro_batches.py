@@ -48,7 +48,7 @@ def test_collate_uses_given_pad_values():
 
 
 def test_collate_rejects_samples_with_different_fields():
-    with pytest.raises(GymvError, match="sample 1"):
+    with pytest.raises(RuntimeError, match="sample 1"):
         pad_collate([{"input_ids": torch.tensor([1])}, {"input_ids": torch.tensor([1]), "x": torch.tensor(0.0)}])
 
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from gymv.algorithms.logprobs import logprobs_from_logits
-
 VOCAB = 32
 
 
@@ -31,7 +29,13 @@ def tiny_lm(seed: int = 0) -> TinyLM:
 
 
 def logprob_fn(model: torch.nn.Module, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    return logprobs_from_logits(model(mb["input_ids"]), mb["input_ids"], with_entropy=True)
+    """(logp, entropy) [B, T]: entry t scores token t given the ones before it; entry 0 is 0."""
+    ids = mb["input_ids"]
+    logp_all = torch.log_softmax(model(ids)[:, :-1].float(), dim=-1)
+    logp = logp_all.gather(-1, ids[:, 1:].long().unsqueeze(-1)).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    pad = torch.zeros_like(logp[:, :1])
+    return torch.cat([pad, logp], dim=1), torch.cat([pad, ent], dim=1)
 
 
 def make_samples(n: int, seed: int, min_len: int = 4, max_len: int = 12, prompt_len: int = 2) -> list[dict]:

@@ -38,12 +38,10 @@ def group_baseline_and_std(
     and for invalid samples; there baseline = reward and std = 0, so the advantage is 0.
     """
     if rewards.dim() != 1 or group_ids.shape != rewards.shape:
-        raise GymvError(
-            f"rewards and group_ids must be 1-D and the same length, got {tuple(rewards.shape)} and {tuple(group_ids.shape)}",
-            where="grpo advantages",
-        )
+        raise ValueError(f"rewards and group_ids must be 1-D and the same length, got {tuple(rewards.shape)} and "
+                         f"{tuple(group_ids.shape)}")
     if baseline not in ("leave_one_out", "mean"):
-        raise GymvError(f"unknown baseline {baseline!r}", where="grpo advantages", fix="use 'leave_one_out' or 'mean'")
+        raise ValueError(f"unknown baseline {baseline!r}: use 'leave_one_out' or 'mean'")
     r = rewards.detach().to(torch.float64)
     v = torch.ones_like(r, dtype=torch.bool) if valid is None else valid.to(torch.bool)
     if not bool(torch.isfinite(r[v]).all()):

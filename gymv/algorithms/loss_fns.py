@@ -5,7 +5,8 @@ model under training; `counts` are the global-batch counts. The loss is this mic
 global loss, and every metric is a share too (sum over micro-batches and ranks gives the global value),
 except keys ending in `_max` / `_min`, which reduce by max / min.
 
-Batch keys read here (per-token tensors are aligned with input_ids, see gymv.algorithms.logprobs):
+Batch keys read here (per-token tensors are aligned with input_ids, see gymv.backends.logprobs; the
+sample contract is gymv.backends.training.samples):
   loss_mask [B,T]        1 on generated tokens
   advantages [B]|[B,T]   GRPO advantages
   logp_old [B,T]         trainer logprobs before this step (default: logp detached, i.e. one step per batch)
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 
 from gymv.algorithms.advantages import mopd_advantages
-from gymv.algorithms.importance import behaviour_ratio, icepop_gate
+from gymv.algorithms.importance import icepop_gate, truncated_is_weights
 from gymv.algorithms.losses import (
     Aggregation,
     GlobalCounts,
@@ -34,14 +35,13 @@ from gymv.algorithms.losses import (
     reinforce_loss,
 )
 from gymv.algorithms.masked import as_bool, masked_fill_zero, masked_max
-from gymv.errors import GymvError
 
 Metrics = dict[str, Tensor]
 
 
 def _require(batch: dict, key: str, who: str) -> Tensor:
     if key not in batch:
-        raise GymvError(f"micro-batch lacks {key!r}", where=who, fix=f"put {key!r} in every training sample")
+        raise RuntimeError(f"{who}: the micro-batch lacks {key!r} (the training samples were built without it)")
     return batch[key]
 
 
@@ -73,8 +73,8 @@ def _importance(batch: dict, logp_old: Tensor, mask: Tensor, cfg: ISConfig, coun
     metrics["token_mult_prob_error"] = _token_share(err, mask, counts)
     if not cfg.enabled:
         return None, mask, metrics
-    rho = behaviour_ratio(logp_old, behaviour, mask)
-    weights = rho.clamp(max=cfg.truncate_max) if cfg.truncate_max is not None else torch.ones_like(rho)
+    weights = (truncated_is_weights(logp_old, behaviour, mask, cfg.truncate_max) if cfg.truncate_max is not None
+               else torch.ones_like(logp_old))
     kept = mask
     if cfg.gate is not None:
         kept = icepop_gate(logp_old, behaviour, mask, *cfg.gate)
@@ -153,15 +153,16 @@ class DistillationLoss:
     `top_k`: instead, at every generated position the cross-entropy from the teacher's k most likely tokens
     (their probabilities renormalised over the k) to the student: -sum_v p_teacher(v) log pi_student(v).
     One sampled token says only how good that token is; the teacher's candidates also say which token it
-    would have written. Reads `teacher_topk_logp` [B,T,k] and `logp_student_topk` [B,T,k] (the student's
-    logprobs of those tokens, which the trainer's logprob function puts in the batch).
+    would have written. Reads `teacher_topk_logp` [B,T,k] from the batch and takes `candidates` [B,T,k] (the
+    student's logprobs of those tokens, which the trainer's logprob function returns beside `logp`).
     """
 
     aggregation: Aggregation = "token_mean"
     importance: ISConfig = ISConfig()
     top_k: bool = False
 
-    def __call__(self, batch: dict, logp: Tensor, entropy: Tensor | None, counts: GlobalCounts) -> tuple[Tensor, Metrics]:
+    def __call__(self, batch: dict, logp: Tensor, entropy: Tensor | None, counts: GlobalCounts,
+                 candidates: Tensor | None = None) -> tuple[Tensor, Metrics]:
         who = "distillation loss"
         mask = as_bool(_require(batch, "loss_mask", who))
         teacher = _require(batch, "logp_teacher", who)
@@ -169,8 +170,9 @@ class DistillationLoss:
         weights, kept, metrics = _importance(batch, logp_old, mask, self.importance, counts, who)
         adv = mopd_advantages(teacher, logp_old, kept)
         if self.top_k:
-            per_token, topk_kl = topk_cross_entropy(_require(batch, "teacher_topk_logp", who),
-                                                    _require(batch, "logp_student_topk", who))
+            if candidates is None:
+                raise RuntimeError("top-k distillation needs the student's logprobs of the teacher's candidates")
+            per_token, topk_kl = topk_cross_entropy(_require(batch, "teacher_topk_logp", who), candidates)
             metrics["topk_kl"] = _token_share(topk_kl, kept, counts)
         else:
             per_token = reinforce_loss(logp, adv, kept, logp_old)

@@ -7,31 +7,17 @@ over micro-batches and summing them over ranks reproduces one pass over the whol
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
 from gymv.algorithms.masked import as_bool, masked_fill_zero
-from gymv.errors import GymvError
+from gymv.backends.training.base import GlobalCounts  # noqa: F401  (the losses take it; trainers count it)
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 KLEstimator = Literal["k1", "k2", "k3"]
-
-
-@dataclass(frozen=True)
-class GlobalCounts:
-    """Valid tokens and sequences with at least one valid token, over the whole (global) batch."""
-
-    tokens: float
-    sequences: float
-
-    @staticmethod
-    def of(mask: Tensor) -> GlobalCounts:
-        m = as_bool(mask)
-        return GlobalCounts(tokens=float(m.sum()), sequences=float(m.any(dim=-1).sum()))
 
 
 def aggregate(per_token: Tensor, mask: Tensor, mode: Aggregation = "token_mean", counts: GlobalCounts | None = None) -> Tensor:
@@ -51,7 +37,7 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: Aggregation = "token_mean",
     if mode == "seq_mean_token_mean":
         seq_sum = seq_sum / m.sum(dim=-1).clamp(min=1).to(x.dtype)
     elif mode != "seq_mean_token_sum":
-        raise GymvError(f"unknown loss aggregation {mode!r}", fix=f"use one of {', '.join(AGGREGATIONS)}")
+        raise ValueError(f"unknown loss aggregation {mode!r}: use one of {', '.join(AGGREGATIONS)}")
     return seq_sum.sum() / max(counts.sequences, 1.0)
 
 
@@ -99,7 +85,7 @@ def kl_penalty(logp: Tensor, logp_ref: Tensor, mask: Tensor, estimator: KLEstima
     elif estimator == "k3":
         kl = torch.exp(d) - d - 1.0
     else:
-        raise GymvError(f"unknown KL estimator {estimator!r}", fix="use k1, k2 or k3")
+        raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3")
     return masked_fill_zero(kl, m)
 
 
@@ -118,8 +104,3 @@ def reinforce_loss(logp: Tensor, advantages: Tensor, mask: Tensor, logp_old: Ten
 def nll_loss(logp: Tensor, mask: Tensor) -> Tensor:
     """Per-token negative log-likelihood (SFT), 0 off the mask."""
     return masked_fill_zero(-logp, mask)
-
-
-def sft_loss(logp: Tensor, mask: Tensor, counts: GlobalCounts | None = None) -> Tensor:
-    """Token-mean NLL over the (global) batch."""
-    return aggregate(nll_loss(logp, mask), mask, "token_mean", counts)

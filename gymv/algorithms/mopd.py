@@ -1,50 +1,15 @@
-"""Multi-teacher on-policy distillation (MOPD), read top to bottom: set up, then each step generates, routes,
-scores with the teachers, trains and refits.
-
-One step:
-1. draw `prompts_per_step` rows; the student's generation workers run G episodes of each (current weights);
-2. route each usable episode to exactly one teacher by its agent name (gymv.algorithms.mopd_routing);
-3. every teacher scores the student's tokens of its episodes, each row with its own images (a text-only
-   teacher gets text only), padded to a multiple of its data-parallel size by repeating whole rows;
-4. one optimizer step per `global_batch_size` samples on the distillation loss: per token
-   A_t = stop_grad(log pi_teacher - log pi_student) (+ env_reward_coef x the episode's reward advantage),
-   REINFORCE at the sampling policy, the IS weights / gate of `mopd.importance_sampling`;
-5. refit the generation workers (and reset their encoder cache, if configured);
-6. validate, log one metrics row (with the reverse KL to each teacher), write the rollouts, checkpoint.
-
-The setup, data stream, rollouts, refit, validation and checkpoints are GRPO's (gymv.train, gymv.cluster.group);
-only routing, teacher scoring and the loss are MOPD's own.
+"""MOPD's math: the distillation loss (with an optional reward term), reward advantages, the teacher's
+training samples and per-teacher metrics. The loop is gymv.train.mopd.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gymv.algorithms.loss_fns import DistillationLoss, ISConfig, PolicyLoss
-from gymv.algorithms.mopd_routing import TeacherRouter
-from gymv.cluster.group import Placement, PolicyCluster
-from gymv.rollout import to_rollout_record
-from gymv.train.setup import (
-    Checkpointer,
-    RunContext,
-    rollout_kwargs,
-    sampling_params,
-    should_validate,
-    step_seed,
-    worker_spec,
-)
-from gymv.train.stats import minibatches, rollout_metrics
-from gymv.train.validation import validate
-
-COLOCATED_POLICY_SHARE = 0.35  # of a GPU, for each of generation and training when a teacher shares it
-
-
-def importance_config(is_cfg) -> ISConfig:
-    return ISConfig(truncate_max=is_cfg.truncate_max if is_cfg.kind == "truncated" else None,
-                    gate=(is_cfg.gate_low, is_cfg.gate_high) if is_cfg.kind == "icepop" else None)
+from gymv.algorithms.grpo import importance_config
+from gymv.algorithms.loss_fns import DistillationLoss, PolicyLoss
 
 
 @dataclass(frozen=True)
@@ -56,8 +21,8 @@ class MopdLoss:
     distill: DistillationLoss
     env_reward_coef: float = 0.0
 
-    def __call__(self, batch, logp, entropy, counts):
-        loss, metrics = self.distill(batch, logp, entropy, counts)
+    def __call__(self, batch, logp, entropy, counts, candidates=None):
+        loss, metrics = self.distill(batch, logp, entropy, counts, candidates)
         if self.env_reward_coef > 0:
             # unclipped ratio * A: the REINFORCE form of the distillation loss, on the reward advantage
             env = PolicyLoss(eps_low=1.0, eps_high=1e9, aggregation=self.distill.aggregation,
@@ -75,41 +40,23 @@ def mopd_loss(mopd, aggregation: str = "token_mean") -> MopdLoss:
 
 def env_advantages(trajectories: Sequence, group_size: int) -> list[float]:
     """The reward advantage of each episode: leave-one-out within its group when G >= 2, else the reward
-    minus the mean reward of the step's usable episodes. Failed episodes get 0."""
-    ok = [t.error is None for t in trajectories]
-    rewards = [float(t.reward) if good else 0.0 for t, good in zip(trajectories, ok)]
-    out = [0.0] * len(trajectories)
+    minus the mean reward of the step's usable episodes (never divided by a std). Failed episodes get 0."""
+    import torch
+
+    from gymv.algorithms.advantages import grpo_advantages
+
+    n = len(trajectories)
+    valid = torch.tensor([t.error is None for t in trajectories], dtype=torch.bool)
+    rewards = torch.tensor([float(t.reward) if t.error is None else 0.0 for t in trajectories], dtype=torch.float64)
     if group_size >= 2:
-        for g in range(0, len(trajectories), group_size):
-            idx = [i for i in range(g, min(g + group_size, len(trajectories))) if ok[i]]
-            for i in idx:
-                others = [rewards[j] for j in idx if j != i]
-                out[i] = rewards[i] - sum(others) / len(others) if others else 0.0
-        return out
-    usable = [r for r, good in zip(rewards, ok) if good]
-    mean = sum(usable) / len(usable) if usable else 0.0
-    return [r - mean if good else 0.0 for r, good in zip(rewards, ok)]
+        adv = grpo_advantages(rewards, torch.arange(n) // group_size, valid, normalize_std=False)
+    else:
+        adv = grpo_advantages(rewards, torch.zeros(n, dtype=torch.long), valid, baseline="mean", normalize_std=False)
+    return [float(a) for a in adv]
 
 
-def _where(t) -> str:
+def sample_where(t) -> str:
     return f"row {t.task_index} sample {t.sample_index} (agent {t.agent_name})"
-
-
-def teacher_scores(pool, router: TeacherRouter, usable: Sequence) -> tuple[list, list[str], float]:
-    """(teacher logprobs per usable episode, its teacher alias, seconds): route, score per alias, reassemble."""
-    from gymv.algorithms.teacher_batch import TeacherRow
-
-    t0 = time.perf_counter()
-    routes = router.route([t.agent_name for t in usable], [_where(t) for t in usable])
-    rows = {alias: [TeacherRow(usable[i].token_ids, list(usable[i].images), _where(usable[i])) for i in idx]
-            for alias, idx in routes.items()}
-    scored, _ = pool.score(rows)
-    logprobs: list = [None] * len(usable)
-    aliases: list[str] = [""] * len(usable)
-    for alias, idx in routes.items():
-        for i, lp in zip(idx, scored[alias]):
-            logprobs[i], aliases[i] = lp, alias
-    return logprobs, aliases, time.perf_counter() - t0
 
 
 def _own_logp(scored):
@@ -119,24 +66,13 @@ def _own_logp(scored):
 
 
 def distillation_samples(usable: Sequence, teacher_logprobs: Sequence, advantages: Sequence[float]) -> list[dict]:
-    import torch
+    """Training samples of the usable episodes with their teacher's scores (gymv.backends.training.samples)."""
+    from gymv.backends.training.samples import training_sample
 
-    out = []
-    for t, lp, a in zip(usable, teacher_logprobs, advantages):
-        sample = {
-            "input_ids": torch.tensor(t.token_ids, dtype=torch.long),
-            "loss_mask": torch.tensor(t.loss_mask, dtype=torch.bool),
-            "logp_behaviour": torch.tensor(t.logprobs, dtype=torch.float32),
-            "logp_teacher": _own_logp(lp).to(torch.float32),
-            "advantages": torch.tensor(float(a), dtype=torch.float32),
-            "images": list(t.images),
-            "where": _where(t),
-        }
-        if isinstance(lp, dict):
-            sample["teacher_topk_ids"] = lp["topk_ids"].to(torch.long)
-            sample["teacher_topk_logp"] = lp["topk_logp"].to(torch.float32)
-        out.append(sample)
-    return out
+    return [training_sample(t.token_ids, t.loss_mask, images=t.images, where=sample_where(t),
+                            logp_behaviour=t.logprobs, advantage=a, logp_teacher=_own_logp(lp),
+                            teacher_topk=(lp["topk_ids"], lp["topk_logp"]) if isinstance(lp, dict) else None)
+            for t, lp, a in zip(usable, teacher_logprobs, advantages)]
 
 
 def teacher_metrics(usable: Sequence, teacher_logprobs: Sequence, aliases: Sequence[str]) -> dict[str, float]:
@@ -154,96 +90,3 @@ def teacher_metrics(usable: Sequence, teacher_logprobs: Sequence, aliases: Seque
         out[f"train/kl_teacher/{alias}"] = gap / tokens if tokens else math.nan
         out[f"train/num_sequences/{alias}"] = float(n)
     return out
-
-
-def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
-    from gymv.cluster.teachers import TeacherPool, teacher_specs
-    from gymv.envs import get_env
-
-    cfg, mopd, run, report = ctx.cfg, ctx.cfg.mopd, ctx.run, ctx.reporter
-    G = mopd.generations_per_prompt
-
-    # ---- setup: route the whole training set before anything starts ------------------------------------
-    router = TeacherRouter.from_config(mopd)
-    per_teacher = router.check_rows(ctx.train_rows, default_agent=get_env(cfg.env.name).agent_name)
-    report.on_message("training rows per teacher: " + ", ".join(f"{a} {n}" for a, n in per_teacher.items()))
-    specs = teacher_specs(cfg, ctx.model_path)  # resolves every teacher path and backend before workers start
-    shares_gpu = cfg.cluster.gpus_per_node > 0 and cfg.cluster.colocated and any(
-        t.placement == "colocated" for t in mopd.teachers.values())
-    report.on_message("starting workers")
-    cluster_kwargs = {"gpu_share": COLOCATED_POLICY_SHARE} if shares_gpu else {}
-    cluster = PolicyCluster(worker_spec(cfg, ctx.model_path), Placement.from_config(cfg), **cluster_kwargs)
-    pool = None
-    try:
-        report.on_message(f"starting teachers: {', '.join(mopd.teachers)}")
-        pool = TeacherPool(cfg, specs, policy_pg=cluster.placement_group)
-        checkpoints = Checkpointer(ctx, cluster)
-        restored, step, data = checkpoints.start(resume, cluster)
-        loss_fn = mopd_loss(mopd)
-        params = sampling_params(cfg)
-        limits = rollout_kwargs(cfg)
-        metrics_log = run.metrics_log()
-        report.on_start({"algorithm": cfg.algorithm, "run_dir": str(run.path), "start_step": step,
-                         "max_steps": mopd.max_steps, "resumed_from": str(restored.path) if restored else None,
-                         "teachers": pool.info})
-
-        if step == 0 and mopd.val_at_start:
-            row = validate(ctx, cluster, 0, mopd.val_prompts)
-            metrics_log.log(0, row)
-            report.on_step(0, row)
-
-        final_metrics: dict = {}
-        while step < mopd.max_steps:
-            step += 1
-            t_step = time.perf_counter()
-
-            # 1. the student's rollouts
-            batch = data.next_batch(mopd.prompts_per_step)
-            trajectories, timing = cluster.rollouts([(r.index, r.data) for r in batch], group_size=G, params=params,
-                                                    seed=step_seed(cfg.seed, step), source=ctx.train_source, **limits)
-
-            # 2-3. routing and teacher scores of the usable episodes
-            advantages = env_advantages(trajectories, G)
-            keep = [i for i, t in enumerate(trajectories) if t.error is None and any(t.loss_mask)]
-            usable = [trajectories[i] for i in keep]
-            teacher_lp, aliases, teacher_s = teacher_scores(pool, router, usable) if usable else ([], [], 0.0)
-            samples = distillation_samples(usable, teacher_lp, [advantages[i] for i in keep])
-
-            # 4. optimizer step(s)
-            train_metrics = cluster.grpo_step(
-                minibatches(samples, cfg.training.global_batch_size, cfg.samples_per_step), loss_fn)
-
-            # 5. refit (the generation workers reset their encoder cache after it, when configured)
-            refit_s = cluster.refit(step)
-            report.on_refit(step, cluster)
-
-            # 6. validation, logs, checkpoint
-            metrics = {**rollout_metrics(trajectories, "train"), **teacher_metrics(usable, teacher_lp, aliases),
-                       **train_metrics}
-            if should_validate(step, mopd.val_period, mopd.max_steps):
-                metrics.update(validate(ctx, cluster, step, mopd.val_prompts))
-            step_s = time.perf_counter() - t_step
-            generated = sum(sum(t.loss_mask) for t in trajectories)
-            metrics.update({
-                "timing/step_s": step_s, "timing/generation_s": timing["generation_s"], "timing/env_s": timing["env_s"],
-                "timing/teacher_s": teacher_s, "timing/refit_s": refit_s,
-                "timing/generation_tokens_per_s": generated / max(timing["generation_s"], 1e-9),
-                "timing/tokens_per_s": sum(len(t.token_ids) for t in trajectories) / max(step_s, 1e-9),
-            })
-            if cfg.logger.log_rollouts:
-                records = [to_rollout_record(t) for t in trajectories]
-                for i, alias in zip(keep, aliases):
-                    records[i].setdefault("_gymv", {})["teacher"] = alias
-                run.write_rollouts(step, records)
-            metrics_log.log(step, metrics)
-            report.on_step(step, metrics)
-            final_metrics = metrics
-
-            if checkpoints.end_step(step, mopd.max_steps, data.position):
-                break
-
-        return checkpoints.finish(cluster, step, mopd.max_steps, metrics_log, final_metrics)
-    finally:
-        if pool is not None:
-            pool.shutdown()
-        cluster.shutdown()

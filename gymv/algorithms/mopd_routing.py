@@ -77,6 +77,6 @@ class TeacherRouter:
 
 
 def row_agent(row: dict) -> str | None:
-    ref = row.get("agent_ref") if isinstance(row, dict) else None
-    name = ref.get("name") if isinstance(ref, dict) else None
-    return name if isinstance(name, str) and name else None
+    from gymv.envs.rows import agent_name
+
+    return agent_name(row)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -241,15 +241,32 @@ def _entropy(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return lse - (p * finite_z).sum(-1)
 
 
+class TokenScores(NamedTuple):
+    """What one forward pass says about a batch's tokens, each aligned with input_ids: logprobs [B, T];
+    entropies [B, T] when asked; logprobs of candidate tokens [B, T, k] when given some."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
+
+
 def sequence_logprobs(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temperature: float = 1.0,
-                      forbidden_ids: Sequence[int] | None = None, *, return_entropy: bool = False,
-                      score_mask: torch.Tensor | None = None, gather_ids: torch.Tensor | None = None):
-    """Per-token logprobs [B, T] (and entropies [B, T] with `return_entropy`); differentiable.
+                      forbidden_ids: Sequence[int] | None = None, *,
+                      score_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token logprobs [B, T]; differentiable (`token_scores` for entropies and candidates)."""
+    return token_scores(model, adapter, batch, temperature, forbidden_ids, score_mask=score_mask).logp
+
+
+def token_scores(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temperature: float = 1.0,
+                 forbidden_ids: Sequence[int] | None = None, *, entropy: bool = False,
+                 score_mask: torch.Tensor | None = None, gather_ids: torch.Tensor | None = None) -> TokenScores:
+    """Per-token logprobs [B, T], with entropies [B, T] when `entropy`; differentiable.
 
     `score_mask` [B, T] (e.g. the loss mask): score only these tokens; all other entries are 0.
-    `gather_ids` [B, T, k] (with `score_mask`): also return the logprobs of these candidate tokens at each
-    scored position, [B, T, k] (e.g. a teacher's top k there), as the last element of the result.
+    `gather_ids` [B, T, k] (with `score_mask`): also the logprobs of these candidate tokens at each scored
+    position, [B, T, k] (e.g. a teacher's top k there).
     """
+    return_entropy = entropy
     if gather_ids is not None and score_mask is None:
         raise ValueError("gather_ids needs score_mask")
     forbidden_ids = adapter.vision_token_ids if forbidden_ids is None else forbidden_ids
@@ -264,10 +281,11 @@ def sequence_logprobs(model, adapter: MultimodalAdapter, batch: MultimodalBatch,
         ids, mask = ids_cpu.to(logits.device), mask_cpu.to(logits.device)
         forbidden = forbidden_mask(logits.shape[-1], forbidden_ids, logits.device)
         out = _full_logprobs(logits, ids, mask, temperature, forbidden, return_entropy)
+        logp, ent = out if return_entropy else (out, None)
         if gather_ids is None:
-            return out
+            return TokenScores(logp, ent)
         none = logits.new_zeros(gather_ids.shape) + 0.0 * logits.sum()  # nothing scored, still on the graph
-        return (*out, none) if return_entropy else (out, none)
+        return TokenScores(logp, ent, none)
 
     dev = next(model.parameters()).device
     scored = _shared_prefix_logits(model, adapter, batch, wanted)
@@ -289,13 +307,13 @@ def sequence_logprobs(model, adapter: MultimodalAdapter, batch: MultimodalBatch,
         lp = torch.where(forbidden[target], torch.zeros_like(lp), lp)
     B, T = ids_cpu.shape
     logprobs = lp.new_zeros((B, T)).index_put((rows, t + 1), lp)
-    out = [logprobs]
+    entropies = candidates = None
     if return_entropy:
         ent = _entropy(z, lse)
-        out.append(ent.new_zeros((B, T)).index_put((rows, t + 1), ent))
+        entropies = ent.new_zeros((B, T)).index_put((rows, t + 1), ent)
     if gather_ids is not None:
         cand = gather_ids.to(dev)[rows, t + 1]  # [N, k]
         got = (z - lse.unsqueeze(-1)).gather(-1, cand)
         got = torch.where(torch.isfinite(got), got, torch.zeros_like(got))  # a forbidden candidate
-        out.append(got.new_zeros((B, T, cand.shape[-1])).index_put((rows, t + 1), got))
-    return out[0] if len(out) == 1 else tuple(out)
+        candidates = got.new_zeros((B, T, cand.shape[-1])).index_put((rows, t + 1), got)
+    return TokenScores(logprobs, entropies, candidates)

@@ -11,6 +11,7 @@ Placement:
 - GPUs, separate: `training_gpus` training ranks and `generation_gpus` generation workers, one GPU each.
 - `generation_workers_per_gpu` k > 1: k generation workers share each generation GPU (on a CPU: k in all);
   a batch is split by prompt across all of them.
+The arithmetic of engines spanning several GPUs and of trainer meshes is gymv.cluster.placement.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gymv.cluster.placement import Placement
 from gymv.cluster.workers import GenerationWorker, TrainingWorker, WorkerSpec
 from gymv.errors import GymvError
 
@@ -65,26 +67,6 @@ class RolloutCall:
     attempts: int = 0
 
 
-@dataclass(frozen=True)
-class Placement:
-    num_generation: int = 1
-    num_training: int = 1
-    gpus: int = 0  # GPUs of the whole run (0 = CPU)
-    colocated: bool = True
-    generation_per_gpu: int = 1  # generation workers sharing each generation GPU
-
-    @classmethod
-    def from_config(cls, cfg, *, num_training: int | None = None) -> Placement:
-        c = cfg.cluster
-        k = c.generation_workers_per_gpu
-        total = c.num_nodes * c.gpus_per_node
-        if total == 0:
-            return cls(k, num_training or 1, 0, True, k)
-        if c.colocated:
-            return cls(total * k, num_training or total, total, True, k)
-        return cls((c.generation_gpus or 1) * k, num_training or c.training_gpus or 1, total, False, k)
-
-
 def cpu_env() -> dict[str, str]:
     """Environment of CPU actors: passive OpenMP waiting (the user's own setting wins)."""
     return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
@@ -104,6 +86,7 @@ class PolicyCluster:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        spec = spec.located()  # backends registered in this process load in the workers too
         self.spec, self.placement = spec, placement
         self._pg = None
         gen_opts: list[dict] = []

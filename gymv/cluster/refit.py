@@ -17,7 +17,7 @@ Encoder-cache resets are the receiver's caller's job (GenerationWorker), after a
 
 from __future__ import annotations
 
-import hashlib
+import os
 import uuid
 import warnings
 from abc import ABC, abstractmethod
@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from gymv.backends.weights import weights_hash  # noqa: F401  (its old home)
 from gymv.errors import GymvError
 
 
@@ -87,19 +88,6 @@ def unflatten(flat: torch.Tensor, layout: WeightLayout) -> dict[str, torch.Tenso
     return out
 
 
-def weights_hash(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> str:
-    """Content hash of named weights (optionally cast to `dtype` first): equal weights, equal hash."""
-    h = hashlib.blake2b(digest_size=16)
-    for name in sorted(state_dict):
-        t = state_dict[name].detach()
-        if dtype is not None:
-            t = t.to(dtype)
-        t = t.cpu().contiguous()
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
 # ------------------------------------------------------------------------------------------- transports
 
 
@@ -107,6 +95,7 @@ class RefitSender(ABC):
     """Lives in training rank 0; `publish` returns what the driver hands to every receiver."""
 
     name: str
+    receiver: type[RefitReceiver]  # the class each generation worker receives with
     in_band = True  # False: receivers get the weights through the transport itself, not the returned payload
 
     def __init__(self, dtype: torch.dtype, device: torch.device, num_receivers: int = 1):
@@ -127,7 +116,9 @@ class RefitSender(ABC):
         """Join the receivers (called at the same time as every receiver's `connect`)."""
 
     @abstractmethod
-    def publish(self, state_dict: Mapping[str, torch.Tensor]) -> Any: ...
+    def publish(self, state_dict: Mapping[str, torch.Tensor]) -> Any:
+        """Send the weights; a trainer streams them as (name, tensor) pairs, gathered into a mapping of
+        references (`gymv.backends.generation.base.named`) before the one flattening copy."""
 
     def close(self) -> None:
         """Free what the sender holds (shared memory, process groups)."""
@@ -186,8 +177,45 @@ def _untrack_shm(shm) -> None:
         pass
 
 
+SHM_PREFIX = "gymv-refit-"
+SHM_DIR = "/dev/shm"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_orphaned_segments(directory: str = SHM_DIR) -> list[str]:
+    """Unlink refit segments whose creating process is gone (a trainer killed with SIGKILL never unlinks its
+    segment, which holds a full copy of the weights); returns their names. Segments are named
+    gymv-refit-<creator pid>-<random>; a live creator's segment is never touched."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(SHM_PREFIX):
+            continue
+        pid = name[len(SHM_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
 class ShmSender(RefitSender):
-    """One shared-memory segment, created on the first refit and rewritten in place every step."""
+    """One shared-memory segment, created on the first refit and rewritten in place every step. Creating
+    one first removes the segments of dead trainers (an earlier run killed with SIGKILL)."""
 
     name = "shm"
 
@@ -201,7 +229,8 @@ class ShmSender(RefitSender):
         layout = self._layout(state_dict)
         if self._shm is None or self._shm.size < layout.nbytes:
             self.close()
-            self._shm = shared_memory.SharedMemory(name=f"gymv-refit-{uuid.uuid4().hex[:12]}", create=True,
+            remove_orphaned_segments()
+            self._shm = shared_memory.SharedMemory(name=f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}", create=True,
                                                    size=max(layout.nbytes, 1))
         flat = torch.frombuffer(self._shm.buf, dtype=layout.torch_dtype, count=layout.numel)
         flatten_into(flat, state_dict, layout)
@@ -301,10 +330,8 @@ class CollectiveSender(RefitSender):
         self._flat: torch.Tensor | None = None
 
     def rendezvous(self, state_dict) -> dict:
-        from torch.distributed import TCPStore
-
         host = _node_ip()
-        self._store = TCPStore(host, 0, world_size=self.num_receivers + 1, is_master=True, wait_for_workers=False)
+        self._store, self._listener = master_store(host, self.num_receivers + 1)
         return {"host": host, "port": self._store.port, "world_size": self.num_receivers + 1, "backend": self.backend,
                 "layout": self._layout(state_dict)}
 
@@ -321,6 +348,24 @@ class CollectiveSender(RefitSender):
 
     def close(self) -> None:
         self._pg = self._store = self._flat = None
+        if getattr(self, "_listener", None) is not None:
+            self._listener.close()
+            self._listener = None
+
+
+def master_store(host: str, world_size: int):
+    """(a TCPStore server listening on `host` only, its socket): torch's own server listens on every
+    interface whatever host it is given, so it is handed a socket bound here (keep the socket open)."""
+    import socket
+
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.bind((host, 0))
+    sock.listen()
+    store = TCPStore(host, sock.getsockname()[1], world_size=world_size, is_master=True, wait_for_workers=False,
+                     master_listen_fd=sock.fileno())
+    return store, sock
 
 
 class CollectiveReceiver(RefitReceiver):
@@ -382,21 +427,26 @@ def _process_group(backend: str, store, rank: int, world_size: int):
     raise GymvError(f"unknown collective backend {backend!r}", fix="use gloo or nccl")
 
 
-SENDERS: dict[str, type[RefitSender]] = {
-    c.name: c for c in (ObjectStoreSender, ShmSender, CudaIpcSender, NcclSender, CollectiveSender)}
-RECEIVERS: dict[str, type[RefitReceiver]] = {
-    c.name: c for c in (ObjectStoreReceiver, ShmReceiver, CudaIpcReceiver, NcclReceiver, CollectiveReceiver)}
+ObjectStoreSender.receiver = ObjectStoreReceiver
+ShmSender.receiver = ShmReceiver
+CudaIpcSender.receiver = CudaIpcReceiver
+CollectiveSender.receiver = CollectiveReceiver
+NcclSender.receiver = NcclReceiver
+
+
+def _sender_class(name: str) -> type[RefitSender]:
+    from gymv.backends.registry import REFIT_TRANSPORTS
+
+    if name not in REFIT_TRANSPORTS:
+        raise GymvError(f"refit transport {name!r} has no implementation here", where="refit.transport",
+                        fix=f"use one of: {', '.join(REFIT_TRANSPORTS.available())}")
+    return REFIT_TRANSPORTS.load(name)
 
 
 def make_sender(name: str, dtype: torch.dtype, device, num_receivers: int = 1) -> RefitSender:
-    if name not in SENDERS:
-        raise GymvError(f"refit transport {name!r} has no implementation here", where="refit.transport",
-                        fix=f"use one of: {', '.join(sorted(SENDERS))}")
-    return SENDERS[name](dtype, device, num_receivers)
+    """The sender of the transport registered as `name` (gymv.backends.registry.REFIT_TRANSPORTS)."""
+    return _sender_class(name)(dtype, device, num_receivers)
 
 
 def make_receiver(name: str, device, info: dict | None = None, rank: int = 1) -> RefitReceiver:
-    if name not in RECEIVERS:
-        raise GymvError(f"refit transport {name!r} has no implementation here", where="refit.transport",
-                        fix=f"use one of: {', '.join(sorted(RECEIVERS))}")
-    return RECEIVERS[name](device, info, rank)
+    return _sender_class(name).receiver(device, info, rank)

@@ -17,16 +17,14 @@ Placement:
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
+from gymv.backends.registry import TEACHER_BACKENDS
 from gymv.errors import GymvError
 
-BACKENDS_HERE = ("torch",)
 TEXT_PREFIX = "text:"  # a teacher path `text:<checkpoint>` scores with that VLM's language model alone
 
 
@@ -46,101 +44,7 @@ class TeacherSpec:
     seed: int = 0
     top_k: int = 0  # > 0: also the teacher's k most likely tokens per position (top-k distillation)
     trust_remote_code: bool = False  # the recipe's model.trust_remote_code, for teachers too
-
-
-def is_text_only(path: str | Path) -> bool:
-    """A checkpoint without a vision tower (its config has no vision_config)."""
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise GymvError(f"cannot read the teacher's config.json: {e}", where=str(path),
-                        fix="point the teacher at a Hugging Face checkpoint folder") from None
-    return "vision_config" not in config
-
-
-def student_vision_ids(student_path: str | Path) -> tuple[int, ...]:
-    """The student's vision special-token ids (what it can never sample), from its tokenizer, config and
-    image processor alone (no weights)."""
-    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
-
-    from gymv.backends.multimodal import make_adapter
-    from gymv.models.quiet import quiet_transformers
-
-    path = Path(student_path)
-    if is_text_only(path):  # a text-only student samples every token
-        return ()
-    cls = ""
-    for name in ("processor_config.json", "preprocessor_config.json"):
-        f = path / name
-        if f.exists():
-            cls = json.loads(f.read_text()).get("processor_class") or cls
-        if cls:
-            break
-    with quiet_transformers():
-        tok = AutoTokenizer.from_pretrained(path)
-        config = AutoConfig.from_pretrained(path)
-        improc = AutoImageProcessor.from_pretrained(path)
-    return make_adapter(cls, tok, improc, config).vision_token_ids
-
-
-def check_same_tokenizer(teacher_tok, student_tok, alias: str) -> None:
-    a, b = teacher_tok.get_vocab(), student_tok.get_vocab()
-    if a != b:
-        differ = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])[:3]
-        raise GymvError(f"teacher {alias!r} does not share the student's tokenizer ({len(a)} vs {len(b)} tokens; "
-                        f"e.g. {', '.join(repr(k) for k, _ in differ)} differ)", where=f"mopd.teachers.{alias}.path",
-                        fix="MOPD compares logprobs token by token: use a teacher built with the student's tokenizer")
-
-
-class TeacherModel:
-    """A loaded teacher: model, tokenizer, the adapter it scores with, and whether it is text-only."""
-
-    def __init__(self, spec: TeacherSpec):
-        import torch
-        from transformers import AutoTokenizer
-
-        from gymv.algorithms.teacher_batch import TextOnlyAdapter
-        from gymv.models.quiet import quiet_transformers
-
-        self.spec = spec
-        dtype = getattr(torch, spec.dtype)
-        self.text_only = spec.text_of or is_text_only(spec.path)
-        with quiet_transformers():
-            student_tok = AutoTokenizer.from_pretrained(spec.student_path)
-        self.forbidden_ids = student_vision_ids(spec.student_path)
-        if self.text_only:
-            from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-            from gymv.models.load import check_remote_code
-
-            trust = spec.trust_remote_code
-            check_remote_code(Path(spec.path), trust)
-            with quiet_transformers():
-                self.tokenizer = AutoTokenizer.from_pretrained(spec.path, trust_remote_code=trust)
-                if spec.text_of and not is_text_only(spec.path):
-                    vlm = AutoModelForImageTextToText.from_pretrained(spec.path, dtype=dtype, trust_remote_code=trust)
-                    self.model = text_model_of(vlm, where=spec.path)
-                    del vlm
-                else:
-                    self.model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, trust_remote_code=trust)
-            self.adapter = TextOnlyAdapter(self.forbidden_ids, spec.alias)
-        else:
-            from gymv.models.load import load_policy
-
-            policy = load_policy(spec.path, device="cpu", dtype=dtype, seed=spec.seed,
-                                 trust_remote_code=spec.trust_remote_code)
-            self.model, self.tokenizer, self.adapter = policy.model, policy.tokenizer, policy.adapter
-        check_same_tokenizer(self.tokenizer, student_tok, spec.alias)
-        self.model.to(spec.device)
-        self.model.eval()
-        self.model.requires_grad_(False)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-
-    def score(self, rows) -> list:
-        from gymv.algorithms.teacher_batch import teacher_logprobs
-
-        return teacher_logprobs(self.model, self.adapter, rows, pad_id=self.pad_id, temperature=self.spec.temperature,
-                                forbidden_ids=self.forbidden_ids, max_tokens=self.spec.max_tokens, top_k=self.spec.top_k)
+    backend: str = "torch"  # a name in TEACHER_BACKENDS
 
 
 class TeacherWorker:
@@ -152,7 +56,8 @@ class TeacherWorker:
         _set_threads(spec.threads)
         self.spec, self.replica = spec, replica
         device = _device(spec)  # type: ignore[arg-type]  (reads .device only)
-        self.teacher = TeacherModel(spec if str(device) == spec.device else _with_device(spec, str(device)))
+        scorer = TEACHER_BACKENDS.load(spec.backend)
+        self.teacher = scorer(spec if str(device) == spec.device else _with_device(spec, str(device)))
 
     def info(self) -> dict:
         return {"alias": self.spec.alias, "replica": self.replica, "text_only": self.teacher.text_only,
@@ -178,14 +83,14 @@ def _with_device(spec: TeacherSpec, device: str) -> TeacherSpec:
 
 def teacher_specs(cfg, student_path: str) -> dict[str, TeacherSpec]:
     """One spec per alias from a validated MOPD config; a backend not wired here is an error naming it."""
-    from gymv.train.setup import resolve_init_path
+    from gymv.models.init_path import resolve_init_path
 
     gpu = cfg.cluster.gpus_per_node > 0
     out = {}
     for alias, t in cfg.mopd.teachers.items():
-        if t.backend not in BACKENDS_HERE:
+        if t.backend not in TEACHER_BACKENDS:
             raise GymvError(f"teacher {alias!r} uses backend {t.backend!r}, which gymv train does not run yet",
-                            where=f"mopd.teachers.{alias}.backend", fix="use backend: torch")
+                            where=f"mopd.teachers.{alias}.backend", fix=f"use one of: {', '.join(TEACHER_BACKENDS.available())}")
         text_of = t.path.startswith(TEXT_PREFIX)
         path = resolve_init_path(t.path[len(TEXT_PREFIX):] if text_of else t.path, where=f"mopd.teachers.{alias}.path")
         dtype = "bfloat16" if gpu and cfg.training.dtype in ("auto", "bfloat16") else "float32"
@@ -193,7 +98,7 @@ def teacher_specs(cfg, student_path: str) -> dict[str, TeacherSpec]:
                                  device="cuda" if gpu else "cpu",
                                  dtype=dtype, temperature=cfg.generation.temperature,
                                  max_tokens=cfg.training.micro_batch_tokens, seed=cfg.seed, top_k=cfg.mopd.top_k,
-                                 trust_remote_code=cfg.model.trust_remote_code)
+                                 backend=t.backend, trust_remote_code=cfg.model.trust_remote_code)
     return out
 
 
@@ -285,42 +190,3 @@ class TeacherPool:
             for pg in self._pgs:
                 remove_placement_group(pg)
             self._pgs = []
-
-
-# --------------------------------------------------------------------------------- text-only checkpoints
-
-
-def text_model_of(vlm, *, where: str | None = None):
-    """The language model of a LLaVA-style VLM as a text-only Llama causal LM (weights copied)."""
-    from transformers import LlamaForCausalLM
-
-    if vlm.config.text_config.model_type != "llama":
-        raise GymvError(f"cannot take a text-only model out of a {vlm.config.model_type} checkpoint", where=where,
-                        fix="text:<checkpoint> supports LLaVA-style checkpoints (Llama text model)")
-    lm = LlamaForCausalLM(vlm.config.text_config).to(next(vlm.parameters()).dtype)
-    lm.model.load_state_dict(vlm.model.language_model.state_dict())
-    lm.lm_head.load_state_dict(vlm.lm_head.state_dict())
-    lm.generation_config = vlm.generation_config
-    return lm
-
-
-def save_text_model(vlm_path: str | Path, out_dir: str | Path) -> Path:
-    """Write the language model of a LLaVA-style checkpoint as a text-only causal LM folder (same tokenizer
-    and chat template): a text-only teacher with the weights a VLM learned."""
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoTokenizer
-
-    from gymv.models.quiet import quiet_transformers
-
-    src, out = Path(vlm_path), Path(out_dir)
-    with quiet_transformers():
-        vlm = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32)
-        lm = text_model_of(vlm, where=str(src))
-        tok = AutoTokenizer.from_pretrained(src)
-        out.mkdir(parents=True, exist_ok=True)
-        lm.save_pretrained(out)
-        tok.save_pretrained(out)
-    template = src / "chat_template.jinja"
-    if template.exists() and not (out / "chat_template.jinja").exists():
-        (out / "chat_template.jinja").write_text(template.read_text())
-    return out

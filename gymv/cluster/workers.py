@@ -1,5 +1,6 @@
-"""The Ray actors of a run: generation workers (HF backend + environments + the agent loop) and training
-workers (TorchTrainer, data parallel over torch.distributed when there are several).
+"""The Ray actors of a run: generation workers (a generation backend + environments + the agent loop) and
+training workers (one rank of a training backend each). Backends come from gymv.backends.registry by the
+names in the spec, and are driven through their interfaces only.
 
 The classes are plain Python; `gymv.cluster.group` wraps them with `ray.remote` and places them, and tests
 may also build them in-process. Every method is one phase of a step, so the driver makes one Ray round
@@ -17,11 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gymv.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
+from gymv.backends.training.base import TrainingSetup
 from gymv.errors import GymvError
-from gymv.train.data import EnvRouter, EnvSpec
-
-HF_FILE_PREFIXES = ("config.json", "generation_config.json", "tokenizer", "special_tokens_map", "vocab", "merges",
-                    "added_tokens", "chat_template", "processor_config", "preprocessor_config", "video_preprocessor")
+from gymv.io import follow_umask
+from gymv.envs.routing import EnvRouter, EnvSpec
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,26 @@ class WorkerSpec:
     trust_remote_code: bool = False
     chat_template_kwargs: dict = field(default_factory=dict)  # into every chat-template rendering
     tool_call_format: str = "hermes"
+    agents: dict = field(default_factory=dict)  # rollout.driver nemo_gym_agents: agent name -> URL
+    model_server: tuple[str, int] | None = None  # where those agents call the policy
+    agent_timeout_s: float = 600.0
+    generation_backend: str = "hf"  # a name in GENERATION_BACKENDS, or its "module:Class" path
+    training_backend: str = "torch"  # a name in TRAINING_BACKENDS, or its "module:Class" path
+
+    def located(self) -> WorkerSpec:
+        """This spec with backend names turned into import paths that resolve in any process (a backend
+        registered in the driver's process only is then found by its Ray workers too)."""
+        from dataclasses import replace
+
+        return replace(self, generation_backend=GENERATION_BACKENDS.locate(self.generation_backend),
+                       training_backend=TRAINING_BACKENDS.locate(self.training_backend))
+
+    def training_setup(self) -> TrainingSetup:
+        return TrainingSetup(model_path=self.model_path, device=self.device, seed=self.seed,
+                             temperature=self.temperature, optimizer=dict(self.trainer),
+                             warmup_steps=self.warmup_steps, lr_schedule=self.lr_schedule,
+                             min_lr_ratio=self.min_lr_ratio, total_steps=self.total_steps,
+                             gradient_checkpointing=self.gradient_checkpointing, kl_reference=self.kl_reference)
 
 
 def _set_threads(threads: int | None) -> None:
@@ -78,35 +99,19 @@ def _device(spec: WorkerSpec):
     return torch.device("cpu")
 
 
-def copy_hf_files(source: str | os.PathLike, target: str | os.PathLike) -> None:
-    """Copy a checkpoint folder's config, tokenizer, processor and chat-template files (and remote code), so
-    that a folder of trained weights loads with `from_pretrained` and as `model.path` of another run."""
-    source, target = Path(source), Path(target)
-    for f in source.iterdir():
-        wanted = f.name.startswith(HF_FILE_PREFIXES) or f.suffix == ".py"
-        if f.is_file() and wanted and not (target / f.name).exists():
-            shutil.copy2(f, target / f.name)
-
-
 # -------------------------------------------------------------------------------------------- generation
 
 
 class GenerationWorker:
-    """Hosts the HF generation backend, the environments and the agent loop; receives refits."""
+    """Hosts a generation backend, the environments and the agent loop; receives refits."""
 
     def __init__(self, spec: WorkerSpec, index: int = 0):
-        import torch
-
-        from gymv.backends.generation.hf import HFGenerationBackend
-        from gymv.models.load import load_policy
-
         _set_threads(spec.threads)
         self.spec, self.index = spec, index
         self.device = _device(spec)
-        self.dtype = getattr(torch, spec.generation_dtype)
-        self.policy = load_policy(spec.model_path, device=str(self.device), dtype=self.dtype, seed=spec.seed,
-                                  trust_remote_code=spec.trust_remote_code)
-        self.backend = HFGenerationBackend.from_policy(self.policy, seed=spec.seed + 7919 * index)
+        backend_cls = GENERATION_BACKENDS.load(spec.generation_backend)
+        self.backend = backend_cls.create(spec.model_path, device=str(self.device), dtype=spec.generation_dtype,
+                                          seed=spec.seed + 7919 * index)
         self.router = EnvRouter(spec.env)
         self.receiver = None
         self.weights_version = 0
@@ -122,19 +127,38 @@ class GenerationWorker:
         from gymv.rollout import run_rollouts
 
         t0, started = time.perf_counter(), time.time()
-        p = self.policy
+        b = self.backend
         stats: dict = {}
         version = self.weights_version
         cache_before = self.backend.stats()
-        trajectories = run_rollouts(_Locked(self.backend, self._weights_lock), p.adapter, p.tokenizer, p.chat_template,
-                                    self.router, list(rows), group_size=group_size, params=params, seed=seed,
-                                    weights_version=version, stats=stats, **limits)
+        if self.spec.agents:
+            from gymv.rollout.agent_driver import run_agent_rollouts
+
+            trajectories = run_agent_rollouts(self._policy_server(params), self.spec.agents, list(rows),
+                                              group_size=group_size, params=params, weights_version=version,
+                                              timeout_s=self.spec.agent_timeout_s, stats=stats)
+        else:
+            trajectories = run_rollouts(_Locked(self.backend, self._weights_lock), b.adapter, b.tokenizer,
+                                        b.chat_template, self.router, list(rows), group_size=group_size,
+                                        params=params, seed=seed, weights_version=version, stats=stats, **limits)
         cache_after = self.backend.stats()
         self.episodes += len(trajectories)
-        stats["encoder_cache_stale_hits"] = cache_after["encoder_cache_stale_hits"] - cache_before["encoder_cache_stale_hits"]
+        stale = "encoder_cache_stale_hits"
+        stats[stale] = cache_after.get(stale, 0) - cache_before.get(stale, 0)
         return {"trajectories": trajectories, "seconds": time.perf_counter() - t0, "stats": stats,
                 "weights_version": version, "last_weights_version": self.weights_version,
                 "started_at": started, "ended_at": time.time()}
+
+    def _policy_server(self, params):
+        """The model server the NeMo Gym agents call, started on first use and kept for the run."""
+        if getattr(self, "_server", None) is None:
+            from gymv.rollout.policy_server import PolicyServer
+
+            host, port = self.spec.model_server
+            self._server = PolicyServer(_Locked(self.backend, self._weights_lock), params=params,
+                                        max_seq_len=self.spec.max_seq_len, host=host, port=port,
+                                        max_image_pixels=self.spec.max_image_pixels).start()
+        return self._server
 
     def pid(self) -> int:
         return os.getpid()
@@ -160,31 +184,17 @@ class GenerationWorker:
         self._load(weights, version)
 
     def _load(self, weights, version: int) -> None:
-        """Load the weights; reset the encoder cache only after they loaded (when configured)."""
-        self._check_weights(weights)  # all or nothing: never leave the generator with half a refit
+        """Load the weights (the backend loads all or nothing); reset the encoder cache only after they
+        loaded (when configured)."""
         with self._weights_lock:
             self.backend.update_weights(weights)
             del weights
-            if self.device.type == "cuda":
-                import torch
-
-                torch.cuda.synchronize(self.device)
             self.weights_version = version
             if self.spec.reset_encoder_cache:
                 self.backend.reset_encoder_cache()
 
-    def _check_weights(self, weights) -> None:
-        own = self.backend.model.state_dict()
-        for name, value in weights.items():
-            if name not in own or tuple(value.shape) != tuple(own[name].shape):
-                got = "unknown name" if name not in own else f"shape {tuple(value.shape)} != {tuple(own[name].shape)}"
-                raise GymvError(f"refit sent weights this model cannot take: {name} ({got})", where="refit",
-                                fix="training and generation must load the same architecture (model.path)")
-
     def weights_hash(self) -> str:
-        from gymv.cluster.refit import weights_hash
-
-        return weights_hash(self.backend.model.state_dict())
+        return self.backend.weights_hash()
 
     def stats(self) -> dict:
         return {**self.backend.stats(), "weights_version": self.weights_version, "episodes": self.episodes}
@@ -192,6 +202,7 @@ class GenerationWorker:
     def close(self) -> None:
         if self.receiver is not None:
             self.receiver.close()
+        self.backend.close()
 
 
 class _Locked:
@@ -209,69 +220,6 @@ class _Locked:
 
 
 # ---------------------------------------------------------------------------------------------- training
-
-
-def _samples_collate(adapter, pad_id: int):
-    from gymv.backends.training.micro_batches import pad_collate
-
-    def collate(samples):
-        tensors = [{k: v for k, v in s.items() if k not in ("images", "where")} for s in samples]
-        mb = pad_collate(tensors, pad_values={"input_ids": pad_id})
-        mb["images"] = [list(s.get("images") or ()) for s in samples]
-        mb["where"] = [s.get("where") for s in samples]
-        return mb
-
-    return collate
-
-
-def _logprob_fn(adapter, temperature: float):
-    from gymv.backends.logprobs import MultimodalBatch, sequence_logprobs
-
-    def logprob_fn(model, mb):
-        """Scores the loss-masked tokens only (every loss reads logprobs there alone); other entries are 0.
-        With a teacher's top-k candidates in the batch, their student logprobs go into it as
-        `logp_student_topk` [B, T, k] for the loss to read."""
-        batch = MultimodalBatch(mb["input_ids"], mb["attention_mask"], mb["images"], mb["where"])
-        candidates = mb.get("teacher_topk_ids")
-        out = sequence_logprobs(model, adapter, batch, temperature, return_entropy=True,
-                                score_mask=mb.get("loss_mask"), gather_ids=candidates)
-        if candidates is None:
-            return out
-        logp, entropy, mb["logp_student_topk"] = out
-        return logp, entropy
-
-    return logprob_fn
-
-
-def _plan_fn(adapter, model):
-    """Micro-batches that keep a group's samples together: their shared prompt then runs once per group."""
-    from gymv.backends.logprobs import prefix_key, recomputes_activations
-    from gymv.backends.training.micro_batches import plan_micro_batches, plan_shared_prefix_micro_batches
-
-    def plan(samples, max_tokens):
-        lengths = [int(s["input_ids"].shape[0]) for s in samples]
-        if recomputes_activations(model):
-            return plan_micro_batches(lengths, max_tokens)
-        hashes: dict = {}
-        keys = [prefix_key(s["input_ids"], s["loss_mask"], s.get("images") or (), adapter.image_token_id, hashes)
-                for s in samples]
-        return plan_shared_prefix_micro_batches(keys, lengths, max_tokens)
-
-    return plan
-
-
-_SAMPLE_DTYPES = {"input_ids": "long", "loss_mask": "bool", "teacher_topk_ids": "long"}  # any other numeric field: float32
-
-
-def _as_tensors(sample: dict) -> dict:
-    """A sample whose numeric fields may arrive as lists or numpy arrays, with tensors in their place (in
-    place). Plain lists cross Ray far faster than 64 samples x 4 small tensors, each pickled on its own."""
-    import torch
-
-    for k, v in sample.items():
-        if k not in ("images", "where") and not isinstance(v, torch.Tensor):
-            sample[k] = torch.as_tensor(v, dtype=getattr(torch, _SAMPLE_DTYPES.get(k, "float32")))
-    return sample
 
 
 def _merge_minibatch_metrics(rows: list[dict]) -> dict:
@@ -292,14 +240,15 @@ def _merge_minibatch_metrics(rows: list[dict]) -> dict:
     return out
 
 
+
 class TrainingWorker:
-    """One data-parallel rank: the policy under training, an optional frozen reference, refit sending."""
+    """One rank of the training backend: the policy under training (and its frozen reference), refit sending."""
 
     def __init__(self, spec: WorkerSpec, rank: int = 0, world_size: int = 1):
         _set_threads(spec.threads)
         self.spec, self.rank, self.world_size = spec, rank, world_size
         self.device = _device(spec)
-        self.trainer = None
+        self.backend = None
         self.sender = None
 
     def address(self) -> tuple[str, int]:
@@ -317,13 +266,7 @@ class TrainingWorker:
             return host, s.getsockname()[1]
 
     def setup(self, master: tuple[str, int] | None = None) -> dict:
-        """Join the data-parallel group (if any), load the policy and build the trainer."""
-        import torch
-
-        from gymv.backends.training.torch_trainer import TorchTrainer, TrainerConfig
-        from gymv.models.load import load_policy
-
-        group = None
+        """Join the rank group (if any) and build this rank of the training backend."""
         if self.world_size > 1:
             import torch.distributed as dist
 
@@ -331,56 +274,27 @@ class TrainingWorker:
             host, port = master
             dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
                                     world_size=self.world_size)
-        self.policy = load_policy(self.spec.model_path, device=str(self.device), dtype=torch.float32, seed=self.spec.seed,
-                                  trust_remote_code=self.spec.trust_remote_code)
-        model = self.policy.model
-        if self.spec.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        pad = self.policy.tokenizer.pad_token_id or 0
-        self.collate = _samples_collate(self.policy.adapter, pad)
-        self.logprob_fn = _logprob_fn(self.policy.adapter, self.spec.temperature)
-        config = TrainerConfig(**self.spec.trainer)
-        self.trainer = TorchTrainer(model, self.logprob_fn, config, collate_fn=self.collate, device=self.device,
-                                    process_group=group, plan_fn=_plan_fn(self.policy.adapter, model))
-        self.reference = None
-        if self.spec.kl_reference:
-            ref = load_policy(self.spec.model_path, device=str(self.device), dtype=torch.float32, seed=self.spec.seed,
-                              trust_remote_code=self.spec.trust_remote_code).model
-            ref.requires_grad_(True)
-            self.reference = TorchTrainer(ref, self.logprob_fn, config, collate_fn=self.collate, device=self.device,
-                                          process_group=group, plan_fn=_plan_fn(self.policy.adapter, ref))
+        backend_cls = TRAINING_BACKENDS.load(self.spec.training_backend)
+        self.backend = backend_cls.create(self.spec.training_setup(), device=self.device, rank=self.rank,
+                                          world_size=self.world_size)
         self.router = EnvRouter(self.spec.env)
-        return {"parameters": sum(p.numel() for p in model.parameters())}
+        return {"parameters": self.backend.parameter_count()}
 
     # -- steps ---------------------------------------------------------------------------------------
-    def _set_lr(self) -> None:
-        from gymv.backends.training.lr_schedule import lr_factor
-
-        s = self.spec
-        if s.warmup_steps <= 0 and s.lr_schedule == "constant":
-            return
-        lr = self.trainer.config.lr * lr_factor(self.trainer.steps + 1, warmup_steps=s.warmup_steps,
-                                                total_steps=s.total_steps, schedule=s.lr_schedule,
-                                                min_ratio=s.min_lr_ratio)
-        for g in self.trainer.optimizer.param_groups:
-            g["lr"] = lr
-
     def _train_minibatches(self, minibatches: list[list[dict]], loss_fn) -> dict:
-        rows = []
-        for samples in minibatches:
-            self._set_lr()
-            rows.append(self.trainer.train_step(samples, loss_fn))
-        return _merge_minibatch_metrics(rows)
+        return _merge_minibatch_metrics([self.backend.train_step(samples, loss_fn) for samples in minibatches])
 
     def grpo_step(self, minibatches: list[list[dict]], loss_fn) -> dict:
         """Reference and old logprobs where needed, then one optimizer step per minibatch."""
+        from gymv.backends.training.samples import as_tensors
+
         t0 = time.perf_counter()
-        flat = [_as_tensors(s) for mb in minibatches for s in mb]
-        if self.reference is not None and flat:
-            for s, lp in zip(flat, self.reference.compute_logprobs(flat)):
+        flat = [as_tensors(s) for mb in minibatches for s in mb]
+        if self.spec.kl_reference and flat:
+            for s, lp in zip(flat, self.backend.compute_logprobs(flat, reference=True)):
                 s["logp_ref"] = lp
         if len(minibatches) > 1 and flat:  # later minibatches see moved weights: ratios need the old policy
-            for s, lp in zip(flat, self.trainer.compute_logprobs(flat)):
+            for s, lp in zip(flat, self.backend.compute_logprobs(flat)):
                 s["logp_old"] = lp
         t1 = time.perf_counter()
         metrics = self._train_minibatches(minibatches, loss_fn)
@@ -390,78 +304,67 @@ class TrainingWorker:
 
     def sft_samples(self, rows: Sequence[tuple[int, dict, str]]) -> list[dict]:
         """Training samples of the rows' gold answers (tokens exactly as the agent loop would lay them out)."""
-        import torch
-
+        from gymv.backends.training.samples import training_sample
         from gymv.rollout import ImageCache, build_sft_sample
 
-        p = self.policy
+        b = self.backend
         cache = ImageCache(max_pixels=self.spec.max_image_pixels)
         out = []
         for task_index, row, where in rows:
-            traj = build_sft_sample(self.router(row, where), row, p.adapter, p.tokenizer, p.chat_template,
+            traj = build_sft_sample(self.router(row, where), row, b.adapter, b.tokenizer, b.chat_template,
                                     max_seq_len=self.spec.max_seq_len, task_index=task_index,
                                     max_image_pixels=self.spec.max_image_pixels, image_cache=cache,
                                     chat_template_kwargs=self.spec.chat_template_kwargs or None,
                                     tool_call_format=self.spec.tool_call_format)
             if getattr(traj, "error", None):
                 raise GymvError(f"cannot build an SFT sample: {traj.error}", where=where)
-            out.append({"input_ids": torch.tensor(traj.token_ids, dtype=torch.long),
-                        "loss_mask": torch.tensor(traj.loss_mask, dtype=torch.bool),
-                        "images": list(traj.images or ()), "where": where})
+            out.append(training_sample(traj.token_ids, traj.loss_mask, images=traj.images or (), where=where))
         return out
 
     def sft_step(self, rows: Sequence[tuple[int, dict, str]], loss_fn) -> dict:
-        import torch
-
         t0 = time.perf_counter()
         samples = self.sft_samples(rows)
         t1 = time.perf_counter()
         metrics = self._train_minibatches([samples], loss_fn)
-        metrics["train/num_input_tokens"] = float(self.trainer.dp.sum_(
-            torch.tensor([float(sum(len(s["input_ids"]) for s in samples))], device=self.device)))
+        metrics["train/num_input_tokens"] = self.backend.sum_over_ranks(sum(len(s["input_ids"]) for s in samples))
         metrics["timing/samples_s"] = t1 - t0
         metrics["timing/training_s"] = time.perf_counter() - t1
         return metrics
 
     # -- refit ---------------------------------------------------------------------------------------
-    def refit_open(self, num_receivers: int) -> dict | None:
+    def _generation_dtype(self):
         import torch
 
+        return getattr(torch, self.spec.generation_dtype)
+
+    def refit_open(self, num_receivers: int) -> dict | None:
         from gymv.cluster.refit import make_sender
 
-        self.sender = make_sender(self.spec.refit_transport, getattr(torch, self.spec.generation_dtype),
-                                  self.device, num_receivers)
-        return {"info": self.sender.rendezvous(self.trainer.state_dict()), "in_band": self.sender.in_band}
+        self.sender = make_sender(self.spec.refit_transport, self._generation_dtype(), self.device, num_receivers)
+        return {"info": self.sender.rendezvous(dict(self.backend.named_weights())), "in_band": self.sender.in_band}
 
     def refit_connect(self) -> None:
         self.sender.connect()
 
     def weights(self) -> dict:
-        """A CPU copy of the weights (tests, debugging); refits go through `publish`."""
-        return {k: v.detach().cpu().clone() for k, v in self.trainer.state_dict().items()}
+        """A CPU copy of the weights (a replacement generation worker, tests); refits go through `publish`."""
+        return {k: v.detach().cpu().clone() for k, v in self.backend.named_weights()}
 
     def publish(self):
-        return self.sender.publish(self.trainer.state_dict())
+        return self.sender.publish(dict(self.backend.named_weights()))
 
     def weights_hash(self) -> str:
-        import torch
-
-        from gymv.cluster.refit import weights_hash
-
-        return weights_hash(self.trainer.state_dict(), getattr(torch, self.spec.generation_dtype))
+        return self.backend.weights_hash(self._generation_dtype())
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def save(self, path: str) -> None:
-        """Rank 0 writes weights, optimizer and the HF files (the folder then loads as a model); every rank
-        writes its RNG state."""
+        """The backend writes its state (rank 0 the weights and optimizer); every rank writes its RNG state."""
         import torch
 
         from gymv.runs.checkpoint import capture_rng_state
 
         path_ = Path(path)
-        if self.rank == 0:
-            self.trainer.save(path_)
-            copy_hf_files(self.spec.model_path, path_)
+        self.backend.save(path_)
         torch.save(capture_rng_state(), path_ / f"rng_rank{self.rank}.pt")
 
     def load(self, path: str) -> int:
@@ -469,22 +372,23 @@ class TrainingWorker:
 
         from gymv.runs.checkpoint import restore_rng_state
 
-        self.trainer.load(path)
+        self.backend.load(path)
         rng = Path(path) / f"rng_rank{self.rank}.pt"
         if rng.exists():
             restore_rng_state(torch.load(rng, weights_only=True))
-        return self.trainer.steps
+        return self.backend.steps
 
     def export(self, path: str) -> str:
-        """Write a standalone Hugging Face checkpoint (save_pretrained) atomically: tmp folder, then rename."""
-        from gymv.models.quiet import quiet_transformers
-
+        """Write a standalone Hugging Face checkpoint atomically: tmp folder, then rename (rank 0)."""
         target = Path(path)
         tmp = target.with_name(f".{target.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        with quiet_transformers():
-            self.trainer.model.save_pretrained(tmp)
-        copy_hf_files(self.spec.model_path, tmp)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.backend.export_hf(tmp)
+        if self.rank != 0:
+            return str(target)
+        follow_umask(tmp)  # save_pretrained writes 0600 files; the export is for a team to read
         if target.exists():
             old = target.with_name(f".{target.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -498,6 +402,8 @@ class TrainingWorker:
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
+        if self.backend is not None:
+            self.backend.close()
         if self.world_size > 1:
             import torch.distributed as dist
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from gymv.capabilities import gaps
 from gymv.checks.lint import driver_check_findings, recipe_check_findings
 from gymv.config.compat import RULES as COMPAT_RULES
 from gymv.config.exemplars import RECIPE_DIRS, check_inherits_exemplar, find_recipes_root, is_exemplar
@@ -95,6 +96,9 @@ RULES: tuple[LintRule, ...] = (
              "fix the check at the column shown (docs/smoke-and-report.md gives the grammar)"),
     LintRule("GV021", "check-metric", "a metric check names a metric gymv does not log (docs/algorithms.md §10; a "
              "per-environment `/<agent>` qualifier is allowed)", "fix the name, or register a plugin's metric"),
+    LintRule("GV022", "runnable", "a recipe on a suite other than `disabled.txt` asks for something `gymv train` cannot run "
+             "with the project's own backends (gymv.capabilities: an unwired backend, logger or key)",
+             "make it runnable, or move its entry to `disabled.txt` with the reason"),
 )
 RULE_IDS: dict[str, LintRule] = {r.id: r for r in RULES}
 
@@ -240,9 +244,15 @@ def _collect(paths: Sequence[Path]) -> tuple[list[Path], list[Path], list[Path]]
     drivers: list[Path] = []
     suites: list[Path] = []
     for p in paths:
-        if p.is_dir():
+        try:
+            kind = "dir" if p.is_dir() else "file" if p.is_file() else "other" if p.exists() else None
+        except OSError as e:  # a name too long, a loop of links
+            raise GymvError(f"cannot read: {e.strerror or e}", where=str(p)[:200], fix="pass existing paths (default: recipes/)") from None
+        if kind == "other":
+            raise GymvError("is not a regular file or directory", where=str(p), fix="pass recipes, drivers, suite lists or directories")
+        if kind == "dir":
             found = list(_walk(p))
-        elif p.is_file():
+        elif kind == "file":
             if not p.name.endswith((*RECIPE_SUFFIXES, ".sh", ".txt")):
                 raise GymvError("not a recipe (.yaml), driver (.sh), suite list (.txt) or directory", where=str(p),
                                 fix="pass recipes, drivers, suite lists or directories (default: recipes/)")
@@ -267,6 +277,7 @@ class _RecipeInfo:
     rel: str
     name: RecipeName | None = None  # when the file name parses
     cluster: tuple[int, int] | None = None  # (num_nodes, gpus_per_node) of a schema-valid recipe
+    gaps: list = field(default_factory=list)  # what gymv train cannot run (gymv.capabilities.gaps)
 
 
 @dataclass
@@ -360,6 +371,7 @@ class _Linter:
         cfg = rec.checked[0]
         if info is not None and cfg is not None:
             info.cluster = (cfg.cluster.num_nodes, cfg.cluster.gpus_per_node)
+            info.gaps = gaps(cfg)
 
     def _recipe_findings(self, rec: LoadedRecipe, path: Path, root: _Root | None, suite_recipe: bool,
                          exemplar: bool) -> Iterable[LintFinding]:
@@ -419,6 +431,10 @@ class _Linter:
             lf = _from_finding(f, root)
             entry = entry_at.get((lf.path, lf.line))
             self.add(lf, subjects=[root / entry.recipe] if entry else ())
+        for suite in (r.suites or {}).values():
+            if not suite.disabled:
+                for e in suite.entries:
+                    self.runnable(r, e)
         for rel, info in sorted(r.recipes.items()):
             driver = driver_for_recipe(root, rel)
             if driver.is_file():
@@ -429,6 +445,17 @@ class _Linter:
                 if isinstance(cfg, GymvError):
                     self.add(_from_error("GV014", cfg, d), subjects=[d])
         self.budgets(r)
+
+    def runnable(self, r: _Root, entry: SuiteEntry) -> None:
+        """GV022 at the suite entry of a recipe that gymv train cannot run here."""
+        info = r.recipes.get(entry.recipe)
+        if info is None or not info.gaps:
+            return
+        first, more = info.gaps[0], len(info.gaps) - 1
+        also = f" (and {more} more: {', '.join(g.key for g in info.gaps[1:])})" if more else ""
+        self.add(_finding("GV022", f"{entry.recipe} is on the {entry.suite} suite but gymv train cannot run it: "
+                          f"{first}{also}", f"{entry.file}:{entry.line}", entry.file,
+                          "make it runnable, or move the entry to disabled.txt with `# <why>`"), subjects=[info.path])
 
     @staticmethod
     def _every_recipe(r: _Root) -> list[Path]:

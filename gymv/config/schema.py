@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from gymv.config.transports import REFIT_TRANSPORTS
 
@@ -20,7 +21,7 @@ Fraction = Annotated[float, Field(gt=0, le=1)]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)  # lr=inf is no learning rate
 
 
 class ModelSection(Section):
@@ -59,7 +60,27 @@ class EnvSection(Section):
     max_rollout_tokens: PosInt = 2048
     timeout_s: PosFloat = 30.0
     retries: NonNegInt = 2
+    max_failed_fraction: Annotated[float, Field(ge=0, le=1)] = 0.5  # of one step's rollouts, else the run stops
+    failed_window_steps: PosInt = 10
+    max_failed_fraction_window: Annotated[float, Field(ge=0, le=1)] = 0.25  # over the last failed_window_steps
     kwargs: dict[str, Any] = {}
+
+
+class RolloutSection(Section):
+    """Who runs episodes: gymv's own agent loop, or NeMo Gym agent servers calling gymv's model server."""
+
+    driver: Literal["gymv", "nemo_gym_agents"] = "gymv"
+    agents: dict[str, str] = {}  # agent_ref.name -> the agent server's URL
+    model_server_host: str = "127.0.0.1"
+    model_server_port: NonNegInt = 0  # where the agents were told the policy model is
+    agent_timeout_s: PosFloat = 600.0
+
+    @model_validator(mode="after")
+    def _agents_given(self) -> "RolloutSection":
+        if self.driver == "nemo_gym_agents" and (not self.agents or not self.model_server_port):
+            raise ValueError("driver nemo_gym_agents needs rollout.agents (agent name -> URL) and "
+                             "rollout.model_server_port (the port the agents call the policy model on)")
+        return self
 
 
 class VllmSection(Section):
@@ -68,8 +89,18 @@ class VllmSection(Section):
     enforce_eager: bool = False
 
 
+def _known_backend(key: str, name: str) -> str:
+    from gymv.capabilities import backend_names
+
+    known = backend_names(key)
+    if name not in known:  # reported like a bad Literal choice (gymv.config.validate)
+        raise PydanticCustomError("choice", "unknown {what} backend '{name}'; known: {known}",
+                                  {"what": key.split(".")[0], "name": name, "known": ", ".join(known), "choices": known})
+    return name
+
+
 class GenerationSection(Section):
-    backend: Literal["hf", "vllm"] = "hf"
+    backend: str = "hf"  # a registered generation backend, or a planned one (gymv.capabilities)
     temperature: NonNegFloat = 1.0
     top_p: Fraction = 1.0
     max_new_tokens: PosInt = 64
@@ -77,6 +108,11 @@ class GenerationSection(Section):
     chat_template_kwargs: dict[str, Any] = {}  # the chat template's own variables, e.g. {enable_thinking: false}
     reset_encoder_cache_after_weight_update: bool = False
     vllm: VllmSection = VllmSection()
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, v: str) -> str:
+        return _known_backend("generation.backend", v)
 
 
 class RolloutSection(Section):
@@ -100,7 +136,7 @@ class ParallelSection(Section):
 
 
 class TrainingSection(Section):
-    backend: Literal["torch", "megatron"] = "torch"
+    backend: str = "torch"  # a registered training backend, or a planned one (gymv.capabilities)
     lr: PosFloat = 1e-6
     warmup_steps: NonNegInt = 0
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after the warm-up
@@ -114,6 +150,11 @@ class TrainingSection(Section):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     gradient_checkpointing: bool = False
     parallel: ParallelSection = ParallelSection()
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, v: str) -> str:
+        return _known_backend("training.backend", v)
 
 
 class RefitSection(Section):
@@ -151,6 +192,7 @@ class LoggerSection(Section):
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str | None = None
+    plugins: list[str] = []  # logger plugins (entry-point group gymv.loggers) to log to as well
     log_rollouts: bool = True
 
 
@@ -239,6 +281,7 @@ class RecipeBase(Section):
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
     env: EnvSection = EnvSection()
+    rollout: RolloutSection = RolloutSection()
     generation: GenerationSection = GenerationSection()
     rollout: RolloutSection = RolloutSection()
     training: TrainingSection = TrainingSection()

@@ -133,8 +133,8 @@ def _errors_to_findings(model: type[BaseModel], data: dict, err: ValidationError
         elif e["type"] == "missing":
             findings.append(Finding("schema.missing", f"missing required key `{key}`", key, where,
                                     "add it (the exemplar shows an example)"))
-        elif e["type"] == "literal_error":
-            choices = _choices(annotation_at(model, path))
+        elif e["type"] in ("literal_error", "choice"):
+            choices = e["ctx"]["choices"] if e["type"] == "choice" else _choices(annotation_at(model, path))
             near = suggest(str(e["input"]), [str(c) for c in choices])
             shown = ", ".join(repr(c) for c in choices)
             fix = f"did you mean {near!r}?" if near else f"use one of {shown}"

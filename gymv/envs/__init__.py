@@ -16,7 +16,8 @@ from gymv.envs.protocol import (
     ToolOutput,
     ToolResult,
 )
-from gymv.envs.registry import available, env_for_row, get_env, make_env, register
+from gymv.envs.registry import available, env_for_row, get_env, register
+from gymv.envs.routing import make_env
 
 __all__ = [
     "Environment", "EpisodeState", "Image", "Message", "ModelTurn", "RowError", "Score", "StepResult", "Text",

@@ -103,7 +103,7 @@ class Arithmetic(Environment):
         return row  # type: ignore[return-value]
 
     def score_output(self, row: dict, output: list[dict]) -> Score:
-        from gymv.data.rows import output_text
+        from gymv.envs.rows import output_text
 
         self.check_row(row)
         expected = row["expected_answer"]

@@ -67,7 +67,7 @@ def _shows(others: list[str], target: str) -> str:
 
 def parse_click(output: list[dict]) -> tuple[int | None, int | None, bool]:
     """(x, y, found) of the first `click` call, read as NeMo Gym reads it: int() of each JSON argument."""
-    from gymv.data.rows import function_calls
+    from gymv.envs.rows import function_calls
 
     calls = function_calls(output, "click")
     if not calls:
@@ -168,6 +168,6 @@ class CircleClick(Environment):
         return ModelTurn(tool_calls=[ToolCall("click", args, call_id="call_gold")])
 
     def matches(self, row: dict) -> bool:
-        from gymv.data.rows import row_tools
+        from gymv.envs.rows import row_tools
 
         return super().matches(row) and any(t.get("name") == "click" for t in row_tools(row) if isinstance(t, dict))

@@ -95,7 +95,7 @@ class CircleCount(Environment):
         return row
 
     def score_output(self, row: dict, output: list[dict]) -> Score:
-        from gymv.data.rows import output_text
+        from gymv.envs.rows import output_text
 
         expected = self.expected_count(row)
         match = BOXED.search(output_text(output))
@@ -109,6 +109,6 @@ class CircleCount(Environment):
         return ModelTurn(text=f"\\boxed{{{self.expected_count(row)}}}")
 
     def matches(self, row: dict) -> bool:
-        from gymv.data.rows import row_tools
+        from gymv.envs.rows import row_tools
 
         return super().matches(row) and not any(t.get("name") == "click" for t in row_tools(row) if isinstance(t, dict))

@@ -137,7 +137,7 @@ def row_circles(row: dict, *, geometry: bool, where: str | None = None) -> tuple
 def image_size_of(row: dict) -> int | None:
     """Side of the row's (square) image from its PNG header, without decoding pixels."""
     from gymv.data.images import image_size
-    from gymv.data.rows import input_messages
+    from gymv.envs.rows import input_messages
 
     for msg in input_messages(row):
         for img in msg.images:

@@ -13,7 +13,9 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from gymv.envs.nemo_schema import summarize_detail
 from gymv.envs.protocol import Image, ToolOutput
+from gymv.envs.responses import decode_parts, request_body
 from gymv.errors import GymvError
 
 
@@ -51,10 +53,10 @@ class EnvClient:
         except urllib.error.HTTPError as e:
             raw = e.read()
             try:
-                detail = json.loads(raw).get("detail", raw.decode("utf-8", "replace"))
+                detail = summarize_detail(json.loads(raw).get("detail", raw.decode("utf-8", "replace")))
             except (ValueError, AttributeError):
                 detail = raw.decode("utf-8", "replace")
-            raise EnvHTTPError(e.code, str(detail), url) from None
+            raise EnvHTTPError(e.code, detail, url) from None
         except urllib.error.URLError as e:
             raise EnvConnectionError(f"cannot reach the environment server: {e.reason}", where=url,
                                      fix="start it with `gymv env serve NAME`", exit_code=1) from None
@@ -77,9 +79,10 @@ class EnvClient:
         return self._json("POST", "/seed_session", row or {})
 
     def call_tool(self, name: str, arguments: dict) -> ToolOutput:
+        """A tool's answer; a JSON list of input parts (gymv's image tools) carries images, anything else is text."""
         raw, headers = self._request("POST", f"/{name}", arguments)
-        if headers.get("X-Gymv-Tool-Output") == "parts":
-            parts = json.loads(raw)
+        parts = decode_parts(raw.decode("utf-8", "replace"))
+        if isinstance(parts, list):
             text = "".join(p.get("text", "") for p in parts if p.get("type") == "input_text")
             images = [Image(p["image_url"], p.get("detail") or "auto") for p in parts if p.get("type") == "input_image"]
             return ToolOutput(text, images)
@@ -95,7 +98,16 @@ class EnvClient:
 
     def step(self, row: dict, output: list[dict]) -> dict:
         """Gymnasium-style: one model turn's output items; {"observation", "reward", "terminated", "truncated", "info"}."""
-        return self._json("POST", "/step", {**row, "response": {"output": output}})
+        return self._json("POST", "/step", request_body(row, output))
+
+    def route_exists(self, path: str) -> bool:
+        """Whether the server has a POST route at `path`: an empty object is refused (422) where it exists,
+        and answered 404/405 where it does not. Used to tell NeMo Gym's server kinds apart."""
+        try:
+            self._request("POST", path, {})
+        except EnvHTTPError as e:
+            return e.status not in (404, 405)
+        return True
 
     def verify(self, rollout: dict) -> dict:
         return self._json("POST", "/verify", rollout)

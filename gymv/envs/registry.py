@@ -13,6 +13,7 @@ taken over by a plugin.
 from __future__ import annotations
 
 import importlib
+import inspect
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -86,10 +87,27 @@ def _load(name: str) -> Any:
                         fix="reinstall or fix the plugin distribution") from None
 
 
+def _check_kwargs(name: str, factory: Any, kwargs: dict) -> None:
+    """Arguments the constructor does not take are the recipe's env.kwargs' fault, not the environment's."""
+    if not kwargs or not callable(factory):
+        return
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind_partial(**kwargs)
+    except TypeError as e:
+        takes = [p for p in sig.parameters if p not in ("self", "args", "kwargs")]
+        raise GymvError(f"environment {name!r} does not take these arguments: {e}", where="env.kwargs",
+                        fix=f"its arguments are: {', '.join(takes) or 'none'}") from None
+
+
 def get_env(name: str, **kwargs: Any) -> Environment:
     """An instance of the named environment; keyword arguments go to its constructor."""
     key = canonical(name)
     factory = _load(key)
+    _check_kwargs(name, factory, kwargs)
     try:
         env = factory(**kwargs) if callable(factory) else factory
     except GymvError:
@@ -118,43 +136,20 @@ def _candidates() -> list[Environment]:
     return out
 
 
-def env_for_row(row: dict) -> Environment | None:
-    """The environment that should score a row: by `agent_ref.name`, else the first whose `matches` holds."""
-    ref = row.get("agent_ref")
-    agent = ref.get("name") if isinstance(ref, dict) else None
-    candidates = _candidates()
-    if isinstance(agent, str):
-        for env in candidates:
-            if agent == env.agent_name or normalize(agent) == env.name:
-                return env
-    for env in candidates:
-        if env.matches(row):
+def env_for_agent(agent: str) -> Environment | None:
+    """The installed environment an agent name (a row's `agent_ref.name`) names: by its agent or its own name."""
+    for env in _candidates():
+        if agent == env.agent_name or normalize(agent) == env.name:
             return env
     return None
 
 
-def make_env(cfg: Any, **overrides: Any) -> Environment:
-    """The environment a run's `env:` section describes: in-process, or a `RemoteEnv` when `env.url` is set.
+def env_for_row(row: dict) -> Environment | None:
+    """The environment that should score a row: by `agent_ref.name`, else the first whose `matches` holds."""
+    from gymv.envs.rows import agent_name
 
-    `cfg` is the validated `env` section (or a dict with the same keys): `name`, `url`, `max_turns`,
-    `timeout_s`, `retries`, `kwargs`. `kwargs` go to the environment's constructor (for a remote one:
-    `protocol`, `backoff_s`, `agent_name`); `overrides` win over everything.
-    """
-    def get(key: str, default: Any = None) -> Any:
-        return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
-
-    kwargs = {**(get("kwargs") or {}), **overrides}
-    if get("max_turns") is not None:
-        kwargs.setdefault("max_turns", get("max_turns"))
-    url = get("url")
-    if url:
-        from gymv.envs.remote import RemoteEnv
-
-        for key, value in (("timeout_s", get("timeout_s")), ("retries", get("retries"))):
-            if value is not None:
-                kwargs.setdefault(key, value)
-        return RemoteEnv(url, name=get("name"), **kwargs)
-    name = get("name")
-    if not name:
-        raise GymvError("env.name is not set", where="env.name", fix="name an environment (see `gymv env list`)")
-    return get_env(name, **kwargs)
+    agent = agent_name(row)
+    env = env_for_agent(agent) if agent is not None else None
+    if env is not None:
+        return env
+    return next((env for env in _candidates() if env.matches(row)), None)

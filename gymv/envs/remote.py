@@ -11,10 +11,15 @@ session cookie is kept per episode). Two protocols:
   `max_turns`).
 
 The reward of an episode the server ended is the sum of its step rewards (NeMo Gym's); any other
-episode is scored by `POST /verify` with the transcript. ``auto`` picks ``gymnasium`` for servers that
-answer `GET /describe` (gymv's), else ``resources``.
+episode is scored by `POST /verify` with the transcript, except on NeMo Gym's gymnasium servers, which have no
+`/verify`: an episode gymv's `max_turns` cut short scores the sum of its step rewards, as NeMo Gym's
+`gymnasium_agent` scores one. ``auto`` picks ``gymnasium`` for servers that answer `GET /describe` (gymv's)
+or have a `POST /reset` route (NeMo Gym's gymnasium servers), and ``resources`` for servers with
+`POST /seed_session` (NeMo Gym's resources servers). Every body gymv sends is a complete NeMo Gym request:
+the row plus a full Responses-API `response` (`gymv.envs.responses`).
 
-Faults: a connection error or a 5xx answer is retried `retries` times with exponential backoff; after
+Faults: a connection error or a 5xx answer is retried `retries` times with exponential backoff, within
+`timeout_s` x (retries + 1) in all (gymv.envs.retry); after
 that the call raises `RemoteEnvError`, which the rollout loop turns into that trajectory's `error`
 (excluded from training and counted) while the rest of the batch goes on. A 422 on reset or verify is
 the row's fault (`RowError`, like a local environment); an unknown tool or arguments the server refuses
@@ -24,14 +29,15 @@ come back to the model as tool-error results; a lost session (409) is a `RemoteE
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from gymv.envs.client import EnvClient, EnvConnectionError, EnvHTTPError
+from gymv.envs.retry import Backoff
 from gymv.envs.protocol import (Environment, EpisodeState, Image, Message, ModelTurn, RowError, Score, StepResult,
                                 Text, ToolResult)
+from gymv.envs.responses import decode_parts, request_body
 from gymv.errors import GymvError
 
 T = TypeVar("T")
@@ -44,7 +50,8 @@ class RemoteEnvError(GymvError):
 
 
 def _parts(content: Any) -> list:
-    """Responses input parts (or a plain string) as gymv content parts."""
+    """Responses input parts (or a plain string, or the JSON text of a parts list) as gymv content parts."""
+    content = decode_parts(content)
     if isinstance(content, str):
         return [Text(content)]
     out: list = []
@@ -89,7 +96,22 @@ class RemoteEnv(Environment):
         self._local = local
         if max_turns is None:
             self.max_turns = int((info or {}).get("max_turns") or (local.max_turns if local else 1))
-        self.protocol = protocol if protocol != "auto" else ("gymnasium" if info is not None else "resources")
+        self.protocol = protocol if protocol != "auto" else self._detect_protocol(info)
+        # NeMo Gym's gymnasium servers have no /verify: an episode they did not end scores its step rewards.
+        self._has_verify = self.protocol == "resources" or "/verify" in ((info or {}).get("endpoints") or [])
+
+    def _detect_protocol(self, info: dict | None) -> str:
+        """gymv's servers describe themselves; NeMo Gym's are told apart by the routes they have."""
+        if info is not None:
+            return "gymnasium"
+        client = self._client()
+        if self._call("probe POST /reset", lambda: client.route_exists("/reset")):
+            return "gymnasium"
+        if self._call("probe POST /seed_session", lambda: client.route_exists("/seed_session")):
+            return "resources"
+        raise RemoteEnvError("the server has neither /reset (a gymnasium server) nor /seed_session (a resources "
+                             "server)", where=self.url,
+                             fix="point env.url at a NeMo Gym resources or gymnasium server, or `gymv env serve`")
 
     # -- plumbing ------------------------------------------------------------------------------------
     def _client(self) -> EnvClient:
@@ -97,9 +119,9 @@ class RemoteEnv(Environment):
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         """Run one request; retry connection errors and 5xx answers with backoff, then RemoteEnvError."""
-        delay = self.backoff_s
         last: GymvError | None = None
-        for attempt in range(self.retries + 1):
+        tries = Backoff(self.retries, self.backoff_s, self.timeout_s * (self.retries + 1))
+        for _ in tries:
             try:
                 return fn()
             except EnvConnectionError as e:
@@ -111,10 +133,8 @@ class RemoteEnv(Environment):
                     raise RemoteEnvError(f"{what} failed: {last.message}; its retry answered HTTP {e.status}: "
                                          f"{e.detail}", where=self.url, exit_code=1) from None
                 last = e
-            if attempt < self.retries:
-                time.sleep(delay)
-                delay *= 2
-        raise RemoteEnvError(f"{what} failed after {self.retries + 1} attempts: {last.message}", where=self.url,
+        n = tries.attempts
+        raise RemoteEnvError(f"{what} failed after {n} attempt{'s' if n != 1 else ''}: {last.message}", where=self.url,
                              fix="check the environment server (is it running? its log?)", exit_code=1)
 
     def _describe(self) -> dict | None:
@@ -143,8 +163,9 @@ class RemoteEnv(Environment):
         except EnvHTTPError as e:
             if e.status == 422:
                 raise RowError(f"the environment server refused the row: {e.detail}", where=where) from None
+            other = "resources" if self.protocol == "gymnasium" else "gymnasium"
             raise RemoteEnvError(f"POST {endpoint} answered HTTP {e.status}: {e.detail}", where=self.url,
-                                 fix="with a NeMo Gym resources server set env.kwargs.protocol: resources"
+                                 fix=f"this server has no {endpoint}: set env.kwargs.protocol: {other} (or auto)"
                                  if e.status in (404, 405) else None, exit_code=1) from None
         messages = self.initial_messages(row, where=where)
         observation = answer.get("observation") if isinstance(answer, dict) else None
@@ -226,10 +247,16 @@ class RemoteEnv(Environment):
             info = state.data["info"]
             extras = info.get("extras") if isinstance(info.get("extras"), dict) else {}
             return Score(sum(state.data["rewards"]), dict(extras), info.get("failure_reason"))
+        if self.protocol == "gymnasium" and not self._has_verify:
+            # As NeMo Gym's gymnasium_agent scores an episode that ran out of steps: truncated, its rewards so far.
+            return Score(sum(state.data["rewards"]), {}, None)
         return self.score_output(state.row, state.output)
 
     def score_output(self, row: dict, output: list[dict]) -> Score:
-        body = {**row, "response": {"output": output}}
+        if not self._has_verify:
+            raise RemoteEnvError("this gymnasium server has no /verify to score a transcript", where=self.url,
+                                 fix="score episodes by running them (NeMo Gym's gymnasium servers reward in /step)")
+        body = request_body(row, output)
         try:
             answer = self._call("POST /verify", lambda: self._client().verify(body))
         except EnvHTTPError as e:

@@ -11,15 +11,16 @@
     GET  /describe           the environment: name, agent name, tool schemas, max_turns, endpoints
 
 Each rollout is a session keyed by the `gymv_session` cookie, set on every response, which NeMo Gym's
-agents pass back. Bodies need a Content-Length no larger than the limit (413 otherwise); malformed JSON
-is a 400, a well-formed body that does not fit is a 422, an unknown path a 404, each with a message in
-`detail`. A tool that returns images answers with a JSON list of Responses input parts and the header
-`X-Gymv-Tool-Output: parts`; a text result is the plain body, as NeMo Gym's tools answer.
+agents pass back. Requests are validated as NeMo Gym's servers validate them (`gymv.envs.nemo_schema`):
+a body NeMo Gym refuses is a 422 whose `detail` is FastAPI's list of errors; a body over the size limit is
+a 413, an unknown path a 404. A tool that returns images answers with the JSON text of a list of Responses
+input parts (and the header `X-Gymv-Tool-Output: parts`); a text result is the plain body, as NeMo Gym's
+tools answer.
 
-`/step` answers as NeMo Gym's gymnasium servers do: the next user message as `observation` (text, or a
-list of input parts when it carries images), `info.tool_outputs` with one `{call_id, name, output}` per
-tool call (`output` is text, or a list of parts with images), per-step `reward` (the episode's reward on
-its last step, else 0), and `terminated` (the environment ended the episode) or `truncated` (its
+`/step` answers as NeMo Gym's gymnasium servers do, with strings where NeMo Gym's agents need strings: the
+next user message as `observation`, `info.tool_outputs` with one `{call_id, name, output}` per tool call
+(`output` is the text, or the JSON text of its parts when it has images), per-step `reward` (the episode's
+reward on its last step, else 0), and `terminated` (the environment ended the episode) or `truncated` (its
 `max_turns` did). gymv also puts the follow-ups, lossless, in `info.user_messages`, and the verifier's
 extras and `failure_reason` in `info` on the last step. An episode whose step raised is dropped: a retry
 gets 409, never a half-applied turn.
@@ -39,48 +40,72 @@ from http.cookies import CookieError, SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from gymv.envs.nemo_schema import RunRequest, SchemaError, VerifyRequest, validate_body
 from gymv.envs.protocol import Environment, EpisodeState, Text, ToolCallError, parts_to_items
+from gymv.envs.responses import encode_parts
 from gymv.envs.transcript import turn_from_items
 from gymv.envs.verify import aggregate_metrics
 from gymv.errors import GymvError
+from gymv.net import host_allowed, origin_allowed
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_SESSION_BYTES = 1024 * 1024 * 1024
 SESSION_COOKIE = "gymv_session"
 RESERVED = frozenset({"seed_session", "verify", "aggregate_metrics", "reset", "step"})
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, detail: str):
-        super().__init__(detail)
+    """An error answer; a 422's `detail` is FastAPI's list of errors, as NeMo Gym's servers answer."""
+
+    def __init__(self, status: int, detail: str | list):
+        if status == 422 and isinstance(detail, str):
+            detail = [{"type": "value_error", "loc": ["body"], "msg": detail, "input": None}]
+        super().__init__(detail if isinstance(detail, str) else detail[0]["msg"])
         self.status, self.detail = status, detail
 
 
-class _Sessions:
-    """Per-rollout state, bounded: the least recently used session goes first."""
+def _validate(model, body: Any) -> None:
+    try:
+        validate_body(model, body)
+    except SchemaError as e:
+        raise HTTPError(422, e.detail) from None
 
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._items: OrderedDict[str, EpisodeState | None] = OrderedDict()
+
+class _Sessions:
+    """Per-rollout state, bounded in count and in bytes (each episode counted at the size of the row that
+    started it): the least recently used session goes first, and a later call on it gets a 409."""
+
+    def __init__(self, limit: int, max_bytes: int):
+        self.limit, self.max_bytes = limit, max_bytes
+        self._items: OrderedDict[str, tuple[EpisodeState | None, int]] = OrderedDict()
+        self.bytes = 0
         self._lock = threading.Lock()
 
     def touch(self, sid: str | None) -> str:
         with self._lock:
             if sid is None or sid not in self._items:
                 sid = uuid.uuid4().hex
-                self._items[sid] = None
+                self._items[sid] = (None, 0)
             self._items.move_to_end(sid)
-            while len(self._items) > self.limit:
-                self._items.popitem(last=False)
+            self._evict()
             return sid
+
+    def _evict(self) -> None:
+        while len(self._items) > self.limit or (self.bytes > self.max_bytes and len(self._items) > 1):
+            _, (_, nbytes) = self._items.popitem(last=False)
+            self.bytes -= nbytes
 
     def get(self, sid: str) -> EpisodeState | None:
         with self._lock:
-            return self._items.get(sid)
+            return self._items.get(sid, (None, 0))[0]
 
-    def set(self, sid: str, state: EpisodeState | None) -> None:
+    def set(self, sid: str, state: EpisodeState | None, nbytes: int = 0) -> None:
         with self._lock:
-            self._items[sid] = state
+            _, old = self._items.get(sid, (None, 0))
+            self._items[sid] = (state, nbytes if state is not None else 0)
+            self.bytes += self._items[sid][1] - old
             self._items.move_to_end(sid)
+            self._evict()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -93,13 +118,22 @@ class _ListeningServer(ThreadingHTTPServer):
     request_queue_size = 1024
     daemon_threads = True
 
+    def handle_error(self, request, client_address) -> None:
+        """A client that went away is one log line, not a traceback; anything else is a bug worth one."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            sys.stderr.write(f"gymv env serve: connection from {client_address[0]} ended: {type(exc).__name__}\n")
+        else:
+            super().handle_error(request, client_address)
+
 
 class EnvServer:
     """A threaded HTTP server for one environment; `start()` serves in the background, `close()` stops."""
 
     def __init__(self, env: Environment, host: str = "127.0.0.1", port: int = 0, *,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_sessions: int = 10_000,
-                 request_timeout: float = 60.0, log_requests: bool = False, step_latency_s: float = 0.0):
+                 max_session_bytes: int = DEFAULT_MAX_SESSION_BYTES, request_timeout: float = 60.0,
+                 log_requests: bool = False, step_latency_s: float = 0.0):
         if step_latency_s < 0:
             raise GymvError(f"step latency must be >= 0 seconds, got {step_latency_s}")
         clash = RESERVED.intersection(t.name for t in env.tool_specs())
@@ -108,7 +142,7 @@ class EnvServer:
                             fix="rename the tool")
         self.env = env
         self.max_body_bytes = max_body_bytes
-        self.sessions = _Sessions(max_sessions)
+        self.sessions = _Sessions(max_sessions, max_session_bytes)
         self.log_requests = log_requests
         self.step_latency_s = float(step_latency_s)  # added to every /step and tool call: a slow tool, simulated
         handler = type("Handler", (_Handler,), {"server_obj": self, "timeout": request_timeout})
@@ -163,20 +197,22 @@ class EnvServer:
                 "endpoints": ["/seed_session", "/reset", "/step", "/verify", "/aggregate_metrics",
                               *(f"/{t.name}" for t in env.tool_specs())]}
 
-    def reset(self, sid: str, body: Any) -> dict:
+    def reset(self, sid: str, body: Any, nbytes: int = 0) -> dict:
         if not isinstance(body, dict):
             raise HTTPError(422, f"reset body must be a JSON object (a row), got {_kind(body)}")
+        _validate(RunRequest, body)
         try:
-            self.sessions.set(sid, self.env.start(body, where="reset body"))
+            self.sessions.set(sid, self.env.start(body, where="reset body"), nbytes)
         except GymvError as e:
             raise HTTPError(422, e.one_line()) from None
         return {"observation": None, "info": {"env": self.env.name, "max_turns": self.env.max_turns}}
 
     def step(self, sid: str, body: Any) -> dict:
         env = self.env
-        response = body.get("response") if isinstance(body, dict) else None
-        if not isinstance(response, dict) or not isinstance(response.get("output"), list):
-            raise HTTPError(422, "step body must be a row plus 'response' with an 'output' list (one model turn)")
+        if not isinstance(body, dict):
+            raise HTTPError(422, f"step body must be a row plus 'response' (one model turn), got {_kind(body)}")
+        _validate(VerifyRequest, body)
+        response = body["response"]
         state = self.sessions.get(sid)
         if state is None:
             raise HTTPError(409, "no episode in this session: POST /reset with the row first (or the episode "
@@ -198,7 +234,9 @@ class EnvServer:
             raise
         tool_outputs = []
         for r in result.tool_results:
-            out = {"call_id": r.call_id, "name": r.name, "output": r.to_item()["output"]}
+            output = r.to_item()["output"]
+            out = {"call_id": r.call_id, "name": r.name,
+                   "output": output if isinstance(output, str) else encode_parts(output)}
             if r.error:
                 out["error"] = r.error
             tool_outputs.append(out)
@@ -209,12 +247,12 @@ class EnvServer:
         return {"observation": _observation(result.user_messages), "reward": score.reward if score else 0.0,
                 "terminated": state.done and natural, "truncated": state.done and not natural, "info": info}
 
-    def seed_session(self, sid: str, body: Any) -> dict:
+    def seed_session(self, sid: str, body: Any, nbytes: int = 0) -> dict:
         if not isinstance(body, dict):
             raise HTTPError(422, f"seed_session body must be a JSON object, got {_kind(body)}")
         if any(k in body for k in ("responses_create_params", *self.env.verifier_fields)):
             try:
-                self.sessions.set(sid, self.env.start(body, where="seed_session body"))
+                self.sessions.set(sid, self.env.start(body, where="seed_session body"), nbytes)
             except GymvError as e:
                 raise HTTPError(422, e.one_line()) from None
         return {}
@@ -222,6 +260,7 @@ class EnvServer:
     def verify(self, body: Any) -> dict:
         if not isinstance(body, dict):
             raise HTTPError(422, f"verify body must be a JSON object (a row plus 'response'), got {_kind(body)}")
+        _validate(VerifyRequest, body)
         try:
             return self.env.verify(body, where="verify body")
         except GymvError as e:
@@ -252,13 +291,13 @@ class EnvServer:
         return out.text.encode("utf-8"), {"Content-Type": ctype}
 
 
-def _observation(messages: list) -> str | list | None:
-    """NeMo Gym's `observation`: the follow-up text, or input parts when a follow-up carries images."""
+def _observation(messages: list) -> str | None:
+    """NeMo Gym's `observation` (a string): the follow-up text, or the encoded input parts when it has images."""
     if not messages:
         return None
     if all(not m.images for m in messages):
         return "\n\n".join(m.text for m in messages)
-    return [part for m in messages for part in parts_to_items(m.content)]
+    return encode_parts([part for m in messages for part in parts_to_items(m.content)])
 
 
 def _is_json(text: str) -> bool:
@@ -314,7 +353,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, obj: Any, *, sid: str | None = None, close: bool = False) -> None:
         self._send(status, json.dumps(obj, ensure_ascii=False).encode("utf-8"), sid=sid, close=close)
 
-    def _error(self, status: int, detail: str, *, sid: str | None = None, close: bool = False) -> None:
+    def _error(self, status: int, detail: str | list, *, sid: str | None = None, close: bool = False) -> None:
         self._json(status, {"detail": detail}, sid=sid, close=close)
 
     def _read_json(self) -> Any:
@@ -332,22 +371,41 @@ class _Handler(BaseHTTPRequestHandler):
         limit = self.server_obj.max_body_bytes
         if length > limit:
             raise HTTPError(413, f"request body of {length} bytes is over the {limit} byte limit")
-        raw = self.rfile.read(length)
+        try:
+            raw = self.rfile.read(length)
+        except TimeoutError:
+            raise HTTPError(408, f"the request body stopped arriving (no data for {self.timeout:g} s)") from None
+        self._body_bytes = len(raw)
         if len(raw) < length:
             raise HTTPError(400, f"request body ended after {len(raw)} of {length} bytes")
         if not raw.strip():
-            raise HTTPError(400, "empty request body; send a JSON object")
+            raise HTTPError(422, [{"type": "missing", "loc": ["body"], "msg": "Field required", "input": None}])
         try:
             return json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError:
             raise HTTPError(400, "request body is not UTF-8") from None
         except json.JSONDecodeError as e:
-            raise HTTPError(400, f"malformed JSON body: {e.msg} at line {e.lineno} column {e.colno}") from None
+            raise HTTPError(422, [{"type": "json_invalid", "loc": ["body", e.pos], "msg": "JSON decode error",
+                                   "input": {}, "ctx": {"error": f"{e.msg} at line {e.lineno} column {e.colno}"}}]) from None
         except RecursionError:
             raise HTTPError(400, "malformed JSON body: nested too deeply") from None
 
     # -- methods -------------------------------------------------------------------------------------
+    def _refused(self) -> bool:
+        """Requests a loopback server must not serve: another Host name, or a page of another origin."""
+        bind = self.server_obj.host
+        if not host_allowed(bind, self.headers.get("Host")):
+            self._error(403, f"Host {self.headers.get('Host')!r} is not allowed: this server answers loopback "
+                             "names only (serve with --host to answer others)", close=True)
+            return True
+        if not origin_allowed(bind, self.headers.get("Origin")):
+            self._error(403, f"requests from pages of {self.headers.get('Origin')!r} are not allowed", close=True)
+            return True
+        return False
+
     def do_GET(self) -> None:  # noqa: N802 - the stdlib's naming
+        if self._refused():
+            return
         sid = self.server_obj.sessions.touch(self._session_id())
         path = self.path.split("?", 1)[0]
         if path == "/":
@@ -360,6 +418,8 @@ class _Handler(BaseHTTPRequestHandler):
     do_HEAD = do_GET
 
     def do_POST(self) -> None:  # noqa: N802
+        if self._refused():
+            return
         srv = self.server_obj
         sid = srv.sessions.touch(self._session_id())
         name = self.path.split("?", 1)[0].strip("/")
@@ -371,20 +431,20 @@ class _Handler(BaseHTTPRequestHandler):
                                      "/seed_session, /verify, /aggregate_metrics, /reset, /step")
             body = self._read_json()
             if name == "seed_session":
-                self._json(200, srv.seed_session(sid, body), sid=sid)
+                self._json(200, srv.seed_session(sid, body, self._body_bytes), sid=sid)
             elif name == "verify":
                 self._json(200, srv.verify(body), sid=sid)
             elif name == "aggregate_metrics":
                 self._json(200, srv.aggregate(body), sid=sid)
             elif name == "reset":
-                self._json(200, srv.reset(sid, body), sid=sid)
+                self._json(200, srv.reset(sid, body, self._body_bytes), sid=sid)
             elif name == "step":
                 self._json(200, srv.step(sid, body), sid=sid)
             else:
                 payload, headers = srv.tool(sid, name, body)
                 self._send(200, payload, headers, sid=sid)
         except HTTPError as e:
-            self._error(e.status, e.detail, sid=sid, close=e.status in (400, 404, 411, 413))
+            self._error(e.status, e.detail, sid=sid, close=e.status in (400, 404, 408, 411, 413))
         except Exception as e:  # an environment bug must not take the server down
             traceback.print_exc(file=sys.stderr)
             self._error(500, f"internal error in {srv.env.name}: {type(e).__name__}: {e}", sid=sid, close=True)

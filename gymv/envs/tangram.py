@@ -205,7 +205,7 @@ class Tangram(Environment):
         return row
 
     def score_output(self, row: dict, output: list[dict]) -> Score:
-        from gymv.data.rows import output_text
+        from gymv.envs.rows import output_text
 
         self.check_row(row)
         expected = normalize_answer(row["expected_answer"])

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from gymv.backends.generation.base import GenerationBackend, GenerationRequest, SamplingParams
 from gymv.data.images import ImageError
-from gymv.data.rows import row_tools, to_chat_tool
+from gymv.envs.rows import row_tools, to_chat_tool
 from gymv.envs.protocol import Environment, ModelTurn, RowError, StepResult
 from gymv.errors import GymvError
 from gymv.rollout.episode import Episode
@@ -46,9 +46,9 @@ def _where(source: str | None, task_index: int, sample_index: int | None = None)
 
 
 def _agent_name(row: dict, env: Environment) -> str:
-    ref = row.get("agent_ref")
-    name = ref.get("name") if isinstance(ref, dict) else None
-    return name if isinstance(name, str) and name else env.agent_name
+    from gymv.envs.rows import agent_name
+
+    return agent_name(row) or env.agent_name
 
 
 def _turn_seed(base: int | None, turn: int) -> int | None:
@@ -93,7 +93,7 @@ def _open(ep: Episode) -> None:
     """Start the episode's environment (a server call for remote ones); a failure marks only this episode."""
     try:
         ep.state = ep.env.start(ep.row, where=ep.where)
-    except RowError:
+    except (RowError, ImageError):  # the row's own fault (a prompt image that is no usable image): not the env's
         raise
     except Exception as e:  # an environment that fails to start (server down, plugin bug)
         ep.fail(f"environment start failed: {_describe(e)}")

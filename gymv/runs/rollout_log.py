@@ -12,12 +12,11 @@ from __future__ import annotations
 import math
 import os
 import re
-import time
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from gymv.envs.responses import response_object
 from gymv.errors import GymvError
 from gymv.io import iter_jsonl, write_jsonl
 
@@ -60,18 +59,7 @@ def make_rollout_record(
 ) -> dict:
     """One rollout line: the row's fields, a Responses-API `response`, the reward, extras and indices."""
     params = row.get("responses_create_params", {})
-    response = {
-        "id": f"resp_{uuid.uuid4().hex}",
-        "created_at": float(int(time.time())),
-        "error": None,
-        "model": model,
-        "object": "response",
-        "output": output,
-        "parallel_tool_calls": params.get("parallel_tool_calls", True),
-        "tool_choice": params.get("tool_choice", "auto"),
-        "tools": params.get("tools", []),
-        "usage": dict(usage) if usage is not None else None,
-    }
+    response = response_object(output, params=params, model=model, usage=usage)
     record: dict[str, Any] = {"responses_create_params": params, "response": response, "reward": float(reward)}
     record.update(extras or {})
     for k, v in row.items():

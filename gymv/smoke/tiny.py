@@ -100,6 +100,12 @@ def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
 
     _set(ch, d, "generation.backend", "hf")
     _cap(ch, d, "generation.max_new_tokens", MAX_NEW_TOKENS)
+    if d.get("generation", {}).get("vllm") is not None:  # read by the vllm backend only
+        from gymv.config.schema import VllmSection
+
+        _set(ch, d, "generation.vllm", VllmSection().model_dump())
+    if isinstance(d.get("vision"), dict):
+        _set(ch, d, "vision.dedup_payloads", True)
 
     _set(ch, d, "training.backend", "torch")
     _set(ch, d, "training.dtype", "auto")

@@ -3,8 +3,8 @@
     from gymv.train import train
     summary = train("recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", ["grpo.max_steps=3"])
 
-The loops themselves are gymv/algorithms/sft.py, grpo.py and mopd.py; the builders they share
-live in this package (data, setup, stats, validation).
+The loops themselves are sft.py, grpo.py, grpo_async.py and mopd.py here (the math they call is
+gymv.algorithms); the builders they share live here too (data, setup, stats, validation).
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from gymv.capabilities import gaps
 from gymv.errors import GymvError
+from gymv.loggers import build_loggers, logger_classes
 from gymv.train.data import EnvRouter, training_rows
+from gymv.train.row_checks import check_training_rows
 from gymv.train.setup import Reporter, RunContext, open_run, resolve_init_path, worker_spec
 
 __all__ = ["Reporter", "load_training_recipe", "train"]
@@ -44,6 +47,9 @@ def load_training_recipe(recipe: str | os.PathLike | None, overrides: Sequence[s
         if not recipe.exists():
             raise GymvError("not a gymv run directory (no config.yaml)", where=str(resume_dir),
                             fix="pass the runs/<name> folder of an earlier `gymv train`")
+        from gymv.runs.config_history import change_overrides, read_changes
+
+        overrides = [*change_overrides(read_changes(resume_dir)), *overrides]  # the run's current config
     return load_recipe(recipe, list(overrides), smoke=smoke)
 
 
@@ -56,20 +62,16 @@ def _check_supported(rec, cfg) -> None:
     if cfg.algorithm not in SUPPORTED:
         raise GymvError(f"gymv train does not run {cfg.algorithm!r} yet", where=_where(rec, "algorithm"),
                         fix=f"use one of: {', '.join(SUPPORTED)}")
-    if cfg.generation.backend != "hf":
-        raise GymvError(f"generation backend {cfg.generation.backend!r} is not wired into gymv train yet",
-                        where=_where(rec, "generation.backend"), fix="use generation.backend: hf")
-    if cfg.training.backend != "torch":
-        raise GymvError(f"training backend {cfg.training.backend!r} is not wired into gymv train yet",
-                        where=_where(rec, "training.backend"), fix="use training.backend: torch")
     if cfg.refit.transport == "nccl" and cfg.cluster.colocated:
         raise GymvError("refit transport nccl cannot broadcast between a trainer and a generator on the same GPU",
                         where=_where(rec, "refit.transport"),
                         fix="use cuda_ipc when colocated, or set cluster.colocated: false for nccl")
-    for key in ("tensorboard", "wandb"):
-        if getattr(cfg.logger, key):
-            raise GymvError(f"logger.{key} is not wired into gymv train yet", where=_where(rec, f"logger.{key}"),
-                            fix=f"set logger.{key}: false; metrics.jsonl holds every metric")
+    for gap in gaps(cfg):
+        raise GymvError(gap.message, where=_where(rec, gap.key), fix=gap.fix)
+    try:
+        logger_classes(cfg)  # a missing TensorBoard/W&B library fails here, before the run directory is written
+    except GymvError as e:
+        raise GymvError(e.message, where=_where(rec, e.where or "logger"), fix=e.fix) from None
 
 
 def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, resume_dir: str | None = None,
@@ -92,30 +94,46 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
     router = EnvRouter(worker_spec(cfg, model_path).env)  # an unknown env.name fails before anything is written
 
     run, resume = open_run(cfg, cfg.to_dict(), resume_dir)
+    reporter.on_run(run.path)
     reporter.on_message(f"run directory {run.path}")
+    if run.changes:
+        from gymv.runs.config_history import describe
+
+        reporter.on_message(f"config changed for this launch: {describe(run.changes, limit=6)} "
+                            "(recorded in config_changes.jsonl; config.yaml keeps the original)")
     train_rows, eval_rows = training_rows(cfg, run.path)
     router.check(train_rows)
     router.check(eval_rows)
+    vision = getattr(cfg, "vision", None)
+    check_training_rows([*train_rows, *eval_rows], model_path=model_path, max_seq_len=cfg.model.max_seq_len,
+                        max_pixels=vision.max_image_pixels if vision is not None else None)
 
-    info = start_ray(ray_address or cfg.cluster.ray_address)
+    run.loggers = build_loggers(cfg, cfg.to_dict(), run.path)
+    try:
+        address = ray_address or cfg.cluster.ray_address
+        reporter.on_message(f"joining Ray at {address}" if address else "starting a local Ray cluster")
+        info = start_ray(address)
+    except BaseException:
+        _close_loggers(run)
+        raise
     ctx = RunContext(cfg=cfg, run=run, model_path=model_path, train_rows=train_rows, eval_rows=eval_rows,
                      ray_address=info.address, reporter=reporter, train_source=_source(train_rows),
                      eval_source=_source(eval_rows))
     try:
         if cfg.base_algorithm == "sft":
-            from gymv.algorithms.sft import train_sft
+            from gymv.train.sft import train_sft
 
             result = train_sft(ctx, resume=resume)
         elif cfg.base_algorithm == "mopd":
-            from gymv.algorithms.mopd import train_mopd
+            from gymv.train.mopd import train_mopd
 
             result = train_mopd(ctx, resume=resume)
         elif cfg.grpo.async_.enabled:
-            from gymv.algorithms.grpo_async import train_grpo_async
+            from gymv.train.grpo_async import train_grpo_async
 
             result = train_grpo_async(ctx, resume=resume)
         else:
-            from gymv.algorithms.grpo import train_grpo
+            from gymv.train.grpo import train_grpo
 
             result = train_grpo(ctx, resume=resume)
     except GymvError as e:
@@ -123,9 +141,15 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
         note = f"; the run stopped, its newest complete checkpoint is {latest}" if latest else "; the run stopped before its first checkpoint"
         raise GymvError(e.message + note, where=e.where, fix=e.fix, exit_code=e.exit_code) from None
     finally:
+        _close_loggers(run)
         if info.started_here:
             stop_ray()
     return summarize(cfg, run, result, time.time() - t0)
+
+
+def _close_loggers(run) -> None:
+    for logger in run.loggers:
+        logger.close()
 
 
 def _source(rows) -> str | None:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gymv.envs.routing import EnvRouter, EnvSpec  # noqa: F401  (run setup routes rows through them)
 from gymv.errors import GymvError
 from gymv.io import iter_jsonl
 from gymv.runs.checkpoint import DataPosition
@@ -39,82 +40,6 @@ def read_rows(paths: str | Sequence[str] | None) -> list[Row]:
     if not rows:
         raise GymvError("no rows", where=", ".join(map(str, paths)), fix="point data.train/data.eval at non-empty JSONL files")
     return rows
-
-
-# ------------------------------------------------------------------------------------------------ routing
-
-
-@dataclass(frozen=True)
-class EnvSpec:
-    """The configured environment, as every worker builds it (plain data, so it crosses process boundaries)."""
-
-    name: str
-    kwargs: dict = field(default_factory=dict)
-    max_turns: int | None = None
-    url: str | None = None  # a NeMo Gym / `gymv env serve` server; None = in-process
-    timeout_s: float = 30.0
-    retries: int = 2
-
-
-class EnvRouter:
-    """Row -> environment: the configured one, or the built-in/plugin one a row's `agent_ref.name` names.
-
-    Instances are created once per process and reused (environments keep no per-rollout state outside
-    their EpisodeState).
-    """
-
-    def __init__(self, spec: EnvSpec):
-        from gymv.envs.registry import make_env
-
-        self.spec = spec
-        try:
-            self.default = make_env({"name": spec.name, "url": spec.url, "max_turns": spec.max_turns,
-                                     "timeout_s": spec.timeout_s, "retries": spec.retries, "kwargs": dict(spec.kwargs)})
-        except GymvError as e:
-            raise GymvError(e.message, where=e.where or ("env.url" if spec.url else "env.name"), fix=e.fix) from None
-        self._by_agent: dict[str, Any] = {}
-
-    def agent_of(self, row: dict) -> str | None:
-        ref = row.get("agent_ref")
-        name = ref.get("name") if isinstance(ref, dict) else None
-        return name if isinstance(name, str) else None
-
-    def __call__(self, row: dict, where: str | None = None):
-        """The environment of `row`; an agent that names no installed environment is an error."""
-        from gymv.envs.registry import available, get_env, normalize
-
-        agent = self.agent_of(row)
-        if agent is None or agent == self.default.agent_name or normalize(agent) == self.default.name:
-            return self.default
-        if agent in self._by_agent:
-            return self._by_agent[agent]
-        for name in available():
-            if normalize(agent) == name:
-                env = get_env(name)
-                break
-        else:
-            env = None
-            for name in available():
-                try:
-                    candidate = get_env(name)
-                except GymvError:
-                    continue
-                if candidate.agent_name == agent:
-                    env = candidate
-                    break
-        if env is None:
-            raise GymvError(
-                f"agent_ref.name {agent!r} names no environment this run can use (env.name is {self.spec.name!r})",
-                where=where, fix=f"use rows of {self.default.agent_name!r}, set env.name to the rows' environment, "
-                                 f"or install its plugin (available: {', '.join(available())})")
-        self._by_agent[agent] = env
-        return env
-
-    def check(self, rows: Sequence[Row]) -> None:
-        """Route every row once up front, so bad rows fail before any worker starts."""
-        for r in rows:
-            env = self(r.data, r.where)
-            env.check_row(r.data, where=r.where)
 
 
 # ------------------------------------------------------------------------------------------- generation

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from gymv.errors import GymvError
 
 
 @dataclass
@@ -29,7 +28,7 @@ class ReplayBuffer:
 
     def __init__(self, capacity: int, max_age: int):
         if capacity < 1 or max_age < 0:
-            raise GymvError(f"replay buffer needs capacity >= 1 and max_age >= 0, got {capacity} and {max_age}")
+            raise ValueError(f"replay buffer needs capacity >= 1 and max_age >= 0, got {capacity} and {max_age}")
         self.capacity, self.max_age = capacity, max_age
         self._groups: deque[Group] = deque()
 

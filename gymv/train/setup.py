@@ -12,15 +12,17 @@ from pathlib import Path
 from typing import Any
 
 from gymv.errors import GymvError
-from gymv.runs.checkpoint import LATEST, CheckpointState, DataPosition, find_latest
+from gymv.models.init_path import FINAL_DIR, resolve_init_path  # noqa: F401  (train and tests import it here)
+from gymv.runs.checkpoint import CheckpointState, DataPosition, find_latest, unusable_checkpoints
 from gymv.runs.run_dir import RunDir, run_path
 from gymv.train.data import EnvSpec, Row, RowStream
-
-FINAL_DIR = "final"
 
 
 class Reporter:
     """What a loop tells its caller (the CLI renders it; tests listen). Every hook is optional."""
+
+    def on_run(self, run_dir: Path) -> None:
+        """The run directory is open (before Ray starts): where an interrupted run resumes from."""
 
     def on_start(self, info: dict) -> None: ...
 
@@ -51,39 +53,6 @@ class RunContext:
 # ------------------------------------------------------------------------------------------ model path
 
 
-def resolve_init_path(text: str, *, where: str | None = None) -> str:
-    """The checkpoint folder a run starts from. Besides HF folders, hub ids (from the local cache) and
-    `embedded:<arch>` it accepts
-    another gymv run: `runs/<name>` (its `final/` export, else its newest checkpoint),
-    `runs/<name>/checkpoints` (newest), `runs/<name>/checkpoints/latest` (the pointer) or `.../step_<N>`.
-    """
-    from gymv.models.hub import is_hub_id
-    from gymv.models.load import EMBEDDED_PREFIX, resolve_model_path
-
-    if text.startswith(EMBEDDED_PREFIX) or is_hub_id(text):
-        try:
-            return str(resolve_model_path(text))
-        except GymvError as e:
-            raise GymvError(e.message, where=where or "model.path", fix=e.fix) from None
-    p = Path(text).expanduser()
-    if p.is_file() and p.name == LATEST:
-        p = p.parent / p.read_text().strip()
-    elif p.is_dir() and not (p / "config.json").exists():
-        final = p / FINAL_DIR
-        if (final / "config.json").exists():
-            p = final
-        else:
-            latest = find_latest(p)
-            if latest is not None:
-                p = latest
-    try:
-        return str(resolve_model_path(p).absolute())  # workers may run in another directory (a joined cluster)
-    except GymvError as e:
-        raise GymvError(f"{e.message}: {text}", where=where or "model.path",
-                        fix="point model.path at a Hugging Face folder, a gymv run (runs/<name>, its final/ or "
-                            "checkpoints/latest), or embedded:tiny-llava") from None
-
-
 def generation_dtype(cfg, model_path: str) -> str:
     """`model.dtype`, where auto is the checkpoint's dtype on GPU and float32 on CPU."""
     if cfg.model.dtype != "auto":
@@ -112,7 +81,35 @@ def open_run(cfg, config_dict: dict, resume_dir: str | None) -> tuple[RunDir, bo
                             fix="pass the runs/<name> folder of an earlier `gymv train`")
         return RunDir.create(path, config_dict, resume=True), True
     path = run_path(cfg.checkpoint.dir, cfg.name).absolute()  # workers write checkpoints into it, from anywhere
+    if cfg.checkpoint.resume and (path / "config.yaml").exists() and _has_trained(RunDir(path)):
+        refuse_changed_config(RunDir(path), config_dict)
     return RunDir.create(path, config_dict, resume=cfg.checkpoint.resume), cfg.checkpoint.resume
+
+
+def _has_trained(run: RunDir) -> bool:
+    """Whether any step ran (a checkpoint or a metrics row): a launch that stopped before training (bad data, an
+    interrupted Ray start) left no weights its config could be confused with."""
+    return find_latest(run.path) is not None or bool(run.read_metrics())
+
+
+def refuse_changed_config(run: RunDir, config_dict: dict) -> None:
+    """Running a recipe onto an existing run continues it only when the config is the run's own: weights
+    trained at one learning rate must never be recorded under another."""
+    from gymv.runs.config_history import LAUNCH_KEYS, describe, diff
+
+    changes = diff(run.read_config(), config_dict, ignore=LAUNCH_KEYS)
+    if changes:
+        shown = _shown_path(run.path)
+        raise GymvError(f"{shown} holds a run with another config: {describe(changes)}", where=str(shown / "config.yaml"),
+                        fix=f"continue it as recorded: gymv train --resume {shown} (overrides after it are recorded "
+                            f"in config_changes.jsonl), or start a new run: add name=<new-name>")
+
+
+def _shown_path(path: Path) -> Path:
+    try:
+        return path.relative_to(Path.cwd())
+    except ValueError:
+        return path
 
 
 # ------------------------------------------------------------------------------------------ workers
@@ -145,7 +142,22 @@ def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature
         trust_remote_code=cfg.model.trust_remote_code,
         chat_template_kwargs=dict(cfg.generation.chat_template_kwargs),
         tool_call_format=cfg.rollout.tool_call_format,
+        generation_backend=cfg.generation.backend,
+        training_backend=t.backend,
+        **_agent_driver(cfg),
     )
+
+
+def _agent_driver(cfg) -> dict:
+    """WorkerSpec fields of `rollout.driver: nemo_gym_agents` (none for gymv's own loop)."""
+    r = getattr(cfg, "rollout", None)
+    if r is None or r.driver != "nemo_gym_agents":
+        return {}
+    if cfg.cluster.generation_workers_per_gpu != 1 or (cfg.cluster.generation_gpus or 0) > 1:
+        raise GymvError("rollout.driver nemo_gym_agents runs one generation worker (the agents call one model "
+                        "server)", where="cluster.generation_workers_per_gpu", fix="set it to 1")
+    return {"agents": dict(r.agents), "model_server": (r.model_server_host, r.model_server_port),
+            "agent_timeout_s": r.agent_timeout_s}
 
 
 def sampling_params(cfg, *, greedy: bool = False):
@@ -193,7 +205,16 @@ class Checkpointer:
         if not resume:
             self.ctx.run.rewind(-1)
             return None
-        return self.ctx.run.resume(self.handle, keep=self.ctx.cfg.checkpoint.keep)
+        run, say = self.ctx.run, self.ctx.reporter.on_message
+        logged = sum(1 for r in run.read_metrics() if r.get("step", 0) > 0)
+        skipped = unusable_checkpoints(run.checkpoints_dir)
+        state = run.resume(self.handle, keep=self.ctx.cfg.checkpoint.keep)
+        for path, why in skipped:
+            if state is not None and int(path.name.split("_")[1]) > state.step:
+                say(f"skipped {path.name}: {why}")
+        if state is None and logged:
+            say(f"no checkpoint in {run.checkpoints_dir}: starting again at step 1 ({logged} logged steps dropped)")
+        return state
 
     def save(self, step: int, position: DataPosition) -> Path:
         t0 = time.perf_counter()

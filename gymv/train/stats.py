@@ -6,7 +6,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from gymv.errors import GymvError
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -60,8 +59,7 @@ def group_advantages(trajectories: Sequence[Any], group_size: int, advantage_cfg
 
     n = len(trajectories)
     if n % group_size:
-        raise GymvError(f"{n} trajectories do not form groups of {group_size}", where="grpo advantages",
-                        fix="this is a gymv bug; please report it")
+        raise RuntimeError(f"{n} trajectories do not form groups of {group_size}")
     valid = torch.tensor([t.error is None and sum(t.loss_mask) > 0 for t in trajectories])
     rewards = torch.tensor([float(t.reward) if t.error is None else float("nan") for t in trajectories], dtype=torch.float64)
     groups = group_ids_for(n // group_size, group_size)
@@ -85,23 +83,13 @@ def group_advantages(trajectories: Sequence[Any], group_size: int, advantage_cfg
 
 
 def policy_samples(trajectories: Sequence[Any], advantages: Sequence[float]) -> list[dict]:
-    """Training samples of the usable trajectories: tokens, loss mask, behaviour logprobs, advantage, images.
+    """Training samples of the usable trajectories: tokens, loss mask, behaviour logprobs, advantage, images
+    (gymv.backends.training.samples)."""
+    from gymv.backends.training.samples import training_sample
 
-    Fields are plain lists and floats: they cross Ray to the training workers about 20x cheaper than small
-    tensors pickled one by one, and the workers make the tensors (gymv.cluster.workers._as_tensors)."""
-    out = []
-    for t, a in zip(trajectories, advantages):
-        if t.error is not None or not any(t.loss_mask):
-            continue
-        out.append({
-            "input_ids": list(t.token_ids),
-            "loss_mask": [bool(m) for m in t.loss_mask],
-            "logp_behaviour": [float(x) for x in t.logprobs],
-            "advantages": float(a),
-            "images": list(t.images),
-            "where": f"row {t.task_index} sample {t.sample_index}",
-        })
-    return out
+    return [training_sample(t.token_ids, t.loss_mask, images=t.images, where=f"row {t.task_index} sample {t.sample_index}",
+                            logp_behaviour=t.logprobs, advantage=a)
+            for t, a in zip(trajectories, advantages) if t.error is None and any(t.loss_mask)]
 
 
 def minibatches(samples: list, global_batch_size: int, samples_per_step: int) -> list[list]:

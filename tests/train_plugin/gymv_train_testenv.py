@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from gymv.envs.circles import render
 from gymv.envs.knobs import knob
 from gymv.envs.protocol import Environment, ModelTurn, Score
-from gymv.data.rows import output_text
+from gymv.envs.rows import output_text
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ the policy distribution defined in `gymv.backends.sampling`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -64,18 +64,49 @@ class GenerationOutput:
     metrics: dict = field(default_factory=dict)
 
 
+Weights = Mapping[str, Any] | Iterable[tuple[str, Any]]
+"""Named tensors in the model's own names: a state dict, or (name, tensor) pairs streamed one by one."""
+
+
+def named(weights: Weights) -> dict[str, Any]:
+    """The (name, tensor) pairs of `weights` as a dict (references, no copy)."""
+    return dict(weights.items() if isinstance(weights, Mapping) else weights)
+
+
 class GenerationBackend(ABC):
+    """What a generation worker drives. Built by `create` from a checkpoint folder; `tokenizer`, `adapter`
+    and `chat_template` are what the agent loop renders turns with (the backend's own, so that prompts
+    and weights always come from the same checkpoint)."""
+
+    tokenizer: Any
+    adapter: Any
+    chat_template: str | None = None
+
+    @classmethod
+    def create(cls, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0) -> GenerationBackend:
+        """Load the checkpoint at `model_path` onto `device` (one engine; tensor parallel engines span the
+        devices their worker was given)."""
+        raise NotImplementedError(f"{cls.__name__} cannot be built from a checkpoint folder")
+
     @abstractmethod
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[GenerationOutput]:
         """Continue every request; outputs are in request order."""
 
     @abstractmethod
-    def update_weights(self, state_dict: Mapping[str, Any]) -> None:
-        """Load new policy weights (a full or partial state dict with the model's own names)."""
+    def update_weights(self, weights: Weights) -> None:
+        """Load new policy weights (all or some, by the model's own names). All or nothing: a name or shape
+        the model does not have raises GymvError before anything is loaded."""
 
     @abstractmethod
     def reset_encoder_cache(self) -> None:
         """Forget cached image features (call after a refit that changed the vision encoder)."""
 
+    def weights_hash(self) -> str:
+        """Content hash of the weights generation runs with (equal to the trainer's after a refit)."""
+        raise NotImplementedError(f"{type(self).__name__} does not hash its weights")
+
     def stats(self) -> dict:
         return {}
+
+    def close(self) -> None:
+        """Free what the engine holds (processes, GPU memory)."""

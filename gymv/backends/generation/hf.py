@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from gymv.backends.generation.base import GenerationBackend, GenerationOutput, GenerationRequest, SamplingParams
+from gymv.backends.generation.base import (
+    GenerationBackend,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+    Weights,
+    named,
+)
 from gymv.backends.hf_forward import forward_logits
 from gymv.backends.multimodal import MultimodalAdapter, image_hash
 from gymv.backends.sampling import forbidden_mask, policy_logits, sample
@@ -26,10 +33,12 @@ from gymv.errors import GymvError
 
 
 class HFGenerationBackend(GenerationBackend):
-    def __init__(self, model, tokenizer, adapter: MultimodalAdapter, *, seed: int = 0, max_cached_images: int = 4096):
+    def __init__(self, model, tokenizer, adapter: MultimodalAdapter, *, seed: int = 0, max_cached_images: int = 4096,
+                 chat_template: str | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.adapter = adapter
+        self.chat_template = chat_template
         self.device = next(model.parameters()).device
         self.max_cached_images = max_cached_images
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -43,7 +52,14 @@ class HFGenerationBackend(GenerationBackend):
 
     @classmethod
     def from_policy(cls, policy, **kwargs) -> HFGenerationBackend:
-        return cls(policy.model, policy.tokenizer, policy.adapter, **kwargs)
+        return cls(policy.model, policy.tokenizer, policy.adapter, chat_template=policy.chat_template, **kwargs)
+
+    @classmethod
+    def create(cls, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0) -> HFGenerationBackend:
+        from gymv.models.load import load_policy
+
+        policy = load_policy(model_path, device=device, dtype=getattr(torch, dtype), seed=seed)
+        return cls.from_policy(policy, seed=seed)
 
     # -- image features ------------------------------------------------------------------------------
     def _encode(self, requests: Sequence[GenerationRequest],
@@ -89,20 +105,28 @@ class HFGenerationBackend(GenerationBackend):
         return {**self._stats, "encoder_cache_entries": len(self._cache)}
 
     # -- weights -------------------------------------------------------------------------------------
-    def update_weights(self, state_dict: Mapping[str, Any]) -> None:
+    def update_weights(self, weights: Weights) -> None:
         own = self.model.state_dict()
-        unknown = [k for k in state_dict if k not in own]
-        if unknown:
-            raise GymvError(f"update_weights got {len(unknown)} name(s) the model does not have, e.g. {unknown[0]!r}",
-                            fix="send the policy model's own state_dict names")
+        incoming = named(weights)
+        for name, value in incoming.items():  # every check before the first copy: all or nothing
+            if name not in own:
+                raise GymvError(f"refit sent a weight the model does not have: {name}", where="refit",
+                                fix="training and generation must load the same architecture (model.path)")
+            if tuple(value.shape) != tuple(own[name].shape):
+                raise GymvError(f"refit sent {name} with shape {tuple(value.shape)}; the model's has shape "
+                                f"{tuple(own[name].shape)}", where="refit",
+                                fix="training and generation must load the same architecture (model.path)")
         with torch.no_grad():
-            for name, value in state_dict.items():
-                target = own[name]
-                if tuple(value.shape) != tuple(target.shape):
-                    raise GymvError(f"update_weights: {name} has shape {tuple(value.shape)}, the model has "
-                                    f"{tuple(target.shape)}", fix="send weights of the same architecture")
-                target.copy_(value)
+            for name, value in incoming.items():
+                own[name].copy_(value)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self._stats["weight_updates"] += 1
+
+    def weights_hash(self) -> str:
+        from gymv.backends.weights import weights_hash
+
+        return weights_hash(self.model.state_dict())
 
     # -- generation ----------------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[GenerationOutput]:

@@ -23,7 +23,8 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
     runs alone.
     """
     if max_tokens < 1:
-        raise GymvError(f"micro_batch_tokens must be >= 1, got {max_tokens}", fix="set trainer.micro_batch_tokens to a positive token count")
+        raise GymvError(f"micro_batch_tokens must be >= 1, got {max_tokens}", where="training.micro_batch_tokens",
+                        fix="set training.micro_batch_tokens to a positive token count")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     plan: list[list[int]] = []
     current: list[int] = []
@@ -81,11 +82,11 @@ def pad_collate(samples: Sequence[Mapping[str, Tensor]], pad_values: Mapping[str
     Adds `attention_mask` [B,T] (1 on real positions) unless the samples carry one.
     """
     if not samples:
-        raise GymvError("cannot collate an empty micro-batch")
+        raise RuntimeError("cannot collate an empty micro-batch")
     keys = list(samples[0].keys())
     for n, s in enumerate(samples):
         if set(s.keys()) != set(keys):
-            raise GymvError(f"sample {n} has keys {sorted(s)} but sample 0 has {sorted(keys)}", where="collate", fix="give every sample the same fields")
+            raise RuntimeError(f"collate: sample {n} has keys {sorted(s)} but sample 0 has {sorted(keys)}")
     pads = {**DEFAULT_PAD_VALUES, **(pad_values or {})}
     out: dict[str, Tensor] = {}
     for key in keys:
@@ -98,7 +99,8 @@ def pad_collate(samples: Sequence[Mapping[str, Tensor]], pad_values: Mapping[str
         batch = torch.full(shape, pads.get(key, 0), dtype=values[0].dtype, device=values[0].device)
         for row, v in enumerate(values):
             if v.shape[1:] != values[0].shape[1:]:
-                raise GymvError(f"field {key!r} has trailing shape {tuple(v.shape[1:])} in one sample and {tuple(values[0].shape[1:])} in another", where="collate")
+                raise RuntimeError(f"collate: field {key!r} has trailing shape {tuple(v.shape[1:])} in one sample and "
+                                   f"{tuple(values[0].shape[1:])} in another")
             batch[row, : v.shape[0]] = v
         out[key] = batch
     if "attention_mask" not in out and "input_ids" in out:

@@ -20,8 +20,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from gymv.algorithms.losses import GlobalCounts
-from gymv.backends.training.base import CollateFn, LogprobFn, LossFn, MicroBatch, PlanFn, Sample
+from gymv.backends.training.base import CollateFn, GlobalCounts, LogprobFn, LossFn, MicroBatch, PlanFn, Sample
 from gymv.backends.training.data_parallel import DataParallel
 from gymv.backends.training.micro_batches import pad_collate, plan_micro_batches
 from gymv.errors import GymvError
@@ -99,19 +98,23 @@ class TorchTrainer:
             return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else None
         if precision == "bf16":
             if not (cuda and torch.cuda.is_bf16_supported()):
-                raise GymvError("precision bf16 needs a CUDA device with bf16 support", where="trainer.precision", fix="use precision: auto (fp32 on CPU)")
+                raise GymvError("training.dtype bfloat16 needs a CUDA device with bf16 support", where="training.dtype",
+                               fix="use training.dtype: auto (float32 on CPU)")
             return torch.bfloat16
-        raise GymvError(f"unknown precision {precision!r}", where="trainer.precision", fix="use auto, fp32 or bf16")
+        raise ValueError(f"unknown precision {precision!r}: TrainerConfig.precision is auto, fp32 or bf16")
 
     def _autocast(self):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def _forward(self, mb: MicroBatch) -> tuple[Tensor, Tensor | None]:
+    def _forward(self, mb: MicroBatch) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """(logprobs, entropies or None, candidate logprobs or None): what the logprob function returned."""
         with self._autocast():
-            logp, entropy = self.logprob_fn(self.model, mb)
-        return logp.float(), (entropy.float() if entropy is not None else None)
+            logp, entropy, *rest = self.logprob_fn(self.model, mb)
+        candidates = rest[0] if rest else None
+        as_float = lambda t: t.float() if t is not None else None  # noqa: E731
+        return logp.float(), as_float(entropy), as_float(candidates)
 
     def _plan(self, samples: Sequence[Sample]) -> list[list[int]]:
         if self.plan_fn is not None:
@@ -141,8 +144,9 @@ class TorchTrainer:
         bad = ""
         for indices in plan:
             mb = _to_device(self.collate_fn([samples[i] for i in indices]), self.device)
-            logp, entropy = self._forward(mb)
-            loss, metrics = loss_fn(mb, logp, entropy, counts)
+            logp, entropy, candidates = self._forward(mb)
+            extra = {"candidates": candidates} if candidates is not None else {}
+            loss, metrics = loss_fn(mb, logp, entropy, counts, **extra)
             if not bool(torch.isfinite(loss)):
                 bad = f"non-finite loss {float(loss.detach())} in a micro-batch of {len(indices)} samples"
                 break
@@ -216,7 +220,7 @@ class TorchTrainer:
         try:
             for indices in self._plan(samples):
                 mb = _to_device(self.collate_fn([samples[i] for i in indices]), self.device)
-                logp, _ = self._forward(mb)
+                logp, _, _ = self._forward(mb)
                 for row, i in enumerate(indices):
                     out[i] = logp[row, : samples[i]["input_ids"].shape[0]].cpu()
         finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from gymv.data.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, decode_data_url, split_data_url
-from gymv.envs.protocol import Image, Message, Part, RowError, Text
+from gymv.envs.messages import Image, Message, Part, RowError, Text
 
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -136,3 +136,11 @@ def function_calls(output: list[Any], name: str | None = None) -> list[dict]:
     """The function_call items of an output, optionally only those calling `name`, in order."""
     return [item for item in output if isinstance(item, dict) and item.get("type") == "function_call"
             and (name is None or item.get("name") == name)]
+
+
+def agent_name(row: Any) -> str | None:
+    """The row's `agent_ref.name` (the NeMo Gym agent that serves it), or None when it has none; the one
+    place that reads it."""
+    ref = row.get("agent_ref") if isinstance(row, dict) else None
+    name = ref.get("name") if isinstance(ref, dict) else None
+    return name if isinstance(name, str) and name else None

@@ -11,7 +11,7 @@ import textwrap
 from typing import Any
 
 from gymv.data.images import decode_data_url, encode_png
-from gymv.data.rows import input_messages, last_user_text
+from gymv.envs.rows import input_messages, last_user_text
 from gymv.io import atomic_write_bytes
 
 

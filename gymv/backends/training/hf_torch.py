@@ -1,0 +1,166 @@
+"""The `torch` training backend: a Hugging Face checkpoint trained by TorchTrainer (AdamW, token-budget
+micro-batches, data parallel over torch.distributed), with the multimodal collate, logprob and
+shared-prefix planning functions of gymv.backends.logprobs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gymv.backends.training.base import LossFn, Sample, TrainingBackend, TrainingSetup
+from gymv.backends.training.samples import NON_TENSOR_FIELDS, as_tensors
+
+HF_FILE_PREFIXES = ("config.json", "generation_config.json", "tokenizer", "special_tokens_map", "vocab", "merges",
+                    "added_tokens", "chat_template", "processor_config", "preprocessor_config", "video_preprocessor")
+
+
+def copy_hf_files(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Copy a checkpoint folder's config, tokenizer, processor and chat-template files (and remote code), so
+    that a folder of trained weights loads with `from_pretrained` and as `model.path` of another run."""
+    source, target = Path(source), Path(target)
+    for f in source.iterdir():
+        wanted = f.name.startswith(HF_FILE_PREFIXES) or f.suffix == ".py"
+        if f.is_file() and wanted and not (target / f.name).exists():
+            shutil.copy2(f, target / f.name)
+
+
+def samples_collate(pad_id: int):
+    from gymv.backends.training.micro_batches import pad_collate
+
+    def collate(samples):
+        tensors = [{k: v for k, v in s.items() if k not in NON_TENSOR_FIELDS} for s in samples]
+        mb = pad_collate(tensors, pad_values={"input_ids": pad_id})
+        mb["images"] = [list(s.get("images") or ()) for s in samples]
+        mb["where"] = [s.get("where") for s in samples]
+        return mb
+
+    return collate
+
+
+def logprob_fn(adapter, temperature: float):
+    from gymv.backends.logprobs import MultimodalBatch, token_scores
+
+    def fn(model, mb):
+        """Scores the loss-masked tokens only (every loss reads logprobs there alone); other entries are 0.
+        With a teacher's top-k candidates in the batch, also the student's logprobs of them."""
+        batch = MultimodalBatch(mb["input_ids"], mb["attention_mask"], mb["images"], mb["where"])
+        return token_scores(model, adapter, batch, temperature, entropy=True, score_mask=mb.get("loss_mask"),
+                            gather_ids=mb.get("teacher_topk_ids"))
+
+    return fn
+
+
+def plan_fn(adapter, model):
+    """Micro-batches that keep a group's samples together: their shared prompt then runs once per group."""
+    from gymv.backends.logprobs import prefix_key, recomputes_activations
+    from gymv.backends.training.micro_batches import plan_micro_batches, plan_shared_prefix_micro_batches
+
+    def plan(samples, max_tokens):
+        lengths = [int(s["input_ids"].shape[0]) for s in samples]
+        if recomputes_activations(model):
+            return plan_micro_batches(lengths, max_tokens)
+        hashes: dict = {}
+        keys = [prefix_key(s["input_ids"], s["loss_mask"], s.get("images") or (), adapter.image_token_id, hashes)
+                for s in samples]
+        return plan_shared_prefix_micro_batches(keys, lengths, max_tokens)
+
+    return plan
+
+
+class HFTorchBackend(TrainingBackend):
+    """One data-parallel rank: the policy under training and, for a KL penalty, a frozen reference."""
+
+    def __init__(self, policy, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1):
+        from gymv.backends.training.torch_trainer import TorchTrainer, TrainerConfig
+
+        self.setup, self.policy = setup, policy
+        self.rank, self.world_size = rank, world_size
+        self.tokenizer, self.adapter, self.chat_template = policy.tokenizer, policy.adapter, policy.chat_template
+        model = policy.model
+        if setup.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.collate = samples_collate(policy.tokenizer.pad_token_id or 0)
+        self.logprob_fn = logprob_fn(policy.adapter, setup.temperature)
+        self.config = TrainerConfig(**setup.optimizer)
+        self.trainer = TorchTrainer(model, self.logprob_fn, self.config, collate_fn=self.collate, device=device,
+                                    plan_fn=plan_fn(policy.adapter, model))
+        self.reference = None
+        if setup.kl_reference:
+            from gymv.models.load import load_policy
+
+            ref = load_policy(setup.model_path, device=str(device), dtype=torch.float32, seed=setup.seed).model
+            ref.requires_grad_(True)  # TorchTrainer refuses a model without trainable parameters; never stepped
+            self.reference = TorchTrainer(ref, self.logprob_fn, self.config, collate_fn=self.collate, device=device,
+                                          plan_fn=plan_fn(policy.adapter, ref))
+
+    @classmethod
+    def create(cls, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1) -> HFTorchBackend:
+        from gymv.models.load import load_policy
+
+        policy = load_policy(setup.model_path, device=str(device), dtype=torch.float32, seed=setup.seed)
+        return cls(policy, setup, device=device, rank=rank, world_size=world_size)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.trainer.model
+
+    @property
+    def steps(self) -> int:
+        return self.trainer.steps
+
+    def learning_rate(self, step: int) -> float:
+        from gymv.backends.training.lr_schedule import lr_factor
+
+        s = self.setup
+        return self.config.lr * lr_factor(step, warmup_steps=s.warmup_steps, total_steps=s.total_steps,
+                                          schedule=s.lr_schedule, min_ratio=s.min_lr_ratio)
+
+    def train_step(self, samples: Sequence[Sample], loss_fn: LossFn) -> dict[str, float]:
+        samples = [as_tensors(s) for s in samples]
+        lr = self.learning_rate(self.trainer.steps + 1)
+        for g in self.trainer.optimizer.param_groups:
+            g["lr"] = lr
+        return self.trainer.train_step(samples, loss_fn)
+
+    def compute_logprobs(self, samples: Sequence[Sample], *, reference: bool = False) -> list[Tensor]:
+        trainer = self.reference if reference else self.trainer
+        if trainer is None:
+            raise RuntimeError("reference logprobs asked of a backend built without kl_reference")
+        return trainer.compute_logprobs([as_tensors(s) for s in samples])
+
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None
+
+    def sum_over_ranks(self, value: float) -> float:
+        return float(self.trainer.dp.sum_(torch.tensor([float(value)], device=self.trainer.device)))
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        yield from self.trainer.state_dict().items()
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.trainer.model.parameters())
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Rank 0 writes weights, optimizer and the HF files (the folder then loads as a model)."""
+        if self.rank == 0:
+            self.trainer.save(path)
+            copy_hf_files(self.setup.model_path, path)
+
+    def load(self, path: str | os.PathLike) -> None:
+        self.trainer.load(path)
+
+    def export_hf(self, path: str | os.PathLike) -> None:
+        from gymv.models.quiet import quiet_transformers
+
+        if self.rank != 0:
+            return
+        with quiet_transformers():
+            self.trainer.model.save_pretrained(path)
+        copy_hf_files(self.setup.model_path, path)

@@ -1,0 +1,126 @@
+"""What `gymv train` can run with what is installed: the one table that says which config values are wired.
+
+The schema accepts values for things that are planned but not built here (a vLLM generation backend, a
+Megatron-core trainer...). A recipe that uses one must be refused before anything starts, by
+`gymv train` (config loading), flagged by `gymv lint` when a nightly or release suite lists it, and named by
+`gymv smoke --tiny` when its stand-ins replace it. All three read `gaps(cfg)`; wiring a feature means
+registering its backend (gymv.backends.registry) or deleting its row in NOT_WIRED below, nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+# key -> {value: why that value does not run}. A backend registered under the same name wins over its row.
+NOT_WIRED: dict[str, dict[Any, str]] = {
+    "generation.backend": {"vllm": "the vLLM generation backend is not wired into gymv train yet"},
+    "training.backend": {"megatron": "the Megatron-core training backend is not wired into gymv train yet"},
+    "mopd.teachers.*.backend": {
+        "megatron": "Megatron-core teachers are not wired into gymv train yet",
+        "vllm": "vLLM teachers are not wired into gymv train yet",
+    },
+    "model.trust_remote_code": {True: "loading modelling code shipped inside a checkpoint is not wired yet"},
+    "vision.dedup_payloads": {False: "the generation backend always encodes an image shared by a group once"},
+}
+FIXES: dict[str, str] = {
+    "generation.backend": "use generation.backend: hf",
+    "training.backend": "use training.backend: torch",
+    "mopd.teachers.*.backend": "use backend: torch",
+    "model.trust_remote_code": "use a checkpoint whose architecture transformers ships, with trust_remote_code: false",
+    "vision.dedup_payloads": "remove vision.dedup_payloads (it is always on)",
+}
+# what the project's own generation backends can span: GPUs per engine
+MAX_GENERATION_TP: dict[str, int] = {"hf": 1}
+
+
+@dataclass(frozen=True)
+class Gap:
+    """One thing a recipe asks for that this installation cannot run."""
+
+    key: str
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.message}"
+
+
+def backend_names(key: str) -> list[str]:
+    """Every value the schema accepts for a backend key: registered backends and planned ones."""
+    from gymv.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
+
+    registry = {"generation.backend": GENERATION_BACKENDS, "training.backend": TRAINING_BACKENDS}[key]
+    return sorted({*registry.available(), *NOT_WIRED.get(key, {})})
+
+
+def _registered(key: str, name: str) -> bool:
+    from gymv.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
+
+    registry = {"generation.backend": GENERATION_BACKENDS, "training.backend": TRAINING_BACKENDS}[key]
+    return name in registry
+
+
+def _not_wired(key: str, value: Any, table_key: str | None = None) -> Gap | None:
+    row = table_key or key
+    reason = NOT_WIRED.get(row, {}).get(value)
+    return Gap(key, reason, FIXES.get(row, f"change {key}")) if reason else None
+
+
+def gaps(cfg) -> list[Gap]:
+    """What in a validated recipe this installation cannot run (empty: `gymv train` can run it)."""
+    return list(_gaps(cfg))
+
+
+def _gaps(cfg) -> Iterator[Gap]:
+    for key in ("generation.backend", "training.backend"):
+        section, _, field = key.partition(".")
+        name = getattr(getattr(cfg, section), field)
+        if not _registered(key, name):
+            yield _not_wired(key, name) or Gap(key, f"no {section} backend {name!r} is installed",
+                                               f"use one of: {', '.join(backend_names(key))}")
+    g = cfg.generation
+    if g.backend != "vllm" and g.vllm != type(g.vllm)():
+        yield Gap("generation.vllm", f"generation.vllm is read only by generation.backend vllm, this recipe uses {g.backend}",
+                  "remove generation.vllm, or use generation.backend: vllm")
+    tp = g.vllm.tensor_parallel_size if g.backend == "vllm" else 1
+    if tp > MAX_GENERATION_TP.get(g.backend, tp):
+        yield Gap("generation.vllm.tensor_parallel_size", f"generation backend {g.backend} runs an engine on one GPU",
+                  "set the tensor parallel size to 1")
+    from gymv.backends.registry import TEACHER_BACKENDS
+
+    mopd = getattr(cfg, "mopd", None)
+    for alias, t in (mopd.teachers.items() if mopd is not None else ()):
+        key = f"mopd.teachers.{alias}.backend"
+        if t.backend not in TEACHER_BACKENDS:
+            yield _not_wired(key, t.backend, "mopd.teachers.*.backend") or Gap(
+                key, f"no teacher backend {t.backend!r} is installed", "use backend: torch")
+    for key, value in (("model.trust_remote_code", cfg.model.trust_remote_code),):
+        gap = _not_wired(key, value)
+        if gap:
+            yield gap
+    vision = getattr(cfg, "vision", None)
+    if vision is not None:
+        gap = _not_wired("vision.dedup_payloads", vision.dedup_payloads)
+        if gap:
+            yield gap
+
+
+def table() -> dict[str, dict[str, str]]:
+    """The capability table for people (docs, `gymv train --help` texts): key -> {value: 'runs' or why not}."""
+    from gymv.backends.registry import GENERATION_BACKENDS, REFIT_TRANSPORTS, TEACHER_BACKENDS, TRAINING_BACKENDS
+
+    out: dict[str, dict[str, str]] = {
+        "generation.backend": {n: "runs" for n in GENERATION_BACKENDS.available()},
+        "training.backend": {n: "runs" for n in TRAINING_BACKENDS.available()},
+        "mopd.teachers.*.backend": {n: "runs" for n in TEACHER_BACKENDS.available()},
+        "refit.transport": {n: "runs" for n in REFIT_TRANSPORTS.available()},
+    }
+    # loggers (gymv.loggers) are wired; each needs its optional library, checked by `gymv train` before it starts
+    out["logger.tensorboard"] = {"true": "runs (needs the tensorboard package)"}
+    out["logger.wandb"] = {"true": "runs (needs the wandb package)"}
+    for key, row in NOT_WIRED.items():
+        for value, why in row.items():
+            out.setdefault(key, {}).setdefault(str(value).lower() if isinstance(value, bool) else str(value), why)
+    return out

@@ -1,0 +1,110 @@
+"""Where a run's workers go, as arithmetic only (no Ray): generation engines that may span several GPUs
+(tensor parallel), and a trainer that is a group of ranks laid out as a tensor x pipeline x data mesh.
+
+GPUs are numbered 0..gpus-1 across the run (node-major, as Ray bundles are). Colocated, generation and
+training share every GPU; separate, generation takes the first `generation_gpus` and training the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TrainerMesh:
+    """Ranks of one trainer: rank r sits at (data, pipeline, tensor) with tensor varying fastest."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    data: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(data, pipeline, tensor) index of `rank`."""
+        if not 0 <= rank < self.size:
+            raise IndexError(f"rank {rank} outside a mesh of {self.size}")
+        return rank // (self.tensor * self.pipeline), rank // self.tensor % self.pipeline, rank % self.tensor
+
+    def data_group(self, rank: int) -> list[int]:
+        """The ranks that hold the same model shard as `rank` (its gradients are averaged with theirs)."""
+        _, p, t = self.coords(rank)
+        return [d * self.tensor * self.pipeline + p * self.tensor + t for d in range(self.data)]
+
+    def publishes(self, rank: int) -> bool:
+        """Whether `rank` sends weights at a refit: the first data replica's ranks, each with its shard."""
+        return self.coords(rank)[0] == 0
+
+
+@dataclass(frozen=True)
+class Placement:
+    num_generation: int = 1  # generation engines
+    num_training: int = 1  # training ranks
+    gpus: int = 0  # GPUs of the whole run (0 = CPU)
+    colocated: bool = True
+    generation_per_gpu: int = 1  # generation engines sharing each generation GPU
+    generation_tp: int = 1  # GPUs each generation engine spans (tensor parallel)
+    mesh: TrainerMesh | None = None  # the training ranks' layout (None: all data parallel)
+
+    def __post_init__(self):
+        if self.generation_tp > 1 and self.generation_per_gpu > 1:
+            raise ValueError("an engine that spans several GPUs cannot share them with other engines")
+        if self.mesh is not None and self.mesh.size != self.num_training:
+            raise ValueError(f"a mesh of {self.mesh.size} ranks for {self.num_training} training ranks")
+
+    @classmethod
+    def from_config(cls, cfg, *, num_training: int | None = None) -> Placement:
+        c = cfg.cluster
+        k = c.generation_workers_per_gpu
+        total = c.num_nodes * c.gpus_per_node
+        tp = _generation_tp(cfg) if total else 1
+        if total == 0:
+            return cls(k, num_training or 1, 0, True, k)
+        if c.colocated:
+            gen_gpus, train = total, num_training or total
+        else:
+            gen_gpus, train = c.generation_gpus or 1, num_training or c.training_gpus or 1
+        engines = gen_gpus // tp * k if tp > 1 else gen_gpus * k
+        return cls(engines, train, total, c.colocated, k, tp, _mesh(cfg, train))
+
+    @property
+    def trainer_mesh(self) -> TrainerMesh:
+        return self.mesh or TrainerMesh(data=self.num_training)
+
+    @property
+    def generation_gpus(self) -> int:
+        if self.gpus == 0:
+            return 0
+        return self.gpus if self.colocated else self.num_generation * self.generation_tp // self.generation_per_gpu
+
+    def engine_gpus(self, engine: int) -> list[int]:
+        """The GPUs generation engine `engine` runs on (its tensor-parallel group)."""
+        if self.gpus == 0:
+            return []
+        if not 0 <= engine < self.num_generation:
+            raise IndexError(f"engine {engine} of {self.num_generation}")
+        first = engine // self.generation_per_gpu * self.generation_tp
+        return list(range(first, first + self.generation_tp))
+
+    def rank_gpu(self, rank: int) -> int | None:
+        """The GPU of training rank `rank` (colocated: the same GPUs as generation; else after them)."""
+        if self.gpus == 0:
+            return None
+        if not 0 <= rank < self.num_training:
+            raise IndexError(f"rank {rank} of {self.num_training}")
+        return rank if self.colocated else self.generation_gpus + rank
+
+
+def _generation_tp(cfg) -> int:
+    g = cfg.generation
+    return g.vllm.tensor_parallel_size if g.backend == "vllm" else 1
+
+
+def _mesh(cfg, ranks: int) -> TrainerMesh | None:
+    p = cfg.training.parallel
+    mp = p.tensor * p.pipeline
+    if mp == 1 or ranks % mp:
+        return None
+    return TrainerMesh(tensor=p.tensor, pipeline=p.pipeline, data=ranks // mp)

@@ -1,0 +1,100 @@
+"""Named extension points: a name maps to a class (or factory), found among the built-ins, the in-process
+registrations and one entry-point group, in that order; a built-in name cannot be taken over.
+
+Ray workers run in other processes, where an in-process registration does not exist: `locate` turns a
+name into an importable "module:attribute" path that a worker resolves on its own side (`load` accepts
+such a path in place of a name).
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any
+
+from gymv.errors import GymvError
+
+
+def normalize(name: str) -> str:
+    return name.strip()
+
+
+def import_path(obj: Any) -> str:
+    """"module:qualname" of a class or function defined at module level."""
+    return f"{obj.__module__}:{obj.__qualname__}"
+
+
+def import_object(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    target: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        target = getattr(target, part)
+    return target
+
+
+class Registry:
+    """One kind of extension (`what`, for messages), its config key (`where`) and its entry-point group."""
+
+    def __init__(self, what: str, group: str, builtins: dict[str, str], *, where: str):
+        self.what, self.group, self.where = what, group, where
+        self.builtins = {normalize(k): v for k, v in builtins.items()}
+        self._registered: dict[str, Any] = {}
+
+    def register(self, name: str, obj: Any) -> None:
+        """Add a class in this process (tests, notebooks, embedding); a built-in name stays the built-in."""
+        key = normalize(name)
+        if key in self.builtins:
+            raise GymvError(f"{self.what} {name!r} is built in and cannot be replaced", where=self.where,
+                            fix="register it under another name")
+        self._registered[key] = obj
+
+    def unregister(self, name: str) -> None:
+        self._registered.pop(normalize(name), None)
+
+    def _plugins(self) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        for ep in sorted(entry_points(group=self.group), key=lambda e: e.name):
+            found.setdefault(normalize(ep.name), ep)
+        return found
+
+    def available(self) -> dict[str, str]:
+        """Every name and where it comes from: 'builtin', 'registered' or the entry point's value."""
+        out = {name: "builtin" for name in self.builtins}
+        for name in self._registered:
+            out.setdefault(name, "registered")
+        for name, ep in self._plugins().items():
+            out.setdefault(name, ep.value)
+        return dict(sorted(out.items()))
+
+    def __contains__(self, name: str) -> bool:
+        return normalize(name) in self.available()
+
+    def locate(self, name: str) -> str:
+        """An import path for `name` that resolves in any process of the run."""
+        if ":" in name:
+            return name
+        key = normalize(name)
+        if key in self.builtins:
+            return self.builtins[key]
+        if key in self._registered:
+            return import_path(self._registered[key])
+        ep = self._plugins().get(key)
+        if ep is None:
+            raise self._unknown(name)
+        return ep.value
+
+    def load(self, name: str) -> Any:
+        """The class registered under `name` (or at the "module:attribute" path `name`)."""
+        key = normalize(name)
+        if ":" not in name and key in self._registered and key not in self.builtins:
+            return self._registered[key]
+        path = self.locate(name)
+        try:
+            return import_object(path)
+        except Exception as e:  # a broken plugin is reported, never a traceback
+            raise GymvError(f"{self.what} {name!r} ({path}) failed to load: {type(e).__name__}: {e}",
+                            where=self.where, fix="reinstall or fix the distribution that provides it") from None
+
+    def _unknown(self, name: str) -> GymvError:
+        return GymvError(f"unknown {self.what} {name!r}", where=self.where,
+                         fix=f"use one of: {', '.join(self.available())}")

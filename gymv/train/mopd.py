@@ -1,0 +1,153 @@
+"""Multi-teacher on-policy distillation (MOPD), read top to bottom: set up, then each step generates, routes,
+scores with the teachers, trains and refits.
+
+One step:
+1. draw `prompts_per_step` rows; the student's generation workers run G episodes of each (current weights);
+2. route each usable episode to exactly one teacher by its agent name (gymv.algorithms.mopd_routing);
+3. every teacher scores the student's tokens of its episodes, each row with its own images (a text-only
+   teacher gets text only), padded to a multiple of its data-parallel size by repeating whole rows;
+4. one optimizer step per `global_batch_size` samples on the distillation loss: per token
+   A_t = stop_grad(log pi_teacher - log pi_student) (+ env_reward_coef x the episode's reward advantage),
+   REINFORCE at the sampling policy, the IS weights / gate of `mopd.importance_sampling`;
+5. refit the generation workers (and reset their encoder cache, if configured);
+6. validate, log one metrics row (with the reverse KL to each teacher), write the rollouts, checkpoint.
+
+The setup, data stream, rollouts, refit, validation and checkpoints are GRPO's (gymv.train, gymv.cluster.group);
+only routing, teacher scoring and the loss (gymv.algorithms.mopd) are MOPD's own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from gymv.algorithms.mopd import distillation_samples, env_advantages, mopd_loss, sample_where, teacher_metrics
+from gymv.algorithms.mopd_routing import TeacherRouter
+from gymv.cluster.group import Placement, PolicyCluster
+from gymv.rollout import to_rollout_record
+from gymv.train.failures import FailureGuard
+from gymv.train.setup import (
+    Checkpointer,
+    RunContext,
+    rollout_kwargs,
+    sampling_params,
+    should_validate,
+    step_seed,
+    worker_spec,
+)
+from gymv.train.stats import minibatches, rollout_metrics
+from gymv.train.validation import validate
+
+COLOCATED_POLICY_SHARE = 0.35  # of a GPU, for each of generation and training when a teacher shares it
+
+
+def teacher_scores(pool, router: TeacherRouter, usable: Sequence) -> tuple[list, list[str], float]:
+    """(teacher logprobs per usable episode, its teacher alias, seconds): route, score per alias, reassemble."""
+    from gymv.algorithms.teacher_batch import TeacherRow
+
+    t0 = time.perf_counter()
+    routes = router.route([t.agent_name for t in usable], [sample_where(t) for t in usable])
+    rows = {alias: [TeacherRow(usable[i].token_ids, list(usable[i].images), sample_where(usable[i])) for i in idx]
+            for alias, idx in routes.items()}
+    scored, _ = pool.score(rows)
+    logprobs: list = [None] * len(usable)
+    aliases: list[str] = [""] * len(usable)
+    for alias, idx in routes.items():
+        for i, lp in zip(idx, scored[alias]):
+            logprobs[i], aliases[i] = lp, alias
+    return logprobs, aliases, time.perf_counter() - t0
+
+
+def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
+    from gymv.cluster.teachers import TeacherPool, teacher_specs
+    from gymv.envs import get_env
+
+    cfg, mopd, run, report = ctx.cfg, ctx.cfg.mopd, ctx.run, ctx.reporter
+    G = mopd.generations_per_prompt
+
+    # ---- setup: route the whole training set before anything starts ------------------------------------
+    router = TeacherRouter.from_config(mopd)
+    per_teacher = router.check_rows(ctx.train_rows, default_agent=get_env(cfg.env.name).agent_name)
+    report.on_message("training rows per teacher: " + ", ".join(f"{a} {n}" for a, n in per_teacher.items()))
+    specs = teacher_specs(cfg, ctx.model_path)  # resolves every teacher path and backend before workers start
+    shares_gpu = cfg.cluster.gpus_per_node > 0 and cfg.cluster.colocated and any(
+        t.placement == "colocated" for t in mopd.teachers.values())
+    report.on_message("starting workers")
+    cluster_kwargs = {"gpu_share": COLOCATED_POLICY_SHARE} if shares_gpu else {}
+    cluster = PolicyCluster(worker_spec(cfg, ctx.model_path), Placement.from_config(cfg), **cluster_kwargs)
+    pool = None
+    try:
+        report.on_message(f"starting teachers: {', '.join(mopd.teachers)}")
+        pool = TeacherPool(cfg, specs, policy_pg=cluster.placement_group)
+        checkpoints = Checkpointer(ctx, cluster)
+        restored, step, data = checkpoints.start(resume, cluster)
+        loss_fn = mopd_loss(mopd)
+        params = sampling_params(cfg)
+        limits = rollout_kwargs(cfg)
+        metrics_log = run.metrics_log()
+        guard = FailureGuard.from_config(cfg, ctx.train_source)
+        report.on_start({"algorithm": cfg.algorithm, "run_dir": str(run.path), "start_step": step,
+                         "max_steps": mopd.max_steps, "resumed_from": str(restored.path) if restored else None,
+                         "teachers": pool.info})
+
+        if step == 0 and mopd.val_at_start:
+            row = validate(ctx, cluster, 0, mopd.val_prompts)
+            metrics_log.log(0, row)
+            report.on_step(0, row)
+
+        final_metrics: dict = {}
+        while step < mopd.max_steps:
+            step += 1
+            t_step = time.perf_counter()
+
+            # 1. the student's rollouts
+            batch = data.next_batch(mopd.prompts_per_step)
+            trajectories, timing = cluster.rollouts([(r.index, r.data) for r in batch], group_size=G, params=params,
+                                                    seed=step_seed(cfg.seed, step), source=ctx.train_source, **limits)
+            guard.check(step, trajectories)  # before training: a step that trips it is not trained nor counted
+
+            # 2-3. routing and teacher scores of the usable episodes
+            advantages = env_advantages(trajectories, G)
+            keep = [i for i, t in enumerate(trajectories) if t.error is None and any(t.loss_mask)]
+            usable = [trajectories[i] for i in keep]
+            teacher_lp, aliases, teacher_s = teacher_scores(pool, router, usable) if usable else ([], [], 0.0)
+            samples = distillation_samples(usable, teacher_lp, [advantages[i] for i in keep])
+
+            # 4. optimizer step(s)
+            train_metrics = cluster.grpo_step(
+                minibatches(samples, cfg.training.global_batch_size, cfg.samples_per_step), loss_fn)
+
+            # 5. refit (the generation workers reset their encoder cache after it, when configured)
+            refit_s = cluster.refit(step)
+            report.on_refit(step, cluster)
+
+            # 6. validation, logs, checkpoint
+            metrics = {**rollout_metrics(trajectories, "train"), **teacher_metrics(usable, teacher_lp, aliases),
+                       **train_metrics}
+            if should_validate(step, mopd.val_period, mopd.max_steps):
+                metrics.update(validate(ctx, cluster, step, mopd.val_prompts))
+            step_s = time.perf_counter() - t_step
+            generated = sum(sum(t.loss_mask) for t in trajectories)
+            metrics.update({
+                "timing/step_s": step_s, "timing/generation_s": timing["generation_s"], "timing/env_s": timing["env_s"],
+                "timing/teacher_s": teacher_s, "timing/refit_s": refit_s,
+                "timing/generation_tokens_per_s": generated / max(timing["generation_s"], 1e-9),
+                "timing/tokens_per_s": sum(len(t.token_ids) for t in trajectories) / max(step_s, 1e-9),
+            })
+            if cfg.logger.log_rollouts:
+                records = [to_rollout_record(t) for t in trajectories]
+                for i, alias in zip(keep, aliases):
+                    records[i].setdefault("_gymv", {})["teacher"] = alias
+                run.write_rollouts(step, records)
+            metrics_log.log(step, metrics)
+            report.on_step(step, metrics)
+            final_metrics = metrics
+
+            if checkpoints.end_step(step, mopd.max_steps, data.position):
+                break
+
+        return checkpoints.finish(cluster, step, mopd.max_steps, metrics_log, final_metrics)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        cluster.shutdown()
