@@ -74,6 +74,16 @@ class RolloutSection(Section):
     model_server_host: str = "127.0.0.1"
     model_server_port: NonNegInt = 0  # where the agents were told the policy model is
     agent_timeout_s: PosFloat = 600.0
+    tool_call_format: str = "hermes"  # how the model writes tool calls (gymv.rollout.tool_formats)
+
+    @field_validator("tool_call_format")
+    @classmethod
+    def _known_format(cls, v: str) -> str:
+        from gymv.rollout.tool_formats import available
+
+        if v not in available():
+            raise ValueError(f"unknown tool-call format {v!r}; registered: {', '.join(available())}")
+        return v
 
     @model_validator(mode="after")
     def _agents_given(self) -> "RolloutSection":
@@ -113,19 +123,6 @@ class GenerationSection(Section):
     @classmethod
     def _backend(cls, v: str) -> str:
         return _known_backend("generation.backend", v)
-
-
-class RolloutSection(Section):
-    tool_call_format: str = "hermes"
-
-    @field_validator("tool_call_format")
-    @classmethod
-    def _known_format(cls, v: str) -> str:
-        from gymv.rollout.tool_formats import available
-
-        if v not in available():
-            raise ValueError(f"unknown tool-call format {v!r}; registered: {', '.join(available())}")
-        return v
 
 
 class ParallelSection(Section):
@@ -283,7 +280,6 @@ class RecipeBase(Section):
     env: EnvSection = EnvSection()
     rollout: RolloutSection = RolloutSection()
     generation: GenerationSection = GenerationSection()
-    rollout: RolloutSection = RolloutSection()
     training: TrainingSection = TrainingSection()
     refit: RefitSection = RefitSection()
     cluster: ClusterSection = ClusterSection()
