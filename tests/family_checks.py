@@ -13,7 +13,6 @@ from functools import lru_cache
 import torch
 
 from gymv.algorithms.loss_fns import PolicyLoss
-from gymv.algorithms.metrics import token_mult_prob_error
 from gymv.backends.generation import GenerationRequest, SamplingParams
 from gymv.backends.generation.hf import HFGenerationBackend
 from gymv.backends.logprobs import right_pad, sequence_logprobs
@@ -50,6 +49,11 @@ def continue_with_hf(policy, traj, n: int = 2, max_new_tokens: int = 6, temperat
     return [list(traj.token_ids) + o.token_ids for o in outs], [list(traj.images)] * n, outs
 
 
+def token_mult_prob_error(gen: torch.Tensor, train: torch.Tensor, mask: torch.Tensor) -> float:
+    """exp(|logp_gen - logp_train|) averaged over the generated tokens (1.0 = the two agree exactly)."""
+    return float(torch.exp((gen - train).abs())[mask].mean())
+
+
 def logprob_error(policy, seqs, images, outs, prompt_len: int, temperature: float = 1.0) -> float:
     """token_mult_prob_error of the generator's logprobs against the trainer's on the same tokens."""
     batch = right_pad(seqs, images, policy.tokenizer.pad_token_id or 0, where=[f"s{i}" for i in range(len(seqs))])
@@ -60,7 +64,7 @@ def logprob_error(policy, seqs, images, outs, prompt_len: int, temperature: floa
     for b, o in enumerate(outs):
         gen[b, prompt_len:prompt_len + len(o.logprobs)] = torch.tensor(o.logprobs)
         mask[b, prompt_len:prompt_len + len(o.logprobs)] = True
-    return float(token_mult_prob_error(gen, train, mask)[1])
+    return token_mult_prob_error(gen, train, mask)
 
 
 def favour_vision_tokens(policy):
@@ -82,9 +86,9 @@ def grpo_step(arch: str, traj) -> tuple[dict, bool]:
                       trainer={"lr": 1e-2, "precision": "fp32", "micro_batch_tokens": 8192})
     w = TrainingWorker(spec)
     w.setup()
-    policy = w.policy
+    policy = w.backend.policy
     seqs, images, outs = continue_with_hf(policy, traj, n=2, max_new_tokens=4)
-    before = {k: v.clone() for k, v in w.trainer.model.state_dict().items()}
+    before = {k: v.clone() for k, v in w.backend.model.state_dict().items()}
     samples = []
     for i, (ids, o) in enumerate(zip(seqs, outs)):
         n = len(traj.token_ids)
@@ -95,10 +99,11 @@ def grpo_step(arch: str, traj) -> tuple[dict, bool]:
                         "advantages": torch.tensor(1.0 if i else -1.0), "images": list(traj.images),
                         "where": f"sample {i}"})
     metrics = w.grpo_step([samples], PolicyLoss())
-    after = w.trainer.model.state_dict()
+    after = w.backend.model.state_dict()
     changed = any(not torch.equal(before[k], after[k]) for k in before)
     return metrics, changed
 
 
-__all__ = ["check_trajectory_images", "continue_with_hf", "family_rollout", "favour_vision_tokens", "grpo_step", "logprob_error",
+__all__ = ["check_trajectory_images", "continue_with_hf", "family_rollout", "favour_vision_tokens", "grpo_step",
+           "logprob_error", "token_mult_prob_error",
            "noise", "picture_rollout"]

@@ -157,7 +157,9 @@ class GenerationWorker:
             host, port = self.spec.model_server
             self._server = PolicyServer(_Locked(self.backend, self._weights_lock), params=params,
                                         max_seq_len=self.spec.max_seq_len, host=host, port=port,
-                                        max_image_pixels=self.spec.max_image_pixels).start()
+                                        max_image_pixels=self.spec.max_image_pixels,
+                                        chat_template_kwargs=self.spec.chat_template_kwargs or None,
+                                        tool_call_format=self.spec.tool_call_format).start()
         return self._server
 
     def pid(self) -> int:
