@@ -17,7 +17,9 @@ app = typer.Typer(
 
 @app.command("init")
 def init(
-    arch: str = typer.Argument(..., metavar="ARCH", help="Architecture: tiny-llava (placeholder processor) or tiny-qwen2vl (grid processor)."),
+    arch: str = typer.Argument(..., metavar="ARCH", help="Architecture: tiny-llava, tiny-llava-next, tiny-llava-onevision, tiny-qwen2vl, "
+                                         "tiny-qwen2_5vl, tiny-qwen3vl, tiny-gemma3, tiny-smolvlm, or the text-only "
+                                         "tiny-qwen3 and tiny-llama (docs/models.md)."),
     out_dir: Path = typer.Argument(..., help="Folder to write the Hugging Face checkpoint to."),
     hidden: int = typer.Option(None, "--hidden", help="Text model width (default 128)."),
     layers: int = typer.Option(None, "--layers", help="Text decoder layers (default 2)."),
@@ -29,7 +31,8 @@ def init(
     force: bool = typer.Option(False, "--force", help="Replace OUT_DIR if it exists."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Write a random-initialised tiny VLM + processor that AutoModelForImageTextToText loads.
+    """Write a random-initialised tiny model: a VLM + processor that AutoModelForImageTextToText loads, or a
+    text-only causal LM (tiny-qwen3, tiny-llama) that AutoModelForCausalLM loads.
 
     Example: gymv model init tiny-llava models/tiny --layers 4 --seed 1
     """
@@ -49,7 +52,7 @@ def init(
 
 @app.command("info")
 def info(
-    path: str = typer.Argument(..., help="Checkpoint folder, or embedded:tiny-llava / embedded:tiny-qwen2vl."),
+    path: str = typer.Argument(..., help="Checkpoint folder, hub id (from the local cache), or embedded:<tiny arch>."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Load a policy and show its processor style, image tokens and vision special tokens.

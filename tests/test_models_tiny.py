@@ -141,10 +141,10 @@ def test_unsupported_processor_fails_at_load_listing_the_supported_ones(tmp_path
     path = tmp_path / "m"
     shutil.copytree(tiny_path("tiny-llava"), path)
     cfg = path / "processor_config.json"
-    cfg.write_text(cfg.read_text().replace('"LlavaProcessor"', '"LlavaNextProcessor"'))
+    cfg.write_text(cfg.read_text().replace('"LlavaProcessor"', '"PaliGemmaProcessor"'))
     with pytest.raises(GymvError) as err:
         load_policy(path)
-    assert "unsupported processor 'LlavaNextProcessor'" in str(err.value)
+    assert "unsupported processor 'PaliGemmaProcessor'" in str(err.value)
     assert "LlavaProcessor (placeholder), Qwen2VLProcessor (grid)" in str(err.value)
 
 

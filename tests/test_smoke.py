@@ -127,7 +127,9 @@ def test_a_recipe_that_does_not_load_names_its_line(tmp_path):
 def test_tiny_turns_every_gpu_recipe_into_a_valid_cpu_recipe(tmp_path, recipe):
     p = prepared(tmp_path, recipe, tiny=True)
     cfg = run_config(p)
-    assert cfg["model"]["path"] == "embedded:tiny-llava"
+    from gymv.models.tiny import ARCHES
+
+    assert cfg["model"]["path"] in {f"embedded:{a}" for a in ARCHES}  # the family's stand-in (test below)
     assert (cfg["cluster"]["gpus_per_node"], cfg["cluster"]["num_nodes"], cfg["cluster"]["ray_address"]) == (0, 1, None)
     assert (cfg["training"]["backend"], cfg["generation"]["backend"]) == ("torch", "hf")
     assert set(cfg["training"]["parallel"].values()) == {1}
@@ -135,7 +137,7 @@ def test_tiny_turns_every_gpu_recipe_into_a_valid_cpu_recipe(tmp_path, recipe):
     assert cfg["model"]["max_seq_len"] <= 512 and cfg["generation"]["max_new_tokens"] <= 16
     assert cfg["data"]["prepare"]["n_train"] <= 8 and cfg["data"]["train"] is None
     for teacher in (cfg.get("mopd") or {}).get("teachers", {}).values():
-        assert (teacher["path"], teacher["backend"], teacher["placement"]) == ("embedded:tiny-llava", "torch", "colocated")
+        assert (teacher["path"], teacher["backend"], teacher["placement"]) == (cfg["model"]["path"], "torch", "colocated")
 
 
 def test_tiny_keeps_what_the_smoke_run_is_meant_to_exercise(tmp_path):
@@ -148,6 +150,21 @@ def test_tiny_keeps_what_the_smoke_run_is_meant_to_exercise(tmp_path):
     assert after["grpo"]["importance_sampling"] == before["grpo"]["importance_sampling"]
     assert (after["env"]["name"], after["env"]["max_turns"]) == (before["env"]["name"], before["env"]["max_turns"])
     assert after["generation"]["reset_encoder_cache_after_weight_update"] is True
+
+
+@pytest.mark.parametrize("recipe, stand_in", [
+    ("vlm/vlm_grpo-qwen2.5-vl-7b-1n8g-megatron.yaml", "tiny-qwen2_5vl"),
+    ("vlm/vlm_mopd-qwen2.5-vl-3b-2n8g-megatron-noncolocated.yaml", "tiny-qwen2_5vl"),
+    ("llm/grpo-qwen3-8b-2n8g-megatron-tp2.yaml", "tiny-qwen3"),
+    ("llm/mopd-qwen3-1.7b-1n8g-megatron.yaml", "tiny-qwen3"),
+    ("llm/sft-llama3.1-8b-1n8g-torch.yaml", "tiny-llama"),
+    ("vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", "tiny-llava"),
+])
+def test_tiny_stands_in_a_model_of_the_recipes_own_family_for_the_student_and_its_teachers(tmp_path, recipe, stand_in):
+    after = run_config(prepared(tmp_path, REPO / "recipes" / recipe, tiny=True))
+    assert after["model"]["path"] == f"embedded:{stand_in}"
+    teachers = (after.get("mopd") or {}).get("teachers") or {}
+    assert all(t["path"] == f"embedded:{stand_in}" for t in teachers.values())
 
 
 @pytest.mark.parametrize("recipe", GPU_RECIPES, ids=lambda p: p.name)
@@ -167,7 +184,7 @@ def test_tiny_says_it_checks_plumbing_with_stand_ins_and_names_what_it_stood_in_
 
 def test_tiny_records_each_change_it_made(tmp_path):
     p = prepared(tmp_path, REPO / "recipes/llm/grpo-qwen3-1.7b-1n8g-megatron.yaml", tiny=True)
-    assert "model.path: 'Qwen/Qwen3-1.7B' -> 'embedded:tiny-llava'" in p.tiny_changes
+    assert "model.path: 'Qwen/Qwen3-1.7B' -> 'embedded:tiny-qwen3'" in p.tiny_changes
     assert "cluster.gpus_per_node: 8 -> 0" in p.tiny_changes
 
 

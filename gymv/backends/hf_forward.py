@@ -36,17 +36,23 @@ def embed_with_images(model, input_ids: torch.Tensor, image_token_id: int, featu
 
 def forward_logits(model, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                    image_token_id: int | None = None, features: list[torch.Tensor] | None = None,
-                   cache=None, logits_to_keep: int | torch.Tensor | None = None) -> torch.Tensor:
+                   cache=None, logits_to_keep: int | torch.Tensor | None = None,
+                   extra: dict | None = None, adapter=None) -> torch.Tensor:
     """Logits of the model's own forward; `logits_to_keep` (the last k positions, or a 1-D tensor of columns)
     is passed on where the model takes it, so the LM head runs on those positions only; a model without it
-    returns every position."""
-    kwargs = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": cache is not None}
+    returns every position. `extra`: the adapter's `forward_kwargs` (e.g. Gemma 3's token_type_ids);
+    `adapter`: where given, its `feature_inputs` carry the image features (Qwen3-VL's deepstack), else they are
+    written into the token embeddings."""
+    kwargs = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": cache is not None,
+              **(extra or {})}
     if cache is not None:
         kwargs[cache_keyword(model)] = cache
     keep = logits_to_keep is not None and (isinstance(logits_to_keep, torch.Tensor) or logits_to_keep > 0)
     if keep and "logits_to_keep" in _params(type(model)):
         kwargs["logits_to_keep"] = logits_to_keep
-    if features:
+    if features and adapter is not None and hasattr(adapter, "feature_inputs"):
+        kwargs.update(adapter.feature_inputs(model, input_ids, features))
+    elif features:
         kwargs["inputs_embeds"] = embed_with_images(model, input_ids, image_token_id, features)
     else:
         kwargs["input_ids"] = input_ids

@@ -66,6 +66,12 @@ def _image_features(model, adapter: MultimodalAdapter, images: list) -> tuple[li
     return [feats[n] for n in order], grid
 
 
+def _forward_kwargs(adapter, input_ids) -> dict:
+    """The adapter's extra model inputs (Gemma 3's token_type_ids); teachers' adapters may not define any."""
+    fn = getattr(adapter, "forward_kwargs", None)
+    return fn(input_ids) if fn is not None else {}
+
+
 def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, keep=None) -> torch.Tensor:
     """Logits [B, T, V], or [B, K, V] at the K sequence columns of the 1-D index tensor `keep`."""
     dev = next(model.parameters()).device
@@ -77,7 +83,8 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
         feats, grid = _image_features(model, adapter, flat)
     positions = adapter.position_ids(model, ids, mask, grid)
     logits = forward_logits(model, input_ids=ids, attention_mask=mask, position_ids=positions,
-                            image_token_id=adapter.image_token_id, features=feats, logits_to_keep=keep)
+                            image_token_id=adapter.image_token_id, features=feats, logits_to_keep=keep,
+                            extra=_forward_kwargs(adapter, ids), adapter=adapter)
     if keep is not None and logits.shape[1] != keep.numel():  # the model ignored logits_to_keep
         logits = logits[:, keep.to(logits.device)]
     return logits
@@ -161,7 +168,8 @@ def _shared_prefix_logits(model, adapter: MultimodalAdapter, batch: MultimodalBa
     pre_pos = adapter.position_ids(model, pre_ids, pre_mask, grid)
     cache = DynamicCache(config=model.config)
     forward_logits(model, input_ids=pre_ids, attention_mask=pre_mask, position_ids=pre_pos,
-                   image_token_id=adapter.image_token_id, features=feats, cache=cache, logits_to_keep=1)
+                   image_token_id=adapter.image_token_id, features=feats, cache=cache, logits_to_keep=1,
+                   extra=_forward_kwargs(adapter, pre_ids), adapter=adapter)
     if cache.get_seq_length() != P:  # the model kept no cache: run every row in full
         return None
     group_idx = torch.tensor(groups, device=dev)

@@ -2,12 +2,14 @@
 
 The agent loop appends token ids turn by turn and never re-tokenizes earlier text, so it needs to know the
 exact ids one image occupies; generation and training need the model's image inputs, image features,
-position ids, and the vision special tokens that must never be sampled. Two styles are supported:
+position ids, and the vision special tokens that must never be sampled. The styles:
 
 - ``placeholder`` (LLaVA): one image token in the text becomes N copies of it; N is fixed by the crop size.
-- ``grid`` (Qwen2-VL): ``<|vision_start|><|image_pad|><|vision_end|>`` in the text; the pad becomes
-  ``t*h*w / merge_size**2`` copies, which depends on the image size; inputs carry ``image_grid_thw`` and the
-  text model uses 3-D (M-RoPE) positions.
+- ``grid`` (Qwen2-VL, Qwen2.5-VL; ``grid_deepstack`` for Qwen3-VL): ``<|vision_start|><|image_pad|><|vision_end|>``
+  in the text; the pad becomes ``t*h*w / merge_size**2`` copies, which depends on the image size; inputs carry
+  ``image_grid_thw`` and the text model uses 3-D (M-RoPE) positions.
+- ``anyres`` (LLaVA-NeXT, OneVision), ``image_block`` (Gemma 3), ``split`` (SmolVLM, Idefics3): see their
+  classes; ``text``: a causal LM with no vision path at all.
 
 Every forward pass in gymv first calls :meth:`MultimodalAdapter.check` on each sequence, so a placeholder
 count that does not match the images is a one-line error naming the row and turn, never a wrong tensor.
@@ -17,13 +19,18 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from gymv.errors import GymvError
 
-SUPPORTED_PROCESSORS = {"LlavaProcessor": "placeholder", "Qwen2VLProcessor": "grid"}
+SUPPORTED_PROCESSORS = {
+    "LlavaProcessor": "placeholder", "Qwen2VLProcessor": "grid", "Qwen2_5_VLProcessor": "grid",
+    "Qwen3VLProcessor": "grid_deepstack", "LlavaNextProcessor": "anyres", "LlavaOnevisionProcessor": "anyres",
+    "Gemma3Processor": "image_block", "Idefics3Processor": "split", "SmolVLMProcessor": "split",
+}
 
 
 def supported_text() -> str:
@@ -45,11 +52,15 @@ class ImageInputs:
     pixel_values: Any
     image_grid_thw: Any | None
     tokens_per_image: list[int]
+    image_sizes: Any | None = None  # any-resolution tiling: each image's (height, width)
+    extra: dict = field(default_factory=dict)  # per-image tensors the vision tower also takes (first dim: images)
 
     def select(self, index: int) -> ImageInputs:
         """The inputs of one image (grid pixel rows are split by each image's patch count)."""
         if self.image_grid_thw is None:
-            return ImageInputs(self.pixel_values[index:index + 1], None, [self.tokens_per_image[index]])
+            sizes = self.image_sizes[index:index + 1] if self.image_sizes is not None else None
+            return ImageInputs(self.pixel_values[index:index + 1], None, [self.tokens_per_image[index]], sizes,
+                               {k: v[index:index + 1] for k, v in self.extra.items()})
         counts = self.image_grid_thw.prod(-1).tolist()
         start = sum(counts[:index])
         return ImageInputs(self.pixel_values[start:start + counts[index]], self.image_grid_thw[index:index + 1],
@@ -174,6 +185,17 @@ class MultimodalAdapter:
         """One feature tensor per image ([tokens, hidden]); gradients flow when called outside no_grad."""
         raise NotImplementedError
 
+    def forward_kwargs(self, input_ids) -> dict:
+        """Extra model inputs of a pass over `input_ids` that holds image tokens (none for most families)."""
+        return {}
+
+    def feature_inputs(self, model, input_ids, features: list) -> dict:
+        """The model inputs that carry `features` (one per image, in order) for a pass over `input_ids`:
+        the token embeddings with each image's features written over its placeholders."""
+        from gymv.backends.hf_forward import embed_with_images
+
+        return {"inputs_embeds": embed_with_images(model, input_ids, self.image_token_id, features)}
+
     def position_ids(self, model, input_ids, attention_mask, image_grid_thw=None):
         """Positions for a padded batch (left or right): pads are skipped, so padding never shifts them."""
         pos = attention_mask.long().cumsum(-1) - 1
@@ -287,7 +309,280 @@ class GridAdapter(MultimodalAdapter):
         return next_pos.view(1, -1, 1).expand(3, -1, 1)
 
 
-_STYLES = {"placeholder": PlaceholderAdapter, "grid": GridAdapter}
+@dataclass
+class DeepstackFeatures:
+    """One image's features for Qwen3-VL: the merged tokens, and per deepstack layer the features added to the
+    decoder's hidden states at the image's positions."""
+
+    main: Any
+    deepstack: list
+
+    @property
+    def shape(self):
+        return self.main.shape
+
+    def reshape(self, *shape):
+        return self.main.reshape(*shape)
+
+
+class DeepstackGridAdapter(GridAdapter):
+    """Qwen3-VL: the grid style, plus deepstack features (vision layers feeding the first decoder layers).
+
+    Those cannot ride in `inputs_embeds`, so a pass over image tokens hands the model its own
+    `mm_encoder_outputs` (the merged features and the deepstack features, one entry per image, in order)
+    with the token ids; the model then writes both where its own forward would.
+    """
+
+    style = "grid_deepstack"
+
+    def image_features(self, model, inputs: ImageInputs) -> list:
+        dtype = next(model.parameters()).dtype
+        out = model.get_image_features(pixel_values=inputs.pixel_values.to(model.device, dtype),
+                                       image_grid_thw=inputs.image_grid_thw.to(model.device))
+        main = _per_image(out, inputs.tokens_per_image)
+        layers = [list(layer) if not hasattr(layer, "split") else list(layer.split(inputs.tokens_per_image))
+                  for layer in out.deepstack_features]
+        return [DeepstackFeatures(m, [layer[i] for layer in layers]) for i, m in enumerate(main)]
+
+    def feature_inputs(self, model, input_ids, features: list) -> dict:
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+        n_layers = len(features[0].deepstack)
+        image = BaseModelOutputWithDeepstackFeatures(
+            pooler_output=[f.main for f in features],
+            deepstack_features=[[f.deepstack[k] for f in features] for k in range(n_layers)])
+        return {"input_ids": input_ids, "mm_encoder_outputs": {"image": image}}
+
+
+class AnyResAdapter(MultimodalAdapter):
+    """LLaVA-NeXT and LLaVA-OneVision: the image is tiled at the best-fitting grid resolution plus one base
+    tile, so its token count (tiles, unpadded to the aspect ratio, one newline per row) depends on its size.
+
+    The count comes from the processor class's own formula, run on a bare instance that holds only what the
+    formula reads, so it works where the composite processor cannot load (OneVision's needs torchvision for
+    video). Every image is tiled as a single image: OneVision's processor tiles a lone image but gives each
+    image of a multi-image prompt one base tile, which would make an image's tokens depend on the images
+    other turns add later; gymv appends turns without re-tokenizing, so it tiles each image on its own, in
+    generation and training alike (docs/models.md).
+    """
+
+    style = "anyres"
+    adjacent_images_merge = True
+
+    def __init__(self, tokenizer, image_processor, config, processor_class: str, hf_processor=None):
+        super().__init__(tokenizer, image_processor, config, processor_class, hf_processor)
+        import transformers
+
+        vc = config.vision_config
+        self.strategy = config.vision_feature_select_strategy
+        counter = object.__new__(getattr(transformers, processor_class))
+        side = vc.image_size // vc.patch_size
+        counter.__dict__.update(image_processor=image_processor, patch_size=vc.patch_size,
+                                num_additional_image_tokens=0 if "siglip" in vc.model_type else 1,
+                                vision_feature_select_strategy=self.strategy, num_image_tokens=side * side,
+                                vision_aspect_ratio=getattr(config, "vision_aspect_ratio", "anyres_max_9"))
+        self._counter = counter
+        crop = getattr(image_processor, "crop_size", None) or getattr(image_processor, "size", None) or {}
+        crop = dict(crop)
+        self.tile = (crop.get("height") or crop.get("shortest_edge") or vc.image_size,
+                     crop.get("width") or crop.get("shortest_edge") or vc.image_size)
+
+    def tokens_per_image(self, image) -> int:
+        w, h = image.size
+        n = int(self._counter._get_number_of_features(h, w, *self.tile))
+        return n - 1 if self.strategy == "default" else n
+
+    def preprocess(self, images: Sequence) -> ImageInputs:
+        out = self.image_processor(images=list(images), return_tensors="pt")
+        return ImageInputs(out["pixel_values"], None, [self.tokens_per_image(im) for im in images], out["image_sizes"])
+
+    def image_features(self, model, inputs: ImageInputs) -> list:
+        dtype = next(model.parameters()).dtype
+        out = model.get_image_features(pixel_values=inputs.pixel_values.to(model.device, dtype),
+                                       image_sizes=inputs.image_sizes.to(model.device),
+                                       vision_feature_layer=self.config.vision_feature_layer,
+                                       vision_feature_select_strategy=self.strategy)
+        return _per_image(out, inputs.tokens_per_image)
+
+
+class ImageBlockAdapter(MultimodalAdapter):
+    """Gemma 3: the chat text holds `<start_of_image>`, which becomes `\\n\\n<start_of_image>`, a fixed number
+    of `<image_soft_token>` and `<end_of_image>\\n\\n`; the image tokens attend to each other both ways.
+
+    The block is expanded in token space (the newline ids are the tokenizer's own for "\\n\\n"), so the turns
+    before it are never re-tokenized. Pan-and-scan (extra crops per image) is refused: a checkpoint that turns
+    it on in its image processor fails at load time with the fix.
+    """
+
+    style = "image_block"
+    adjacent_images_merge = False
+
+    def __init__(self, tokenizer, image_processor, config, processor_class: str, hf_processor=None):
+        super().__init__(tokenizer, image_processor, config, processor_class, hf_processor)
+        if getattr(image_processor, "do_pan_and_scan", False):
+            raise GymvError("the image processor has do_pan_and_scan on, which gymv does not support",
+                            where=processor_class, fix='set "do_pan_and_scan": false in preprocessor_config.json')
+        self.boi_id = int(config.boi_token_index)
+        self.eoi_id = int(config.eoi_token_index)
+        self.num_image_tokens = int(config.mm_tokens_per_image)
+        self.newline_ids = list(tokenizer.encode("\n\n", add_special_tokens=False))
+
+    def _image_token(self) -> str:
+        return getattr(self.tokenizer, "image_token", None) or "<image_soft_token>"
+
+    def tokens_per_image(self, image) -> int:
+        return self.num_image_tokens
+
+    def image_token_ids(self, image) -> list[int]:
+        return [*self.newline_ids, self.boi_id, *[self.image_token_id] * self.num_image_tokens, self.eoi_id,
+                *self.newline_ids]
+
+    def encode_text(self, text: str, images: Sequence = (), *, where: str | None = None) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        n = sum(1 for t in ids if t == self.boi_id)
+        if n != len(images) or self.image_token_id in ids:
+            raise GymvError(f"text has {n} <start_of_image> placeholder(s) but {len(images)} image(s) were given",
+                            where=where, fix="pass exactly one image per image part of the messages")
+        out: list[int] = []
+        it = iter(images)
+        for t in ids:
+            out.extend(self.image_token_ids(next(it)) if t == self.boi_id else (t,))
+        return out
+
+    def forward_kwargs(self, input_ids) -> dict:
+        is_image = input_ids == self.image_token_id
+        return {"token_type_ids": is_image.long()} if bool(is_image.any()) else {}
+
+    def preprocess(self, images: Sequence) -> ImageInputs:
+        out = self.image_processor(images=list(images), return_tensors="pt", do_pan_and_scan=False)
+        return ImageInputs(out["pixel_values"], None, [self.num_image_tokens] * len(images))
+
+    def image_features(self, model, inputs: ImageInputs) -> list:
+        dtype = next(model.parameters()).dtype
+        out = model.get_image_features(pixel_values=inputs.pixel_values.to(model.device, dtype))
+        return _per_image(out, inputs.tokens_per_image)
+
+
+class SplitAdapter(MultimodalAdapter):
+    """Idefics3 and SmolVLM: an image is split into rows x cols tiles plus a global view; each tile is a
+    `<fake_token_around_image><row_i_col_j>` header and `image_seq_len` image tokens, so an image holds
+    (rows*cols + 1) runs of image tokens (one run when the image needs no split).
+
+    The expansion is SmolVLM's processor module's own prompt-string function (Idefics3's processor writes the
+    same layout), tokenized on its own: every piece is bounded by special tokens, so it tokenizes as it would
+    inside the whole text.
+    """
+
+    style = "split"
+    adjacent_images_merge = False
+    _TILE = re.compile(r"<row_\d+_col_\d+>")
+
+    def __init__(self, tokenizer, image_processor, config, processor_class: str, hf_processor=None):
+        super().__init__(tokenizer, image_processor, config, processor_class, hf_processor)
+        vc = config.vision_config
+        self.seq_len = int((vc.image_size // vc.patch_size) ** 2 // config.scale_factor ** 2)
+        self.fake = getattr(tokenizer, "fake_image_token", None) or "<fake_token_around_image>"
+        self.global_token = getattr(tokenizer, "global_image_token", None) or "<global-img>"
+        # Idefics3Processor writes the same layout in a method of its own; SmolVLM's module has it as a function
+        from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+        self._prompt = get_image_prompt_string
+        self.vision_token_ids = tuple(sorted(set(self.vision_token_ids) | {
+            int(i) for t, i in tokenizer.get_vocab().items() if self._TILE.fullmatch(t)}
+            | {int(tokenizer.convert_tokens_to_ids(t)) for t in (self.fake, self.global_token)}))
+
+    def _grid(self, image) -> tuple[int, int]:
+        w, h = image.size
+        _, rows, cols = self.image_processor.get_number_of_image_patches(h, w, {})
+        return int(rows), int(cols)
+
+    def runs(self, image) -> list[int]:
+        rows, cols = self._grid(image)
+        return [self.seq_len] * (rows * cols + 1)
+
+    def tokens_per_image(self, image) -> int:
+        return sum(self.runs(image))
+
+    def image_token_ids(self, image) -> list[int]:
+        rows, cols = self._grid(image)
+        text = self._prompt(rows, cols, self.seq_len, fake_token_around_image=self.fake, image_token=self.image_token,
+                            global_image_token=self.global_token)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check(self, ids, images: Sequence, *, where: str | None = None) -> None:
+        runs = _runs(_as_list(ids), self.image_token_id)
+        need = [n for im in images for n in self.runs(im)]
+        if runs != need:
+            raise GymvError(
+                f"image placeholder tokens do not match the images: the sequence has {sum(runs)} placeholder "
+                f"token(s) in {len(runs)} tile span(s), its {len(images)} image(s) need {sum(need)} in {len(need)}",
+                where=where,
+                fix="append image tokens with adapter.image_token_ids(image) for every image the turn adds, "
+                    "and never truncate or re-tokenize inside an image span")
+
+    def preprocess(self, images: Sequence) -> ImageInputs:
+        out = self.image_processor(images=[[im] for im in images], return_tensors="pt")
+        return ImageInputs(out["pixel_values"], None, [self.tokens_per_image(im) for im in images],
+                           extra={"pixel_attention_mask": out["pixel_attention_mask"]})
+
+    def image_features(self, model, inputs: ImageInputs) -> list:
+        dtype = next(model.parameters()).dtype
+        mask = inputs.extra["pixel_attention_mask"].to(model.device)
+        out = model.get_image_features(pixel_values=inputs.pixel_values.to(model.device, dtype),
+                                       pixel_attention_mask=mask)
+        return _per_image(out, inputs.tokens_per_image)
+
+
+class TextAdapter(MultimodalAdapter):
+    """A text-only causal LM: no image token at all (id -1 matches no token), nothing masked out of sampling,
+    and any image is a one-line error naming the row, before a forward pass."""
+
+    style = "text"
+
+    def __init__(self, tokenizer, image_processor=None, config=None, processor_class: str = "", hf_processor=None):
+        self.tokenizer = tokenizer
+        self.image_processor = None
+        self.config = config
+        self.processor_class = processor_class or type(tokenizer).__name__
+        self.hf_processor = None
+        self.image_token = None
+        self.image_token_id = -1
+        self.vision_token_ids: tuple[int, ...] = ()
+
+    def _no_images(self, images: Sequence, where: str | None) -> None:
+        if len(images):
+            raise GymvError(f"this model is text-only, but {len(images)} image(s) were given", where=where,
+                            fix="train a vision-language model on rows with images, or use a text-only environment")
+
+    def tokens_per_image(self, image) -> int:
+        self._no_images([image], None)
+        return 0
+
+    def encode_text(self, text: str, images: Sequence = (), *, where: str | None = None) -> list[int]:
+        self._no_images(images, where)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def count_placeholders(self, ids) -> int:
+        return 0
+
+    def check(self, ids, images: Sequence, *, where: str | None = None) -> None:
+        self._no_images(images, where)
+
+    def preprocess(self, images: Sequence) -> ImageInputs:
+        self._no_images(images, None)
+        return ImageInputs(None, None, [])
+
+    def image_features(self, model, inputs: ImageInputs) -> list:
+        return []
+
+    def describe(self) -> dict:
+        return {"style": self.style, "processor": self.processor_class, "image_token": None,
+                "image_token_id": None, "vision_token_ids": []}
+
+
+_STYLES = {"placeholder": PlaceholderAdapter, "grid": GridAdapter, "grid_deepstack": DeepstackGridAdapter,
+           "anyres": AnyResAdapter,
+           "image_block": ImageBlockAdapter, "split": SplitAdapter}
 
 
 def make_adapter(processor_class: str, tokenizer, image_processor, config, hf_processor=None) -> MultimodalAdapter:

@@ -40,6 +40,8 @@ def student_vision_ids(student_path: str | Path) -> tuple[int, ...]:
     from gymv.models.quiet import quiet_transformers
 
     path = Path(student_path)
+    if is_text_only(path):  # a text-only student samples every token
+        return ()
     cls = ""
     for name in ("processor_config.json", "preprocessor_config.json"):
         f = path / name
@@ -80,19 +82,24 @@ class TeacherModel:
         if self.text_only:
             from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+            from gymv.models.load import check_remote_code
+
+            trust = getattr(spec, "trust_remote_code", False)
+            check_remote_code(Path(spec.path), trust)
             with quiet_transformers():
-                self.tokenizer = AutoTokenizer.from_pretrained(spec.path)
+                self.tokenizer = AutoTokenizer.from_pretrained(spec.path, trust_remote_code=trust)
                 if spec.text_of and not is_text_only(spec.path):
-                    vlm = AutoModelForImageTextToText.from_pretrained(spec.path, dtype=dtype)
+                    vlm = AutoModelForImageTextToText.from_pretrained(spec.path, dtype=dtype, trust_remote_code=trust)
                     self.model = text_model_of(vlm, where=spec.path)
                     del vlm
                 else:
-                    self.model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)
+                    self.model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, trust_remote_code=trust)
             self.adapter = TextOnlyAdapter(self.forbidden_ids, spec.alias)
         else:
             from gymv.models.load import load_policy
 
-            policy = load_policy(spec.path, device="cpu", dtype=dtype, seed=spec.seed)
+            policy = load_policy(spec.path, device="cpu", dtype=dtype, seed=spec.seed,
+                                 trust_remote_code=getattr(spec, "trust_remote_code", False))
             self.model, self.tokenizer, self.adapter = policy.model, policy.tokenizer, policy.adapter
         check_same_tokenizer(self.tokenizer, student_tok, spec.alias)
         self.model.to(spec.device)

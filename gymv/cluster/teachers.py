@@ -43,6 +43,7 @@ class TeacherSpec:
     threads: int | None = None
     seed: int = 0
     top_k: int = 0  # > 0: also the teacher's k most likely tokens per position (top-k distillation)
+    trust_remote_code: bool = False  # the recipe's model.trust_remote_code, for teachers too
     backend: str = "torch"  # a name in TEACHER_BACKENDS
 
 
@@ -97,7 +98,7 @@ def teacher_specs(cfg, student_path: str) -> dict[str, TeacherSpec]:
                                  device="cuda" if gpu else "cpu",
                                  dtype=dtype, temperature=cfg.generation.temperature,
                                  max_tokens=cfg.training.micro_batch_tokens, seed=cfg.seed, top_k=cfg.mopd.top_k,
-                                 backend=t.backend)
+                                 backend=t.backend, trust_remote_code=cfg.model.trust_remote_code)
     return out
 
 

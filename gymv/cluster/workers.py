@@ -48,6 +48,9 @@ class WorkerSpec:
     kl_reference: bool = False
     max_seq_len: int = 2048
     max_image_pixels: int | None = None
+    trust_remote_code: bool = False
+    chat_template_kwargs: dict = field(default_factory=dict)  # into every chat-template rendering
+    tool_call_format: str = "hermes"
     agents: dict = field(default_factory=dict)  # rollout.driver nemo_gym_agents: agent name -> URL
     model_server: tuple[str, int] | None = None  # where those agents call the policy
     agent_timeout_s: float = 600.0
@@ -158,7 +161,9 @@ class GenerationWorker:
             host, port = self.spec.model_server
             self._server = PolicyServer(_Locked(self.backend, self._weights_lock), params=params,
                                         max_seq_len=self.spec.max_seq_len, host=host, port=port,
-                                        max_image_pixels=self.spec.max_image_pixels).start()
+                                        max_image_pixels=self.spec.max_image_pixels,
+                                        chat_template_kwargs=self.spec.chat_template_kwargs or None,
+                                        tool_call_format=self.spec.tool_call_format).start()
         return self._server
 
     def pid(self) -> int:
@@ -316,7 +321,9 @@ class TrainingWorker:
         for task_index, row, where in rows:
             traj = build_sft_sample(self.router(row, where), row, b.adapter, b.tokenizer, b.chat_template,
                                     max_seq_len=self.spec.max_seq_len, task_index=task_index,
-                                    max_image_pixels=self.spec.max_image_pixels, image_cache=cache)
+                                    max_image_pixels=self.spec.max_image_pixels, image_cache=cache,
+                                    chat_template_kwargs=self.spec.chat_template_kwargs or None,
+                                    tool_call_format=self.spec.tool_call_format)
             if getattr(traj, "error", None):
                 raise GymvError(f"cannot build an SFT sample: {traj.error}", where=where)
             out.append(training_sample(traj.token_ids, traj.loss_mask, images=traj.images or (), where=where))

@@ -74,6 +74,16 @@ class RolloutSection(Section):
     model_server_host: str = "127.0.0.1"
     model_server_port: NonNegInt = 0  # where the agents were told the policy model is
     agent_timeout_s: PosFloat = 600.0
+    tool_call_format: str = "hermes"  # how the model writes tool calls (gymv.rollout.tool_formats)
+
+    @field_validator("tool_call_format")
+    @classmethod
+    def _known_format(cls, v: str) -> str:
+        from gymv.rollout.tool_formats import available
+
+        if v not in available():
+            raise ValueError(f"unknown tool-call format {v!r}; registered: {', '.join(available())}")
+        return v
 
     @model_validator(mode="after")
     def _agents_given(self) -> "RolloutSection":
@@ -106,6 +116,7 @@ class GenerationSection(Section):
     top_p: Fraction = 1.0
     max_new_tokens: PosInt = 64
     stop_strings: list[str] = []
+    chat_template_kwargs: dict[str, Any] = {}  # the chat template's own variables, e.g. {enable_thinking: false}
     reset_encoder_cache_after_weight_update: bool = False
     vllm: VllmSection = VllmSection()
 

@@ -12,13 +12,15 @@ FINAL_DIR = "final"  # a finished run's Hugging Face export, under its run direc
 
 
 def resolve_init_path(text: str, *, where: str | None = None) -> str:
-    """The checkpoint folder a run starts from. Besides HF folders and `embedded:<arch>` it accepts
+    """The checkpoint folder a run starts from. Besides HF folders, hub ids (from the local cache) and
+    `embedded:<arch>` it accepts
     another gymv run: `runs/<name>` (its `final/` export, else its newest checkpoint),
     `runs/<name>/checkpoints` (newest), `runs/<name>/checkpoints/latest` (the pointer) or `.../step_<N>`.
     """
+    from gymv.models.hub import is_hub_id
     from gymv.models.load import EMBEDDED_PREFIX, resolve_model_path
 
-    if text.startswith(EMBEDDED_PREFIX):
+    if text.startswith(EMBEDDED_PREFIX) or is_hub_id(text):
         try:
             return str(resolve_model_path(text))
         except GymvError as e:

@@ -33,11 +33,13 @@ def train_bpe(seed: int, vocab_size: int, vision_tokens: list[str]) -> Tokenizer
     return tok
 
 
-def hf_tokenizer(tok: Tokenizer, *, image_token: str, extra: dict[str, str] | None = None):
-    """Wrap a trained tokenizer as a transformers fast tokenizer that AutoTokenizer reloads as-is."""
+def hf_tokenizer(tok: Tokenizer, *, image_token: str | None, extra: dict[str, str] | None = None):
+    """Wrap a trained tokenizer as a transformers fast tokenizer that AutoTokenizer reloads as-is.
+
+    `image_token` None: a text-only model's tokenizer, with no named vision tokens at all."""
     from transformers import PreTrainedTokenizerFast
 
-    named = {"image_token": image_token, **(extra or {})}
+    named = ({"image_token": image_token} if image_token else {}) | dict(extra or {})
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD,

@@ -31,6 +31,7 @@ from gymv.rollout.parse import parse_turn
 from gymv.rollout.record import to_rollout_record
 from gymv.rollout.render import ChatRenderer, assistant_dict, message_dict, tool_message_dict
 from gymv.rollout.spans import check_image_spans
+from gymv.rollout.tool_formats import get_tool_call_format
 from gymv.rollout.types import Trajectory
 
 __all__ = ["build_sft_sample", "run_rollouts", "to_rollout_record"]
@@ -141,7 +142,8 @@ def run_rollouts(backend: GenerationBackend, adapter, tokenizer, chat_template: 
                  group_size: int, params: SamplingParams, max_turns: int, max_rollout_tokens: int, max_seq_len: int,
                  weights_version: int = 0, max_images: int | None = None, seed: int | None = None,
                  max_image_pixels: int | None = None, source: str | None = None,
-                 stats: dict | None = None, chat_template_kwargs: dict | None = None) -> list[Trajectory]:
+                 stats: dict | None = None, chat_template_kwargs: dict | None = None,
+                 tool_call_format: str | None = None) -> list[Trajectory]:
     """Run `group_size` episodes of each (dataset index, row); trajectories come back grouped, in row order.
 
     Budgets: each model call generates at most `params.max_new_tokens`; an episode generates at most
@@ -149,11 +151,13 @@ def run_rollouts(backend: GenerationBackend, adapter, tokenizer, chat_template: 
     a budget ends at the last turn boundary with `truncated=True`, finish_reason "length". `seed` (else
     `params.seed`) makes sampling deterministic; each turn draws from its own derived seed. `stats`, when
     given, receives timings and image-dedup counts. `chat_template_kwargs` go into every rendering (pass
-    the same to `build_sft_sample` so that SFT and RL see the same tokens).
+    the same to `build_sft_sample` so that SFT and RL see the same tokens); `tool_call_format` names how the
+    model writes tool calls (gymv.rollout.tool_formats; None: hermes).
     """
     _check_limits(group_size, max_turns, max_rollout_tokens, max_seq_len, max_images)
     t_start = time.perf_counter()
-    renderer = ChatRenderer(tokenizer, chat_template, chat_template_kwargs)
+    fmt = get_tool_call_format(tool_call_format)
+    renderer = ChatRenderer(tokenizer, chat_template, chat_template_kwargs, tool_call_format=fmt)
     cache = ImageCache(max_pixels=max_image_pixels)
     resolve = _Resolver(env_for, source)
     episodes: list[Episode] = []
@@ -188,7 +192,7 @@ def run_rollouts(backend: GenerationBackend, adapter, tokenizer, chat_template: 
             raise GymvError(f"the generation backend answered {len(outs)} of {len(requests)} requests",
                             fix="a backend must return one output per request, in order")
         t0 = time.perf_counter()
-        taken = [_record_turn(e, out, cap, turn, adapter=adapter, tokenizer=tokenizer)
+        taken = [_record_turn(e, out, cap, turn, adapter=adapter, tokenizer=tokenizer, fmt=fmt)
                  for e, cap, out in zip(active, caps, outs)]
         results = _each(lambda et: _step_env(et[0], et[1], turn), list(zip(active, taken)))
         for e, t, result in zip(active, taken, results):
@@ -216,12 +220,12 @@ class _Turn:
     tokens: list[int]
 
 
-def _record_turn(e: Episode, out, cap: int, turn: int, *, adapter, tokenizer) -> _Turn:
+def _record_turn(e: Episode, out, cap: int, turn: int, *, adapter, tokenizer, fmt) -> _Turn:
     tokens, logprobs = list(out.token_ids[:cap]), list(out.logprobs[:cap])
     cut = len(out.token_ids) > cap  # sampled past this episode's own budget: keep the prefix that fits
     finish = "length" if cut else out.finish_reason
     text = tokenizer.decode(tokens, skip_special_tokens=True) if cut else out.text
-    said = parse_turn(text, _call_prefix(e, turn))
+    said = parse_turn(text, _call_prefix(e, turn), fmt)
     return _Turn(said, _append_model_call(e, tokens, logprobs, turn, adapter=adapter, finish=finish,
                                           stop_reason=out.stop_reason), finish, tokens)
 
@@ -330,7 +334,8 @@ def _score(e: Episode, weights_version: int) -> Trajectory:
 
 def build_sft_sample(env: Environment, row: dict, adapter, tokenizer, chat_template: str | None, *, max_seq_len: int,
                      task_index: int = 0, max_image_pixels: int | None = None, source: str | None = None,
-                     image_cache: ImageCache | None = None, chat_template_kwargs: dict | None = None) -> Trajectory:
+                     image_cache: ImageCache | None = None, chat_template_kwargs: dict | None = None,
+                     tool_call_format: str | None = None) -> Trajectory:
     """A supervised sample: the row's gold episode laid out token for token as the agent loop would.
 
     The prompt is rendered as a rollout's turn 0. Each of `env.gold_turns(row)` is rendered as the template
@@ -341,7 +346,8 @@ def build_sft_sample(env: Environment, row: dict, adapter, tokenizer, chat_templ
     whether the gold episode earns full reward. A sample longer than `max_seq_len` comes back with `error`
     set (it cannot be trained on uncut).
     """
-    renderer = ChatRenderer(tokenizer, chat_template, chat_template_kwargs)
+    fmt = get_tool_call_format(tool_call_format)
+    renderer = ChatRenderer(tokenizer, chat_template, chat_template_kwargs, tool_call_format=fmt)
     cache = image_cache or ImageCache(max_pixels=max_image_pixels)
     ep = Episode(task_index, 0, row, env, _where(source, task_index), _agent_name(row, env))
     _open(ep)
@@ -352,7 +358,7 @@ def build_sft_sample(env: Environment, row: dict, adapter, tokenizer, chat_templ
     golds = env.gold_turns(row)
     for turn, gold in enumerate(golds):
         ids = adapter.encode_text(renderer.assistant(conversation, ep.tools, gold), [], where=ep.at(turn))
-        said = parse_turn(tokenizer.decode(ids, skip_special_tokens=True), _call_prefix(ep, turn))
+        said = parse_turn(tokenizer.decode(ids, skip_special_tokens=True), _call_prefix(ep, turn), fmt)
         call = _append_model_call(ep, ids, [0.0] * len(ids), turn, adapter=adapter, finish="stop", stop_reason=None)
         result = _step_env(ep, _Turn(said, call, "stop", ids), turn)
         if result is None:

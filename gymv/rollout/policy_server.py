@@ -50,11 +50,14 @@ class PolicyServer:
     def __init__(self, backend: GenerationBackend, *, params: SamplingParams, max_seq_len: int,
                  chat_template_kwargs: dict | None = None, host: str = "127.0.0.1", port: int = 0,
                  model_name: str = "gymv-policy", max_batch: int = 256, batch_wait_s: float = 0.01,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_image_pixels: int | None = None):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_image_pixels: int | None = None,
+                 tool_call_format: str | None = None):
         self.backend, self.params, self.max_seq_len = backend, params, int(max_seq_len)
         self.model_name, self.max_batch, self.batch_wait_s = model_name, int(max_batch), float(batch_wait_s)
         self.max_body_bytes = int(max_body_bytes)
-        renderer = ChatRenderer(backend.tokenizer, backend.chat_template, chat_template_kwargs)
+        self.tool_call_format = tool_call_format  # rollout.tool_call_format: how replies' tool calls are read
+        renderer = ChatRenderer(backend.tokenizer, backend.chat_template, chat_template_kwargs,
+                                tool_call_format=tool_call_format)
         self.rebuilder = TurnRebuilder(renderer, backend.adapter, ImageCache(max_pixels=max_image_pixels))
         self._rebuild_lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -111,7 +114,7 @@ class PolicyServer:
         job = _Job(GenerationRequest(seq.ids, list(seq.images), where=where), params, Future())
         self._queue.put(job)
         out = job.done.result()
-        turn = parse_turn(out.text, f"call_{new_id('c')[2:14]}")
+        turn = parse_turn(out.text, f"call_{new_id('c')[2:14]}", self.tool_call_format)
         items_out = turn.to_items()
         last = items_out[-1]
         last.update(prompt_token_ids=list(seq.ids), generation_token_ids=list(out.token_ids),

@@ -56,6 +56,13 @@ def assistant_dict(turn: ModelTurn) -> dict:
     return out
 
 
+def _args(arguments: Any) -> Any:
+    try:
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except (json.JSONDecodeError, TypeError):
+        return arguments
+
+
 _RESERVED_KWARGS = ("messages", "tools", "tokenize", "add_generation_prompt", "chat_template", "conversation",
                     "continue_final_message", "return_dict")
 
@@ -67,7 +74,11 @@ class ChatRenderer:
     turn's addition and an SFT sample's assistant turns all see the same template variables.
     """
 
-    def __init__(self, tokenizer, chat_template: str | None, template_kwargs: dict | None = None):
+    def __init__(self, tokenizer, chat_template: str | None, template_kwargs: dict | None = None, *,
+                 tool_call_format=None):
+        from gymv.rollout.tool_formats import get_tool_call_format
+
+        self.tool_call_format = get_tool_call_format(tool_call_format)
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.template_kwargs = dict(template_kwargs or {})
@@ -119,10 +130,32 @@ class ChatRenderer:
 
     def assistant(self, conversation: list[dict], tools: list[dict] | None, turn: ModelTurn) -> str:
         """The text of an assistant turn after the conversation so far (message dicts), ending with the
-        end-of-turn token: what a model that says `turn` samples after the generation prompt."""
+        end-of-turn token: what a model that says `turn` samples after the generation prompt.
+
+        The template renders the turn's tool calls where it writes them in the recipe's tool-call format (the
+        text parses back to the same calls); where it writes another form, or none, the calls are written
+        into the content in that format, so that what SFT teaches is what the rollout parser reads."""
         dicts = list(conversation)
         prompt = self.render(dicts, tools=tools, add_generation_prompt=True)
-        full = self.render(dicts + [assistant_dict(turn)], tools=tools)
+        text = self._assistant_text(dicts, tools, prompt, assistant_dict(turn))
+        if turn.tool_calls and not self._same_calls(text, turn):
+            text = self._assistant_text(dicts, tools, prompt, self._calls_in_content(turn))
+        return text
+
+    def _same_calls(self, text: str, turn: ModelTurn) -> bool:
+        """The rendered turn reads back, in the recipe's format, as the same calls and the same visible text."""
+        body = text[:-len(self.turn_end)] if text.endswith(self.turn_end) else text
+        got = self.tool_call_format.parse(body)
+        return ([(c.name, _args(c.arguments)) for c in got.tool_calls]
+                == [(c.name, _args(c.arguments)) for c in turn.tool_calls] and got.text.strip() == turn.text.strip())
+
+    def _calls_in_content(self, turn: ModelTurn) -> dict:
+        content = assistant_dict(ModelTurn(text=turn.text, reasoning=turn.reasoning))["content"]
+        calls = self.tool_call_format.write_calls([(c.name, _args(c.arguments)) for c in turn.tool_calls])
+        return {"role": "assistant", "content": content + calls}
+
+    def _assistant_text(self, dicts: list[dict], tools, prompt: str, message: dict) -> str:
+        full = self.render(dicts + [message], tools=tools)
         if not full.startswith(prompt):
             raise GymvError("the chat template renders an assistant turn that does not start with its own "
                             "generation prompt", fix="use a chat template whose generation prompt opens assistant turns")

@@ -1,7 +1,9 @@
 """`--tiny`: the same recipe on the embedded tiny model and a CPU, so a laptop validates a GPU recipe's plumbing.
 
-What stays is what a smoke run is meant to exercise: the algorithm, the environment and its turns and tools,
-async generation and importance sampling, MOPD routing and teachers (their count, aliases and data-parallel
+The model becomes the tiny stand-in of its family (gymv.models.families: Qwen2.5-VL -> tiny-qwen2_5vl,
+Qwen3 -> tiny-qwen3, Llama -> tiny-llama, ...), and every teacher the student's stand-in, since a teacher
+must share the student's tokenizer. What stays is what a smoke run is meant to exercise: the algorithm, the
+environment and its turns and tools, async generation and importance sampling, MOPD routing and teachers (their count, aliases and data-parallel
 padding), validation, checkpointing and the checks. What changes is everything that needs the cluster:
 model and teacher weights, GPUs and parallel sizes, vLLM and Megatron, GPU-only refit transports, remote
 environments and data files, and the sizes (sequence length, batch, data) shrink to seconds of CPU work.
@@ -12,7 +14,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-TINY_MODEL = "embedded:tiny-llava"
+TINY_MODEL = "embedded:tiny-llava"  # the stand-in of a VLM recipe whose model family gymv has no tiny twin of
 MAX_SEQ_LEN = 512
 MAX_NEW_TOKENS = 16
 MAX_PROMPTS = 2
@@ -67,9 +69,12 @@ def _gpu_transports() -> set[str]:
 
 def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
     """A copy of a resolved recipe with the tiny CPU settings, and the changes made (`key: old -> new`)."""
+    from gymv.models.families import tiny_stand_in
+
     d = copy.deepcopy(config)
     ch: list[str] = []
-    _set(ch, d, "model.path", TINY_MODEL)
+    tiny_model = tiny_stand_in(str((d.get("model") or {}).get("path") or ""), vlm=algo.startswith("vlm_"))
+    _set(ch, d, "model.path", tiny_model)
     _set(ch, d, "model.dtype", "auto")
     _set(ch, d, "model.trust_remote_code", False)
     _cap(ch, d, "model.max_seq_len", MAX_SEQ_LEN)
@@ -123,7 +128,7 @@ def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
     for alias, t in sorted((teachers or {}).items()):
         if not isinstance(t, dict):
             continue
-        _set(ch, d, f"mopd.teachers.{alias}.path", TINY_MODEL)
+        _set(ch, d, f"mopd.teachers.{alias}.path", tiny_model)  # a teacher shares the student's tokenizer
         _set(ch, d, f"mopd.teachers.{alias}.backend", "torch")
         _set(ch, d, f"mopd.teachers.{alias}.placement", "colocated")
         _set(ch, d, f"mopd.teachers.{alias}.gpus", None)

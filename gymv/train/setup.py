@@ -140,6 +140,9 @@ def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature
         kl_reference=kl_reference,
         max_seq_len=cfg.model.max_seq_len,
         max_image_pixels=cfg.vision.max_image_pixels if getattr(cfg, "vision", None) is not None else None,
+        trust_remote_code=cfg.model.trust_remote_code,
+        chat_template_kwargs=dict(cfg.generation.chat_template_kwargs),
+        tool_call_format=cfg.rollout.tool_call_format,
         generation_backend=cfg.generation.backend,
         training_backend=t.backend,
         **_agent_driver(cfg),
@@ -171,7 +174,9 @@ def rollout_kwargs(cfg) -> dict:
     return {"max_turns": cfg.env.max_turns, "max_rollout_tokens": cfg.env.max_rollout_tokens,
             "max_seq_len": cfg.model.max_seq_len,
             "max_images": vision.max_images_per_sample if vision is not None else None,
-            "max_image_pixels": vision.max_image_pixels if vision is not None else None}
+            "max_image_pixels": vision.max_image_pixels if vision is not None else None,
+            "chat_template_kwargs": dict(cfg.generation.chat_template_kwargs) or None,
+            "tool_call_format": cfg.rollout.tool_call_format}
 
 
 def step_seed(seed: int, step: int, kind: str = "train") -> int:

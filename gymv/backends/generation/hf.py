@@ -180,7 +180,8 @@ class HFGenerationBackend(GenerationBackend):
         cache = DynamicCache(config=model.config)
         logits = forward_logits(model, input_ids=input_ids, attention_mask=mask, position_ids=positions,
                                 image_token_id=self.adapter.image_token_id, features=feats, cache=cache,
-                                logits_to_keep=1)[:, -1]
+                                logits_to_keep=1, extra=_forward_kwargs(self.adapter, input_ids),
+                                adapter=self.adapter)[:, -1]
         if U < B:
             rows = torch.tensor(row_slot, device=dev)
             cache.batch_select_indices(rows)
@@ -241,6 +242,11 @@ class HFGenerationBackend(GenerationBackend):
             return None
         tail = self.tokenizer.decode(ids[-max(windows.values()):], skip_special_tokens=False)
         return next((s for s in stops if s in tail), None)
+
+
+def _forward_kwargs(adapter, input_ids) -> dict:
+    fn = getattr(adapter, "forward_kwargs", None)
+    return fn(input_ids) if fn is not None else {}
 
 
 def _as_ids(v) -> list[int]:
