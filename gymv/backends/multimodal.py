@@ -84,6 +84,8 @@ def _per_image(out, counts: list[int]) -> list:
     """Split a get_image_features result into one [tokens, hidden] tensor per image (5.x return shapes vary)."""
     feats = getattr(out, "pooler_output", out)
     if hasattr(feats, "dim"):
+        if feats.dim() == 3 and feats.shape[0] != len(counts):  # one row per tile (SmolVLM on transformers 5.17)
+            feats = feats.reshape(-1, feats.shape[-1])
         feats = list(feats) if feats.dim() == 3 else list(feats.split(counts))
     feats = list(feats)
     got = [int(f.reshape(-1, f.shape[-1]).shape[0]) for f in feats]
