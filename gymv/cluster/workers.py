@@ -48,6 +48,7 @@ class WorkerSpec:
     max_image_pixels: int | None = None
     generation_backend: str = "hf"  # a name in GENERATION_BACKENDS, or its "module:Class" path
     training_backend: str = "torch"  # a name in TRAINING_BACKENDS, or its "module:Class" path
+    sharding: dict = field(default_factory=dict)  # TrainingSetup.sharding
 
     def located(self) -> WorkerSpec:
         """This spec with backend names turned into import paths that resolve in any process (a backend
@@ -62,7 +63,8 @@ class WorkerSpec:
                              temperature=self.temperature, optimizer=dict(self.trainer),
                              warmup_steps=self.warmup_steps, lr_schedule=self.lr_schedule,
                              min_lr_ratio=self.min_lr_ratio, total_steps=self.total_steps,
-                             gradient_checkpointing=self.gradient_checkpointing, kl_reference=self.kl_reference)
+                             gradient_checkpointing=self.gradient_checkpointing, kl_reference=self.kl_reference,
+                             sharding=dict(self.sharding))
 
 
 def _set_threads(threads: int | None) -> None:
@@ -322,6 +324,12 @@ class TrainingWorker:
     def weights(self) -> dict:
         """A CPU copy of the weights (a replacement generation worker, tests); refits go through `publish`."""
         return {k: v.detach().cpu().clone() for k, v in self.backend.named_weights()}
+
+    def follow_weights(self) -> None:
+        """A rank other than 0 joins the gathers of rank 0's `named_weights` (refit, hash, copy, export)."""
+        if self.backend.gathers_weights:
+            for _ in self.backend.named_weights():
+                pass
 
     def publish(self):
         return self.sender.publish(dict(self.backend.named_weights()))

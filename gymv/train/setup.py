@@ -110,6 +110,7 @@ def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature
         max_image_pixels=cfg.vision.max_image_pixels if getattr(cfg, "vision", None) is not None else None,
         generation_backend=cfg.generation.backend,
         training_backend=t.backend,
+        sharding=t.fsdp.model_dump() if t.backend == "fsdp2" else {},
     )
 
 
