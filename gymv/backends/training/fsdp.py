@@ -74,6 +74,20 @@ def shard_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
             for i, m in enumerate(lst)]
 
 
+def _separate_embedding(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The input embedding, as its own unit: a VLM batch calls it outside the model's forward (to write image
+    features over the placeholders), where the root unit would not collect its gradient. None when it is
+    tied to the output head (one parameter cannot live in two units) or the model has none."""
+    get = getattr(model, "get_input_embeddings", None)
+    embed = get() if get is not None else None
+    if embed is None:
+        return None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and head.weight is embed.weight:
+        return None
+    return embed
+
+
 def mixed_precision(device: torch.device, autocast_dtype: torch.dtype | None):
     """bf16 compute with fp32 gradient reduction (the sharded master weights stay fp32); None in fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -101,7 +115,13 @@ def shard_model(model: torch.nn.Module, device: torch.device, autocast_dtype: to
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for _, unit in shard_units(model):
         fully_shard(unit, **kwargs)
+    embed = _separate_embedding(model)
+    if embed is not None:
+        fully_shard(embed, **kwargs)
     fully_shard(model, ignored_params=set(replicated), **kwargs)
+    # make the model the root of every unit now: a VLM batch calls the embedding unit before the model's
+    # forward, which would otherwise make the embedding a root of its own
+    model._get_fsdp_state()._lazy_init()
     model.gymv_lockstep = True  # gymv.backends.logprobs: no shared-prefix path (see recomputes_activations)
     for m in model.modules():
         if hasattr(m, "set_gradient_divide_factor"):
