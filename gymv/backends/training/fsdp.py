@@ -118,6 +118,9 @@ def shard_model(model: torch.nn.Module, device: torch.device, autocast_dtype: to
     embed = _separate_embedding(model)
     if embed is not None:
         fully_shard(embed, **kwargs)
+    elif replicated:
+        raise GymvError("training.backend fsdp2 cannot shard a VLM whose input embedding is tied to its output head",
+                        where="training.backend", fix="use training.backend: torch for this model")
     fully_shard(model, ignored_params=set(replicated), **kwargs)
     # make the model the root of every unit now: a VLM batch calls the embedding unit before the model's
     # forward, which would otherwise make the embedding a root of its own
