@@ -269,14 +269,25 @@ class FSDPTrainer(TorchTrainer):
 
     def load(self, path: str | os.PathLike) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         path = Path(path)
         if not (path / DCP_FOLDER / ".metadata").exists():
             raise GymvError("no sharded (torch.distributed.checkpoint) state found", where=str(path),
                             fix=f"expected {DCP_FOLDER}/.metadata: resume with the training backend that wrote the checkpoint")
+        folder = str(path / DCP_FOLDER)
         state = self._dcp_state()
-        dcp.load(state, checkpoint_id=str(path / DCP_FOLDER))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        # a parameter that never had a gradient has no AdamW state in the checkpoint: it must get none here
+        # either (get_state_dict gives every parameter a fresh one, whose step count would then be off)
+        prefix = "optimizer.state."
+        saved = {k[len(prefix):].rsplit(".", 1)[0] for k in dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+                 if k.startswith(prefix)}
+        state["optimizer"]["state"] = {k: v for k, v in state["optimizer"]["state"].items() if k in saved}
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(strict=False))
+        for name, p in self.model.named_parameters():
+            if name not in saved:
+                self.optimizer.state.pop(p, None)
         meta = path / TRAINER_FILE
         self.steps = int(json.loads(meta.read_text())["steps"]) if meta.exists() else 0
