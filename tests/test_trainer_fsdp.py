@@ -59,6 +59,7 @@ def _worker(rank: int, world: int, port: int, out: str, resume_from: str | None)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         t = FSDPTrainer(tiny_stack(), logprob_fn, CONFIG)
+        reference = FSDPTrainer(tiny_stack(), logprob_fn, CONFIG, trainable=False)
         first = 0
         if resume_from:
             t.load(resume_from)
@@ -72,7 +73,9 @@ def _worker(rank: int, world: int, port: int, out: str, resume_from: str | None)
             if t.steps == SAVE_AFTER and not resume_from:
                 t.save(f"{out}/ckpt")
         weights = {k: v.cpu().clone() for k, v in t.state_dict().items()}
-        logprobs = t.compute_logprobs(batches()[0][:SPLIT] if rank == 0 else batches()[0][SPLIT:])
+        mine = batches()[0][:SPLIT] if rank == 0 else batches()[0][SPLIT:]
+        logprobs = t.compute_logprobs(mine)
+        ref_logprobs = reference.compute_logprobs(mine)
         raised, untouched = None, None
         if not resume_from:
             bad = make_samples(8, seed=30)
@@ -82,7 +85,9 @@ def _worker(rank: int, world: int, port: int, out: str, resume_from: str | None)
             except GymvError as e:
                 raised = str(e)
             untouched = all(torch.equal(weights[k], v.cpu()) for k, v in t.state_dict().items())
-        torch.save({"metrics": metrics, "weights": weights, "logprobs": logprobs, "raised": raised,
+        torch.save({"metrics": metrics, "weights": weights, "logprobs": logprobs, "ref_logprobs": ref_logprobs,
+                    "ref_params": sum(p.numel() for p in reference.model.parameters() if p.requires_grad),
+                    "raised": raised,
                     "untouched": untouched, "steps": t.steps}, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -104,7 +109,8 @@ def single_process():
     t = TorchTrainer(tiny_stack(), logprob_fn, CONFIG)
     metrics = [t.train_step(samples, PolicyLoss()) for samples in batches()]
     return {"metrics": metrics, "weights": {k: v.detach().clone() for k, v in t.state_dict().items()},
-            "logprobs": t.compute_logprobs(batches()[0])}
+            "logprobs": t.compute_logprobs(batches()[0]),
+            "initial_logprobs": TorchTrainer(tiny_stack(), logprob_fn, CONFIG).compute_logprobs(batches()[0])}
 
 
 def _same_weights(got, expected):
@@ -143,6 +149,14 @@ def test_fsdp_logprobs_equal_single_process_logprobs(fsdp_run, single_process):
     got = fsdp_run[1][0]["logprobs"] + fsdp_run[1][1]["logprobs"]
     for a, b in zip(got, single_process["logprobs"]):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_a_frozen_sharded_reference_scores_like_the_initial_policy(fsdp_run, single_process):
+    ranks = fsdp_run[1]
+    got = ranks[0]["ref_logprobs"] + ranks[1]["ref_logprobs"]
+    for a, b in zip(got, single_process["initial_logprobs"]):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert all(r["ref_params"] == 0 for r in ranks)  # nothing in it trains
 
 
 def test_nan_on_one_fsdp_rank_refuses_the_step_on_every_rank(fsdp_run):

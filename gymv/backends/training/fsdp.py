@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gymv.backends.training.micro_batches import pad_collate
 from gymv.backends.training.torch_trainer import TRAINER_FILE, TorchTrainer, _fsync_replace
 from gymv.errors import GymvError
 
@@ -165,7 +166,7 @@ class FSDPTrainer(TorchTrainer):
             return
         super().__init__(model, logprob_fn, config, **kwargs)
 
-    def _init_frozen(self, model, logprob_fn, config, *, collate_fn, device=None, plan_fn=None) -> None:
+    def _init_frozen(self, model, logprob_fn, config, *, collate_fn=pad_collate, device=None, plan_fn=None) -> None:
         from gymv.backends.training.data_parallel import DataParallel
 
         self.config, self.logprob_fn, self.collate_fn, self.plan_fn = config, logprob_fn, collate_fn, plan_fn
