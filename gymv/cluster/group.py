@@ -3,7 +3,9 @@ and turn a worker's failure into one clear error.
 
 Placement:
 - CPU (`gpus_per_node: 0`): one generation worker and one training worker (or `num_training` ranks),
-  reserving no CPUs, since the phases of a synchronous step alternate and each takes every thread. Their
+  reserving no CPUs, since the phases of a synchronous step alternate and each takes every thread; with
+  `nodes` > 1 the ranks sit in a SPREAD placement group of one CPU bundle each (one rank per node where
+  there are as many nodes). Their
   OpenMP threads wait passively (OMP_WAIT_POLICY=PASSIVE unless set): spinning threads of an idle actor,
   or of any other process on a busy machine, made steps 5-10x slower on 2 cores.
 - GPUs, colocated: one bundle per GPU; training rank i and generation worker i share bundle i
@@ -96,6 +98,11 @@ class PolicyCluster:
             cpu = {"num_cpus": 0, "runtime_env": {"env_vars": cpu_env()}}
             gen_opts = [cpu] * n_gen
             train_opts = [cpu] * placement.num_training
+            if placement.nodes > 1 and placement.num_training > 1:  # one CPU bundle per rank, spread over nodes
+                self._pg = placement_group([{"CPU": 1}] * placement.num_training, strategy="SPREAD")
+                ray_get(self._pg.ready(), "placing the training ranks")
+                train_opts = [{**cpu, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    self._pg, placement_group_bundle_index=i)} for i in range(placement.num_training)]
         elif placement.colocated:
             self._pg = placement_group([{"GPU": 1, "CPU": 1}] * placement.gpus, strategy="PACK")
             ray_get(self._pg.ready(), "placing workers on GPUs")
@@ -126,7 +133,7 @@ class PolicyCluster:
     @property
     def placement_group(self):
         """The policy's placement group on GPUs when colocated (one bundle per GPU), else None."""
-        return self._pg
+        return self._pg if self.placement.gpus else None
 
     # -- generation ----------------------------------------------------------------------------------
     def submit_rollouts(self, rows: Sequence[tuple[int, dict]], *, seed: int, **kwargs) -> list[RolloutCall]:
