@@ -1,5 +1,5 @@
-"""The fsdp2 training backend on a real local Ray with the real tiny LLaVA and image rows: two sharded ranks
-take the step one plain rank takes, a refit reaches the generator intact, the sharded checkpoint resumes on
+"""The fsdp2 training backend on a real local Ray with the real tiny LLaVA: two sharded ranks (one with
+image rows, one text-only) take the step one plain rank takes, a refit reaches the generator intact, the sharded checkpoint resumes on
 one rank, and the export is a Hugging Face folder of the same weights."""
 
 from __future__ import annotations
@@ -43,8 +43,18 @@ def image_samples():
     out = gen.rollouts(rows, group_size=2, params=SamplingParams(max_new_tokens=8), seed=3, max_turns=1,
                        max_rollout_tokens=64, max_seq_len=1024)
     samples = policy_samples(out["trajectories"], [1.0, -1.0, 0.5, -0.5, 0.25, -0.25])
-    assert all(s.get("images") for s in samples)
-    return samples
+    assert len(samples) == 6 and all(s.get("images") for s in samples)
+    # rank 1 gets the last three, cut to text only: one rank embeds image features, the other does not
+    return samples[:3] + [_text_only(s) for s in samples[3:]]
+
+
+def _text_only(sample: dict) -> dict:
+    """The sample from four tokens before its first scored one (after the image): no image left."""
+    start = list(sample["loss_mask"]).index(1) - 4
+    n = len(sample["input_ids"])
+    out = {k: (v[start:] if isinstance(v, (list, tuple)) and len(v) == n else v) for k, v in sample.items()}
+    out["images"] = []
+    return out
 
 
 @pytest.fixture(scope="module")

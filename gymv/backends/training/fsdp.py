@@ -193,8 +193,8 @@ class FSDPTrainer(TorchTrainer):
         return model
 
     def _forward(self, mb):
-        # the root unit (embeddings, final norm, head) is gathered first on every rank: a VLM batch embeds
-        # its tokens before the model's own forward, a text batch inside it, and collectives must not reorder
+        # the root unit (final norm, head) is gathered first on every rank: a batch with images calls the
+        # embedding unit before the model's forward, a text batch inside it, and gathers must not reorder
         self.model.unshard()
         return super()._forward(mb)
 
