@@ -21,14 +21,14 @@ def ray():
         yield
 
 
-def _spec(backend: str):
+def _spec(backend: str, generation_dtype: str = "float32"):
     from gymv.cluster.workers import WorkerSpec
     from gymv.train.data import EnvSpec
 
     # Adam's eps is large so float32 summation-order noise between 1 and 2 ranks cannot move the update.
     return WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSpec("circle_count"), kl_reference=True,
                       trainer={"lr": 1e-3, "eps": 1e-3, "precision": "fp32", "micro_batch_tokens": 512},
-                      training_backend=backend)
+                      training_backend=backend, generation_dtype=generation_dtype)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,8 @@ def fsdp_cluster(image_samples, tmp_path_factory):
     from gymv.cluster.group import Placement, PolicyCluster
 
     tmp = tmp_path_factory.mktemp("fsdp")
-    cluster = PolicyCluster(_spec("fsdp2"), Placement(num_generation=1, num_training=2))
+    # a bf16 generator: the gathered weights are cast one by one on their way to it
+    cluster = PolicyCluster(_spec("fsdp2", "bfloat16"), Placement(num_generation=1, num_training=2))
     try:
         metrics = cluster.grpo_step([image_samples], PolicyLoss())
         weights, *_ = ray.get([cluster.trainers[0].weights.remote()] + cluster._followers())

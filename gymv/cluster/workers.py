@@ -316,7 +316,7 @@ class TrainingWorker:
         from gymv.cluster.refit import make_sender
 
         self.sender = make_sender(self.spec.refit_transport, self._generation_dtype(), self.device, num_receivers)
-        return {"info": self.sender.rendezvous(dict(self.backend.named_weights())), "in_band": self.sender.in_band}
+        return {"info": self.sender.rendezvous(self._weights_to_send()), "in_band": self.sender.in_band}
 
     def refit_connect(self) -> None:
         self.sender.connect()
@@ -331,8 +331,16 @@ class TrainingWorker:
             for _ in self.backend.named_weights():
                 pass
 
+    def _weights_to_send(self) -> dict:
+        """The weights for the sender. A sharded trainer's are gathered one at a time and each is cast to the
+        generation dtype at once, so rank 0 never holds a full fp32 copy; others are live views."""
+        if not self.backend.gathers_weights:
+            return dict(self.backend.named_weights())
+        dtype = self._generation_dtype()
+        return {k: v.to(dtype) for k, v in self.backend.named_weights()}
+
     def publish(self):
-        return self.sender.publish(dict(self.backend.named_weights()))
+        return self.sender.publish(self._weights_to_send())
 
     def weights_hash(self) -> str:
         return self.backend.weights_hash(self._generation_dtype())
