@@ -104,6 +104,23 @@ def test_two_fsdp_ranks_take_the_step_of_one_plain_rank(fsdp_cluster, single_ste
     assert _close(fsdp_cluster["weights"], reference) < 0.05 * 1e-3  # float noise, well under lr per weight
 
 
+def test_two_fsdp_ranks_with_activation_checkpointing_take_the_same_step(image_samples, single_step):
+    from dataclasses import replace
+
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.cluster.group import Placement, PolicyCluster
+
+    one, _ = single_step
+    spec = replace(_spec("fsdp2"), gradient_checkpointing=True, kl_reference=False)
+    cluster = PolicyCluster(spec, Placement(num_generation=0, num_training=2), generation=False)
+    try:
+        two = cluster.grpo_step([image_samples], PolicyLoss())
+    finally:
+        cluster.shutdown()
+    assert two["train/loss"] == pytest.approx(one["train/loss"], abs=1e-6)
+    assert two["train/grad_norm"] == pytest.approx(one["train/grad_norm"], rel=1e-5)
+
+
 def test_a_refit_from_sharded_ranks_gives_the_generator_the_trainers_weights(fsdp_cluster):
     trainer, generators = fsdp_cluster["hashes"]
     assert generators == [trainer]

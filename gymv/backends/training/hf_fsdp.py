@@ -12,7 +12,6 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from gymv.backends.training.hf_torch import HFTorchBackend, copy_hf_files, plan_fn
@@ -31,9 +30,6 @@ class HFFSDPBackend(HFTorchBackend):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return FSDPTrainer(model, self.logprob_fn, self.config, collate_fn=self.collate, device=device,
                            plan_fn=plan_fn(self.adapter, model), sharding=sharding, trainable=not frozen)
-
-    def sum_over_ranks(self, value: float) -> float:
-        return float(self.trainer.dp.sum_(torch.tensor([float(value)], device=self.trainer.device)))
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Each weight gathered in full, one at a time; a collective, so every rank iterates it."""
