@@ -6,6 +6,7 @@ Runs the quickstart recipe on circle-count (NeMo Gym's default 1000x1000 images)
 and prints a table of medians over the steps after the first (warm-up) one.
 
 Usage (on a GPU machine): python bench/gpu_grpo.py --out /tmp/gpu_grpo [--steps 8] [--layouts separate,colocated]
+                          [--decode eager,auto]   (generation.decode: the HF loop against the static-cache decoder)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-RECIPE = "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml"
+RECIPE = str(Path(__file__).resolve().parents[1] / "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml")
 MODEL = dict(hidden=1024, layers=8, heads=16, kv_heads=4, intermediate=2816, vision_hidden=512, vision_layers=6,
              vision_heads=8, image_size=224, patch_size=14, vocab_size=1024)
 COLUMNS = ["timing/step_s", "timing/generation_s", "timing/logprobs_s", "timing/training_s", "timing/refit_s",
@@ -56,6 +57,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--layouts", default="separate,colocated")
+    ap.add_argument("--decode", default="auto", help="generation.decode values to run each layout with, e.g. eager,auto")
     a = ap.parse_args()
     import torch
 
@@ -70,12 +72,14 @@ def main() -> None:
         str(model_dir / "model.safetensors")).values())
     print(f"model: {n_params / 1e6:.1f}M parameters, {torch.cuda.get_device_name(0)} x {gpus}", flush=True)
     results = []
-    for name in a.layouts.split(","):
-        if name == "separate" and gpus < 2:
-            results.append({"layout": name, "error": "needs 2 GPUs"})
-            continue
-        results.append(run(name, layouts(gpus)[name], model_dir, a.out, a.steps))
-        print(json.dumps(results[-1]), flush=True)
+    for decode in a.decode.split(","):
+        for name in a.layouts.split(","):
+            label = name if decode == "auto" else f"{name}-{decode}"
+            if name == "separate" and gpus < 2:
+                results.append({"layout": label, "error": "needs 2 GPUs"})
+                continue
+            results.append(run(label, layouts(gpus)[name] + [f"generation.decode={decode}"], model_dir, a.out, a.steps))
+            print(json.dumps(results[-1]), flush=True)
     (a.out / "results.json").write_text(json.dumps({"params": n_params, "gpus": gpus, "results": results}, indent=2))
     head = ["layout", "step s", "gen s", "logp s", "train s", "refit s", "gen tok/s", "tok/s", "mult_prob_err"]
     print("\n" + " | ".join(head))

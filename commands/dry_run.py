@@ -12,10 +12,11 @@ from gymv_cli.output import console, err_console, print_json
 def dry_run(
     targets: list[str] = typer.Argument(
         None, metavar="SUITE|PATH",
-        help="Suite names (nightly, release, ...), suite .txt files, drivers (.sh), recipes (.yaml) or directories "
-             "(searched recursively). Default: every suite except disabled.",
+        help="Suite names (nightly, release, ...), suite .txt files (gymv's recipe lists, or NeMo RL's lists of driver "
+             ".sh paths), drivers (.sh), recipes (.yaml) or directories (searched recursively). Default: every suite "
+             "except disabled.",
     ),
-    recipes_dir: Path = typer.Option(Path("recipes"), "--recipes-dir", file_okay=False, help="The recipes directory (holds suites/ and drivers/)."),
+    recipes_dir: Path = typer.Option(None, "--recipes-dir", file_okay=False, help="The recipes directory (holds suites/ and drivers/). Default: the project's recipes/, found from any sub-folder, else the recipes gymv ships."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (drivers, per-suite subtotals and budgets, total) instead of tables."),
     fail_over_budget: bool = typer.Option(False, "--fail-over-budget", help="Exit 1 when a suite's GPU-hours exceed its budget."),
 ) -> None:
@@ -27,8 +28,10 @@ def dry_run(
 
     Example: gymv dry-run nightly   (or: gymv dry-run recipes/drivers/vlm --json)
     """
+    from gymv.config.exemplars import project_recipes_dir
     from gymv.recipes.gpu_hours import plan
 
+    recipes_dir = recipes_dir or project_recipes_dir()
     result = plan(targets or (), recipes_dir)
     for w in result.warnings():
         err_console.print(f"warning: {w}", markup=False, highlight=False, soft_wrap=True)
@@ -42,10 +45,20 @@ def dry_run(
 
 def _shown(path: Path, drivers_dir: Path) -> str:
     """A driver's path relative to the drivers directory (the table title already says which suite)."""
+    for base in (drivers_dir, Path.cwd()):
+        try:
+            return Path(path).relative_to(base.resolve() if base.is_absolute() else base).as_posix()
+        except ValueError:
+            continue
+    return str(path)
+
+
+def _under(path: Path, folder: Path) -> bool:
     try:
-        return Path(path).relative_to(drivers_dir).as_posix()
+        Path(path).relative_to(folder)
+        return True
     except ValueError:
-        return str(path)
+        return False
 
 
 def _render(result, recipes_dir: Path) -> None:
@@ -55,7 +68,8 @@ def _render(result, recipes_dir: Path) -> None:
 
     drivers_dir = recipes_dir / "drivers"
     for g in result.groups:
-        title = f"suite {g.suite} ({g.file}), drivers under {drivers_dir}" if g.suite else "drivers"
+        listed = g.suite and not all(_under(d.config.path, drivers_dir) for d in g.drivers)
+        title = (f"suite {g.suite} ({g.file})" + ("" if listed else f", drivers under {drivers_dir}")) if g.suite else "drivers"
         t = Table(title=title, title_justify="left")
         t.add_column("driver", overflow="fold")
         for col in ("nodes", "GPUs/node", "runs", "minutes", "GPU-hours"):
@@ -63,7 +77,8 @@ def _render(result, recipes_dir: Path) -> None:
         for d in g.drivers:
             c = d.config
             name = _shown(c.path, drivers_dir) + "".join(f"\n  exec {p.name}" for p in c.chain[1:])
-            t.add_row(name, str(c.num_nodes), str(c.gpus_per_node), str(c.num_runs), str(c.num_minutes),
+            t.add_row(name, str(c.allocation("NUM_NODES")), str(c.allocation("GPUS_PER_NODE")), str(c.allocation("NUM_RUNS")),
+                      str(c.allocation("NUM_MINUTES")),
                       format_gpu_hours(c.gpu_minutes))
         t.add_section()
         t.add_row("subtotal", "", "", "", "", format_gpu_hours(g.gpu_minutes), style="bold")

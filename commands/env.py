@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -41,10 +42,11 @@ def list_envs(json_out: bool = typer.Option(False, "--json", help="Print JSON on
 
 @app.command()
 def serve(
-    name: str = typer.Argument(..., help="Environment to serve, e.g. circle-click."),
+    name: str = typer.Argument(..., metavar="ENV", help="Environment to serve, e.g. circle-click."),
     host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind (127.0.0.1: this machine only)."),
     port: int = typer.Option(8000, "--port", help="TCP port (0: pick a free one)."),
     max_body_mb: float = typer.Option(64.0, "--max-body-mb", help="Largest accepted request body, in MiB."),
+    max_session_mb: float = typer.Option(1024.0, "--max-session-mb", help="Memory for open episodes, in MiB (the least recently used go first)."),
     log_requests: bool = typer.Option(False, "--log-requests", help="Log each request on stderr."),
     max_turns: int = typer.Option(None, "--max-turns", help="Model turns per episode on /step (default: the environment's own)."),
     latency_ms: float = typer.Option(0.0, "--latency-ms", help="Delay every /step and tool call by this much (simulate a slow tool)."),
@@ -52,7 +54,8 @@ def serve(
     """Serve NAME with NeMo Gym's resources-server and gymnasium endpoints until interrupted.
 
     Endpoints: GET /, GET /describe, POST /seed_session, POST /reset, POST /step, POST /verify,
-    POST /aggregate_metrics and POST /<tool> per tool. The first line on stdout is the URL.
+    POST /aggregate_metrics and POST /<tool> per tool. The first line on stdout is the URL alone
+    (e.g. http://127.0.0.1:8001); what is served goes to stderr.
 
     Example: gymv env serve circle-click --port 8001
              gymv env serve polygon-naming --port 8002 --latency-ms 100   # tools that take 100 ms
@@ -62,14 +65,15 @@ def serve(
     from gymv.envs import get_env
     from gymv.envs.server import EnvServer
 
-    if max_body_mb <= 0:
-        raise GymvError("--max-body-mb must be positive")
+    if max_body_mb <= 0 or max_session_mb <= 0:
+        raise GymvError("--max-body-mb and --max-session-mb must be positive")
     if latency_ms < 0:
         raise GymvError("--latency-ms must be >= 0")
     env = get_env(name, **({"max_turns": max_turns} if max_turns is not None else {}))
     server = EnvServer(env, host, port, max_body_bytes=int(max_body_mb * 1024 * 1024), log_requests=log_requests,
-                        step_latency_s=latency_ms / 1000.0)
-    print(f"serving {env.name} on {server.url}", flush=True)
+                        max_session_bytes=int(max_session_mb * 1024 * 1024), step_latency_s=latency_ms / 1000.0)
+    print(server.url, flush=True)  # the URL alone, so that `read -r URL` or a script's readline() gets it
+    print(f"serving {env.name} on {server.url} (Ctrl-C stops)", file=sys.stderr, flush=True)
 
     def stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -87,7 +91,7 @@ def serve(
 def verify(
     rollouts: Path = typer.Argument(..., help="Rollout JSONL (NeMo Gym's format: rows plus `response`)."),
     data: Path = typer.Option(None, "--data", help="Rows the rollouts were run on, joined by _ng_task_index."),
-    env: str = typer.Option(None, "--env", help="Environment to score with (default: from each row)."),
+    env: str = typer.Option(None, "--env", metavar="ENV", help="Environment to score with (default: from each row)."),
     on_error: str = typer.Option("fail", "--on-error", help="fail: stop at the first unusable line; skip: count it and go on."),
     out: Path = typer.Option(None, "--out", help="Also write the scored rollouts (reward and extras) here."),
     fail_on_mismatch: bool = typer.Option(False, "--fail-on-mismatch", help="Exit 1 when a recorded reward differs."),

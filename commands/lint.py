@@ -21,7 +21,7 @@ class Format(str, Enum):
 def lint(
     paths: list[Path] = typer.Argument(
         None, metavar="[PATHS]...",
-        help="Recipes (.yaml), drivers (.sh), suite lists (.txt) or directories, searched recursively. Default: recipes/.",
+        help="Recipes (.yaml), drivers (.sh), suite lists (.txt) or directories, searched recursively. Default: the project's recipes/ (found from any sub-folder).",
     ),
     fmt: Format = typer.Option(Format.auto, "--format", "-f", case_sensitive=False,
                                help="table, text (one `path:line: ID message (fix: ...)` per line), json, or github "
@@ -52,7 +52,9 @@ def lint(
         fmt = Format.json
     if fmt is Format.auto:
         fmt = Format.table if console.is_terminal else Format.text
-    targets = paths or [Path("recipes")]
+    from gymv.config.exemplars import project_recipes_dir
+
+    targets = paths or [project_recipes_dir()]
     report = lint_paths(targets)
     if fix:
         fixed = 0

@@ -17,7 +17,7 @@ app = typer.Typer(
 
 @app.command("init")
 def init(
-    arch: str = typer.Argument(..., help="Architecture: tiny-llava (placeholder processor) or tiny-qwen2vl (grid processor)."),
+    arch: str = typer.Argument(..., metavar="ARCH", help="Architecture: tiny-llava (placeholder processor) or tiny-qwen2vl (grid processor)."),
     out_dir: Path = typer.Argument(..., help="Folder to write the Hugging Face checkpoint to."),
     hidden: int = typer.Option(None, "--hidden", help="Text model width (default 128)."),
     layers: int = typer.Option(None, "--layers", help="Text decoder layers (default 2)."),

@@ -29,7 +29,7 @@ rows `gymv prepare ENV --preset PRESET --n N` would (same --split and --seed), e
 
 
 def prepare(
-    env: str = typer.Argument(..., help="Environment to generate rows for, e.g. circle-count or circle-click."),
+    env: str = typer.Argument(..., metavar="ENV", help="Environment to generate rows for, e.g. circle-count or circle-click."),
     knobs: list[str] = typer.Argument(None, help="Knob overrides KEY=VALUE, e.g. circles=1:3 radius=7.", show_default=False),
     n: int = typer.Option(None, "--n", help="Number of rows."),
     out: Path = typer.Option(None, "--out", help="Output JSONL file (written atomically)."),

@@ -119,7 +119,7 @@ def smoke(
     out: Path = typer.Option(None, "--out", file_okay=False, help="Folder for the runs (default: runs/smoke/<time>)."),
     timeout: float = typer.Option(1800.0, "--timeout", min=1, help="Seconds a recipe may run before it is stopped."),
     ray_address: str = typer.Option(None, "--ray-address", help="Run every recipe on this Ray cluster instead of a fresh local one each."),
-    recipes_dir: Path = typer.Option(Path("recipes"), "--recipes-dir", file_okay=False, help="Where suite names are looked up."),
+    recipes_dir: Path = typer.Option(None, "--recipes-dir", file_okay=False, help="Where suite names are looked up. Default: the project's recipes/, found from any sub-folder, else the recipes gymv ships."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (every recipe, check and reason) instead of tables."),
 ) -> None:
     """Run each recipe for a few steps, then evaluate its metric checks; exit 1 if any recipe fails.
@@ -131,7 +131,10 @@ def smoke(
     Example: gymv smoke nightly --tiny --junit smoke.xml   (or: gymv smoke recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml --steps 3)
     """
     from gymv.errors import GymvError
+    from gymv.config.exemplars import project_recipes_dir
     from gymv.smoke import run_smoke, write_junit
+
+    recipes_dir = recipes_dir or project_recipes_dir()
 
     targets, overrides = _split(list(args))
     if not targets:

@@ -12,7 +12,11 @@ _HELP = """Train a policy with the algorithm of RECIPE: SFT, GRPO or MOPD (text 
 
 Writes runs/<name>/: config.yaml, metrics.jsonl, rollouts/, checkpoints/ and, when done, final/ (a Hugging
 Face folder). A run directory that already holds checkpoints is continued exactly where it stopped
-(checkpoint.resume, default true). Overrides KEY=VALUE follow the recipe (see docs/config.md).
+(checkpoint.resume, default true) when the recipe's config is the run's own; a changed config is refused
+with the difference (continue with --resume DIR, whose overrides are recorded in config_changes.jsonl, or
+pick a new name=). config.yaml is never rewritten. Overrides KEY=VALUE follow the recipe (docs/config.md).
+
+On a terminal: a progress bar; piped or redirected (a SLURM log): one plain line per step on stderr.
 
 Examples:
 
@@ -38,53 +42,125 @@ def _row_text(step: int, m: dict) -> str:
     return "  ".join(parts)
 
 
-def _display():
+def _step_line(step: int, total: int, metrics: dict, seconds: float) -> str:
+    """One plain line per step for logs (a pipe, a file, a SLURM job): grep-able, no control characters."""
+    text = _row_text(step, metrics).replace("  ", " | ")
+    return f"step {step}/{total} | {text} | elapsed {_clock(seconds)}" if text else f"step {step}/{total} | elapsed {_clock(seconds)}"
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}"
+
+
+def _display(live: bool | None = None):
+    """Rich progress (and a spinner while Ray and the workers start) on a terminal; plain lines otherwise.
+    Everything goes to stderr, so stdout stays clean for --json."""
+    import sys
+    import time
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from gymv.train import Reporter
 
-    class Display(Reporter):
-        """Rich progress on stderr: step m/n, reward, accuracy, step time; stdout stays clean for --json."""
+    live = err_console.is_terminal if live is None else live
 
+    class Display(Reporter):
         def __init__(self) -> None:
             self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                 TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
                                 console=err_console)
             self.task = None
             self.warned = False
+            self.status = None
+            self.run_dir = None
+            self.step = None
+            self.total = None
+            self.t0 = time.monotonic()
+
+        def _say(self, text: str, style: str = "dim") -> None:
+            if not live:
+                print(text, file=sys.stderr, flush=True)
+            elif self.task is not None:
+                self.bar.console.print(f"[{style}]{text}[/{style}]", highlight=False)
+            else:
+                err_console.print(f"[{style}]{text}[/{style}]", highlight=False)
+
+        def on_run(self, run_dir) -> None:
+            self.run_dir = run_dir
 
         def on_message(self, text: str) -> None:
-            (self.bar.console if self.task is not None else err_console).print(f"[dim]{text}[/dim]")
+            if live and self.task is None and text.startswith(("starting", "joining")):
+                if self.status is None:  # the silent part of a launch: Ray, then the workers
+                    self.status = err_console.status(text + " ...")
+                    self.status.start()
+                else:
+                    self.status.update(text + " ...")
+                return
+            self._say(text)
+
+        def _stop_status(self) -> None:
+            if self.status is not None:
+                self.status.stop()
+                self.status = None
 
         def on_start(self, info: dict) -> None:
+            self._stop_status()
             if info.get("resumed_from"):
-                err_console.print(f"[dim]resuming from {info['resumed_from']}[/dim]")
-            self.task = self.bar.add_task(info["algorithm"], total=info["max_steps"], completed=info["start_step"], info="")
-            self.bar.start()
+                self._say(f"resuming from {info['resumed_from']}")
+            self.step, self.total = info["start_step"], info["max_steps"]
+            if live:
+                self.task = self.bar.add_task(info["algorithm"], total=info["max_steps"], completed=info["start_step"], info="")
+                self.bar.start()
+            else:
+                self._say(f"{info['algorithm']}: steps {info['start_step'] + 1}..{info['max_steps']} "
+                          f"(run directory {info.get('run_dir', self.run_dir)})")
 
         def on_step(self, step: int, metrics: dict) -> None:
-            if self.task is None:
+            if self.total is None:
                 return
-            text = _row_text(step, metrics)
+            self.step = step
             if "val/accuracy" in metrics:
-                self.bar.console.print(f"step {step}: val accuracy {metrics['val/accuracy']:.3f}  "
-                                       f"reward {metrics.get('val/reward_mean', float('nan')):.3f}")
-            self.bar.update(self.task, completed=step, info=text)
+                self._say(f"step {step}: val accuracy {metrics['val/accuracy']:.3f}  "
+                          f"reward {metrics.get('val/reward_mean', float('nan')):.3f}", style="default")
+            if live:
+                self.bar.update(self.task, completed=step, info=_row_text(step, metrics))
+            elif step > 0:
+                self._say(_step_line(step, self.total, metrics, time.monotonic() - self.t0))
             err = metrics.get("train/token_mult_prob_error")
             if "async/age_mean" in metrics and metrics["async/age_mean"] > 0:
                 err = None  # async: the trainer is ahead of the weights that sampled, by design (docs/async.md)
             if isinstance(err, float) and err > 1.05 and not self.warned:
                 self.warned = True
-                self.bar.console.print(f"[yellow]step {step}: token_mult_prob_error {err:.3f} > 1.05: the generator's "
-                                       "logprobs disagree with the trainer's (stale encoder cache? refit dtype?)[/yellow]")
+                self._say(f"step {step}: token_mult_prob_error {err:.3f} > 1.05: the generator's "
+                          "logprobs disagree with the trainer's (stale encoder cache? refit dtype?)", style="yellow")
 
         def on_checkpoint(self, step: int, path) -> None:
-            self.bar.console.print(f"[dim]checkpoint {path}[/dim]")
+            self._say(f"checkpoint {path}")
 
         def stop(self) -> None:
-            self.bar.stop()
+            self._stop_status()
+            if self.task is not None:
+                self.bar.stop()
 
     return Display()
+
+
+def _interrupted_hint(run_dir) -> str:
+    """What Ctrl-C leaves behind and the one command that continues it."""
+    from gymv.runs.checkpoint import find_latest
+
+    if run_dir is None:
+        return "interrupted before the run directory was written; nothing to resume"
+    shown = Path(run_dir)
+    try:
+        shown = shown.relative_to(Path.cwd())
+    except ValueError:
+        pass
+    latest = find_latest(run_dir)
+    where = f"its newest checkpoint is {latest.name}" if latest else "it has no checkpoint yet (it starts over)"
+    return f"interrupted; {where}; continue with: gymv train --resume {shown}"
 
 
 def _summary_rows(summary: dict) -> list[tuple[str, str]]:
@@ -98,8 +174,8 @@ def _summary_rows(summary: dict) -> list[tuple[str, str]]:
 
 def train(
     recipe: str = typer.Argument(None, help="Recipe YAML (optional with --resume: the run's own config.yaml)."),
-    overrides: list[str] = typer.Argument(None, help="Overrides KEY=VALUE, +KEY=VALUE, ~KEY.", show_default=False),
-    resume: Path = typer.Option(None, "--resume", help="Continue this run directory from its newest checkpoint."),
+    overrides: list[str] = typer.Argument(None, metavar="[KEY=VALUE]...", help="Overrides KEY=VALUE, +KEY=VALUE, ~KEY.", show_default=False),
+    resume: Path = typer.Option(None, "--resume", help="Continue this run directory from its newest checkpoint, with its recorded config (overrides given are recorded in config_changes.jsonl)."),
     ray_address: str = typer.Option(None, "--ray-address", help="Join this Ray cluster (HOST:PORT or auto) instead of starting one."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout instead of the table."),
     async_grpo: bool = typer.Option(False, "--async", help="GRPO with generation running ahead of training "
@@ -115,6 +191,10 @@ def train(
     try:
         summary = run_training(recipe, overrides, resume_dir=str(resume) if resume else None,
                                ray_address=ray_address, reporter=display, async_grpo=async_grpo)
+    except KeyboardInterrupt:
+        display.stop()
+        err_console.print(_interrupted_hint(display.run_dir), markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     finally:
         display.stop()
     if json_out:

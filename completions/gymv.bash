@@ -18,12 +18,12 @@ _gymv_options() {
         'dry-run') echo '--recipes-dir --json --fail-over-budget --help -h' ;;
         'lint') echo '--format -f --json --fix --list-rules --help -h' ;;
         'prepare') echo '--n --out --seed --split --preset --workers --preview --preview-count --list-knobs --json --help -h' ;;
-        'report') echo '--out --serve --port --json --help -h' ;;
+        'report') echo '--out --serve --port --compare --smoothing --json --help -h' ;;
         'smoke') echo '--steps --tiny --junit --out --timeout --ray-address --recipes-dir --json --help -h' ;;
         'train') echo '--resume --ray-address --json --async --help -h' ;;
         'env') echo '--help -h' ;;
         'env list') echo '--json --help -h' ;;
-        'env serve') echo '--host --port --max-body-mb --log-requests --max-turns --latency-ms --help -h' ;;
+        'env serve') echo '--host --port --max-body-mb --max-session-mb --log-requests --max-turns --latency-ms --help -h' ;;
         'env verify') echo '--data --env --on-error --out --fail-on-mismatch --json --help -h' ;;
         'model') echo '--help -h' ;;
         'model init') echo '--hidden --layers --vision-layers --image-size --patch-size --vocab-size --seed --force --json --help -h' ;;
@@ -48,6 +48,8 @@ _gymv_value_kind() {
         'prepare|--preview-count') echo 'none' ;;
         'report|--out') echo 'dirs' ;;
         'report|--port') echo 'none' ;;
+        'report|--compare') echo 'files' ;;
+        'report|--smoothing') echo 'none' ;;
         'smoke|--steps') echo 'none' ;;
         'smoke|--junit') echo 'files' ;;
         'smoke|--out') echo 'dirs' ;;
@@ -59,10 +61,11 @@ _gymv_value_kind() {
         'env serve|--host') echo 'files' ;;
         'env serve|--port') echo 'none' ;;
         'env serve|--max-body-mb') echo 'none' ;;
+        'env serve|--max-session-mb') echo 'none' ;;
         'env serve|--max-turns') echo 'none' ;;
         'env serve|--latency-ms') echo 'none' ;;
         'env verify|--data') echo 'files' ;;
-        'env verify|--env') echo 'files' ;;
+        'env verify|--env') echo 'choice:arithmetic circle-click circle-count doorkey example-multi-turn-gymnasium polygon-naming scripted tangram' ;;
         'env verify|--on-error') echo 'files' ;;
         'env verify|--out') echo 'files' ;;
         'model init|--hidden') echo 'none' ;;
@@ -81,18 +84,23 @@ _gymv_arg_kind() {
         'completion|''0') echo 'choice:bash zsh fish' ;;
         'dry-run|'*) echo 'suites' ;;
         'lint|'*) echo 'files' ;;
-        'prepare|''0') echo 'files' ;;
+        'prepare|''0') echo 'choice:arithmetic circle-click circle-count doorkey example-multi-turn-gymnasium polygon-naming scripted tangram' ;;
         'prepare|'*) echo 'files' ;;
         'report|''0') echo 'files' ;;
         'smoke|'*) echo 'suites' ;;
         'train|''0') echo 'files' ;;
-        'train|'*) echo 'files' ;;
-        'env serve|''0') echo 'files' ;;
+        'train|'*) echo 'keys' ;;
+        'env serve|''0') echo 'choice:arithmetic circle-click circle-count doorkey example-multi-turn-gymnasium polygon-naming scripted tangram' ;;
         'env verify|''0') echo 'files' ;;
-        'model init|''0') echo 'files' ;;
+        'model init|''0') echo 'choice:tiny-llava tiny-qwen2vl' ;;
         'model init|''1') echo 'files' ;;
         'model info|''0') echo 'files' ;;
     esac
+}
+
+# Recipe keys, offered as `key=` for overrides.
+_gymv_keys() {
+    echo 'algorithm= checkpoint.dir= checkpoint.keep= checkpoint.period= checkpoint.resume= checkpoint.steps_per_run= checks= cluster.colocated= cluster.generation_gpus= cluster.generation_workers_per_gpu= cluster.gpus_per_node= cluster.num_nodes= cluster.ray_address= cluster.training_gpus= data.eval= data.prepare= data.shuffle= data.train= env.failed_window_steps= env.kwargs= env.max_failed_fraction= env.max_failed_fraction_window= env.max_rollout_tokens= env.max_turns= env.name= env.preset= env.retries= env.timeout_s= env.url= generation.backend= generation.decode= generation.max_new_tokens= generation.reset_encoder_cache_after_weight_update= generation.stop_strings= generation.temperature= generation.top_p= generation.vllm.enforce_eager= generation.vllm.gpu_memory_utilization= generation.vllm.tensor_parallel_size= grpo.advantage.baseline= grpo.advantage.eps= grpo.advantage.normalize_std= grpo.async.enabled= grpo.async.in_flight_weight_updates= grpo.async.max_trajectory_age_steps= grpo.generations_per_prompt= grpo.importance_sampling.gate_high= grpo.importance_sampling.gate_low= grpo.importance_sampling.kind= grpo.importance_sampling.truncate_max= grpo.loss.aggregation= grpo.loss.clip_high= grpo.loss.clip_low= grpo.loss.kl_coef= grpo.loss.kl_estimator= grpo.max_steps= grpo.prompts_per_step= grpo.val_at_start= grpo.val_period= grpo.val_prompts= logger.log_rollouts= logger.plugins= logger.tensorboard= logger.wandb= logger.wandb_project= model.dtype= model.max_seq_len= model.path= model.trust_remote_code= mopd.agent_to_teacher= mopd.default_teacher_alias= mopd.env_reward_coef= mopd.generations_per_prompt= mopd.importance_sampling.gate_high= mopd.importance_sampling.gate_low= mopd.importance_sampling.kind= mopd.importance_sampling.truncate_max= mopd.max_steps= mopd.prompts_per_step= mopd.strict_agent_name_match= mopd.teachers= mopd.top_k= mopd.val_at_start= mopd.val_period= mopd.val_prompts= name= refit.transport= rollout.agent_timeout_s= rollout.agents= rollout.driver= rollout.model_server_host= rollout.model_server_port= seed= sft.aggregation= sft.batch_size= sft.max_steps= sft.val_at_start= sft.val_period= sft.val_prompts= smoke= training.backend= training.betas= training.dtype= training.eps= training.global_batch_size= training.gradient_checkpointing= training.lr= training.lr_schedule= training.max_grad_norm= training.micro_batch_tokens= training.min_lr_ratio= training.parallel.context= training.parallel.expert= training.parallel.pipeline= training.parallel.tensor= training.warmup_steps= training.weight_decay= vision.dedup_payloads= vision.max_image_pixels= vision.max_images_per_sample='
 }
 
 _gymv_complete_kind() {
@@ -108,6 +116,11 @@ _gymv_complete_kind() {
             done
             compopt -o filenames 2>/dev/null
             COMPREPLY=( $(compgen -W "$names" -- "$cur") $(compgen -f -- "$cur") ) ;;
+        keys)
+            # bash splits KEY=VALUE at '=': after it comes a value, which has no completion
+            [ "${COMP_WORDS[COMP_CWORD-1]}" = "=" ] && { COMPREPLY=(); return; }
+            compopt -o nospace 2>/dev/null
+            COMPREPLY=( $(compgen -W "$(_gymv_keys)" -- "$cur") ) ;;
         none) COMPREPLY=() ;;
         *) compopt -o filenames 2>/dev/null; COMPREPLY=( $(compgen -f -- "$cur") ) ;;
     esac

@@ -4,7 +4,8 @@
 # Install: copy this file to ~/.config/fish/completions/gymv.fish
 
 set -g __gymv_subcommands '|completion' '|dry-run' '|lint' '|prepare' '|report' '|smoke' '|train' '|env' '|model' 'env|list' 'env|serve' 'env|verify' 'model|init' 'model|info'
-set -g __gymv_value_options 'completion|--write' 'completion|--check' 'dry-run|--recipes-dir' 'lint|--format' 'lint|-f' 'prepare|--n' 'prepare|--out' 'prepare|--seed' 'prepare|--split' 'prepare|--preset' 'prepare|--workers' 'prepare|--preview' 'prepare|--preview-count' 'report|--out' 'report|--port' 'smoke|--steps' 'smoke|--junit' 'smoke|--out' 'smoke|--timeout' 'smoke|--ray-address' 'smoke|--recipes-dir' 'train|--resume' 'train|--ray-address' 'env serve|--host' 'env serve|--port' 'env serve|--max-body-mb' 'env serve|--max-turns' 'env serve|--latency-ms' 'env verify|--data' 'env verify|--env' 'env verify|--on-error' 'env verify|--out' 'model init|--hidden' 'model init|--layers' 'model init|--vision-layers' 'model init|--image-size' 'model init|--patch-size' 'model init|--vocab-size' 'model init|--seed'
+set -g __gymv_value_options 'completion|--write' 'completion|--check' 'dry-run|--recipes-dir' 'lint|--format' 'lint|-f' 'prepare|--n' 'prepare|--out' 'prepare|--seed' 'prepare|--split' 'prepare|--preset' 'prepare|--workers' 'prepare|--preview' 'prepare|--preview-count' 'report|--out' 'report|--port' 'report|--compare' 'report|--smoothing' 'smoke|--steps' 'smoke|--junit' 'smoke|--out' 'smoke|--timeout' 'smoke|--ray-address' 'smoke|--recipes-dir' 'train|--resume' 'train|--ray-address' 'env serve|--host' 'env serve|--port' 'env serve|--max-body-mb' 'env serve|--max-session-mb' 'env serve|--max-turns' 'env serve|--latency-ms' 'env verify|--data' 'env verify|--env' 'env verify|--on-error' 'env verify|--out' 'model init|--hidden' 'model init|--layers' 'model init|--vision-layers' 'model init|--image-size' 'model init|--patch-size' 'model init|--vocab-size' 'model init|--seed'
+set -g __gymv_keys 'algorithm=' 'checkpoint.dir=' 'checkpoint.keep=' 'checkpoint.period=' 'checkpoint.resume=' 'checkpoint.steps_per_run=' 'checks=' 'cluster.colocated=' 'cluster.generation_gpus=' 'cluster.generation_workers_per_gpu=' 'cluster.gpus_per_node=' 'cluster.num_nodes=' 'cluster.ray_address=' 'cluster.training_gpus=' 'data.eval=' 'data.prepare=' 'data.shuffle=' 'data.train=' 'env.failed_window_steps=' 'env.kwargs=' 'env.max_failed_fraction=' 'env.max_failed_fraction_window=' 'env.max_rollout_tokens=' 'env.max_turns=' 'env.name=' 'env.preset=' 'env.retries=' 'env.timeout_s=' 'env.url=' 'generation.backend=' 'generation.decode=' 'generation.max_new_tokens=' 'generation.reset_encoder_cache_after_weight_update=' 'generation.stop_strings=' 'generation.temperature=' 'generation.top_p=' 'generation.vllm.enforce_eager=' 'generation.vllm.gpu_memory_utilization=' 'generation.vllm.tensor_parallel_size=' 'grpo.advantage.baseline=' 'grpo.advantage.eps=' 'grpo.advantage.normalize_std=' 'grpo.async.enabled=' 'grpo.async.in_flight_weight_updates=' 'grpo.async.max_trajectory_age_steps=' 'grpo.generations_per_prompt=' 'grpo.importance_sampling.gate_high=' 'grpo.importance_sampling.gate_low=' 'grpo.importance_sampling.kind=' 'grpo.importance_sampling.truncate_max=' 'grpo.loss.aggregation=' 'grpo.loss.clip_high=' 'grpo.loss.clip_low=' 'grpo.loss.kl_coef=' 'grpo.loss.kl_estimator=' 'grpo.max_steps=' 'grpo.prompts_per_step=' 'grpo.val_at_start=' 'grpo.val_period=' 'grpo.val_prompts=' 'logger.log_rollouts=' 'logger.plugins=' 'logger.tensorboard=' 'logger.wandb=' 'logger.wandb_project=' 'model.dtype=' 'model.max_seq_len=' 'model.path=' 'model.trust_remote_code=' 'mopd.agent_to_teacher=' 'mopd.default_teacher_alias=' 'mopd.env_reward_coef=' 'mopd.generations_per_prompt=' 'mopd.importance_sampling.gate_high=' 'mopd.importance_sampling.gate_low=' 'mopd.importance_sampling.kind=' 'mopd.importance_sampling.truncate_max=' 'mopd.max_steps=' 'mopd.prompts_per_step=' 'mopd.strict_agent_name_match=' 'mopd.teachers=' 'mopd.top_k=' 'mopd.val_at_start=' 'mopd.val_period=' 'mopd.val_prompts=' 'name=' 'refit.transport=' 'rollout.agent_timeout_s=' 'rollout.agents=' 'rollout.driver=' 'rollout.model_server_host=' 'rollout.model_server_port=' 'seed=' 'sft.aggregation=' 'sft.batch_size=' 'sft.max_steps=' 'sft.val_at_start=' 'sft.val_period=' 'sft.val_prompts=' 'smoke=' 'training.backend=' 'training.betas=' 'training.dtype=' 'training.eps=' 'training.global_batch_size=' 'training.gradient_checkpointing=' 'training.lr=' 'training.lr_schedule=' 'training.max_grad_norm=' 'training.micro_batch_tokens=' 'training.min_lr_ratio=' 'training.parallel.context=' 'training.parallel.expert=' 'training.parallel.pipeline=' 'training.parallel.tensor=' 'training.warmup_steps=' 'training.weight_decay=' 'vision.dedup_payloads=' 'vision.max_image_pixels=' 'vision.max_images_per_sample='
 
 # Prints the command path (e.g. "env serve"), then the index of the positional argument being typed.
 function __gymv_state
@@ -41,6 +42,10 @@ function __gymv_argpos
     test "$argv[1]" = '*'; or test "$state[2]" = "$argv[1]"
 end
 
+function __gymv_complete_keys
+    string match -q -- '*=*' (commandline -ct); or printf '%s\n' $__gymv_keys
+end
+
 function __gymv_suites
     set -l tokens (commandline -opc)
     set -l dir recipes
@@ -67,7 +72,7 @@ complete -c gymv -n '__gymv_at \'\'' -a 'train' -d 'Train a policy with the algo
 complete -c gymv -n '__gymv_at \'\'' -a 'env' -d 'Serve environments over HTTP and re-score rollout files'
 complete -c gymv -n '__gymv_at \'\'' -a 'model' -d 'Build and inspect policy checkpoints'
 complete -c gymv -n '__gymv_at \'\'' -l version -d 'Print the version and exit'
-complete -c gymv -n '__gymv_at \'\'' -l debug -d 'Show full tracebacks on errors'
+complete -c gymv -n '__gymv_at \'\'' -l debug -d 'Show full tracebacks on errors (allowed anywhere on the line)'
 complete -c gymv -n '__gymv_at \'\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'completion\'' -l write -r -a '(__fish_complete_directories (commandline -ct))' -d 'Write gymv.bash, _gymv and gymv.fish for the built-in commands into DIR'
 complete -c gymv -n '__gymv_at \'completion\'' -l check -r -a '(__fish_complete_directories (commandline -ct))' -d 'Exit 1 when the scripts in DIR differ from freshly generated ones'
@@ -95,11 +100,13 @@ complete -c gymv -n '__gymv_at \'prepare\'' -l preview-count -r -d 'Rows on the 
 complete -c gymv -n '__gymv_at \'prepare\'' -l list-knobs -d 'Show the knobs of ENV\'s preset and exit'
 complete -c gymv -n '__gymv_at \'prepare\'' -l json -d 'Print a JSON summary on stdout'
 complete -c gymv -n '__gymv_at \'prepare\'' -l help -s h -d 'Show this message and exit'
-complete -c gymv -n '__gymv_at \'prepare\'; and __gymv_argpos \'0\'' -F
+complete -c gymv -n '__gymv_at \'prepare\'; and __gymv_argpos \'0\'' -a 'arithmetic circle-click circle-count doorkey example-multi-turn-gymnasium polygon-naming scripted tangram'
 complete -c gymv -n '__gymv_at \'prepare\'; and __gymv_argpos \'*\'' -F
 complete -c gymv -n '__gymv_at \'report\'' -l out -r -a '(__fish_complete_directories (commandline -ct))' -d 'Folder to write the report to (default: RUN_DIR/report)'
 complete -c gymv -n '__gymv_at \'report\'' -l serve -d 'Serve the report on 127.0.0.1 until Ctrl-C; reloading the page picks...'
 complete -c gymv -n '__gymv_at \'report\'' -l port -r -d 'Port for --serve (0: any free port)'
+complete -c gymv -n '__gymv_at \'report\'' -l compare -r -F -d 'Another run directory to draw in the same plots (dashed) and list bes...'
+complete -c gymv -n '__gymv_at \'report\'' -l smoothing -r -d 'Weight of the moving average drawn over training curves (0: none; the...'
 complete -c gymv -n '__gymv_at \'report\'' -l json -d 'Print one JSON object (files, counts, checks) instead of the table'
 complete -c gymv -n '__gymv_at \'report\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'report\'; and __gymv_argpos \'0\'' -F
@@ -113,13 +120,13 @@ complete -c gymv -n '__gymv_at \'smoke\'' -l recipes-dir -r -a '(__fish_complete
 complete -c gymv -n '__gymv_at \'smoke\'' -l json -d 'Print one JSON object (every recipe, check and reason) instead of tables'
 complete -c gymv -n '__gymv_at \'smoke\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'smoke\'; and __gymv_argpos \'*\'' -F -a '(__gymv_suites)'
-complete -c gymv -n '__gymv_at \'train\'' -l resume -r -F -d 'Continue this run directory from its newest checkpoint'
+complete -c gymv -n '__gymv_at \'train\'' -l resume -r -F -d 'Continue this run directory from its newest checkpoint, with its reco...'
 complete -c gymv -n '__gymv_at \'train\'' -l ray-address -r -F -d 'Join this Ray cluster (HOST:PORT or auto) instead of starting one'
 complete -c gymv -n '__gymv_at \'train\'' -l json -d 'Print a JSON summary on stdout instead of the table'
 complete -c gymv -n '__gymv_at \'train\'' -l async -d 'GRPO with generation running ahead of training (grpo.async.enabled; n...'
 complete -c gymv -n '__gymv_at \'train\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'train\'; and __gymv_argpos \'0\'' -F
-complete -c gymv -n '__gymv_at \'train\'; and __gymv_argpos \'*\'' -F
+complete -c gymv -n '__gymv_at \'train\'; and __gymv_argpos \'*\'' -a '(__gymv_complete_keys)'
 complete -c gymv -n '__gymv_at \'env\'' -a 'list' -d 'List the environments gymv can serve, verify and generate data for'
 complete -c gymv -n '__gymv_at \'env\'' -a 'serve' -d 'Serve NAME with NeMo Gym\'s resources-server and gymnasium endpoints u...'
 complete -c gymv -n '__gymv_at \'env\'' -a 'verify' -d 'Re-score rollouts with gymv\'s verifiers and compare with their record...'
@@ -129,13 +136,14 @@ complete -c gymv -n '__gymv_at \'env list\'' -l help -s h -d 'Show this message 
 complete -c gymv -n '__gymv_at \'env serve\'' -l host -r -F -d 'Interface to bind (127.0.0.1: this machine only)'
 complete -c gymv -n '__gymv_at \'env serve\'' -l port -r -d 'TCP port (0: pick a free one)'
 complete -c gymv -n '__gymv_at \'env serve\'' -l max-body-mb -r -d 'Largest accepted request body, in MiB'
+complete -c gymv -n '__gymv_at \'env serve\'' -l max-session-mb -r -d 'Memory for open episodes, in MiB (the least recently used go first)'
 complete -c gymv -n '__gymv_at \'env serve\'' -l log-requests -d 'Log each request on stderr'
 complete -c gymv -n '__gymv_at \'env serve\'' -l max-turns -r -d 'Model turns per episode on /step (default: the environment\'s own)'
 complete -c gymv -n '__gymv_at \'env serve\'' -l latency-ms -r -d 'Delay every /step and tool call by this much (simulate a slow tool)'
 complete -c gymv -n '__gymv_at \'env serve\'' -l help -s h -d 'Show this message and exit'
-complete -c gymv -n '__gymv_at \'env serve\'; and __gymv_argpos \'0\'' -F
+complete -c gymv -n '__gymv_at \'env serve\'; and __gymv_argpos \'0\'' -a 'arithmetic circle-click circle-count doorkey example-multi-turn-gymnasium polygon-naming scripted tangram'
 complete -c gymv -n '__gymv_at \'env verify\'' -l data -r -F -d 'Rows the rollouts were run on, joined by _ng_task_index'
-complete -c gymv -n '__gymv_at \'env verify\'' -l env -r -F -d 'Environment to score with (default: from each row)'
+complete -c gymv -n '__gymv_at \'env verify\'' -l env -r -a 'arithmetic circle-click circle-count doorkey example-multi-turn-gymnasium polygon-naming scripted tangram' -d 'Environment to score with (default: from each row)'
 complete -c gymv -n '__gymv_at \'env verify\'' -l on-error -r -F -d 'fail: stop at the first unusable line; skip: count it and go on'
 complete -c gymv -n '__gymv_at \'env verify\'' -l out -r -F -d 'Also write the scored rollouts (reward and extras) here'
 complete -c gymv -n '__gymv_at \'env verify\'' -l fail-on-mismatch -d 'Exit 1 when a recorded reward differs'
@@ -155,7 +163,7 @@ complete -c gymv -n '__gymv_at \'model init\'' -l seed -r -d 'Seed for the token
 complete -c gymv -n '__gymv_at \'model init\'' -l force -d 'Replace OUT_DIR if it exists'
 complete -c gymv -n '__gymv_at \'model init\'' -l json -d 'Print the result as JSON'
 complete -c gymv -n '__gymv_at \'model init\'' -l help -s h -d 'Show this message and exit'
-complete -c gymv -n '__gymv_at \'model init\'; and __gymv_argpos \'0\'' -F
+complete -c gymv -n '__gymv_at \'model init\'; and __gymv_argpos \'0\'' -a 'tiny-llava tiny-qwen2vl'
 complete -c gymv -n '__gymv_at \'model init\'; and __gymv_argpos \'1\'' -F
 complete -c gymv -n '__gymv_at \'model info\'' -l json -d 'Print the result as JSON'
 complete -c gymv -n '__gymv_at \'model info\'' -l help -s h -d 'Show this message and exit'

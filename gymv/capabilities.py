@@ -1,7 +1,7 @@
 """What `gymv train` can run with what is installed: the one table that says which config values are wired.
 
 The schema accepts values for things that are planned but not built here (a vLLM generation backend, a
-Megatron-core trainer, TensorBoard...). A recipe that uses one must be refused before anything starts, by
+Megatron-core trainer...). A recipe that uses one must be refused before anything starts, by
 `gymv train` (config loading), flagged by `gymv lint` when a nightly or release suite lists it, and named by
 `gymv smoke --tiny` when its stand-ins replace it. All three read `gaps(cfg)`; wiring a feature means
 registering its backend (gymv.backends.registry) or deleting its row in NOT_WIRED below, nothing else.
@@ -21,8 +21,6 @@ NOT_WIRED: dict[str, dict[Any, str]] = {
         "megatron": "Megatron-core teachers are not wired into gymv train yet",
         "vllm": "vLLM teachers are not wired into gymv train yet",
     },
-    "logger.tensorboard": {True: "TensorBoard logging is not wired into gymv train yet"},
-    "logger.wandb": {True: "W&B logging is not wired into gymv train yet"},
     "model.trust_remote_code": {True: "loading modelling code shipped inside a checkpoint is not wired yet"},
     "vision.dedup_payloads": {False: "the generation backend always encodes an image shared by a group once"},
 }
@@ -30,8 +28,6 @@ FIXES: dict[str, str] = {
     "generation.backend": "use generation.backend: hf",
     "training.backend": "use training.backend: torch",
     "mopd.teachers.*.backend": "use backend: torch",
-    "logger.tensorboard": "set logger.tensorboard: false; metrics.jsonl holds every metric",
-    "logger.wandb": "set logger.wandb: false; metrics.jsonl holds every metric",
     "model.trust_remote_code": "use a checkpoint whose architecture transformers ships, with trust_remote_code: false",
     "vision.dedup_payloads": "remove vision.dedup_payloads (it is always on)",
 }
@@ -100,8 +96,7 @@ def _gaps(cfg) -> Iterator[Gap]:
         if t.backend not in TEACHER_BACKENDS:
             yield _not_wired(key, t.backend, "mopd.teachers.*.backend") or Gap(
                 key, f"no teacher backend {t.backend!r} is installed", "use backend: torch")
-    for key, value in (("logger.tensorboard", cfg.logger.tensorboard), ("logger.wandb", cfg.logger.wandb),
-                       ("model.trust_remote_code", cfg.model.trust_remote_code)):
+    for key, value in (("model.trust_remote_code", cfg.model.trust_remote_code),):
         gap = _not_wired(key, value)
         if gap:
             yield gap
@@ -122,6 +117,9 @@ def table() -> dict[str, dict[str, str]]:
         "mopd.teachers.*.backend": {n: "runs" for n in TEACHER_BACKENDS.available()},
         "refit.transport": {n: "runs" for n in REFIT_TRANSPORTS.available()},
     }
+    # loggers (gymv.loggers) are wired; each needs its optional library, checked by `gymv train` before it starts
+    out["logger.tensorboard"] = {"true": "runs (needs the tensorboard package)"}
+    out["logger.wandb"] = {"true": "runs (needs the wandb package)"}
     for key, row in NOT_WIRED.items():
         for value, why in row.items():
             out.setdefault(key, {}).setdefault(str(value).lower() if isinstance(value, bool) else str(value), why)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -13,24 +14,83 @@ from typing import IO, Any
 from gymv.errors import GymvError
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it where the OS allows (Linux /proc), else by a quick swap."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode a plain `open()` would give a new file (0o644 under umask 022): teammates can read runs."""
+    return 0o666 & ~current_umask()
+
+
+def dir_mode() -> int:
+    """The mode a plain `mkdir` would give a new folder (0o755 under umask 022)."""
+    return 0o777 & ~current_umask()
+
+
+def follow_umask(path: str | os.PathLike) -> None:
+    """Give a folder written by a library that creates private files (safetensors writes 0600, mkdtemp makes
+    0700) the modes a plain write would have had, recursively; call it before the folder is renamed into place."""
+    path = Path(path)
+    fmode, dmode = file_mode(), dir_mode()
+    os.chmod(path, dmode if path.is_dir() else fmode)
+    for root, dirs, files in os.walk(path):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), dmode)
+        for f in files:
+            if not os.path.islink(os.path.join(root, f)):
+                os.chmod(os.path.join(root, f), fmode)
+
+
 @contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
     """Write to a temporary file beside `path`, fsync, then rename over it; on error the target is untouched."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "is a directory")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:200]}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise _write_error(path, e) from None
+    try:
+        os.fchmod(fd, file_mode())  # mkstemp makes 0600; the finished file follows the umask like any other
         with os.fdopen(fd, mode, **kwargs) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(e, OSError) and e.errno in _FILE_ERRNOS:
+            raise _write_error(path, e) from None
         raise
+
+
+_FILE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EISDIR, errno.ENOTDIR, errno.ENAMETOOLONG,
+                errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST}
+_FIXES = {errno.ENOSPC: "free disk space", errno.EDQUOT: "free disk space (quota)",
+          errno.EFBIG: "the file outgrew the size limit (ulimit -f); raise it", errno.EISDIR: "pass a file path",
+          errno.ENAMETOOLONG: "use a shorter path", errno.EROFS: "write to a writable disk"}
+
+
+def _write_error(path: Path, e: OSError) -> GymvError:
+    """One line naming the file being written (never its temporary name) and what to do."""
+    return GymvError(f"cannot write: {e.strerror or e}", where=str(path),
+                     fix=_FIXES.get(e.errno, "check the path and its folder's permissions"))
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -54,6 +114,23 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> int:
     return n
 
 
+def parse_json_line(line: bytes | str) -> dict:
+    """One JSONL line as a dict; anything else (bytes that are not UTF-8, bad JSON, nesting too deep for
+    the parser, integers too long to convert, a non-object) is a ValueError saying which."""
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"not UTF-8 text (byte 0x{line[e.start]:02x} at column {e.start + 1})") from None
+    try:
+        row = json.loads(line)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+    return row
+
+
 def iter_jsonl(path: str | os.PathLike, *, on_error: str = "fail", errors: list | None = None) -> Iterator[tuple[int, dict]]:
     """Yield (line_number, row) for each non-blank line.
 
@@ -64,7 +141,7 @@ def iter_jsonl(path: str | os.PathLike, *, on_error: str = "fail", errors: list 
         raise GymvError(f"unknown on_error mode {on_error!r}", fix="use 'skip' or 'fail'")
     path = Path(path)
     try:
-        f = path.open("r", encoding="utf-8")
+        f = path.open("rb")
     except FileNotFoundError:
         raise GymvError("file not found", where=str(path), fix="check the path") from None
     except OSError as e:
@@ -74,9 +151,7 @@ def iter_jsonl(path: str | os.PathLike, *, on_error: str = "fail", errors: list 
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-                if not isinstance(row, dict):
-                    raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+                row = parse_json_line(line)
             except ValueError as e:
                 msg = f"malformed JSON line: {e}"
                 if on_error == "fail":

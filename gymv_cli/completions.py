@@ -1,8 +1,9 @@
 """Static bash, zsh and fish completion scripts generated from the live command tree.
 
 The scripts hold the whole tree (subcommands, options, which options take a value, choices, path
-arguments) as data, so pressing TAB never starts Python: no interpreter start-up, no plugin imports, no
-warnings printed into the prompt. The one dynamic value, suite names, is listed by the shell itself from
+arguments), the built-in environment names and model architectures, and every recipe key (for
+`gymv train RECIPE key=value`) as data, so pressing TAB never starts Python: no interpreter start-up, no
+plugin imports, no warnings printed into the prompt. The one dynamic value, suite names, is listed by the shell itself from
 `<recipes dir>/suites/*.txt` (the `--recipes-dir` given on the line, else `recipes`). The price is that the
 scripts go stale when commands change; `gymv completion --check completions` (and a test) says so.
 """
@@ -59,11 +60,52 @@ def _short(text: str | None, limit: int = 72) -> str:
     return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
 
 
+def env_names() -> list[str]:
+    """Built-in environments and their NeMo Gym aliases (plugins are not installed where scripts are generated)."""
+    from gymv.envs.registry import ALIASES, BUILTINS
+
+    return sorted({*BUILTINS, *ALIASES})
+
+
+def model_archs() -> list[str]:
+    from gymv.models.tiny import ARCHES
+
+    return sorted(ARCHES)
+
+
+def override_keys() -> list[str]:
+    """Every recipe key as `dotted.key=`, across all algorithms (what `gymv train RECIPE` accepts after it)."""
+    from pydantic import BaseModel
+
+    from gymv.config.schema import MODELS
+
+    keys: set[str] = set()
+
+    def walk(model: type, prefix: str) -> None:
+        for name, f in model.model_fields.items():
+            key = prefix + (f.alias or name)
+            sub = f.annotation
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                walk(sub, key + ".")
+            else:
+                keys.add(key + "=")
+
+    for model in MODELS.values():
+        walk(model, "")
+    return sorted(keys)
+
+
 def _kind(param: Any) -> str:
     """How to complete a parameter's value, across typer's own descriptors and plain click types."""
     metavar = (getattr(param, "metavar", None) or "").upper()
     if "SUITE" in metavar:
         return "suites"
+    if metavar == "ENV":
+        return "choice:" + " ".join(env_names())
+    if metavar == "ARCH":
+        return "choice:" + " ".join(model_archs())
+    if "KEY=VALUE" in metavar:
+        return "keys"
     td = getattr(param, "type_descriptor", None)
     if td is not None:
         choices = td.choices
@@ -198,6 +240,8 @@ def render_bash(tree: Command) -> str:
             pattern = _sq(f"{n.key}|") + ("*" if suffix == "*" else _sq(suffix))
             lines.append(f"        {pattern}) echo {_sq(kind)} ;;")
     lines.append("    esac\n}\n")
+    lines.append("# Recipe keys, offered as `key=` for overrides.")
+    lines.append(f"_gymv_keys() {{\n    echo {_sq(' '.join(override_keys()))}\n}}\n")
     lines.append(_BASH_MAIN)
     return "\n".join(lines)
 
@@ -215,6 +259,11 @@ _BASH_MAIN = r'''_gymv_complete_kind() {
             done
             compopt -o filenames 2>/dev/null
             COMPREPLY=( $(compgen -W "$names" -- "$cur") $(compgen -f -- "$cur") ) ;;
+        keys)
+            # bash splits KEY=VALUE at '=': after it comes a value, which has no completion
+            [ "${COMP_WORDS[COMP_CWORD-1]}" = "=" ] && { COMPREPLY=(); return; }
+            compopt -o nospace 2>/dev/null
+            COMPREPLY=( $(compgen -W "$(_gymv_keys)" -- "$cur") ) ;;
         none) COMPREPLY=() ;;
         *) compopt -o filenames 2>/dev/null; COMPREPLY=( $(compgen -f -- "$cur") ) ;;
     esac
@@ -301,6 +350,7 @@ def render_zsh(tree: Command) -> str:
             pattern = _sq(f"{n.key}|") + ("*" if suffix == "*" else _sq(suffix))
             lines.append(f"        {pattern}) REPLY={_sq(kind)} ;;")
     lines.append("    esac\n}\n")
+    lines.append(f"_gymv_keys=({' '.join(_sq(k) for k in override_keys())})\n")
     lines.append(_ZSH_MAIN)
     return "\n".join(lines)
 
@@ -315,6 +365,7 @@ _ZSH_MAIN = r'''_gymv_complete_kind() {
             suites=( "$recipes_dir"/suites/*.txt(N:t:r) )
             (( ${#suites} )) && compadd -- $suites
             _files ;;
+        keys) [[ "${words[CURRENT]}" == *=* ]] || compadd -S '' -- $_gymv_keys ;;
         none) _message 'a number' ;;
         *) _files ;;
     esac
@@ -388,7 +439,8 @@ def render_fish(tree: Command) -> str:
     subs = [f"{n.key}|{s.path[-1]}" for n in nodes for s in n.subcommands]
     valued = [f"{n.key}|{name}" for n in nodes for o in n.options if o.takes_value for name in o.names]
     out.append("set -g __gymv_subcommands " + " ".join(_fish_sq(s) for s in subs))
-    out.append("set -g __gymv_value_options " + " ".join(_fish_sq(s) for s in valued) + "\n")
+    out.append("set -g __gymv_value_options " + " ".join(_fish_sq(s) for s in valued))
+    out.append("set -g __gymv_keys " + " ".join(_fish_sq(k) for k in override_keys()) + "\n")
     out.append(_FISH_FUNCTIONS)
     out.append("complete -c gymv -f")
     for n in nodes:
@@ -424,6 +476,8 @@ def _fish_value(kind: str) -> str:
         return " -F -a " + _fish_sq("(__gymv_suites)")
     if kind == "none":
         return ""
+    if kind == "keys":
+        return " -a " + _fish_sq("(__gymv_complete_keys)")
     return " -F"
 
 
@@ -460,6 +514,10 @@ end
 function __gymv_argpos
     set -l state (__gymv_state)
     test "$argv[1]" = '*'; or test "$state[2]" = "$argv[1]"
+end
+
+function __gymv_complete_keys
+    string match -q -- '*=*' (commandline -ct); or printf '%s\n' $__gymv_keys
 end
 
 function __gymv_suites

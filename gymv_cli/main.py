@@ -41,17 +41,25 @@ def build_app() -> typer.Typer:
     @app.callback()
     def root(
         version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
-        debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+        debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors (allowed anywhere on the line)."),
     ) -> None:
-        _state["debug"] = debug
+        _state["debug"] = _state["debug"] or debug
 
     mount_plugins(app)
     return app
 
 
+def split_debug(argv: list[str]) -> tuple[list[str], bool]:
+    """Take `--debug` out of argv wherever it stands (before or after the subcommand, never after `--`), so
+    that `gymv prepare ... --debug` works as the error messages promise."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    head = [a for a in argv[:cut] if a != "--debug"]
+    return head + argv[cut:], len(head) < cut
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    _state["debug"] = "--debug" in argv
+    argv, _state["debug"] = split_debug(list(argv))
     if _state["debug"]:
         os.environ["GYMV_DEBUG"] = "1"  # the engine then prints what it would summarise (a worker's traceback)
     app = build_app()

@@ -9,5 +9,9 @@ spec="."
 [ -n "$extras" ] && spec=".[${extras}]"
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -vE "Location 'file|^\s*$" || true
-.venv/bin/python -m pip install -q torch==2.13.0 -e "$spec" 2>&1 | grep -vE "Location 'file|^\s*$" || true
+# setuptools' generic notice about editable installs (a package folder in the working directory wins imports)
+# is dropped: it is always printed for this layout and asks nothing of the user
+.venv/bin/python -m pip install -q torch==2.13.0 -e "$spec" 2>&1 \
+  | awk '/BuildBackendWarning: Editable installation/ {skip=1} !skip {print} skip && /with strategy, WheelFile/ {skip=0}' \
+  | grep -vE "Location 'file|^\s*$" || true
 .venv/bin/python -c "import gymv, torch; print(f'gymv {gymv.__version__} installed (torch {torch.__version__})')"

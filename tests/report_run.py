@@ -44,10 +44,11 @@ def episode(env, row: dict, task: int, sample: int, hit: bool) -> dict:
     final = ModelTurn(text="I clicked the <b>target</b> circle.").to_items()
     attach_model_call_tokens(final, [1, 2, 3, 4, 5, 6], [7], [-0.1])
     output += final
-    reward = env.score_output(row, output).reward
-    return make_rollout_record(row, output, reward, task_index=task, rollout_index=sample,
-                               extras={"_gymv": {"agent_name": row["agent_ref"]["name"], "turns": 2,
-                                                 "finish_reason": "stop", "error": None}})
+    score = env.score_output(row, output)  # its extras go into the record, as in training (gymv.rollout.record)
+    return make_rollout_record(row, output, score.reward, task_index=task, rollout_index=sample,
+                               extras={**score.extras, "failure_reason": score.failure_reason, "_gymv": {"agent_name": row["agent_ref"]["name"], "turns": 2,
+                                                 "finish_reason": "stop", "error": None,
+                                                 "advantage": 1.0 if hit else -1.0}})  # G=2, one hit: leave-one-out
 
 
 def make_run(path: Path, *, steps: int = 4, checks: tuple[str, ...] = (), truncated_tail: bool = False) -> Path:
@@ -66,6 +67,8 @@ def make_run(path: Path, *, steps: int = 4, checks: tuple[str, ...] = (), trunca
                 "train/reward_mean/circle_click_simple_agent": 0.1 * s,
                 "train/loss": 1.0 / s, "train/pg_loss": 0.8 / s, "train/kl_ref": 0.01 * s, "train/entropy": 2.0 - 0.1 * s,
                 "train/token_mult_prob_error": 1.0 + 0.01 * s,
+                "train/grad_norm": 3.0 / s, "train/lr": 1e-4 * min(1.0, s / 2), "train/gen_length_mean": 20.0 + s,
+                "train/zero_std_group_fraction": 0.0,
                 "timing/step_s": 10.0, "timing/generation_s": 5.0, "timing/env_s": 1.0, "timing/logprobs_s": 1.0,
                 "timing/training_s": 2.5, "timing/refit_s": 0.5,
             })

@@ -23,10 +23,13 @@ def test_the_default_recipe_has_no_gaps():
 
 
 def test_each_planned_value_is_a_gap_named_by_its_key():
-    c = cfg(generation={"backend": "vllm"}, training={"backend": "megatron"}, logger={"tensorboard": True},
+    c = cfg(generation={"backend": "vllm"}, training={"backend": "megatron"},
             model={"trust_remote_code": True}, vision={"dedup_payloads": False})
-    assert keys(c) == ["generation.backend", "training.backend", "logger.tensorboard", "model.trust_remote_code",
-                       "vision.dedup_payloads"]
+    assert keys(c) == ["generation.backend", "training.backend", "model.trust_remote_code", "vision.dedup_payloads"]
+
+
+def test_tensorboard_and_wandb_are_wired():
+    assert gaps(cfg(logger={"tensorboard": True, "wandb": True})) == []
 
 
 def test_vllm_settings_with_another_backend_are_a_gap_since_nothing_reads_them():
@@ -47,14 +50,15 @@ def test_a_registered_backend_wins_over_its_planned_row():
 def test_the_table_lists_what_runs_and_why_the_rest_does_not():
     t = table()
     assert t["generation.backend"]["hf"] == "runs" and t["generation.backend"]["vllm"] == NOT_WIRED["generation.backend"]["vllm"]
-    assert t["logger.tensorboard"]["true"].startswith("TensorBoard")
+    assert t["logger.tensorboard"]["true"].startswith("runs") and t["model.trust_remote_code"]["true"] == NOT_WIRED[
+        "model.trust_remote_code"][True]
 
 
 def test_gymv_train_refuses_a_gap_at_the_line_that_wrote_it(tmp_path):
     from gymv.train import train
 
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("algorithm: grpo\nlogger:\n  tensorboard: true\n")
+    recipe.write_text("algorithm: grpo\nmodel:\n  trust_remote_code: true\n")
     with pytest.raises(GymvError) as e:
         train(recipe)
-    assert e.value.where.endswith("r.yaml:3") and "TensorBoard" in e.value.message
+    assert e.value.where.endswith("r.yaml:3") and "modelling code" in e.value.message

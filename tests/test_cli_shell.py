@@ -83,3 +83,24 @@ def test_unknown_command_is_a_usage_error_without_traceback():
     r = run_gymv("no-such-command")
     assert r.code == 2
     assert "Traceback" not in r.stderr
+
+
+def test_debug_after_the_subcommand_is_accepted_and_shows_the_traceback():
+    r = run_gymv("prepare", "circle-count", "--debug")
+    assert "No such option" not in r.stderr
+    assert r.code != 0
+    assert "Traceback" in r.stderr and "--n and --out are required" in r.stderr
+
+
+def test_without_debug_the_same_error_is_one_line():
+    r = run_gymv("prepare", "circle-count")
+    assert r.code != 0
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "--n and --out are required" in r.stderr
+
+
+def test_debug_after_a_double_dash_is_left_to_the_command():
+    from gymv_cli.main import split_debug
+
+    assert split_debug(["train", "r.yaml", "--debug", "--", "--debug"]) == (["train", "r.yaml", "--", "--debug"], True)
+    assert split_debug(["train", "--", "--debug"]) == (["train", "--", "--debug"], False)

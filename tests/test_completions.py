@@ -132,6 +132,25 @@ def test_bash_completes_an_option_value_split_at_equals_sign(project):
     assert bash_complete(COMPLETIONS / "gymv.bash", words, project) == ["recipes"]
 
 
+def test_bash_completes_environment_names(project):
+    assert bash_complete(COMPLETIONS / "gymv.bash", ["gymv", "prepare", "circle-c"], project) == ["circle-click", "circle-count"]
+    assert "polygon-naming" in bash_complete(COMPLETIONS / "gymv.bash", ["gymv", "env", "serve", ""], project)
+
+
+def test_bash_completes_model_architectures(project):
+    assert bash_complete(COMPLETIONS / "gymv.bash", ["gymv", "model", "init", "tiny-"], project) == ["tiny-llava", "tiny-qwen2vl"]
+
+
+def test_bash_completes_override_keys_after_the_recipe(project):
+    words = ["gymv", "train", "r.yaml", "training.l"]
+    assert bash_complete(COMPLETIONS / "gymv.bash", words, project) == ["training.lr=", "training.lr_schedule="]
+    assert "grpo.async.enabled=" in bash_complete(COMPLETIONS / "gymv.bash", ["gymv", "train", "r.yaml", "grpo.as"], project)
+
+
+def test_bash_offers_nothing_for_an_override_value(project):
+    assert bash_complete(COMPLETIONS / "gymv.bash", ["gymv", "train", "r.yaml", "training.lr", "=", ""], project) == []
+
+
 def test_bash_completes_choices_of_an_argument(project):
     assert bash_complete(COMPLETIONS / "gymv.bash", ["gymv", "completion", ""], project) == ["bash", "fish", "zsh"]
 
@@ -233,3 +252,17 @@ def test_fish_completes_options_and_suite_names(project):
     script = COMPLETIONS / "gymv.fish"
     assert fish_complete(script, "gymv dry-run --js", project) == ["--json"]
     assert fish_complete(script, "gymv dry-run ni", project) == ["nightly"]
+
+
+@needs_zsh
+def test_zsh_completes_environment_names_and_override_keys(project):
+    assert zsh_complete(COMPLETIONS, "gymv prepare circle-c", project) == ["circle-click", "circle-count"]
+    assert zsh_complete(COMPLETIONS, "gymv train r.yaml training.l", project) == ["training.lr=", "training.lr_schedule="]
+
+
+@needs_fish
+def test_fish_completes_architectures_and_override_keys_but_not_values(project):
+    script = COMPLETIONS / "gymv.fish"
+    assert fish_complete(script, "gymv model init tiny-", project) == ["tiny-llava", "tiny-qwen2vl"]
+    assert fish_complete(script, "gymv train r.yaml training.l", project) == ["training.lr=", "training.lr_schedule="]
+    assert fish_complete(script, "gymv train r.yaml training.lr=", project) == []

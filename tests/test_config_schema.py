@@ -123,3 +123,12 @@ def _models_in(tp):
 def test_a_null_global_batch_is_one_optimizer_step_per_rollout_batch():
     cfg = validate_config({"algorithm": "grpo", "grpo": {"prompts_per_step": 4, "generations_per_prompt": 2}})
     assert cfg.training.global_batch_size == 8
+
+
+@pytest.mark.parametrize("key, value", [("lr", float("inf")), ("lr", float("nan")), ("eps", float("inf")),
+                                        ("max_grad_norm", float("inf"))])
+def test_non_finite_numbers_are_refused_with_their_dotted_path(key, value):
+    data = {"algorithm": "grpo", "training": {key: value}}
+    _, findings = schema_findings(data)
+    assert len(findings) == 1 and f"training.{key}" in findings[0].message + str(findings[0].where or "")
+    assert "finite" in findings[0].message

@@ -306,3 +306,70 @@ def test_repository_suites_dry_run_cleanly(gymv):
     r = gymv("dry-run", "--recipes-dir", REPO / "recipes", cwd=REPO)
     assert r.code == 0, r.stderr
     assert r.stdout.splitlines()[-1].startswith("Total GPU hours: ")
+
+
+# -- NeMo RL's own suite lists (driver .sh paths from the repository root) ---------------------------------
+
+
+def nemo_rl_driver(path: Path, block: str, after: str = "") -> None:
+    """A driver written the way NeMo RL writes them: helpers sourced before the block, the launch after it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('#!/bin/bash\nSCRIPT_DIR=$( cd -- "$( dirname -- "${BASH_SOURCE[0]}" )" &> /dev/null && pwd)\n'
+                    f'source $SCRIPT_DIR/common.env\n\n{BEGIN}\n{block}{END}\n\nexit_if_max_steps_reached\n{after}'
+                    'uv run examples/run_grpo_math.py --config $CONFIG_PATH\n')
+
+
+@pytest.fixture
+def nemo_rl(tmp_path) -> Path:
+    """A NeMo RL checkout: tests/test_suites/nightly.txt lists two drivers, one a wrapper that execs the other."""
+    suites = tmp_path / "tests" / "test_suites"
+    nemo_rl_driver(suites / "llm" / "grpo-a-1n8g.sh",
+                   'NUM_NODES="${NUM_NODES:-4}"\nSTEPS_PER_RUN=50\nMAX_STEPS=100\n'
+                   "NUM_RUNS=$(( (MAX_STEPS + STEPS_PER_RUN - 1) / STEPS_PER_RUN ))  # Round up\nNUM_MINUTES=60\n")
+    nemo_rl_driver(suites / "llm" / "grpo-a-1n8g-long.sh",
+                   "NUM_NODES=1\nSTEPS_PER_RUN=50\nMAX_STEPS=100\nNUM_RUNS=$(( (MAX_STEPS + STEPS_PER_RUN - 1) / STEPS_PER_RUN ))\n"
+                   "NUM_MINUTES=30\n", after='exec "$SCRIPT_DIR/grpo-a-1n8g.sh" "$@"\n')
+    (suites / "nightly.txt").write_text("# GRPO\ntests/test_suites/llm/grpo-a-1n8g.sh\n\n"
+                                        "# long run\ntests/test_suites/llm/grpo-a-1n8g-long.sh\n")
+    return tmp_path
+
+
+def test_a_nemo_rl_suite_list_of_driver_paths_is_costed(nemo_rl):
+    result = plan([nemo_rl / "tests/test_suites/nightly.txt"])
+    [group] = result.groups
+    assert group.suite == "nightly"
+    assert [d.config.path.name for d in group.drivers] == ["grpo-a-1n8g.sh", "grpo-a-1n8g-long.sh"]
+    assert [d.gpu_minutes for d in group.drivers] == [2 * 4 * 8 * 60, 2 * 1 * 8 * 30]
+
+
+def test_a_wrapper_driver_counts_what_its_own_config_block_allocates_and_warns_of_the_mismatch(nemo_rl):
+    result = plan([nemo_rl / "tests/test_suites/nightly.txt"])
+    wrapper = result.groups[0].drivers[1].config
+    assert wrapper.num_nodes == 4 and wrapper.allocation("NUM_NODES") == 1  # runs with 4, the launcher allocates 1
+    assert wrapper.gpu_hours == Fraction(2 * 1 * 8 * 30, 60)
+    warnings = result.warnings()
+    assert any("NUM_NODES='1' does not reach the driver it execs" in w and "GPU-hours count the wrapper's value" in w
+               for w in warnings), warnings
+
+
+def test_cli_reads_a_nemo_rl_suite_list_from_a_sub_folder(gymv, nemo_rl):
+    r = gymv("dry-run", "test_suites/nightly.txt", cwd=nemo_rl / "tests")
+    assert r.code == 0, r.stderr
+    assert r.stdout.rstrip("\n").splitlines()[-1] == "Total GPU hours: 72.00"  # 64 + 8
+    assert "grpo-a-1n8g-long.sh" in r.stdout and "not a recipe" not in r.stderr
+    assert "BUDGET" not in r.stdout  # gymv's own budgets.yaml speaks of gymv's suites, not of this list
+
+
+def test_cli_json_shows_the_allocated_sizing_and_what_the_execd_driver_runs_with(gymv, nemo_rl):
+    r = gymv("dry-run", "tests/test_suites/nightly.txt", "--json", cwd=nemo_rl)
+    wrapper = json.loads(r.stdout)["suites"][0]["drivers"][1]
+    assert (wrapper["num_nodes"], wrapper["num_minutes"], wrapper["gpu_hours"]) == (1, 30, 8.0)
+    assert wrapper["runs_with"] == {"num_nodes": 4, "num_minutes": 60}
+
+
+def test_a_missing_driver_in_a_nemo_rl_list_names_its_line(nemo_rl):
+    suite = nemo_rl / "tests/test_suites/nightly.txt"
+    suite.write_text(suite.read_text() + "tests/test_suites/llm/gone.sh\n")
+    with pytest.raises(GymvError) as e:
+        plan([suite])
+    assert e.value.where == f"{suite}:6" and "gone.sh not found" in e.value.message

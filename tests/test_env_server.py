@@ -235,6 +235,19 @@ def test_tool_images_come_back_as_parts_and_tool_state_is_per_session():
         assert b.call_tool("shoot", {}).text == "shot 1"
 
 
+def test_cli_prints_the_url_alone_on_the_first_stdout_line():
+    proc = subprocess.Popen([sys.executable, "-m", "gymv_cli.main", "env", "serve", "circle-count", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().rstrip("\n")
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+", line), line
+        assert EnvClient(line).health()["env"] == "circle-count"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert "serving circle-count on " + line in proc.stderr.read()
+
+
 def test_cli_serves_on_a_free_port_until_terminated():
     proc = subprocess.Popen([sys.executable, "-m", "gymv_cli.main", "env", "serve", "circle-count", "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -247,3 +260,45 @@ def test_cli_serves_on_a_free_port_until_terminated():
         t0 = time.time()
         proc.wait(timeout=10)
     assert time.time() - t0 < 5
+
+
+def test_a_host_header_naming_another_host_is_403_on_a_loopback_server(click_server):
+    status, body, _ = post(click_server, "/seed_session", b"{}", {"Host": "attacker.example:8000"})
+    assert status == 403 and "loopback names only" in body["detail"]
+
+
+def test_loopback_host_names_are_served(click_server):
+    for host in ("localhost", f"127.0.0.1:{click_server.port}", f"[::1]:{click_server.port}"):
+        assert post(click_server, "/seed_session", b"{}", {"Host": host})[0] == 200
+
+
+def test_a_post_from_a_page_of_another_origin_is_403(click_server):
+    status, body, _ = post(click_server, "/seed_session", b"{}", {"Origin": "https://attacker.example"})
+    assert status == 403 and "attacker.example" in body["detail"]
+
+
+def test_sessions_are_bounded_in_bytes_dropping_the_least_recently_used():
+    from rollout_helpers import tiny_rows
+
+    env, rows = tiny_rows("circle-count", 3)
+    size = len(json.dumps(rows[0][1]).encode())
+    with EnvServer(env, max_session_bytes=int(size * 2.5)) as srv:
+        clients = [EnvClient(srv.url) for _ in rows]
+        for client, (_, row) in zip(clients, rows):
+            client.reset(row)
+        assert srv.sessions.bytes <= size * 2.5
+        with pytest.raises(EnvHTTPError) as e:  # the first episode made room for the third
+            clients[0].step(rows[0][1], ModelTurn(text="\\boxed{1}").to_items())
+        assert e.value.status == 409
+        assert clients[2].step(rows[2][1], ModelTurn(text="\\boxed{1}").to_items())["terminated"]
+
+
+def test_a_stalled_body_is_408_and_the_server_goes_on():
+    with EnvServer(get_env("circle-click"), request_timeout=0.5) as srv:
+        sock = socket.create_connection((srv.host, srv.port), timeout=10)
+        sock.sendall(b"POST /verify HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"resp")
+        reply = sock.recv(65536).decode()
+        sock.close()
+        assert reply.startswith("HTTP/1.1 408") and "stopped arriving" in reply
+        assert EnvClient(srv.url).health()["status"] == "ok"

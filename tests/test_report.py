@@ -47,7 +47,8 @@ def data_of(result) -> dict:
 
 
 def test_every_plot_is_a_png_when_its_metrics_were_logged(built):
-    assert [p.name for p in built.plots] == ["reward", "accuracy", "loss", "kl", "entropy", "token_mult_prob_error", "timing"]
+    assert [p.name for p in built.plots] == ["reward", "accuracy", "loss", "kl", "entropy", "token_mult_prob_error",
+                                             "grad_norm", "response_length", "zero_std_groups", "lr", "timing"]
     for p in built.plots:
         with PILImage.open(built.out_dir / p.file) as img:
             assert img.format == "PNG" and img.width >= 400
@@ -246,3 +247,78 @@ def test_cli_serve_prints_the_url_and_serves_until_interrupted(run, tmp_path):
 def test_the_report_engine_loads_without_torch():
     code = "import sys, gymv.report; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# -- what a researcher reads: answers, advantages, groups, newest first, smoothing, comparison ------------------
+
+
+def test_each_rollout_shows_its_expected_and_parsed_answer_and_its_advantage(built):
+    views = data_of(built)["rollouts"]
+    hit = next(v for v in views if v["reward"] == 1.0)
+    miss = next(v for v in views if v["reward"] == 0.0)
+    assert re.fullmatch(r"inside the \w+ circle at \(\d+, \d+\), radius \d+", hit["expected"])
+    assert re.fullmatch(r"click \(\d+, \d+\)", hit["parsed"]) and miss["parsed"] == "click (0, 0)"
+    assert (hit["advantage"], miss["advantage"]) == (1.0, -1.0)
+
+
+def test_answers_are_read_from_each_verifiers_fields():
+    from gymv.report.viewer import answers
+
+    assert answers({"expected_count": 7, "predicted_count": 5}) == ("7", "5")
+    assert answers({"expected_answer": 12, "predicted_answer": None}) == ("12", "none")
+    assert answers({"expected": "red", "answer": "blue"}) == ("red", "blue")
+    assert answers({"reward": 1.0}) == (None, None)
+
+
+def test_rollouts_come_newest_step_first(built):
+    steps = [v["step"] for v in data_of(built)["rollouts"]]
+    assert steps == sorted(steps, reverse=True) and steps[0] == 4
+
+
+def test_a_grpo_group_is_one_card_holding_its_samples_and_its_prompt_once(built):
+    data = data_of(built)
+    groups = data["groups"]
+    assert len(groups) == 8  # 4 steps x 2 prompts
+    assert all(len(g["samples"]) == 2 for g in groups)
+    first = groups[0]
+    assert (first["step"], first["task"], first["reward_mean"], first["zero_std"]) == (4, 0, 0.5, False)
+    assert [e["kind"] for e in first["prompt"]] == ["message"]
+    assert {data["rollouts"][i]["task"] for i in first["samples"]} == {0}
+
+
+def test_smoothing_is_a_debiased_moving_average():
+    from gymv.report.plots import smooth
+
+    assert smooth([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])
+    assert smooth([0.0, 1.0], 0.0) == [0.0, 1.0]
+    s = smooth([0.0, 1.0, 1.0, 1.0], 0.6)
+    assert s[0] == 0.0 and all(a < b < 1.0 for a, b in zip(s[1:], s[2:]))
+
+
+def test_the_reward_band_stays_inside_0_1():
+    from gymv.report.plots import band_edges
+
+    lows, highs = band_edges([0.1, 0.5, 0.95], [0.3, 0.2, 0.3], (0.0, 1.0))
+    assert lows == pytest.approx([0.0, 0.3, 0.65]) and highs == pytest.approx([0.4, 0.7, 1.0])
+    lows, highs = band_edges([0.1], [0.3], None)
+    assert lows[0] == pytest.approx(-0.2)
+
+
+def test_two_runs_are_compared_on_one_page(run, tmp_path):
+    other = make_run(tmp_path / "other-run", steps=3)
+    result = build_report(run, tmp_path / "out", compare=[other])
+    page = result.index.read_text()
+    assert "compared with other-run (dashed)" in page
+    latest = page[page.index('id="latest"'):page.index("</section>", page.index('id="latest"'))]
+    assert "<th>grpo-run</th><th>other-run</th>" in latest
+    assert re.search(r"<td>train/reward_mean</td><td class=\"num\">0\.4</td><td class=\"num\">0\.3</td>", latest)
+    assert "reward" in [p.name for p in result.plots]
+
+
+def test_cli_compares_and_smooths(run, tmp_path, gymv):
+    other = make_run(tmp_path / "other-run", steps=2)
+    r = gymv("report", run, "--out", tmp_path / "out", "--compare", other, "--smoothing", "0.9", "--json")
+    assert r.code == 0, r.stderr
+    assert "compared with other-run" in (tmp_path / "out" / "index.html").read_text()
+    bad = gymv("report", run, "--out", tmp_path / "out2", "--smoothing", "1.5")
+    assert bad.code == 2 and "Traceback" not in bad.stderr

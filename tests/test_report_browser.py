@@ -47,10 +47,10 @@ def test_the_viewer_shows_every_rollout_of_the_run(dom, report):
 
 def test_rollout_images_load_from_the_folder_offline(dom):
     imgs = re.findall(r'<img [^>]*src="(images/[0-9a-f]+\.png)"[^>]*>', dom)
-    assert len(imgs) == 16  # each rollout: its prompt image and the zoom tool's image
+    assert len(imgs) == 12  # each of 4 groups: its prompt image once; each of 8 rollouts: the zoom tool's image
     # the page enlarges small images once they have loaded, so this style proves the file was read
     loaded = re.findall(r'<img [^>]*src="images/[^"]+"[^>]*style="width: \d+px; image-rendering: pixelated;"', dom)
-    assert len(loaded) == 16
+    assert len(loaded) == 12
 
 
 def test_a_tool_call_shows_its_name_and_arguments_and_its_result(dom):
@@ -80,3 +80,42 @@ def test_a_screenshot_of_the_page_is_drawn(report, tmp_path):
         assert img.size == (1200, 2400)
         histogram = img.convert("L").histogram()
         assert sum(1 for n in histogram if n) > 50  # text, plots and images, not a blank page
+
+
+def test_a_grpo_group_is_one_card_with_the_prompt_image_once_and_its_samples(dom):
+    cards = re.split(r'<details class="group"', dom)[1:]
+    assert len(cards) == 4  # 2 steps x 2 prompts
+    for card in cards:
+        assert card.count('class="rollout"') == 2
+        prompt = card[:card.index('class="samples"')]
+        assert len(re.findall(r'<img [^>]*src="images/', prompt)) == 1
+
+
+def test_groups_come_newest_step_first(dom):
+    assert re.findall(r'<details class="group"[^>]*><summary><span>step (\d+)</span>', dom) == ["2", "2", "1", "1"]
+
+
+def test_each_sample_shows_its_reward_advantage_and_expected_vs_parsed_answer(dom):
+    assert re.search(r'class="adv pos">advantage \+1\.000<', dom) and re.search(r'class="adv neg">advantage -1\.000<', dom)
+    assert re.search(r'class="answer ok">expected inside the \w+ circle at \(\d+, \d+\), radius \d+ · parsed click \(\d+, \d+\)<', dom)
+    assert re.search(r'class="answer wrong">expected inside the \w+ circle [^<]* · parsed click \(0, 0\)<', dom)
+
+
+def _pixels(path, rgb) -> int:
+    from PIL import Image
+
+    with Image.open(path) as img:
+        return sum(1 for p in img.convert("RGB").get_flattened_data() if p == rgb)
+
+
+def test_a_screenshot_shows_the_group_card_with_colored_advantages_and_plots(report, tmp_path):
+    shot = tmp_path / "page.png"
+    chromium(tmp_path, report.index.as_uri() + "#step=2", f"--screenshot={shot}", size="1400,6000")
+    green, red = (0x1a, 0x7f, 0x37), (0xc6, 0x28, 0x28)  # --ok and --bad: positive and negative advantages
+    assert _pixels(shot, green) > 20 and _pixels(shot, red) > 20
+    from PIL import Image
+
+    with Image.open(shot) as img:
+        # the plots grid: many distinct colors (lines, bands, legends) in the upper part of the page
+        top = img.convert("RGB").crop((0, 0, 1400, 1600))
+        assert len(set(top.get_flattened_data())) > 200

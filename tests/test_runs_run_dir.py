@@ -66,3 +66,70 @@ def test_resume_without_a_checkpoint_starts_over(tmp_path):
 def test_a_config_that_is_not_plain_data_is_an_error(tmp_path):
     with pytest.raises(GymvError, match="not plain data"):
         RunDir.create(tmp_path / "demo", {"x": torch.zeros(1)})
+
+
+def _run_with_checkpoint(tmp_path, step=2):
+    run = RunDir.create(tmp_path / "demo", CONFIG)
+    t = TorchTrainer(tiny_lm(0), logprob_fn, TrainerConfig(lr=1e-2))
+    with run.metrics_log() as log:
+        for s in range(1, step + 1):
+            log.log(s, t.train_step(make_samples(2, seed=s), SFTLoss()))
+            run.write_rollouts(s, [record()])
+    run.checkpoints().save(step, t, DataPosition(index=2 * step))
+    return run
+
+
+def test_resume_when_no_checkpoint_reads_is_an_error_that_keeps_everything(tmp_path):
+    run = _run_with_checkpoint(tmp_path)
+    state = run.checkpoints_dir / "step_2" / "state.json"
+    state.write_text(state.read_text()[:10])  # torn
+    weights = (run.checkpoints_dir / "step_2" / "model.safetensors").read_bytes()
+    with pytest.raises(GymvError, match=r"no usable checkpoint to resume from \(step_2: unreadable state.json"):
+        run.resume(TorchTrainer(tiny_lm(1), logprob_fn))
+    assert [r["step"] for r in run.read_metrics()] == [1, 2]  # nothing rewound
+    assert [s for s, _ in rollout_files(run.path)] == [1, 2]
+    assert (run.checkpoints_dir / "step_2" / "model.safetensors").read_bytes() == weights
+
+
+def test_a_truncated_weights_file_makes_a_checkpoint_incomplete(tmp_path):
+    run = _run_with_checkpoint(tmp_path)
+    weights = run.checkpoints_dir / "step_2" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert run.checkpoints().latest() is None
+    with pytest.raises(GymvError, match="step_2: model.safetensors is .* bytes, its header says"):
+        run.resume(TorchTrainer(tiny_lm(1), logprob_fn))
+
+
+def test_a_checkpoint_of_non_finite_weights_is_refused_and_the_previous_one_kept(tmp_path):
+    run = _run_with_checkpoint(tmp_path)
+    t = TorchTrainer(tiny_lm(0), logprob_fn, TrainerConfig(lr=1e-2))
+    with torch.no_grad():
+        next(t.model.parameters()).fill_(float("inf"))
+    with pytest.raises(GymvError, match="after step 3 hold non-finite values .* training diverged"):
+        run.checkpoints().save(3, t, DataPosition(index=6))
+    assert run.checkpoints().latest().name == "step_2"
+    assert not any(p.name.startswith(".tmp-") for p in run.checkpoints_dir.iterdir())
+
+
+def test_resuming_never_rewrites_config_yaml_and_records_what_changed(tmp_path):
+    RunDir.create(tmp_path / "demo", CONFIG)
+    original = (tmp_path / "demo" / "config.yaml").read_text()
+    run = RunDir.create(tmp_path / "demo", {**CONFIG, "trainer": {"lr": 1e-3}}, resume=True)
+    assert (tmp_path / "demo" / "config.yaml").read_text() == original
+    assert run.changes == [("trainer.lr", 1e-2, 1e-3)]
+    assert run.read_original_config() == CONFIG and run.read_config()["trainer"]["lr"] == 1e-3
+    again = RunDir.create(tmp_path / "demo", {**CONFIG, "trainer": {"lr": 1e-3}}, resume=True)
+    assert again.changes == []  # the current config already says so: nothing new to record
+
+
+def test_a_recipe_onto_a_trained_run_with_another_config_is_refused_but_an_untrained_one_is_not(tmp_path):
+    from gymv.train.setup import _has_trained, refuse_changed_config
+
+    run = RunDir.create(tmp_path / "demo", CONFIG)
+    assert not _has_trained(run)
+    with run.metrics_log() as log:
+        log.log(1, {"train/loss": 1.0})
+    assert _has_trained(run)
+    with pytest.raises(GymvError, match=r"holds a run with another config: trainer.lr 0.01 -> 0.5"):
+        refuse_changed_config(run, {**CONFIG, "trainer": {"lr": 0.5}})
+    refuse_changed_config(run, {**CONFIG, "checkpoint": {"steps_per_run": 2}})  # how a launch runs: allowed

@@ -228,6 +228,16 @@ def test_junit_has_a_train_case_and_one_case_per_check(tmp_path):
     assert "mean(train/reward_mean) = 0.25" in cases[2].find("failure").get("message")
 
 
+def test_junit_stays_well_formed_when_a_check_or_log_holds_control_characters(tmp_path):
+    r = judged(tmp_path, ("mean(train/reward_mean) > 5",))
+    r.log = "worker said \x1b[31mred\x1b[0m and \x00"
+    r.status, r.reason = "CRASH", "bell \x07"
+    text = junit_xml([r], "nightly\x01")
+    root = ET.fromstring(text)  # raises on ill-formed XML
+    assert root.get("name") == "gymv smoke nightly\\x01"
+    assert "\\x1b[31mred" in root.find("testcase/error").text
+
+
 # -- failures never stop the suite ------------------------------------------------------------------------------
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
 
 from gymv.runs.rollout_log import model_calls, read_rollouts
 from gymv.train import Reporter, train
+from net_listeners import descendants, is_loopback, listeners
 from tiny_models import tiny_path
 from train_helpers import model_weights, ray_module, read_weights, tiny_grpo_settings, write_recipe
 
@@ -94,6 +96,19 @@ def test_rollouts_are_written_in_nemo_gym_format_with_token_ids_and_logprobs(grp
         assert r["reward"] in (0.0, 1.0)
 
 
+def test_each_rollout_records_the_advantage_it_was_trained_with(grpo_run):
+    _, _, run = grpo_run
+    for step in (1, 2, 3):
+        records = read_rollouts(run / "rollouts" / f"step_{step}.jsonl")
+        for task in {r["_ng_task_index"] for r in records}:
+            group = [r for r in records if r["_ng_task_index"] == task]
+            rewards = [r["reward"] for r in group]
+            advantages = [r["_gymv"]["advantage"] for r in group]
+            mean = sum(rewards) / len(rewards)
+            for reward, adv in zip(rewards, advantages):  # above the group's mean: pushed up; below: down
+                assert adv == 0.0 if reward == mean else (adv > 0) == (reward > mean), (rewards, advantages)
+
+
 def test_final_export_loads_as_a_hugging_face_model_with_the_trainers_last_weights(grpo_run):
     """`final/` may store the checkpoint's own key layout (save_pretrained), so it is compared by loading it:
     every weight the trainer saved at the last step (module names) is in the loaded model, unchanged."""
@@ -162,8 +177,10 @@ def test_two_training_ranks_take_the_same_step_as_one(tmp_path):
         two = cluster.grpo_step([samples], PolicyLoss())
         h2a, h2b = ray.get([t.weights_hash.remote() for t in cluster.trainers])
         weights = ray.get(cluster.trainers[0].weights.remote())
+        listening = listeners(descendants(os.getpid()))  # Ray's and the rank group's rendezvous included
     finally:
         cluster.shutdown()
+    assert [(addr, port) for _, addr, port in listening if not is_loopback(addr)] == []
     assert h2a == h2b  # both ranks hold the same weights after the step
     assert two["train/num_sequences"] == one["train/num_sequences"] == 4
     assert abs(two["train/loss"] - one["train/loss"]) < 1e-6

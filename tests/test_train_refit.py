@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from gymv.cluster.refit import make_layout, make_receiver, make_sender, unflatten, weights_hash
 from gymv.errors import GymvError
+from net_listeners import listeners
 
 
 def _state(seed=0):
@@ -44,6 +46,13 @@ def test_transport_delivers_every_weight_in_the_generation_dtype(transport, dtyp
         sender.close()
 
 
+def test_a_sender_takes_weights_streamed_as_name_tensor_pairs_like_a_state_dict():
+    sd = _state()
+    sender, receiver = make_sender("object_store", torch.float32, "cpu"), make_receiver("object_store", "cpu")
+    got = receiver.receive(sender.publish((name, t) for name, t in sd.items()))  # a trainer's named_weights()
+    assert weights_hash(got) == weights_hash(sd) and dict(sender.layout.aliases) == {"head.weight": "embed.weight"}
+
+
 def test_collective_transport_broadcasts_over_its_own_process_group():
     """The code path behind `nccl`, run on gloo: rank 0 sends, two receivers get the weights."""
     sd = _state()
@@ -64,6 +73,8 @@ def test_collective_transport_broadcasts_over_its_own_process_group():
     for t in threads:
         t.join(timeout=60)
     assert results == {1: weights_hash(sd), 2: weights_hash(sd)}
+    wildcard = [(addr, port) for _, addr, port in listeners({os.getpid()}) if addr in ("0.0.0.0", "::")]
+    assert wildcard == []  # the store listens on the node's address only (127.0.0.1 in a local cluster)
 
 
 def test_unknown_transport_is_a_config_error():

@@ -1,4 +1,13 @@
-"""Start a local Ray cluster sized to this machine, or join an existing one, with errors a user can act on."""
+"""Start a local Ray cluster sized to this machine, or join an existing one, with errors a user can act on.
+
+A cluster started here listens on the loopback interface only. Ray on Linux resolves a node address of
+127.0.0.1 to the host's network address (so that other nodes could join) and then binds its GCS, raylet,
+workers, dashboard and agents to every interface; its switch for single-machine clusters
+(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read by the driver and inherited by every Ray process it starts)
+keeps them on 127.0.0.1. A watcher process (gymv.cluster.reaper) stops the cluster's processes if the
+driver dies without shutting it down. A multi-node cluster is opened deliberately: `ray start --head
+--node-ip-address=IP` on the head, then `--ray-address IP:PORT` (docs/security.md).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +16,7 @@ import os
 import socket
 from dataclasses import dataclass
 
+from gymv.cluster.reaper import start_reaper, stop_reaper
 from gymv.errors import GymvError
 
 
@@ -35,6 +45,7 @@ def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
 
 def start_ray(address: str | None = None, *, num_cpus: int | None = None, num_gpus: int | None = None) -> ClusterInfo:
     """Join `address` (HOST:PORT or 'auto') or start a private local cluster bound to 127.0.0.1."""
+    global _REAPER
     try:
         import ray
     except ImportError as e:  # pragma: no cover - ray is a core dependency
@@ -44,6 +55,9 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None, num_gp
         return ClusterInfo(ray.get_runtime_context().gcs_address, res.get("CPU", 0), res.get("GPU", 0), False)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     kwargs = dict(include_dashboard=False, log_to_driver=True, logging_level=logging.ERROR, namespace="gymv")
+    if not address:
+        _loopback_only(ray)
+        kwargs["dashboard_host"] = LOOPBACK
     if address and address != "auto":
         _check_reachable(address)
     try:
@@ -56,10 +70,11 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None, num_gp
             ray.init(
                 num_cpus=num_cpus or os.cpu_count() or 1,
                 num_gpus=num_gpus,
-                _node_ip_address="127.0.0.1",
+                _node_ip_address=LOOPBACK,
                 **kwargs,
             )
             started = True
+            _REAPER = start_reaper()
     except GymvError:
         raise
     except Exception as e:
@@ -71,11 +86,29 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None, num_gp
     return ClusterInfo(ray.get_runtime_context().gcs_address, res.get("CPU", 0), res.get("GPU", 0), started)
 
 
+LOOPBACK = "127.0.0.1"
+_LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _loopback_only(ray) -> None:
+    """Keep a cluster started here on 127.0.0.1: the driver's own switch and its children's environment."""
+    os.environ[_LOCAL_ONLY_ENV] = "0"
+    constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+    if constants is not None and hasattr(constants, "ENABLE_RAY_CLUSTER"):
+        constants.ENABLE_RAY_CLUSTER = False  # read at import; ray may have been imported already
+
+
+_REAPER = None  # the watcher of a cluster started here (gymv.cluster.reaper)
+
+
 def stop_ray() -> None:
     import ray
 
+    global _REAPER
     if ray.is_initialized():
         ray.shutdown()
+    stop_reaper(_REAPER)
+    _REAPER = None
 
 
 def _local_gpu_count() -> int:

@@ -17,6 +17,7 @@ Encoder-cache resets are the receiver's caller's job (GenerationWorker), after a
 
 from __future__ import annotations
 
+import os
 import uuid
 import warnings
 from abc import ABC, abstractmethod
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from gymv.backends.generation.base import Weights, named
 from gymv.backends.weights import weights_hash  # noqa: F401  (its old home)
 from gymv.errors import GymvError
 
@@ -107,17 +109,21 @@ class RefitSender(ABC):
             self.layout = layout
         return self.layout
 
-    def rendezvous(self, state_dict: Mapping[str, torch.Tensor]) -> dict | None:
+    def rendezvous(self, weights: Weights) -> dict | None:
         """Connection info receivers need before the first refit (collective transports); else None."""
         return None
 
     def connect(self) -> None:
         """Join the receivers (called at the same time as every receiver's `connect`)."""
 
+    def publish(self, weights: Weights) -> Any:
+        """Send the weights: a mapping, or (name, tensor) pairs as a trainer streams them
+        (`TrainingBackend.named_weights`), gathered as references before the one flattening copy."""
+        return self.send(named(weights))
+
     @abstractmethod
-    def publish(self, state_dict: Mapping[str, torch.Tensor]) -> Any:
-        """Send the weights; a trainer streams them as (name, tensor) pairs, gathered into a mapping of
-        references (`gymv.backends.generation.base.named`) before the one flattening copy."""
+    def send(self, state_dict: Mapping[str, torch.Tensor]) -> Any:
+        """What `publish` returns to the driver for every receiver."""
 
     def close(self) -> None:
         """Free what the sender holds (shared memory, process groups)."""
@@ -144,7 +150,7 @@ class ObjectStoreSender(RefitSender):
 
     name = "object_store"
 
-    def publish(self, state_dict):
+    def send(self, state_dict):
         layout = self._layout(state_dict)
         flat = flatten_into(torch.empty(layout.numel, dtype=layout.torch_dtype), state_dict, layout)
         if flat.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the bits
@@ -176,8 +182,45 @@ def _untrack_shm(shm) -> None:
         pass
 
 
+SHM_PREFIX = "gymv-refit-"
+SHM_DIR = "/dev/shm"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_orphaned_segments(directory: str = SHM_DIR) -> list[str]:
+    """Unlink refit segments whose creating process is gone (a trainer killed with SIGKILL never unlinks its
+    segment, which holds a full copy of the weights); returns their names. Segments are named
+    gymv-refit-<creator pid>-<random>; a live creator's segment is never touched."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(SHM_PREFIX):
+            continue
+        pid = name[len(SHM_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
 class ShmSender(RefitSender):
-    """One shared-memory segment, created on the first refit and rewritten in place every step."""
+    """One shared-memory segment, created on the first refit and rewritten in place every step. Creating
+    one first removes the segments of dead trainers (an earlier run killed with SIGKILL)."""
 
     name = "shm"
 
@@ -185,13 +228,14 @@ class ShmSender(RefitSender):
         super().__init__(*args, **kwargs)
         self._shm = None
 
-    def publish(self, state_dict):
+    def send(self, state_dict):
         from multiprocessing import shared_memory
 
         layout = self._layout(state_dict)
         if self._shm is None or self._shm.size < layout.nbytes:
             self.close()
-            self._shm = shared_memory.SharedMemory(name=f"gymv-refit-{uuid.uuid4().hex[:12]}", create=True,
+            remove_orphaned_segments()
+            self._shm = shared_memory.SharedMemory(name=f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}", create=True,
                                                    size=max(layout.nbytes, 1))
         flat = torch.frombuffer(self._shm.buf, dtype=layout.torch_dtype, count=layout.numel)
         flatten_into(flat, state_dict, layout)
@@ -248,7 +292,7 @@ class CudaIpcSender(RefitSender):
         super().__init__(*args, **kwargs)
         self._flat: torch.Tensor | None = None
 
-    def publish(self, state_dict):
+    def send(self, state_dict):
         from torch.multiprocessing.reductions import reduce_tensor
 
         if self.device.type != "cuda":
@@ -290,18 +334,17 @@ class CollectiveSender(RefitSender):
         self._pg = None
         self._flat: torch.Tensor | None = None
 
-    def rendezvous(self, state_dict) -> dict:
-        from torch.distributed import TCPStore
-
+    def rendezvous(self, weights) -> dict:
+        state_dict = named(weights)
         host = _node_ip()
-        self._store = TCPStore(host, 0, world_size=self.num_receivers + 1, is_master=True, wait_for_workers=False)
+        self._store, self._listener = master_store(host, self.num_receivers + 1)
         return {"host": host, "port": self._store.port, "world_size": self.num_receivers + 1, "backend": self.backend,
                 "layout": self._layout(state_dict)}
 
     def connect(self) -> None:
         self._pg = _process_group(self.backend, self._store, 0, self.num_receivers + 1)
 
-    def publish(self, state_dict):
+    def send(self, state_dict):
         layout = self._layout(state_dict)
         if self._flat is None or self._flat.numel() != layout.numel or self._flat.dtype != layout.torch_dtype:
             self._flat = torch.empty(layout.numel, dtype=layout.torch_dtype, device=self.device)
@@ -311,6 +354,24 @@ class CollectiveSender(RefitSender):
 
     def close(self) -> None:
         self._pg = self._store = self._flat = None
+        if getattr(self, "_listener", None) is not None:
+            self._listener.close()
+            self._listener = None
+
+
+def master_store(host: str, world_size: int):
+    """(a TCPStore server listening on `host` only, its socket): torch's own server listens on every
+    interface whatever host it is given, so it is handed a socket bound here (keep the socket open)."""
+    import socket
+
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.bind((host, 0))
+    sock.listen()
+    store = TCPStore(host, sock.getsockname()[1], world_size=world_size, is_master=True, wait_for_workers=False,
+                     master_listen_fd=sock.fileno())
+    return store, sock
 
 
 class CollectiveReceiver(RefitReceiver):

@@ -20,8 +20,9 @@ from pathlib import Path
 
 from gymv.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
 from gymv.backends.training.base import TrainingSetup
-from gymv.errors import GymvError
+from gymv.io import follow_umask
 from gymv.envs.routing import EnvRouter, EnvSpec
+from gymv.errors import GymvError
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class WorkerSpec:
     seed: int = 0
     device: str = "cpu"
     generation_dtype: str = "float32"
+    generation_decode: str = "auto"
     temperature: float = 1.0
     threads: int | None = None
     refit_transport: str = "object_store"
@@ -46,6 +48,9 @@ class WorkerSpec:
     kl_reference: bool = False
     max_seq_len: int = 2048
     max_image_pixels: int | None = None
+    agents: dict = field(default_factory=dict)  # rollout.driver nemo_gym_agents: agent name -> URL
+    model_server: tuple[str, int] | None = None  # where those agents call the policy
+    agent_timeout_s: float = 600.0
     generation_backend: str = "hf"  # a name in GENERATION_BACKENDS, or its "module:Class" path
     training_backend: str = "torch"  # a name in TRAINING_BACKENDS, or its "module:Class" path
     sharding: dict = field(default_factory=dict)  # TrainingSetup.sharding
@@ -101,12 +106,15 @@ class GenerationWorker:
     """Hosts a generation backend, the environments and the agent loop; receives refits."""
 
     def __init__(self, spec: WorkerSpec, index: int = 0):
+        from gymv.backends.generation.static import with_decode
+
         _set_threads(spec.threads)
         self.spec, self.index = spec, index
         self.device = _device(spec)
         backend_cls = GENERATION_BACKENDS.load(spec.generation_backend)
         self.backend = backend_cls.create(spec.model_path, device=str(self.device), dtype=spec.generation_dtype,
                                           seed=spec.seed + 7919 * index)
+        self.backend = with_decode(self.backend, spec.generation_decode, seed=spec.seed + 7919 * index)
         self.router = EnvRouter(spec.env)
         self.receiver = None
         self.weights_version = 0
@@ -126,9 +134,16 @@ class GenerationWorker:
         stats: dict = {}
         version = self.weights_version
         cache_before = self.backend.stats()
-        trajectories = run_rollouts(_Locked(self.backend, self._weights_lock), b.adapter, b.tokenizer, b.chat_template,
-                                    self.router, list(rows), group_size=group_size, params=params, seed=seed,
-                                    weights_version=version, stats=stats, **limits)
+        if self.spec.agents:
+            from gymv.rollout.agent_driver import run_agent_rollouts
+
+            trajectories = run_agent_rollouts(self._policy_server(params), self.spec.agents, list(rows),
+                                              group_size=group_size, params=params, weights_version=version,
+                                              timeout_s=self.spec.agent_timeout_s, stats=stats)
+        else:
+            trajectories = run_rollouts(_Locked(self.backend, self._weights_lock), b.adapter, b.tokenizer,
+                                        b.chat_template, self.router, list(rows), group_size=group_size,
+                                        params=params, seed=seed, weights_version=version, stats=stats, **limits)
         cache_after = self.backend.stats()
         self.episodes += len(trajectories)
         stale = "encoder_cache_stale_hits"
@@ -136,6 +151,17 @@ class GenerationWorker:
         return {"trajectories": trajectories, "seconds": time.perf_counter() - t0, "stats": stats,
                 "weights_version": version, "last_weights_version": self.weights_version,
                 "started_at": started, "ended_at": time.time()}
+
+    def _policy_server(self, params):
+        """The model server the NeMo Gym agents call, started on first use and kept for the run."""
+        if getattr(self, "_server", None) is None:
+            from gymv.rollout.policy_server import PolicyServer
+
+            host, port = self.spec.model_server
+            self._server = PolicyServer(_Locked(self.backend, self._weights_lock), params=params,
+                                        max_seq_len=self.spec.max_seq_len, host=host, port=port,
+                                        max_image_pixels=self.spec.max_image_pixels).start()
+        return self._server
 
     def pid(self) -> int:
         return os.getpid()
@@ -229,18 +255,18 @@ class TrainingWorker:
         self.sender = None
 
     def address(self) -> tuple[str, int]:
-        """(host, free port) for the data-parallel rendezvous (asked of rank 0)."""
-        import socket
-
+        """(host, port) of the rank group's rendezvous store, which rank 0 (asked this) serves on the node's
+        address only (torch's own store would listen on every interface)."""
         import ray.util
+
+        from gymv.cluster.refit import master_store
 
         try:
             host = ray.util.get_node_ip_address()
         except Exception:
             host = "127.0.0.1"
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return host, s.getsockname()[1]
+        self._store, self._listener = master_store(host, self.world_size)
+        return host, self._store.port
 
     def setup(self, master: tuple[str, int] | None = None) -> dict:
         """Join the rank group (if any) and build this rank of the training backend."""
@@ -249,8 +275,10 @@ class TrainingWorker:
 
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             host, port = master
-            dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
-                                    world_size=self.world_size)
+            store = getattr(self, "_store", None)
+            if store is None:
+                store = dist.TCPStore(host, port, world_size=self.world_size, is_master=False)
+            dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size)
         backend_cls = TRAINING_BACKENDS.load(self.spec.training_backend)
         self.backend = backend_cls.create(self.spec.training_setup(), device=self.device, rank=self.rank,
                                           world_size=self.world_size)
@@ -331,11 +359,12 @@ class TrainingWorker:
             for _ in self.backend.named_weights():
                 pass
 
-    def _weights_to_send(self) -> dict:
-        """The weights for the sender. A sharded trainer's are gathered one at a time and each is cast to the
-        generation dtype at once, so rank 0 never holds a full fp32 copy; others are live views."""
+    def _weights_to_send(self):
+        """The weights for the sender, streamed as the backend yields them. A sharded trainer's are gathered
+        here, all of them (ranks other than 0 join every gather, whether or not the sender reads them), and
+        each is cast to the generation dtype at once, so rank 0 never holds a full fp32 copy."""
         if not self.backend.gathers_weights:
-            return dict(self.backend.named_weights())
+            return self.backend.named_weights()
         dtype = self._generation_dtype()
         return {k: v.to(dtype) for k, v in self.backend.named_weights()}
 
@@ -377,6 +406,7 @@ class TrainingWorker:
         self.backend.export_hf(tmp)
         if self.rank != 0:
             return str(target)
+        follow_umask(tmp)  # save_pretrained writes 0600 files; the export is for a team to read
         if target.exists():
             old = target.with_name(f".{target.name}.old")
             shutil.rmtree(old, ignore_errors=True)

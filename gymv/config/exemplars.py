@@ -17,16 +17,59 @@ EXEMPLARS: dict[str, str] = {
 RECIPE_DIRS: tuple[str, ...] = ("llm", "vlm")  # minimal recipes live below these, exemplars at the top
 
 
+PACKAGED_SCHEME = "gymv://"  # `defaults: gymv://vlm_grpo.yaml` names a file of the recipes gymv ships
+
+
+def _has_exemplars(d: Path) -> bool:
+    return all((d / name).is_file() for name in set(EXEMPLARS.values()))
+
+
+def packaged_recipes_root() -> Path:
+    """The recipes gymv ships as package data (gymv/_recipes in an installed wheel)."""
+    return Path(__file__).resolve().parents[1] / "_recipes"
+
+
 def default_recipes_root() -> Path:
-    """The repository's recipes/ (next to the gymv package in a source checkout)."""
-    return Path(__file__).resolve().parents[2] / "recipes"
+    """The recipes gymv ships: the source checkout's recipes/ when gymv runs from one, else the package data."""
+    checkout = Path(__file__).resolve().parents[2] / "recipes"
+    return checkout if _has_exemplars(checkout) or not packaged_recipes_root().is_dir() else packaged_recipes_root()
+
+
+def project_recipes_dir(start: str | os.PathLike = ".") -> Path:
+    """The recipes directory a command works on when given none: the nearest enclosing project's recipes/
+    (from any sub-folder of it, or from inside recipes/ itself), else the recipes gymv ships."""
+    p = Path(start).resolve()
+    for d in [p, *p.parents]:
+        if _looks_like_recipes(d / "recipes"):
+            return Path("recipes") if d == Path.cwd().resolve() and start == "." else d / "recipes"
+    return default_recipes_root()
+
+
+def _looks_like_recipes(d: Path) -> bool:
+    """A gymv recipes folder: it holds suite lists, drivers or the exemplars."""
+    return d.is_dir() and ((d / "suites").is_dir() or (d / "drivers").is_dir() or _has_exemplars(d))
+
+
+def resolve_parent(declaring: Path, text: str) -> Path:
+    """The file a `defaults:` entry names: a path relative to the declaring file; `gymv://<file>` (a shipped
+    recipe); or an exemplar's bare name (`vlm_grpo`, `grpo.yaml`) when no such file sits beside the recipe."""
+    if text.startswith(PACKAGED_SCHEME):
+        rel = text[len(PACKAGED_SCHEME):]
+        return (default_recipes_root() / rel).resolve() if ".." not in Path(rel).parts else Path(rel)
+    local = (declaring.parent / text).resolve()
+    if local.exists() or "/" in text or os.sep in text:
+        return local
+    name = text if text.endswith((".yaml", ".yml")) else f"{text}.yaml"
+    if name in set(EXEMPLARS.values()):
+        return (default_recipes_root() / name).resolve()
+    return local
 
 
 def find_recipes_root(start: str | os.PathLike) -> Path | None:
     """The nearest enclosing directory that holds the exemplars (so lint works on a copied tree too)."""
     p = Path(start).resolve()
     for d in [p, *p.parents] if p.is_dir() else list(p.parents):
-        if all((d / name).is_file() for name in set(EXEMPLARS.values())):
+        if _has_exemplars(d):
             return d
     return None
 

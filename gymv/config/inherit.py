@@ -10,11 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gymv.config.exemplars import resolve_parent
 from gymv.config.tree import OVERRIDE_MARKER, ConfigTree, dotted, strip_markers
 from gymv.config.yamlfile import KeyPath, Origin, display_path, read_yaml_mapping
 from gymv.errors import GymvError
 
 DEFAULTS_KEY = "defaults"
+MAX_DEPTH = 64  # files in one line of `defaults:` ancestry (exemplar -> recipe is 2 or 3)
 
 
 @dataclass
@@ -31,6 +33,10 @@ class Composed:
     own: ConfigTree
     chain: list[Path] = field(default_factory=list)
     parent_paths: list[Path] = field(default_factory=list)
+
+    @property
+    def chain_set(self) -> frozenset:
+        return frozenset(self.chain)
 
 
 def _own_tree(path: Path, data: dict, lines: dict) -> ConfigTree:
@@ -64,7 +70,7 @@ def _defaults_entries(path: Path, data: dict, lines: dict) -> list[tuple[Path, s
     where = display_path(path)
     value = data[DEFAULTS_KEY]
     key_line = lines.get((DEFAULTS_KEY,), 1)
-    fix = "write `defaults: ../grpo.yaml` or a list of such paths (relative to this file)"
+    fix = "write `defaults: ../grpo.yaml` (relative to this file), `defaults: grpo` (a shipped exemplar) or a list"
     if value is None:
         return []
     if isinstance(value, str):
@@ -78,7 +84,7 @@ def _defaults_entries(path: Path, data: dict, lines: dict) -> list[tuple[Path, s
     for text, line in items:
         if not isinstance(text, str) or not text.strip():
             raise GymvError(f"`defaults` entry {text!r} is not a path", where=f"{where}:{line}", fix=fix)
-        out.append(((path.parent / text).resolve(), text, line))
+        out.append((resolve_parent(path, text), text, line))
     return out
 
 
@@ -110,16 +116,23 @@ def compose(path: str | Path, _stack: tuple[Path, ...] = (), cache: dict[Path, C
     """Load `path` and everything its `defaults:` name, merged; raises GymvError on any bad input.
 
     `cache` (resolved path -> Composed), shared across calls, loads each parent once when many recipes
-    inherit the same files (`gymv lint`); results are never mutated, so sharing them is safe.
+    inherit the same files (`gymv lint`); results are never mutated, so sharing them is safe. Without one, a
+    cache private to this call still resolves every file once (a `defaults:` diamond is linear, not
+    exponential).
     """
     path = Path(path).resolve()
-    if cache is not None:
-        hit = cache.get(path)
-        if hit is not None and not any(p in _stack for p in hit.chain):
-            return hit  # a chain that meets the stack is a cycle: compose again below to report it
+    if cache is None:
+        cache = {}  # even for one recipe: a `defaults:` diamond reaches the same file by many paths
+    if len(_stack) >= MAX_DEPTH:
+        raise GymvError(f"`defaults` chain deeper than {MAX_DEPTH} files", where=display_path(_stack[-1]),
+                        fix="inherit from an exemplar in a few steps")
+    hit = cache.get(path)
+    if hit is not None and hit.chain_set.isdisjoint(_stack):
+        return hit  # a chain that meets the stack is a cycle: compose again below to report it
     doc = read_yaml_mapping(path)
     parents = ConfigTree()
     chain: list[Path] = []
+    seen: set[Path] = set()  # each file once in the chain, however many parents share it
     parent_paths: list[Path] = []
     stack = _stack + (path,)
     for parent, text, line in _defaults_entries(path, doc.data, doc.lines):
@@ -128,16 +141,19 @@ def compose(path: str | Path, _stack: tuple[Path, ...] = (), cache: dict[Path, C
             cycle = " -> ".join(display_path(p) for p in stack[stack.index(parent):] + (parent,))
             raise GymvError(f"`defaults` cycle: {cycle}", where=where,
                             fix="remove one of these `defaults` entries so the chain ends at an exemplar")
-        if not parent.is_file():
+        if not parent.exists():
             raise GymvError(f"parent recipe {text!r} not found (looked for {display_path(parent)})", where=where,
                             fix="paths in `defaults` are relative to the file that declares them")
+        if not parent.is_file():
+            raise GymvError(f"parent recipe {text!r} is not a regular file ({display_path(parent)})", where=where,
+                            fix="`defaults` names YAML files")
         sub = compose(parent, stack, cache)
         parents = merge(parents, sub.tree)
-        chain.extend(sub.chain)
+        chain.extend(p for p in sub.chain if p not in seen)
+        seen.update(sub.chain)
         parent_paths.append(parent)
     own = _own_tree(path, doc.data, doc.lines)
     tree = merge(parents, own)
     out = Composed(path=path, tree=tree, parents=parents, own=own, chain=chain + [path], parent_paths=parent_paths)
-    if cache is not None:
-        cache[path] = out
+    cache[path] = out
     return out

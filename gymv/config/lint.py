@@ -244,9 +244,15 @@ def _collect(paths: Sequence[Path]) -> tuple[list[Path], list[Path], list[Path]]
     drivers: list[Path] = []
     suites: list[Path] = []
     for p in paths:
-        if p.is_dir():
+        try:
+            kind = "dir" if p.is_dir() else "file" if p.is_file() else "other" if p.exists() else None
+        except OSError as e:  # a name too long, a loop of links
+            raise GymvError(f"cannot read: {e.strerror or e}", where=str(p)[:200], fix="pass existing paths (default: recipes/)") from None
+        if kind == "other":
+            raise GymvError("is not a regular file or directory", where=str(p), fix="pass recipes, drivers, suite lists or directories")
+        if kind == "dir":
             found = list(_walk(p))
-        elif p.is_file():
+        elif kind == "file":
             if not p.name.endswith((*RECIPE_SUFFIXES, ".sh", ".txt")):
                 raise GymvError("not a recipe (.yaml), driver (.sh), suite list (.txt) or directory", where=str(p),
                                 fix="pass recipes, drivers, suite lists or directories (default: recipes/)")

@@ -21,7 +21,7 @@ Fraction = Annotated[float, Field(gt=0, le=1)]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)  # lr=inf is no learning rate
 
 
 class ModelSection(Section):
@@ -60,7 +60,27 @@ class EnvSection(Section):
     max_rollout_tokens: PosInt = 2048
     timeout_s: PosFloat = 30.0
     retries: NonNegInt = 2
+    max_failed_fraction: Annotated[float, Field(ge=0, le=1)] = 0.5  # of one step's rollouts, else the run stops
+    failed_window_steps: PosInt = 10
+    max_failed_fraction_window: Annotated[float, Field(ge=0, le=1)] = 0.25  # over the last failed_window_steps
     kwargs: dict[str, Any] = {}
+
+
+class RolloutSection(Section):
+    """Who runs episodes: gymv's own agent loop, or NeMo Gym agent servers calling gymv's model server."""
+
+    driver: Literal["gymv", "nemo_gym_agents"] = "gymv"
+    agents: dict[str, str] = {}  # agent_ref.name -> the agent server's URL
+    model_server_host: str = "127.0.0.1"
+    model_server_port: NonNegInt = 0  # where the agents were told the policy model is
+    agent_timeout_s: PosFloat = 600.0
+
+    @model_validator(mode="after")
+    def _agents_given(self) -> "RolloutSection":
+        if self.driver == "nemo_gym_agents" and (not self.agents or not self.model_server_port):
+            raise ValueError("driver nemo_gym_agents needs rollout.agents (agent name -> URL) and "
+                             "rollout.model_server_port (the port the agents call the policy model on)")
+        return self
 
 
 class VllmSection(Section):
@@ -81,6 +101,7 @@ def _known_backend(key: str, name: str) -> str:
 
 class GenerationSection(Section):
     backend: str = "hf"  # a registered generation backend, or a planned one (gymv.capabilities)
+    decode: Literal["auto", "eager", "static"] = "auto"  # the hf backend's decode loop
     temperature: NonNegFloat = 1.0
     top_p: Fraction = 1.0
     max_new_tokens: PosInt = 64
@@ -166,6 +187,7 @@ class LoggerSection(Section):
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str | None = None
+    plugins: list[str] = []  # logger plugins (entry-point group gymv.loggers) to log to as well
     log_rollouts: bool = True
 
 
@@ -254,6 +276,7 @@ class RecipeBase(Section):
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
     env: EnvSection = EnvSection()
+    rollout: RolloutSection = RolloutSection()
     generation: GenerationSection = GenerationSection()
     training: TrainingSection = TrainingSection()
     refit: RefitSection = RefitSection()

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import yaml
 
 from gymv.errors import GymvError
+from gymv.yaml_bounds import MAX_DEPTH, MAX_VALUES, check_bounds
 
 KeyPath = tuple  # tuple[str | int, ...]
 
@@ -61,12 +62,28 @@ _SafeLoader.add_implicit_resolver(
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
+class _Budget:
+    def __init__(self, where: str):
+        self.where, self.left = where, MAX_VALUES
+
+    def spend(self, node: yaml.Node, depth: int) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise GymvError(f"the YAML expands to more than {MAX_VALUES} values (aliases repeating aliases?)",
+                            where=f"{self.where}:{node.start_mark.line + 1}",
+                            fix="write the values out instead of nesting `*alias` references")
+        if depth > MAX_DEPTH:
+            raise GymvError(f"the YAML nests more than {MAX_DEPTH} levels deep", where=f"{self.where}:{node.start_mark.line + 1}",
+                            fix="flatten the structure")
+
+
 class YamlDoc(NamedTuple):
     data: Any
     lines: dict  # KeyPath -> 1-based line of the key (or list item)
 
 
-def _build(node: yaml.Node, loader: _SafeLoader, prefix: KeyPath, lines: dict, where: str) -> Any:
+def _build(node: yaml.Node, loader: _SafeLoader, prefix: KeyPath, lines: dict, where: str, budget: _Budget) -> Any:
+    budget.spend(node, len(prefix))
     if isinstance(node, yaml.MappingNode):
         seen: dict[Any, int] = {}
         for k_node, _ in node.value:
@@ -89,13 +106,13 @@ def _build(node: yaml.Node, loader: _SafeLoader, prefix: KeyPath, lines: dict, w
                                 where=f"{where}:{line}", fix=f"quote it: '{key}'")
             path = prefix + (key,)
             lines[path] = line
-            out[key] = _build(v_node, loader, path, lines, where)
+            out[key] = _build(v_node, loader, path, lines, where, budget)
         return out
     if isinstance(node, yaml.SequenceNode):
         items = []
         for i, item in enumerate(node.value):
             lines[prefix + (i,)] = item.start_mark.line + 1
-            items.append(_build(item, loader, prefix + (i,), lines, where))
+            items.append(_build(item, loader, prefix + (i,), lines, where, budget))
         return items
     return loader.construct_object(node, deep=True)
 
@@ -106,7 +123,12 @@ def parse_yaml(text: str, where: str) -> YamlDoc:
     try:
         node = loader.get_single_node()
         lines: dict = {}
-        data = None if node is None else _build(node, loader, (), lines, where)
+        check_bounds(node, where)
+        data = None if node is None else _build(node, loader, (), lines, where, _Budget(where))
+    except RecursionError:
+        raise GymvError("the YAML nests too deeply to read", where=where, fix="flatten the structure") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        raise GymvError(f"a value cannot be read: {str(e).split(';')[0]}", where=where, fix="shorten that value") from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         loc = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark else where
@@ -124,6 +146,8 @@ def read_yaml_mapping(path: str | os.PathLike) -> YamlDoc:
     """Read a file whose root must be a mapping (every recipe is)."""
     path = Path(path)
     where = display_path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():  # a FIFO or device would block or never end
+        raise GymvError("is not a regular file", where=where, fix="point at a YAML file")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -148,3 +172,4 @@ def parse_scalar(text: str) -> Any:
         return ""
     doc = parse_yaml(text, f"value {text!r}")
     return doc.data
+

@@ -13,6 +13,7 @@ taken over by a plugin.
 from __future__ import annotations
 
 import importlib
+import inspect
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -86,10 +87,27 @@ def _load(name: str) -> Any:
                         fix="reinstall or fix the plugin distribution") from None
 
 
+def _check_kwargs(name: str, factory: Any, kwargs: dict) -> None:
+    """Arguments the constructor does not take are the recipe's env.kwargs' fault, not the environment's."""
+    if not kwargs or not callable(factory):
+        return
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind_partial(**kwargs)
+    except TypeError as e:
+        takes = [p for p in sig.parameters if p not in ("self", "args", "kwargs")]
+        raise GymvError(f"environment {name!r} does not take these arguments: {e}", where="env.kwargs",
+                        fix=f"its arguments are: {', '.join(takes) or 'none'}") from None
+
+
 def get_env(name: str, **kwargs: Any) -> Environment:
     """An instance of the named environment; keyword arguments go to its constructor."""
     key = canonical(name)
     factory = _load(key)
+    _check_kwargs(name, factory, kwargs)
     try:
         env = factory(**kwargs) if callable(factory) else factory
     except GymvError:

@@ -18,7 +18,8 @@ or have a `POST /reset` route (NeMo Gym's gymnasium servers), and ``resources`` 
 `POST /seed_session` (NeMo Gym's resources servers). Every body gymv sends is a complete NeMo Gym request:
 the row plus a full Responses-API `response` (`gymv.envs.responses`).
 
-Faults: a connection error or a 5xx answer is retried `retries` times with exponential backoff; after
+Faults: a connection error or a 5xx answer is retried `retries` times with exponential backoff, within
+`timeout_s` x (retries + 1) in all (gymv.envs.retry); after
 that the call raises `RemoteEnvError`, which the rollout loop turns into that trajectory's `error`
 (excluded from training and counted) while the rest of the batch goes on. A 422 on reset or verify is
 the row's fault (`RowError`, like a local environment); an unknown tool or arguments the server refuses
@@ -28,12 +29,12 @@ come back to the model as tool-error results; a lost session (409) is a `RemoteE
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from gymv.envs.client import EnvClient, EnvConnectionError, EnvHTTPError
+from gymv.envs.retry import Backoff
 from gymv.envs.protocol import (Environment, EpisodeState, Image, Message, ModelTurn, RowError, Score, StepResult,
                                 Text, ToolResult)
 from gymv.envs.responses import decode_parts, request_body
@@ -118,9 +119,9 @@ class RemoteEnv(Environment):
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         """Run one request; retry connection errors and 5xx answers with backoff, then RemoteEnvError."""
-        delay = self.backoff_s
         last: GymvError | None = None
-        for attempt in range(self.retries + 1):
+        tries = Backoff(self.retries, self.backoff_s, self.timeout_s * (self.retries + 1))
+        for _ in tries:
             try:
                 return fn()
             except EnvConnectionError as e:
@@ -132,10 +133,8 @@ class RemoteEnv(Environment):
                     raise RemoteEnvError(f"{what} failed: {last.message}; its retry answered HTTP {e.status}: "
                                          f"{e.detail}", where=self.url, exit_code=1) from None
                 last = e
-            if attempt < self.retries:
-                time.sleep(delay)
-                delay *= 2
-        raise RemoteEnvError(f"{what} failed after {self.retries + 1} attempts: {last.message}", where=self.url,
+        n = tries.attempts
+        raise RemoteEnvError(f"{what} failed after {n} attempt{'s' if n != 1 else ''}: {last.message}", where=self.url,
                              fix="check the environment server (is it running? its log?)", exit_code=1)
 
     def _describe(self) -> dict | None:

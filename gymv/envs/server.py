@@ -46,8 +46,10 @@ from gymv.envs.responses import encode_parts
 from gymv.envs.transcript import turn_from_items
 from gymv.envs.verify import aggregate_metrics
 from gymv.errors import GymvError
+from gymv.net import host_allowed, origin_allowed
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_SESSION_BYTES = 1024 * 1024 * 1024
 SESSION_COOKIE = "gymv_session"
 RESERVED = frozenset({"seed_session", "verify", "aggregate_metrics", "reset", "step"})
 
@@ -70,31 +72,40 @@ def _validate(model, body: Any) -> None:
 
 
 class _Sessions:
-    """Per-rollout state, bounded: the least recently used session goes first."""
+    """Per-rollout state, bounded in count and in bytes (each episode counted at the size of the row that
+    started it): the least recently used session goes first, and a later call on it gets a 409."""
 
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._items: OrderedDict[str, EpisodeState | None] = OrderedDict()
+    def __init__(self, limit: int, max_bytes: int):
+        self.limit, self.max_bytes = limit, max_bytes
+        self._items: OrderedDict[str, tuple[EpisodeState | None, int]] = OrderedDict()
+        self.bytes = 0
         self._lock = threading.Lock()
 
     def touch(self, sid: str | None) -> str:
         with self._lock:
             if sid is None or sid not in self._items:
                 sid = uuid.uuid4().hex
-                self._items[sid] = None
+                self._items[sid] = (None, 0)
             self._items.move_to_end(sid)
-            while len(self._items) > self.limit:
-                self._items.popitem(last=False)
+            self._evict()
             return sid
+
+    def _evict(self) -> None:
+        while len(self._items) > self.limit or (self.bytes > self.max_bytes and len(self._items) > 1):
+            _, (_, nbytes) = self._items.popitem(last=False)
+            self.bytes -= nbytes
 
     def get(self, sid: str) -> EpisodeState | None:
         with self._lock:
-            return self._items.get(sid)
+            return self._items.get(sid, (None, 0))[0]
 
-    def set(self, sid: str, state: EpisodeState | None) -> None:
+    def set(self, sid: str, state: EpisodeState | None, nbytes: int = 0) -> None:
         with self._lock:
-            self._items[sid] = state
+            _, old = self._items.get(sid, (None, 0))
+            self._items[sid] = (state, nbytes if state is not None else 0)
+            self.bytes += self._items[sid][1] - old
             self._items.move_to_end(sid)
+            self._evict()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -107,13 +118,22 @@ class _ListeningServer(ThreadingHTTPServer):
     request_queue_size = 1024
     daemon_threads = True
 
+    def handle_error(self, request, client_address) -> None:
+        """A client that went away is one log line, not a traceback; anything else is a bug worth one."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            sys.stderr.write(f"gymv env serve: connection from {client_address[0]} ended: {type(exc).__name__}\n")
+        else:
+            super().handle_error(request, client_address)
+
 
 class EnvServer:
     """A threaded HTTP server for one environment; `start()` serves in the background, `close()` stops."""
 
     def __init__(self, env: Environment, host: str = "127.0.0.1", port: int = 0, *,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_sessions: int = 10_000,
-                 request_timeout: float = 60.0, log_requests: bool = False, step_latency_s: float = 0.0):
+                 max_session_bytes: int = DEFAULT_MAX_SESSION_BYTES, request_timeout: float = 60.0,
+                 log_requests: bool = False, step_latency_s: float = 0.0):
         if step_latency_s < 0:
             raise GymvError(f"step latency must be >= 0 seconds, got {step_latency_s}")
         clash = RESERVED.intersection(t.name for t in env.tool_specs())
@@ -122,7 +142,7 @@ class EnvServer:
                             fix="rename the tool")
         self.env = env
         self.max_body_bytes = max_body_bytes
-        self.sessions = _Sessions(max_sessions)
+        self.sessions = _Sessions(max_sessions, max_session_bytes)
         self.log_requests = log_requests
         self.step_latency_s = float(step_latency_s)  # added to every /step and tool call: a slow tool, simulated
         handler = type("Handler", (_Handler,), {"server_obj": self, "timeout": request_timeout})
@@ -177,12 +197,12 @@ class EnvServer:
                 "endpoints": ["/seed_session", "/reset", "/step", "/verify", "/aggregate_metrics",
                               *(f"/{t.name}" for t in env.tool_specs())]}
 
-    def reset(self, sid: str, body: Any) -> dict:
+    def reset(self, sid: str, body: Any, nbytes: int = 0) -> dict:
         if not isinstance(body, dict):
             raise HTTPError(422, f"reset body must be a JSON object (a row), got {_kind(body)}")
         _validate(RunRequest, body)
         try:
-            self.sessions.set(sid, self.env.start(body, where="reset body"))
+            self.sessions.set(sid, self.env.start(body, where="reset body"), nbytes)
         except GymvError as e:
             raise HTTPError(422, e.one_line()) from None
         return {"observation": None, "info": {"env": self.env.name, "max_turns": self.env.max_turns}}
@@ -227,12 +247,12 @@ class EnvServer:
         return {"observation": _observation(result.user_messages), "reward": score.reward if score else 0.0,
                 "terminated": state.done and natural, "truncated": state.done and not natural, "info": info}
 
-    def seed_session(self, sid: str, body: Any) -> dict:
+    def seed_session(self, sid: str, body: Any, nbytes: int = 0) -> dict:
         if not isinstance(body, dict):
             raise HTTPError(422, f"seed_session body must be a JSON object, got {_kind(body)}")
         if any(k in body for k in ("responses_create_params", *self.env.verifier_fields)):
             try:
-                self.sessions.set(sid, self.env.start(body, where="seed_session body"))
+                self.sessions.set(sid, self.env.start(body, where="seed_session body"), nbytes)
             except GymvError as e:
                 raise HTTPError(422, e.one_line()) from None
         return {}
@@ -351,7 +371,11 @@ class _Handler(BaseHTTPRequestHandler):
         limit = self.server_obj.max_body_bytes
         if length > limit:
             raise HTTPError(413, f"request body of {length} bytes is over the {limit} byte limit")
-        raw = self.rfile.read(length)
+        try:
+            raw = self.rfile.read(length)
+        except TimeoutError:
+            raise HTTPError(408, f"the request body stopped arriving (no data for {self.timeout:g} s)") from None
+        self._body_bytes = len(raw)
         if len(raw) < length:
             raise HTTPError(400, f"request body ended after {len(raw)} of {length} bytes")
         if not raw.strip():
@@ -367,7 +391,21 @@ class _Handler(BaseHTTPRequestHandler):
             raise HTTPError(400, "malformed JSON body: nested too deeply") from None
 
     # -- methods -------------------------------------------------------------------------------------
+    def _refused(self) -> bool:
+        """Requests a loopback server must not serve: another Host name, or a page of another origin."""
+        bind = self.server_obj.host
+        if not host_allowed(bind, self.headers.get("Host")):
+            self._error(403, f"Host {self.headers.get('Host')!r} is not allowed: this server answers loopback "
+                             "names only (serve with --host to answer others)", close=True)
+            return True
+        if not origin_allowed(bind, self.headers.get("Origin")):
+            self._error(403, f"requests from pages of {self.headers.get('Origin')!r} are not allowed", close=True)
+            return True
+        return False
+
     def do_GET(self) -> None:  # noqa: N802 - the stdlib's naming
+        if self._refused():
+            return
         sid = self.server_obj.sessions.touch(self._session_id())
         path = self.path.split("?", 1)[0]
         if path == "/":
@@ -380,6 +418,8 @@ class _Handler(BaseHTTPRequestHandler):
     do_HEAD = do_GET
 
     def do_POST(self) -> None:  # noqa: N802
+        if self._refused():
+            return
         srv = self.server_obj
         sid = srv.sessions.touch(self._session_id())
         name = self.path.split("?", 1)[0].strip("/")
@@ -391,20 +431,20 @@ class _Handler(BaseHTTPRequestHandler):
                                      "/seed_session, /verify, /aggregate_metrics, /reset, /step")
             body = self._read_json()
             if name == "seed_session":
-                self._json(200, srv.seed_session(sid, body), sid=sid)
+                self._json(200, srv.seed_session(sid, body, self._body_bytes), sid=sid)
             elif name == "verify":
                 self._json(200, srv.verify(body), sid=sid)
             elif name == "aggregate_metrics":
                 self._json(200, srv.aggregate(body), sid=sid)
             elif name == "reset":
-                self._json(200, srv.reset(sid, body), sid=sid)
+                self._json(200, srv.reset(sid, body, self._body_bytes), sid=sid)
             elif name == "step":
                 self._json(200, srv.step(sid, body), sid=sid)
             else:
                 payload, headers = srv.tool(sid, name, body)
                 self._send(200, payload, headers, sid=sid)
         except HTTPError as e:
-            self._error(e.status, e.detail, sid=sid, close=e.status in (400, 404, 411, 413))
+            self._error(e.status, e.detail, sid=sid, close=e.status in (400, 404, 408, 411, 413))
         except Exception as e:  # an environment bug must not take the server down
             traceback.print_exc(file=sys.stderr)
             self._error(500, f"internal error in {srv.env.name}: {type(e).__name__}: {e}", sid=sid, close=True)

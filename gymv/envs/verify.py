@@ -8,7 +8,6 @@ A reward of 0 is the model's failure and is counted by reason; a rollout that ca
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -20,7 +19,7 @@ from typing import Any
 from gymv.envs.protocol import Environment
 from gymv.envs.registry import env_for_row, get_env
 from gymv.errors import GymvError
-from gymv.io import iter_jsonl
+from gymv.io import iter_jsonl, parse_json_line
 
 TASK_INDEX = "_ng_task_index"
 ROLLOUT_INDEX = "_ng_rollout_index"
@@ -84,19 +83,17 @@ class _DataRows:
         self.path = Path(path)
         self.rows: list[dict | str] = []  # a string holds why that row is unusable
         try:
-            text = self.path.read_text(encoding="utf-8")
+            text = self.path.read_bytes()
         except FileNotFoundError:
             raise GymvError("file not found", where=str(self.path), fix="check the --data path") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise GymvError(f"cannot read: {e}", where=str(self.path)) from None
-        for lineno, line in enumerate(text.splitlines(), 1):
+        except OSError as e:
+            raise GymvError(f"cannot read: {e.strerror}", where=str(self.path)) from None
+        for lineno, line in enumerate(text.split(b"\n"), 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-                if not isinstance(row, dict):
-                    raise ValueError(f"expected a JSON object, got {type(row).__name__}")
-            except (ValueError, RecursionError) as e:
+                row = parse_json_line(line)
+            except ValueError as e:
                 msg = f"malformed JSON line: {e}"
                 if on_error == "fail":
                     raise GymvError(msg, where=f"{self.path}:{lineno}", fix="repair the line or pass --on-error skip") from None
@@ -163,6 +160,11 @@ def verify_rollouts(
         report.lines += 1
         where = f"{rollouts}:{lineno}"
         try:
+            recorded = rollout.get("reward")
+            if recorded is not None and (isinstance(recorded, bool) or not isinstance(recorded, (int, float))
+                                         or not math.isfinite(recorded)):
+                raise GymvError(f"the recorded reward {str(recorded)[:40]!r} is not a finite number", where=where,
+                                fix="repair the line, or drop its reward field to score it afresh")
             environment, result = score_rollout(rollout, env=fixed, data=rows, where=where)
         except GymvError as e:
             if on_error == "fail":

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from gymv.errors import GymvError
+from gymv.io import follow_umask
 
 BUILDER_VERSION = 1
 MARKER_FILE = "gymv_model.json"
@@ -99,6 +100,7 @@ def _write(out_dir: Path, arch: str, knobs: TinyKnobs, build, force: bool, reuse
             build(tmp)
         (tmp / MARKER_FILE).write_text(json.dumps(
             {"arch": arch, "builder_version": BUILDER_VERSION, "knobs": asdict(knobs)}, indent=2) + "\n")
+        follow_umask(tmp)
         if reuse and (out_dir / MARKER_FILE).exists():
             shutil.rmtree(tmp, ignore_errors=True)
             return out_dir

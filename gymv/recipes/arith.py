@@ -31,7 +31,13 @@ def evaluate(expr: str, lookup: Callable[[str], str | None], *, where: str) -> i
     parser = _Parser(tokens, lookup, where, expr)
     if not tokens:
         raise GymvError("empty arithmetic expression $(( ))", where=where, fix=OPERATORS_HELP)
-    value = parser.expression()
+    try:
+        value = parser.expression()
+    except RecursionError:
+        raise GymvError("arithmetic $(( )) nests too deeply", where=where, fix="write a flat expression") from None
+    except ValueError as e:  # a literal of more than 4300 digits
+        raise GymvError(f"arithmetic $(( )) holds a number too long: {str(e).split(';')[0]}", where=where,
+                        fix="use a shorter number") from None
     if parser.pos != len(tokens):
         raise parser.malformed(f"unexpected {parser.tokens[parser.pos][1]!r}")
     return value

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -80,11 +80,21 @@ class DriverConfig:
     defaulted: frozenset[str] = frozenset()
     sources: dict[str, str] = field(default_factory=dict)
     ignored_wrapper_values: tuple[IgnoredValue, ...] = ()
+    # what the launcher allocates: a wrapper's own CONFIG block is what it reads, so where the driver it execs
+    # runs with other values (a warning), GPU-hours still count the wrapper's (NUM_NODES, GPUS_PER_NODE,
+    # NUM_RUNS, NUM_MINUTES); empty when the two agree
+    allocated: dict[str, int] = field(default_factory=dict)
+
+    def allocation(self, key: str) -> int:
+        effective = {"NUM_NODES": self.num_nodes, "GPUS_PER_NODE": self.gpus_per_node, "NUM_RUNS": self.num_runs,
+                     "NUM_MINUTES": self.num_minutes}[key]
+        return self.allocated.get(key, effective)
 
     @property
     def gpu_minutes(self) -> int:
-        """Exact: NUM_RUNS × NUM_NODES × GPUS_PER_NODE × NUM_MINUTES (always a whole number)."""
-        return self.num_runs * self.num_nodes * self.gpus_per_node * self.num_minutes
+        """Exact: NUM_RUNS × NUM_NODES × GPUS_PER_NODE × NUM_MINUTES as allocated (always a whole number)."""
+        return (self.allocation("NUM_RUNS") * self.allocation("NUM_NODES") * self.allocation("GPUS_PER_NODE")
+                * self.allocation("NUM_MINUTES"))
 
     @property
     def gpu_hours(self) -> Fraction:
@@ -92,7 +102,7 @@ class DriverConfig:
 
     @property
     def gpus(self) -> int:
-        return self.num_nodes * self.gpus_per_node
+        return self.allocation("NUM_NODES") * self.allocation("GPUS_PER_NODE")
 
 
 def _read(path: Path) -> list[str]:
@@ -222,9 +232,12 @@ def parse_driver(path: str | Path, env: dict[str, str] | None = None) -> DriverC
     unexported: set[str] = set()
     current: Path = path
     block = find_block(current)
+    listed_own: dict[str, str] = {}
     while True:
         chain.append(current)
         assigned = run_block(block.lines, scope, str(current))
+        if len(chain) == 1:
+            listed_own = {name: scope.values[name] for name, _ in assigned if name in scope.values}
         if block.exec_target is None:
             break
         seen.add(current.resolve())
@@ -241,7 +254,28 @@ def parse_driver(path: str | Path, env: dict[str, str] | None = None) -> DriverC
         scope = Scope.inherited(scope.exported_values(), scope.origin)
         current = callee
         block = find_block(current)
-    return _effective(path, block, scope, tuple(chain), wrapper_sets, unexported)
+    config = _effective(path, block, scope, tuple(chain), wrapper_sets, unexported)
+    if len(chain) == 1 or not any(scope.values.get(k) != v for k, v in listed_own.items()):
+        return config
+    return replace(config, allocated=_allocated(config, path, {**scope.values, **listed_own}))
+
+
+ALLOCATED_KEYS = ("NUM_NODES", "GPUS_PER_NODE", "NUM_RUNS", "NUM_MINUTES")
+
+
+def _allocated(config: DriverConfig, path: Path, values: dict[str, str]) -> dict[str, int]:
+    """The sizing the launcher reads from the listed driver's own block (where it differs from the run's)."""
+    numbers: dict[str, int] = {}
+    for key in ("NUM_NODES", "GPUS_PER_NODE", "NUM_RUNS", "NUM_MINUTES", "STEPS_PER_RUN", "MAX_STEPS"):
+        n = arith.parse_integer(values[key]) if key in values else None
+        if key in values and (n is None or n < (0 if key == "GPUS_PER_NODE" else 1)):
+            raise GymvError(f"{key}={values[key]!r} in the wrapper's CONFIG block is not a valid count", where=str(path),
+                            fix=f"set {key} to a whole number")
+        if n is not None:
+            numbers[key] = n
+    if "NUM_RUNS" not in numbers and "MAX_STEPS" in numbers and "STEPS_PER_RUN" in numbers:
+        numbers["NUM_RUNS"] = -(-numbers["MAX_STEPS"] // numbers["STEPS_PER_RUN"])
+    return {k: numbers[k] for k in ALLOCATED_KEYS if k in numbers and numbers[k] != config.allocation(k)}
 
 
 def _effective(path: Path, block: ConfigBlock, scope: Scope, chain: tuple[Path, ...],

@@ -23,7 +23,9 @@ from gymv.recipes.suites import (
     SuiteEntry,
     duplicate_entries,
     driver_for_recipe,
+    is_driver_suite,
     load_budgets,
+    load_driver_suite,
     load_suite,
     load_suites,
     recipe_for_driver,
@@ -111,7 +113,9 @@ class DryRun:
                 for iv in d.config.ignored_wrapper_values:
                     if (iv.where, iv.name) not in seen:
                         seen.add((iv.where, iv.name))
-                        out.append(f"{iv.where}: {iv.message()}")
+                        sized = iv.name in ("NUM_NODES", "GPUS_PER_NODE", "NUM_MINUTES", "NUM_RUNS", "MAX_STEPS", "STEPS_PER_RUN")
+                        out.append(f"{iv.where}: {iv.message()}" + ("; GPU-hours count the wrapper's value, which the "
+                                                                      "launcher allocates" if sized else ""))
         return out
 
     def to_dict(self) -> dict:
@@ -141,12 +145,15 @@ def _driver_dict(d: DriverCost) -> dict:
     return {
         "driver": str(c.path),
         "recipe": d.recipe,
-        "num_nodes": c.num_nodes,
-        "gpus_per_node": c.gpus_per_node,
+        "num_nodes": c.allocation("NUM_NODES"),
+        "gpus_per_node": c.allocation("GPUS_PER_NODE"),
         "steps_per_run": c.steps_per_run,
         "max_steps": c.max_steps,
-        "num_runs": c.num_runs,
-        "num_minutes": c.num_minutes,
+        "num_runs": c.allocation("NUM_RUNS"),
+        "num_minutes": c.allocation("NUM_MINUTES"),
+        "runs_with": {k.lower(): v for k, v in (("NUM_NODES", c.num_nodes), ("GPUS_PER_NODE", c.gpus_per_node),
+                                                ("NUM_RUNS", c.num_runs), ("NUM_MINUTES", c.num_minutes))
+                      if k in c.allocated},
         "gpu_minutes": c.gpu_minutes,
         "gpu_hours": _json_hours(c.gpu_hours),
         "defaulted": sorted(c.defaulted),
@@ -183,6 +190,20 @@ class _Planner:
                 raise GymvError(f"recipe {e.recipe} has no driver", where=e.where, fix=f"create {driver}")
             costs.append(DriverCost(self.driver(driver), e.recipe, e))
         return Group(suite.name, suite.path, budgets.get(suite.name), tuple(costs))
+
+    def driver_suite_group(self, path: Path, budgets: dict[str, Fraction]) -> Group:
+        """A suite list of driver scripts (NeMo RL's format): each driver costed from its own CONFIG block."""
+        entries = load_driver_suite(path)
+        seen: dict[Path, int] = {}
+        for e in entries:
+            key = e.driver.resolve()
+            if key in seen:
+                raise GymvError(f"{e.written} is listed twice in suite {path.stem!r} (first on line {seen[key]})",
+                                where=e.where, fix="remove the repeated line")
+            seen[key] = e.line
+        costs = tuple(DriverCost(self.driver(e.driver), None) for e in entries)
+        ours = path.resolve().parent == (self.recipes_abs / SUITES_DIR).resolve()  # budgets.yaml speaks of our suites
+        return Group(path.stem, path, budgets.get(path.stem) if ours else None, costs)
 
     def path_drivers(self, target: Path) -> list[Path]:
         if target.is_dir():
@@ -268,7 +289,10 @@ def plan(targets: Sequence[str | Path] = (), recipes_dir: str | Path = "recipes"
                             fix=f"pass a suite name (suites in {recipes_dir / SUITES_DIR}: {names}) or an existing path")
         if suite_path.resolve() not in seen_suites:
             seen_suites.add(suite_path.resolve())
-            groups.append(planner.suite_group(load_suite(suite_path, recipes_dir), budgets))
+            if is_driver_suite(suite_path):
+                groups.append(planner.driver_suite_group(suite_path, budgets))
+            else:
+                groups.append(planner.suite_group(load_suite(suite_path, recipes_dir), budgets))
     if path_drivers:
         unique: dict[Path, Path] = {}
         for p in path_drivers:

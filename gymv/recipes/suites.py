@@ -14,6 +14,7 @@ from pathlib import Path, PurePosixPath
 import yaml
 
 from gymv.errors import GymvError
+from gymv.yaml_bounds import safe_load
 
 SUITES_DIR = "suites"
 DRIVERS_DIR = "drivers"
@@ -72,7 +73,8 @@ def normalize_recipe(written: str, recipes_dir: Path, *, where: str) -> str:
                         fix="write it as llm/<name>.yaml")
     if not parts[-1].endswith(RECIPE_SUFFIXES):
         raise GymvError(f"suite entry {written!r} is not a recipe .yaml path", where=where,
-                        fix="list recipes (llm/<name>.yaml), not drivers or directories")
+                        fix="list recipes (llm/<name>.yaml), or only driver .sh paths as NeMo RL's suite lists do "
+                            "(gymv dry-run reads those)")
     return "/".join(parts)
 
 
@@ -96,6 +98,73 @@ def load_suite(path: str | Path, recipes_dir: str | Path | None = None) -> Suite
             raise GymvError(f"more than one path on a line: {body!r}", where=where, fix="put one recipe per line")
         entries.append(SuiteEntry(name, normalize_recipe(body, recipes_dir, where=where), path, lineno, comment))
     return Suite(name, path, tuple(entries))
+
+
+DRIVER_SUFFIX = ".sh"
+
+
+@dataclass(frozen=True)
+class DriverEntry:
+    """One line of a suite list that names a driver script (NeMo RL's own lists do: tests/test_suites/llm/x.sh)."""
+
+    written: str
+    driver: Path
+    file: Path
+    line: int
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def _entries(path: Path) -> list[tuple[int, str]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise GymvError("suite file not found", where=str(path), fix="check the suite name") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise GymvError(f"cannot read suite file: {e}", where=str(path)) from None
+    out = []
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        body, _ = _strip_comment(raw)
+        if body:
+            out.append((lineno, body))
+    return out
+
+
+def is_driver_suite(path: str | Path) -> bool:
+    """A suite list whose entries are all driver scripts (.sh), as NeMo RL writes them."""
+    entries = _entries(Path(path))
+    return bool(entries) and all(body.endswith(DRIVER_SUFFIX) for _, body in entries)
+
+
+def resolve_listed_driver(written: str, suite_file: Path) -> Path | None:
+    """Where a listed driver is: the path as written, relative to the suite file's folder or to any folder above
+    it (NeMo RL writes paths from its repository root), else relative to the working directory."""
+    p = Path(written)
+    if p.is_absolute():
+        return p if p.is_file() else None
+    folder = Path(suite_file).resolve().parent
+    for base in [folder, *folder.parents]:
+        if (base / p).is_file():
+            return base / p
+    return p if p.is_file() else None
+
+
+def load_driver_suite(path: str | Path) -> list[DriverEntry]:
+    """The drivers a NeMo-RL-style suite list names, each resolved to a file; a missing one is an error at its line."""
+    path = Path(path)
+    out = []
+    for lineno, body in _entries(path):
+        where = f"{path}:{lineno}"
+        if len(body.split()) > 1:
+            raise GymvError(f"more than one path on a line: {body!r}", where=where, fix="put one driver per line")
+        driver = resolve_listed_driver(body, path)
+        if driver is None:
+            raise GymvError(f"driver {body} not found (looked beside {path.parent} and in the folders above it)",
+                            where=where, fix="fix the path or run from the repository the list belongs to")
+        out.append(DriverEntry(body, driver, path, lineno))
+    return out
 
 
 def suite_files(recipes_dir: str | Path) -> list[Path]:
@@ -136,12 +205,7 @@ def load_budgets(recipes_dir: str | Path) -> dict[str, Fraction]:
     if not path.is_file():
         return {}
     text = path.read_text(encoding="utf-8")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise GymvError(f"invalid YAML: {getattr(e, 'problem', None) or e}", where=where, fix="fix the YAML syntax") from None
+    data = safe_load(text, str(path))  # bounded: an alias bomb is refused, not expanded
     if data is None:
         return {}
     if not isinstance(data, dict):

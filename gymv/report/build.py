@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gymv.errors import GymvError
 from gymv.io import atomic_write_text
 from gymv.report.page import render_data, render_index
-from gymv.report.plots import Plot, write_plots
+from gymv.report.plots import DEFAULT_SMOOTHING, Plot, write_plots
 from gymv.report.run import RunData, read_run
-from gymv.report.viewer import rollout_views
+from gymv.report.viewer import groups, rollout_views
 
 LATEST = ("train/reward_mean", "train/accuracy", "val/reward_mean", "val/accuracy", "train/loss", "train/kl_ref",
           "train/entropy", "train/token_mult_prob_error", "train/grad_norm", "timing/step_s")
@@ -53,6 +55,21 @@ def _latest(run: RunData) -> list[tuple[str, object]]:
     return [(f"{k} (step {last[k][0]})", last[k][1]) for k in LATEST if k in last]
 
 
+def _distinct_names(runs: Sequence[RunData]) -> list[str]:
+    """Run names for legends; two runs of one name are told apart by their folders."""
+    for names in ([r.name for r in runs], [r.path.name for r in runs]):
+        if len(set(names)) == len(names):
+            return names
+    return [str(r.path) for r in runs]
+
+
+def _latest_compared(runs: Sequence[RunData]) -> list[tuple[str, list]]:
+    """Each LATEST metric any run logged, with every run's last value (None where a run has none)."""
+    last = [{k: v for r in run.rows for k, v in r.items() if k in LATEST and isinstance(v, (int, float))
+             and not isinstance(v, bool)} for run in runs]
+    return [(k, [d.get(k) for d in last]) for k in LATEST if any(k in d for d in last)]
+
+
 def _checks(run: RunData) -> list:
     from gymv.checks import MetricSeries, evaluate_checks
 
@@ -60,21 +77,32 @@ def _checks(run: RunData) -> list:
     return evaluate_checks(texts, MetricSeries(run.rows)) if texts else []
 
 
-def _publish(paths) -> None:
-    """Atomic writes leave files private (0600); a report is for reading, so give them the usual 0644."""
-    for p in paths:
-        try:
-            os.chmod(p, 0o644)
-        except OSError:
-            pass
+def _refuse_links_out(out: Path) -> None:
+    """RUN_DIR/report and its folders are written into, never followed: a symbolic link there (in a run
+    someone else wrote) would make the report write wherever it points."""
+    for path in (out, out / "plots", out / "images"):
+        if path.is_symlink():
+            raise GymvError("is a symbolic link; the report is only written into the run's own folder", where=str(path),
+                            fix="remove the link, or pass --out DIR to write the report elsewhere")
 
 
-def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> ReportResult:
-    """Write the report of `run_dir` into `out_dir` (default: RUN_DIR/report); returns what it holds."""
+def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, *,
+                 smoothing: float = DEFAULT_SMOOTHING, compare: Sequence[str | os.PathLike] = ()) -> ReportResult:
+    """Write the report of `run_dir` into `out_dir` (default: RUN_DIR/report); returns what it holds.
+
+    `compare`: other run directories whose metrics are drawn in the same plots and listed beside this run's
+    latest values (the rollouts shown are this run's)."""
+    if not 0.0 <= smoothing < 1.0:
+        raise GymvError(f"smoothing {smoothing} is outside [0, 1)", where="--smoothing", fix="use 0 (none) to 0.99")
     run = read_run(run_dir)
+    others = [read_run(p) for p in compare]
+    names = _distinct_names([run, *others])
     out = Path(out_dir) if out_dir is not None else default_out_dir(run_dir)
+    if out_dir is None:
+        _refuse_links_out(out)
     out.mkdir(parents=True, exist_ok=True)
-    plots = write_plots(run.rows, out)
+    plots = write_plots(run.rows, out, smoothing=smoothing, compare=[(n, o.rows) for n, o in zip(names[1:], others)],
+                        name=names[0])
     views, images = rollout_views(run.rollouts, out)
     checks = _checks(run)
     step = run.last_step
@@ -82,11 +110,16 @@ def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     progress = f"step {step if step is not None else '—'}" + (f" of {run.max_steps}" if run.max_steps else "")
     meta = [str(run.config.get("algorithm") or "unknown algorithm"), str((run.config.get("model") or {}).get("path") or ""),
             f"{progress} ({status})", f"{len(views)} rollouts", f"generated {time.strftime('%Y-%m-%d %H:%M:%S')}"]
+    if others:
+        meta.insert(0, "compared with " + ", ".join(names[1:]) + " (dashed)")
     meta = [m for m in meta if m]
-    atomic_write_text(out / "data.js", render_data({"run": run.name, "rollouts": views}))
+    atomic_write_text(out / "data.js", render_data({"run": run.name, "rollouts": views, "groups": groups(views)}))
     index = out / "index.html"
-    atomic_write_text(index, render_index(title=run.name, meta=meta, plots=plots, checks=checks, latest=_latest(run),
-                                          problems=run.problems, n_rollouts=len(views)))
-    _publish([out / "data.js", index, *(out / p.file for p in plots), *(out / rel for rel in images.written.values())])
+    latest, columns = _latest(run), None
+    if others:
+        latest, columns = _latest_compared([run, *others]), names
+    atomic_write_text(index, render_index(title=run.name, meta=meta, plots=plots, checks=checks, latest=latest,
+                                          problems=run.problems + [p for o in others for p in o.problems],
+                                          n_rollouts=len(views), latest_columns=columns))
     return ReportResult(out, index, tuple(plots), len(views), len(images.written), step, run.finished, tuple(checks),
                         tuple(run.problems))

@@ -39,7 +39,7 @@ td.num { text-align:right; font-variant-numeric:tabular-nums; }
 .badge { font-size:12px; padding:1px 7px; border-radius:10px; background:#eef1f4; color:var(--muted); }
 .badge.bad { background:#fdecea; color:var(--bad); }
 .turn { border-top:1px solid var(--line); padding:8px 12px; }
-.turn > .label { font-size:12px; color:var(--muted); text-transform:uppercase; letter-spacing:.04em; margin-bottom:4px; }
+.turn > .label, .prompt > .label { font-size:12px; color:var(--muted); text-transform:uppercase; letter-spacing:.04em; margin-bottom:4px; }
 .entry { margin:6px 0; padding:6px 10px; border-left:3px solid var(--line); }
 .entry.user { border-color:#7aa7d6; } .entry.system, .entry.developer { border-color:#b9b9b9; }
 .entry.assistant { border-color:#59a96a; } .entry.reasoning { border-color:#c5a3e6; font-style:italic; }
@@ -48,6 +48,16 @@ td.num { text-align:right; font-variant-numeric:tabular-nums; }
 .entry pre { margin:3px 0; white-space:pre-wrap; word-break:break-word; font:13px/1.4 ui-monospace,SFMono-Regular,Menlo,monospace; }
 .entry img { max-width:360px; max-height:360px; border:1px solid var(--line); margin:4px 0; display:block; image-rendering:auto; }
 .missing { color:var(--warn); font-size:12px; }
+.group { background:var(--card); border:1px solid var(--line); border-radius:6px; margin-bottom:14px; }
+.group > summary { padding:8px 12px; cursor:pointer; display:flex; gap:14px; flex-wrap:wrap; align-items:center; background:#eef1f4; border-radius:6px 6px 0 0; }
+.group > summary .mean { font-weight:700; }
+.group .prompt { padding:8px 12px; }
+.group .samples { padding:0 12px 8px; }
+.samples .rollout { margin:8px 0; }
+.answer { font-variant-numeric:tabular-nums; }
+.answer.ok { color:var(--ok); } .answer.wrong { color:var(--bad); }
+.adv { font-variant-numeric:tabular-nums; font-weight:600; }
+.adv.pos { color:var(--ok); } .adv.neg { color:var(--bad); } .adv.zero { color:var(--muted); }
 button { font:inherit; padding:4px 12px; }
 .note { color:var(--muted); }
 """
@@ -66,7 +76,7 @@ _JS = r"""
     return e;
   };
   const num = (v) => (v === '' || v === null || v === undefined) ? null : Number(v);
-  const steps = Array.from(new Set(all.map(r => r.step))).sort((a, b) => a - b);
+  const steps = Array.from(new Set(all.map(r => r.step))).sort((a, b) => b - a);  // newest first
   const stepSel = $('f-step');
   for (const s of steps) { const o = el('option', null, s); o.value = String(s); stepSel.appendChild(o); }
 
@@ -121,14 +131,20 @@ _JS = r"""
     return box;
   }
 
-  function card(r) {
+  function sampleCard(r) {
     const d = el('details', 'rollout');
     d.open = true;
     const s = el('summary');
     s.appendChild(el('span', 'reward', 'reward ' + (r.reward === null ? '—' : r.reward.toFixed(3))));
-    s.appendChild(el('span', null, 'step ' + r.step + (r.split === 'val' ? ' (validation)' : '')));
-    if (r.task !== null && r.task !== undefined) s.appendChild(el('span', null, 'task ' + r.task + (r.rollout !== null && r.rollout !== undefined ? ' · sample ' + r.rollout : '')));
-    if (r.agent) s.appendChild(el('span', 'badge', r.agent));
+    if (r.advantage !== null && r.advantage !== undefined) {
+      const a = r.advantage;
+      s.appendChild(el('span', 'adv ' + (a > 0 ? 'pos' : a < 0 ? 'neg' : 'zero'), 'advantage ' + (a > 0 ? '+' : '') + a.toFixed(3)));
+    }
+    if (r.rollout !== null && r.rollout !== undefined) s.appendChild(el('span', null, 'sample ' + r.rollout));
+    if (r.expected !== null || r.parsed !== null) {
+      const ok = r.reward !== null && r.reward >= 1;
+      s.appendChild(el('span', 'answer ' + (ok ? 'ok' : 'wrong'), 'expected ' + (r.expected === null ? '—' : r.expected) + ' · parsed ' + (r.parsed === null ? '—' : r.parsed)));
+    }
     s.appendChild(el('span', 'badge', r.turns + (r.turns === 1 ? ' turn' : ' turns')));
     if (r.finish) s.appendChild(el('span', 'badge', r.finish));
     if (r.truncated) s.appendChild(el('span', 'badge bad', 'truncated'));
@@ -137,10 +153,11 @@ _JS = r"""
     d.appendChild(s);
     let current = null, box = null;
     for (const e of r.entries) {
+      if (e.turn === 0) continue;  // the prompt is shown once, on the group
       if (e.turn !== current) {
         current = e.turn;
         box = el('div', 'turn');
-        box.appendChild(el('div', 'label', e.turn === 0 ? 'prompt' : 'turn ' + e.turn));
+        box.appendChild(el('div', 'label', 'turn ' + e.turn));
         d.appendChild(box);
       }
       box.appendChild(entry(e));
@@ -148,14 +165,49 @@ _JS = r"""
     return d;
   }
 
+  function groupCard(g, hits) {
+    const d = el('details', 'group');
+    d.open = true;
+    const s = el('summary');
+    s.appendChild(el('span', null, 'step ' + g.step));
+    if (g.split === 'val') s.appendChild(el('span', 'badge', 'validation'));
+    if (g.task !== null && g.task !== undefined) s.appendChild(el('span', null, 'task ' + g.task));
+    if (g.agent) s.appendChild(el('span', 'badge', g.agent));
+    s.appendChild(el('span', null, g.samples.length + (g.samples.length === 1 ? ' sample' : ' samples')));
+    if (g.reward_mean !== null) s.appendChild(el('span', 'mean', 'mean reward ' + g.reward_mean.toFixed(3)));
+    if (g.zero_std) s.appendChild(el('span', 'badge', 'all rewards equal: no learning signal'));
+    d.appendChild(s);
+    if (g.prompt.length) {
+      const p = el('div', 'prompt');
+      p.appendChild(el('div', 'label', 'prompt'));
+      for (const e of g.prompt) p.appendChild(entry(e));
+      d.appendChild(p);
+    }
+    const list = el('div', 'samples');
+    for (const r of hits) list.appendChild(sampleCard(r));
+    d.appendChild(list);
+    return d;
+  }
+
+  const groups = data.groups || all.map((r, i) => ({split: r.split, step: r.step, task: r.task, agent: r.agent,
+    prompt: r.entries.filter(e => e.turn === 0), samples: [i], reward_mean: r.reward, zero_std: false}));
+
   function render() {
     const list = $('rollouts');
     list.replaceChildren();
-    const hits = all.filter(matches);
     if (!all.length) list.appendChild(el('p', 'note', 'No rollouts logged yet.'));
-    for (const r of hits.slice(0, shown)) list.appendChild(card(r));
-    $('count').textContent = hits.length + ' of ' + all.length + ' rollouts' + (hits.length > shown ? ' (showing ' + shown + ')' : '');
-    $('more').hidden = hits.length <= shown;
+    let total = 0, drawn = 0;
+    for (const g of groups) {
+      const hits = g.samples.map(i => all[i]).filter(matches);
+      if (!hits.length) continue;
+      total += hits.length;
+      if (drawn >= shown) continue;
+      const room = hits.slice(0, shown - drawn);
+      drawn += room.length;
+      list.appendChild(groupCard(g, room));
+    }
+    $('count').textContent = total + ' of ' + all.length + ' rollouts' + (total > shown ? ' (showing ' + shown + ')' : '');
+    $('more').hidden = total <= shown;
   }
 
   // Filters live in the address (#split=val&step=3&rmin=1&rmax=&q=&tools=1) so a link reopens the same view.
@@ -197,7 +249,9 @@ def _fmt(v) -> str:
 
 
 def render_index(*, title: str, meta: list[str], plots: list, checks: list, latest: list[tuple[str, object]],
-                 problems: list[str], n_rollouts: int, data_file: str = "data.js") -> str:
+                 problems: list[str], n_rollouts: int, data_file: str = "data.js",
+                 latest_columns: list[str] | None = None) -> str:
+    """`latest_columns` (run names) turns `latest` into (metric, [value per run]) rows: runs compared."""
     out = ["<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
            '<meta name="viewport" content="width=device-width, initial-scale=1">',
            f"<title>{_e(title)} · gymv report</title>", f"<style>{_CSS}</style></head><body>",
@@ -210,7 +264,13 @@ def render_index(*, title: str, meta: list[str], plots: list, checks: list, late
             f"<td>{_e(c.error or c.observed_text())}</td></tr>" for c in checks)
         out.append('<section id="checks"><h2>Metric checks</h2><table><tr><th>check</th><th>result</th>'
                    f"<th>observed</th></tr>{rows}</table></section>")
-    if latest:
+    if latest and latest_columns:
+        head = "".join(f"<th>{_e(c)}</th>" for c in latest_columns)
+        rows = "".join(f'<tr><td>{_e(k)}</td>' + "".join(f'<td class="num">{"—" if v is None else _e(_fmt(v))}</td>' for v in vs)
+                       + "</tr>" for k, vs in latest)
+        out.append(f'<section id="latest"><h2>Latest values</h2><table><tr><th>metric</th>{head}</tr>{rows}'
+                   "</table></section>")
+    elif latest:
         rows = "".join(f'<tr><td>{_e(k)}</td><td class="num">{_e(_fmt(v))}</td></tr>' for k, v in latest)
         out.append(f'<section id="latest"><h2>Latest values</h2><table><tr><th>metric</th><th>value</th></tr>{rows}'
                    "</table></section>")

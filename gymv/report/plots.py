@@ -1,7 +1,9 @@
 """PNG plots of a run's metrics (matplotlib, Agg backend: no display needed).
 
 Each plot is drawn only when at least one of its metrics was logged; per-environment breakdowns
-(`train/reward_mean/<agent>`) are drawn beside the totals. The step-time split stacks the phases of a step
+(`train/reward_mean/<agent>`) are drawn beside the totals. A training series is drawn faint as logged and
+bold smoothed (an exponential moving average, `smoothing` its weight, as TensorBoard's slider); validation
+series are sparse and drawn as logged. Other runs given to compare are drawn dashed in the same plots. The step-time split stacks the phases of a step
 that do not overlap (generation includes the environment's time) and shows the rest as "other".
 """
 
@@ -24,18 +26,26 @@ class PlotSpec:
     ylabel: str = ""
     reference: float | None = None  # a dashed horizontal line (e.g. 1.1 for token_mult_prob_error)
     band: dict | None = None  # metric -> its std metric, drawn as a ±1 std band
+    bounds: tuple[float, float] | None = None  # the range the metric can take: the band never leaves it
 
 
 PLOTS: tuple[PlotSpec, ...] = (
     PlotSpec("reward", "Reward", ("train/reward_mean", "val/reward_mean"), "mean reward",
-             band={"train/reward_mean": "train/reward_std"}),
+             band={"train/reward_mean": "train/reward_std"}, bounds=(0.0, 1.0)),
     PlotSpec("accuracy", "Accuracy (share of rollouts with reward ≥ 1)", ("train/accuracy", "val/accuracy"), "accuracy"),
     PlotSpec("loss", "Loss", ("train/loss", "train/pg_loss", "train/nll"), "loss"),
     PlotSpec("kl", "KL divergence", ("train/kl_ref", "train/kl_teacher"), "KL"),
     PlotSpec("entropy", "Entropy of the sampling distribution", ("train/entropy",), "nats / token"),
     PlotSpec("token_mult_prob_error", "token_mult_prob_error (generation vs training logprobs)",
              ("train/token_mult_prob_error",), "mean exp(|Δlogp|)", reference=1.1),
+    PlotSpec("grad_norm", "Gradient norm", ("train/grad_norm",), "L2 norm"),
+    PlotSpec("response_length", "Response length (generated tokens per rollout)",
+             ("train/gen_length_mean", "train/gen_length_max", "val/gen_length_mean"), "tokens"),
+    PlotSpec("zero_std_groups", "Groups whose rewards are all equal (no learning signal)",
+             ("train/zero_std_group_fraction",), "share of groups"),
+    PlotSpec("lr", "Learning rate", ("train/lr",), "learning rate"),
 )
+DEFAULT_SMOOTHING = 0.6
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,16 @@ def _series(rows: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
             xs.append(s)
             ys.append(float(v))
     return xs, ys
+
+
+def smooth(ys: Sequence[float], weight: float) -> list[float]:
+    """Exponential moving average, debiased at the start (the first point is not pulled toward zero)."""
+    out, last, norm = [], 0.0, 0.0
+    for y in ys:
+        last = weight * last + (1 - weight) * y
+        norm = weight * norm + (1 - weight)
+        out.append(last / norm)
+    return out
 
 
 def _qualified(rows: Sequence[dict], base: str) -> list[str]:
@@ -85,29 +105,67 @@ def _save(fig, path: Path) -> None:
         fig.savefig(f, format="png")
 
 
-def line_plot(rows: Sequence[dict], spec: PlotSpec, out: Path) -> Plot | None:
+def _band(ax, rows: Sequence[dict], spec: PlotSpec, key: str, xs: list[int], ys: list[float], color) -> None:
+    std_key = (spec.band or {}).get(key)
+    if not std_key:
+        return
+    sx, sy = _series(rows, std_key)
+    std = dict(zip(sx, sy))
+    pts = [(x, y, std[x]) for x, y in zip(xs, ys) if x in std]
+    if not pts:
+        return
+    lows, highs = band_edges([p[1] for p in pts], [p[2] for p in pts], spec.bounds)
+    ax.fill_between([p[0] for p in pts], lows, highs, color=color, alpha=0.15, linewidth=0)
+
+
+def band_edges(means: Sequence[float], stds: Sequence[float],
+               bounds: tuple[float, float] | None) -> tuple[list[float], list[float]]:
+    """mean ± std, kept inside `bounds` (widened to the means themselves should a mean leave them): a reward
+    in [0, 1] has no mass outside it, whatever mean ± std says."""
+    lo, hi = -math.inf, math.inf
+    if bounds is not None and means:
+        lo, hi = min(bounds[0], min(means)), max(bounds[1], max(means))
+    return [max(lo, m - s) for m, s in zip(means, stds)], [min(hi, m + s) for m, s in zip(means, stds)]
+
+
+def _draw(ax, xs: list[int], ys: list[float], label: str, smoothing: float, *, dashed: bool = False, color=None):
+    """The series as logged (faint, when smoothed) and smoothed (bold); returns the bold line."""
+    style = "--" if dashed else "-"
+    if smoothing > 0 and len(xs) > 2 and not label.startswith("val/"):
+        (raw,) = ax.plot(xs, ys, linestyle=style, linewidth=1, alpha=0.3, color=color)
+        (line,) = ax.plot(xs, smooth(ys, smoothing), linestyle=style, linewidth=1.8, label=label, color=raw.get_color())
+        return line
+    marker = "o" if len(xs) < 30 or label.startswith("val/") else None
+    (line,) = ax.plot(xs, ys, linestyle=style, marker=marker, markersize=3, linewidth=1.5, label=label, color=color)
+    return line
+
+
+def line_plot(rows: Sequence[dict], spec: PlotSpec, out: Path, *, smoothing: float = DEFAULT_SMOOTHING,
+              compare: Sequence[tuple[str, Sequence[dict]]] = (), name: str | None = None) -> Plot | None:
     drawn: list[str] = []
     fig, ax = _figure(spec.title, spec.ylabel)
+    suffix = f" ({name})" if compare and name else ""
+    colors: dict[str, object] = {}
     for key in spec.metrics:
         xs, ys = _series(rows, key)
         if not xs:
             continue
-        marker = "o" if len(xs) < 30 or key.startswith("val/") else None
-        (line,) = ax.plot(xs, ys, marker=marker, markersize=3, linewidth=1.5, label=key)
+        line = _draw(ax, xs, ys, key + suffix, smoothing)
+        colors[key] = line.get_color()
         drawn.append(key)
-        std_key = (spec.band or {}).get(key)
-        if std_key:
-            sx, sy = _series(rows, std_key)
-            std = dict(zip(sx, sy))
-            pts = [(x, y, std[x]) for x, y in zip(xs, ys) if x in std]
-            if pts:
-                ax.fill_between([p[0] for p in pts], [p[1] - p[2] for p in pts], [p[1] + p[2] for p in pts],
-                                color=line.get_color(), alpha=0.15, linewidth=0)
-        for q in _qualified(rows, key):
+        _band(ax, rows, spec, key, xs, ys, line.get_color())
+        for q in ([] if compare else _qualified(rows, key)):
             qx, qy = _series(rows, q)
             if qx:
                 ax.plot(qx, qy, linestyle="--", linewidth=1, label=q)
                 drawn.append(q)
+    for other_name, other_rows in compare:  # the same metrics of each other run, dashed, in the same colors
+        for key in spec.metrics:
+            xs, ys = _series(other_rows, key)
+            if xs:
+                _draw(ax, xs, ys, f"{key} ({other_name})", smoothing, dashed=True, color=colors.get(key))
+                if key not in drawn:
+                    drawn.append(key)
     if not drawn:
         return None
     if spec.reference is not None:
@@ -150,11 +208,15 @@ def timing_plot(rows: Sequence[dict], out: Path) -> Plot | None:
     return Plot("timing", "Step time split", file, tuple(f"timing/{p}" for p in values if p != "other"))
 
 
-def write_plots(rows: Sequence[dict], out_dir: str | os.PathLike) -> list[Plot]:
-    """Draw every plot that has data into out_dir/plots/; returns those drawn, in PLOTS order, timing last."""
+def write_plots(rows: Sequence[dict], out_dir: str | os.PathLike, *, smoothing: float = DEFAULT_SMOOTHING,
+                compare: Sequence[tuple[str, Sequence[dict]]] = (), name: str | None = None) -> list[Plot]:
+    """Draw every plot that has data into out_dir/plots/; returns those drawn, in PLOTS order, timing last.
+
+    `compare` holds (name, metric rows) of other runs to draw beside this one (`name`)."""
     out = Path(out_dir)
     (out / "plots").mkdir(parents=True, exist_ok=True)
-    drawn = [p for p in (line_plot(rows, spec, out) for spec in PLOTS) if p is not None]
+    drawn = [p for p in (line_plot(rows, spec, out, smoothing=smoothing, compare=compare, name=name) for spec in PLOTS)
+             if p is not None]
     t = timing_plot(rows, out)
     if t is not None:
         drawn.append(t)

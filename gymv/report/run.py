@@ -10,9 +10,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 
 from gymv.errors import GymvError
+from gymv.yaml_bounds import safe_load
 from gymv.runs.metrics import read_metrics
 from gymv.runs.rollout_log import SPLITS, read_rollouts, rollout_files
 
@@ -65,8 +65,10 @@ def read_run(path: str | os.PathLike) -> RunData:
     cfg_path = path / CONFIG_FILE
     if cfg_path.is_file():
         try:
-            run.config = yaml.safe_load(cfg_path.read_text(encoding="utf-8")) or {}
-        except (yaml.YAMLError, OSError, UnicodeDecodeError) as e:
+            run.config = safe_load(cfg_path.read_text(encoding="utf-8"), str(cfg_path)) or {}
+        except GymvError as e:
+            run.problems.append(e.one_line())
+        except (OSError, UnicodeDecodeError) as e:
             run.problems.append(f"{cfg_path}: {e}")
         if not isinstance(run.config, dict):
             run.config = {}

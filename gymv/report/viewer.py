@@ -13,14 +13,16 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import io
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gymv.data.images import DEFAULT_MAX_BYTES, ImageError, split_data_url
+from gymv.data.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, ImageError, split_data_url
 from gymv.envs.responses import decode_parts
 
 _MAGIC = ((b"\x89PNG\r\n\x1a\n", "png"), (b"\xff\xd8\xff", "jpg"), (b"GIF87a", "gif"), (b"GIF89a", "gif"), (b"BM", "bmp"))
@@ -35,6 +37,20 @@ def _kind(raw: bytes) -> str | None:
         if raw.startswith(magic):
             return ext
     return None
+
+
+def _pixels(raw: bytes) -> tuple[int, int] | None:
+    """Width and height from the image header alone (nothing is decompressed), or None if unreadable."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(raw)) as img:
+            return img.size
+    except Image.DecompressionBombError as e:  # PIL refuses the header itself: far over any limit
+        nums = [int(n) for n in re.findall(r"\((\d+) pixels\)", str(e))]
+        return (nums[0], 1) if nums else (DEFAULT_MAX_PIXELS + 1, 1)
+    except Exception:
+        return None
 
 
 @dataclass
@@ -59,6 +75,11 @@ class ImageStore:
         if ext is None:
             self.refused += 1
             return {"kind": "image", "missing": "image not shown: not a PNG, JPEG, GIF, WebP or BMP file"}
+        size = _pixels(raw)
+        if size is None or size[0] * size[1] > DEFAULT_MAX_PIXELS:  # a browser would decode it in full
+            self.refused += 1
+            shown = f"{size[0] * size[1]} pixels, over the {DEFAULT_MAX_PIXELS} pixel limit" if size else "unreadable"
+            return {"kind": "image", "missing": f"image not shown: {shown}"}
         digest = hashlib.sha256(raw).hexdigest()
         rel = self.written.get(digest)
         if rel is None:
@@ -145,6 +166,36 @@ def _is_model(item: Any) -> bool:
     return t in _MODEL_TYPES or (t == "message" and item.get("role", "assistant") == "assistant")
 
 
+# (what the row or verifier says is right, what the verifier read from the model's output), per environment
+_ANSWER_FIELDS = (("expected_count", "predicted_count"), ("expected_answer", "predicted_answer"), ("expected", "answer"))
+
+
+def _short(value: Any) -> str | None:
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def answers(record: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """(expected, parsed) answer of a rollout, from the fields its verifier writes; (None, None) when it has none.
+
+    A parsed answer of None with an expected one means the verifier found no answer in the output ("none")."""
+    for want, got in _ANSWER_FIELDS:
+        if want in record and got in record:
+            return _short(record[want]), _short(record[got]) or "none"
+    if "clicked_x" in record and isinstance(record.get("circles"), list):  # circle-click: a point in the target
+        target = next((c for c in record["circles"] if isinstance(c, Mapping) and c.get("color") == record.get("target_color")), None)
+        expected = (f"inside the {record.get('target_color')} circle at ({target.get('x')}, {target.get('y')}), "
+                    f"radius {target.get('radius')}") if target else None
+        x, y = record.get("clicked_x"), record.get("clicked_y")
+        return expected, "none" if x is None else f"click ({x}, {y})"
+    if "named" in record and isinstance(record.get("polygons"), list):  # polygon-naming
+        truth = [" ".join(str(p.get(k, "")) for k in ("color", "shape")) for p in record["polygons"] if isinstance(p, Mapping)]
+        return _short(truth), _short(record["named"])
+    return None, None
+
+
 def rollout_view(split: str, step: int, record: Mapping[str, Any], images: ImageStore) -> dict:
     """One rollout as the viewer shows it: ids, reward, status and its entries, each with its turn."""
     params = record.get("responses_create_params") or {}
@@ -172,6 +223,8 @@ def rollout_view(split: str, step: int, record: Mapping[str, Any], images: Image
         agent = record["agent_ref"].get("name")
     tools = [str(t.get("name")) for t in params.get("tools", []) or [] if isinstance(t, Mapping) and t.get("name")]
     reward = record.get("reward")
+    expected, parsed = answers(record)
+    advantage = gymv.get("advantage")
     return {
         "split": split, "step": int(step),
         "task": record.get("_ng_task_index"), "rollout": record.get("_ng_rollout_index"),
@@ -180,10 +233,35 @@ def rollout_view(split: str, step: int, record: Mapping[str, Any], images: Image
         "finish": gymv.get("finish_reason"), "error": gymv.get("error") or None,
         "failure": record.get("failure_reason") or None,  # why the reward is not full: the model's fault
         "truncated": bool(record.get("truncated")),
+        "expected": expected, "parsed": parsed,
+        "advantage": float(advantage) if isinstance(advantage, (int, float)) and not isinstance(advantage, bool) else None,
         "entries": entries,
     }
 
 
 def rollout_views(rollouts: Iterable[tuple[str, int, Mapping]], root: str | os.PathLike) -> tuple[list[dict], ImageStore]:
+    """Every rollout's view, newest step first (within a step: training before validation, then file order)."""
     images = ImageStore(Path(root))
-    return [rollout_view(split, step, rec, images) for split, step, rec in rollouts], images
+    views = [rollout_view(split, step, rec, images) for split, step, rec in rollouts]
+    order = {"train": 0, "val": 1}
+    views = [v for _, v in sorted(enumerate(views), key=lambda iv: (-iv[1]["step"], order.get(iv[1]["split"], 2), iv[0]))]
+    return views, images
+
+
+def groups(views: list[dict]) -> list[dict]:
+    """The rollouts of one prompt at one step (a GRPO group: the same task, sampled G times) as one card: the
+    prompt once, then each sample. Rollouts without a task index stand alone. Keeps the views' order."""
+    out: list[dict] = []
+    index: dict[tuple, int] = {}
+    for i, v in enumerate(views):
+        key = (v["split"], v["step"], v["task"]) if v["task"] is not None else ("single", i)
+        if key not in index:
+            index[key] = len(out)
+            out.append({"split": v["split"], "step": v["step"], "task": v["task"], "agent": v["agent"],
+                        "prompt": [e for e in v["entries"] if e["turn"] == 0], "samples": []})
+        out[index[key]]["samples"].append(i)
+    for g in out:
+        rewards = [views[i]["reward"] for i in g["samples"] if views[i]["reward"] is not None]
+        g["reward_mean"] = sum(rewards) / len(rewards) if rewards else None
+        g["zero_std"] = len(g["samples"]) > 1 and len(set(rewards)) == 1 and len(rewards) == len(g["samples"])
+    return out

@@ -92,7 +92,7 @@ def _open(ep: Episode) -> None:
     """Start the episode's environment (a server call for remote ones); a failure marks only this episode."""
     try:
         ep.state = ep.env.start(ep.row, where=ep.where)
-    except RowError:
+    except (RowError, ImageError):  # the row's own fault (a prompt image that is no usable image): not the env's
         raise
     except Exception as e:  # an environment that fails to start (server down, plugin bug)
         ep.fail(f"environment start failed: {_describe(e)}")

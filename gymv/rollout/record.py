@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 from gymv.rollout.types import Trajectory
 from gymv.runs.rollout_log import attach_model_call_tokens, make_rollout_record
 
 
-def to_rollout_record(traj: Trajectory, *, model: str | None = None) -> dict:
+def to_rollout_record(traj: Trajectory, *, model: str | None = None, advantage: float | None = None) -> dict:
     """The row, `response.output` with each model call's token fields on its last item, reward and extras.
 
     NeMo Gym's gymnasium rollouts carry `truncated` at top level, so it sits there too; gymv's own
@@ -26,5 +28,7 @@ def to_rollout_record(traj: Trajectory, *, model: str | None = None) -> dict:
               "_gymv": {"agent_name": traj.agent_name, "turns": traj.turns, "finish_reason": traj.finish_reason,
                         "error": traj.error, "weights_version": traj.weights_version,
                         "image_turns": list(traj.image_turns)}}
+    if advantage is not None:  # GRPO: what this rollout's tokens were trained with (the report shows it)
+        extras["_gymv"]["advantage"] = float(advantage) if math.isfinite(advantage) else None
     return make_rollout_record(traj.row, output, traj.reward, model=model, extras=extras,
                                task_index=traj.task_index, rollout_index=traj.sample_index, usage=usage)

@@ -16,7 +16,9 @@ import os
 import random
 import re
 import shutil
+import struct
 import uuid
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 
 from gymv.errors import GymvError
-from gymv.io import atomic_write_text
+from gymv.io import atomic_write_text, follow_umask
 
 STATE_FILE = "state.json"
 RNG_FILE = "rng.pt"
@@ -102,22 +104,78 @@ def _checkpoints_dir(path: str | os.PathLike) -> Path:
     return path / "checkpoints" if (path / "checkpoints").is_dir() else path
 
 
-def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete checkpoints (step_<N> with a readable state.json), oldest first; temp dirs are ignored."""
+def _safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file is unreadable (a bad header, or shorter or longer than its header says)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path.name} is truncated ({size} bytes)"
+            n = struct.unpack("<Q", head)[0]
+            if n > size - 8:
+                return f"{path.name} is truncated (its header needs {n} bytes)"
+            header = json.loads(f.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        return f"{path.name} is unreadable ({type(e).__name__})"
+    if size != 8 + n + end:
+        return f"{path.name} is {size} bytes, its header says {8 + n + end} (truncated or damaged)"
+    return None
+
+
+def checkpoint_problem(path: str | os.PathLike) -> str | None:
+    """Why step_<N>/ is not a complete checkpoint, or None: state.json must read, and every weights file
+    (safetensors: header and size; torch .pt: zip directory) must be whole. Cheap: no tensor is read."""
+    path = Path(path)
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+        int(state["step"])
+    except FileNotFoundError:
+        return f"no {STATE_FILE}"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable {STATE_FILE} ({type(e).__name__})"
+    for f in sorted(path.rglob("*")):
+        if f.suffix == ".safetensors":
+            problem = _safetensors_problem(f)
+            if problem:
+                return problem
+        elif f.suffix == ".pt" and not zipfile.is_zipfile(f):
+            return f"{f.name} is truncated or damaged"
+    return None
+
+
+def _step_dirs(directory: str | os.PathLike) -> list[tuple[int, Path]]:
     d = _checkpoints_dir(directory)
     if not d.is_dir():
         return []
-    found = []
-    for child in d.iterdir():
-        m = _STEP_DIR.match(child.name)
-        if not (m and child.is_dir()):
-            continue
-        try:
-            json.loads((child / STATE_FILE).read_text())
-        except (OSError, ValueError):
-            continue
-        found.append((int(m.group(1)), child))
-    return sorted(found)
+    return sorted((int(m.group(1)), c) for c in d.iterdir() if (m := _STEP_DIR.match(c.name)) and c.is_dir())
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints (see checkpoint_problem), oldest first; temp dirs are ignored."""
+    return [(n, p) for n, p in _step_dirs(directory) if checkpoint_problem(p) is None]
+
+
+def unusable_checkpoints(directory: str | os.PathLike) -> list[tuple[Path, str]]:
+    """step_<N> folders that are not complete checkpoints, with the reason of each."""
+    return [(p, why) for _, p in _step_dirs(directory) if (why := checkpoint_problem(p)) is not None]
+
+
+def check_finite_weights(directory: Path, step: int) -> None:
+    """Refuse to commit a checkpoint whose weights hold NaN or inf (a diverged run): it would be the
+    "newest complete checkpoint" every later resume starts from. Read tensor by tensor (memory-mapped)."""
+    from safetensors import safe_open
+
+    for f in sorted(directory.rglob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                t = st.get_tensor(key)
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    raise GymvError(f"the weights after step {step} hold non-finite values (NaN or inf), first in "
+                                    f"{key!r}: training diverged, and this checkpoint was not written",
+                                    where=f.name, fix="lower training.lr or set training.max_grad_norm, then "
+                                                      "resume from the last checkpoint", exit_code=1)
 
 
 def find_latest(run_dir: str | os.PathLike) -> Path | None:
@@ -157,9 +215,11 @@ class CheckpointManager:
         tmp.mkdir()
         try:
             trainer.save(tmp)
+            check_finite_weights(tmp, step)
             torch.save(capture_rng_state(), tmp / RNG_FILE)
             state = {"format_version": FORMAT_VERSION, "step": int(step), "data_position": asdict(data_position), "extra": extra or {}}
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
+            follow_umask(tmp)
             for f in tmp.iterdir():
                 if f.is_file():
                     _fsync_file(f)

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from gymv.errors import GymvError
-from gymv.io import atomic_open
+from gymv.io import atomic_open, parse_json_line
 
 RESERVED = ("step", "wall_time")
 
@@ -50,11 +51,13 @@ def _repair_tail(path: Path) -> None:
 class MetricsLog:
     """Appends `{"step", "wall_time", **metrics}` per call; every line is flushed and fsynced."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, sinks: Sequence[Any] = ()):
+        """`sinks` (gymv.loggers: TensorBoard, W&B...) receive each row after it is safely in the file."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         _repair_tail(self.path)
         self._f = open(self.path, "a", encoding="utf-8")
+        self.sinks = list(sinks)
 
     def log(self, step: int, metrics: Mapping[str, Any], *, wall_time: float | None = None) -> dict:
         clash = [k for k in metrics if k in RESERVED]
@@ -69,11 +72,29 @@ class MetricsLog:
         self._f.write(line + "\n")
         self._f.flush()
         os.fsync(self._f.fileno())
+        self._to_sinks(int(step), row)
         return row
+
+    def _to_sinks(self, step: int, row: dict) -> None:
+        """A sink that fails is switched off with one warning: metrics.jsonl already holds the row."""
+        for sink in list(self.sinks):
+            try:
+                sink.log(step, row)
+            except Exception as e:
+                self.sinks.remove(sink)
+                print(f"warning: logger {getattr(sink, 'name', type(sink).__name__)} failed at step {step} and is "
+                      f"switched off ({type(e).__name__}: {e}); metrics.jsonl has every metric", file=sys.stderr)
 
     def close(self) -> None:
         if not self._f.closed:
             self._f.close()
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            try:
+                sink.close()
+            except Exception as e:
+                print(f"warning: logger {getattr(sink, 'name', type(sink).__name__)} failed to close: "
+                      f"{type(e).__name__}: {e}", file=sys.stderr)
 
     def __enter__(self) -> MetricsLog:
         return self
@@ -86,19 +107,19 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     """All step rows in file order. A truncated last line is skipped; a broken line elsewhere is an error."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_bytes()
     except FileNotFoundError:
         raise GymvError("metrics file not found", where=str(path), fix="check the run directory") from None
-    lines = text.split("\n")
-    complete = text.endswith("\n")
+    except OSError as e:
+        raise GymvError(f"cannot read: {e.strerror}", where=str(path)) from None
+    lines = text.split(b"\n")
+    complete = text.endswith(b"\n")
     rows = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-            if not isinstance(row, dict):
-                raise ValueError("not a JSON object")
+            row = parse_json_line(line)
         except ValueError as e:
             if n == len(lines) and not complete:
                 break

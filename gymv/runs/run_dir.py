@@ -15,8 +15,10 @@ from typing import Any
 import yaml
 
 from gymv.errors import GymvError
+from gymv.yaml_bounds import safe_load
+from gymv.runs import config_history
 from gymv.io import atomic_write_text
-from gymv.runs.checkpoint import CheckpointManager, CheckpointState, Checkpointable
+from gymv.runs.checkpoint import CheckpointManager, CheckpointState, Checkpointable, unusable_checkpoints
 from gymv.runs.metrics import MetricsLog, read_metrics, truncate_metrics_after
 from gymv.runs.rollout_log import SPLITS, rollout_files, write_rollouts
 
@@ -35,6 +37,8 @@ def run_path(root: str | os.PathLike, name: str) -> Path:
 class RunDir:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        self.loggers: list = []  # gymv.loggers the metrics log feeds (set by `gymv train`)
+        self.changes: list = []  # what this launch changed in the config: (key, old, new)
 
     config_path = property(lambda self: self.path / CONFIG_FILE)
     metrics_path = property(lambda self: self.path / METRICS_FILE)
@@ -45,15 +49,25 @@ class RunDir:
     def create(cls, path: str | os.PathLike, config: Mapping[str, Any], *, resume: bool = False) -> RunDir:
         """Make the directory and write the resolved config.
 
-        A directory that already holds a run is an error unless `resume` (then config.yaml is replaced by
-        the new resolved config, e.g. with a larger max_steps).
+        A directory that already holds a run is an error unless `resume`. Resuming never rewrites config.yaml:
+        what differs from the run's current config (e.g. a larger max_steps) is appended to
+        config_changes.jsonl and listed in `run.changes`.
         """
         run = cls(path)
-        if not resume and run.path.exists() and any(run.path.iterdir()):
-            raise GymvError("run directory already exists and is not empty", where=str(run.path),
-                            fix="resume it (--resume) or choose another run name")
-        run.path.mkdir(parents=True, exist_ok=True)
-        run.write_config(config)
+        try:
+            if not resume and run.path.exists() and any(run.path.iterdir()):
+                raise GymvError("run directory already exists and is not empty", where=str(run.path),
+                                fix="resume it (--resume) or choose another run name")
+            run.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # checkpoint.dir=/dev/null, a name too long, a read-only disk
+            raise GymvError(f"cannot create the run directory: {e.strerror or e}", where=str(run.path),
+                            fix="set checkpoint.dir to a writable folder (and keep the run name short)") from None
+        if run.config_path.exists():
+            run.changes = config_history.diff(run.read_config(), config)
+            if run.changes:
+                config_history.append_changes(run.path, run.changes)
+        else:
+            run.write_config(config)
         return run
 
     def write_config(self, config: Mapping[str, Any]) -> None:
@@ -63,15 +77,20 @@ class RunDir:
             raise GymvError(f"resolved config is not plain data: {e}", where=str(self.config_path), fix="pass dicts, lists, strings and numbers") from None
         atomic_write_text(self.config_path, text)
 
-    def read_config(self) -> dict:
+    def read_original_config(self) -> dict:
+        """config.yaml: the config the run started with."""
         try:
-            data = yaml.safe_load(self.config_path.read_text(encoding="utf-8"))
+            data = safe_load(self.config_path.read_text(encoding="utf-8"), str(self.config_path))
         except FileNotFoundError:
             raise GymvError("no config.yaml", where=str(self.path), fix="is this a gymv run directory?") from None
         return data or {}
 
+    def read_config(self) -> dict:
+        """The run's current config: config.yaml with the changes later launches recorded."""
+        return config_history.apply_changes(self.read_original_config(), config_history.read_changes(self.path))
+
     def metrics_log(self) -> MetricsLog:
-        return MetricsLog(self.metrics_path)
+        return MetricsLog(self.metrics_path, sinks=self.loggers)
 
     def read_metrics(self) -> list[dict]:
         return read_metrics(self.metrics_path) if self.metrics_path.exists() else []
@@ -93,8 +112,17 @@ class RunDir:
     def resume(self, trainer: Checkpointable, keep: int | None = None) -> CheckpointState | None:
         """Restore the newest complete checkpoint into `trainer` (and the RNGs) and rewind the logs to it.
 
-        With no checkpoint every log row is dropped (a fresh start) and None is returned.
+        With no checkpoint folder at all every log row is dropped (a fresh start) and None is returned;
+        checkpoint folders none of which is complete are an error that lists them (never a silent restart).
         """
-        state = self.checkpoints(keep).restore(trainer)
+        manager = self.checkpoints(keep)
+        if manager.latest() is None:
+            bad = unusable_checkpoints(self.checkpoints_dir)
+            if bad:  # never restart over checkpoints that exist but do not read: that would replace them
+                found = "; ".join(f"{p.name}: {why}" for p, why in bad[-3:])
+                raise GymvError(f"no usable checkpoint to resume from ({found})", where=str(self.checkpoints_dir),
+                                fix="restore the checkpoints from a copy, or move checkpoints/ away to start the "
+                                    "run again at step 1")
+        state = manager.restore(trainer)
         self.rewind(state.step if state else -1)
         return state

@@ -4,9 +4,25 @@ case per check; checks of a run that did not finish, and full-run driver checks 
 from __future__ import annotations
 
 import os
+import re
 import xml.etree.ElementTree as ET
 
 from gymv.io import atomic_write_text
+
+
+_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def _xml_safe(text: str | None) -> str | None:
+    """XML 1.0 cannot hold most control characters (a check's text or a crash log may): show them escaped."""
+    return None if text is None else _NOT_XML.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def _sanitize(el: ET.Element) -> None:
+    for node in el.iter():
+        node.text, node.tail = _xml_safe(node.text), _xml_safe(node.tail)
+        for k, v in node.attrib.items():
+            node.set(k, _xml_safe(v))
 
 
 def junit_xml(results, title: str) -> str:
@@ -46,6 +62,7 @@ def junit_xml(results, title: str) -> str:
     suite.set("errors", str(errors))
     suite.set("skipped", str(skipped))
     suite.set("time", f"{total_time:.3f}")
+    _sanitize(suite)
     ET.indent(suite)
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(suite, encoding="unicode") + "\n"
 

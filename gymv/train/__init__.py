@@ -15,8 +15,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gymv.capabilities import gaps
+from gymv.envs.routing import EnvRouter
 from gymv.errors import GymvError
-from gymv.train.data import EnvRouter, training_rows
+from gymv.loggers import build_loggers, logger_classes
+from gymv.train.data import training_rows
+from gymv.train.row_checks import check_training_rows
 from gymv.train.setup import Reporter, RunContext, open_run, resolve_init_path, worker_spec
 
 __all__ = ["Reporter", "load_training_recipe", "train"]
@@ -45,6 +48,9 @@ def load_training_recipe(recipe: str | os.PathLike | None, overrides: Sequence[s
         if not recipe.exists():
             raise GymvError("not a gymv run directory (no config.yaml)", where=str(resume_dir),
                             fix="pass the runs/<name> folder of an earlier `gymv train`")
+        from gymv.runs.config_history import change_overrides, read_changes
+
+        overrides = [*change_overrides(read_changes(resume_dir)), *overrides]  # the run's current config
     return load_recipe(recipe, list(overrides), smoke=smoke)
 
 
@@ -63,6 +69,10 @@ def _check_supported(rec, cfg) -> None:
                         fix="use cuda_ipc when colocated, or set cluster.colocated: false for nccl")
     for gap in gaps(cfg):
         raise GymvError(gap.message, where=_where(rec, gap.key), fix=gap.fix)
+    try:
+        logger_classes(cfg)  # a missing TensorBoard/W&B library fails here, before the run directory is written
+    except GymvError as e:
+        raise GymvError(e.message, where=_where(rec, e.where or "logger"), fix=e.fix) from None
 
 
 def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, resume_dir: str | None = None,
@@ -85,12 +95,28 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
     router = EnvRouter(worker_spec(cfg, model_path).env)  # an unknown env.name fails before anything is written
 
     run, resume = open_run(cfg, cfg.to_dict(), resume_dir)
+    reporter.on_run(run.path)
     reporter.on_message(f"run directory {run.path}")
+    if run.changes:
+        from gymv.runs.config_history import describe
+
+        reporter.on_message(f"config changed for this launch: {describe(run.changes, limit=6)} "
+                            "(recorded in config_changes.jsonl; config.yaml keeps the original)")
     train_rows, eval_rows = training_rows(cfg, run.path)
     router.check(train_rows)
     router.check(eval_rows)
+    vision = getattr(cfg, "vision", None)
+    check_training_rows([*train_rows, *eval_rows], model_path=model_path, max_seq_len=cfg.model.max_seq_len,
+                        max_pixels=vision.max_image_pixels if vision is not None else None)
 
-    info = start_ray(ray_address or cfg.cluster.ray_address)
+    run.loggers = build_loggers(cfg, cfg.to_dict(), run.path)
+    try:
+        address = ray_address or cfg.cluster.ray_address
+        reporter.on_message(f"joining Ray at {address}" if address else "starting a local Ray cluster")
+        info = start_ray(address)
+    except BaseException:
+        _close_loggers(run)
+        raise
     ctx = RunContext(cfg=cfg, run=run, model_path=model_path, train_rows=train_rows, eval_rows=eval_rows,
                      ray_address=info.address, reporter=reporter, train_source=_source(train_rows),
                      eval_source=_source(eval_rows))
@@ -116,9 +142,15 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
         note = f"; the run stopped, its newest complete checkpoint is {latest}" if latest else "; the run stopped before its first checkpoint"
         raise GymvError(e.message + note, where=e.where, fix=e.fix, exit_code=e.exit_code) from None
     finally:
+        _close_loggers(run)
         if info.started_here:
             stop_ray()
     return summarize(cfg, run, result, time.time() - t0)
+
+
+def _close_loggers(run) -> None:
+    for logger in run.loggers:
+        logger.close()
 
 
 def _source(rows) -> str | None:

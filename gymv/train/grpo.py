@@ -18,6 +18,7 @@ import time
 from gymv.algorithms.grpo import policy_loss
 from gymv.cluster.group import Placement, PolicyCluster
 from gymv.rollout import to_rollout_record
+from gymv.train.failures import FailureGuard
 from gymv.train.setup import (
     Checkpointer,
     RunContext,
@@ -45,6 +46,7 @@ def train_grpo(ctx: RunContext, *, resume: bool) -> dict:
         params = sampling_params(cfg)
         limits = rollout_kwargs(cfg)
         metrics_log = run.metrics_log()
+        guard = FailureGuard.from_config(cfg, ctx.train_source)
         report.on_start({"algorithm": cfg.algorithm, "run_dir": str(run.path), "start_step": step,
                          "max_steps": grpo.max_steps, "resumed_from": str(restored.path) if restored else None})
 
@@ -62,6 +64,7 @@ def train_grpo(ctx: RunContext, *, resume: bool) -> dict:
             batch = data.next_batch(grpo.prompts_per_step)
             trajectories, timing = cluster.rollouts([(r.index, r.data) for r in batch], group_size=G, params=params,
                                                     seed=step_seed(cfg.seed, step), source=ctx.train_source, **limits)
+            guard.check(step, trajectories)  # before training: a step that trips it is not trained nor counted
 
             # 3. advantages and training samples
             advantages, adv_stats = group_advantages(trajectories, G, grpo.advantage)
@@ -89,7 +92,7 @@ def train_grpo(ctx: RunContext, *, resume: bool) -> dict:
                 "timing/tokens_per_s": total_tokens / max(step_s, 1e-9),
             })
             if cfg.logger.log_rollouts:
-                run.write_rollouts(step, [to_rollout_record(t) for t in trajectories])
+                run.write_rollouts(step, [to_rollout_record(t, advantage=a) for t, a in zip(trajectories, advantages)])
             metrics_log.log(step, metrics)
             report.on_step(step, metrics)
             final_metrics = metrics

@@ -22,6 +22,7 @@ from collections import Counter
 from gymv.algorithms.grpo import policy_loss
 from gymv.cluster.group import Placement, PolicyCluster
 from gymv.rollout import to_rollout_record
+from gymv.train.failures import FailureGuard
 from gymv.train.pipeline import RolloutPipeline
 from gymv.train.replay import ReplayBuffer
 from gymv.train.setup import (
@@ -53,6 +54,7 @@ def train_grpo_async(ctx: RunContext, *, resume: bool) -> dict:
                                    rollout_kwargs={"params": sampling_params(cfg), "source": ctx.train_source,
                                                    **rollout_kwargs(cfg)})
         metrics_log = run.metrics_log()
+        guard = FailureGuard.from_config(cfg, ctx.train_source)
         report.on_start({"algorithm": cfg.algorithm, "run_dir": str(run.path), "start_step": step,
                          "max_steps": grpo.max_steps, "resumed_from": str(restored.path) if restored else None,
                          "async": True, "max_trajectory_age_steps": max_age})
@@ -71,6 +73,7 @@ def train_grpo_async(ctx: RunContext, *, resume: bool) -> dict:
             # 1. this step's groups
             groups, dropped, wait_s = pipeline.take(step)
             trajectories = [t for g in groups for t in g.trajectories]
+            guard.check(step, trajectories)
             ages = Counter(g.age(step) for g in groups for _ in g.trajectories)
 
             # 2-3. advantages, optimizer step(s)
@@ -116,7 +119,7 @@ def train_grpo_async(ctx: RunContext, *, resume: bool) -> dict:
                 "async/encoder_cache_stale_hits_total": float(pipeline.stats.stale_encoder_hits),
             })
             if cfg.logger.log_rollouts:
-                run.write_rollouts(step, [to_rollout_record(t) for t in trajectories])
+                run.write_rollouts(step, [to_rollout_record(t, advantage=a) for t, a in zip(trajectories, advantages)])
             metrics_log.log(step, metrics)
             report.on_step(step, metrics)
             final_metrics = metrics

@@ -25,6 +25,7 @@ from gymv.algorithms.mopd import distillation_samples, env_advantages, mopd_loss
 from gymv.algorithms.mopd_routing import TeacherRouter
 from gymv.cluster.group import Placement, PolicyCluster
 from gymv.rollout import to_rollout_record
+from gymv.train.failures import FailureGuard
 from gymv.train.setup import (
     Checkpointer,
     RunContext,
@@ -84,6 +85,7 @@ def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
         params = sampling_params(cfg)
         limits = rollout_kwargs(cfg)
         metrics_log = run.metrics_log()
+        guard = FailureGuard.from_config(cfg, ctx.train_source)
         report.on_start({"algorithm": cfg.algorithm, "run_dir": str(run.path), "start_step": step,
                          "max_steps": mopd.max_steps, "resumed_from": str(restored.path) if restored else None,
                          "teachers": pool.info})
@@ -102,6 +104,7 @@ def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
             batch = data.next_batch(mopd.prompts_per_step)
             trajectories, timing = cluster.rollouts([(r.index, r.data) for r in batch], group_size=G, params=params,
                                                     seed=step_seed(cfg.seed, step), source=ctx.train_source, **limits)
+            guard.check(step, trajectories)  # before training: a step that trips it is not trained nor counted
 
             # 2-3. routing and teacher scores of the usable episodes
             advantages = env_advantages(trajectories, G)

@@ -13,13 +13,16 @@ from typing import Any
 
 from gymv.errors import GymvError
 from gymv.models.init_path import FINAL_DIR, resolve_init_path  # noqa: F401  (train and tests import it here)
-from gymv.runs.checkpoint import CheckpointState, DataPosition
+from gymv.runs.checkpoint import CheckpointState, DataPosition, find_latest, unusable_checkpoints
 from gymv.runs.run_dir import RunDir, run_path
 from gymv.train.data import EnvSpec, Row, RowStream
 
 
 class Reporter:
     """What a loop tells its caller (the CLI renders it; tests listen). Every hook is optional."""
+
+    def on_run(self, run_dir: Path) -> None:
+        """The run directory is open (before Ray starts): where an interrupted run resumes from."""
 
     def on_start(self, info: dict) -> None: ...
 
@@ -78,7 +81,35 @@ def open_run(cfg, config_dict: dict, resume_dir: str | None) -> tuple[RunDir, bo
                             fix="pass the runs/<name> folder of an earlier `gymv train`")
         return RunDir.create(path, config_dict, resume=True), True
     path = run_path(cfg.checkpoint.dir, cfg.name).absolute()  # workers write checkpoints into it, from anywhere
+    if cfg.checkpoint.resume and (path / "config.yaml").exists() and _has_trained(RunDir(path)):
+        refuse_changed_config(RunDir(path), config_dict)
     return RunDir.create(path, config_dict, resume=cfg.checkpoint.resume), cfg.checkpoint.resume
+
+
+def _has_trained(run: RunDir) -> bool:
+    """Whether any step ran (a checkpoint or a metrics row): a launch that stopped before training (bad data, an
+    interrupted Ray start) left no weights its config could be confused with."""
+    return find_latest(run.path) is not None or bool(run.read_metrics())
+
+
+def refuse_changed_config(run: RunDir, config_dict: dict) -> None:
+    """Running a recipe onto an existing run continues it only when the config is the run's own: weights
+    trained at one learning rate must never be recorded under another."""
+    from gymv.runs.config_history import LAUNCH_KEYS, describe, diff
+
+    changes = diff(run.read_config(), config_dict, ignore=LAUNCH_KEYS)
+    if changes:
+        shown = _shown_path(run.path)
+        raise GymvError(f"{shown} holds a run with another config: {describe(changes)}", where=str(shown / "config.yaml"),
+                        fix=f"continue it as recorded: gymv train --resume {shown} (overrides after it are recorded "
+                            f"in config_changes.jsonl), or start a new run: add name=<new-name>")
+
+
+def _shown_path(path: Path) -> Path:
+    try:
+        return path.relative_to(Path.cwd())
+    except ValueError:
+        return path
 
 
 # ------------------------------------------------------------------------------------------ workers
@@ -95,6 +126,7 @@ def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature
         seed=cfg.seed,
         device="cuda" if cfg.cluster.gpus_per_node > 0 else "cpu",
         generation_dtype=generation_dtype(cfg, model_path),
+        generation_decode=cfg.generation.decode,
         temperature=cfg.generation.temperature if temperature is None else temperature,
         refit_transport=cfg.refit.transport,
         reset_encoder_cache=cfg.generation.reset_encoder_cache_after_weight_update,
@@ -111,7 +143,20 @@ def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature
         generation_backend=cfg.generation.backend,
         training_backend=t.backend,
         sharding=t.fsdp.model_dump() if t.backend == "fsdp2" else {},
+        **_agent_driver(cfg),
     )
+
+
+def _agent_driver(cfg) -> dict:
+    """WorkerSpec fields of `rollout.driver: nemo_gym_agents` (none for gymv's own loop)."""
+    r = getattr(cfg, "rollout", None)
+    if r is None or r.driver != "nemo_gym_agents":
+        return {}
+    if cfg.cluster.generation_workers_per_gpu != 1 or (cfg.cluster.generation_gpus or 0) > 1:
+        raise GymvError("rollout.driver nemo_gym_agents runs one generation worker (the agents call one model "
+                        "server)", where="cluster.generation_workers_per_gpu", fix="set it to 1")
+    return {"agents": dict(r.agents), "model_server": (r.model_server_host, r.model_server_port),
+            "agent_timeout_s": r.agent_timeout_s}
 
 
 def sampling_params(cfg, *, greedy: bool = False):
@@ -157,7 +202,16 @@ class Checkpointer:
         if not resume:
             self.ctx.run.rewind(-1)
             return None
-        return self.ctx.run.resume(self.handle, keep=self.ctx.cfg.checkpoint.keep)
+        run, say = self.ctx.run, self.ctx.reporter.on_message
+        logged = sum(1 for r in run.read_metrics() if r.get("step", 0) > 0)
+        skipped = unusable_checkpoints(run.checkpoints_dir)
+        state = run.resume(self.handle, keep=self.ctx.cfg.checkpoint.keep)
+        for path, why in skipped:
+            if state is not None and int(path.name.split("_")[1]) > state.step:
+                say(f"skipped {path.name}: {why}")
+        if state is None and logged:
+            say(f"no checkpoint in {run.checkpoints_dir}: starting again at step 1 ({logged} logged steps dropped)")
+        return state
 
     def save(self, step: int, position: DataPosition) -> Path:
         t0 = time.perf_counter()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from gymv.rollout import to_rollout_record
+from gymv.train.failures import FailureGuard
 from gymv.train.setup import RunContext, rollout_kwargs, sampling_params, step_seed
 from gymv.train.stats import rollout_metrics
 
@@ -22,6 +23,7 @@ def validate(ctx: RunContext, cluster, step: int, val_prompts: int) -> dict[str,
                                        params=sampling_params(ctx.cfg, greedy=True),
                                        seed=step_seed(ctx.cfg.seed, step, "val"), source=ctx.eval_source,
                                        **rollout_kwargs(ctx.cfg))
+    FailureGuard.from_config(ctx.cfg, ctx.eval_source).check(step, trajectories, what="validation at step")
     metrics = rollout_metrics(trajectories, "val")
     metrics = {k: v for k, v in metrics.items() if not k.endswith(("_std", "_max", "num_rollouts"))}
     if ctx.cfg.logger.log_rollouts:

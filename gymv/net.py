@@ -1,0 +1,44 @@
+"""Who may talk to gymv's local HTTP servers: the Host and Origin rules shared by every server gymv starts.
+
+A server bound to a loopback address is reachable from this machine's browsers too. A web page cannot read
+its answers, but it can send it requests: by rebinding its own host name to 127.0.0.1 (caught by the Host
+check) or by a cross-origin "simple" POST (caught by the Origin check and by requiring a JSON content type,
+which a browser can only send after a CORS preflight that these servers never approve).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def host_name(header: str) -> str:
+    """The name in a Host header ('[::1]:8000' -> '::1', 'localhost:80' -> 'localhost')."""
+    if header.startswith("["):
+        return header[1:header.find("]")]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def host_allowed(bind_host: str, header: str | None) -> bool:
+    """On a loopback bind, only loopback names (or no Host at all, as HTTP/1.0 clients send)."""
+    if not is_loopback(bind_host) or not header:
+        return True
+    return host_name(header) in LOOPBACK_NAMES or is_loopback(host_name(header))
+
+
+def origin_allowed(bind_host: str, origin: str | None) -> bool:
+    """Requests from a browser page carry Origin; only pages served from loopback may call a loopback server."""
+    if not origin or not is_loopback(bind_host):
+        return True
+    from urllib.parse import urlparse
+
+    name = urlparse(origin).hostname or ""
+    return name in LOOPBACK_NAMES or is_loopback(name)

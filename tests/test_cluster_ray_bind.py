@@ -1,0 +1,47 @@
+"""A local Ray cluster started by gymv listens on the loopback interface only (real sockets, from /proc)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from net_listeners import is_loopback
+
+pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listeners from /proc (Linux)")
+
+_PROBE = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, {tests!r})
+    from net_listeners import descendants, listeners
+    from gymv.cluster.ray_cluster import start_ray, stop_ray
+    import ray
+
+    start_ray(num_cpus=1)
+
+    @ray.remote
+    def ping():
+        return os.getpid()
+
+    ray.get(ping.remote())  # a worker process is up too
+    found = listeners(descendants(os.getpid()))
+    stop_ray()
+    print("LISTENERS " + json.dumps(found))
+""")
+
+
+@pytest.mark.slow
+def test_local_ray_cluster_binds_every_listener_to_loopback(tmp_path):
+    tests = str(Path(__file__).parent)
+    out = subprocess.run([sys.executable, "-c", _PROBE.format(tests=tests)], capture_output=True, text=True,
+                         timeout=240, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(l for l in out.stdout.splitlines() if l.startswith("LISTENERS "))
+    found = json.loads(line.split(" ", 1)[1])
+    assert len(found) >= 3  # GCS, raylet, a worker at least: the probe sees the cluster
+    exposed = [(pid, addr, port) for pid, addr, port in found if not is_loopback(addr)]
+    assert exposed == [], f"listening beyond 127.0.0.1: {exposed}"
