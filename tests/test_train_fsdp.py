@@ -159,6 +159,6 @@ def test_gymv_train_runs_fsdp2_and_resumes_from_its_sharded_checkpoint(tmp_path)
     first = train(recipe)
     run = tmp_path / "runs" / "fsdp2-e2e"
     assert first["complete"] and list(run.rglob("dcp/.metadata"))
-    second = train(recipe, ["grpo.max_steps=3"])
+    second = train(None, ["grpo.max_steps=3"], resume_dir=str(run))
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert second["complete"] and steps == [1, 2, 3]  # resumed after step 2, nothing repeated
