@@ -58,7 +58,7 @@ def test_a_registered_backend_name_passes_the_schema_and_an_unknown_one_does_not
         assert MODELS["grpo"].model_validate({"algorithm": "grpo", "training": {"backend": "thing"}}).training.backend == "thing"
     finally:
         TRAINING_BACKENDS.unregister("thing")
-    with pytest.raises(ValueError, match="unknown training backend 'thing'; known: megatron, torch"):
+    with pytest.raises(ValueError, match="unknown training backend 'thing'; known: fsdp2, megatron, torch"):
         MODELS["grpo"].model_validate({"algorithm": "grpo", "training": {"backend": "thing"}})
 
 

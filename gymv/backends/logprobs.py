@@ -91,10 +91,12 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
 
 
 def recomputes_activations(model) -> bool:
-    """Activation checkpointing on: the model keeps no KV cache in training, so prefixes cannot be shared."""
+    """Activation checkpointing on: the model keeps no KV cache in training, so prefixes cannot be shared.
+    Also true of an FSDP-sharded model: its ranks must make the same forward calls in lock step, and the
+    shared-prefix path makes two calls where a batch without a shared prefix makes one."""
     new = hasattr(type(model), "is_activation_checkpointing")  # the older name warns from transformers 5.2x
     name = "is_activation_checkpointing" if new else "is_gradient_checkpointing"
-    return bool(getattr(model, name, False))
+    return bool(getattr(model, name, False)) or bool(getattr(model, "gymv_lockstep", False))
 
 
 def prefix_key(input_ids: torch.Tensor, score_mask: torch.Tensor, images: Sequence[Any], image_token_id: int,

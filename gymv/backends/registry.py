@@ -13,7 +13,8 @@ from gymv.registry import Registry
 GENERATION_BACKENDS = Registry("generation backend", "gymv.generation_backends",
                                {"hf": "gymv.backends.generation.hf:HFGenerationBackend"}, where="generation.backend")
 TRAINING_BACKENDS = Registry("training backend", "gymv.training_backends",
-                             {"torch": "gymv.backends.training.hf_torch:HFTorchBackend"}, where="training.backend")
+                             {"torch": "gymv.backends.training.hf_torch:HFTorchBackend",
+                              "fsdp2": "gymv.backends.training.hf_fsdp:HFFSDPBackend"}, where="training.backend")
 # a MOPD teacher's scorer, built from a gymv.cluster.teachers.TeacherSpec
 TEACHER_BACKENDS = Registry("teacher backend", "gymv.teacher_backends",
                             {"torch": "gymv.backends.teacher:TeacherModel"}, where="mopd.teachers.*.backend")

@@ -3,7 +3,9 @@ and turn a worker's failure into one clear error.
 
 Placement:
 - CPU (`gpus_per_node: 0`): one generation worker and one training worker (or `num_training` ranks),
-  reserving no CPUs, since the phases of a synchronous step alternate and each takes every thread. Their
+  reserving no CPUs, since the phases of a synchronous step alternate and each takes every thread; with
+  `nodes` > 1 the ranks sit in a SPREAD placement group of one CPU bundle each (one rank per node where
+  there are as many nodes). Their
   OpenMP threads wait passively (OMP_WAIT_POLICY=PASSIVE unless set): spinning threads of an idle actor,
   or of any other process on a busy machine, made steps 5-10x slower on 2 cores.
 - GPUs, colocated: one bundle per GPU; training rank i and generation worker i share bundle i
@@ -96,6 +98,11 @@ class PolicyCluster:
             cpu = {"num_cpus": 0, "runtime_env": {"env_vars": cpu_env()}}
             gen_opts = [cpu] * n_gen
             train_opts = [cpu] * placement.num_training
+            if placement.nodes > 1 and placement.num_training > 1:  # one CPU bundle per rank, spread over nodes
+                self._pg = placement_group([{"CPU": 1}] * placement.num_training, strategy="SPREAD")
+                ray_get(self._pg.ready(), "placing the training ranks")
+                train_opts = [{**cpu, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    self._pg, placement_group_bundle_index=i)} for i in range(placement.num_training)]
         elif placement.colocated:
             self._pg = placement_group([{"GPU": 1, "CPU": 1}] * placement.gpus, strategy="PACK")
             ray_get(self._pg.ready(), "placing workers on GPUs")
@@ -126,7 +133,7 @@ class PolicyCluster:
     @property
     def placement_group(self):
         """The policy's placement group on GPUs when colocated (one bundle per GPU), else None."""
-        return self._pg
+        return self._pg if self.placement.gpus else None
 
     # -- generation ----------------------------------------------------------------------------------
     def submit_rollouts(self, rows: Sequence[tuple[int, dict]], *, seed: int, **kwargs) -> list[RolloutCall]:
@@ -174,8 +181,13 @@ class PolicyCluster:
         return ray_get([t.sft_step.remote(s[0], loss_fn) for t, s in zip(self.trainers, shards)], "training")[0]
 
     # -- refit ---------------------------------------------------------------------------------------
+    def _followers(self) -> list:
+        """Ranks other than 0 joining rank 0's read of the weights (a sharded trainer gathers them)."""
+        return [t.follow_weights.remote() for t in self.trainers[1:]]
+
     def _connect_refit(self) -> None:
-        opened = ray_get(self.trainers[0].refit_open.remote(len(self.generators)), "refit setup")
+        opened = ray_get([self.trainers[0].refit_open.remote(len(self.generators))] + self._followers(),
+                         "refit setup")[0]
         self._in_band = opened["in_band"]
         refs = [self.trainers[0].refit_connect.remote()]
         refs += [g.refit_connect.remote(opened["info"], 1 + i) for i, g in enumerate(self.generators)]
@@ -190,9 +202,10 @@ class PolicyCluster:
         if not self._refit_ready:
             self._connect_refit()
         payload = self.trainers[0].publish.remote()
+        followers = self._followers()
         # in-band: each receiver waits for the published object; otherwise they meet inside the broadcast
         handed = payload if self._in_band else None
-        ray_get([payload] + [g.receive.remote(handed, version) for g in self.generators], "refit")
+        ray_get([payload] + [g.receive.remote(handed, version) for g in self.generators] + followers, "refit")
         return time.perf_counter() - t0
 
     def refit_async(self, version: int) -> list:
@@ -204,10 +217,11 @@ class PolicyCluster:
         if not self._refit_ready:
             self._connect_refit()
         payload = self.trainers[0].publish.remote()
+        followers = self._followers()
         handed = payload if self._in_band else None
         receive = [g.receive.options(concurrency_group=REFIT_GROUP) if self.in_flight_refit else g.receive
                    for g in self.generators]
-        return [payload] + [r.remote(handed, version) for r in receive]
+        return [payload] + [r.remote(handed, version) for r in receive] + followers
 
     def replace_generator(self, index: int, version: int) -> None:
         """Start a new generation worker in place of a dead one, with the trainer's current weights."""
@@ -222,14 +236,15 @@ class PolicyCluster:
         except Exception:
             pass
         fresh = self._Gen.options(**self._gen_opts[index]).remote(self.spec, index)
-        ray_get(fresh.restore.remote(self.trainers[0].weights.remote(), version), "restarting a generation worker")
+        weights = self.trainers[0].weights.remote()
+        ray_get([fresh.restore.remote(weights, version)] + self._followers(), "restarting a generation worker")
         self.generators[index] = fresh
 
     def weight_hashes(self) -> tuple[str, list[str]]:
         """(trainer hash in the generation dtype, each generation worker's hash): equal after a refit."""
         refs = [self.trainers[0].weights_hash.remote()] + [g.weights_hash.remote() for g in self.generators]
-        got = ray_get(refs, "weight hashes")
-        return got[0], got[1:]
+        got = ray_get(refs + self._followers(), "weight hashes")
+        return got[0], got[1:len(refs)]
 
     def generation_stats(self) -> list[dict]:
         return ray_get([g.stats.remote() for g in self.generators], "generation stats")
@@ -242,7 +257,7 @@ class PolicyCluster:
         return ray_get([t.load.remote(str(path)) for t in self.trainers], "loading a checkpoint")[0]
 
     def export(self, path) -> str:
-        return ray_get(self.trainers[0].export.remote(str(path)), "exporting the final model")
+        return ray_get([t.export.remote(str(path)) for t in self.trainers], "exporting the final model")[0]
 
     def shutdown(self) -> None:
         import ray

@@ -47,6 +47,7 @@ class Placement:
     generation_per_gpu: int = 1  # generation engines sharing each generation GPU
     generation_tp: int = 1  # GPUs each generation engine spans (tensor parallel)
     mesh: TrainerMesh | None = None  # the training ranks' layout (None: all data parallel)
+    nodes: int = 1  # on a CPU: Ray nodes the training ranks spread over (GPU runs place by their GPUs)
 
     def __post_init__(self):
         if self.generation_tp > 1 and self.generation_per_gpu > 1:

@@ -56,6 +56,7 @@ class WorkerSpec:
     agent_timeout_s: float = 600.0
     generation_backend: str = "hf"  # a name in GENERATION_BACKENDS, or its "module:Class" path
     training_backend: str = "torch"  # a name in TRAINING_BACKENDS, or its "module:Class" path
+    sharding: dict = field(default_factory=dict)  # TrainingSetup.sharding
 
     def located(self) -> WorkerSpec:
         """This spec with backend names turned into import paths that resolve in any process (a backend
@@ -70,7 +71,8 @@ class WorkerSpec:
                              temperature=self.temperature, optimizer=dict(self.trainer),
                              warmup_steps=self.warmup_steps, lr_schedule=self.lr_schedule,
                              min_lr_ratio=self.min_lr_ratio, total_steps=self.total_steps,
-                             gradient_checkpointing=self.gradient_checkpointing, kl_reference=self.kl_reference)
+                             gradient_checkpointing=self.gradient_checkpointing, kl_reference=self.kl_reference,
+                             sharding=dict(self.sharding))
 
 
 def _set_threads(threads: int | None) -> None:
@@ -349,7 +351,7 @@ class TrainingWorker:
         from gymv.cluster.refit import make_sender
 
         self.sender = make_sender(self.spec.refit_transport, self._generation_dtype(), self.device, num_receivers)
-        return {"info": self.sender.rendezvous(self.backend.named_weights()), "in_band": self.sender.in_band}
+        return {"info": self.sender.rendezvous(self._weights_to_send()), "in_band": self.sender.in_band}
 
     def refit_connect(self) -> None:
         self.sender.connect()
@@ -358,8 +360,23 @@ class TrainingWorker:
         """A CPU copy of the weights (a replacement generation worker, tests); refits go through `publish`."""
         return {k: v.detach().cpu().clone() for k, v in self.backend.named_weights()}
 
+    def follow_weights(self) -> None:
+        """A rank other than 0 joins the gathers of rank 0's `named_weights` (refit, hash, copy, export)."""
+        if self.backend.gathers_weights:
+            for _ in self.backend.named_weights():
+                pass
+
+    def _weights_to_send(self):
+        """The weights for the sender, streamed as the backend yields them. A sharded trainer's are gathered
+        here, all of them (ranks other than 0 join every gather, whether or not the sender reads them), and
+        each is cast to the generation dtype at once, so rank 0 never holds a full fp32 copy."""
+        if not self.backend.gathers_weights:
+            return self.backend.named_weights()
+        dtype = self._generation_dtype()
+        return {k: v.to(dtype) for k, v in self.backend.named_weights()}
+
     def publish(self):
-        return self.sender.publish(self.backend.named_weights())
+        return self.sender.publish(self._weights_to_send())
 
     def weights_hash(self) -> str:
         return self.backend.weights_hash(self._generation_dtype())

@@ -12,7 +12,7 @@ from gymv.config.findings import Finding
 from gymv.config.schema import RecipeBase
 from gymv.config.yamlfile import Origin
 
-STRATEGIES: tuple[str, ...] = ("torch", "megatron")  # the training backend
+STRATEGIES: tuple[str, ...] = ("torch", "fsdp2", "megatron")  # the training backend
 
 _NAME = re.compile(
     r"^(?P<algo>[a-z_]+)-(?P<model>[a-z0-9][a-z0-9.\-]*?)-(?P<nodes>\d+)n(?P<gpus>\d+)g-(?P<strategy>[a-z0-9]+)"

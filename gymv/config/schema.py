@@ -133,6 +133,13 @@ class ParallelSection(Section):
     expert: PosInt = 1
 
 
+class FsdpSection(Section):
+    """Read by training.backend fsdp2 (gymv.backends.training.fsdp.ShardingConfig)."""
+
+    cpu_offload: bool = False  # sharded weights, gradients and optimizer state in host memory (CUDA only)
+    reshard_after_forward: bool = True  # free each layer's gathered weights after its forward
+
+
 class TrainingSection(Section):
     backend: str = "torch"  # a registered training backend, or a planned one (gymv.capabilities)
     lr: PosFloat = 1e-6
@@ -148,6 +155,7 @@ class TrainingSection(Section):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     gradient_checkpointing: bool = False
     parallel: ParallelSection = ParallelSection()
+    fsdp: FsdpSection = FsdpSection()
 
     @field_validator("backend")
     @classmethod

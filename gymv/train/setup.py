@@ -145,6 +145,7 @@ def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature
         tool_call_format=cfg.rollout.tool_call_format,
         generation_backend=cfg.generation.backend,
         training_backend=t.backend,
+        sharding=t.fsdp.model_dump() if t.backend == "fsdp2" else {},
         **_agent_driver(cfg),
     )
 

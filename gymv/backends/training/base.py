@@ -60,6 +60,7 @@ class TrainingSetup:
     total_steps: int = 0  # optimizer steps of the whole run (the schedule's end)
     gradient_checkpointing: bool = False
     kl_reference: bool = False  # also hold a frozen copy of the initial policy for `reference=True` logprobs
+    sharding: dict = field(default_factory=dict)  # a sharded backend's options (fsdp2: ShardingConfig fields)
 
 
 class TrainingBackend(ABC):
@@ -68,6 +69,9 @@ class TrainingBackend(ABC):
 
     rank: int = 0
     world_size: int = 1
+    # True: `named_weights` gathers shards with collectives, so every rank iterates it together (the
+    # workers of ranks other than 0 follow rank 0's refits, hashes and exports)
+    gathers_weights: bool = False
     tokenizer: Any
     adapter: Any
     chat_template: str | None = None

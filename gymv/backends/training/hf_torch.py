@@ -77,7 +77,7 @@ class HFTorchBackend(TrainingBackend):
     """One data-parallel rank: the policy under training and, for a KL penalty, a frozen reference."""
 
     def __init__(self, policy, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1):
-        from gymv.backends.training.torch_trainer import TorchTrainer, TrainerConfig
+        from gymv.backends.training.torch_trainer import TrainerConfig
 
         self.setup, self.policy = setup, policy
         self.rank, self.world_size = rank, world_size
@@ -88,16 +88,21 @@ class HFTorchBackend(TrainingBackend):
         self.collate = samples_collate(policy.tokenizer.pad_token_id or 0)
         self.logprob_fn = logprob_fn(policy.adapter, setup.temperature)
         self.config = TrainerConfig(**setup.optimizer)
-        self.trainer = TorchTrainer(model, self.logprob_fn, self.config, collate_fn=self.collate, device=device,
-                                    plan_fn=plan_fn(policy.adapter, model))
+        self.trainer = self._make_trainer(model, device)
         self.reference = None
         if setup.kl_reference:
             from gymv.models.load import load_policy
 
             ref = load_policy(setup.model_path, device=str(device), dtype=torch.float32, seed=setup.seed).model
-            ref.requires_grad_(True)  # TorchTrainer refuses a model without trainable parameters; never stepped
-            self.reference = TorchTrainer(ref, self.logprob_fn, self.config, collate_fn=self.collate, device=device,
-                                          plan_fn=plan_fn(policy.adapter, ref))
+            self.reference = self._make_trainer(ref, device, frozen=True)
+
+    def _make_trainer(self, model, device, *, frozen: bool = False):
+        from gymv.backends.training.torch_trainer import TorchTrainer
+
+        if frozen:
+            model.requires_grad_(True)  # TorchTrainer refuses a model without trainable parameters; never stepped
+        return TorchTrainer(model, self.logprob_fn, self.config, collate_fn=self.collate, device=device,
+                            plan_fn=plan_fn(self.adapter, model))
 
     @classmethod
     def create(cls, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1) -> HFTorchBackend:

@@ -77,18 +77,50 @@ class TorchTrainer:
         self.plan_fn = plan_fn
         first = next(model.parameters(), None)
         self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
-        self.model = model.to(self.device)
         self.dp = DataParallel(process_group)
         self.rank, self.world_size = self.dp.rank, self.dp.world_size
-        self.dp.broadcast_module_(self.model)
+        self.autocast_dtype = self._resolve_precision(config.precision)
+        self.model = self._place(model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise GymvError("the model has no trainable parameters", where="trainer", fix="unfreeze at least one parameter")
         self.optimizer = torch.optim.AdamW(
             self.params, lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay
         )
-        self.autocast_dtype = self._resolve_precision(config.precision)
         self.steps = 0
+
+    # -- what a sharded subclass replaces --------------------------------------------------------------
+    lockstep = False  # True: every rank runs the same number of forward/backward passes (collectives inside)
+
+    def _place(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Move the model to its device and start every rank from rank 0's weights."""
+        model = model.to(self.device)
+        self.dp.broadcast_module_(model)
+        return model
+
+    def _sync_grads(self) -> None:
+        self.dp.sum_grads_(self.params)
+
+    def _grad_norm(self) -> Tensor:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros((), device=self.device)
+
+    def _scale_grads(self, factor: Tensor) -> None:
+        torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_grad_norm, factor)
+
+    def _idle_pass(self, mb: MicroBatch, backward: bool) -> None:
+        """A pass that changes nothing, so a lock-step rank with fewer micro-batches joins its peers' collectives."""
+        logp, entropy, _ = self._forward(mb)
+        if backward:
+            zero = logp.sum() * 0 + (entropy.sum() * 0 if entropy is not None else 0)
+            zero.backward()
+
+    def _micro_batches_to_match(self, mine: int) -> int:
+        """How many idle passes this rank adds so that every rank runs as many as the busiest."""
+        if not self.lockstep:
+            return 0
+        most = self.dp.max_(torch.tensor([float(mine)], device=self.device))
+        return int(most) - mine
 
     def _resolve_precision(self, precision: str) -> torch.dtype | None:
         cuda = self.device.type == "cuda"
@@ -142,14 +174,22 @@ class TorchTrainer:
         maxes: dict[str, Tensor] = {}
         mins: dict[str, Tensor] = {}
         bad = ""
+        idle = self._micro_batches_to_match(len(plan))
+        mb = None
         for indices in plan:
             mb = _to_device(self.collate_fn([samples[i] for i in indices]), self.device)
+            if bad:  # a lock-step rank keeps joining its peers' collectives until the step is refused
+                self._idle_pass(mb, backward=True)
+                continue
             logp, entropy, candidates = self._forward(mb)
             extra = {"candidates": candidates} if candidates is not None else {}
             loss, metrics = loss_fn(mb, logp, entropy, counts, **extra)
             if not bool(torch.isfinite(loss)):
                 bad = f"non-finite loss {float(loss.detach())} in a micro-batch of {len(indices)} samples"
-                break
+                if not self.lockstep:
+                    break
+                (logp.sum() * 0).backward()
+                continue
             loss.backward()
             loss_sum += loss.detach().double()
             for k, v in metrics.items():
@@ -160,6 +200,8 @@ class TorchTrainer:
                     mins[k] = torch.minimum(mins[k], v) if k in mins else v
                 else:
                     sums[k] = sums.get(k, 0) + v
+        for _ in range(idle):
+            self._idle_pass(mb if mb is not None else self._empty_micro_batch(), backward=True)
         flag = self.dp.max_(torch.tensor([1.0 if bad else 0.0], device=self.device))
         if float(flag) > 0:
             self.optimizer.zero_grad(set_to_none=True)
@@ -169,7 +211,7 @@ class TorchTrainer:
                 fix="the step was not applied; check rewards/advantages and logprobs for inf/NaN, or lower the learning rate",
                 exit_code=1,
             )
-        self.dp.sum_grads_(self.params)
+        self._sync_grads()
         grad_norm = self._clip_grads()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -185,8 +227,7 @@ class TorchTrainer:
         return out
 
     def _clip_grads(self) -> float:
-        grads = [p.grad for p in self.params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros((), device=self.device)
+        norm = self._grad_norm()
         if not bool(torch.isfinite(norm)):
             self.optimizer.zero_grad(set_to_none=True)
             raise GymvError(
@@ -195,8 +236,8 @@ class TorchTrainer:
                 fix="the step was not applied; lower the learning rate or check the loss inputs",
                 exit_code=1,
             )
-        if self.config.max_grad_norm is not None and self.config.max_grad_norm > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_grad_norm, norm)
+        if self.config.max_grad_norm is not None and self.config.max_grad_norm > 0 and any(p.grad is not None for p in self.params):
+            self._scale_grads(norm)
         return float(norm)
 
     def _reduce_metrics(self, sums: dict, maxes: dict, mins: dict) -> dict[str, float]:
@@ -218,14 +259,24 @@ class TorchTrainer:
         self.model.eval()
         out: list[Tensor | None] = [None] * len(samples)
         try:
-            for indices in self._plan(samples):
+            plan = self._plan(samples)
+            idle = self._micro_batches_to_match(len(plan))
+            mb = None
+            for indices in plan:
                 mb = _to_device(self.collate_fn([samples[i] for i in indices]), self.device)
                 logp, _, _ = self._forward(mb)
                 for row, i in enumerate(indices):
                     out[i] = logp[row, : samples[i]["input_ids"].shape[0]].cpu()
+            for _ in range(idle):
+                self._idle_pass(mb if mb is not None else self._empty_micro_batch(), backward=False)
         finally:
             self.model.train(was_training)
         return out  # type: ignore[return-value]
+
+    def _empty_micro_batch(self) -> MicroBatch:
+        """One token scored nowhere: the idle pass of a rank that got no samples at all."""
+        one = {"input_ids": torch.zeros(1, dtype=torch.long), "loss_mask": torch.zeros(1, dtype=torch.bool)}
+        return _to_device(self.collate_fn([one]), self.device)
 
     def state_dict(self) -> dict[str, Tensor]:
         """Detached model weights (the trainer's fp32 master copy), e.g. for refitting a generation backend."""

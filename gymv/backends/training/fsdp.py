@@ -1,0 +1,294 @@
+"""FSDP2 for TorchTrainer: parameters, gradients and AdamW state sharded over the data-parallel ranks.
+
+Each decoder layer is its own `fully_shard` unit (its weights are gathered just before it runs and freed
+after), the root unit holds the rest of the language model (embeddings, final norm, head). Gradients are
+reduce-scattered as SUMS, not averages: every rank's loss is already divided by global counts, so the sum
+is the whole batch's gradient, exactly as in the replicated trainer.
+
+The vision tower and projector stay replicated, their gradients summed by hand: a rank whose micro-batch
+holds no image never runs them, and FSDP2 needs every rank to join the collectives of every unit it runs.
+
+FSDP2 runs a collective in every unit's forward and backward, so ranks run in lock step: a rank with fewer
+micro-batches than its peers adds passes that change nothing (TorchTrainer.lockstep).
+
+Checkpoints are torch.distributed.checkpoint folders: each rank writes its shards, and a run resumes at any
+other number of ranks (DCP reshards on load).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gymv.backends.training.micro_batches import pad_collate
+from gymv.backends.training.torch_trainer import TRAINER_FILE, TorchTrainer, _fsync_replace
+from gymv.errors import GymvError
+
+DCP_FOLDER = "dcp"
+# module names (path components) of the vision side of a VLM: kept replicated
+VISION_MODULES = frozenset({"vision_tower", "visual", "vision_model", "multi_modal_projector", "mm_projector"})
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """cpu_offload: sharded parameters, gradients and optimizer state live in host memory (the GPU holds
+    one unit's gathered weights at a time); reshard_after_forward: free gathered weights after each unit's
+    forward (less memory, one more all-gather in backward)."""
+
+    cpu_offload: bool = False
+    reshard_after_forward: bool = True
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """FSDP2 and DCP need a process group; a single rank gets a private one on 127.0.0.1."""
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(minutes=30))
+
+
+def is_vision(name: str) -> bool:
+    return any(part in VISION_MODULES for part in name.split("."))
+
+
+def shard_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules that become their own FSDP units: HF's no-split blocks (decoder layers) of the language
+    side, else the members of every ModuleList (plain torch models)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    units = [(n, m) for n, m in model.named_modules() if n and type(m).__name__ in names and not is_vision(n)]
+    if units:
+        return units
+    return [(f"{n}.{i}", m) for n, lst in model.named_modules() if isinstance(lst, torch.nn.ModuleList) and not is_vision(n)
+            for i, m in enumerate(lst)]
+
+
+def _separate_embedding(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The input embedding, as its own unit: a VLM batch calls it outside the model's forward (to write image
+    features over the placeholders), where the root unit would not collect its gradient. None when it is
+    tied to the output head (one parameter cannot live in two units) or the model has none."""
+    get = getattr(model, "get_input_embeddings", None)
+    embed = get() if get is not None else None
+    if embed is None:
+        return None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and head.weight is embed.weight:
+        return None
+    return embed
+
+
+def mixed_precision(device: torch.device, autocast_dtype: torch.dtype | None):
+    """bf16 compute with fp32 gradient reduction (the sharded master weights stay fp32); None in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if autocast_dtype is None:
+        return None
+    return MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=torch.float32)
+
+
+def shard_model(model: torch.nn.Module, device: torch.device, autocast_dtype: torch.dtype | None,
+                sharding: ShardingConfig) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
+    """fully_shard every unit and the root; returns the model and its replicated (vision) parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    ensure_process_group(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    model = model.to(device)
+    replicated = [p for n, p in model.named_parameters() if is_vision(n)]
+    kwargs: dict = {"mesh": mesh, "reshard_after_forward": sharding.reshard_after_forward}
+    mp = mixed_precision(device, autocast_dtype)
+    if mp is not None:
+        kwargs["mp_policy"] = mp
+    if sharding.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for _, unit in shard_units(model):
+        fully_shard(unit, **kwargs)
+    embed = _separate_embedding(model)
+    if embed is not None:
+        fully_shard(embed, **kwargs)
+    elif replicated:
+        raise GymvError("training.backend fsdp2 cannot shard a VLM whose input embedding is tied to its output head",
+                        where="training.backend", fix="use training.backend: torch for this model")
+    fully_shard(model, ignored_params=set(replicated), **kwargs)
+    # make the model the root of every unit now: a VLM batch calls the embedding unit before the model's
+    # forward, which would otherwise make the embedding a root of its own
+    model._get_fsdp_state()._lazy_init()
+    model.gymv_lockstep = True  # gymv.backends.logprobs: no shared-prefix path (see recomputes_activations)
+    for m in model.modules():
+        if hasattr(m, "set_gradient_divide_factor"):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+    if replicated and dist.get_world_size() > 1:
+        with torch.no_grad():
+            for p in replicated:
+                dist.broadcast(p.data, src=0)
+    return model, replicated
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _full(t: Tensor, device: torch.device) -> Tensor:
+    if not hasattr(t, "full_tensor"):
+        return t
+    if t.device != device:  # offloaded shards: gather on the compute device
+        t = t.to(device)
+    return t.full_tensor()
+
+
+class FSDPTrainer(TorchTrainer):
+    """TorchTrainer whose model is sharded with FSDP2 over the default process group (see the module doc)."""
+
+    lockstep = True
+
+    def __init__(self, model, logprob_fn, config, *, sharding: ShardingConfig = ShardingConfig(),
+                 trainable: bool = True, **kwargs):
+        self.sharding = sharding
+        self.trainable = trainable
+        if not trainable:  # a frozen reference: sharded like the policy, never stepped
+            model.requires_grad_(False)
+            kwargs.pop("process_group", None)
+            self._init_frozen(model, logprob_fn, config, **kwargs)
+            return
+        super().__init__(model, logprob_fn, config, **kwargs)
+
+    def _init_frozen(self, model, logprob_fn, config, *, collate_fn=pad_collate, device=None, plan_fn=None) -> None:
+        from gymv.backends.training.data_parallel import DataParallel
+
+        self.config, self.logprob_fn, self.collate_fn, self.plan_fn = config, logprob_fn, collate_fn, plan_fn
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.autocast_dtype = self._resolve_precision(config.precision)
+        ensure_process_group(self.device)
+        self.dp = DataParallel()
+        self.rank, self.world_size = self.dp.rank, self.dp.world_size
+        self.model = self._place(model)
+        self.params, self.optimizer, self.steps = [], None, 0
+
+    def _place(self, model: torch.nn.Module) -> torch.nn.Module:
+        from gymv.backends.training.data_parallel import DataParallel
+
+        if self.device.type == "cpu" and self.sharding.cpu_offload:
+            raise GymvError("training.fsdp.cpu_offload needs a CUDA device", where="training.fsdp.cpu_offload",
+                            fix="set cpu_offload: false on a CPU (the weights are already in host memory)")
+        ensure_process_group(self.device)
+        self.dp = DataParallel()
+        self.rank, self.world_size = self.dp.rank, self.dp.world_size
+        model, self.replicated = shard_model(model, self.device, self.autocast_dtype, self.sharding)
+        if self.autocast_dtype is not None:
+            self.autocast_dtype = None  # FSDP casts the gathered weights itself (mixed-precision policy)
+        return model
+
+    def _forward(self, mb):
+        # the root unit (final norm, head) is gathered first on every rank: a batch with images calls the
+        # embedding unit before the model's forward, a text batch inside it, and gathers must not reorder
+        self.model.unshard()
+        return super()._forward(mb)
+
+    def _sync_grads(self) -> None:
+        self.dp.sum_grads_([p for p in self.replicated if p.requires_grad])
+
+    def _grad_norm(self) -> Tensor:
+        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+        ids = {id(p) for p in self.replicated}
+        for p in self.params:
+            if p.grad is None:
+                continue
+            sq = _local(p.grad).double().pow(2).sum().to(self.device)
+            if id(p) in ids:
+                replicated += sq
+            else:
+                sharded += sq
+        self.dp.sum_(sharded)
+        return (sharded + replicated).sqrt().float()
+
+    def _scale_grads(self, norm: Tensor) -> None:
+        coef = min(1.0, self.config.max_grad_norm / (float(norm) + 1e-6))
+        if coef < 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+
+    def named_full_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Each weight gathered in full, one at a time (a collective: every rank iterates); tied names yield
+        the same tensor."""
+        sd = self.model.state_dict()
+        uses: dict[int, int] = {}
+        for t in sd.values():
+            uses[id(t)] = uses.get(id(t), 0) + 1
+        tied: dict[int, Tensor] = {}
+        with torch.no_grad():
+            for name, t in sd.items():
+                key = id(t)
+                full = tied.get(key)
+                if full is None:
+                    full = _full(t.detach(), self.device)
+                uses[key] -= 1
+                if uses[key]:
+                    tied[key] = full
+                else:
+                    tied.pop(key, None)
+                yield name, full
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return dict(self.named_full_weights())
+
+    # -- checkpoints (torch.distributed.checkpoint) ----------------------------------------------------
+    def _dcp_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Every rank writes its shards into `path`/dcp; rank 0 writes the step count."""
+        import torch.distributed.checkpoint as dcp
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        dcp.save(self._dcp_state(), checkpoint_id=str(path / DCP_FOLDER))
+        if self.rank == 0:
+            tmp = path / f".{TRAINER_FILE}.tmp"
+            tmp.write_text(json.dumps({"steps": self.steps, "config": asdict(self.config),
+                                       "world_size": self.world_size, "format": "dcp"}))
+            _fsync_replace(tmp, path / TRAINER_FILE)
+        dist.barrier()
+
+    def load(self, path: str | os.PathLike) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        path = Path(path)
+        if not (path / DCP_FOLDER / ".metadata").exists():
+            raise GymvError("no sharded (torch.distributed.checkpoint) state found", where=str(path),
+                            fix=f"expected {DCP_FOLDER}/.metadata: resume with the training backend that wrote the checkpoint")
+        folder = str(path / DCP_FOLDER)
+        state = self._dcp_state()
+        # a parameter that never had a gradient has no AdamW state in the checkpoint: it must get none here
+        # either (get_state_dict gives every parameter a fresh one, whose step count would then be off)
+        prefix = "optimizer.state."
+        saved = {k[len(prefix):].rsplit(".", 1)[0] for k in dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+                 if k.startswith(prefix)}
+        state["optimizer"]["state"] = {k: v for k, v in state["optimizer"]["state"].items() if k in saved}
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(strict=False))
+        for name, p in self.model.named_parameters():
+            if name not in saved:
+                self.optimizer.state.pop(p, None)
+        meta = path / TRAINER_FILE
+        self.steps = int(json.loads(meta.read_text())["steps"]) if meta.exists() else 0

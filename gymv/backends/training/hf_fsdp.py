@@ -1,0 +1,58 @@
+"""The `fsdp2` training backend: the `torch` backend's model, losses and batching, with the policy (and the
+KL reference) sharded over the trainer's ranks by FSDP2 (gymv.backends.training.fsdp).
+
+Options come from `training.fsdp` (ShardingConfig fields). Checkpoints are sharded
+(torch.distributed.checkpoint) and resume at another number of ranks; `export_hf` gathers one tensor at a
+time into rank 0's host memory and writes a Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from torch import Tensor
+
+from gymv.backends.training.hf_torch import HFTorchBackend, copy_hf_files, plan_fn
+
+
+class HFFSDPBackend(HFTorchBackend):
+    gathers_weights = True
+
+    def _make_trainer(self, model, device, *, frozen: bool = False):
+        from gymv.backends.training.fsdp import FSDPTrainer, ShardingConfig
+
+        sharding = ShardingConfig(**self.setup.sharding)
+        if self.setup.gradient_checkpointing and not frozen:
+            # non-reentrant checkpointing: FSDP2's gathers re-run inside the recomputed forward
+            model.gradient_checkpointing_disable()
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return FSDPTrainer(model, self.logprob_fn, self.config, collate_fn=self.collate, device=device,
+                           plan_fn=plan_fn(self.adapter, model), sharding=sharding, trainable=not frozen)
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Each weight gathered in full, one at a time; a collective, so every rank iterates it."""
+        yield from self.trainer.named_full_weights()
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.trainer.model.parameters())  # DTensors count their global size
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Every rank writes its shards; rank 0 adds the HF config, tokenizer and processor files."""
+        self.trainer.save(path)
+        if self.rank == 0:
+            copy_hf_files(self.setup.model_path, path)
+
+    def export_hf(self, path: str | os.PathLike) -> None:
+        from gymv.models.quiet import quiet_transformers
+
+        full: dict[str, Any] = {}
+        for name, t in self.trainer.named_full_weights():
+            if self.rank == 0:
+                full[name] = t.detach().to("cpu", copy=True)
+        if self.rank != 0:
+            return
+        with quiet_transformers():
+            self.trainer.model.save_pretrained(path, state_dict=full)
+        copy_hf_files(self.setup.model_path, path)

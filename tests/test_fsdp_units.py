@@ -1,0 +1,29 @@
+"""Which modules of a real tiny VLM fsdp2 shards as their own units, and which it keeps replicated."""
+
+from __future__ import annotations
+
+import pytest
+
+from gymv.backends.training.fsdp import _separate_embedding, is_vision, shard_units
+from tiny_models import shared_policy
+
+
+@pytest.mark.parametrize("arch", ["tiny-llava", "tiny-qwen2vl"])
+def test_every_language_decoder_layer_is_a_unit_and_no_vision_block_is(arch):
+    model = shared_policy(arch).model
+    names = [n for n, _ in shard_units(model)]
+    layers = model.config.text_config.num_hidden_layers
+    assert len(names) == layers and all(n.endswith(f"layers.{i}") for i, n in enumerate(names))
+    assert not any(is_vision(n) for n in names)
+
+
+@pytest.mark.parametrize("arch, vision", [("tiny-llava", {"vision_tower", "multi_modal_projector"}),
+                                          ("tiny-qwen2vl", {"visual"})])
+def test_the_vision_tower_and_projector_are_the_replicated_parameters(arch, vision):
+    model = shared_policy(arch).model
+    assert {n.split(".")[1] for n, _ in model.named_parameters() if is_vision(n)} == vision
+
+
+def test_an_untied_input_embedding_is_its_own_unit():
+    model = shared_policy("tiny-llava").model
+    assert _separate_embedding(model) is model.get_input_embeddings()

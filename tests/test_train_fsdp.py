@@ -1,0 +1,164 @@
+"""The fsdp2 training backend on a real local Ray with the real tiny LLaVA: two sharded ranks (one with
+image rows, one text-only) take the step one plain rank takes, a refit reaches the generator intact, the sharded checkpoint resumes on
+one rank, and the export is a Hugging Face folder of the same weights."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tiny_models import tiny_path
+from train_helpers import ray_module
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray():
+    with ray_module():
+        yield
+
+
+def _spec(backend: str, generation_dtype: str = "float32"):
+    from gymv.cluster.workers import WorkerSpec
+    from gymv.train.data import EnvSpec
+
+    # Adam's eps is large so float32 summation-order noise between 1 and 2 ranks cannot move the update.
+    return WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSpec("circle_count"), kl_reference=True,
+                      trainer={"lr": 1e-3, "eps": 1e-3, "precision": "fp32", "micro_batch_tokens": 512},
+                      training_backend=backend, generation_dtype=generation_dtype)
+
+
+@pytest.fixture(scope="module")
+def image_samples():
+    from gymv.backends.generation import SamplingParams
+    from gymv.cluster.workers import GenerationWorker
+    from gymv.train.stats import policy_samples
+
+    gen = GenerationWorker(_spec("torch"))
+    env = gen.router.default
+    rows = [(i, env.make_row(random.Random(i), env.presets["tiny"], i)) for i in range(3)]
+    out = gen.rollouts(rows, group_size=2, params=SamplingParams(max_new_tokens=8), seed=3, max_turns=1,
+                       max_rollout_tokens=64, max_seq_len=1024)
+    samples = policy_samples(out["trajectories"], [1.0, -1.0, 0.5, -0.5, 0.25, -0.25])
+    assert len(samples) == 6 and all(s.get("images") for s in samples)
+    # rank 1 gets the last three, cut to text only: one rank embeds image features, the other does not
+    return samples[:3] + [_text_only(s) for s in samples[3:]]
+
+
+def _text_only(sample: dict) -> dict:
+    """The sample from four tokens before its first scored one (after the image): no image left."""
+    start = list(sample["loss_mask"]).index(1) - 4
+    n = len(sample["input_ids"])
+    out = {k: (v[start:] if isinstance(v, (list, tuple)) and len(v) == n else v) for k, v in sample.items()}
+    out["images"] = []
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_step(image_samples):
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.cluster.workers import TrainingWorker
+
+    single = TrainingWorker(_spec("torch"))
+    single.setup()
+    metrics = single.grpo_step([[dict(s) for s in image_samples]], PolicyLoss())
+    return metrics, single.weights()
+
+
+@pytest.fixture(scope="module")
+def fsdp_cluster(image_samples, tmp_path_factory):
+    import ray
+
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.cluster.group import Placement, PolicyCluster
+
+    tmp = tmp_path_factory.mktemp("fsdp")
+    # a bf16 generator: the gathered weights are cast one by one on their way to it
+    cluster = PolicyCluster(_spec("fsdp2", "bfloat16"), Placement(num_generation=1, num_training=2))
+    try:
+        metrics = cluster.grpo_step([image_samples], PolicyLoss())
+        weights, *_ = ray.get([cluster.trainers[0].weights.remote()] + cluster._followers())
+        cluster.refit(1)
+        hashes = cluster.weight_hashes()
+        cluster.save(tmp / "ckpt")
+        exported = cluster.export(tmp / "export")
+    finally:
+        cluster.shutdown()
+    return {"metrics": metrics, "weights": weights, "hashes": hashes, "ckpt": tmp / "ckpt", "export": exported}
+
+
+def _close(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in b)
+
+
+def test_two_fsdp_ranks_take_the_step_of_one_plain_rank(fsdp_cluster, single_step):
+    one, reference = single_step
+    two = fsdp_cluster["metrics"]
+    assert two["train/num_sequences"] == one["train/num_sequences"] == 6
+    assert two["train/loss"] == pytest.approx(one["train/loss"], abs=1e-6)
+    assert two["train/grad_norm"] == pytest.approx(one["train/grad_norm"], rel=1e-5)
+    assert _close(fsdp_cluster["weights"], reference) < 0.05 * 1e-3  # float noise, well under lr per weight
+
+
+def test_two_fsdp_ranks_with_activation_checkpointing_take_the_same_step(image_samples, single_step):
+    from dataclasses import replace
+
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.cluster.group import Placement, PolicyCluster
+
+    one, _ = single_step
+    spec = replace(_spec("fsdp2"), gradient_checkpointing=True, kl_reference=False)
+    cluster = PolicyCluster(spec, Placement(num_generation=0, num_training=2), generation=False)
+    try:
+        two = cluster.grpo_step([image_samples], PolicyLoss())
+    finally:
+        cluster.shutdown()
+    assert two["train/loss"] == pytest.approx(one["train/loss"], abs=1e-6)
+    assert two["train/grad_norm"] == pytest.approx(one["train/grad_norm"], rel=1e-5)
+
+
+def test_a_refit_from_sharded_ranks_gives_the_generator_the_trainers_weights(fsdp_cluster):
+    trainer, generators = fsdp_cluster["hashes"]
+    assert generators == [trainer]
+
+
+def test_the_sharded_checkpoint_of_two_ranks_loads_on_one_rank(fsdp_cluster):
+    from gymv.cluster.workers import TrainingWorker
+
+    one = TrainingWorker(_spec("fsdp2"))
+    one.setup()
+    try:
+        assert one.load(str(fsdp_cluster["ckpt"])) == 1
+        assert _close(one.weights(), fsdp_cluster["weights"]) == 0.0
+    finally:
+        one.close()
+
+
+def test_the_export_loads_with_from_pretrained_and_holds_the_trained_weights(fsdp_cluster):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(fsdp_cluster["export"])
+    trained = fsdp_cluster["weights"]
+    got = model.state_dict()
+    for k, v in trained.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_gymv_train_runs_fsdp2_and_resumes_from_its_sharded_checkpoint(tmp_path):
+    import json
+
+    from gymv.train import train
+    from train_helpers import tiny_grpo_settings, write_recipe
+
+    settings = tiny_grpo_settings(tmp_path, tiny_path("tiny-llava"), **{"training.backend": "fsdp2", "grpo.max_steps": 2})
+    recipe = write_recipe(tmp_path, "fsdp2-e2e", "vlm_grpo.yaml", settings)
+    first = train(recipe)
+    run = tmp_path / "runs" / "fsdp2-e2e"
+    assert first["complete"] and list(run.rglob("dcp/.metadata"))
+    second = train(None, ["grpo.max_steps=3"], resume_dir=str(run))
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert second["complete"] and steps == [1, 2, 3]  # resumed after step 2, nothing repeated
