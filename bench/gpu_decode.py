@@ -257,7 +257,7 @@ def main() -> None:
 
     from gymv.backends.generation.hf import HFGenerationBackend
     from gymv.backends.generation.static import StaticDecodeBackend
-    from gymv.models.load import load_policy
+    from gymv.backends.policy import load_policy
     from gymv.models.tiny import init_tiny_llava
 
     if a.cpu_smoke:

@@ -59,7 +59,7 @@ def info(
 
     Example: gymv model info models/tiny --json
     """
-    from gymv.models.load import load_policy
+    from gymv.backends.policy import load_policy
 
     with err_console.status(f"loading {path}"):
         policy = load_policy(path)

@@ -204,7 +204,7 @@ def test_gemma3_ids_and_logprobs_equal_the_hf_processor_and_forward_with_bidirec
 def test_gemma3_refuses_pan_and_scan_at_load_time(tmp_path):
     import shutil
 
-    from gymv.models.load import load_policy
+    from gymv.backends.policy import load_policy
 
     folder = tmp_path / "g3"
     shutil.copytree(tiny_path("tiny-gemma3"), folder)

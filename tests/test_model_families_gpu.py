@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _gpu_policy(arch: str):
-    from gymv.models.load import load_policy
+    from gymv.backends.policy import load_policy
 
     return load_policy(tiny_path(arch), device="cuda", dtype=torch.bfloat16)
 

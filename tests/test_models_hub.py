@@ -10,7 +10,8 @@ import pytest
 
 from gymv.errors import GymvError
 from gymv.models.hub import hub_cache_dir, is_hub_id
-from gymv.models.load import load_policy, resolve_model_path
+from gymv.backends.policy import load_policy
+from gymv.models.load import resolve_model_path
 from tiny_models import tiny_path
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from gymv.errors import GymvError
-from gymv.models.load import load_policy
+from gymv.backends.policy import load_policy
 from tiny_models import tiny_path
 
 CODE = '''

@@ -136,7 +136,7 @@ def test_unknown_embedded_model_and_missing_folder_are_clear_errors(tmp_path):
 def test_unsupported_processor_fails_at_load_listing_the_supported_ones(tmp_path):
     import shutil
 
-    from gymv.models.load import load_policy
+    from gymv.backends.policy import load_policy
 
     path = tmp_path / "m"
     shutil.copytree(tiny_path("tiny-llava"), path)

@@ -112,7 +112,7 @@ def test_each_rollout_records_the_advantage_it_was_trained_with(grpo_run):
 def test_final_export_loads_as_a_hugging_face_model_with_the_trainers_last_weights(grpo_run):
     """`final/` may store the checkpoint's own key layout (save_pretrained), so it is compared by loading it:
     every weight the trainer saved at the last step (module names) is in the loaded model, unchanged."""
-    from gymv.models.load import load_policy
+    from gymv.backends.policy import load_policy
 
     _, _, run = grpo_run
     loaded = load_policy(run / "final").model.state_dict()

@@ -26,7 +26,7 @@ def shared_policy(arch: str):
 
 
 def fresh_policy(arch: str):
-    from gymv.models.load import load_policy
+    from gymv.backends.policy import load_policy
 
     return load_policy(tiny_path(arch))
 

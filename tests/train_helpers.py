@@ -98,6 +98,6 @@ def read_weights(folder: Path) -> dict:
 def model_weights(folder: Path) -> dict:
     """The weights by the model's own parameter names, whichever key layout the folder was saved with
     (save_pretrained may write a checkpoint's original layout; gymv checkpoints use module names)."""
-    from gymv.models.load import load_policy
+    from gymv.backends.policy import load_policy
 
     return load_policy(folder).model.state_dict()

@@ -82,7 +82,7 @@ class TeacherModel:
         if self.text_only:
             from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-            from gymv.models.load import check_remote_code
+            from gymv.backends.policy import check_remote_code
 
             trust = getattr(spec, "trust_remote_code", False)
             check_remote_code(Path(spec.path), trust)
@@ -96,7 +96,7 @@ class TeacherModel:
                     self.model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, trust_remote_code=trust)
             self.adapter = TextOnlyAdapter(self.forbidden_ids, spec.alias)
         else:
-            from gymv.models.load import load_policy
+            from gymv.backends.policy import load_policy
 
             policy = load_policy(spec.path, device="cpu", dtype=dtype, seed=spec.seed,
                                  trust_remote_code=getattr(spec, "trust_remote_code", False))

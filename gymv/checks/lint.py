@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from gymv.checks.registry import closest_metric, is_known_metric
 from gymv.checks.sources import CheckSource
 from gymv.checks.syntax import CheckSyntaxError, parse_check
-from gymv.config.findings import Finding
+from gymv.findings import Finding
 
 
 def check_findings(sources: Iterable[CheckSource], key: str | None = "checks") -> list[Finding]:

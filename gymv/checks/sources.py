@@ -45,7 +45,7 @@ def recipe_checks(rec) -> list[CheckSource]:
 
 def driver_checks(path: str | os.PathLike) -> list[CheckSource]:
     """The checks in a driver's CHECKS block ([] without one); a malformed block is a GymvError at its line."""
-    from gymv.config.yamlfile import display_path
+    from gymv.yamlfile import display_path
 
     path = Path(path)
     shown = display_path(path)

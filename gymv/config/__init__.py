@@ -16,7 +16,7 @@ from gymv.config.exemplars import (
     is_exemplar,
     recipe_files,
 )
-from gymv.config.findings import Finding
+from gymv.findings import Finding
 from gymv.config.inherit import compose, merge
 from gymv.config.interpolate import RESOLVERS, resolve
 from gymv.config.loader import LoadedRecipe, load_config, load_recipe, resolved_dict
@@ -28,7 +28,7 @@ from gymv.config.suites import suite_accounting
 from gymv.config.transports import REFIT_TRANSPORTS, RefitTransport, register_refit_transport
 from gymv.config.tree import ConfigTree
 from gymv.config.validate import schema_findings, schema_keys, validate_config
-from gymv.config.yamlfile import Origin
+from gymv.yamlfile import Origin
 
 __all__ = [
     "ALGORITHMS", "EXEMPLARS", "MODELS", "REFIT_TRANSPORTS", "RESOLVERS", "RULES",

@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from gymv.config.findings import Finding
+from gymv.findings import Finding
 from gymv.config.schema import GrpoSection, MopdSection, RecipeBase
 from gymv.config.transports import REFIT_TRANSPORTS
 from gymv.config.tree import split_key
-from gymv.config.yamlfile import KeyPath, Origin
+from gymv.yamlfile import KeyPath, Origin
 
 
 @dataclass(frozen=True)

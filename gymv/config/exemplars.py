@@ -104,8 +104,8 @@ def check_inherits_exemplar(loaded, root: str | os.PathLike | None = None) -> li
 
     `loaded` is a LoadedRecipe (typed loosely to keep this module free of the loader).
     """
-    from gymv.config.findings import Finding
-    from gymv.config.yamlfile import display_path
+    from gymv.findings import Finding
+    from gymv.yamlfile import display_path
 
     r = Path(root) if root else (find_recipes_root(loaded.path) or default_recipes_root())
     where = f"{display_path(loaded.path)}:1"

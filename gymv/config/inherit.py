@@ -12,7 +12,7 @@ from typing import Any
 
 from gymv.config.exemplars import resolve_parent
 from gymv.config.tree import OVERRIDE_MARKER, ConfigTree, dotted, strip_markers
-from gymv.config.yamlfile import KeyPath, Origin, display_path, read_yaml_mapping
+from gymv.yamlfile import KeyPath, Origin, display_path, read_yaml_mapping
 from gymv.errors import GymvError
 
 DEFAULTS_KEY = "defaults"

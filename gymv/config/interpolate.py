@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gymv.config.tree import ConfigTree, dotted, split_key, suggest
-from gymv.config.yamlfile import KeyPath
+from gymv.yamlfile import KeyPath
 from gymv.errors import GymvError
 
 

@@ -21,13 +21,13 @@ from gymv.capabilities import gaps
 from gymv.checks.lint import driver_check_findings, recipe_check_findings
 from gymv.config.compat import RULES as COMPAT_RULES
 from gymv.config.exemplars import RECIPE_DIRS, check_inherits_exemplar, find_recipes_root, is_exemplar
-from gymv.config.findings import Finding
+from gymv.findings import Finding
 from gymv.config.loader import LoadedRecipe, load_recipe
 from gymv.config.minimality import check_minimal, same_value
 from gymv.config.naming import RecipeName, check_recipe_name, parse_recipe_name
 from gymv.config.suites import suite_accounting
 from gymv.config.tree import OVERRIDE_MARKER, split_key
-from gymv.config.yamlfile import display_path, parse_yaml
+from gymv.yamlfile import display_path, parse_yaml
 from gymv.errors import GymvError
 from gymv.io import atomic_write_text
 from gymv.recipes.drivers import DriverConfig, find_block, parse_driver

@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from gymv.config.compat import check_compatibility
-from gymv.config.findings import Finding, raise_first_error
+from gymv.findings import Finding, raise_first_error
 from gymv.config.inherit import Composed, compose
 from gymv.config.interpolate import resolve
 from gymv.config.overrides import Override, apply_overrides, as_overrides, smoke_overrides
 from gymv.config.schema import RecipeBase
 from gymv.config.tree import ConfigTree
 from gymv.config.validate import schema_findings, schema_has_key
-from gymv.config.yamlfile import KeyPath, Origin, display_path
+from gymv.yamlfile import KeyPath, Origin, display_path
 from gymv.errors import GymvError
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from gymv.config.findings import Finding
+from gymv.findings import Finding
 from gymv.config.loader import LoadedRecipe
 from gymv.config.tree import OVERRIDE_MARKER, ConfigTree, dotted, get_path, strip_markers
-from gymv.config.yamlfile import KeyPath
+from gymv.yamlfile import KeyPath
 
 _MISSING = object()
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gymv.config.exemplars import EXEMPLARS
-from gymv.config.findings import Finding
+from gymv.findings import Finding
 from gymv.config.schema import RecipeBase
-from gymv.config.yamlfile import Origin
+from gymv.yamlfile import Origin
 
 STRATEGIES: tuple[str, ...] = ("torch", "fsdp2", "megatron")  # the training backend
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from gymv.config.tree import OVERRIDE_MARKER, ConfigTree, dotted, get_path, iter_keys, split_key, suggest
-from gymv.config.yamlfile import KeyPath, Origin, parse_scalar
+from gymv.yamlfile import KeyPath, Origin, parse_scalar
 from gymv.errors import GymvError
 
 Op = Literal["set", "add", "upsert", "delete"]

@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 
 from gymv.config.exemplars import default_recipes_root, recipe_files
-from gymv.config.findings import Finding
-from gymv.config.yamlfile import display_path
+from gymv.findings import Finding
+from gymv.yamlfile import display_path
 from gymv.recipes.suites import SUITES_DIR, driver_for_recipe, entries_missing_reason, load_suites
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from gymv.config.yamlfile import KeyPath, Origin
+from gymv.yamlfile import KeyPath, Origin
 
 OVERRIDE_MARKER = "_override_"
 _MISSING = object()

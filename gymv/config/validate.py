@@ -9,10 +9,10 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from gymv.config.findings import Finding, raise_first_error
+from gymv.findings import Finding, raise_first_error
 from gymv.config.schema import ALGORITHM_SECTIONS, ALGORITHMS, MODELS, RecipeBase, base_algorithm, is_vlm
 from gymv.config.tree import dotted, suggest
-from gymv.config.yamlfile import KeyPath, Origin
+from gymv.yamlfile import KeyPath, Origin
 
 Locate = Callable[[KeyPath], "Origin | str | None"]
 

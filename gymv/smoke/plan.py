@@ -29,7 +29,7 @@ class SmokeTarget:
 
     @property
     def shown(self) -> str:
-        from gymv.config.yamlfile import display_path
+        from gymv.yamlfile import display_path
 
         return display_path(self.recipe)
 
@@ -133,7 +133,7 @@ def run_name(target: SmokeTarget, taken: set[str]) -> str:
 
 
 def _origins(rec, text: str, where: str) -> dict[int, str]:
-    from gymv.config.yamlfile import parse_yaml
+    from gymv.yamlfile import parse_yaml
 
     out = {}
     for path, line in parse_yaml(text, where).lines.items():

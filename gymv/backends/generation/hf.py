@@ -56,7 +56,7 @@ class HFGenerationBackend(GenerationBackend):
 
     @classmethod
     def create(cls, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0) -> HFGenerationBackend:
-        from gymv.models.load import load_policy
+        from gymv.backends.policy import load_policy
 
         policy = load_policy(model_path, device=device, dtype=getattr(torch, dtype), seed=seed)
         return cls.from_policy(policy, seed=seed)

@@ -91,7 +91,7 @@ class HFTorchBackend(TrainingBackend):
         self.trainer = self._make_trainer(model, device)
         self.reference = None
         if setup.kl_reference:
-            from gymv.models.load import load_policy
+            from gymv.backends.policy import load_policy
 
             ref = load_policy(setup.model_path, device=str(device), dtype=torch.float32, seed=setup.seed).model
             self.reference = self._make_trainer(ref, device, frozen=True)
@@ -106,7 +106,7 @@ class HFTorchBackend(TrainingBackend):
 
     @classmethod
     def create(cls, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1) -> HFTorchBackend:
-        from gymv.models.load import load_policy
+        from gymv.backends.policy import load_policy
 
         policy = load_policy(setup.model_path, device=str(device), dtype=torch.float32, seed=setup.seed)
         return cls(policy, setup, device=device, rank=rank, world_size=world_size)

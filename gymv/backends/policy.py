@@ -1,0 +1,156 @@
+"""Load a policy checkpoint with its tokenizer, image processor and processor adapter.
+
+The path is resolved by `gymv.models.load.resolve_model_path` (a folder, a cached hub id or an embedded tiny
+model); the adapter that tells the backends how images become tokens comes from `gymv.backends.multimodal`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gymv.errors import GymvError
+from gymv.models.load import resolve_model_path
+
+
+@dataclass
+class Policy:
+    """A loaded policy. `processor` is the transformers processor when it loads here, else None (see docs)."""
+
+    model: Any
+    tokenizer: Any
+    image_processor: Any
+    adapter: Any
+    processor: Any
+    path: Path
+    chat_template: str | None
+    info: dict = field(default_factory=dict)
+
+
+def _processor_class(path: Path) -> str:
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        f = path / name
+        if f.exists():
+            cls = json.loads(f.read_text()).get("processor_class")
+            if cls:
+                return cls
+    return ""
+
+
+def load_policy(path: str | os.PathLike, device: str = "cpu", dtype: Any = None, *,
+                cache_dir: str | os.PathLike | None = None, seed: int = 0,
+                attn_implementation: str | None = None, trust_remote_code: bool = False) -> Policy:
+    """Load model + tokenizer + image processor, and choose the multimodal adapter from the processor.
+
+    A checkpoint whose config has no `vision_config` is a text-only causal LM: it loads with
+    AutoModelForCausalLM and the text adapter (no image processor is looked for). Otherwise the composite
+    processor is loaded with AutoProcessor where possible; where it cannot be (Qwen2-VL's
+    processor needs torchvision for its video half), the same parts are loaded one by one, which is all
+    gymv needs. An unsupported processor class fails here with the list of supported ones.
+
+    `trust_remote_code` (the recipe's `model.trust_remote_code`, off by default) lets every from_pretrained
+    run modelling code shipped inside the checkpoint; a checkpoint that needs it fails here in one line.
+    """
+    import torch
+
+    from gymv.models.quiet import quiet_transformers
+
+    ckpt = resolve_model_path(path, cache_dir=cache_dir, seed=seed)
+    dtype = dtype if dtype is not None else torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    check_remote_code(ckpt, trust_remote_code)
+    with quiet_transformers():
+        return _load(ckpt, device, dtype, attn_implementation, trust_remote_code)
+
+
+def check_remote_code(ckpt: Path, trust_remote_code: bool) -> None:
+    """A checkpoint whose model type transformers does not know runs only with its own code (`auto_map`)."""
+    if trust_remote_code:
+        return
+    from transformers import CONFIG_MAPPING
+
+    try:
+        config = json.loads((ckpt / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # the loader reports an unreadable config itself
+    if config.get("auto_map") and config.get("model_type") not in CONFIG_MAPPING:
+        raise GymvError(f"the checkpoint's model type {config.get('model_type')!r} exists only in code shipped inside "
+                        "it (auto_map), which gymv runs only when told to", where=str(ckpt),
+                        fix="set model.trust_remote_code: true if you trust that code")
+
+
+def is_text_only(path: str | os.PathLike) -> bool:
+    """A checkpoint without a vision tower: its config.json has no `vision_config`."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise GymvError(f"cannot read config.json: {e}", where=str(path),
+                        fix="point at a Hugging Face checkpoint folder") from None
+    return "vision_config" not in config
+
+
+def _load_text(ckpt: Path, device, dtype, attn_implementation, trust: bool) -> Policy:
+    """A text-only causal LM: tokenizer and AutoModelForCausalLM, no processor looked for."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gymv.backends.multimodal import TextAdapter
+
+    tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
+    kwargs = {"dtype": dtype, "trust_remote_code": trust}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(ckpt, **kwargs)
+    except ValueError as e:
+        raise GymvError(f"cannot load a causal language model: {str(e).splitlines()[0]}", where=str(ckpt),
+                        fix="a text-only checkpoint must load with AutoModelForCausalLM") from None
+    model.to(device)
+    model.eval()
+    adapter = TextAdapter(tokenizer, config=model.config)
+    info = {"processor_class": None, "style": adapter.style, "model_class": type(model).__name__}
+    return Policy(model=model, tokenizer=tokenizer, image_processor=None, adapter=adapter, processor=None, path=ckpt,
+                  chat_template=getattr(tokenizer, "chat_template", None), info=info)
+
+
+def _load(ckpt: Path, device, dtype, attn_implementation, trust: bool = False) -> Policy:
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+    from gymv.backends.multimodal import SUPPORTED_PROCESSORS, make_adapter, supported_text
+
+    if is_text_only(ckpt):
+        return _load_text(ckpt, device, dtype, attn_implementation, trust)
+    processor_class = _processor_class(ckpt)
+    hf_processor, why = None, None
+    try:
+        hf_processor = AutoProcessor.from_pretrained(ckpt, trust_remote_code=trust)
+        processor_class = type(hf_processor).__name__
+        tokenizer = hf_processor.tokenizer
+        image_processor = getattr(hf_processor, "image_processor", None)
+    except ImportError as e:  # a sub-processor (e.g. video) needs a package that is not installed
+        why = " ".join(str(e).split()).split(". ")[0]
+        tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
+        image_processor = AutoImageProcessor.from_pretrained(ckpt, trust_remote_code=trust)
+    if processor_class not in SUPPORTED_PROCESSORS:
+        raise GymvError(f"unsupported processor {processor_class or '(none found)'!r}", where=str(ckpt),
+                        fix=f"gymv supports: {supported_text()}")
+    kwargs = {"dtype": dtype, "trust_remote_code": trust}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(ckpt, **kwargs)
+    except ValueError as e:
+        raise GymvError(f"cannot load an image-text-to-text model: {str(e).splitlines()[0]}", where=str(ckpt),
+                        fix="gymv trains vision-language models loadable with AutoModelForImageTextToText") from None
+    model.to(device)
+    model.eval()
+    adapter = make_adapter(processor_class, tokenizer, image_processor, model.config, hf_processor)
+    template = getattr(hf_processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
+    info = {"processor_class": processor_class, "style": adapter.style, "model_class": type(model).__name__}
+    if why:
+        info["processor_fallback"] = why
+    return Policy(model=model, tokenizer=tokenizer, image_processor=image_processor, adapter=adapter,
+                  processor=hf_processor, path=ckpt, chat_template=template, info=info)
