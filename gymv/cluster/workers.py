@@ -47,6 +47,7 @@ class WorkerSpec:
     max_seq_len: int = 2048
     max_image_pixels: int | None = None
     generation_backend: str = "hf"  # a name in GENERATION_BACKENDS, or its "module:Class" path
+    generation_options: dict = field(default_factory=dict)  # the backend's own create() keywords (generation.vllm)
     training_backend: str = "torch"  # a name in TRAINING_BACKENDS, or its "module:Class" path
 
     def located(self) -> WorkerSpec:
@@ -104,7 +105,7 @@ class GenerationWorker:
         self.device = _device(spec)
         backend_cls = GENERATION_BACKENDS.load(spec.generation_backend)
         self.backend = backend_cls.create(spec.model_path, device=str(self.device), dtype=spec.generation_dtype,
-                                          seed=spec.seed + 7919 * index)
+                                          seed=spec.seed + 7919 * index, **spec.generation_options)
         self.router = EnvRouter(spec.env)
         self.receiver = None
         self.weights_version = 0

@@ -10,6 +10,7 @@ gymv.algorithms); the builders they share live here too (data, setup, stats, val
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,6 +64,12 @@ def _check_supported(rec, cfg) -> None:
                         fix="use cuda_ipc when colocated, or set cluster.colocated: false for nccl")
     for gap in gaps(cfg):
         raise GymvError(gap.message, where=_where(rec, gap.key), fix=gap.fix)
+    if cfg.generation.backend == "vllm":
+        from gymv.backends.generation.vllm import INSTALL_FIX, vllm_available
+
+        if not vllm_available():
+            raise GymvError(f"generation.backend vllm needs the vllm package, which this Python ({sys.prefix}) lacks",
+                            where=_where(rec, "generation.backend"), fix=INSTALL_FIX)
 
 
 def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, resume_dir: str | None = None,

@@ -109,6 +109,7 @@ def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature
         max_seq_len=cfg.model.max_seq_len,
         max_image_pixels=cfg.vision.max_image_pixels if getattr(cfg, "vision", None) is not None else None,
         generation_backend=cfg.generation.backend,
+        generation_options=cfg.generation.vllm.model_dump() if cfg.generation.backend == "vllm" else {},
         training_backend=t.backend,
     )
 
