@@ -41,7 +41,7 @@ from gymv.errors import GymvError
 
 INSTALL_FIX = ("install vLLM's venv with `bash scripts/install.sh vllm` and run gymv from it "
                "(.venv-vllm/bin/gymv), or use generation.backend: hf")
-WORKER_EXTENSION = "gymv.backends.generation.vllm_worker:GymvWeightSync"
+WORKER_EXTENSION = "gymv.backends.generation.vllm_worker.GymvWeightSync"
 
 
 def vllm_available() -> bool:
@@ -70,7 +70,7 @@ class VllmGenerationBackend(GenerationBackend):
 
     def __init__(self, llm, tokenizer, adapter, *, param_shapes: dict[str, tuple[int, ...]], vocab_size: int,
                  eos_token_ids: Sequence[int], seed: int = 0, chat_template: str | None = None,
-                 model_path: str | None = None, dtype: str = "float32"):
+                 model_path: str | None = None, dtype: str = "float32", rename=None):
         self.llm = llm
         self.tokenizer = tokenizer
         self.adapter = adapter
@@ -78,6 +78,7 @@ class VllmGenerationBackend(GenerationBackend):
         self.model_path = model_path
         self.dtype = dtype
         self.param_shapes = param_shapes
+        self.rename = rename or (lambda name: name)
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
         forbidden = set(adapter.vision_token_ids) if adapter is not None else set()
         self.allowed_token_ids = [i for i in range(vocab_size) if i not in forbidden] if forbidden else None
@@ -98,11 +99,17 @@ class VllmGenerationBackend(GenerationBackend):
         vllm = import_vllm()
         path = resolve_model_path(model_path, seed=seed)
         tokenizer, adapter, template, config, shapes = load_processing(path)
+        rename = vllm_names(config)
+        # a checkpoint vLLM's loader cannot name (transformers 5 writes LLaVA's CLIP tower without the
+        # `vision_model.` level vLLM's has) starts from dummy weights and gets its own through the refit path
+        own_load = any(rename(k) != k for k in checkpoint_names(path))
         kwargs: dict[str, Any] = dict(
             model=str(path), tokenizer=str(path), dtype=dtype, seed=seed, enable_prefix_caching=True,
             logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
             tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
         )
+        if own_load:
+            kwargs["load_format"] = "dummy"
         if adapter is not None:
             kwargs["limit_mm_per_prompt"] = {"image": max_images_per_prompt}
         if device == "cpu":
@@ -121,9 +128,13 @@ class VllmGenerationBackend(GenerationBackend):
             v = json.loads(gen_cfg.read_text()).get("eos_token_id")
             eos |= set(v if isinstance(v, list) else [v])
         text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-        return cls(llm, tokenizer, adapter, param_shapes=shapes, vocab_size=int(text_cfg.vocab_size),
-                   eos_token_ids=[i for i in eos if i is not None], seed=seed, chat_template=template,
-                   model_path=str(path), dtype=dtype)
+        backend = cls(llm, tokenizer, adapter, param_shapes=shapes, vocab_size=int(text_cfg.vocab_size),
+                      eos_token_ids=[i for i in eos if i is not None], seed=seed, chat_template=template,
+                      model_path=str(path), dtype=dtype, rename=rename)
+        if own_load:
+            backend._load(read_checkpoint(path))
+            llm.reset_prefix_cache()
+        return backend
 
     # -- prompts -------------------------------------------------------------------------------------
     def _collapse(self, ids: list[int], images: Sequence[Any]) -> list[int]:
@@ -230,6 +241,7 @@ class VllmGenerationBackend(GenerationBackend):
 
     def _load(self, weights: dict) -> None:
         """In-process: the tensors themselves; across processes: one safetensors file in shared memory."""
+        weights = {self.rename(k): v for k, v in weights.items()}
         if self.weight_transfer == "auto" and _in_process():
             self.llm.collective_rpc("gymv_load_weights", kwargs={"weights": list(weights.items())})
             return
@@ -283,6 +295,37 @@ def _torch_dtype(name: str):
     import torch
 
     return getattr(torch, name) if name != "auto" else None
+
+
+def vllm_names(config):
+    """name -> the name vLLM's weight loader takes, for a transformers model's own weight names (what the
+    trainer sends) and for its checkpoint's. vLLM maps most names itself; LLaVA's vision tower needs the
+    `vision_model.` level that transformers 5 no longer has."""
+    import re
+
+    if getattr(config, "model_type", "") == "llava":
+        pattern = re.compile(r"^((?:model\.)?vision_tower\.)(?!vision_model\.)")
+        return lambda name: pattern.sub(r"\1vision_model.", name)
+    return lambda name: name
+
+
+def checkpoint_names(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            names += list(st.keys())
+    return names
+
+
+def read_checkpoint(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out: dict = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
 
 
 def load_processing(path: Path):
