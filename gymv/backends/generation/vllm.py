@@ -86,8 +86,8 @@ class VllmGenerationBackend(GenerationBackend):
         # "auto": tensors in the call for an in-process engine, a shared-memory file otherwise; "file" forces the file
         self.weight_transfer = "auto"
         self._weights_hash: str | None = None
-        self._stats = {"weight_updates": 0, "encoder_cache_resets": 0, "prefix_cache_resets": 0,
-                       "encoder_cache_stale_hits": 0}
+        # vLLM does not say which cached image features predate a refit, so there is no stale-hit count here
+        self._stats = {"weight_updates": 0, "encoder_cache_resets": 0, "prefix_cache_resets": 0}
         self.last_timing: dict = {}
 
     @classmethod
