@@ -73,6 +73,15 @@ def test_a_seed_repeats_a_sample_and_the_requests_of_a_group_still_differ(engine
     assert len({tuple(o.token_ids) for o in a}) > 1
 
 
+def test_a_seeded_batch_larger_than_one_engine_step_generates(engines):
+    """64 seeded requests with images: more than one scheduler step of prefill, which vLLM 0.32 would split
+    and then fail to rewind the CPU generators of (the backend keeps prefills whole on CPU)."""
+    policy = shared_policy("tiny-llava")
+    one = requests(policy, n=8)
+    outs = engines["tiny-llava"].generate(one * 8, SamplingParams(temperature=1.0, max_new_tokens=4, seed=5))
+    assert len(outs) == 64 and all(o.token_ids for o in outs)
+
+
 def test_text_only_requests_on_a_vlm_match_hf(engines):
     policy = shared_policy("tiny-llava")
     reqs = [GenerationRequest(chat_ids(policy, t, []), [], where=f"row {i}") for i, t in enumerate(["Hi", "Count."])]

@@ -113,7 +113,12 @@ class VllmGenerationBackend(GenerationBackend):
         if adapter is not None:
             kwargs["limit_mm_per_prompt"] = {"image": max_images_per_prompt}
         if device == "cpu":
-            kwargs.update(enforce_eager=True, distributed_executor_backend="uni")
+            # Whole prefills only: vLLM 0.32 rewinds a seeded request's generator after a partial (chunked)
+            # prefill step, which CPU generators cannot do ("CPU Generator does not use offset").
+            text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+            longest = max_model_len or int(getattr(text_cfg, "max_position_embeddings", 0) or 8192)
+            kwargs.update(enforce_eager=True, distributed_executor_backend="uni", enable_chunked_prefill=False,
+                          max_num_batched_tokens=max(longest, 8192))
         else:
             kwargs.update(enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization)
         from gymv.models.quiet import quiet_transformers
