@@ -12,7 +12,8 @@ Two things vLLM does differently are handled here:
   vLLM reports back are checked against gymv's (a mismatch is an error naming the request).
 - vLLM's CPU build repacks linear weights after loading, so a refit goes through the worker's
   `reload_weights` (gymv.backends.generation.vllm_worker), then the prefix cache (KV blocks computed with
-  the old weights) is always reset; the encoder cache only by `reset_encoder_cache()`, the caller's policy.
+  the old weights) is always reset, and so is the encoder cache: vLLM's reload drops the cached image
+  features itself, so with this backend no feature of older weights is ever reused, whatever the policy.
 
 The engine runs in-process by default (one process: what the CPU tests and the CPU bench run). vLLM is an
 optional dependency: it is imported when the backend is built, and its absence is a GymvError that names
@@ -236,6 +237,9 @@ class VllmGenerationBackend(GenerationBackend):
         self._load(incoming)
         self.llm.reset_prefix_cache()
         self._stats["prefix_cache_resets"] += 1
+        # vLLM's reload drops the model runner's image features whatever gymv's policy says, so the
+        # scheduler's record of them must go too, or the next request with a known image finds nothing
+        self.llm.llm_engine.reset_encoder_cache()
         self._stats["weight_updates"] += 1
         if set(incoming) == set(self.param_shapes):
             from gymv.backends.weights import weights_hash
