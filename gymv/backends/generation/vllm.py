@@ -126,6 +126,11 @@ class VllmGenerationBackend(GenerationBackend):
 
         with quiet_transformers():
             llm = vllm.LLM(**kwargs)
+        import logging
+
+        # in-process, vLLM's CPU worker turns torch.set_num_threads into a no-op that warns on every call
+        # (set after the engine exists: building it reconfigures vLLM's loggers)
+        logging.getLogger("vllm.v1.worker.cpu_worker").setLevel(logging.ERROR)
         eos = {tokenizer.eos_token_id}
         gen_cfg = path / "generation_config.json"
         if gen_cfg.exists():
