@@ -38,13 +38,11 @@ class GymvWeightSync:
         import torch
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        from gymv.cluster.refit import unflatten
-
         uuid = str(torch.cuda.get_device_properties(self.device).uuid)  # type: ignore[attr-defined]
         func_args = list(handles[uuid])
         func_args[6] = self.device.index  # type: ignore[attr-defined]  # the receiving process's device
         flat = rebuild_cuda_tensor(*func_args)
-        self._gymv_reload(unflatten(flat, layout).items())
+        self._gymv_reload(_views(flat, layout))
         torch.cuda.synchronize(self.device)  # type: ignore[attr-defined]
 
     def gymv_init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
@@ -60,8 +58,15 @@ class GymvWeightSync:
         """Receive the flat buffer that trainer rank 0 broadcasts, then load views of it."""
         import torch
 
-        from gymv.cluster.refit import unflatten
-
         flat = torch.empty(layout.numel, dtype=layout.torch_dtype, device=self.device)  # type: ignore[attr-defined]
         self._gymv_group.broadcast(flat, 0).wait()  # type: ignore[attr-defined]
-        self._gymv_reload(unflatten(flat, layout).items())
+        self._gymv_reload(_views(flat, layout))
+
+
+def _views(flat, layout) -> list[tuple[str, Any]]:
+    """(name, view of `flat`) for every entry of a gymv.cluster.refit.WeightLayout, tied names included
+    (read by attribute: the backends package does not import the cluster package)."""
+    out = {name: flat[offset:offset + numel].view(shape) for name, shape, offset, numel in layout.entries}
+    for alias, canonical in layout.aliases:
+        out[alias] = out[canonical]
+    return list(out.items())
