@@ -2,9 +2,11 @@
 # Install gymv into .venv with the CPU build of PyTorch (torch==2.13.0; an unpinned torch would pull a multi-GB
 # CUDA build). GPU users: install your own torch first, then `pip install -e .`.
 # Usage: bash scripts/install.sh [EXTRAS]     e.g. bash scripts/install.sh dev
+#        bash scripts/install.sh vllm   makes the separate vLLM venv instead (scripts/install_vllm.sh; outside the checkout)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
+if [ "$extras" = "vllm" ]; then exec bash scripts/install_vllm.sh; fi
 spec="."
 [ -n "$extras" ] && spec=".[${extras}]"
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi

@@ -23,13 +23,16 @@ def test_the_default_recipe_has_no_gaps():
 
 
 def test_each_planned_value_is_a_gap_named_by_its_key():
-    c = cfg(generation={"backend": "vllm"}, training={"backend": "megatron"},
-            model={"trust_remote_code": True}, vision={"dedup_payloads": False})
-    assert keys(c) == ["generation.backend", "training.backend", "model.trust_remote_code", "vision.dedup_payloads"]
+    c = cfg(training={"backend": "megatron"}, model={"trust_remote_code": True}, vision={"dedup_payloads": False})
+    assert keys(c) == ["training.backend", "model.trust_remote_code", "vision.dedup_payloads"]
 
 
 def test_tensorboard_and_wandb_are_wired():
     assert gaps(cfg(logger={"tensorboard": True, "wandb": True})) == []
+
+
+def test_the_vllm_generation_backend_is_wired():
+    assert gaps(cfg(generation={"backend": "vllm"})) == []
 
 
 def test_vllm_settings_with_another_backend_are_a_gap_since_nothing_reads_them():
@@ -49,7 +52,8 @@ def test_a_registered_backend_wins_over_its_planned_row():
 
 def test_the_table_lists_what_runs_and_why_the_rest_does_not():
     t = table()
-    assert t["generation.backend"]["hf"] == "runs" and t["generation.backend"]["vllm"] == NOT_WIRED["generation.backend"]["vllm"]
+    assert t["generation.backend"] == {"hf": "runs", "vllm": "runs"}
+    assert t["training.backend"]["megatron"] == NOT_WIRED["training.backend"]["megatron"]
     assert t["logger.tensorboard"]["true"].startswith("runs") and t["model.trust_remote_code"]["true"] == NOT_WIRED[
         "model.trust_remote_code"][True]
 
@@ -62,3 +66,17 @@ def test_gymv_train_refuses_a_gap_at_the_line_that_wrote_it(tmp_path):
     with pytest.raises(GymvError) as e:
         train(recipe)
     assert e.value.where.endswith("r.yaml:3") and "modelling code" in e.value.message
+
+
+def test_gymv_train_names_the_vllm_venv_where_vllm_is_not_installed(tmp_path):
+    from gymv.backends.generation.vllm import vllm_available
+    from gymv.train import train
+
+    if vllm_available():
+        pytest.skip("vLLM is installed in this Python")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("algorithm: grpo\ngeneration:\n  backend: vllm\n")
+    with pytest.raises(GymvError) as e:
+        train(recipe)
+    assert e.value.where.endswith("r.yaml:3") and "vllm" in e.value.message
+    assert "bash scripts/install.sh vllm" in e.value.fix and "install_vllm.sh --path)/bin/gymv" in e.value.fix

@@ -11,7 +11,8 @@ from __future__ import annotations
 from gymv.registry import Registry
 
 GENERATION_BACKENDS = Registry("generation backend", "gymv.generation_backends",
-                               {"hf": "gymv.backends.generation.hf:HFGenerationBackend"}, where="generation.backend")
+                               {"hf": "gymv.backends.generation.hf:HFGenerationBackend",
+                                "vllm": "gymv.backends.generation.vllm:VllmGenerationBackend"}, where="generation.backend")
 TRAINING_BACKENDS = Registry("training backend", "gymv.training_backends",
                              {"torch": "gymv.backends.training.hf_torch:HFTorchBackend",
                               "fsdp2": "gymv.backends.training.hf_fsdp:HFFSDPBackend"}, where="training.backend")

@@ -55,6 +55,7 @@ class WorkerSpec:
     model_server: tuple[str, int] | None = None  # where those agents call the policy
     agent_timeout_s: float = 600.0
     generation_backend: str = "hf"  # a name in GENERATION_BACKENDS, or its "module:Class" path
+    generation_options: dict = field(default_factory=dict)  # the backend's own create() keywords (generation.vllm)
     training_backend: str = "torch"  # a name in TRAINING_BACKENDS, or its "module:Class" path
     sharding: dict = field(default_factory=dict)  # TrainingSetup.sharding
 
@@ -116,7 +117,7 @@ class GenerationWorker:
         self.device = _device(spec)
         backend_cls = GENERATION_BACKENDS.load(spec.generation_backend)
         self.backend = backend_cls.create(spec.model_path, device=str(self.device), dtype=spec.generation_dtype,
-                                          seed=spec.seed + 7919 * index)
+                                          seed=spec.seed + 7919 * index, **spec.generation_options)
         self.backend = with_decode(self.backend, spec.generation_decode, seed=spec.seed + 7919 * index)
         self.router = EnvRouter(spec.env)
         self.receiver = None

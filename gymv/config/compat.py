@@ -216,13 +216,10 @@ def _parallel_backend(cfg: RecipeBase) -> Iterator[Finding]:
                    "set cluster.gpus_per_node, or the parallel sizes to 1")
 
 
-@rule("backend.needs-gpu", "vllm and megatron run on GPUs only")
+@rule("backend.needs-gpu", "megatron (and vLLM teachers) run on GPUs only; vLLM generation also runs on CPU")
 def _backend_gpu(cfg: RecipeBase) -> Iterator[Finding]:
     if total_gpus(cfg) > 0:
         return
-    if cfg.generation.backend == "vllm":
-        yield _err("backend.needs-gpu", "generation.backend", "generation.backend vllm needs GPUs, cluster.gpus_per_node is 0",
-                   "use generation.backend: hf on CPU")
     if cfg.training.backend == "megatron":
         yield _err("backend.needs-gpu", "training.backend", "training.backend megatron needs GPUs, cluster.gpus_per_node is 0",
                    "use training.backend: torch on CPU")

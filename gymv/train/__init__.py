@@ -10,6 +10,7 @@ gymv.algorithms); the builders they share live here too (data, setup, stats, val
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -73,6 +74,12 @@ def _check_supported(rec, cfg) -> None:
         logger_classes(cfg)  # a missing TensorBoard/W&B library fails here, before the run directory is written
     except GymvError as e:
         raise GymvError(e.message, where=_where(rec, e.where or "logger"), fix=e.fix) from None
+    if cfg.generation.backend == "vllm":
+        from gymv.backends.generation.vllm import INSTALL_FIX, vllm_available
+
+        if not vllm_available():
+            raise GymvError(f"generation.backend vllm needs the vllm package, which this Python ({sys.prefix}) lacks",
+                            where=_where(rec, "generation.backend"), fix=INSTALL_FIX)
 
 
 def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, resume_dir: str | None = None,

@@ -144,6 +144,7 @@ def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature
         chat_template_kwargs=dict(cfg.generation.chat_template_kwargs),
         tool_call_format=cfg.rollout.tool_call_format,
         generation_backend=cfg.generation.backend,
+        generation_options=cfg.generation.vllm.model_dump() if cfg.generation.backend == "vllm" else {},
         training_backend=t.backend,
         sharding=t.fsdp.model_dump() if t.backend == "fsdp2" else {},
         **_agent_driver(cfg),

@@ -1,0 +1,383 @@
+"""Generation with vLLM's engine (`generation.backend: vllm`): token ids + images in, ids + logprobs out.
+
+The contract is the HF backend's (gymv.backends.generation.hf), so that a run can switch backends and keep
+its numbers: the logprob of a token is that of `gymv.backends.sampling` (vision tokens at -inf, divided by
+the temperature, before top-p; greedy reports temperature-1 logprobs), which vLLM gives with
+`logprobs_mode="processed_logprobs"` and the vision ids left out of `allowed_token_ids` (except with
+top_p < 1, where vLLM reports the renormalised nucleus's logprobs: docs/vllm.md); vision tokens are never
+sampled for the same reason; stop ids and strings stay in the output.
+
+Two things vLLM does differently are handled here:
+- vLLM expands image placeholders itself, and silently expands already expanded ones again. gymv's prompts
+  carry expanded spans, so each span is collapsed to one placeholder before it is sent, and the prompt ids
+  vLLM reports back are checked against gymv's (a mismatch is an error naming the request).
+- vLLM's CPU build repacks linear weights after loading, so a refit goes through the worker's
+  `reload_weights` (gymv.backends.generation.vllm_worker), then the prefix cache (KV blocks computed with
+  the old weights) is always reset, and so is the encoder cache: vLLM's reload drops the cached image
+  features itself, so with this backend no feature of older weights is ever reused, whatever the policy.
+
+The engine runs in-process by default (one process: what the CPU tests and the CPU bench run). vLLM is an
+optional dependency: it is imported when the backend is built, and its absence is a GymvError that names
+the install command.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gymv.backends.generation.base import (
+    GenerationBackend,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+    Weights,
+    named,
+)
+from gymv.errors import GymvError
+
+INSTALL_FIX = ("install vLLM's venv with `bash scripts/install.sh vllm` and run gymv from it "
+               "(\"$(bash scripts/install_vllm.sh --path)/bin/gymv\"), or use generation.backend: hf")
+WORKER_EXTENSION = "gymv.backends.generation.vllm_worker.GymvWeightSync"
+
+
+def vllm_available() -> bool:
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin not in (None, "namespace")  # a folder named vllm is not vLLM
+
+
+def import_vllm():
+    """vLLM, configured for an in-process engine unless the environment already says otherwise."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the vLLM default (4) is sized for servers
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # share the cores with the trainer
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import vllm
+    except ImportError as e:
+        raise GymvError(f"generation.backend vllm needs the vllm package, which does not import here ({e})",
+                        where="generation.backend", fix=INSTALL_FIX) from None
+    return vllm
+
+
+class VllmGenerationBackend(GenerationBackend):
+    """One vLLM engine (an `LLM`), driven with token ids. Build it with `create`."""
+
+    def __init__(self, llm, tokenizer, adapter, *, param_shapes: dict[str, tuple[int, ...]], vocab_size: int,
+                 eos_token_ids: Sequence[int], seed: int = 0, chat_template: str | None = None,
+                 model_path: str | None = None, dtype: str = "float32", rename=None):
+        self.llm = llm
+        self.tokenizer = tokenizer
+        self.adapter = adapter
+        self.chat_template = chat_template
+        self.model_path = model_path
+        self.dtype = dtype
+        self.param_shapes = param_shapes
+        self.rename = rename or (lambda name: name)
+        self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
+        forbidden = set(adapter.vision_token_ids) if adapter is not None else set()
+        self.allowed_token_ids = [i for i in range(vocab_size) if i not in forbidden] if forbidden else None
+        self._rng = random.Random(seed)
+        # "auto": tensors in the call for an in-process engine, a shared-memory file otherwise; "file" forces the file
+        self.weight_transfer = "auto"
+        self._weights_hash: str | None = None
+        # vLLM does not say which cached image features predate a refit, so there is no stale-hit count here
+        self._stats = {"weight_updates": 0, "encoder_cache_resets": 0, "prefix_cache_resets": 0}
+        self.last_timing: dict = {}
+
+    @classmethod
+    def create(cls, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0,
+               gpu_memory_utilization: float = 0.6, tensor_parallel_size: int = 1, enforce_eager: bool = False,
+               max_model_len: int | None = None, max_images_per_prompt: int = 16) -> VllmGenerationBackend:
+        from gymv.models.load import resolve_model_path
+
+        vllm = import_vllm()
+        path = resolve_model_path(model_path, seed=seed)
+        tokenizer, adapter, template, config, shapes = load_processing(path)
+        rename = vllm_names(config)
+        # a checkpoint vLLM's loader cannot name (transformers 5 writes LLaVA's CLIP tower without the
+        # `vision_model.` level vLLM's has) starts from dummy weights and gets its own through the refit path
+        own_load = any(rename(k) != k for k in checkpoint_names(path))
+        kwargs: dict[str, Any] = dict(
+            model=str(path), tokenizer=str(path), dtype=dtype, seed=seed, enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
+            tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+        )
+        if own_load:
+            kwargs["load_format"] = "dummy"
+        if adapter is not None:
+            kwargs["limit_mm_per_prompt"] = {"image": max_images_per_prompt}
+        if device == "cpu":
+            # Whole prefills only: vLLM 0.32 rewinds a seeded request's generator after a partial (chunked)
+            # prefill step, which CPU generators cannot do ("CPU Generator does not use offset").
+            text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+            longest = max_model_len or int(getattr(text_cfg, "max_position_embeddings", 0) or 8192)
+            kwargs.update(enforce_eager=True, distributed_executor_backend="uni", enable_chunked_prefill=False,
+                          max_num_batched_tokens=max(longest, 8192))
+        else:
+            kwargs.update(enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization)
+        from gymv.models.quiet import quiet_transformers
+
+        with quiet_transformers():
+            llm = vllm.LLM(**kwargs)
+        import logging
+
+        # in-process, vLLM's CPU worker turns torch.set_num_threads into a no-op that warns on every call
+        # (set after the engine exists: building it reconfigures vLLM's loggers)
+        logging.getLogger("vllm.v1.worker.cpu_worker").setLevel(logging.ERROR)
+        eos = {tokenizer.eos_token_id}
+        gen_cfg = path / "generation_config.json"
+        if gen_cfg.exists():
+            import json
+
+            v = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            eos |= set(v if isinstance(v, list) else [v])
+        text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        backend = cls(llm, tokenizer, adapter, param_shapes=shapes, vocab_size=int(text_cfg.vocab_size),
+                      eos_token_ids=[i for i in eos if i is not None], seed=seed, chat_template=template,
+                      model_path=str(path), dtype=dtype, rename=rename)
+        if own_load:
+            backend._load(read_checkpoint(path))
+            llm.reset_prefix_cache()
+        return backend
+
+    # -- prompts -------------------------------------------------------------------------------------
+    def _collapse(self, ids: list[int], images: Sequence[Any]) -> list[int]:
+        """`ids` with each image's span of placeholder tokens reduced to the one token vLLM expands."""
+        if not images:
+            return list(ids)
+        pad = self.adapter.image_token_id
+        need = iter([self.adapter.tokens_per_image(im) for im in images])
+        out: list[int] = []
+        i = 0
+        while i < len(ids):
+            if ids[i] != pad:
+                out.append(ids[i])
+                i += 1
+                continue
+            n = next(need)
+            out.append(pad)
+            i += n
+        return out
+
+    def _prompt(self, r: GenerationRequest) -> dict:
+        prompt: dict[str, Any] = {"prompt_token_ids": self._collapse(list(r.prompt_token_ids), r.images)}
+        if r.images:
+            prompt["multi_modal_data"] = {"image": [im.convert("RGB") if im.mode != "RGB" else im for im in r.images]}
+        return prompt
+
+    def _sampling(self, params: SamplingParams, seed: int):
+        from vllm import SamplingParams as VllmParams
+
+        return VllmParams(
+            n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
+            seed=seed, logprobs=0, stop_token_ids=list(params.stop_token_ids),
+            stop=[s for s in params.stop_strings if s] or None, include_stop_str_in_output=True,
+            ignore_eos=params.ignore_eos, allowed_token_ids=self.allowed_token_ids,
+            skip_special_tokens=False, spaces_between_special_tokens=False, detokenize=bool(params.stop_strings),
+        )
+
+    # -- generation ----------------------------------------------------------------------------------
+    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[GenerationOutput]:
+        params.validate()
+        for i, r in enumerate(requests):
+            where = r.where or f"request {i}"
+            if not r.prompt_token_ids:
+                raise GymvError("empty prompt", where=where, fix="render at least one message before generating")
+            if self.adapter is not None:
+                self.adapter.check(r.prompt_token_ids, r.images, where=where)
+            elif r.images:
+                raise GymvError("this model takes no images", where=where, fix="send text-only requests")
+        if not requests:
+            return []
+        t0 = time.perf_counter()
+        # one seed per request: the G samples of a group share a prompt and must still differ
+        base = params.seed if params.seed is not None else self._rng.randrange(2 ** 31)
+        sampling = [self._sampling(params, (base + i) % 2 ** 31) for i in range(len(requests))]
+        results = self.llm.generate([self._prompt(r) for r in requests], sampling, use_tqdm=False)
+        outs = []
+        for i, (r, res) in enumerate(zip(requests, results)):
+            if list(res.prompt_token_ids) != list(r.prompt_token_ids):
+                raise GymvError("vLLM expanded the image placeholders of this prompt differently from gymv "
+                                f"({len(res.prompt_token_ids)} prompt ids, gymv has {len(r.prompt_token_ids)})",
+                                where=r.where or f"request {i}",
+                                fix="the checkpoint's processor settings and vLLM's disagree; use generation.backend: hf")
+            outs.append(self._output(res.outputs[0], params))
+        n_new = sum(len(o.token_ids) for o in outs)
+        total = time.perf_counter() - t0
+        self.last_timing = {"total_s": total, "new_tokens": n_new, "batch": len(requests)}
+        return outs
+
+    def _output(self, c, params: SamplingParams) -> GenerationOutput:
+        ids = list(c.token_ids)
+        logprobs = [float(step[t].logprob) for t, step in zip(ids, c.logprobs or [])]
+        if len(logprobs) != len(ids):
+            raise GymvError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens", where="generation",
+                            fix="report this: vLLM's logprob output changed")
+        finish = "length" if c.finish_reason == "length" else "stop"
+        stop = c.stop_reason
+        if finish == "stop" and stop is None and ids:
+            stop = ids[-1]  # the end-of-turn token
+        return GenerationOutput(token_ids=ids, logprobs=logprobs,
+                                text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                                finish_reason=finish, stop_reason=stop)
+
+    # -- weights -------------------------------------------------------------------------------------
+    def update_weights(self, weights: Weights) -> None:
+        incoming = named(weights)
+        for name, value in incoming.items():  # every check before the first copy: all or nothing
+            if name not in self.param_shapes:
+                raise GymvError(f"refit sent a weight the model does not have: {name}", where="refit",
+                                fix="training and generation must load the same architecture (model.path)")
+            if tuple(value.shape) != self.param_shapes[name]:
+                raise GymvError(f"refit sent {name} with shape {tuple(value.shape)}; the model's has shape "
+                                f"{self.param_shapes[name]}", where="refit",
+                                fix="training and generation must load the same architecture (model.path)")
+        self._load(incoming)
+        self.llm.reset_prefix_cache()
+        self._stats["prefix_cache_resets"] += 1
+        # vLLM's reload drops the model runner's image features whatever gymv's policy says, so the
+        # scheduler's record of them must go too, or the next request with a known image finds nothing
+        self.llm.llm_engine.reset_encoder_cache()
+        self._stats["weight_updates"] += 1
+        if set(incoming) == set(self.param_shapes):
+            from gymv.backends.weights import weights_hash
+
+            self._weights_hash = weights_hash(incoming, _torch_dtype(self.dtype))
+        else:
+            self._weights_hash = None
+
+    def _load(self, weights: dict) -> None:
+        """In-process: the tensors themselves; across processes: one safetensors file in shared memory."""
+        weights = {self.rename(k): v for k, v in weights.items()}
+        if self.weight_transfer == "auto" and _in_process():
+            self.llm.collective_rpc("gymv_load_weights", kwargs={"weights": list(weights.items())})
+            return
+        from safetensors.torch import save_file
+
+        folder = "/dev/shm" if Path("/dev/shm").is_dir() else None
+        fd, path = tempfile.mkstemp(prefix="gymv-refit-", suffix=".safetensors", dir=folder)
+        os.close(fd)
+        try:
+            save_file({k: v.detach().to("cpu", copy=False).contiguous() for k, v in weights.items()}, path)
+            self.llm.collective_rpc("gymv_load_weights_file", kwargs={"path": path})
+        finally:
+            os.unlink(path)
+
+    def reset_encoder_cache(self) -> None:
+        engine = self.llm.llm_engine
+        engine.reset_encoder_cache()
+        self._stats["encoder_cache_resets"] += 1
+
+    def weights_hash(self) -> str:
+        """Hash of the weights last loaded in full (as the trainer hashes them, in the generation dtype);
+        before the first refit, of the checkpoint the engine was built from."""
+        if self._weights_hash is None:
+            if self._stats["weight_updates"]:
+                raise GymvError("the latest refit sent only some weights, so no full hash is known here",
+                                where="refit", fix="send every weight, or compare hashes on the trainer side")
+            from gymv.backends.weights import weights_hash
+            from gymv.models.load import load_policy
+
+            policy = load_policy(self.model_path, dtype=_torch_dtype(self.dtype))
+            self._weights_hash = weights_hash(policy.model.state_dict())
+        return self._weights_hash
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def close(self) -> None:
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            del llm
+            import gc
+
+            gc.collect()
+
+
+def _in_process() -> bool:
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name) if name != "auto" else None
+
+
+def vllm_names(config):
+    """name -> the name vLLM's weight loader takes, for a transformers model's own weight names (what the
+    trainer sends) and for its checkpoint's. vLLM maps most names itself; LLaVA's vision tower needs the
+    `vision_model.` level that transformers 5 no longer has."""
+    import re
+
+    if getattr(config, "model_type", "") == "llava":
+        pattern = re.compile(r"^((?:model\.)?vision_tower\.)(?!vision_model\.)")
+        return lambda name: pattern.sub(r"\1vision_model.", name)
+    return lambda name: name
+
+
+def checkpoint_names(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            names += list(st.keys())
+    return names
+
+
+def read_checkpoint(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out: dict = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def load_processing(path: Path):
+    """(tokenizer, adapter or None, chat template, config, {weight name: shape}) without loading weights:
+    vLLM loads the weights; gymv needs what renders prompts and what refits are checked against."""
+    import torch
+    from transformers import AutoConfig, AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    from gymv.backends.multimodal import SUPPORTED_PROCESSORS, make_adapter, supported_text
+    from gymv.models.load import _processor_class
+    from gymv.models.quiet import quiet_transformers
+
+    with quiet_transformers():
+        config = AutoConfig.from_pretrained(path)
+        processor_class = _processor_class(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        vision = hasattr(config, "vision_config")
+        if vision:
+            hf_processor = None
+            try:
+                from transformers import AutoProcessor
+
+                hf_processor = AutoProcessor.from_pretrained(path)
+                processor_class = type(hf_processor).__name__
+                tokenizer = hf_processor.tokenizer
+                image_processor = hf_processor.image_processor
+            except ImportError:
+                image_processor = AutoImageProcessor.from_pretrained(path)
+            if processor_class not in SUPPORTED_PROCESSORS:
+                raise GymvError(f"unsupported processor {processor_class or '(none found)'!r}", where=str(path),
+                                fix=f"gymv supports: {supported_text()}")
+            adapter = make_adapter(processor_class, tokenizer, image_processor, config, hf_processor)
+            template = getattr(hf_processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
+        else:
+            adapter, template = None, getattr(tokenizer, "chat_template", None)
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        with torch.device("meta"):
+            skeleton = auto.from_config(config)
+    shapes = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+    return tokenizer, adapter, template, config, shapes

@@ -1,0 +1,72 @@
+"""The methods gymv adds to each vLLM worker (vLLM's `worker_extension_cls`), called by `collective_rpc`.
+
+Every path ends in the worker's own `reload_weights`, which runs the model's weight loader (checkpoint names
+in, vLLM's fused and repacked parameters out) and its post-load processing; writing into the parameters
+directly is wrong on vLLM's CPU build, which repacks linear weights after loading.
+
+| method | weights arrive as | run here |
+|---|---|---|
+| gymv_load_weights | (name, tensor) pairs in the call (in-process engine) | yes, CPU |
+| gymv_load_weights_file | a safetensors file, usually under /dev/shm (engine in other processes) | yes, CPU |
+| gymv_load_weights_ipc | CUDA IPC handles of the trainer's flat buffer on the same GPU | no: written for GPUs, not run |
+| gymv_init_weight_group / gymv_load_weights_broadcast | an NCCL broadcast from trainer rank 0 | no: written for GPUs, not run |
+
+This module imports nothing from vLLM at import time, so the worker process resolves it cheaply.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class GymvWeightSync:
+    """Mixed into vLLM's worker class: `self` is the worker (`self.device`, `self.model_runner`)."""
+
+    def _gymv_reload(self, pairs) -> None:
+        self.reload_weights(weights_iterator=iter(list(pairs)))  # type: ignore[attr-defined]
+
+    def gymv_load_weights(self, weights: list[tuple[str, Any]]) -> None:
+        self._gymv_reload(weights)
+
+    def gymv_load_weights_file(self, path: str) -> None:
+        from safetensors.torch import load_file
+
+        self._gymv_reload(load_file(path).items())
+
+    def gymv_load_weights_ipc(self, handles: dict, layout) -> None:
+        """Rebuild the trainer's flat CUDA buffer from its IPC handle (keyed by GPU uuid) and load views of it."""
+        import torch
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)  # type: ignore[attr-defined]
+        func_args = list(handles[uuid])
+        func_args[6] = self.device.index  # type: ignore[attr-defined]  # the receiving process's device
+        flat = rebuild_cuda_tensor(*func_args)
+        self._gymv_reload(_views(flat, layout))
+        torch.cuda.synchronize(self.device)  # type: ignore[attr-defined]
+
+    def gymv_init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
+        """Join the trainer's weight broadcast group as rank `rank_offset + this worker's rank`."""
+        import torch.distributed as dist
+
+        rank = rank_offset + int(getattr(self, "rank", 0))
+        store = dist.TCPStore(host, port, world_size, is_master=False)
+        group = dist.ProcessGroupNCCL(dist.PrefixStore("gymv-refit", store), rank, world_size)
+        self._gymv_group = group  # type: ignore[attr-defined]
+
+    def gymv_load_weights_broadcast(self, layout) -> None:
+        """Receive the flat buffer that trainer rank 0 broadcasts, then load views of it."""
+        import torch
+
+        flat = torch.empty(layout.numel, dtype=layout.torch_dtype, device=self.device)  # type: ignore[attr-defined]
+        self._gymv_group.broadcast(flat, 0).wait()  # type: ignore[attr-defined]
+        self._gymv_reload(_views(flat, layout))
+
+
+def _views(flat, layout) -> list[tuple[str, Any]]:
+    """(name, view of `flat`) for every entry of a gymv.cluster.refit.WeightLayout, tied names included
+    (read by attribute: the backends package does not import the cluster package)."""
+    out = {name: flat[offset:offset + numel].view(shape) for name, shape, offset, numel in layout.entries}
+    for alias, canonical in layout.aliases:
+        out[alias] = out[canonical]
+    return list(out.items())
