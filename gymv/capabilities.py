@@ -20,14 +20,12 @@ NOT_WIRED: dict[str, dict[Any, str]] = {
         "megatron": "Megatron-core teachers are not wired into gymv train yet",
         "vllm": "vLLM teachers are not wired into gymv train yet",
     },
-    "model.trust_remote_code": {True: "loading modelling code shipped inside a checkpoint is not wired yet"},
     "vision.dedup_payloads": {False: "the generation backend always encodes an image shared by a group once"},
 }
 FIXES: dict[str, str] = {
     "generation.backend": "use generation.backend: hf",
     "training.backend": "use training.backend: torch",
     "mopd.teachers.*.backend": "use backend: torch",
-    "model.trust_remote_code": "use a checkpoint whose architecture transformers ships, with trust_remote_code: false",
     "vision.dedup_payloads": "remove vision.dedup_payloads (it is always on)",
 }
 # what the project's own generation backends can span: GPUs per engine
@@ -95,10 +93,6 @@ def _gaps(cfg) -> Iterator[Gap]:
         if t.backend not in TEACHER_BACKENDS:
             yield _not_wired(key, t.backend, "mopd.teachers.*.backend") or Gap(
                 key, f"no teacher backend {t.backend!r} is installed", "use backend: torch")
-    for key, value in (("model.trust_remote_code", cfg.model.trust_remote_code),):
-        gap = _not_wired(key, value)
-        if gap:
-            yield gap
     vision = getattr(cfg, "vision", None)
     if vision is not None:
         gap = _not_wired("vision.dedup_payloads", vision.dedup_payloads)

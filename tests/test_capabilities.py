@@ -23,8 +23,12 @@ def test_the_default_recipe_has_no_gaps():
 
 
 def test_each_planned_value_is_a_gap_named_by_its_key():
-    c = cfg(training={"backend": "megatron"}, model={"trust_remote_code": True}, vision={"dedup_payloads": False})
-    assert keys(c) == ["training.backend", "model.trust_remote_code", "vision.dedup_payloads"]
+    c = cfg(training={"backend": "megatron"}, vision={"dedup_payloads": False})
+    assert keys(c) == ["training.backend", "vision.dedup_payloads"]
+
+
+def test_trust_remote_code_is_wired():
+    assert gaps(cfg(model={"trust_remote_code": True})) == []
 
 
 def test_tensorboard_and_wandb_are_wired():
@@ -54,18 +58,17 @@ def test_the_table_lists_what_runs_and_why_the_rest_does_not():
     t = table()
     assert t["generation.backend"] == {"hf": "runs", "vllm": "runs"}
     assert t["training.backend"]["megatron"] == NOT_WIRED["training.backend"]["megatron"]
-    assert t["logger.tensorboard"]["true"].startswith("runs") and t["model.trust_remote_code"]["true"] == NOT_WIRED[
-        "model.trust_remote_code"][True]
+    assert t["logger.tensorboard"]["true"].startswith("runs")
 
 
 def test_gymv_train_refuses_a_gap_at_the_line_that_wrote_it(tmp_path):
     from gymv.train import train
 
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("algorithm: grpo\nmodel:\n  trust_remote_code: true\n")
+    recipe.write_text("algorithm: grpo\ntraining:\n  backend: megatron\ncluster:\n  gpus_per_node: 1\n")
     with pytest.raises(GymvError) as e:
         train(recipe)
-    assert e.value.where.endswith("r.yaml:3") and "modelling code" in e.value.message
+    assert e.value.where.endswith("r.yaml:3") and "Megatron" in e.value.message
 
 
 def test_gymv_train_names_the_vllm_venv_where_vllm_is_not_installed(tmp_path):

@@ -47,3 +47,18 @@ def test_remote_code_is_refused_by_default_with_the_key_to_set(remote_checkpoint
 def test_trust_remote_code_loads_the_checkpoints_own_class(remote_checkpoint):
     policy = load_policy(remote_checkpoint, trust_remote_code=True)
     assert type(policy.model).__name__ == "GymvRemoteLM" and policy.adapter.style == "text"
+
+
+def test_trust_remote_code_reaches_the_generation_and_training_backends(remote_checkpoint):
+    from gymv.backends.generation.hf import HFGenerationBackend
+    from gymv.backends.training.base import TrainingSetup
+    from gymv.backends.training.hf_torch import HFTorchBackend
+    from gymv.cluster.workers import WorkerSpec
+    from gymv.envs.routing import EnvSpec
+
+    spec = WorkerSpec(model_path=str(remote_checkpoint), env=EnvSpec("arithmetic"), trust_remote_code=True)
+    assert spec.training_setup().trust_remote_code
+    generator = HFGenerationBackend.create(str(remote_checkpoint), trust_remote_code=True)
+    trainer = HFTorchBackend.create(TrainingSetup(model_path=str(remote_checkpoint), trust_remote_code=True),
+                                    device="cpu")
+    assert type(generator.model).__name__ == type(trainer.model).__name__ == "GymvRemoteLM"

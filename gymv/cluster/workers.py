@@ -73,7 +73,7 @@ class WorkerSpec:
                              warmup_steps=self.warmup_steps, lr_schedule=self.lr_schedule,
                              min_lr_ratio=self.min_lr_ratio, total_steps=self.total_steps,
                              gradient_checkpointing=self.gradient_checkpointing, kl_reference=self.kl_reference,
-                             sharding=dict(self.sharding))
+                             sharding=dict(self.sharding), trust_remote_code=self.trust_remote_code)
 
 
 def _set_threads(threads: int | None) -> None:
@@ -117,7 +117,8 @@ class GenerationWorker:
         self.device = _device(spec)
         backend_cls = GENERATION_BACKENDS.load(spec.generation_backend)
         self.backend = backend_cls.create(spec.model_path, device=str(self.device), dtype=spec.generation_dtype,
-                                          seed=spec.seed + 7919 * index, **spec.generation_options)
+                                          seed=spec.seed + 7919 * index, **spec.generation_options,
+                                          **({"trust_remote_code": True} if spec.trust_remote_code else {}))
         self.backend = with_decode(self.backend, spec.generation_decode, seed=spec.seed + 7919 * index)
         self.router = EnvRouter(spec.env)
         self.receiver = None

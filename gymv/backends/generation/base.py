@@ -83,9 +83,11 @@ class GenerationBackend(ABC):
     chat_template: str | None = None
 
     @classmethod
-    def create(cls, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0) -> GenerationBackend:
+    def create(cls, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0,
+               trust_remote_code: bool = False) -> GenerationBackend:
         """Load the checkpoint at `model_path` onto `device` (one engine; tensor parallel engines span the
-        devices their worker was given)."""
+        devices their worker was given). `trust_remote_code` (the recipe's model.trust_remote_code) lets the
+        checkpoint's own modelling code run; workers pass it only when it is on."""
         raise NotImplementedError(f"{cls.__name__} cannot be built from a checkpoint folder")
 
     @abstractmethod

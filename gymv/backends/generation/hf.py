@@ -55,10 +55,12 @@ class HFGenerationBackend(GenerationBackend):
         return cls(policy.model, policy.tokenizer, policy.adapter, chat_template=policy.chat_template, **kwargs)
 
     @classmethod
-    def create(cls, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0) -> HFGenerationBackend:
+    def create(cls, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0,
+               trust_remote_code: bool = False) -> HFGenerationBackend:
         from gymv.backends.policy import load_policy
 
-        policy = load_policy(model_path, device=device, dtype=getattr(torch, dtype), seed=seed)
+        policy = load_policy(model_path, device=device, dtype=getattr(torch, dtype), seed=seed,
+                             trust_remote_code=trust_remote_code)
         return cls.from_policy(policy, seed=seed)
 
     # -- image features ------------------------------------------------------------------------------

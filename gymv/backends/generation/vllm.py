@@ -95,17 +95,18 @@ class VllmGenerationBackend(GenerationBackend):
     @classmethod
     def create(cls, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0,
                gpu_memory_utilization: float = 0.6, tensor_parallel_size: int = 1, enforce_eager: bool = False,
-               max_model_len: int | None = None, max_images_per_prompt: int = 16) -> VllmGenerationBackend:
+               max_model_len: int | None = None, max_images_per_prompt: int = 16,
+               trust_remote_code: bool = False) -> VllmGenerationBackend:
         from gymv.models.load import resolve_model_path
 
         vllm = import_vllm()
         path = resolve_model_path(model_path, seed=seed)
-        tokenizer, adapter, template, config, shapes = load_processing(path)
+        tokenizer, adapter, template, config, shapes = load_processing(path, trust_remote_code=trust_remote_code)
         rename = vllm_names(config)
         # a checkpoint vLLM's loader cannot name (transformers 5 writes LLaVA's CLIP tower without the
         # `vision_model.` level vLLM's has) starts from dummy weights and gets its own through the refit path
         own_load = any(rename(k) != k for k in checkpoint_names(path))
-        kwargs: dict[str, Any] = dict(
+        kwargs: dict[str, Any] = dict(trust_remote_code=trust_remote_code,
             model=str(path), tokenizer=str(path), dtype=dtype, seed=seed, enable_prefix_caching=True,
             logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
             tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
@@ -343,7 +344,7 @@ def read_checkpoint(path: Path) -> dict:
     return out
 
 
-def load_processing(path: Path):
+def load_processing(path: Path, *, trust_remote_code: bool = False):
     """(tokenizer, adapter or None, chat template, config, {weight name: shape}) without loading weights:
     vLLM loads the weights; gymv needs what renders prompts and what refits are checked against."""
     import torch
@@ -354,21 +355,21 @@ def load_processing(path: Path):
     from gymv.models.quiet import quiet_transformers
 
     with quiet_transformers():
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         processor_class = _processor_class(path)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         vision = hasattr(config, "vision_config")
         if vision:
             hf_processor = None
             try:
                 from transformers import AutoProcessor
 
-                hf_processor = AutoProcessor.from_pretrained(path)
+                hf_processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
                 processor_class = type(hf_processor).__name__
                 tokenizer = hf_processor.tokenizer
                 image_processor = hf_processor.image_processor
             except ImportError:
-                image_processor = AutoImageProcessor.from_pretrained(path)
+                image_processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
             if processor_class not in SUPPORTED_PROCESSORS:
                 raise GymvError(f"unsupported processor {processor_class or '(none found)'!r}", where=str(path),
                                 fix=f"gymv supports: {supported_text()}")

@@ -93,7 +93,8 @@ class HFTorchBackend(TrainingBackend):
         if setup.kl_reference:
             from gymv.backends.policy import load_policy
 
-            ref = load_policy(setup.model_path, device=str(device), dtype=torch.float32, seed=setup.seed).model
+            ref = load_policy(setup.model_path, device=str(device), dtype=torch.float32, seed=setup.seed,
+                             trust_remote_code=setup.trust_remote_code).model
             self.reference = self._make_trainer(ref, device, frozen=True)
 
     def _make_trainer(self, model, device, *, frozen: bool = False):
@@ -108,7 +109,8 @@ class HFTorchBackend(TrainingBackend):
     def create(cls, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1) -> HFTorchBackend:
         from gymv.backends.policy import load_policy
 
-        policy = load_policy(setup.model_path, device=str(device), dtype=torch.float32, seed=setup.seed)
+        policy = load_policy(setup.model_path, device=str(device), dtype=torch.float32, seed=setup.seed,
+                             trust_remote_code=setup.trust_remote_code)
         return cls(policy, setup, device=device, rank=rank, world_size=world_size)
 
     @property
