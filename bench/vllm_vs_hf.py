@@ -35,7 +35,7 @@ def prompts(model_dir: Path, n: int, seed: int = 0):
     """(prompt ids, images) of `n` circle-count rows rendered by the checkpoint's chat template."""
     from gymv.data.images import decode_data_url
     from gymv.envs import get_env
-    from gymv.models.load import load_policy
+    from gymv.backends.policy import load_policy
 
     policy = load_policy(model_dir)
     env = get_env("circle-count")

@@ -47,9 +47,13 @@ def test_fsdp2_ranks_on_two_ray_nodes_take_the_step_of_one_rank():
     single.setup()
     one = single.grpo_step([[dict(s) for s in samples]], PolicyLoss())
 
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    from gymv.cluster.ray_cluster import LOOPBACK, loopback_only
+
+    loopback_only(ray)  # both "nodes" listen on 127.0.0.1 only, as a local gymv cluster does
+    local = {"num_cpus": 1, "node_ip_address": LOOPBACK, "include_dashboard": False}
+    nodes = Cluster(initialize_head=True, head_node_args=local)
     try:
-        nodes.add_node(num_cpus=1)
+        nodes.add_node(**local)
         ray.init(address=nodes.address)
         nodes.wait_for_nodes()
         cluster = PolicyCluster(_spec("fsdp2"), Placement(num_generation=0, num_training=2, nodes=2), generation=False)

@@ -56,7 +56,7 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None, num_gp
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     kwargs = dict(include_dashboard=False, log_to_driver=True, logging_level=logging.ERROR, namespace="gymv")
     if not address:
-        _loopback_only(ray)
+        loopback_only(ray)
         kwargs["dashboard_host"] = LOOPBACK
     if address and address != "auto":
         _check_reachable(address)
@@ -90,7 +90,7 @@ LOOPBACK = "127.0.0.1"
 _LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
-def _loopback_only(ray) -> None:
+def loopback_only(ray) -> None:
     """Keep a cluster started here on 127.0.0.1: the driver's own switch and its children's environment."""
     os.environ[_LOCAL_ONLY_ENV] = "0"
     constants = getattr(getattr(ray, "_private", None), "ray_constants", None)

@@ -285,7 +285,7 @@ class VllmGenerationBackend(GenerationBackend):
                 raise GymvError("the latest refit sent only some weights, so no full hash is known here",
                                 where="refit", fix="send every weight, or compare hashes on the trainer side")
             from gymv.backends.weights import weights_hash
-            from gymv.models.load import load_policy
+            from gymv.backends.policy import load_policy
 
             policy = load_policy(self.model_path, dtype=_torch_dtype(self.dtype))
             self._weights_hash = weights_hash(policy.model.state_dict())
@@ -351,7 +351,7 @@ def load_processing(path: Path, *, trust_remote_code: bool = False):
     from transformers import AutoConfig, AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     from gymv.backends.multimodal import SUPPORTED_PROCESSORS, make_adapter, supported_text
-    from gymv.models.load import _processor_class
+    from gymv.backends.policy import _processor_class
     from gymv.models.quiet import quiet_transformers
 
     with quiet_transformers():
