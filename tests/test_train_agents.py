@@ -2,8 +2,8 @@
 circle_count server, calling gymv's policy through its model server (nemo-gym 0.4.0, Python 3.12 venv).
 
 The agent is NeMo Gym's `simple_agent`, the environment its `circle_count` resources server; gymv only serves
-the policy and trains on the token fields of the agent's results. The quickstart's SFT warm start and recipe,
-with fewer steps and rows, so that the test fits in CI.
+the policy and trains on the token fields of the agent's results. The quickstart's model, SFT warm start and
+recipe, with fewer GRPO steps and held-out rows, so that the test fits in CI.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import pytest
 
 from gymv.train import train
 from nemo_gym_peer.harness import AGENTS, RESOURCES, NemoGymProcess, free_port, nemo_gym_python, start_all
-from tiny_models import tiny_path
 from train_helpers import write_recipe
 
 pytestmark = pytest.mark.slow
@@ -60,12 +59,15 @@ def test_grpo_through_nemo_gym_agents_learns_circle_count(nemo_gym, tmp_path):
     data = {"data.train": str(tmp_path / "train.jsonl"), "data.eval": str(tmp_path / "eval.jsonl"),
             "data.prepare": None, "checkpoint.dir": str(tmp_path / "runs"), "cluster.ray_address": None}
     _data(tmp_path)
+    from gymv.models.tiny import init_tiny
+
+    model = init_tiny("tiny-llava", tmp_path / "model", layers=1, vision_layers=1)  # the quickstart's model
     sft = write_recipe(tmp_path, "sft", "vlm/vlm_sft-tinyllava-1n0g-torch.yaml", {
-        **data, "model.path": str(tiny_path("tiny-llava")), "sft.val_period": 0, "sft.max_steps": 80})
+        **data, "model.path": str(model), "sft.val_period": 0})
     train(sft)
     grpo = write_recipe(tmp_path, "grpo", "vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", {
-        **data, "model.path": str(tmp_path / "runs" / "sft" / "final"), "grpo.max_steps": 60,
-        "grpo.val_period": 60, "grpo.val_prompts": 128, "grpo.val_at_start": True, "checkpoint.period": 60,
+        **data, "model.path": str(tmp_path / "runs" / "sft" / "final"), "grpo.max_steps": 100,
+        "grpo.val_period": 100, "grpo.val_prompts": 128, "grpo.val_at_start": True, "checkpoint.period": 100,
         "rollout.driver": "nemo_gym_agents",
         "rollout.agents": {"circle_count_simple_agent": nemo_gym["agent"].url},
         "rollout.model_server_port": nemo_gym["model_port"]})
@@ -76,7 +78,7 @@ def test_grpo_through_nemo_gym_agents_learns_circle_count(nemo_gym, tmp_path):
     reward = [m["train/reward_mean"] for m in metrics if "train/reward_mean" in m]
     first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
     print(f"held-out accuracy {val[0]:.3f} -> {val[-1]:.3f}; train reward {first:.3f} -> {last:.3f}")
-    assert len(val) == 2 and val[-1] > val[0], val
+    assert len(val) == 2 and val[-1] > val[0] + 0.1, val  # measured: 55.5% -> 87.5%
     assert last > first + 0.1, (first, last)
     records = [json.loads(x) for x in (run / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert all(r["response"]["output"][-1]["generation_token_ids"] for r in records)

@@ -143,7 +143,8 @@ class GenerationWorker:
             from gymv.rollout.agent_driver import run_agent_rollouts
 
             trajectories = run_agent_rollouts(self._policy_server(params), self.spec.agents, list(rows),
-                                              group_size=group_size, params=params, weights_version=version,
+                                              group_size=group_size, params=params, seed=seed,
+                                              weights_version=version,
                                               timeout_s=self.spec.agent_timeout_s, stats=stats)
         else:
             trajectories = run_rollouts(_Locked(self.backend, self._weights_lock), b.adapter, b.tokenizer,

@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from gymv.backends.generation.base import SamplingParams
 from gymv.envs.rows import agent_name
@@ -57,11 +58,12 @@ def _run(url: str, row: dict, timeout_s: float) -> dict:
 
 
 def run_agent_rollouts(server: PolicyServer, agents: Mapping[str, str], rows: Sequence[tuple[int, dict]], *,
-                       group_size: int, params: SamplingParams, weights_version: int = 0,
+                       group_size: int, params: SamplingParams, seed: int | None = None, weights_version: int = 0,
                        timeout_s: float = 600.0, stats: dict | None = None) -> list[Trajectory]:
-    """G episodes of each (dataset index, row), driven by the agents; trajectories grouped, in row order."""
+    """G episodes of each (dataset index, row), driven by the agents; trajectories grouped, in row order.
+    `seed` (the step's sampling seed, else `params.seed`) seeds this call's batches, each its own draw."""
     t0 = time.perf_counter()
-    server.params = params
+    server.params = replace(params, seed=seed if seed is not None else params.seed)
     jobs = [(task_index, g, row, agent_url(agents, row, _where(task_index, g, group_size)))
             for task_index, row in rows for g in range(group_size)]
 

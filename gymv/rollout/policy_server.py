@@ -9,8 +9,9 @@ from which gymv builds the training sample.
 
 Requests that arrive together are generated together: a collector thread takes what is queued (up to
 `max_batch`, waiting at most `batch_wait_s` for more) and makes one `backend.generate` call per set of equal
-sampling parameters. `pause()` holds new batches (a weight refit waits for the batch in flight and then runs
-alone), so a refit is seen by the next request only.
+sampling parameters; with a seed (the step's, set by the agent driver) each batch draws from its own seed
+derived from it, as each turn of gymv's loop does. The generation worker hands in its backend behind its
+weights lock, so a refit lands between two generate calls and is seen by the next batch only.
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ class PolicyServer:
         self.rebuilder = TurnRebuilder(renderer, backend.adapter, ImageCache(max_pixels=max_image_pixels))
         self._rebuild_lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._gate = threading.Lock()  # held by a batch in flight, and by a refit
         self.batches: list[int] = []  # requests per generate call, for tests and stats
         handler = type("Handler", (_Handler,), {"server_obj": self})
         try:
@@ -94,10 +94,6 @@ class PolicyServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def pause(self) -> threading.Lock:
-        """A lock to hold while the weights change: no batch runs while it is held."""
-        return self._gate
 
     # -- the endpoint --------------------------------------------------------------------------------
     def respond(self, body: Any) -> dict:
@@ -161,9 +157,10 @@ class PolicyServer:
 
     def _run(self, jobs: list[_Job]) -> None:
         params = replace(jobs[0].params, max_new_tokens=max(j.params.max_new_tokens for j in jobs))
+        if params.seed is not None:  # every batch its own draw: a seed reused per batch would repeat the noise
+            params = replace(params, seed=(params.seed * 1_000_003 + 7_919 * len(self.batches)) % (2**63 - 1))
         try:
-            with self._gate:
-                outs = self.backend.generate([j.request for j in jobs], params)
+            outs = self.backend.generate([j.request for j in jobs], params)
             self.batches.append(len(jobs))
         except BaseException as e:  # every waiting request learns why
             for j in jobs:
