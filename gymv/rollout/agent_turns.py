@@ -12,13 +12,13 @@ error naming the row and turn, never a silently re-tokenized sample.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gymv.envs.protocol import Image, Message, RowError, Text, ToolResult
 from gymv.envs.responses import decode_parts
 from gymv.envs.rows import parse_message, to_chat_tool
+from gymv.rollout.episode import Episode
 from gymv.rollout.images import ImageCache
 from gymv.rollout.render import ChatRenderer, message_dict, tool_message_dict
 from gymv.rollout.types import Trajectory
@@ -73,14 +73,7 @@ class Rebuilt:
     model_calls: list[dict] = field(default_factory=list)
     last_generated: list[int] = field(default_factory=list)
 
-    def insert(self, ids: Sequence[int], decoded: list[tuple[Any, str]], turn: int) -> None:
-        self.ids.extend(ids)
-        self.mask.extend([0] * len(ids))
-        self.logprobs.extend([0.0] * len(ids))
-        for pil, key in decoded:
-            self.images.append(pil)
-            self.image_keys.append(key)
-            self.image_turns.append(turn)
+    insert = Episode.append_inserted  # the loop's own bookkeeping of inserted tokens and their images
 
 
 class TurnRebuilder:
