@@ -1,4 +1,5 @@
-"""Who may talk to gymv's local HTTP servers: the Host and Origin rules shared by every server gymv starts.
+"""Who may talk to gymv's local servers: the Host and Origin rules of its HTTP servers, and rendezvous stores
+that listen on one address only.
 
 A server bound to a loopback address is reachable from this machine's browsers too. A web page cannot read
 its answers, but it can send it requests: by rebinding its own host name to 127.0.0.1 (caught by the Host
@@ -42,3 +43,18 @@ def origin_allowed(bind_host: str, origin: str | None) -> bool:
 
     name = urlparse(origin).hostname or ""
     return name in LOOPBACK_NAMES or is_loopback(name)
+
+
+def master_store(host: str, world_size: int):
+    """(a TCPStore server listening on `host` only, its socket): torch's own server listens on every
+    interface whatever host it is given, so it is handed a socket bound here (keep the socket open)."""
+    import socket
+
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.bind((host, 0))
+    sock.listen()
+    store = TCPStore(host, sock.getsockname()[1], world_size=world_size, is_master=True, wait_for_workers=False,
+                     master_listen_fd=sock.fileno())
+    return store, sock

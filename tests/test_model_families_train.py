@@ -5,7 +5,6 @@ refit, and a generator that agrees with the trainer."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -15,12 +14,10 @@ from train_helpers import ray_module, tiny_grpo_settings, write_recipe
 
 pytestmark = pytest.mark.slow
 
-# The project's own families (Qwen2.5-VL, Qwen3) and Gemma 3 (the one with its own forward inputs) run here,
-# about 10-30 s each; every family's GRPO step also runs in-process in test_model_families.py, and
-# GYMV_ALL_FAMILIES=1 runs this end-to-end test on all of them (docs/models.md lists the last full run).
-FAMILIES = ["tiny-qwen2_5vl", "tiny-gemma3", "tiny-qwen3"]
-if os.environ.get("GYMV_ALL_FAMILIES"):
-    FAMILIES += ["tiny-qwen3vl", "tiny-llava-next", "tiny-llava-onevision", "tiny-smolvlm", "tiny-llama"]
+# Every family added by the model-family work runs `gymv train` end to end here, about 10-30 s each (tiny-llava
+# and tiny-qwen2vl, the first two, run it throughout the rest of the suite).
+FAMILIES = ["tiny-qwen2_5vl", "tiny-gemma3", "tiny-qwen3", "tiny-qwen3vl", "tiny-llava-next", "tiny-llava-onevision",
+            "tiny-smolvlm", "tiny-llama"]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -30,6 +30,7 @@ import torch
 from gymv.backends.generation.base import Weights, named
 from gymv.backends.weights import weights_hash  # noqa: F401  (its old home)
 from gymv.errors import GymvError
+from gymv.net import master_store
 
 
 # ------------------------------------------------------------------------------------------------ layout
@@ -357,21 +358,6 @@ class CollectiveSender(RefitSender):
         if getattr(self, "_listener", None) is not None:
             self._listener.close()
             self._listener = None
-
-
-def master_store(host: str, world_size: int):
-    """(a TCPStore server listening on `host` only, its socket): torch's own server listens on every
-    interface whatever host it is given, so it is handed a socket bound here (keep the socket open)."""
-    import socket
-
-    from torch.distributed import TCPStore
-
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.bind((host, 0))
-    sock.listen()
-    store = TCPStore(host, sock.getsockname()[1], world_size=world_size, is_master=True, wait_for_workers=False,
-                     master_listen_fd=sock.fileno())
-    return store, sock
 
 
 class CollectiveReceiver(RefitReceiver):

@@ -267,7 +267,7 @@ class TrainingWorker:
         address only (torch's own store would listen on every interface)."""
         import ray.util
 
-        from gymv.cluster.refit import master_store
+        from gymv.net import master_store
 
         try:
             host = ray.util.get_node_ip_address()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,15 +47,19 @@ class ShardingConfig:
     reshard_after_forward: bool = True
 
 
+_PRIVATE_STORE = None  # (store, listening socket) of a single rank's private group, kept open
+
+
 def ensure_process_group(device: torch.device) -> None:
     """FSDP2 and DCP need a process group; a single rank gets a private one on 127.0.0.1."""
+    global _PRIVATE_STORE
     if dist.is_initialized():
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from gymv.net import master_store
+
+    _PRIVATE_STORE = master_store("127.0.0.1", 1)  # torch's own store would listen on every interface
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+    dist.init_process_group(backend, store=_PRIVATE_STORE[0], rank=0, world_size=1,
                             timeout=datetime.timedelta(minutes=30))
 
 
