@@ -93,6 +93,14 @@ def is_text_only(path: str | os.PathLike) -> bool:
     return "vision_config" not in config
 
 
+def _model_kwargs(dtype, attn_implementation: str | None, trust: bool) -> dict:
+    """from_pretrained keywords shared by the text-only and the vision-language loaders."""
+    kwargs = {"dtype": dtype, "trust_remote_code": trust}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    return kwargs
+
+
 def _load_text(ckpt: Path, device, dtype, attn_implementation, trust: bool) -> Policy:
     """A text-only causal LM: tokenizer and AutoModelForCausalLM, no processor looked for."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -100,9 +108,7 @@ def _load_text(ckpt: Path, device, dtype, attn_implementation, trust: bool) -> P
     from gymv.backends.multimodal import TextAdapter
 
     tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
-    kwargs = {"dtype": dtype, "trust_remote_code": trust}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
+    kwargs = _model_kwargs(dtype, attn_implementation, trust)
     try:
         model = AutoModelForCausalLM.from_pretrained(ckpt, **kwargs)
     except ValueError as e:
@@ -137,9 +143,7 @@ def _load(ckpt: Path, device, dtype, attn_implementation, trust: bool = False) -
     if processor_class not in SUPPORTED_PROCESSORS:
         raise GymvError(f"unsupported processor {processor_class or '(none found)'!r}", where=str(ckpt),
                         fix=f"gymv supports: {supported_text()}")
-    kwargs = {"dtype": dtype, "trust_remote_code": trust}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
+    kwargs = _model_kwargs(dtype, attn_implementation, trust)
     try:
         model = AutoModelForImageTextToText.from_pretrained(ckpt, **kwargs)
     except ValueError as e:
