@@ -39,6 +39,12 @@ def test_the_vllm_generation_backend_is_wired():
     assert gaps(cfg(generation={"backend": "vllm"})) == []
 
 
+def test_vllm_teachers_are_wired():
+    c = MODELS["vlm_mopd"].model_validate({"algorithm": "vlm_mopd", "vision": {},
+                                            "mopd": {"teachers": {"a": {"path": "x", "backend": "vllm"}}}})
+    assert gaps(c) == [] and table()["mopd.teachers.*.backend"]["vllm"] == "runs"
+
+
 def test_vllm_settings_with_another_backend_are_a_gap_since_nothing_reads_them():
     assert keys(cfg(generation={"vllm": {"gpu_memory_utilization": 0.4}})) == ["generation.vllm"]
 

@@ -96,7 +96,8 @@ class VllmGenerationBackend(GenerationBackend):
     def create(cls, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0,
                gpu_memory_utilization: float = 0.6, tensor_parallel_size: int = 1, enforce_eager: bool = False,
                max_model_len: int | None = None, max_images_per_prompt: int = 16,
-               trust_remote_code: bool = False) -> VllmGenerationBackend:
+               trust_remote_code: bool = False, logprobs_mode: str = "processed_logprobs",
+               max_logprobs: int | None = None) -> VllmGenerationBackend:
         from gymv.models.load import resolve_model_path
 
         vllm = import_vllm()
@@ -108,11 +109,13 @@ class VllmGenerationBackend(GenerationBackend):
         own_load = any(rename(k) != k for k in checkpoint_names(path))
         kwargs: dict[str, Any] = dict(trust_remote_code=trust_remote_code,
             model=str(path), tokenizer=str(path), dtype=dtype, seed=seed, enable_prefix_caching=True,
-            logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
+            logprobs_mode=logprobs_mode, worker_extension_cls=WORKER_EXTENSION,
             tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
         )
         if own_load:
             kwargs["load_format"] = "dummy"
+        if max_logprobs is not None:
+            kwargs["max_logprobs"] = max_logprobs
         if adapter is not None:
             kwargs["limit_mm_per_prompt"] = {"image": max_images_per_prompt}
         if device == "cpu":
