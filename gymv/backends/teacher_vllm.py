@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from gymv.backends.generation.vllm import flat_to_dense
 from gymv.backends.teacher import (
     TextOnlyAdapter,
     check_same_tokenizer,
@@ -105,7 +106,7 @@ class VllmTeacher:
         if self.direct:
             own, top_ids, top_lp = _direct(flat, target, k)
         else:
-            own, top_ids, top_lp = self._from_logits(_dense(flat, n - 1, self.vocab_size), target, k)
+            own, top_ids, top_lp = self._from_logits(flat_to_dense(flat, _rows_of(flat, n - 1), self.vocab_size), target, k)
         lp = torch.cat([own.new_zeros(1), own])
         if k <= 0:
             return lp
@@ -139,30 +140,21 @@ def _vocab_size(path) -> int:
     return int(text.vocab_size)
 
 
-def _positions(flat, rows: int):
-    if len(flat) != rows + 1:  # position 0 has no logprobs (None)
+def _rows_of(flat, rows: int) -> range:
+    """The positions of a prompt's FlatLogprobs that score its tokens 1..rows (position 0 has none)."""
+    if len(flat) != rows + 1:
         raise GymvError(f"vLLM returned prompt logprobs for {len(flat)} positions, expected {rows + 1}",
                         where="mopd teacher", fix="report this: vLLM's prompt logprob output changed")
-    return flat.start_indices[1:], flat.end_indices[1:]
-
-
-def _dense(flat, rows: int, vocab: int) -> torch.Tensor:
-    """[rows, vocab] float32 logits from a FlatLogprobs that holds every token of every position."""
-    starts, ends = _positions(flat, rows)
-    lengths = torch.tensor(ends) - torch.tensor(starts)
-    span = slice(starts[0], ends[-1]) if rows else slice(0, 0)
-    ids = torch.tensor(flat.token_ids[span], dtype=torch.long)
-    values = torch.tensor(flat.logprobs[span], dtype=torch.float32)
-    out = torch.full((rows, vocab), float("-inf"))
-    out[torch.repeat_interleave(torch.arange(rows), lengths), ids] = values
-    return out
+    return range(1, rows + 1)
 
 
 def _direct(flat, target: torch.Tensor, k: int):
     """(logprob of each target, top-k ids, top-k logprobs) from a FlatLogprobs of raw logprobs: each position
     holds the target (rank may exceed k) and the k most likely tokens."""
     rows = target.numel()
-    starts, ends = _positions(flat, rows)
+    positions = _rows_of(flat, rows)
+    starts = [flat.start_indices[p] for p in positions]
+    ends = [flat.end_indices[p] for p in positions]
     own = torch.empty(rows)
     top_ids = torch.zeros((rows, max(k, 0)), dtype=torch.long)
     top_lp = torch.zeros((rows, max(k, 0)))
