@@ -3,9 +3,10 @@
 The contract is the HF backend's (gymv.backends.generation.hf), so that a run can switch backends and keep
 its numbers: the logprob of a token is that of `gymv.backends.sampling` (vision tokens at -inf, divided by
 the temperature, before top-p; greedy reports temperature-1 logprobs), which vLLM gives with
-`logprobs_mode="processed_logprobs"` and the vision ids left out of `allowed_token_ids` (except with
-top_p < 1, where vLLM reports the renormalised nucleus's logprobs: docs/vllm.md); vision tokens are never
-sampled for the same reason; stop ids and strings stay in the output.
+`logprobs_mode="processed_logprobs"` and the vision ids left out of `allowed_token_ids`. With top_p < 1
+vLLM's logprobs are the renormalised nucleus's, so an engine built with `full_logits` returns every raw
+logit and the logprobs are computed here (docs/vllm.md). Vision tokens are never sampled for the same
+reason; stop ids and strings stay in the output.
 
 Two things vLLM does differently are handled here:
 - vLLM expands image placeholders itself, and silently expands already expanded ones again. gymv's prompts
