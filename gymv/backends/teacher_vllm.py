@@ -106,7 +106,8 @@ class VllmTeacher:
         if self.direct:
             own, top_ids, top_lp = _direct(flat, target, k)
         else:
-            own, top_ids, top_lp = self._from_logits(flat_to_dense(flat, _rows_of(flat, n - 1), self.vocab_size), target, k)
+            logits = flat_to_dense(flat, _rows_of(flat, n - 1), self.vocab_size)
+            own, top_ids, top_lp = self._from_logits(logits, target, k)
         lp = torch.cat([own.new_zeros(1), own])
         if k <= 0:
             return lp

@@ -152,7 +152,8 @@ def stand_in_notes(cfg, generation: str = "hf") -> list[str]:
     from gymv.capabilities import gaps
     from gymv.smoke.tiny import TINY_MODEL
 
-    engine = "vLLM's CPU build as the vllm generation backend" if generation == "vllm" else f"the {generation} generation"
+    engine = ("vLLM's CPU build as the vllm generation backend" if generation == "vllm"
+              else f"the {generation} generation")
     notes = [f"--tiny checks the plumbing with stand-ins ({TINY_MODEL} on a CPU, {engine} and the torch "
              "training backend, small sizes), not that the recipe itself runs"]
     notes += [f"stand-in for what gymv train cannot run here: {g}" for g in gaps(cfg)]

@@ -186,7 +186,7 @@ def test_a_text_only_language_model_matches_transformers(tmp_path_factory):
     model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
     backend = vllm_backend(path)
     try:
-        assert backend.adapter is None
+        assert backend.adapter.style == "text" and backend.adapter.vision_token_ids == ()  # what rollouts render with
         prompts = [tok.encode(t, add_special_tokens=False) for t in ("Hello there", "one two three four", "x")]
         outs = backend.generate([GenerationRequest(p) for p in prompts], GREEDY)
         for p, o in zip(prompts, outs):

@@ -19,7 +19,7 @@ from train_helpers import ray_module  # noqa: E402
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).parent.parent.parent
-RECIPE = REPO / "recipes/vlm/vlm_grpo-qwen2.5-vl-7b-1n8g-megatron.yaml"  # generation.backend: vllm
+RECIPE = REPO / "recipes/llm/grpo-qwen3-1.7b-1n8g-megatron.yaml"  # generation.backend: vllm
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -124,7 +124,7 @@ class VllmGenerationBackend(GenerationBackend):
             kwargs["load_format"] = "dummy"
         if full_logits or max_logprobs is not None:
             kwargs["max_logprobs"] = -1 if max_logprobs is None else max_logprobs
-        if adapter is not None:
+        if adapter is not None and adapter.style != "text":
             kwargs["limit_mm_per_prompt"] = {"image": max_images_per_prompt}
         if device == "cpu":
             # Whole prefills only: vLLM 0.32 rewinds a seeded request's generator after a partial (chunked)
@@ -260,7 +260,8 @@ class VllmGenerationBackend(GenerationBackend):
         if flat is None or len(flat) != len(ids):
             return []  # the caller's length check names it
         logits = flat_to_dense(flat, range(len(ids)), self.vocab_size)
-        forbidden = forbidden_mask(logits.shape[-1], self.adapter.vision_token_ids if self.adapter else (), logits.device)
+        vision = self.adapter.vision_token_ids if self.adapter is not None else ()
+        forbidden = forbidden_mask(logits.shape[-1], vision, logits.device)
         lsm = torch.log_softmax(policy_logits(logits, temperature, forbidden), dim=-1)
         return lsm.gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1).tolist()
 
@@ -398,8 +399,9 @@ def read_checkpoint(path: Path) -> dict:
 
 
 def load_processing(path: Path, *, trust_remote_code: bool = False):
-    """(tokenizer, adapter or None, chat template, config, {weight name: shape}) without loading weights:
-    vLLM loads the weights; gymv needs what renders prompts and what refits are checked against."""
+    """(tokenizer, adapter (a TextAdapter for a text-only model), chat template, config, {weight name: shape})
+    without loading weights: vLLM loads the weights; gymv needs what renders prompts and what refits are
+    checked against."""
     import torch
     from transformers import AutoConfig, AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -428,8 +430,10 @@ def load_processing(path: Path, *, trust_remote_code: bool = False):
                                 fix=f"gymv supports: {supported_text()}")
             adapter = make_adapter(processor_class, tokenizer, image_processor, config, hf_processor)
             template = getattr(hf_processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
-        else:
-            adapter, template = None, getattr(tokenizer, "chat_template", None)
+        else:  # the rollout renders a text model's turns through the text adapter, as with the hf backend
+            from gymv.backends.multimodal import TextAdapter
+
+            adapter, template = TextAdapter(tokenizer, config=config), getattr(tokenizer, "chat_template", None)
         auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         with torch.device("meta"):
             skeleton = auto.from_config(config)
