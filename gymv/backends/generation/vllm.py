@@ -42,8 +42,9 @@ from gymv.backends.generation.base import (
 )
 from gymv.errors import GymvError
 
-INSTALL_FIX = ("install vLLM's venv with `bash scripts/install.sh vllm` and run gymv from it "
-               "(\"$(bash scripts/install_vllm.sh --path)/bin/gymv\"), or use generation.backend: hf")
+VENV_FIX = ("install vLLM's venv with `bash scripts/install.sh vllm` and run gymv from it "
+            "(\"$(bash scripts/install_vllm.sh --path)/bin/gymv\")")
+INSTALL_FIX = VENV_FIX + ", or use generation.backend: hf"
 WORKER_EXTENSION = "gymv.backends.generation.vllm_worker.GymvWeightSync"
 
 
