@@ -8,8 +8,9 @@ the KV cache of every row at its mean length) over the device-to-device copy ban
 run. Also: the new path's graph replay alone (device events), its logprobs against the trainer's
 (token_mult_prob_error, bf16), greedy agreement with the HF loop, and a kernel-time profile of one eager step.
 
-Paths: old (HFGenerationBackend), new (StaticDecodeBackend: compiled step on CUDA), new_eager (the same with
-compile=False: graphs of uncompiled kernels), hf_dynamic and hf_static (transformers `generate`,
+Paths: old (HFGenerationBackend), new (StaticDecodeBackend: compiled step on CUDA, the split-sequence triton
+decode-attention kernel where triton is present), new_sdpa (the same with PyTorch's SDPA for attention),
+new_eager (compile=False: graphs of uncompiled kernels), hf_dynamic and hf_static (transformers `generate`,
 cache_implementation unset or "static").
 
 Usage (on a GPU machine): python bench/gpu_decode.py --out DIR [--batches 1,16,64,256] [--paths new,old,...]
@@ -245,7 +246,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--batches", default="1,16,64,256")
-    ap.add_argument("--paths", default="new,new_eager,old,hf_dynamic,hf_static")
+    ap.add_argument("--paths", default="new,new_sdpa,new_eager,old,hf_dynamic,hf_static")
     ap.add_argument("--no-parity", action="store_true")
     ap.add_argument("--profile-batch", type=int, default=64)
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip paths that start after this many seconds")
@@ -295,9 +296,9 @@ def main() -> None:
                 continue
             row = {"path": path, "batch": batch}
             try:
-                if path in ("new", "new_eager", "old"):
+                if path in ("new", "new_eager", "new_sdpa", "old"):
                     cls = HFGenerationBackend if path == "old" else StaticDecodeBackend
-                    kw = {"compile": False} if path == "new_eager" else {}
+                    kw = {"new_eager": {"compile": False}, "new_sdpa": {"attention": "sdpa"}}.get(path, {})
                     backend, reqs, r = gymv_path(policy, cls, batch, **kw)
                     row.update(r)
                     if path != "old":

@@ -31,13 +31,15 @@ import torch
 import torch.nn.functional as F
 
 from gymv.backends.generation.base import GenerationOutput, GenerationRequest, SamplingParams
-from gymv.backends.generation.hf import HFGenerationBackend
+from gymv.backends.generation.decode_attention import available as split_available
+from gymv.backends.generation.decode_attention import split_attention
+from gymv.backends.generation.hf import HFGenerationBackend, image_keys
 from gymv.backends.hf_forward import forward_logits
-from gymv.backends.multimodal import image_hash
 from gymv.backends.sampling import forbidden_mask, policy_logits
 from gymv.errors import GymvError
 
 _M32 = 0xFFFFFFFF
+ATTENTION_KERNELS = ("auto", "split", "sdpa")
 SUPPORTED_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
 
 
@@ -146,7 +148,9 @@ class StaticDecodeBackend(HFGenerationBackend):
     matrix product reads them (refits that copy into the parameters, as `update_weights` does, reach it).
 
     Each step attends over the cache columns up to the next multiple of `ATTENTION_CHUNK` past the newest
-    token (one graph per such window), not over the whole preallocated length.
+    token (one graph per such window), not over the whole preallocated length. `attention` picks the kernel:
+    `split` (gymv.backends.generation.decode_attention, triton), `sdpa` (PyTorch's), `auto` (split on CUDA
+    where triton is present, else sdpa).
     """
 
     BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -155,7 +159,8 @@ class StaticDecodeBackend(HFGenerationBackend):
 
     def __init__(self, model, tokenizer, adapter, *, seed: int = 0, max_cached_images: int = 4096,
                  cuda_graphs: bool | None = None, sync_every: int = 16, max_states: int = 4,
-                 compile: bool | None = None, fuse_weights: bool = True, chat_template: str | None = None):
+                 compile: bool | None = None, fuse_weights: bool = True, chat_template: str | None = None,
+                 attention: str = "auto"):
         super().__init__(model, tokenizer, adapter, seed=seed, max_cached_images=max_cached_images,
                          chat_template=chat_template)
         tm = text_model(model)
@@ -177,6 +182,16 @@ class StaticDecodeBackend(HFGenerationBackend):
         self._fused: list[tuple] = []
         self._fused_at: list[int] = []
         self.fuse_weights = fuse_weights
+        if attention not in ATTENTION_KERNELS:
+            raise GymvError(f"decode attention must be one of {', '.join(ATTENTION_KERNELS)}, got {attention!r}",
+                            where="StaticDecodeBackend(attention=...)", fix="use auto, split or sdpa")
+        if attention == "split" and not split_available(self.device, tm.head_dim):
+            raise GymvError("the split decode-attention kernel needs triton, a CUDA device (or TRITON_INTERPRET=1) "
+                            f"and a power-of-two head dim (this model's: {tm.head_dim})",
+                            where="StaticDecodeBackend(attention=...)", fix="use attention=auto or sdpa")
+        self._split_attention = attention == "split" or (attention == "auto"
+                                                         and split_available(self.device, tm.head_dim)
+                                                         and self.device.type == "cuda")
 
     def _set_functions(self, compiled: bool) -> None:
         fns = (_layer_pre, _layer_post, _lm_head, _draw)
@@ -193,16 +208,21 @@ class StaticDecodeBackend(HFGenerationBackend):
         cos, sin = tm.rotary(x, st.pos[:, None])
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, head_dim]
         st.valid.index_fill_(1, st.col, True)
-        bias = torch.zeros(st.valid.shape[0], 1, 1, window, dtype=x.dtype, device=x.device)
-        bias = bias.masked_fill(~st.valid[:, None, None, :window], float("-inf"))
+        split = self._split_attention
+        if not split:
+            bias = torch.zeros(st.valid.shape[0], 1, 1, window, dtype=x.dtype, device=x.device)
+            bias = bias.masked_fill(~st.valid[:, None, None, :window], float("-inf"))
         for i, w in enumerate(self._fused):
             w = tuple(torch.cat(t) if isinstance(t, list) else t for t in w)
             q, k, v = self._pre(x, cos, sin, *w[:5], heads=tm.heads, kv_heads=tm.kv_heads, head_dim=tm.head_dim,
                                 eps=self._eps)
             st.k[i].index_copy_(2, st.col, k)
             st.v[i].index_copy_(2, st.col, v)
-            o = F.scaled_dot_product_attention(q, st.k[i][:, :, :window], st.v[i][:, :, :window], attn_mask=bias,
-                                               scale=self._scale)
+            if split:
+                o = split_attention(q.contiguous(), st.k[i], st.v[i], st.valid, window, self._scale)
+            else:
+                o = F.scaled_dot_product_attention(q, st.k[i][:, :, :window], st.v[i][:, :, :window],
+                                                   attn_mask=bias, scale=self._scale)
             x = self._post(x, o, *w[5:], act=self._act, eps=self._eps)
         return self._head(x, tm.norm.weight, tm.lm_head.weight, eps=self._eps)
 
@@ -289,7 +309,7 @@ class StaticDecodeBackend(HFGenerationBackend):
         t0 = time.perf_counter()
         model, dev, tm = self.model, self.device, self.tm
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        keys = [[image_hash(im) for im in r.images] for r in requests]
+        keys = image_keys(requests)
         feats, grid = self._encode(requests, keys)
         slots: dict[tuple, int] = {}
         row_slot = [slots.setdefault((tuple(r.prompt_token_ids), tuple(ks)), len(slots))
