@@ -209,11 +209,18 @@ def parity(policy) -> dict:
     # a stop token ends every row of a group (greedy: the rows are alike); the loop then ends early
     stop = new[0].token_ids[2]
     stopped = backend.generate(reqs[:GROUP], SamplingParams(temperature=0, max_new_tokens=128, stop_token_ids=(stop,)))
-    return {"token_mult_prob_error": err, "greedy_first_divergence_per_row": same,
+    stop_steps = backend.last_timing["decode_steps"]
+    # continuous batching: 16 requests through 4 slots give each request what it gets in one batch of 16
+    slots = StaticDecodeBackend.from_policy(policy, max_batch=4)
+    spread = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=(stop,), seed=9)
+    slotted, together = slots.generate(reqs, spread), backend.generate(reqs, spread)
+    cb = {"rows_equal": f"{sum(a.token_ids == b.token_ids for a, b in zip(slotted, together))}/{len(reqs)}",
+          "refills": slots.last_timing.get("refills"), "lengths": [len(o.token_ids) for o in together]}
+    return {"token_mult_prob_error": err, "greedy_first_divergence_per_row": same, "continuous_batching": cb,
             "vision_tokens_sampled": sum(t in vision for o in outs for t in o.token_ids),
             "graph_equals_eager_rows": f"{graph_equal}/{len(reqs)}",
             "stop_rows": sum(o.finish_reason == "stop" and o.token_ids[-1] == stop for o in stopped),
-            "stop_decode_steps": backend.last_timing["decode_steps"],
+            "stop_decode_steps": stop_steps,
             "longest_row": max(len(o.token_ids) for o in stopped)}
 
 
