@@ -557,20 +557,25 @@ class StaticDecodeBackend(HFGenerationBackend):
         return outs
 
     def _capture_or_uncompile(self, st: _State, greedy: bool, nucleus: bool, window: int) -> None:
+        """Capture; if that fails, capture again with the split attention kernel off (SDPA), then uncompiled."""
         try:
             self._capture(st, greedy, nucleus, window)
-        except Exception as e:  # noqa: BLE001 - a compiler missing or failing must not stop generation
-            if not self.compile:
+        except Exception as e:  # noqa: BLE001 - a kernel or compiler failing must not stop generation
+            if not (self._split_attention or self.compile):
                 raise
             import warnings
 
-            warnings.warn(f"torch.compile of the decode step failed ({type(e).__name__}: {e}); decoding uncompiled",
-                          stacklevel=2)
-            self.compile = False
-            self._set_functions(False)
+            if self._split_attention:
+                what = "the split decode-attention kernel failed; decoding with SDPA"
+                self._split_attention = False
+            else:
+                what = "torch.compile of the decode step failed; decoding uncompiled"
+                self.compile = False
+                self._set_functions(False)
+            warnings.warn(f"{what} ({type(e).__name__}: {e})", stacklevel=2)
             st.graphs.clear()
             st.pool = None
-            self._capture(st, greedy, nucleus, window)
+            self._capture_or_uncompile(st, greedy, nucleus, window)
 
     def _row_seeds(self, n: int, seed: int | None) -> torch.Tensor:
         if seed is None:
