@@ -33,8 +33,9 @@ BREAKDOWN = ["env_open_s", "render_s", "image_decode_s", "parse_s", "env_step_s"
              "backend_prefill_s", "backend_capture_s", "backend_decode_s"]
 SMOKE_MODEL = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vision_hidden=32, vision_layers=1,
                    vision_heads=2, image_size=56, patch_size=14, vocab_size=1024)
-COLUMNS = ["timing/step_s", "timing/generation_s", "timing/logprobs_s", "timing/training_s", "timing/refit_s",
-           "timing/generation_tokens_per_s", "timing/tokens_per_s", "train/token_mult_prob_error", "train/reward_mean"] + [f"timing/generation/{k}" for k in BREAKDOWN]
+MAIN = ["timing/step_s", "timing/generation_s", "timing/logprobs_s", "timing/training_s", "timing/refit_s",
+        "timing/generation_tokens_per_s", "timing/tokens_per_s", "train/token_mult_prob_error", "train/reward_mean"]
+COLUMNS = MAIN + [f"timing/generation/{k}" for k in BREAKDOWN]
 
 
 def layouts(gpus: int) -> dict[str, list[str]]:
@@ -109,7 +110,7 @@ def main() -> None:
         if "error" in r:
             print(f"{r['layout']} | error: {r['error']}")
             continue
-        vals = [r.get(c) for c in COLUMNS[:-1]]
+        vals = [r.get(c) for c in MAIN[:-1]]
         print(" | ".join([r["layout"]] + [f"{v:.4g}" if isinstance(v, (int, float)) else "-" for v in vals]))
     print("\nwhere generation's time goes (s, medians; first step in brackets)")
     print(" | ".join(["layout", "generation", *BREAKDOWN]))
