@@ -55,7 +55,15 @@ def measure(B: int, H: int, G: int, D: int, A: int, device: str, repeats: int) -
     def split():
         return split_attention(q, k_full, v_full, valid_full, A, scale)
 
+    def split_with(pieces, block_n):
+        return lambda: split_attention(q, k_full, v_full, valid_full, A, scale, pieces=pieces, block_n=block_n)
+
     variants = {"split": split, "default": default, "manual": manual}
+    for pieces in (1, 2, 4, 8, 16):  # how the piece count and block size trade off on this device
+        if pieces * 32 <= A:
+            variants[f"split_p{pieces}_n32"] = split_with(pieces, 32)
+        if pieces * 64 <= A:
+            variants[f"split_p{pieces}_n64"] = split_with(pieces, 64)
     if cuda:
         variants.update(cudnn=sdpa(SDPBackend.CUDNN_ATTENTION), efficient=sdpa(SDPBackend.EFFICIENT_ATTENTION),
                         math=sdpa(SDPBackend.MATH))
@@ -129,9 +137,9 @@ def main() -> None:
                 r["of_floor"] = need_us / r["us"]
         result["shapes"].append(row)
         print(json.dumps(row), flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+        if a.out:  # after every shape: a run cut short keeps what it measured
+            with open(a.out, "w") as f:
+                json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

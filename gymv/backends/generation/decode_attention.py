@@ -121,12 +121,12 @@ if triton is not None:
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, window: int,
-                    scale: float, pieces: int | None = None) -> torch.Tensor:
+                    scale: float, pieces: int | None = None, block_n: int = BLOCK_N) -> torch.Tensor:
     """The split-sequence kernel: same contract as `sdpa` (k, v may be longer than `window`; the last dim of
     every tensor contiguous). A row with no valid column gets zeros, where SDPA gives NaN."""
     B, H, G, D = q.shape
     pieces = splits_for(B, H, window) if pieces is None else pieces
-    per_piece = -(-(-(-window // pieces)) // BLOCK_N) * BLOCK_N
+    per_piece = -(-(-(-window // pieces)) // block_n) * block_n
     pieces = -(-window // per_piece)
     o = torch.empty(B, H, pieces, G, D, dtype=torch.float32, device=q.device)
     m = torch.empty(B, H, pieces, G, dtype=torch.float32, device=q.device)
@@ -138,7 +138,7 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: to
                            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                            v.stride(0), v.stride(1), v.stride(2), ok.stride(0),
                            o.stride(0), o.stride(1), o.stride(2), o.stride(3), m.stride(0), m.stride(1), m.stride(2),
-                           window, per_piece, scale, G, BLOCK_G=block_g, BLOCK_N=BLOCK_N, D=D,
+                           window, per_piece, scale, G, BLOCK_G=block_g, BLOCK_N=block_n, D=D,
                            DOT_F32=interpreted())
     _merge[(B, H)](o, m, lsum, out, o.stride(0), o.stride(1), o.stride(2), o.stride(3),
                    m.stride(0), m.stride(1), m.stride(2), out.stride(0), out.stride(1), out.stride(2), pieces, G,
