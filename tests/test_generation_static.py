@@ -266,8 +266,8 @@ def test_requests_beyond_the_slots_take_finished_slots_and_get_the_outputs_they_
 
 def test_a_seeded_request_draws_the_same_tokens_in_any_slot():
     policy = shared_policy("tiny-llava")
-    reqs = requests(policy, n=5)
-    params = SamplingParams(temperature=1.0, max_new_tokens=9, ignore_eos=True, seed=11)
+    reqs = requests(policy, n=4)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=11)
     one_slot = StaticDecodeBackend.from_policy(policy, max_batch=1, sync_every=3).generate(reqs, params)
     three = StaticDecodeBackend.from_policy(policy, max_batch=3, sync_every=2).generate(reqs, params)
     assert [o.token_ids for o in one_slot] == [o.token_ids for o in three]
