@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,23 +50,32 @@ def layouts(gpus: int) -> dict[str, list[str]]:
     }
 
 
-def run(name: str, overrides: list[str], model_dir: Path, out: Path, steps: int) -> dict:
-    args = [sys.executable, "-m", "gymv_cli.main", "train", RECIPE, f"name=gpu-{name}", f"checkpoint.dir={out}",
-            f"model.path={model_dir}", f"grpo.max_steps={steps}", "grpo.prompts_per_step=16",
-            "grpo.generations_per_prompt=8", "generation.max_new_tokens=64", "grpo.val_period=0",
-            "env.preset=null", "data.prepare.n_train=256", "data.prepare.n_eval=16", "checkpoint.period=1000",
-            "training.micro_batch_tokens=16384", "model.max_seq_len=1024", *overrides, "--json"]
+def run(name: str, overrides: list[str], model_dir: Path, out: Path, steps: int, timeout_s: float = 1e9) -> dict:
+    overrides = [f"name=gpu-{name}", f"checkpoint.dir={out}", f"model.path={model_dir}", f"grpo.max_steps={steps}",
+                 "grpo.prompts_per_step=16", "grpo.generations_per_prompt=8", "generation.max_new_tokens=64",
+                 "grpo.val_period=0", "env.preset=null", "data.prepare.n_train=256", "data.prepare.n_eval=16",
+                 "checkpoint.period=1000", "training.micro_batch_tokens=16384", "model.max_seq_len=1024", *overrides]
+    # the engine's own entry point, not the CLI: a tree on PYTHONPATH without an install has no CLI commands
+    code = "import sys; from gymv.train import train; train(sys.argv[1], sys.argv[2:])"
     t0 = time.time()
-    p = subprocess.run(args, capture_output=True, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code, RECIPE, *overrides], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:  # the run and every process it started (Ray's too) go
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        err = f"killed after {timeout_s:.0f} s"
     wall = time.time() - t0
-    if p.returncode != 0:
-        return {"layout": name, "error": (p.stderr.strip().splitlines() or ["?"])[-1], "wall_s": wall}
-    rows_all = [json.loads(line) for line in (out / f"gpu-{name}" / "metrics.jsonl").read_text().splitlines()
-                if line.strip()]
+    metrics = out / f"gpu-{name}" / "metrics.jsonl"
+    if proc.returncode != 0 and not (metrics.exists() and metrics.read_text().strip()):
+        return {"layout": name, "error": (err.strip().splitlines() or ["?"])[-1], "wall_s": wall}
+    rows_all = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     rows = [r for r in rows_all if r.get("step", 0) >= 2] or rows_all
     med = {c: statistics.median([r[c] for r in rows if c in r]) for c in COLUMNS if any(c in r for r in rows)}
     first = {f"first_step/{c}": rows_all[0][c] for c in COLUMNS if c in rows_all[0]} if rows_all else {}
-    return {"layout": name, "wall_s": wall, "steps": len(rows), **med, **first}
+    done = {} if proc.returncode == 0 else {"note": f"stopped early: {(err.strip().splitlines() or ['?'])[-1]}"}
+    return {"layout": name, "wall_s": wall, "steps": len(rows), **med, **first, **done}
 
 
 def main() -> None:
@@ -73,6 +84,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--layouts", default="separate,colocated")
     ap.add_argument("--decode", default="auto", help="generation.decode values to run each layout with, e.g. eager,auto")
+    ap.add_argument("--run-timeout", type=float, default=1e9, help="seconds before a run is killed (its steps so "
+                    "far still count)")
     ap.add_argument("--gpus", type=int, default=0, help="GPUs the runs may use (0: every visible one)")
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny model on the CPU: checks this script, not speed")
     a = ap.parse_args()
@@ -100,7 +113,8 @@ def main() -> None:
             if name == "separate" and gpus < 2:
                 results.append({"layout": label, "error": "needs 2 GPUs"})
                 continue
-            results.append(run(label, layouts(gpus)[name] + [f"generation.decode={decode}"], model_dir, a.out, a.steps))
+            results.append(run(label, layouts(gpus)[name] + [f"generation.decode={decode}"], model_dir, a.out, a.steps,
+                               a.run_timeout))
             print(json.dumps(results[-1]), flush=True)
             (a.out / "results.json").write_text(json.dumps({"params": n_params, "gpus": gpus, "device": device,
                                                             "results": results}, indent=2))
