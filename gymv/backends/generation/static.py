@@ -221,7 +221,9 @@ class StaticDecodeBackend(HFGenerationBackend):
         cos, sin = tm.rotary(x, st.pos[:, None])
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, head_dim]
         st.valid.scatter_(1, st.col[:, None], True)
-        at = st.col.view(-1, 1, 1, 1).expand(-1, tm.kv_heads, 1, tm.head_dim)
+        B, S, D = st.valid.shape[0], st.S, tm.head_dim
+        # each (row, kv head)'s new key lands in row (b * heads + h) * S + col of the cache seen as [B*H*S, D]
+        at = ((torch.arange(B * tm.kv_heads, device=tok.device).view(B, -1) * S) + st.col[:, None]).view(-1)
         split = self._split_attention
         if not split:
             bias = torch.zeros(st.valid.shape[0], 1, 1, window, dtype=x.dtype, device=x.device)
@@ -230,8 +232,8 @@ class StaticDecodeBackend(HFGenerationBackend):
             w = tuple(torch.cat(t) if isinstance(t, list) else t for t in w)
             q, k, v = self._pre(x, cos, sin, *w[:5], heads=tm.heads, kv_heads=tm.kv_heads, head_dim=tm.head_dim,
                                 eps=self._eps)
-            st.k[i].scatter_(2, at, k)
-            st.v[i].scatter_(2, at, v)
+            st.k[i].view(-1, D).index_copy_(0, at, k.reshape(-1, D))
+            st.v[i].view(-1, D).index_copy_(0, at, v.reshape(-1, D))
             if split:
                 o = split_attention(q.contiguous(), st.k[i], st.v[i], st.valid, window, self._scale)
             else:
