@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from gymv.backends.hf_forward import forward_logits
-from gymv.backends.multimodal import MultimodalAdapter, image_hash
+from gymv.backends.multimodal import MultimodalAdapter, image_hash, preprocess_threaded
 from gymv.backends.sampling import forbidden_mask, policy_logits
 
 
@@ -51,12 +51,16 @@ def right_pad(sequences: Sequence[Sequence[int]], images: Sequence[Sequence[Any]
 
 def _image_features(model, adapter: MultimodalAdapter, images: list) -> tuple[list, Any]:
     """Features of `images` in order, each distinct image (by pixel hash) encoded once."""
-    keys = [image_hash(im) for im in images]
+    seen: dict[int, str] = {}
+    for im in images:
+        if id(im) not in seen:
+            seen[id(im)] = image_hash(im)
+    keys = [seen[id(im)] for im in images]
     first: dict[str, int] = {}
     for i, k in enumerate(keys):
         first.setdefault(k, i)
     unique = [images[i] for i in first.values()]
-    inputs = adapter.preprocess(unique)
+    inputs = preprocess_threaded(adapter, unique)
     feats = adapter.image_features(model, inputs)
     slot = {k: n for n, k in enumerate(first)}
     order = [slot[k] for k in keys]
