@@ -72,8 +72,35 @@ def _forward_kwargs(adapter, input_ids) -> dict:
     return fn(input_ids) if fn is not None else {}
 
 
-def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, keep=None) -> torch.Tensor:
-    """Logits [B, T, V], or [B, K, V] at the K sequence columns of the 1-D index tensor `keep`."""
+def packable(adapter: MultimodalAdapter) -> str | None:
+    """None when the adapter's rows can be packed into one row (1-D positions restarting at 0 per sequence,
+    no extra model inputs); else why not, for the error that refuses packing."""
+    cls = type(adapter)
+    if cls.position_ids is not MultimodalAdapter.position_ids:
+        return f"the {adapter.style} processor style computes its own (multi-dimensional) positions"
+    if cls.forward_kwargs is not MultimodalAdapter.forward_kwargs:
+        return f"the {adapter.style} processor style passes extra per-token inputs (bidirectional image attention)"
+    if cls.feature_inputs is not MultimodalAdapter.feature_inputs:
+        return f"the {adapter.style} processor style feeds image features into the decoder's layers"
+    return None
+
+
+def packed_index(attention_mask: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Where (row, column) of a right-padded batch lands in its packed row (the real tokens, row after row)."""
+    lengths = attention_mask.long().sum(1)
+    offsets = torch.cumsum(lengths, 0) - lengths
+    return offsets.to(rows.device)[rows] + columns
+
+
+def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, keep=None, *,
+                    packed: bool = False) -> torch.Tensor:
+    """Logits [B, T, V], or [B, K, V] at the K sequence columns of the 1-D index tensor `keep`.
+
+    `packed`: the rows' real tokens run as ONE row [1, N] with positions restarting at 0 for each sequence and
+    no attention mask, so that transformers confines attention to each sequence (it reads sequence starts
+    from the positions) and no padding is computed; logits are then [1, N, V], or [1, K, V] with `keep`
+    indexing the packed row (:func:`packed_index`).
+    """
     dev = next(model.parameters()).device
     adapter.check_batch(batch.input_ids, batch.images, batch.where, batch.attention_mask)
     ids, mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)
@@ -81,6 +108,18 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
     feats, grid = [], None
     if flat:
         feats, grid = _image_features(model, adapter, flat)
+    if packed:
+        real = mask.bool()
+        lengths = real.sum(1)
+        ids = ids[real].unsqueeze(0)
+        starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+        positions = (torch.arange(ids.shape[1], device=dev) - starts).unsqueeze(0)
+        logits = forward_logits(model, input_ids=ids, attention_mask=None, position_ids=positions,
+                                image_token_id=adapter.image_token_id, features=feats, logits_to_keep=keep,
+                                adapter=adapter)
+        if keep is not None and logits.shape[1] != keep.numel():
+            logits = logits[:, keep.to(logits.device)]
+        return logits
     positions = adapter.position_ids(model, ids, mask, grid)
     logits = forward_logits(model, input_ids=ids, attention_mask=mask, position_ids=positions,
                             image_token_id=adapter.image_token_id, features=feats, logits_to_keep=keep,
@@ -261,8 +300,12 @@ def sequence_logprobs(model, adapter: MultimodalAdapter, batch: MultimodalBatch,
 
 def token_scores(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temperature: float = 1.0,
                  forbidden_ids: Sequence[int] | None = None, *, entropy: bool = False,
-                 score_mask: torch.Tensor | None = None, gather_ids: torch.Tensor | None = None) -> TokenScores:
+                 score_mask: torch.Tensor | None = None, gather_ids: torch.Tensor | None = None,
+                 packed: bool = False) -> TokenScores:
     """Per-token logprobs [B, T], with entropies [B, T] when `entropy`; differentiable.
+
+    `packed`: the forward pass runs the rows' real tokens packed into one row (see `_forward_logits`); the
+    results are laid out as for the padded batch, and equal its results up to float error.
 
     `score_mask` [B, T] (e.g. the loss mask): score only these tokens; all other entries are 0.
     `gather_ids` [B, T, k] (with `score_mask`): also the logprobs of these candidate tokens at each scored
@@ -279,7 +322,10 @@ def token_scores(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temp
         if cols.numel() == 0:
             score_mask = None  # nothing to score: the full path keeps the loss attached to the graph
     if score_mask is None:
-        logits = _forward_logits(model, adapter, batch)
+        logits = _forward_logits(model, adapter, batch, packed=packed)
+        if packed:
+            real = mask_cpu.bool().to(logits.device)
+            logits = logits.new_zeros((*real.shape, logits.shape[-1])).index_put(real.nonzero(as_tuple=True), logits[0])
         ids, mask = ids_cpu.to(logits.device), mask_cpu.to(logits.device)
         forbidden = forbidden_mask(logits.shape[-1], forbidden_ids, logits.device)
         out = _full_logprobs(logits, ids, mask, temperature, forbidden, return_entropy)
@@ -290,7 +336,12 @@ def token_scores(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temp
         return TokenScores(logp, ent, none)
 
     dev = next(model.parameters()).device
-    scored = _shared_prefix_logits(model, adapter, batch, wanted)
+    scored = None if packed else _shared_prefix_logits(model, adapter, batch, wanted)
+    if packed:
+        rows, t = wanted.nonzero(as_tuple=True)  # row-major: increasing packed index
+        keep = packed_index(mask_cpu, rows, t).to(dev)
+        logits = _forward_logits(model, adapter, batch, keep=keep, packed=True)[0]  # [N, V]
+        scored = logits, rows.to(dev), t.to(dev)
     if scored is None:
         cols_dev = cols.to(dev)
         logits = _forward_logits(model, adapter, batch, keep=cols_dev)  # [B, K, V]

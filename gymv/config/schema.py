@@ -154,6 +154,7 @@ class TrainingSection(Section):
     micro_batch_tokens: PosInt = 4096
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     gradient_checkpointing: bool = False
+    sequence_packing: bool | Literal["auto"] = "auto"  # micro-batches as packed rows (docs/training.md)
     parallel: ParallelSection = ParallelSection()
     fsdp: FsdpSection = FsdpSection()
 

@@ -41,6 +41,41 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
     return plan
 
 
+def plan_packed_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Index lists whose summed length stays <= max_tokens: each micro-batch runs as one packed row, so it
+    costs its real tokens only. First fit, longest first (ties in input order), so the plan is deterministic
+    and close to the fewest rows; a sample longer than the budget runs alone. Indices within a list ascend.
+    """
+    if max_tokens < 1:
+        raise GymvError(f"micro_batch_tokens must be >= 1, got {max_tokens}", where="training.micro_batch_tokens",
+                        fix="set training.micro_batch_tokens to a positive token count")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def shared_prefix_cost(plan: Sequence[Sequence[int]], prefixes: Sequence[tuple | None], lengths: Sequence[int]) -> int:
+    """Tokens a shared-prefix plan computes: per micro-batch, distinct prefixes x longest prefix + samples x
+    longest remainder (prefix None: the whole padded row)."""
+    total = 0
+    for mb in plan:
+        if any(prefixes[i] is None for i in mb):
+            total += len(mb) * max(lengths[i] for i in mb)
+            continue
+        keys = {prefixes[i] for i in mb}
+        total += len(keys) * max(k[0] for k in keys) + len(mb) * max(lengths[i] - prefixes[i][0] for i in mb)
+    return total
+
+
 def plan_shared_prefix_micro_batches(prefixes: Sequence[tuple | None], lengths: Sequence[int],
                                      max_tokens: int) -> list[list[int]]:
     """Index lists for a forward pass that runs each distinct prefix once and every sample's remainder on

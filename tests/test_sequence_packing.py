@@ -1,0 +1,135 @@
+"""Sequence packing: a micro-batch's sequences run as one row without padding, with positions restarting per
+sequence so attention stays inside each one, and give the padded batch's logprobs, loss and gradients (fp32
+tolerance) for a text LM and for LLaVA with image tokens inside the packed row; grid (mrope) models refuse it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gymv.backends.logprobs import MultimodalBatch, packable, token_scores
+from gymv.backends.training.micro_batches import plan_packed_micro_batches, shared_prefix_cost
+from gymv.backends.training.samples import as_tensors, training_sample
+from gymv.errors import GymvError
+from tiny_models import chat_ids, fresh_policy, noise, solid
+
+ATOL = 2e-5
+
+
+def test_packed_plan_fills_each_row_up_to_the_token_budget():
+    lengths = [7, 3, 9, 2, 5, 4, 1]
+    plan = plan_packed_micro_batches(lengths, 10)
+    assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in mb) <= 10 for mb in plan)
+    assert len(plan) == 4  # 31 tokens: ceil(31 / 10) rows
+
+
+def test_packed_plan_runs_a_sample_longer_than_the_budget_alone():
+    assert plan_packed_micro_batches([12, 3, 4], 10) == [[0], [1, 2]]
+
+
+def test_shared_prefix_cost_counts_each_prefix_once_per_micro_batch():
+    prefixes = [(5, "a"), (5, "a"), (3, "b")]
+    assert shared_prefix_cost([[0, 1, 2]], prefixes, [8, 6, 4]) == 2 * 5 + 3 * 3
+
+
+def _samples(policy, images_per_row, seed=0):
+    rng = random.Random(seed)
+    vocab = policy.model.config.get_text_config().vocab_size
+    forbidden = set(policy.adapter.vision_token_ids)
+    out = []
+    for n, images in enumerate(images_per_row):
+        prompt = chat_ids(policy, f"question {n}" + " more" * rng.randint(0, 6), images)
+        gen = [t for t in (rng.randrange(3, vocab) for _ in range(20)) if t not in forbidden][: rng.randint(3, 12)]
+        s = training_sample(prompt + gen, [0] * len(prompt) + [1] * len(gen), images=images, where=f"row {n}",
+                            logp_behaviour=[-1.0] * (len(prompt) + len(gen)), advantage=rng.uniform(-1, 1))
+        out.append(as_tensors(s))
+    return out
+
+
+def _batch(samples, pad_id):
+    from gymv.backends.training.micro_batches import pad_collate
+
+    mb = pad_collate([{k: s[k] for k in ("input_ids", "loss_mask")} for s in samples], {"input_ids": pad_id})
+    return MultimodalBatch(mb["input_ids"], mb["attention_mask"], [s["images"] for s in samples]), mb["loss_mask"]
+
+
+def _scores_agree(policy, samples, score: bool):
+    batch, loss_mask = _batch(samples, policy.tokenizer.pad_token_id or 0)
+    kw = {"entropy": True, "score_mask": loss_mask if score else None}
+    padded = token_scores(policy.model, policy.adapter, batch, **kw)
+    packed = token_scores(policy.model, policy.adapter, batch, packed=True, **kw)
+    torch.testing.assert_close(packed.logp, padded.logp, atol=ATOL, rtol=0)
+    torch.testing.assert_close(packed.entropy, padded.entropy, atol=ATOL, rtol=0)
+    assert bool((padded.logp != 0).any())
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("score", [True, False], ids=["scored", "full"])
+def test_packed_logprobs_equal_padded_for_a_text_lm(attn, score):
+    policy = fresh_policy("tiny-llama")
+    policy.model.set_attn_implementation(attn)
+    _scores_agree(policy, _samples(policy, [[]] * 5), score)
+
+
+@pytest.mark.parametrize("score", [True, False], ids=["scored", "full"])
+def test_packed_logprobs_equal_padded_for_llava_with_images_inside_the_row(score):
+    policy = fresh_policy("tiny-llava")
+    assert packable(policy.adapter) is None
+    samples = _samples(policy, [[solid("red")], [], [noise(1), solid("blue")], [noise(2)]])
+    _scores_agree(policy, samples, score)
+
+
+def _backend(arch, packing):
+    from gymv.backends.training.base import TrainingSetup
+    from gymv.backends.training.hf_torch import HFTorchBackend
+
+    policy = fresh_policy(arch)
+    # Adam's eps is large so that float summation-order noise in a near-zero gradient cannot move the update
+    setup = TrainingSetup(model_path="unused", optimizer={"lr": 1e-2, "eps": 1e-3, "precision": "fp32", "micro_batch_tokens": 200},
+                          sequence_packing=packing)
+    return HFTorchBackend(policy, setup, device="cpu")
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-llava"])
+def test_a_packed_training_step_equals_the_padded_step(arch):
+    from gymv.algorithms.loss_fns import PolicyLoss
+
+    images = [[]] * 6 if arch == "tiny-llama" else [[solid("red")], [], [noise(3)], [noise(4)], [], [solid("green")]]
+    results = {}
+    for packing in (False, True):
+        backend = _backend(arch, packing)
+        samples = _samples(backend.policy, images, seed=5)
+        metrics = backend.train_step([dict(s) for s in samples], PolicyLoss())
+        assert backend.trainer.plan_fn.__self__.packed is packing
+        results[packing] = metrics, {k: v.clone() for k, v in backend.named_weights()}
+    (m0, w0), (m1, w1) = results[False], results[True]
+    assert m1["train/num_micro_batches"] < m0["train/num_micro_batches"]  # no padding: fewer rows per budget
+    assert m1["train/loss"] == pytest.approx(m0["train/loss"], abs=1e-5)
+    assert m1["train/grad_norm"] == pytest.approx(m0["train/grad_norm"], rel=1e-4)
+    for k in w0:
+        torch.testing.assert_close(w1[k], w0[k], atol=1e-5, rtol=0)
+
+
+def test_auto_packing_keeps_a_group_sharing_its_prompt_on_the_shared_prefix_path():
+    backend = _backend("tiny-llava", "auto")
+    layout = backend.trainer.plan_fn.__self__
+    one = _samples(backend.policy, [[noise(7)]], seed=1)[0]
+    prompt = int(one["loss_mask"].int().argmax())
+    group = []
+    for g in range(8):
+        s = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in one.items()}
+        s["input_ids"][prompt:] = s["input_ids"][prompt:].roll(g)
+        group.append(s)
+    layout.plan(group, 10_000)
+    assert layout.packed is False  # one prompt + 8 answers computes fewer tokens than 8 packed sequences
+    layout.plan([group[0]] + _samples(backend.policy, [[]] * 3, seed=2), 10_000)
+    assert layout.packed is True
+
+
+def test_a_grid_model_refuses_packing_with_the_reason():
+    with pytest.raises(GymvError, match="multi-dimensional"):
+        _backend("tiny-qwen2vl", True)
+    assert _backend("tiny-qwen2vl", "auto").trainer.plan_fn.__self__.packing is False
