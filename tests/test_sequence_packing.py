@@ -133,3 +133,17 @@ def test_a_grid_model_refuses_packing_with_the_reason():
     with pytest.raises(GymvError, match="multi-dimensional"):
         _backend("tiny-qwen2vl", True)
     assert _backend("tiny-qwen2vl", "auto").trainer.plan_fn.__self__.packing is False
+
+
+def test_packed_attention_computes_each_sequence_alone_and_leaves_padded_batches_to_sdpa():
+    from gymv.backends import packed_attention
+
+    policy = fresh_policy("tiny-llava")
+    samples = _samples(policy, [[noise(5)], [], [solid("red")]], seed=3)
+    batch, loss_mask = _batch(samples, policy.tokenizer.pad_token_id or 0)
+    before = token_scores(policy.model, policy.adapter, batch, score_mask=loss_mask).logp
+    assert packed_attention.install(policy.model) and packed_attention.active(policy.model)
+    packed = token_scores(policy.model, policy.adapter, batch, score_mask=loss_mask, packed=True).logp
+    padded = token_scores(policy.model, policy.adapter, batch, score_mask=loss_mask).logp
+    torch.testing.assert_close(packed, before, atol=ATOL, rtol=0)
+    torch.testing.assert_close(padded, before, atol=ATOL, rtol=0)

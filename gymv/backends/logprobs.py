@@ -98,7 +98,8 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
 
     `packed`: the rows' real tokens run as ONE row [1, N] with positions restarting at 0 for each sequence and
     no attention mask, so that transformers confines attention to each sequence (it reads sequence starts
-    from the positions) and no padding is computed; logits are then [1, N, V], or [1, K, V] with `keep`
+    from the positions; with gymv.backends.packed_attention installed, each sequence's own causal block is all
+    that attention computes) and no padding is computed; logits are then [1, N, V], or [1, K, V] with `keep`
     indexing the packed row (:func:`packed_index`).
     """
     dev = next(model.parameters()).device
@@ -114,9 +115,12 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
         ids = ids[real].unsqueeze(0)
         starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
         positions = (torch.arange(ids.shape[1], device=dev) - starts).unsqueeze(0)
+        from gymv.backends import packed_attention
+
+        extra = packed_attention.forward_kwargs(lengths, dev) if packed_attention.active(model) else {}
         logits = forward_logits(model, input_ids=ids, attention_mask=None, position_ids=positions,
                                 image_token_id=adapter.image_token_id, features=feats, logits_to_keep=keep,
-                                adapter=adapter)
+                                extra=extra, adapter=adapter)
         if keep is not None and logits.shape[1] != keep.numel():
             logits = logits[:, keep.to(logits.device)]
         return logits

@@ -50,6 +50,10 @@ class BatchLayout:
                             where="training.sequence_packing", fix="set training.sequence_packing: auto or false")
         self.adapter, self.model, self.pad_id = adapter, model, pad_id
         self.packing: bool | str = False if why_not else packing
+        if self.packing is not False:
+            from gymv.backends import packed_attention
+
+            packed_attention.install(model)  # where unsupported, transformers' dense packed mask is used
         self.packed = False
 
     def plan(self, samples, max_tokens: int) -> list[list[int]]:

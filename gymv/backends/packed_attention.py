@@ -1,0 +1,143 @@
+"""Attention over packed rows that computes each sequence's own causal block and nothing else.
+
+transformers finds packed sequences from restarting position ids, but then builds a dense [N, N] mask: the
+attention of a packed row of N tokens costs N^2 (a 16k-token row of ~600-token sequences: ~27x the work of
+its sequences' own blocks, more than the rest of the layer). gymv registers its own attention
+implementation, "gymv_packed", with transformers' attention and mask registries and switches a model's text
+side to it (`install`). A packed forward passes the row's cumulative sequence lengths as the keyword
+`gymv_cu_seqlens` (and its longest sequence as `gymv_max_seqlen`), which transformers hands to every
+attention call; with it, each sequence attends causally
+to itself through torch's variable-length flash kernel on CUDA (`torch.nn.attention.varlen`), else one SDPA
+call per sequence. Without it (padded batches, the shared-prefix cache path, the vision tower), the call is
+transformers' own SDPA with its own mask, so nothing else changes.
+
+A model whose text side uses sliding windows, attention soft-capping or bidirectional spans is not switched
+(`supports` says why): transformers' dense packed mask keeps those exact.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+
+import torch
+
+NAME = "gymv_packed"
+KEYWORD = "gymv_cu_seqlens"
+MAX_KEYWORD = "gymv_max_seqlen"
+
+
+def _text_config(model):
+    config = model.config
+    get = getattr(config, "get_text_config", None)
+    return get() if get is not None else config
+
+
+def supports(model) -> str | None:
+    """None when `install` may switch this model; else why not."""
+    cfg = _text_config(model)
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return "sliding-window attention"
+    if getattr(cfg, "attn_logit_softcapping", None):
+        return "attention logit soft-capping"
+    if getattr(cfg, "_attn_implementation", None) not in (None, "sdpa", "eager", NAME):
+        return f"attention implementation {cfg._attn_implementation!r}"
+    return None
+
+
+def install(model) -> bool:
+    """Switch the model's text side to packed attention (registering it once); False where unsupported."""
+    if supports(model) is not None:
+        return False
+    _register()
+    _text_config(model)._attn_implementation = NAME
+    return True
+
+
+@lru_cache(maxsize=None)
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    def mask(*args, **kwargs):
+        # a packed row carries no 2-D mask and no cache: its attention needs no dense mask at all
+        if kwargs.get("attention_mask") is None and kwargs.get("q_length") == kwargs.get("kv_length") \
+                and not kwargs.get("q_offset") and not kwargs.get("kv_offset"):
+            return None
+        return sdpa_mask(*args, **kwargs)
+
+    AttentionInterface.register(NAME, packed_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, mask)
+
+
+def active(model) -> bool:
+    return getattr(_text_config(model), "_attn_implementation", None) == NAME
+
+
+def forward_kwargs(lengths: torch.Tensor, device) -> dict:
+    """The keywords a packed forward passes: [0, l0, l0+l1, ...] (int32, on `device`) and the longest length."""
+    cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(device=device, dtype=torch.int32)
+    return {KEYWORD: cu, MAX_KEYWORD: int(lengths.max())}
+
+
+def packed_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                             scaling: float | None = None, **kwargs):
+    """transformers' attention signature: query [1, H, N, D], key/value [1, Hkv, N, D]; returns [1, N, H, D]."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu = kwargs.pop(KEYWORD, None)
+    longest = kwargs.pop(MAX_KEYWORD, None)
+    if cu is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if query.shape[0] != 1 or attention_mask is not None:
+        raise RuntimeError("packed attention expects one packed row and no attention mask")
+    dropout = dropout if module.training else 0.0
+    out = None
+    if query.is_cuda and dropout == 0.0:
+        out = _varlen(query, key, value, cu, longest, scaling)
+    if out is None:
+        out = _per_sequence(query, key, value, cu, scaling, dropout)
+    return out, None
+
+
+def _per_sequence(query, key, value, cu, scaling, dropout):
+    gqa = query.shape[1] != key.shape[1]
+    bounds = cu.tolist()  # [0, end0, end1, ...]
+    parts = [torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout, is_causal=True, scale=scaling,
+        enable_gqa=gqa) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
+
+
+@lru_cache(maxsize=None)
+def _varlen_kernel():
+    """(torch's varlen_attn, its keyword parameters), or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _varlen(query, key, value, cu, longest, scaling):
+    found = _varlen_kernel()
+    if found is None or query.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    fn, params = found
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D]
+    kwargs: dict = {"scale": scaling}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)
+    elif "is_causal" in params:
+        kwargs["is_causal"] = True
+    else:
+        return None
+    out = fn(q, k.contiguous(), v.contiguous(), cu, cu, longest, longest, **kwargs)
+    return out.unsqueeze(0)  # [1, N, H, D]
