@@ -147,3 +147,14 @@ def test_packed_attention_computes_each_sequence_alone_and_leaves_padded_batches
     padded = token_scores(policy.model, policy.adapter, batch, score_mask=loss_mask).logp
     torch.testing.assert_close(packed, before, atol=ATOL, rtol=0)
     torch.testing.assert_close(padded, before, atol=ATOL, rtol=0)
+
+
+def test_the_config_key_takes_auto_true_or_false_and_refuses_anything_else():
+    from pydantic import ValidationError
+
+    from gymv.config.schema import TrainingSection
+
+    assert TrainingSection().sequence_packing == "auto"
+    assert TrainingSection(sequence_packing=True).sequence_packing is True
+    with pytest.raises(ValidationError):
+        TrainingSection(sequence_packing="sometimes")
