@@ -196,7 +196,6 @@ def worker(rank: int, world: int, port: int, a) -> None:
     import torch.distributed as dist
 
     from gymv.backends.policy import load_policy
-    from gymv.models.tiny import init_tiny_llava
 
     smoke = a.cpu_smoke
     device = "cpu" if smoke else f"cuda:{rank}"
@@ -205,10 +204,7 @@ def worker(rank: int, world: int, port: int, a) -> None:
     if world > 1:
         dist.init_process_group("gloo" if smoke else "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
-    vision = SMOKE_VISION if smoke else VISION
-    model_dir = init_tiny_llava(a.out / f"base-{rank}", force=True, hidden=64, layers=1, heads=4, kv_heads=2,
-                                intermediate=128, **vision)
-    base = load_policy(model_dir, device="cpu", dtype=torch.float32)
+    base = load_policy(a.out / "base", device="cpu", dtype=torch.float32)
     shapes = a.shapes.split(",")
     result = {"device": "cpu" if smoke else torch.cuda.get_device_name(rank), "torch": torch.__version__,
               "ranks": world, "peak_flops_per_gpu": PEAK_FLOPS, "runs": []}
@@ -262,6 +258,11 @@ def main() -> None:
 
         if not torch.cuda.is_available():
             sys.exit("no CUDA device: this benchmark needs a GPU (or --cpu-smoke)")
+    from gymv.models.tiny import init_tiny_llava
+
+    # the tokenizer, processor and vision tower every shape shares (each run replaces the language model)
+    init_tiny_llava(a.out / "base", force=True, hidden=64, layers=1, heads=4, kv_heads=2, intermediate=128,
+                    **(SMOKE_VISION if a.cpu_smoke else VISION))
     if a.ranks == 1:
         worker(0, 1, 0, a)
         return
