@@ -113,19 +113,81 @@ def test_a_packed_training_step_equals_the_padded_step(arch):
         torch.testing.assert_close(w1[k], w0[k], atol=1e-5, rtol=0)
 
 
-def test_auto_packing_keeps_a_group_sharing_its_prompt_on_the_shared_prefix_path():
-    backend = _backend("tiny-llava", "auto")
-    layout = backend.trainer.plan_fn.__self__
-    one = _samples(backend.policy, [[noise(7)]], seed=1)[0]
+def _group(policy, size: int, seed: int):
+    """`size` samples sharing one prompt (with its image), each with its own answer of its own length."""
+    one = _samples(policy, [[noise(seed)]], seed=seed)[0]
     prompt = int(one["loss_mask"].int().argmax())
+    rng = random.Random(seed)
     group = []
-    for g in range(8):
-        s = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in one.items()}
+    for g in range(size):
+        keep = prompt + rng.randint(2, len(one["input_ids"]) - prompt)
+        s = {k: (v[:keep].clone() if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in one.items()}
         s["input_ids"][prompt:] = s["input_ids"][prompt:].roll(g)
+        s["where"] = f"group {seed} sample {g}"
         group.append(s)
-    layout.plan(group, 10_000)
+    return group
+
+
+def test_a_packed_row_runs_a_groups_shared_prompt_once_with_the_same_logprobs():
+    from gymv.backends import packed_attention
+    from gymv.backends.logprobs import packed_prefixes
+    from gymv.backends.packing import pack
+
+    policy = fresh_policy("tiny-llava")
+    samples = _group(policy, 4, seed=11) + _samples(policy, [[solid("red")], []], seed=4) + _group(policy, 3, seed=12)
+    batch, loss_mask = _batch(samples, policy.tokenizer.pad_token_id or 0)
+    padded = token_scores(policy.model, policy.adapter, batch, entropy=True, score_mask=loss_mask)
+    assert packed_attention.install(policy.model)
+    prefixes = packed_prefixes(batch.input_ids, loss_mask, batch.images, policy.adapter.image_token_id)
+    assert [p[0] for p in prefixes] == [0, 0, 0, 0, 1, 2, 3, 3, 3]  # a group each; alone: nothing to share
+    row = pack(batch.input_ids, batch.attention_mask, batch.images, prefixes)
+    prompt_len = prefixes[0][1]
+    assert row.input_ids.numel() == int(batch.attention_mask.sum()) - 3 * prompt_len - 2 * prefixes[-1][1]
+    assert len(row.images) == 3  # one per group, one for the unshared sample with an image
+    packed = token_scores(policy.model, policy.adapter, batch, entropy=True, score_mask=loss_mask, packed=True,
+                          prefixes=prefixes)
+    torch.testing.assert_close(packed.logp, padded.logp, atol=ATOL, rtol=0)
+    torch.testing.assert_close(packed.entropy, padded.entropy, atol=ATOL, rtol=0)
+
+
+def test_a_step_with_shared_prompts_in_packed_rows_equals_the_padded_step():
+    from gymv.algorithms.loss_fns import PolicyLoss
+
+    results = {}
+    for packing in (False, True):
+        backend = _backend("tiny-llava", packing)
+        samples = _group(backend.policy, 4, seed=21) + _group(backend.policy, 4, seed=22)
+        for n, s in enumerate(samples):
+            s["advantages"] = torch.tensor(float(n % 3) - 1.0)
+        metrics = backend.train_step(samples, PolicyLoss())
+        layout = backend.trainer.plan_fn.__self__
+        assert layout.packed is packing and layout.shares_in_row is packing
+        results[packing] = metrics, {k: v.clone() for k, v in backend.named_weights()}
+    (m0, w0), (m1, w1) = results[False], results[True]
+    assert m1["train/loss"] == pytest.approx(m0["train/loss"], abs=1e-5)
+    assert m1["train/grad_norm"] == pytest.approx(m0["train/grad_norm"], rel=1e-4)
+    for k in w0:
+        torch.testing.assert_close(w1[k], w0[k], atol=1e-5, rtol=0)
+
+
+def test_shared_packed_plan_counts_each_prompt_once_per_row():
+    from gymv.backends.training.micro_batches import plan_packed_shared_micro_batches
+
+    prefixes = [(6, "a")] * 3 + [None, (4, "b")]
+    lengths = [10, 9, 8, 5, 7]
+    assert plan_packed_shared_micro_batches(prefixes, lengths, 6 + 4 + 3 + 2 + 5) == [[0, 1, 2, 3], [4]]
+
+
+def test_auto_packing_keeps_the_shared_prefix_cache_where_packed_attention_cannot_share_prompts():
+    policy = fresh_policy("tiny-llava")
+    policy.model.config.text_config.sliding_window = 4096  # packed attention refuses sliding-window models
+    from gymv.backends.training.hf_torch import BatchLayout
+
+    layout = BatchLayout(policy.adapter, policy.model, 0, "auto")
+    assert layout.shares_in_row is False
+    layout.plan(_group(policy, 8, seed=31), 10_000)
     assert layout.packed is False  # one prompt + 8 answers computes fewer tokens than 8 packed sequences
-    layout.plan([group[0]] + _samples(backend.policy, [[]] * 3, seed=2), 10_000)
+    layout.plan(_samples(policy, [[]] * 4, seed=2), 10_000)
     assert layout.packed is True
 
 

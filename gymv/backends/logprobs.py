@@ -23,6 +23,7 @@ import torch
 
 from gymv.backends.hf_forward import forward_logits
 from gymv.backends.multimodal import MultimodalAdapter, image_hash
+from gymv.backends.packing import PackedRow, pack
 from gymv.backends.sampling import forbidden_mask, policy_logits
 
 
@@ -85,45 +86,33 @@ def packable(adapter: MultimodalAdapter) -> str | None:
     return None
 
 
-def packed_index(attention_mask: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    """Where (row, column) of a right-padded batch lands in its packed row (the real tokens, row after row)."""
-    lengths = attention_mask.long().sum(1)
-    offsets = torch.cumsum(lengths, 0) - lengths
-    return offsets.to(rows.device)[rows] + columns
-
-
 def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, keep=None, *,
-                    packed: bool = False) -> torch.Tensor:
+                    packed: PackedRow | None = None) -> torch.Tensor:
     """Logits [B, T, V], or [B, K, V] at the K sequence columns of the 1-D index tensor `keep`.
 
-    `packed`: the rows' real tokens run as ONE row [1, N] with positions restarting at 0 for each sequence and
-    no attention mask, so that transformers confines attention to each sequence (it reads sequence starts
-    from the positions; with gymv.backends.packed_attention installed, each sequence's own causal block is all
-    that attention computes) and no padding is computed; logits are then [1, N, V], or [1, K, V] with `keep`
-    indexing the packed row (:func:`packed_index`).
+    `packed`: the rows run as this one packed row (gymv.backends.packing), no padding computed; logits are
+    then [1, N, V], or [1, K, V] with `keep` indexing the packed row. With gymv.backends.packed_attention
+    installed each segment attends to its own keys alone; without it, no attention mask is passed and
+    transformers confines attention to each sequence from the restarting positions (no shared prefixes).
     """
     dev = next(model.parameters()).device
     adapter.check_batch(batch.input_ids, batch.images, batch.where, batch.attention_mask)
+    if packed is not None:
+        from gymv.backends import packed_attention
+
+        feats = _image_features(model, adapter, packed.images)[0] if packed.images else []
+        extra = {packed_attention.KEYWORD: packed.attention_args(dev)} if packed_attention.active(model) else {}
+        logits = forward_logits(model, input_ids=packed.input_ids.to(dev)[None], attention_mask=None,
+                                position_ids=packed.positions.to(dev)[None], image_token_id=adapter.image_token_id,
+                                features=feats, logits_to_keep=keep, extra=extra, adapter=adapter)
+        if keep is not None and logits.shape[1] != keep.numel():
+            logits = logits[:, keep.to(logits.device)]
+        return logits
     ids, mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)
     flat = [im for row in batch.images for im in row]
     feats, grid = [], None
     if flat:
         feats, grid = _image_features(model, adapter, flat)
-    if packed:
-        real = mask.bool()
-        lengths = real.sum(1)
-        ids = ids[real].unsqueeze(0)
-        starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
-        positions = (torch.arange(ids.shape[1], device=dev) - starts).unsqueeze(0)
-        from gymv.backends import packed_attention
-
-        extra = packed_attention.forward_kwargs(lengths, dev) if packed_attention.active(model) else {}
-        logits = forward_logits(model, input_ids=ids, attention_mask=None, position_ids=positions,
-                                image_token_id=adapter.image_token_id, features=feats, logits_to_keep=keep,
-                                extra=extra, adapter=adapter)
-        if keep is not None and logits.shape[1] != keep.numel():
-            logits = logits[:, keep.to(logits.device)]
-        return logits
     positions = adapter.position_ids(model, ids, mask, grid)
     logits = forward_logits(model, input_ids=ids, attention_mask=mask, position_ids=positions,
                             image_token_id=adapter.image_token_id, features=feats, logits_to_keep=keep,
@@ -158,6 +147,19 @@ def prefix_key(input_ids: torch.Tensor, score_mask: torch.Tensor, images: Sequen
         if id(im) not in hashes:
             hashes[id(im)] = image_hash(im)
     return p, tuple(input_ids[:p].tolist()), tuple(hashes[id(im)] for im in images)
+
+
+def packed_prefixes(input_ids: torch.Tensor, score_mask: torch.Tensor, images: Sequence[Sequence[Any]],
+                    image_token_id: int) -> list[tuple | None]:
+    """Per row of a packed micro-batch, (group, prefix length) for rows sharing a prefix with another row
+    (:func:`prefix_key` on each unpadded row), else None; rows are right-padded, the mask 0 on padding."""
+    hashes: dict[int, str] = {}
+    groups: dict = {}
+    out: list[tuple | None] = []
+    for b in range(input_ids.shape[0]):
+        key = prefix_key(input_ids[b], score_mask[b], images[b], image_token_id, hashes)
+        out.append(None if key is None else (groups.setdefault(key, len(groups)), key[0]))
+    return out
 
 
 def _shared_prefix_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, wanted: torch.Tensor):
@@ -305,11 +307,13 @@ def sequence_logprobs(model, adapter: MultimodalAdapter, batch: MultimodalBatch,
 def token_scores(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temperature: float = 1.0,
                  forbidden_ids: Sequence[int] | None = None, *, entropy: bool = False,
                  score_mask: torch.Tensor | None = None, gather_ids: torch.Tensor | None = None,
-                 packed: bool = False) -> TokenScores:
+                 packed: bool = False, prefixes: Sequence[tuple | None] | None = None) -> TokenScores:
     """Per-token logprobs [B, T], with entropies [B, T] when `entropy`; differentiable.
 
-    `packed`: the forward pass runs the rows' real tokens packed into one row (see `_forward_logits`); the
-    results are laid out as for the padded batch, and equal its results up to float error.
+    `packed`: the forward pass runs the rows' real tokens packed into one row (gymv.backends.packing); the
+    results are laid out as for the padded batch, and equal its results up to float error. `prefixes[b]`
+    (with `score_mask` and packed attention installed): (group, prefix length) of a row whose prefix the
+    rows of its group share, run once in the packed row (:func:`packed_prefixes`).
 
     `score_mask` [B, T] (e.g. the loss mask): score only these tokens; all other entries are 0.
     `gather_ids` [B, T, k] (with `score_mask`): also the logprobs of these candidate tokens at each scored
@@ -326,7 +330,8 @@ def token_scores(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temp
         if cols.numel() == 0:
             score_mask = None  # nothing to score: the full path keeps the loss attached to the graph
     if score_mask is None:
-        logits = _forward_logits(model, adapter, batch, packed=packed)
+        row = pack(ids_cpu, mask_cpu, batch.images) if packed else None
+        logits = _forward_logits(model, adapter, batch, packed=row)
         if packed:
             real = mask_cpu.bool().to(logits.device)
             logits = logits.new_zeros((*real.shape, logits.shape[-1])).index_put(real.nonzero(as_tuple=True), logits[0])
@@ -342,9 +347,15 @@ def token_scores(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temp
     dev = next(model.parameters()).device
     scored = None if packed else _shared_prefix_logits(model, adapter, batch, wanted)
     if packed:
-        rows, t = wanted.nonzero(as_tuple=True)  # row-major: increasing packed index
-        keep = packed_index(mask_cpu, rows, t).to(dev)
-        logits = _forward_logits(model, adapter, batch, keep=keep, packed=True)[0]  # [N, V]
+        from gymv.backends import packed_attention
+
+        share = prefixes if prefixes is not None and packed_attention.active(model) else None
+        row = pack(ids_cpu, mask_cpu, batch.images, share)
+        rows, t = wanted.nonzero(as_tuple=True)
+        keep = row.index(rows, t)
+        order = keep.argsort()  # logits_to_keep in row order
+        rows, t = rows[order], t[order]
+        logits = _forward_logits(model, adapter, batch, keep=keep[order].to(dev), packed=row)[0]  # [N, V]
         scored = logits, rows.to(dev), t.to(dev)
     if scored is None:
         cols_dev = cols.to(dev)

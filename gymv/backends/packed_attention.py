@@ -4,12 +4,11 @@ transformers finds packed sequences from restarting position ids, but then build
 attention of a packed row of N tokens costs N^2 (a 16k-token row of ~600-token sequences: ~27x the work of
 its sequences' own blocks, more than the rest of the layer). gymv registers its own attention
 implementation, "gymv_packed", with transformers' attention and mask registries and switches a model's text
-side to it (`install`). A packed forward passes the row's cumulative sequence lengths as the keyword
-`gymv_cu_seqlens` (and its longest sequence as `gymv_max_seqlen`), which transformers hands to every
-attention call; with it, each sequence attends causally
-to itself through torch's variable-length flash kernel on CUDA (`torch.nn.attention.varlen`), else one SDPA
-call per sequence. Without it (padded batches, the shared-prefix cache path, the vision tower), the call is
-transformers' own SDPA with its own mask, so nothing else changes.
+side to it (`install`). A packed forward passes the row's segments (gymv.backends.packing) as the keyword
+`gymv_packing`, which transformers hands to every attention call; with it, each segment attends causally to
+its own keys (itself, or a shared prompt and itself) through torch's variable-length flash kernel on CUDA
+(`torch.nn.attention.varlen`), else one SDPA call per segment. Without it (padded batches, the shared-prefix
+cache path, the vision tower), the call is transformers' own SDPA with its own mask: nothing else changes.
 
 A model whose text side uses sliding windows, attention soft-capping or bidirectional spans is not switched
 (`supports` says why): transformers' dense packed mask keeps those exact.
@@ -23,8 +22,7 @@ from functools import lru_cache
 import torch
 
 NAME = "gymv_packed"
-KEYWORD = "gymv_cu_seqlens"
-MAX_KEYWORD = "gymv_max_seqlen"
+KEYWORD = "gymv_packing"  # a gymv.backends.packing.PackedAttentionArgs
 
 
 def _text_config(model):
@@ -74,20 +72,13 @@ def active(model) -> bool:
     return getattr(_text_config(model), "_attn_implementation", None) == NAME
 
 
-def forward_kwargs(lengths: torch.Tensor, device) -> dict:
-    """The keywords a packed forward passes: [0, l0, l0+l1, ...] (int32, on `device`) and the longest length."""
-    cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(device=device, dtype=torch.int32)
-    return {KEYWORD: cu, MAX_KEYWORD: int(lengths.max())}
-
-
 def packed_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                              scaling: float | None = None, **kwargs):
     """transformers' attention signature: query [1, H, N, D], key/value [1, Hkv, N, D]; returns [1, N, H, D]."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    cu = kwargs.pop(KEYWORD, None)
-    longest = kwargs.pop(MAX_KEYWORD, None)
-    if cu is None:
+    args = kwargs.pop(KEYWORD, None)
+    if args is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if query.shape[0] != 1 or attention_mask is not None:
@@ -95,18 +86,30 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
     dropout = dropout if module.training else 0.0
     out = None
     if query.is_cuda and dropout == 0.0:
-        out = _varlen(query, key, value, cu, longest, scaling)
+        out = _varlen(query, key, value, args, scaling)
     if out is None:
-        out = _per_sequence(query, key, value, cu, scaling, dropout)
+        out = _per_segment(query, key, value, args, scaling, dropout)
     return out, None
 
 
-def _per_sequence(query, key, value, cu, scaling, dropout):
+def _per_segment(query, key, value, args, scaling, dropout):
     gqa = query.shape[1] != key.shape[1]
-    bounds = cu.tolist()  # [0, end0, end1, ...]
-    parts = [torch.nn.functional.scaled_dot_product_attention(
-        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout, is_causal=True, scale=scaling,
-        enable_gqa=gqa) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    q_bounds, k_bounds = args.cu_q.tolist(), args.cu_k.tolist()
+    parts = []
+    for s in range(len(q_bounds) - 1):
+        q0, q1, k0, k1 = q_bounds[s], q_bounds[s + 1], k_bounds[s], k_bounds[s + 1]
+        if args.key_index is None:
+            k, v = key[:, :, k0:k1], value[:, :, k0:k1]
+        else:
+            idx = args.key_index[k0:k1]
+            k, v = key[:, :, idx], value[:, :, idx]
+        q = query[:, :, q0:q1]
+        lq, lk = q1 - q0, k1 - k0
+        mask = None
+        if lk != lq:  # the segment's queries are the last lq of its keys: causal, aligned bottom-right
+            mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        parts.append(torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=gqa))
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
 
 
@@ -120,12 +123,15 @@ def _varlen_kernel():
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def _varlen(query, key, value, cu, longest, scaling):
+def _varlen(query, key, value, args, scaling):
+    """Flash varlen attention; its causal mask is aligned bottom-right, as a suffix segment needs."""
     found = _varlen_kernel()
     if found is None or query.dtype not in (torch.float16, torch.bfloat16):
         return None
     fn, params = found
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D]
+    if args.key_index is not None:
+        k, v = k.index_select(0, args.key_index), v.index_select(0, args.key_index)
     kwargs: dict = {"scale": scaling}
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
@@ -139,5 +145,5 @@ def _varlen(query, key, value, cu, longest, scaling):
         kwargs["is_causal"] = True
     else:
         return None
-    out = fn(q, k.contiguous(), v.contiguous(), cu, cu, longest, longest, **kwargs)
+    out = fn(q, k.contiguous(), v.contiguous(), args.cu_q, args.cu_k, args.max_q, args.max_k, **kwargs)
     return out.unsqueeze(0)  # [1, N, H, D]

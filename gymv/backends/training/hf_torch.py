@@ -32,12 +32,15 @@ def copy_hf_files(source: str | os.PathLike, target: str | os.PathLike) -> None:
 
 class BatchLayout:
     """How one step's samples become micro-batches: padded rows (with each group's shared prompt run once where
-    the model allows it) or packed rows (every micro-batch's real tokens in one row, no padding computed).
+    the model allows it) or packed rows (every micro-batch's real tokens in one row, no padding computed;
+    with gymv's packed attention, each group's shared prompt once in the row).
 
     `packing`: True packs always (an adapter that cannot pack is refused here, at build time); False never;
-    "auto" packs when it computes fewer tokens than the shared-prefix plan would, which is always the case
-    when the model recomputes activations or is sharded (no shared prefix there). The choice is made per step
-    in `plan` and marked on each micro-batch by `collate` (`mb["packed"]`), read by the logprob function.
+    "auto" packs when it computes no more tokens than the padded shared-prefix plan would, which is always
+    the case with packed attention (it shares prompts too) or when the model recomputes activations or is
+    sharded (no shared-prefix cache there). The choice is made per step in `plan` and marked on each
+    micro-batch by `collate` (`mb["packed"]`, and `mb["prefixes"]` where prompts are shared), read by the
+    logprob function.
     """
 
     def __init__(self, adapter, model, pad_id: int, packing: bool | str = "auto"):
@@ -50,18 +53,31 @@ class BatchLayout:
                             where="training.sequence_packing", fix="set training.sequence_packing: auto or false")
         self.adapter, self.model, self.pad_id = adapter, model, pad_id
         self.packing: bool | str = False if why_not else packing
+        self.shares_in_row = False
         if self.packing is not False:
             from gymv.backends import packed_attention
 
-            packed_attention.install(model)  # where unsupported, transformers' dense packed mask is used
+            # where unsupported, transformers' dense packed mask is used, and prompts are not shared in a row
+            self.shares_in_row = packed_attention.install(model)
         self.packed = False
 
+    def _keys(self, samples) -> list:
+        from gymv.backends.logprobs import prefix_key
+
+        hashes: dict = {}
+        return [prefix_key(s["input_ids"], s["loss_mask"], s.get("images") or (), self.adapter.image_token_id, hashes)
+                for s in samples]
+
     def plan(self, samples, max_tokens: int) -> list[list[int]]:
-        from gymv.backends.logprobs import prefix_key, recomputes_activations
+        from gymv.backends.logprobs import recomputes_activations
         from gymv.backends.training.micro_batches import (plan_micro_batches, plan_packed_micro_batches,
+                                                          plan_packed_shared_micro_batches,
                                                           plan_shared_prefix_micro_batches, shared_prefix_cost)
 
         lengths = [int(s["input_ids"].shape[0]) for s in samples]
+        if self.packing is not False and self.shares_in_row:
+            self.packed = True
+            return plan_packed_shared_micro_batches(self._keys(samples), lengths, max_tokens)
         shares = not recomputes_activations(self.model)
         if self.packing is True or (self.packing == "auto" and not shares):
             self.packed = True
@@ -69,9 +85,7 @@ class BatchLayout:
         self.packed = False
         if not shares:
             return plan_micro_batches(lengths, max_tokens)
-        hashes: dict = {}
-        keys = [prefix_key(s["input_ids"], s["loss_mask"], s.get("images") or (), self.adapter.image_token_id, hashes)
-                for s in samples]
+        keys = self._keys(samples)
         plan = plan_shared_prefix_micro_batches(keys, lengths, max_tokens)
         if self.packing == "auto" and sum(lengths) <= shared_prefix_cost(plan, keys, lengths):
             self.packed = True
@@ -79,6 +93,7 @@ class BatchLayout:
         return plan
 
     def collate(self, samples):
+        from gymv.backends.logprobs import packed_prefixes
         from gymv.backends.training.micro_batches import pad_collate
 
         tensors = [{k: v for k, v in s.items() if k not in NON_TENSOR_FIELDS} for s in samples]
@@ -87,6 +102,9 @@ class BatchLayout:
         mb["where"] = [s.get("where") for s in samples]
         if self.packed:
             mb["packed"] = True
+            if self.shares_in_row and "loss_mask" in mb:
+                mb["prefixes"] = packed_prefixes(mb["input_ids"], mb["loss_mask"], mb["images"],
+                                                 self.adapter.image_token_id)
         return mb
 
 
@@ -98,7 +116,8 @@ def logprob_fn(adapter, temperature: float):
         With a teacher's top-k candidates in the batch, also the student's logprobs of them."""
         batch = MultimodalBatch(mb["input_ids"], mb["attention_mask"], mb["images"], mb["where"])
         return token_scores(model, adapter, batch, temperature, entropy=True, score_mask=mb.get("loss_mask"),
-                            gather_ids=mb.get("teacher_topk_ids"), packed=bool(mb.get("packed")))
+                            gather_ids=mb.get("teacher_topk_ids"), packed=bool(mb.get("packed")),
+                            prefixes=mb.get("prefixes"))
 
     return fn
 

@@ -63,6 +63,46 @@ def plan_packed_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[l
     return [sorted(b) for b in bins]
 
 
+def plan_packed_shared_micro_batches(prefixes: Sequence[tuple | None], lengths: Sequence[int],
+                                     max_tokens: int) -> list[list[int]]:
+    """Index lists for packed rows in which the samples of a group run their shared prefix once: a micro-batch
+    costs each distinct prefix once plus every sample's remainder (`prefixes[i]` is (length, key...) or None:
+    the whole sample), at most max_tokens. Groups in order of first appearance, each member first fit into
+    the open rows (longest remainder first), then the unshared samples, longest first; indices ascend."""
+    if max_tokens < 1:
+        raise GymvError(f"micro_batch_tokens must be >= 1, got {max_tokens}", where="training.micro_batch_tokens",
+                        fix="set training.micro_batch_tokens to a positive token count")
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(prefixes):
+        if p is not None:
+            groups.setdefault(p, []).append(i)
+    order: list[int] = []
+    for key, members in groups.items():
+        if len(members) == 1:
+            continue
+        order += sorted(members, key=lambda i: (-(lengths[i] - key[0]), i))
+    in_groups = set(order)
+    order += sorted((i for i in range(len(lengths)) if i not in in_groups), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    keys: list[set] = []
+    for i in order:
+        p = prefixes[i] if i in in_groups else None
+        for b in range(len(bins) + 1):
+            if b == len(bins):
+                bins.append([])
+                room.append(max_tokens)
+                keys.append(set())
+            cost = lengths[i] if p is None else lengths[i] - p[0] + (0 if p in keys[b] else p[0])
+            if cost <= room[b] or not bins[b]:
+                bins[b].append(i)
+                room[b] -= cost
+                if p is not None:
+                    keys[b].add(p)
+                break
+    return [sorted(b) for b in bins]
+
+
 def shared_prefix_cost(plan: Sequence[Sequence[int]], prefixes: Sequence[tuple | None], lengths: Sequence[int]) -> int:
     """Tokens a shared-prefix plan computes: per micro-batch, distinct prefixes x longest prefix + samples x
     longest remainder (prefix None: the whole padded row)."""
