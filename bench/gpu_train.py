@@ -8,7 +8,10 @@ intermediate 11008, vocab 151936, untied head). Rollouts: groups of G=8 samples 
 log-normal (median 300 tokens, clipped to 16..1536), random advantages, the GRPO clipped policy loss.
 
 Per run (backend, sequence packing on/off, activation checkpointing on/off), after one warm-up step, the
-median of the timed optimizer steps (`train_step` only: no generation, no logprob pass) gives:
+median of the timed optimizer steps (`train_step` only: no generation, no logprob pass) gives the figures
+below. Packing on: packed rows in which each group's prompt runs once (gymv.backends.packing), so the
+trainer computes the unique tokens; off: padded micro-batches (fsdp2 has no shared-prompt path there, so
+every sample's prompt is computed; torch/auto may take its shared-prompt KV-cache path instead).
   tokens_per_s         every token of every sample (what the trainer sees)
   unique_tokens_per_s  each group's shared prompt counted once
   mfu                  6 * N * D_unique / time / peak, N = the language model's non-embedding parameters
@@ -17,6 +20,7 @@ median of the timed optimizer steps (`train_step` only: no generation, no logpro
                        peak = 989e12 FLOP/s per H200 (bf16 dense) times the ranks
   mfu_all_tokens       the same with D = every token
   peak_mem_gb          torch.cuda.max_memory_allocated on rank 0
+Before the runs, `parity`: packed against padded logprobs of the same weights (bf16 autocast).
 
 --ranks N spawns N processes (NCCL on 127.0.0.1, one GPU each); the groups are split over the ranks.
 
@@ -191,6 +195,38 @@ def one_run(run, base, rank: int, world: int, device: str, steps: int, seed: int
     return out
 
 
+def parity(base, device: str, smoke: bool) -> dict:
+    """Packed rows (prompts shared in the row) against padded rows, same weights, 2 groups, bf16 autocast on
+    CUDA: the mean over scored tokens of exp(|logp_packed - logp_padded|) (1 = equal) and the largest gap."""
+    import torch
+
+    from gymv.backends import packed_attention
+    from gymv.backends.logprobs import MultimodalBatch, packed_prefixes, token_scores
+    from gymv.backends.training.micro_batches import pad_collate
+    from gymv.backends.training.samples import as_tensors
+
+    policy = build_policy(base, (SMOKE_SHAPES if smoke else SHAPES)["0.8b"], device, 1)
+    samples = [as_tensors(s) for s in rollouts(policy, 2, 7, smoke)]
+    mb = pad_collate([{k: s[k] for k in ("input_ids", "loss_mask")} for s in samples], {"input_ids": 0})
+    batch = MultimodalBatch(mb["input_ids"], mb["attention_mask"], [s["images"] for s in samples])
+    cast = torch.autocast("cuda", torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
+    with torch.no_grad(), cast:
+        padded = token_scores(policy.model, policy.adapter, batch, score_mask=mb["loss_mask"]).logp.float()
+        installed = packed_attention.install(policy.model)
+        prefixes = packed_prefixes(batch.input_ids, mb["loss_mask"], batch.images, policy.adapter.image_token_id)
+        packed = token_scores(policy.model, policy.adapter, batch, score_mask=mb["loss_mask"], packed=True,
+                              prefixes=prefixes).logp.float()
+    m = mb["loss_mask"].to(padded.device)
+    gap = (packed - padded).abs()[m]
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    out = {"mult_prob_error": float(gap.exp().mean()), "max_abs_gap": float(gap.max()), "scored": int(m.sum()),
+           "packed_attention": installed, "varlen_kernel": packed_attention._varlen_kernel() is not None,
+           "varlen_bottom_right": packed_attention._aligned_bottom_right(torch.device(device), dtype)}
+    del policy
+    gc.collect()
+    return out
+
+
 def worker(rank: int, world: int, port: int, a) -> None:
     import torch
     import torch.distributed as dist
@@ -212,6 +248,12 @@ def worker(rank: int, world: int, port: int, a) -> None:
 
     result["transformers"] = transformers.__version__
     start = time.time()
+    if rank == 0:
+        try:
+            result["parity"] = parity(base, device, smoke)
+        except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
+            result["parity"] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
+        print("parity", json.dumps(result["parity"]), flush=True)
     for run in RUNS:
         if run[0] not in shapes:
             continue

@@ -124,12 +124,39 @@ def _varlen_kernel():
 
 
 def _varlen(query, key, value, args, scaling):
-    """Flash varlen attention; its causal mask is aligned bottom-right, as a suffix segment needs."""
+    """Flash varlen attention, where this torch has it and its causal mask is aligned bottom-right, as a
+    segment whose keys start with a shared prompt needs (checked once per device and dtype)."""
     found = _varlen_kernel()
     if found is None or query.dtype not in (torch.float16, torch.bfloat16):
         return None
-    fn, params = found
+    if args.key_index is not None and not _aligned_bottom_right(query.device, query.dtype):
+        return None
+    return _call_varlen(query, key, value, args, scaling)
+
+
+@lru_cache(maxsize=None)
+def _aligned_bottom_right(device, dtype) -> bool:
+    """Whether the varlen kernel lets query i of a segment with more keys than queries see the keys up to
+    i + (keys - queries): compared once with SDPA and an explicit mask on 3 queries over 7 keys."""
+    from gymv.backends.packing import PackedAttentionArgs
+
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v = (torch.randn(1, 2, n, 64, generator=g).to(device, dtype) for n in (3, 7, 7))
+        cu_q = torch.tensor([0, 3], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, 7], dtype=torch.int32, device=device)
+        got = _call_varlen(q, k, v, PackedAttentionArgs(cu_q, None, cu_k, 3, 7), None)
+        mask = torch.ones(3, 7, dtype=torch.bool, device=device).tril(4)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+        return got is not None and bool(torch.allclose(got.float(), want.float(), atol=2e-2))
+    except Exception:  # noqa: BLE001 - no usable kernel: per-segment SDPA
+        return False
+
+
+def _call_varlen(query, key, value, args, scaling):
+    fn, params = _varlen_kernel()
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D]
+    q = q.contiguous()
     if args.key_index is not None:
         k, v = k.index_select(0, args.key_index), v.index_select(0, args.key_index)
     kwargs: dict = {"scale": scaling}
