@@ -178,6 +178,14 @@ def test_shared_packed_plan_counts_each_prompt_once_per_row():
     assert plan_packed_shared_micro_batches(prefixes, lengths, 6 + 4 + 3 + 2 + 5) == [[0, 1, 2, 3], [4]]
 
 
+def test_shared_packed_plan_cuts_a_group_too_long_for_one_row_into_pieces_that_each_repeat_the_prompt():
+    from gymv.backends.training.micro_batches import plan_packed_shared_micro_batches
+
+    prefixes = [(6, "a")] * 3 + [None]
+    lengths = [10, 9, 8, 5]  # remainders 4, 3, 2: the group costs 15, over the budget of 12
+    assert plan_packed_shared_micro_batches(prefixes, lengths, 12) == [[1, 2], [0], [3]]
+
+
 def test_auto_packing_keeps_the_shared_prefix_cache_where_packed_attention_cannot_share_prompts():
     policy = fresh_policy("tiny-llava")
     policy.model.config.text_config.sliding_window = 4096  # packed attention refuses sliding-window models

@@ -67,8 +67,9 @@ def plan_packed_shared_micro_batches(prefixes: Sequence[tuple | None], lengths: 
                                      max_tokens: int) -> list[list[int]]:
     """Index lists for packed rows in which the samples of a group run their shared prefix once: a micro-batch
     costs each distinct prefix once plus every sample's remainder (`prefixes[i]` is (length, key...) or None:
-    the whole sample), at most max_tokens. Groups in order of first appearance, each member first fit into
-    the open rows (longest remainder first), then the unshared samples, longest first; indices ascend."""
+    the whole sample), at most max_tokens. A group stays in one row where it fits (else it is cut into as few
+    pieces as fit, each with its prefix); groups and unshared samples are then placed first fit, costliest
+    first (ties in input order), so the plan is deterministic. Indices within a list ascend."""
     if max_tokens < 1:
         raise GymvError(f"micro_batch_tokens must be >= 1, got {max_tokens}", where="training.micro_batch_tokens",
                         fix="set training.micro_batch_tokens to a positive token count")
@@ -76,30 +77,35 @@ def plan_packed_shared_micro_batches(prefixes: Sequence[tuple | None], lengths: 
     for i, p in enumerate(prefixes):
         if p is not None:
             groups.setdefault(p, []).append(i)
-    order: list[int] = []
+    items: list[tuple[int, list[int]]] = []  # (cost, indices)
+    grouped: set[int] = set()
     for key, members in groups.items():
         if len(members) == 1:
             continue
-        order += sorted(members, key=lambda i: (-(lengths[i] - key[0]), i))
-    in_groups = set(order)
-    order += sorted((i for i in range(len(lengths)) if i not in in_groups), key=lambda i: (-lengths[i], i))
+        grouped.update(members)
+        piece: list[int] = []
+        cost = key[0]
+        for i in sorted(members, key=lambda i: (-(lengths[i] - key[0]), i)):
+            rest = lengths[i] - key[0]
+            if piece and cost + rest > max_tokens:
+                items.append((cost, piece))
+                piece, cost = [], key[0]
+            piece.append(i)
+            cost += rest
+        items.append((cost, piece))
+    items += [(lengths[i], [i]) for i in range(len(lengths)) if i not in grouped]
+    items.sort(key=lambda item: (-item[0], min(item[1])))
     bins: list[list[int]] = []
     room: list[int] = []
-    keys: list[set] = []
-    for i in order:
-        p = prefixes[i] if i in in_groups else None
-        for b in range(len(bins) + 1):
-            if b == len(bins):
-                bins.append([])
-                room.append(max_tokens)
-                keys.append(set())
-            cost = lengths[i] if p is None else lengths[i] - p[0] + (0 if p in keys[b] else p[0])
-            if cost <= room[b] or not bins[b]:
-                bins[b].append(i)
+    for cost, members in items:
+        for b, free in enumerate(room):
+            if cost <= free:
+                bins[b] += members
                 room[b] -= cost
-                if p is not None:
-                    keys[b].add(p)
                 break
+        else:
+            bins.append(list(members))
+            room.append(max_tokens - cost)
     return [sorted(b) for b in bins]
 
 
