@@ -221,7 +221,7 @@ def parity(base, device: str, smoke: bool) -> dict:
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     out = {"mult_prob_error": float(gap.exp().mean()), "max_abs_gap": float(gap.max()), "scored": int(m.sum()),
            "packed_attention": installed, "varlen_kernel": packed_attention._varlen_kernel() is not None,
-           "varlen_bottom_right": packed_attention._aligned_bottom_right(torch.device(device), dtype)}
+           "varlen_checks": packed_attention._varlen_checks(torch.device(device), dtype)}
     del policy
     gc.collect()
     return out

@@ -124,33 +124,51 @@ def _varlen_kernel():
 
 
 def _varlen(query, key, value, args, scaling):
-    """Flash varlen attention, where this torch has it and its causal mask is aligned bottom-right, as a
-    segment whose keys start with a shared prompt needs (checked once per device and dtype)."""
+    """Flash varlen attention where this torch has a kernel that passed the one-time check on this device and
+    dtype (`_varlen_checks`); a segment whose keys start with a shared prompt also needs its causal mask
+    aligned bottom-right. None: use per-segment SDPA."""
     found = _varlen_kernel()
     if found is None or query.dtype not in (torch.float16, torch.bfloat16):
         return None
-    if args.key_index is not None and not _aligned_bottom_right(query.device, query.dtype):
+    square, bottom_right = _varlen_checks(query.device, query.dtype)
+    if not square or (args.key_index is not None and not bottom_right):
         return None
     return _call_varlen(query, key, value, args, scaling)
 
 
 @lru_cache(maxsize=None)
-def _aligned_bottom_right(device, dtype) -> bool:
-    """Whether the varlen kernel lets query i of a segment with more keys than queries see the keys up to
-    i + (keys - queries): compared once with SDPA and an explicit mask on 3 queries over 7 keys."""
+def _varlen_checks(device, dtype) -> tuple[bool, bool]:
+    """(the kernel runs forward and backward and matches SDPA on two causal sequences, and it lets query i of
+    a segment with more keys than queries see the keys up to i + keys - queries), each compared once with
+    SDPA on small random inputs (3 queries over 7 keys for the second)."""
     from gymv.backends.packing import PackedAttentionArgs
 
+    def close(got, want) -> bool:
+        return got is not None and bool(torch.allclose(got.float(), want.float(), atol=2e-2))
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 7, 64, generator=g).to(device, dtype) for _ in range(3))
     try:
-        g = torch.Generator(device="cpu").manual_seed(0)
-        q, k, v = (torch.randn(1, 2, n, 64, generator=g).to(device, dtype) for n in (3, 7, 7))
+        q.requires_grad_(True)
+        cu = torch.tensor([0, 3, 7], dtype=torch.int32, device=device)
+        got = _call_varlen(q, k[:, :2], v[:, :2], PackedAttentionArgs(cu, None, cu, 4, 4), None)
+        got.float().sum().backward()
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        want = torch.cat([sdpa(q[:, :, a:b], k[:, :2, a:b], v[:, :2, a:b], is_causal=True, enable_gqa=True)
+                          for a, b in ((0, 3), (3, 7))], dim=2).transpose(1, 2)
+        square = close(got, want) and q.grad is not None and bool(torch.isfinite(q.grad).all())
+    except Exception:  # noqa: BLE001 - no usable kernel here: per-segment SDPA
+        return False, False
+    try:
+        q3 = q.detach()[:, :, :3]
         cu_q = torch.tensor([0, 3], dtype=torch.int32, device=device)
         cu_k = torch.tensor([0, 7], dtype=torch.int32, device=device)
-        got = _call_varlen(q, k, v, PackedAttentionArgs(cu_q, None, cu_k, 3, 7), None)
+        got = _call_varlen(q3, k, v, PackedAttentionArgs(cu_q, None, cu_k, 3, 7), None)
         mask = torch.ones(3, 7, dtype=torch.bool, device=device).tril(4)
-        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
-        return got is not None and bool(torch.allclose(got.float(), want.float(), atol=2e-2))
-    except Exception:  # noqa: BLE001 - no usable kernel: per-segment SDPA
-        return False
+        want = torch.nn.functional.scaled_dot_product_attention(q3, k, v, attn_mask=mask).transpose(1, 2)
+        return square, close(got, want)
+    except Exception:  # noqa: BLE001
+        return square, False
 
 
 def _call_varlen(query, key, value, args, scaling):
@@ -159,7 +177,11 @@ def _call_varlen(query, key, value, args, scaling):
     q = q.contiguous()
     if args.key_index is not None:
         k, v = k.index_select(0, args.key_index), v.index_select(0, args.key_index)
-    kwargs: dict = {"scale": scaling}
+    kwargs: dict = {}
+    if scaling is not None and "scale" in params:
+        kwargs["scale"] = scaling
+    elif scaling is not None and abs(scaling - q.shape[-1] ** -0.5) > 1e-6:
+        return None  # this kernel cannot take the model's scale
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
