@@ -93,7 +93,7 @@ def _backend(arch, packing):
     return HFTorchBackend(policy, setup, device="cpu")
 
 
-@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-llava"])
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-llava", "tiny-qwen2_5vl"])
 def test_a_packed_training_step_equals_the_padded_step(arch):
     from gymv.algorithms.loss_fns import PolicyLoss
 
@@ -106,7 +106,7 @@ def test_a_packed_training_step_equals_the_padded_step(arch):
         assert backend.trainer.plan_fn.__self__.packed is packing
         results[packing] = metrics, {k: v.clone() for k, v in backend.named_weights()}
     (m0, w0), (m1, w1) = results[False], results[True]
-    assert m1["train/num_micro_batches"] < m0["train/num_micro_batches"]  # no padding: fewer rows per budget
+    assert m1["train/num_micro_batches"] <= m0["train/num_micro_batches"]  # no padding: never more rows
     assert m1["train/loss"] == pytest.approx(m0["train/loss"], abs=1e-5)
     assert m1["train/grad_norm"] == pytest.approx(m0["train/grad_norm"], rel=1e-4)
     for k in w0:
@@ -199,10 +199,27 @@ def test_auto_packing_keeps_the_shared_prefix_cache_where_packed_attention_canno
     assert layout.packed is True
 
 
-def test_a_grid_model_refuses_packing_with_the_reason():
-    with pytest.raises(GymvError, match="multi-dimensional"):
-        _backend("tiny-qwen2vl", True)
-    assert _backend("tiny-qwen2vl", "auto").trainer.plan_fn.__self__.packing is False
+def test_gemma3_refuses_packing_with_the_reason():
+    with pytest.raises(GymvError, match="extra per-token inputs"):
+        _backend("tiny-gemma3", True)
+    assert _backend("tiny-gemma3", "auto").trainer.plan_fn.__self__.packing is False
+
+
+@pytest.mark.parametrize("arch", ["tiny-qwen2vl", "tiny-qwen2_5vl"])
+def test_a_grid_model_packs_with_its_own_3d_positions_and_shared_prompts(arch):
+    from gymv.backends import packed_attention
+    from gymv.backends.logprobs import packed_prefixes
+
+    policy = fresh_policy(arch)
+    samples = _group(policy, 3, seed=41) + _samples(policy, [[noise(8)], [], [solid("red"), noise(9)]], seed=6)
+    batch, loss_mask = _batch(samples, policy.tokenizer.pad_token_id or 0)
+    padded = token_scores(policy.model, policy.adapter, batch, score_mask=loss_mask).logp
+    assert packed_attention.install(policy.model)
+    prefixes = packed_prefixes(batch.input_ids, loss_mask, batch.images, policy.adapter.image_token_id)
+    for share in (None, prefixes):
+        packed = token_scores(policy.model, policy.adapter, batch, score_mask=loss_mask, packed=True,
+                              prefixes=share).logp
+        torch.testing.assert_close(packed, padded, atol=ATOL, rtol=0)
 
 
 def test_packed_attention_computes_each_sequence_alone_and_leaves_padded_batches_to_sdpa():

@@ -73,12 +73,14 @@ def _forward_kwargs(adapter, input_ids) -> dict:
     return fn(input_ids) if fn is not None else {}
 
 
-def packable(adapter: MultimodalAdapter) -> str | None:
-    """None when the adapter's rows can be packed into one row (1-D positions restarting at 0 per sequence,
-    no extra model inputs); else why not, for the error that refuses packing."""
+def packable(adapter: MultimodalAdapter, packed_attention: bool = False) -> str | None:
+    """None when the adapter's rows can be packed into one row (no extra model inputs; positions of its own,
+    such as 3-D rotary ones, only with gymv's packed attention, which confines attention to each sequence
+    without reading positions); else why not, for the error that refuses packing."""
     cls = type(adapter)
-    if cls.position_ids is not MultimodalAdapter.position_ids:
-        return f"the {adapter.style} processor style computes its own (multi-dimensional) positions"
+    if cls.position_ids is not MultimodalAdapter.position_ids and not packed_attention:
+        return (f"the {adapter.style} processor style computes its own (multi-dimensional) positions, which "
+                "only gymv's packed attention can pack, and this model cannot use it")
     if cls.forward_kwargs is not MultimodalAdapter.forward_kwargs:
         return f"the {adapter.style} processor style passes extra per-token inputs (bidirectional image attention)"
     if cls.feature_inputs is not MultimodalAdapter.feature_inputs:
@@ -100,10 +102,22 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
     if packed is not None:
         from gymv.backends import packed_attention
 
-        feats = _image_features(model, adapter, packed.images)[0] if packed.images else []
+        if type(adapter).position_ids is MultimodalAdapter.position_ids:
+            feats = _image_features(model, adapter, packed.images)[0] if packed.images else []
+            positions = packed.positions.to(dev)[None]  # 1-D: each sequence counts from 0
+        else:  # the adapter's own positions (3-D rotary) of the padded rows, taken at each packed token
+            flat = [im for row in batch.images for im in row]
+            feats, grid = _image_features(model, adapter, flat) if flat else ([], None)
+            first = [0]
+            for row in batch.images:
+                first.append(first[-1] + len(row))
+            feats = [feats[j] for b in packed.image_rows for j in range(first[b], first[b + 1])]
+            rows, cols = packed.source_rows.to(dev), packed.positions.to(dev)
+            padded = adapter.position_ids(model, batch.input_ids.to(dev), batch.attention_mask.to(dev), grid)
+            positions = padded[..., rows, cols].unsqueeze(-2)  # [..., 1, N]
         extra = {packed_attention.KEYWORD: packed.attention_args(dev)} if packed_attention.active(model) else {}
         logits = forward_logits(model, input_ids=packed.input_ids.to(dev)[None], attention_mask=None,
-                                position_ids=packed.positions.to(dev)[None], image_token_id=adapter.image_token_id,
+                                position_ids=positions, image_token_id=adapter.image_token_id,
                                 features=feats, logits_to_keep=keep, extra=extra, adapter=adapter)
         if keep is not None and logits.shape[1] != keep.numel():
             logits = logits[:, keep.to(logits.device)]

@@ -47,18 +47,18 @@ class BatchLayout:
         from gymv.backends.logprobs import packable
         from gymv.errors import GymvError
 
-        why_not = packable(adapter)
+        from gymv.backends import packed_attention
+
+        # where packed attention is unsupported, transformers' dense packed mask confines attention instead
+        # (1-D positions only), and prompts are not shared in a row
+        installable = packed_attention.supports(model) is None
+        why_not = packable(adapter, installable)
         if packing is True and why_not:
             raise GymvError(f"sequence packing is not supported for this model: {why_not}",
                             where="training.sequence_packing", fix="set training.sequence_packing: auto or false")
         self.adapter, self.model, self.pad_id = adapter, model, pad_id
         self.packing: bool | str = False if why_not else packing
-        self.shares_in_row = False
-        if self.packing is not False:
-            from gymv.backends import packed_attention
-
-            # where unsupported, transformers' dense packed mask is used, and prompts are not shared in a row
-            self.shares_in_row = packed_attention.install(model)
+        self.shares_in_row = self.packing is not False and packed_attention.install(model)
         self.packed = False
 
     def _keys(self, samples) -> list:
