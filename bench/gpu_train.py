@@ -11,7 +11,8 @@ Per run (backend, sequence packing on/off, activation checkpointing on/off), aft
 median of the timed optimizer steps (`train_step` only: no generation, no logprob pass) gives the figures
 below. Packing on: packed rows in which each group's prompt runs once (gymv.backends.packing), so the
 trainer computes the unique tokens; off: padded micro-batches (fsdp2 has no shared-prompt path there, so
-every sample's prompt is computed; torch/auto may take its shared-prompt KV-cache path instead).
+every sample's prompt is computed; torch runs each group's prompt once and its completions on that KV
+cache, padded to the longest: the path before packing).
   tokens_per_s         every token of every sample (what the trainer sees)
   unique_tokens_per_s  each group's shared prompt counted once
   mfu                  6 * N * D_unique / time / peak, N = the language model's non-embedding parameters
@@ -67,7 +68,7 @@ RUNS = [  # most telling first: a run that would start after --budget-s is skipp
     ("0.8b", "fsdp2", False, False, 16),
     ("3b", "fsdp2", True, True, 8),
     ("0.8b", "fsdp2", True, True, 16),
-    ("0.8b", "torch", "auto", False, 16),
+    ("0.8b", "torch", False, False, 16),  # padded, each group's prompt once through its KV cache: the old path
     ("0.8b", "torch", True, False, 16),
     ("0.8b", "fsdp2", False, True, 16),
     ("3b", "fsdp2", True, False, 8),
