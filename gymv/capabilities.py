@@ -18,7 +18,6 @@ NOT_WIRED: dict[str, dict[Any, str]] = {
     "training.backend": {"megatron": "the Megatron-core training backend is not wired into gymv train yet"},
     "mopd.teachers.*.backend": {
         "megatron": "Megatron-core teachers are not wired into gymv train yet",
-        "vllm": "vLLM teachers are not wired into gymv train yet",
     },
     "vision.dedup_payloads": {False: "the generation backend always encodes an image shared by a group once"},
 }

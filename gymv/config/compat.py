@@ -216,7 +216,7 @@ def _parallel_backend(cfg: RecipeBase) -> Iterator[Finding]:
                    "set cluster.gpus_per_node, or the parallel sizes to 1")
 
 
-@rule("backend.needs-gpu", "megatron (and vLLM teachers) run on GPUs only; vLLM generation also runs on CPU")
+@rule("backend.needs-gpu", "megatron (trainer and teachers) runs on GPUs only; vLLM generation and teachers also run on CPU")
 def _backend_gpu(cfg: RecipeBase) -> Iterator[Finding]:
     if total_gpus(cfg) > 0:
         return
@@ -225,7 +225,7 @@ def _backend_gpu(cfg: RecipeBase) -> Iterator[Finding]:
                    "use training.backend: torch on CPU")
     m = _mopd(cfg)
     for alias, t in (m.teachers.items() if m else ()):
-        if t.backend in ("vllm", "megatron"):
+        if t.backend == "megatron":
             yield _err("backend.needs-gpu", f"mopd.teachers.{alias}.backend",
                        f"teacher {alias!r} uses backend {t.backend}, which needs GPUs", "use backend: torch on CPU")
 
