@@ -1,10 +1,11 @@
 """GRPO training throughput of the fsdp2 backend: the trainer alone, on synthetic rollouts, per layout.
 
-Builds LLaVA-shaped models in memory on the device (random init; the vision tower, tokenizer and processor of
-a locally written tiny LLaVA): `0.8b` is the language shape of gpu_decode.py (hidden 2048, 16 layers,
-vocab 1024), `3b` the language config of Qwen2.5-VL-3B (hidden 2048, 36 layers, 16 heads, 2 KV heads,
-intermediate 11008, vocab 151936, untied head). Rollouts: groups of G=8 samples sharing a prompt (one
-224x224 image, 256 image tokens, plus chat text of varying length) with response lengths drawn from a
+Builds models in memory on the device (random init; tokenizer, processor and chat template of a locally
+written tiny checkpoint of the family): `0.8b` is the LLaVA shape of gpu_decode.py (hidden 2048, 16 layers,
+vocab 1024, its 4-layer CLIP tower), `3b` a LLaVA with the language config of Qwen2.5-VL-3B (hidden 2048,
+36 layers, 16 heads, 2 KV heads, intermediate 11008, vocab 151936, untied head), `7b` Qwen2.5-VL-7B's own
+config (language and vision tower; 3-D rotary positions). Rollouts: groups of G=8 samples sharing a prompt
+(one image of 256 image tokens, plus chat text of varying length) with response lengths drawn from a
 log-normal (median 300 tokens, clipped to 16..1536), random advantages, the GRPO clipped policy loss.
 
 Per run (backend, sequence packing on/off, activation checkpointing on/off), after one warm-up step, the
@@ -25,7 +26,7 @@ Before the runs, `parity`: packed against padded logprobs of the same weights (b
 
 --ranks N spawns N processes (NCCL on 127.0.0.1, one GPU each); the groups are split over the ranks.
 
-Usage: python bench/gpu_train.py --out DIR [--shapes 0.8b,3b] [--ranks 1] [--steps 3] [--budget-s 170]
+Usage: python bench/gpu_train.py --out DIR [--shapes 0.8b,3b,7b] [--ranks 1] [--steps 3] [--budget-s 170]
        python bench/gpu_train.py --out DIR --cpu-smoke     (tiny shapes, fp32, CPU: checks the script)
 """
 
@@ -47,31 +48,49 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PEAK_FLOPS = 989e12  # H200 bf16 dense, per GPU
-VISION = dict(vision_hidden=256, vision_layers=4, vision_heads=4, image_size=224, patch_size=14)
+# the base checkpoints (tokenizer, processor, chat template; tiny text model) every shape of a family builds on
+BASES = {
+    "llava": dict(vision_hidden=256, vision_layers=4, vision_heads=4, image_size=224, patch_size=14),
+    "qwen2_5vl": dict(vision_hidden=64, vision_layers=2, vision_heads=4, image_size=448, patch_size=14),
+}
+SMOKE_BASES = {
+    "llava": dict(vision_hidden=32, vision_layers=1, vision_heads=4, image_size=56, patch_size=14),
+    "qwen2_5vl": dict(vision_hidden=32, vision_layers=2, vision_heads=4, image_size=56, patch_size=14),
+}
+IMAGE_SIDE = {"llava": 224, "qwen2_5vl": 448}  # 256 image tokens each (Qwen2.5-VL: 32x32 patches merged 2x2)
+# shape -> (family, text config, vision config overrides)
 SHAPES = {
-    "0.8b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
-                 intermediate_size=5632, vocab_size=1024),
-    "3b": dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
-               intermediate_size=11008, vocab_size=151936),
+    "0.8b": ("llava", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                           intermediate_size=5632, vocab_size=1024), {}),
+    "3b": ("llava", dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                         intermediate_size=11008, vocab_size=151936), {}),
+    # Qwen2.5-VL-7B-Instruct's config (random init)
+    "7b": ("qwen2_5vl", dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                             intermediate_size=18944, vocab_size=152064, mrope_section=[16, 24, 24]),
+           dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                window_size=112, fullatt_block_indexes=[7, 15, 23, 31])),
 }
 SMOKE_SHAPES = {
-    "0.8b": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=1024),
-    "3b": dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
-               intermediate_size=160, vocab_size=2048),
+    "0.8b": ("llava", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=128, vocab_size=1024), {}),
+    "3b": ("llava", dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+                         intermediate_size=160, vocab_size=2048), {}),
+    "7b": ("qwen2_5vl", dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=160, vocab_size=2048, mrope_section=[2, 3, 3]),
+           dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64)),
 }
-SMOKE_VISION = dict(vision_hidden=32, vision_layers=1, vision_heads=4, image_size=56, patch_size=14)
 GROUP = 8
-# (shape, backend, sequence_packing, gradient_checkpointing, groups per step)
+# (shape, backend, sequence_packing, gradient_checkpointing, groups per step and rank)
 RUNS = [  # most telling first: a run that would start after --budget-s is skipped
     ("0.8b", "fsdp2", True, False, 16),
     ("0.8b", "fsdp2", False, False, 16),
     ("3b", "fsdp2", True, True, 8),
+    ("7b", "fsdp2", True, True, 6),
+    ("7b", "fsdp2", False, True, 6),
     ("0.8b", "fsdp2", True, True, 16),
     ("0.8b", "torch", False, False, 16),  # padded, each group's prompt once through its KV cache: the old path
     ("0.8b", "torch", True, False, 16),
     ("0.8b", "fsdp2", False, True, 16),
-    ("3b", "fsdp2", True, False, 8),
 ]
 
 
@@ -83,7 +102,8 @@ def rollouts(policy, groups: int, seed: int, smoke: bool) -> list[dict]:
     from gymv.backends.training.samples import training_sample
 
     rng = np.random.default_rng(seed)
-    side = policy.adapter.image_processor.crop_size["height"] if smoke else 224
+    family = "qwen2_5vl" if policy.adapter.style == "grid" else "llava"
+    side = SMOKE_BASES[family]["image_size"] if smoke else IMAGE_SIDE[family]
     forbidden = set(policy.adapter.vision_token_ids)
     vocab = [t for t in range(3, len(policy.tokenizer)) if t not in forbidden]
     out = []
@@ -105,20 +125,31 @@ def rollouts(policy, groups: int, seed: int, smoke: bool) -> list[dict]:
     return out
 
 
-def build_policy(base, shape: dict, device: str, seed: int):
-    """`base` with its language model replaced by a random one of `shape` on `device` (fp32 master weights)."""
+def build_policy(bases: dict, shape_name: str, device: str, seed: int, smoke: bool):
+    """The family's base policy with its model replaced by a random one of the shape, built on `device`
+    (fp32 master weights)."""
     import copy
 
     import torch
-    from transformers import LlavaForConditionalGeneration
+    import transformers
 
+    family, text, vision = (SMOKE_SHAPES if smoke else SHAPES)[shape_name]
+    base = bases[family]
     config = copy.deepcopy(base.model.config)
-    for k, v in shape.items():
-        setattr(config.text_config, k, v)
-    config.text_config.head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    for k, v in text.items():
+        if k == "mrope_section":
+            config.text_config.rope_parameters["mrope_section"] = v
+        else:
+            setattr(config.text_config, k, v)
+    config.text_config.head_dim = text["hidden_size"] // text["num_attention_heads"]
+    if getattr(config.text_config, "layer_types", None) is not None:
+        config.text_config.layer_types = ["full_attention"] * text["num_hidden_layers"]
+    for k, v in vision.items():
+        setattr(config.vision_config, k, v)
+    cls = getattr(transformers, type(base.model).__name__)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlavaForConditionalGeneration(config).float()
+        model = cls(config).float()
     return dataclasses.replace(base, model=model)
 
 
@@ -131,7 +162,7 @@ def param_counts(model) -> dict:
     return {"decoder": decoder, "embedding": embed, "head": head, "vision": vision}
 
 
-def one_run(run, base, rank: int, world: int, device: str, steps: int, seed: int, smoke: bool) -> dict:
+def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, seed: int, smoke: bool) -> dict:
     import torch
 
     from gymv.algorithms.loss_fns import PolicyLoss
@@ -142,8 +173,7 @@ def one_run(run, base, rank: int, world: int, device: str, steps: int, seed: int
 
     shape_name, backend_name, packing, ckpt, groups = run
     groups = 2 if smoke else groups
-    shape = (SMOKE_SHAPES if smoke else SHAPES)[shape_name]
-    policy = build_policy(base, shape, device, seed)
+    policy = build_policy(base, shape_name, device, seed, smoke)
     counts = param_counts(policy.model)
     if ckpt:
         policy.model.gradient_checkpointing_enable()
@@ -196,7 +226,7 @@ def one_run(run, base, rank: int, world: int, device: str, steps: int, seed: int
     return out
 
 
-def parity(base, device: str, smoke: bool) -> dict:
+def parity(base: dict, device: str, smoke: bool) -> dict:
     """Packed rows (prompts shared in the row) against padded rows, same weights, 2 groups, bf16 autocast on
     CUDA: the mean over scored tokens of exp(|logp_packed - logp_padded|) (1 = equal) and the largest gap."""
     import torch
@@ -206,7 +236,7 @@ def parity(base, device: str, smoke: bool) -> dict:
     from gymv.backends.training.micro_batches import pad_collate
     from gymv.backends.training.samples import as_tensors
 
-    policy = build_policy(base, (SMOKE_SHAPES if smoke else SHAPES)["0.8b"], device, 1)
+    policy = build_policy(base, "0.8b", device, 1, smoke)
     samples = [as_tensors(s) for s in rollouts(policy, 2, 7, smoke)]
     mb = pad_collate([{k: s[k] for k in ("input_ids", "loss_mask")} for s in samples], {"input_ids": 0})
     batch = MultimodalBatch(mb["input_ids"], mb["attention_mask"], [s["images"] for s in samples])
@@ -241,7 +271,7 @@ def worker(rank: int, world: int, port: int, a) -> None:
     if world > 1:
         dist.init_process_group("gloo" if smoke else "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
-    base = load_policy(a.out / "base", device="cpu", dtype=torch.float32)
+    base = {family: load_policy(a.out / f"base-{family}", device="cpu", dtype=torch.float32) for family in BASES}
     shapes = a.shapes.split(",")
     result = {"device": "cpu" if smoke else torch.cuda.get_device_name(rank), "torch": torch.__version__,
               "ranks": world, "peak_flops_per_gpu": PEAK_FLOPS, "runs": []}
@@ -249,7 +279,7 @@ def worker(rank: int, world: int, port: int, a) -> None:
 
     result["transformers"] = transformers.__version__
     start = time.time()
-    if rank == 0:
+    if rank == 0 and not a.no_parity:
         try:
             result["parity"] = parity(base, device, smoke)
         except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
@@ -293,6 +323,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=170.0, help="start no new run after this many seconds")
     ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--no-parity", action="store_true", help="skip the packed-vs-padded logprob check")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -301,11 +332,13 @@ def main() -> None:
 
         if not torch.cuda.is_available():
             sys.exit("no CUDA device: this benchmark needs a GPU (or --cpu-smoke)")
-    from gymv.models.tiny import init_tiny_llava
+    from gymv.models.tiny import init_tiny_llava, init_tiny_qwen2vl
 
-    # the tokenizer, processor and vision tower every shape shares (each run replaces the language model)
-    init_tiny_llava(a.out / "base", force=True, hidden=64, layers=1, heads=4, kv_heads=2, intermediate=128,
-                    **(SMOKE_VISION if a.cpu_smoke else VISION))
+    # the tokenizer, processor and chat template every shape of a family shares (each run builds its model)
+    bases = SMOKE_BASES if a.cpu_smoke else BASES
+    small = dict(force=True, hidden=64, layers=1, heads=4, kv_heads=2, intermediate=128)
+    init_tiny_llava(a.out / "base-llava", **small, **bases["llava"])
+    init_tiny_qwen2vl(a.out / "base-qwen2_5vl", arch="tiny-qwen2_5vl", **small, **bases["qwen2_5vl"])
     if a.ranks == 1:
         worker(0, 1, 0, a)
         return
