@@ -162,7 +162,8 @@ def param_counts(model) -> dict:
     return {"decoder": decoder, "embedding": embed, "head": head, "vision": vision}
 
 
-def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, seed: int, smoke: bool) -> dict:
+def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, seed: int, smoke: bool,
+            profile: bool = False) -> dict:
     import torch
 
     from gymv.algorithms.loss_fns import PolicyLoss
@@ -202,6 +203,23 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
             torch.cuda.synchronize()
         if step > 0:
             times.append(time.perf_counter() - t0)
+    if profile and rank == 0:  # one more step, profiled: where a step's time goes (not in the figures)
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+        batch = [as_tensors(dict(s)) for s in mine]
+        with torch_profile(activities=activities) as prof:
+            backend.train_step(batch, loss)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+        averages = prof.key_averages()
+        key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+        print(f"profile of one step of {list(run)}, by {key}:", flush=True)
+        print(averages.table(sort_by=key, row_limit=18, max_name_column_width=60), flush=True)
+        print("by cpu_time_total:", flush=True)
+        print(averages.table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=60), flush=True)
+    elif profile and world > 1:
+        backend.train_step([as_tensors(dict(s)) for s in mine], loss)  # rank 0's profiled step is collective
     t = statistics.median(times)
     flops = 6 * counts["decoder"] * unique + 6 * counts["head"] * generated
     flops_all = 6 * counts["decoder"] * total + 6 * counts["head"] * generated
@@ -285,6 +303,7 @@ def worker(rank: int, world: int, port: int, a) -> None:
         except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
             result["parity"] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
         print("parity", json.dumps(result["parity"]), flush=True)
+    profiled = False
     for run in RUNS:
         if run[0] not in shapes:
             continue
@@ -292,7 +311,9 @@ def worker(rank: int, world: int, port: int, a) -> None:
             row = {"run": list(run), "error": "skipped: time budget"}
         else:
             try:
-                row = one_run(run, base, rank, world, device, a.steps, a.seed, smoke)
+                row = one_run(run, base, rank, world, device, a.steps, a.seed, smoke,
+                              profile=a.profile and not profiled)
+                profiled = True
             except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
                 row = {"run": list(run), "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
                 gc.collect()
@@ -324,6 +345,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=170.0, help="start no new run after this many seconds")
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--no-parity", action="store_true", help="skip the packed-vs-padded logprob check")
+    ap.add_argument("--profile", action="store_true", help="print a profile of one extra step of the first run")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
