@@ -205,6 +205,7 @@ def test_gemma3_refuses_packing_with_the_reason():
     assert _backend("tiny-gemma3", "auto").trainer.plan_fn.__self__.packing is False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["tiny-qwen2vl", "tiny-qwen2_5vl"])
 def test_a_grid_model_packs_with_its_own_3d_positions_and_shared_prompts(arch):
     from gymv.backends import packed_attention
