@@ -246,3 +246,18 @@ def test_the_config_key_takes_auto_true_or_false_and_refuses_anything_else():
     assert TrainingSection(sequence_packing=True).sequence_packing is True
     with pytest.raises(ValidationError):
         TrainingSection(sequence_packing="sometimes")
+
+
+def test_a_packed_forward_whose_attention_never_gets_the_packing_arguments_is_refused():
+    from gymv.backends import packed_attention
+
+    policy = fresh_policy("tiny-llama")
+    assert packed_attention.install(policy.model)
+    samples = _samples(policy, [[]] * 3, seed=9)
+    batch, loss_mask = _batch(samples, policy.tokenizer.pad_token_id or 0)
+    for layer in policy.model.model.layers:  # a model whose layers drop the keywords they do not know
+        forward = layer.self_attn.forward
+        layer.self_attn.forward = lambda *a, _f=forward, **kw: _f(*a, **{k: v for k, v in kw.items()
+                                                                        if k != packed_attention.KEYWORD})
+    with pytest.raises(GymvError, match="sequence_packing: false"):
+        token_scores(policy.model, policy.adapter, batch, score_mask=loss_mask, packed=True)

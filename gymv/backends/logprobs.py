@@ -115,10 +115,14 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
             rows, cols = packed.source_rows.to(dev), packed.positions.to(dev)
             padded = adapter.position_ids(model, batch.input_ids.to(dev), batch.attention_mask.to(dev), grid)
             positions = padded[..., rows, cols].unsqueeze(-2)  # [..., 1, N]
-        extra = {packed_attention.KEYWORD: packed.attention_args(dev)} if packed_attention.active(model) else {}
+        active = packed_attention.active(model)
+        extra = {packed_attention.KEYWORD: packed.attention_args(dev)} if active else {}
+        before = packed_attention.calls
         logits = forward_logits(model, input_ids=packed.input_ids.to(dev)[None], attention_mask=None,
                                 position_ids=positions, image_token_id=adapter.image_token_id,
                                 features=feats, logits_to_keep=keep, extra=extra, adapter=adapter)
+        if active:
+            packed_attention.check_reached(before)
         if keep is not None and logits.shape[1] != keep.numel():
             logits = logits[:, keep.to(logits.device)]
         return logits

@@ -23,6 +23,7 @@ import torch
 
 NAME = "gymv_packed"
 KEYWORD = "gymv_packing"  # a gymv.backends.packing.PackedAttentionArgs
+calls = 0  # packed attention calls so far: a packed forward that adds none never reached it (see check_reached)
 
 
 def _text_config(model):
@@ -77,12 +78,14 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
     """transformers' attention signature: query [1, H, N, D], key/value [1, Hkv, N, D]; returns [1, N, H, D]."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    global calls
     args = kwargs.pop(KEYWORD, None)
     if args is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if query.shape[0] != 1 or attention_mask is not None:
         raise RuntimeError("packed attention expects one packed row and no attention mask")
+    calls += 1
     dropout = dropout if module.training else 0.0
     out = None
     if query.is_cuda and dropout == 0.0:
@@ -196,3 +199,14 @@ def _call_varlen(query, key, value, args, scaling):
         return None
     out = fn(q, k.contiguous(), v.contiguous(), args.cu_q, args.cu_k, args.max_q, args.max_k, **kwargs)
     return out.unsqueeze(0)  # [1, N, H, D]
+
+
+def check_reached(before: int) -> None:
+    """Refuse a packed forward whose attention layers never got the packing keyword (a model that does not
+    pass keywords through to attention would otherwise attend across the packed sequences, silently)."""
+    if calls == before:
+        from gymv.errors import GymvError
+
+        raise GymvError("this model's attention layers did not receive gymv's packing arguments, so its "
+                        "sequences cannot be packed safely", where="training.sequence_packing",
+                        fix="set training.sequence_packing: false")
