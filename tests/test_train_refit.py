@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 import pytest
 import torch
@@ -51,6 +52,48 @@ def test_a_sender_takes_weights_streamed_as_name_tensor_pairs_like_a_state_dict(
     sender, receiver = make_sender("object_store", torch.float32, "cpu"), make_receiver("object_store", "cpu")
     got = receiver.receive(sender.publish((name, t) for name, t in sd.items()))  # a trainer's named_weights()
     assert weights_hash(got) == weights_hash(sd) and dict(sender.layout.aliases) == {"head.weight": "embed.weight"}
+
+
+def _gathered(sd, alive: list):
+    """(name, tensor) pairs as a sharded trainer yields them: each a fresh tensor (a gather); before making
+    the next one, count how many earlier ones are still alive."""
+    refs = []
+    for name, t in sd.items():
+        alive.append(sum(r() is not None for r in refs))
+        fresh = t.clone()
+        refs.append(weakref.ref(fresh))
+        yield name, fresh
+        del fresh
+
+
+@pytest.mark.parametrize("transport", ["object_store", "shm"])
+def test_after_the_first_refit_gathered_weights_are_copied_in_one_at_a_time(transport):
+    sender, receiver = make_sender(transport, torch.bfloat16, "cpu"), make_receiver(transport, "cpu")
+    try:
+        receiver.receive(sender.publish(_state()))  # the first refit makes the layout
+        alive: list[int] = []
+        sd = {k: v for k, v in _state(seed=1).items() if k != "head.weight"}  # a gather yields a tied name once
+        got = receiver.receive(sender.publish(_gathered(sd, alive)))
+        assert max(alive) == 0  # no earlier gathered tensor outlives its copy into the buffer
+        assert weights_hash(got) == weights_hash(_state(seed=1), torch.bfloat16)
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_a_streamed_refit_whose_weights_changed_shape_is_refused():
+    sender = make_sender("object_store", torch.float32, "cpu")
+    sender.publish(_state())
+    changed = dict(_state(), **{"layer.bias": torch.zeros(4)})
+    with pytest.raises(GymvError, match="layer.bias"):
+        sender.publish(iter(changed.items()))
+
+
+def test_a_streamed_refit_missing_a_weight_is_refused():
+    sender = make_sender("object_store", torch.float32, "cpu")
+    sender.publish(_state())
+    with pytest.raises(GymvError, match="never arrived"):
+        sender.publish(iter([(k, v) for k, v in _state().items() if k != "layer.weight"]))
 
 
 def test_collective_transport_broadcasts_over_its_own_process_group():

@@ -82,6 +82,30 @@ def flatten_into(flat: torch.Tensor, state_dict: Mapping[str, torch.Tensor], lay
     return flat
 
 
+def stream_into(flat: torch.Tensor, pairs, layout: WeightLayout) -> torch.Tensor:
+    """Copy (and cast) each streamed (name, tensor) into its slice of `flat` as it arrives, holding none of
+    them afterwards. Every name of `layout` must arrive once with its shape: weights that changed names or
+    shapes since the layout was made are refused rather than sent half-updated."""
+    slots = {name: (shape, offset, numel) for name, shape, offset, numel in layout.entries}
+    aliases = {alias for alias, _ in layout.aliases}
+    missing = set(slots)
+    with torch.no_grad():
+        for name, t in pairs:
+            if name in aliases and name not in slots:
+                continue
+            slot = slots.get(name)
+            if slot is None or tuple(t.shape) != slot[0]:
+                raise GymvError(f"refit: weight {name!r} {tuple(t.shape)} is not in the layout of the first refit",
+                                where="refit", fix="the trainer's parameters must keep their names and shapes")
+            flat[slot[1]:slot[1] + slot[2]].copy_(t.reshape(-1))
+            missing.discard(name)
+            del t
+    if missing:
+        raise GymvError(f"refit: {len(missing)} weights never arrived (first: {sorted(missing)[0]!r})", where="refit",
+                        fix="the trainer's parameters must keep their names and shapes")
+    return flat
+
+
 def unflatten(flat: torch.Tensor, layout: WeightLayout) -> dict[str, torch.Tensor]:
     """Views of `flat`, one per name (tied names included): no copy."""
     out = {name: flat[offset:offset + numel].view(shape) for name, shape, offset, numel in layout.entries}
@@ -119,12 +143,24 @@ class RefitSender(ABC):
 
     def publish(self, weights: Weights) -> Any:
         """Send the weights: a mapping, or (name, tensor) pairs as a trainer streams them
-        (`TrainingBackend.named_weights`), gathered as references before the one flattening copy."""
+        (`TrainingBackend.named_weights`). Once a layout is known, streamed pairs are copied into the buffer
+        one at a time, so a sharded trainer's gathered tensors never all live at once."""
+        if self.layout is not None and not isinstance(weights, Mapping):
+            return self._ship(self.layout, stream_into(self._buffer(self.layout), weights, self.layout))
         return self.send(named(weights))
 
-    @abstractmethod
     def send(self, state_dict: Mapping[str, torch.Tensor]) -> Any:
         """What `publish` returns to the driver for every receiver."""
+        layout = self._layout(state_dict)
+        return self._ship(layout, flatten_into(self._buffer(layout), state_dict, layout))
+
+    @abstractmethod
+    def _buffer(self, layout: WeightLayout) -> torch.Tensor:
+        """The flat buffer the weights are copied into (reused across refits where the transport allows)."""
+
+    @abstractmethod
+    def _ship(self, layout: WeightLayout, flat: torch.Tensor) -> Any:
+        """Hand the filled buffer to the receivers; returns the payload for the driver."""
 
     def close(self) -> None:
         """Free what the sender holds (shared memory, process groups)."""
@@ -151,9 +187,10 @@ class ObjectStoreSender(RefitSender):
 
     name = "object_store"
 
-    def send(self, state_dict):
-        layout = self._layout(state_dict)
-        flat = flatten_into(torch.empty(layout.numel, dtype=layout.torch_dtype), state_dict, layout)
+    def _buffer(self, layout):
+        return torch.empty(layout.numel, dtype=layout.torch_dtype)
+
+    def _ship(self, layout, flat):
         if flat.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the bits
             flat = flat.view(torch.int16)
         return {"layout": layout, "flat": flat.numpy()}
@@ -229,18 +266,17 @@ class ShmSender(RefitSender):
         super().__init__(*args, **kwargs)
         self._shm = None
 
-    def send(self, state_dict):
+    def _buffer(self, layout):
         from multiprocessing import shared_memory
 
-        layout = self._layout(state_dict)
         if self._shm is None or self._shm.size < layout.nbytes:
             self.close()
             remove_orphaned_segments()
             self._shm = shared_memory.SharedMemory(name=f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}", create=True,
                                                    size=max(layout.nbytes, 1))
-        flat = torch.frombuffer(self._shm.buf, dtype=layout.torch_dtype, count=layout.numel)
-        flatten_into(flat, state_dict, layout)
-        del flat
+        return torch.frombuffer(self._shm.buf, dtype=layout.torch_dtype, count=layout.numel)
+
+    def _ship(self, layout, flat):
         return {"layout": layout, "name": self._shm.name}
 
     def close(self) -> None:
@@ -293,18 +329,19 @@ class CudaIpcSender(RefitSender):
         super().__init__(*args, **kwargs)
         self._flat: torch.Tensor | None = None
 
-    def send(self, state_dict):
-        from torch.multiprocessing.reductions import reduce_tensor
-
+    def _buffer(self, layout):
         if self.device.type != "cuda":
             raise GymvError("refit transport cuda_ipc needs the trainer on a GPU", where="refit.transport",
                             fix="use object_store or shm on CPU")
-        layout = self._layout(state_dict)
         if self._flat is None or self._flat.numel() != layout.numel or self._flat.dtype != layout.torch_dtype:
             self._flat = torch.empty(layout.numel, dtype=layout.torch_dtype, device=self.device)
-        flatten_into(self._flat, state_dict, layout)
+        return self._flat
+
+    def _ship(self, layout, flat):
+        from torch.multiprocessing.reductions import reduce_tensor
+
         torch.cuda.current_stream(self.device).synchronize()
-        return {"layout": layout, "handle": reduce_tensor(self._flat)}
+        return {"layout": layout, "handle": reduce_tensor(flat)}
 
     def close(self) -> None:
         self._flat = None
@@ -345,12 +382,13 @@ class CollectiveSender(RefitSender):
     def connect(self) -> None:
         self._pg = _process_group(self.backend, self._store, 0, self.num_receivers + 1)
 
-    def send(self, state_dict):
-        layout = self._layout(state_dict)
+    def _buffer(self, layout):
         if self._flat is None or self._flat.numel() != layout.numel or self._flat.dtype != layout.torch_dtype:
             self._flat = torch.empty(layout.numel, dtype=layout.torch_dtype, device=self.device)
-        flatten_into(self._flat, state_dict, layout)
-        self._pg.broadcast(self._flat, 0).wait()
+        return self._flat
+
+    def _ship(self, layout, flat):
+        self._pg.broadcast(flat, 0).wait()
         return {"layout": layout}
 
     def close(self) -> None:

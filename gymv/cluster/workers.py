@@ -373,9 +373,10 @@ class TrainingWorker:
 
     def _weights_to_send(self):
         """The weights for the sender, streamed as the backend yields them. A sharded trainer's are gathered
-        here, all of them (ranks other than 0 join every gather, whether or not the sender reads them), and
-        each is cast to the generation dtype at once, so rank 0 never holds a full fp32 copy."""
-        if not self.backend.gathers_weights:
+        here, all of them (ranks other than 0 join every gather, whether or not the sender reads them). Once
+        the sender knows the layout (after the first refit) each gathered tensor goes straight into the
+        sender's buffer and is dropped; the first refit holds them, cast to the generation dtype."""
+        if not self.backend.gathers_weights or self.sender.layout is not None:
             return self.backend.named_weights()
         dtype = self._generation_dtype()
         return {k: v.to(dtype) for k, v in self.backend.named_weights()}
