@@ -30,8 +30,11 @@ def embed_with_images(model, input_ids: torch.Tensor, image_token_id: int, featu
     if not features:
         return embeds
     feats = torch.cat([f.reshape(-1, embeds.shape[-1]) for f in features]).to(embeds.device, embeds.dtype)
-    mask = (input_ids == image_token_id).unsqueeze(-1)
-    return embeds.masked_scatter(mask, feats)
+    mask = input_ids == image_token_id
+    # a gather by running count instead of masked_scatter: its backward (masked_select) waits on the GPU
+    # for the number of placeholders; this one launches without a host sync in either direction
+    source = (mask.flatten().cumsum(0) - 1).clamp(min=0).view(mask.shape)
+    return torch.where(mask.unsqueeze(-1), feats[source], embeds)
 
 
 def forward_logits(model, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
