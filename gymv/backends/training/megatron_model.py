@@ -1,0 +1,199 @@
+"""A Megatron-core GPTModel (local layer spec: plain torch modules, no Transformer Engine, no apex) built from an
+HF decoder config, and a thin module that gives it the HF causal-LM call (input_ids or inputs_embeds,
+attention_mask -> .logits [B,T,V]) that gymv's logprob functions make.
+
+megatron-core assumes CUDA in three places a training forward reaches: the rotary table moves itself to
+`torch.cuda.current_device()`, attention scores go into a scratch buffer allocated there, and attention
+dropout forks a CUDA RNG state. With no CUDA device, `allow_cpu` replaces those three (the table and the
+buffer stay on the CPU; dropout, which gymv leaves at 0, draws from the CPU generator), so CI runs the same
+model on CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gymv.backends.training.megatron_weights import DecoderShape
+from gymv.errors import GymvError
+
+_PRIVATE_STORE = None
+_CPU_ALLOWED = False
+
+
+def require_megatron():
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as e:
+        raise GymvError("training.backend megatron needs megatron-core", where="training.backend",
+                        fix="pip install 'gymv[megatron]' (megatron-core; install with --no-deps on Python 3.12)") from e
+    import megatron.core
+
+    return megatron.core
+
+
+class _CpuRngTracker:
+    """Stands in for megatron's CUDA RNG tracker on a CPU-only torch: forks keep the CPU generator."""
+
+    def fork(self, name: str = ""):
+        return contextlib.nullcontext()
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def add(self, name, seed) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def get_states(self):
+        return {}
+
+    def set_states(self, states) -> None:
+        pass
+
+
+def _cpu_buffer():
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    class CpuMemoryBuffer(GlobalMemoryBuffer):
+        def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+            n = 1
+            for d in tensor_shape:
+                n *= d
+            held = self.buffer.get((name, dtype))
+            if held is None or held.numel() < n:
+                held = self.buffer[(name, dtype)] = torch.empty(n, dtype=dtype)
+            return held[:n].view(*tensor_shape)
+
+    return CpuMemoryBuffer()
+
+
+def allow_cpu() -> None:
+    """Let GPTModel's training forward run without CUDA (see the module docstring); a no-op with CUDA.
+    Called after megatron's parallel state is initialised (it replaces the state's scratch buffer)."""
+    global _CPU_ALLOWED
+    if _CPU_ALLOWED or torch.cuda.is_available():
+        return
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as rope
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> Tensor:
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if self.rotary_interleaved:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb[:, None, None, :]
+
+    rope.RotaryEmbedding.get_emb = get_emb
+    mrandom._CUDA_RNG_STATE_TRACKER = _CpuRngTracker()
+    parallel_state._GLOBAL_MEMORY_BUFFER = _cpu_buffer()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    _CPU_ALLOWED = True
+
+
+def init_parallel(tensor_parallel: int, device: torch.device, seed: int = 0) -> None:
+    """Megatron's model-parallel groups over the default process group (a private one-rank group on
+    127.0.0.1 when none is up)."""
+    global _PRIVATE_STORE
+    import torch.distributed as dist
+
+    require_megatron()
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        from gymv.net import master_store
+
+        _PRIVATE_STORE = master_store("127.0.0.1", 1)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=_PRIVATE_STORE[0], rank=0,
+                                world_size=1, timeout=datetime.timedelta(minutes=30))
+    if dist.get_world_size() % tensor_parallel:
+        raise GymvError(f"tensor parallel size {tensor_parallel} does not divide the {dist.get_world_size()} "
+                        "trainer ranks", where="training.sharding.tensor_parallel", fix="use a divisor of the rank count")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    if device.type == "cuda":
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+    else:
+        allow_cpu()
+
+
+def _rope_theta(text) -> float:
+    params = getattr(text, "rope_parameters", None) or {}
+    scaling = getattr(text, "rope_scaling", None) or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind not in ("default", "mrope"):
+        raise GymvError(f"training.backend megatron supports plain rotary positions, not rope_type {kind!r}",
+                        where="model.path config.json", fix="use training.backend: torch or fsdp2 for this model")
+    return float(params.get("rope_theta") or getattr(text, "rope_theta", None) or 10000.0)
+
+
+def build_gpt(hf_config: Any, shape: DecoderShape, *, tensor_parallel: int = 1, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu", max_positions: int | None = None):
+    """An un-initialised-for-use GPTModel of the HF decoder's shape (load its weights with the mapping)."""
+    require_megatron()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    device = torch.device(device)
+    cfg = TransformerConfig(
+        num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+        num_query_groups=shape.kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn,
+        add_bias_linear=False, add_qkv_bias=shape.qkv_bias, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, normalization="RMSNorm", layernorm_epsilon=text.rms_norm_eps,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, tensor_model_parallel_size=tensor_parallel,
+        use_cpu_initialization=device.type != "cuda", perform_initialization=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False, attention_softmax_in_fp32=True,
+        bf16=dtype == torch.bfloat16)
+    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                     vocab_size=shape.vocab, max_sequence_length=max_positions or text.max_position_embeddings,
+                     parallel_output=False, share_embeddings_and_output_weights=shape.tied,
+                     position_embedding_type="rope", rotary_base=_rope_theta(text))
+    return model.to(device)
+
+
+def megatron_mask(mask: Tensor) -> Tensor:
+    """Megatron's boolean mask [B,1,T,T] (True = not attended): causal, and never onto padding."""
+    t = mask.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=mask.device).triu(1)
+    return causal[None, None] | (mask == 0)[:, None, None, :]
+
+
+class MegatronCausalLM(torch.nn.Module):
+    """GPTModel behind the HF call gymv's logprob functions make. Positions are those of a right-padded
+    row (0..T-1), as the trainer's collate lays rows out; the KV-cache path is never taken (`gymv_lockstep`)."""
+
+    gymv_lockstep = True
+
+    def __init__(self, gpt, shape: DecoderShape, hf_config: Any = None):
+        super().__init__()
+        self.gpt, self.shape, self.config = gpt, shape, hf_config
+
+    def get_input_embeddings(self):
+        return self.gpt.embedding.word_embeddings
+
+    def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                inputs_embeds: Tensor | None = None, position_ids: Tensor | None = None, use_cache: bool = False,
+                **_: Any) -> SimpleNamespace:
+        ref = input_ids if input_ids is not None else inputs_embeds
+        b, t = ref.shape[:2]
+        if attention_mask is None:
+            attention_mask = torch.ones(b, t, dtype=torch.long, device=ref.device)
+        pos = torch.arange(t, device=ref.device).expand(b, t)
+        decoder_input = inputs_embeds.transpose(0, 1).contiguous() if inputs_embeds is not None else None
+        logits = self.gpt(input_ids=input_ids, position_ids=pos, attention_mask=megatron_mask(attention_mask),
+                          decoder_input=decoder_input)
+        return SimpleNamespace(logits=logits)
