@@ -160,7 +160,7 @@ def build_gpt(hf_config: Any, shape: DecoderShape, *, tensor_parallel: int = 1, 
         bf16=dtype == torch.bfloat16)
     model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
                      vocab_size=shape.vocab, max_sequence_length=max_positions or text.max_position_embeddings,
-                     parallel_output=False, share_embeddings_and_output_weights=shape.tied,
+                     parallel_output=True, share_embeddings_and_output_weights=shape.tied,
                      position_embedding_type="rope", rotary_base=_rope_theta(text))
     return model.to(device)
 
@@ -170,6 +170,26 @@ def megatron_mask(mask: Tensor) -> Tensor:
     t = mask.shape[-1]
     causal = torch.ones(t, t, dtype=torch.bool, device=mask.device).triu(1)
     return causal[None, None] | (mask == 0)[:, None, None, :]
+
+
+class _GatherVocab(torch.autograd.Function):
+    """Vocab-parallel logits [..., V/tp] -> full [..., V] on every TP rank. Backward keeps this rank's slice:
+    every rank computes the same loss from the same gathered logits, so the slice is the whole gradient.
+    (megatron's own gather allocates on the CUDA device, so it cannot run under gloo.)"""
+
+    @staticmethod
+    def forward(ctx, local: Tensor, group) -> Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        ctx.rank, ctx.size = dist.get_rank(group), dist.get_world_size(group)
+        parts = [torch.empty_like(local) for _ in range(ctx.size)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad.chunk(ctx.size, dim=-1)[ctx.rank].contiguous(), None
 
 
 class MegatronCausalLM(torch.nn.Module):
@@ -196,4 +216,8 @@ class MegatronCausalLM(torch.nn.Module):
         decoder_input = inputs_embeds.transpose(0, 1).contiguous() if inputs_embeds is not None else None
         logits = self.gpt(input_ids=input_ids, position_ids=pos, attention_mask=megatron_mask(attention_mask),
                           decoder_input=decoder_input)
+        if self.gpt.config.tensor_model_parallel_size > 1:
+            from megatron.core import parallel_state
+
+            logits = _GatherVocab.apply(logits, parallel_state.get_tensor_model_parallel_group())
         return SimpleNamespace(logits=logits)

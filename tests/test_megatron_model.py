@@ -1,0 +1,106 @@
+"""Megatron-core's GPTModel loaded through gymv's mapping gives the HF model's logprobs: fp32 on CPU (TP=1 in
+process, TP=2 over two gloo ranks, gradients included), bf16 on CUDA."""
+
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from gymv.backends.training.megatron_model import MegatronCausalLM, build_gpt, init_parallel  # noqa: E402
+from gymv.backends.training.megatron_weights import DecoderShape, hf_to_megatron, megatron_to_hf  # noqa: E402
+from megatron_helpers import batch, tiny_hf, token_logprobs  # noqa: E402
+
+
+def megatron_twin(hf_model, *, device="cpu", dtype=torch.float32, tp=1, rank=0):
+    shape = DecoderShape.of(hf_model.config)
+    init_parallel(tp, torch.device(device))
+    gpt = build_gpt(hf_model.config, shape, tensor_parallel=tp, dtype=dtype, device=device)
+    state = hf_to_megatron(hf_model.state_dict(), shape, tp_rank=rank, tp_size=tp)
+    gpt.load_state_dict({k: v.to(device, dtype) for k, v in state.items()}, strict=True)
+    return MegatronCausalLM(gpt, shape, hf_model.config).eval()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_megatron_logprobs_equal_the_hf_models_in_fp32(family):
+    hf = tiny_hf(family)
+    ids, mask = batch()
+    with torch.no_grad():
+        want = token_logprobs(hf(input_ids=ids, attention_mask=mask).logits, ids)
+        got = token_logprobs(megatron_twin(hf)(input_ids=ids, attention_mask=mask).logits, ids)
+    valid = mask[:, 1:].bool()
+    torch.testing.assert_close(got[valid], want[valid], rtol=0, atol=1e-5)
+
+
+def test_input_embeddings_feed_the_decoder_as_token_ids_do():
+    twin = megatron_twin(tiny_hf("qwen2"))
+    ids, mask = batch()
+    with torch.no_grad():
+        by_ids = twin(input_ids=ids, attention_mask=mask).logits
+        by_embeds = twin(inputs_embeds=twin.get_input_embeddings()(ids), attention_mask=mask).logits
+    torch.testing.assert_close(by_embeds, by_ids, rtol=0, atol=1e-6)
+
+
+FAMILIES = ("qwen2", "llama")
+
+
+def _tp_rank(rank, world, port, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        for family in FAMILIES:
+            twin = megatron_twin(tiny_hf(family), tp=world, rank=rank)
+            ids, mask = batch()
+            logp = token_logprobs(twin(input_ids=ids, attention_mask=mask).logits, ids)
+            (logp * mask[:, 1:]).sum().backward()
+            grads = {k: p.grad.detach().clone() for k, p in twin.gpt.named_parameters()}
+            torch.save({"logp": logp.detach(), "grads": grads}, f"{out}/{family}{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tp2_ranks(tmp_path_factory):
+    """Both families' logprobs and gradient shards from one run of two gloo TP ranks."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("tp2")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_tp_rank, args=(2, port, str(out)), nprocs=2, join=True)
+    return {f: [torch.load(out / f"{f}{r}.pt") for r in range(2)] for f in FAMILIES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensor_parallel_two_gloo_ranks_give_the_hf_logprobs_and_gradients(family, tp2_ranks):
+    ranks = tp2_ranks[family]
+    hf = tiny_hf(family)
+    ids, mask = batch()
+    logp = token_logprobs(hf(input_ids=ids, attention_mask=mask).logits, ids)
+    (logp * mask[:, 1:]).sum().backward()
+    valid = mask[:, 1:].bool()
+    for r in ranks:
+        torch.testing.assert_close(r["logp"][valid], logp.detach()[valid], rtol=0, atol=1e-5)
+    shape = DecoderShape.of(hf.config)
+    grads = dict(megatron_to_hf([r["grads"] for r in ranks], shape))
+    for name, p in hf.named_parameters():
+        if name in grads:
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert len(grads) == len(dict(hf.named_parameters()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_bf16_megatron_logprobs_match_hf_on_cuda(family):
+    hf = tiny_hf(family).to("cuda", torch.bfloat16)
+    twin = megatron_twin(hf, device="cuda", dtype=torch.bfloat16)
+    ids, mask = (t.cuda() for t in batch())
+    with torch.no_grad():
+        want = token_logprobs(hf(input_ids=ids, attention_mask=mask).logits, ids)
+        got = token_logprobs(twin(input_ids=ids, attention_mask=mask).logits, ids)
+    valid = mask[:, 1:].bool()
+    assert (got[valid] - want[valid]).abs().max().item() < 0.05  # bf16 rounding of two kernels' sums
