@@ -118,8 +118,13 @@ def init_parallel(tensor_parallel: int, device: torch.device, seed: int = 0) -> 
     if dist.get_world_size() % tensor_parallel:
         raise GymvError(f"tensor parallel size {tensor_parallel} does not divide the {dist.get_world_size()} "
                         "trainer ranks", where="training.sharding.tensor_parallel", fix="use a divisor of the rank count")
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    if parallel_state.model_parallel_is_initialized():
+        held = parallel_state.get_tensor_model_parallel_world_size()
+        if held != tensor_parallel:
+            raise GymvError(f"this process already runs megatron with tensor parallel size {held}, not {tensor_parallel}",
+                            where="training.sharding.tensor_parallel", fix="use one tensor parallel size per process")
+        return
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
     if device.type == "cuda":
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
