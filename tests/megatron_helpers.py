@@ -1,5 +1,5 @@
 """Tiny in-memory HF decoders for the Megatron mapping and model tests (seeded; Qwen2 with non-zero q/k/v
-biases and tied embeddings, Llama with a separate head)."""
+biases and tied embeddings, Qwen3 with per-head q/k norms and its own head_dim, Llama with a separate head)."""
 
 import torch
 
@@ -7,18 +7,21 @@ VOCAB = 96
 
 
 def tiny_hf(family: str, *, seed: int = 0, vocab: int = VOCAB, dtype=torch.float32):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     cls_cfg, cls_model, tied = {"qwen2": (Qwen2Config, Qwen2ForCausalLM, True),
+                                "qwen3": (Qwen3Config, Qwen3ForCausalLM, True),
                                 "llama": (LlamaConfig, LlamaForCausalLM, False)}[family]
-    cfg = cls_cfg(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    extra = {"head_dim": 24} if family == "qwen3" else {}  # Qwen3's head_dim is its own, not hidden / heads
+    cfg = cls_cfg(**extra, vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tied)
     torch.manual_seed(seed)
     model = cls_model(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("bias"):  # HF starts biases at zero, which would hide a misplaced one
-                p.normal_(std=0.5)
+            if name.endswith("bias") or "norm" in name:  # HF starts these at 0 or 1: a misplaced one would hide
+                p.normal_(mean=1.0 if "norm" in name else 0.0, std=0.5)
     return model.to(dtype).eval()
 
 

@@ -9,7 +9,8 @@ import torch
 pytest.importorskip("megatron.core")
 
 from gymv.backends.training.megatron_model import MegatronCausalLM, build_gpt, init_parallel  # noqa: E402
-from gymv.backends.training.megatron_weights import DecoderShape, hf_to_megatron, megatron_to_hf  # noqa: E402
+from gymv.backends.training.megatron_weights import (  # noqa: E402
+    DecoderShape, hf_to_megatron, megatron_to_hf, tp_partial_gradient)
 from megatron_helpers import batch, tiny_hf, token_logprobs  # noqa: E402
 
 
@@ -22,7 +23,7 @@ def megatron_twin(hf_model, *, device="cpu", dtype=torch.float32, tp=1, rank=0):
     return MegatronCausalLM(gpt, shape, hf_model.config).eval()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
 def test_megatron_logprobs_equal_the_hf_models_in_fp32(family):
     hf = tiny_hf(family)
     ids, mask = batch()
@@ -42,7 +43,7 @@ def test_input_embeddings_feed_the_decoder_as_token_ids_do():
     torch.testing.assert_close(by_embeds, by_ids, rtol=0, atol=1e-6)
 
 
-FAMILIES = ("qwen2", "llama")
+FAMILIES = ("qwen2", "qwen3", "llama")
 
 
 def _tp_rank(rank, world, port, out):
@@ -86,7 +87,11 @@ def test_tensor_parallel_two_gloo_ranks_give_the_hf_logprobs_and_gradients(famil
     for r in ranks:
         torch.testing.assert_close(r["logp"][valid], logp.detach()[valid], rtol=0, atol=1e-5)
     shape = DecoderShape.of(hf.config)
-    grads = dict(megatron_to_hf([r["grads"] for r in ranks], shape))
+    shards = [dict(r["grads"]) for r in ranks]
+    for name in shards[0]:
+        if tp_partial_gradient(name):  # per-head norms: each rank's gradient covers its own heads only
+            shards[0][name] = shards[1][name] = shards[0][name] + shards[1][name]
+    grads = dict(megatron_to_hf(shards, shape))
     for name, p in hf.named_parameters():
         if name in grads:
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
@@ -94,7 +99,7 @@ def test_tensor_parallel_two_gloo_ranks_give_the_hf_logprobs_and_gradients(famil
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
 def test_bf16_megatron_logprobs_match_hf_on_cuda(family):
     hf = tiny_hf(family).to("cuda", torch.bfloat16)
     twin = megatron_twin(hf, device="cuda", dtype=torch.bfloat16)

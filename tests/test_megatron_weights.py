@@ -16,7 +16,7 @@ def _hf_state(model):
     return sd
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_hf_to_megatron_to_hf_round_trip_is_exact(family, tp):
     model = tiny_hf(family)

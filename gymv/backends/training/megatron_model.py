@@ -163,7 +163,7 @@ def build_gpt(hf_config: Any, shape: DecoderShape, *, tensor_parallel: int = 1, 
         bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False, attention_softmax_in_fp32=True,
         bf16=dtype == torch.bfloat16)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm),
                      vocab_size=shape.vocab, max_sequence_length=max_positions or text.max_position_embeddings,
                      parallel_output=True, share_embeddings_and_output_weights=shape.tied,
                      position_embedding_type="rope", rotary_base=_rope_theta(text))

@@ -1,5 +1,5 @@
-"""Hugging Face <-> Megatron-core weight mapping for Llama-style decoders (Llama, Qwen2, the language model of
-Qwen2.5-VL): gymv's own, so the training backend needs no converter package.
+"""Hugging Face <-> Megatron-core weight mapping for Llama-style decoders (Llama, Qwen2, Qwen3, the language
+model of Qwen2.5-VL): gymv's own, so the training backend needs no converter package.
 
 Megatron's GPTModel (local layer spec) keeps per layer one fused QKV projection and one fused gate/up
 projection. The QKV rows are grouped by key/value head: for each group, its query heads, then its key head,
@@ -20,7 +20,7 @@ from torch import Tensor
 
 from gymv.errors import GymvError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen2_5_vl_text", "qwen2_vl_text", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen2_5_vl_text", "qwen2_vl_text", "mistral")
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class DecoderShape:
     vocab: int
     tied: bool
     qkv_bias: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head
     hf_prefix: str = "model."  # where the decoder's weights live in the HF state dict
     hf_head: str = "lm_head.weight"
 
@@ -53,6 +54,7 @@ class DecoderShape:
                             kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim,
                             ffn=text.intermediate_size, vocab=text.vocab_size, tied=tied,
                             qkv_bias=model_type.startswith("qwen2") or bool(getattr(text, "attention_bias", False)),
+                            qk_norm=model_type == "qwen3",
                             hf_prefix=hf_prefix, hf_head=hf_head)
 
     def check_tp(self, tp: int) -> None:
@@ -62,6 +64,15 @@ class DecoderShape:
                 raise GymvError(f"tensor parallel size {tp} does not divide the model's {what} ({n})",
                                 where="training.sharding.tensor_parallel",
                                 fix=f"use a tensor parallel size that divides {n}")
+
+
+# Replicated on every TP rank, but each rank's gradient covers only its own heads: a trainer sums these
+# gradients over the TP group before its step (every other replicated weight gets the full gradient).
+TP_PARTIAL_GRADIENTS = ("self_attention.q_layernorm.", "self_attention.k_layernorm.")
+
+
+def tp_partial_gradient(name: str) -> bool:
+    return any(part in name for part in TP_PARTIAL_GRADIENTS)
 
 
 def _layer(shape: DecoderShape, i: int) -> str:
@@ -113,6 +124,9 @@ def hf_to_megatron(hf: Mapping[str, Tensor], shape: DecoderShape, *, tp_rank: in
             bias = fuse_qkv(hf[h + "self_attn.q_proj.bias"], hf[h + "self_attn.k_proj.bias"],
                             hf[h + "self_attn.v_proj.bias"], shape)
             out[m + "self_attention.linear_qkv.bias"] = _rows(bias, r, tp)
+        if shape.qk_norm:
+            out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
+            out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
         out[m + "self_attention.linear_proj.weight"] = _cols(hf[h + "self_attn.o_proj.weight"], r, tp)
         out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
         out[m + "mlp.linear_fc1.weight"] = torch.cat([_rows(hf[h + "mlp.gate_proj.weight"], r, tp),
@@ -137,6 +151,9 @@ def megatron_layer_to_hf(shards: Sequence[Mapping[str, Tensor]], shape: DecoderS
         parts = [split_qkv(s[m + "self_attention.linear_qkv.bias"], shape, groups) for s in shards]
         for n, name in enumerate(("q_proj", "k_proj", "v_proj")):
             yield h + f"self_attn.{name}.bias", torch.cat([p[n] for p in parts])
+    if shape.qk_norm:
+        yield h + "self_attn.q_norm.weight", shards[0][m + "self_attention.q_layernorm.weight"]
+        yield h + "self_attn.k_norm.weight", shards[0][m + "self_attention.k_layernorm.weight"]
     yield h + "self_attn.o_proj.weight", torch.cat([s[m + "self_attention.linear_proj.weight"] for s in shards], dim=1)
     yield h + "post_attention_layernorm.weight", shards[0][m + "pre_mlp_layernorm.weight"]
     gate_up = [s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
