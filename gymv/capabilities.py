@@ -15,7 +15,6 @@ from typing import Any
 
 # key -> {value: why that value does not run}. A backend registered under the same name wins over its row.
 NOT_WIRED: dict[str, dict[Any, str]] = {
-    "training.backend": {"megatron": "the Megatron-core training backend is not wired into gymv train yet"},
     "mopd.teachers.*.backend": {
         "megatron": "Megatron-core teachers are not wired into gymv train yet",
         "vllm": "vLLM teachers are not wired into gymv train yet",

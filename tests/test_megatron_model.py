@@ -8,10 +8,17 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from gymv.backends.training.megatron_model import MegatronCausalLM, build_gpt, init_parallel  # noqa: E402
+from gymv.backends.training.megatron_model import MegatronCausalLM, build_gpt, init_parallel, release_parallel  # noqa: E402,E501
 from gymv.backends.training.megatron_weights import (  # noqa: E402
     DecoderShape, hf_to_megatron, megatron_to_hf, tp_partial_gradient)
 from megatron_helpers import batch, tiny_hf, token_logprobs  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_parallel():
+    """The in-process tests share one private process group; later test modules find none."""
+    yield
+    release_parallel()
 
 
 def megatron_twin(hf_model, *, device="cpu", dtype=torch.float32, tp=1, rank=0):
@@ -109,3 +116,28 @@ def test_bf16_megatron_logprobs_match_hf_on_cuda(family):
         got = token_logprobs(twin(input_ids=ids, attention_mask=mask).logits, ids)
     valid = mask[:, 1:].bool()
     assert (got[valid] - want[valid]).abs().max().item() < 0.05  # bf16 rounding of two kernels' sums
+
+
+def test_a_backend_checkpoint_is_an_hf_folder_and_resumes_the_same_training(tmp_path):
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.backends.policy import load_policy
+    from gymv.backends.training.base import TrainingSetup
+    from gymv.backends.training.megatron import MegatronBackend
+    from tiny_lm import make_samples
+    from tiny_models import tiny_path
+
+    setup = TrainingSetup(model_path=str(tiny_path("tiny-qwen3")), optimizer={"lr": 1e-3, "precision": "fp32"})
+    first = MegatronBackend.create(setup, device="cpu")
+    first.train_step(make_samples(4, seed=1), PolicyLoss())
+    first.save(tmp_path / "ckpt")
+    saved = load_policy(tmp_path / "ckpt").model.state_dict()
+    for name, tensor in first.named_weights():
+        assert torch.equal(saved[name], tensor), name
+
+    resumed = MegatronBackend.create(setup, device="cpu")
+    resumed.load(tmp_path / "ckpt")
+    assert resumed.steps == 1
+    for b in (first, resumed):
+        b.train_step(make_samples(4, seed=2), PolicyLoss())
+    for (name, a), (_, b) in zip(first.named_weights(), resumed.named_weights()):
+        assert torch.equal(a, b), name

@@ -22,6 +22,7 @@ from torch import Tensor
 from gymv.backends.training.megatron_weights import DecoderShape
 from gymv.errors import GymvError
 
+INSTALL_FIX = "pip install 'gymv[megatron]' (megatron-core; on Python 3.12+ add --no-deps to skip its CUDA extras)"
 _PRIVATE_STORE = None
 _CPU_ALLOWED = False
 
@@ -31,7 +32,7 @@ def require_megatron():
         import megatron.core  # noqa: F401
     except ImportError as e:
         raise GymvError("training.backend megatron needs megatron-core", where="training.backend",
-                        fix="pip install 'gymv[megatron]' (megatron-core; install with --no-deps on Python 3.12)") from e
+                        fix=INSTALL_FIX) from e
     import megatron.core
 
     return megatron.core
@@ -79,9 +80,13 @@ def allow_cpu() -> None:
     """Let GPTModel's training forward run without CUDA (see the module docstring); a no-op with CUDA.
     Called after megatron's parallel state is initialised (it replaces the state's scratch buffer)."""
     global _CPU_ALLOWED
-    if _CPU_ALLOWED or torch.cuda.is_available():
+    if torch.cuda.is_available():
         return
     from megatron.core import parallel_state
+
+    parallel_state._GLOBAL_MEMORY_BUFFER = _cpu_buffer()  # initialize_model_parallel makes a CUDA one each time
+    if _CPU_ALLOWED:
+        return
     from megatron.core.models.common.embeddings import rotary_pos_embedding as rope
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -95,7 +100,6 @@ def allow_cpu() -> None:
 
     rope.RotaryEmbedding.get_emb = get_emb
     mrandom._CUDA_RNG_STATE_TRACKER = _CpuRngTracker()
-    parallel_state._GLOBAL_MEMORY_BUFFER = _cpu_buffer()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _CPU_ALLOWED = True
 
@@ -131,6 +135,19 @@ def init_parallel(tensor_parallel: int, device: torch.device, seed: int = 0) -> 
         model_parallel_cuda_manual_seed(seed)
     else:
         allow_cpu()
+
+
+def release_parallel() -> None:
+    """Undo `init_parallel` in this process: megatron's groups, and the private process group if it made one."""
+    global _PRIVATE_STORE
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if _PRIVATE_STORE is not None:
+        dist.destroy_process_group()
+        _PRIVATE_STORE[1].close()
+        _PRIVATE_STORE = None
 
 
 def _rope_theta(text) -> float:

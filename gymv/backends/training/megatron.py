@@ -1,0 +1,155 @@
+"""The `megatron` training backend: the language decoder runs as Megatron-core's GPTModel (local layer spec),
+loaded from and written back to HF names by gymv's own mapping (gymv.backends.training.megatron_weights).
+
+Everything around the model is the `torch` backend's: the same losses over `training_sample`, token-budget
+micro-batches, data parallel over the trainer's ranks, torch AdamW (megatron's distributed optimizer wants
+its CUDA-only gradient buffers, so it is not used), bf16 autocast on CUDA. Checkpoints and exports are HF
+folders (weights under HF names, so a checkpoint loads with `from_pretrained` too); refits send HF names.
+
+Wired here: text decoders (Llama, Qwen2, Qwen3) at tensor parallel size 1. The mapping and the model are
+tested at TP=2 (logprobs and gradients over two gloo ranks), but the optimizer step over TP shards (global
+gradient norm, the per-head norms' partial gradients) is not, so larger sizes are refused, as are pipeline and
+context parallelism and vision-language models (whose vision tower would feed GPTModel's decoder_input).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gymv.backends.training.base import TrainingSetup
+from gymv.backends.training.hf_torch import HFTorchBackend, copy_hf_files
+from gymv.errors import GymvError
+
+PARALLEL_KEYS = ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel")
+
+
+def _check_setup(setup: TrainingSetup) -> None:
+    for key in PARALLEL_KEYS:
+        size = int(setup.sharding.get(key, 1))
+        if size > 1:
+            name = key.replace("_parallel", "")
+            raise GymvError(f"training.backend megatron runs training.parallel.{name} 1 here, not {size}",
+                            where=f"training.parallel.{name}",
+                            fix="set it to 1 (data parallel over the training GPUs), or use training.backend: fsdp2")
+    if setup.gradient_checkpointing:
+        raise GymvError("training.gradient_checkpointing is not wired for training.backend megatron",
+                        where="training.gradient_checkpointing", fix="set it to false, or use training.backend: fsdp2")
+
+
+class MegatronBackend(HFTorchBackend):
+    """One data-parallel rank whose policy (and KL reference) is a GPTModel twin of the HF decoder."""
+
+    def __init__(self, policy, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1):
+        from gymv.backends.training.megatron_weights import DecoderShape
+
+        if getattr(policy.model.config, "vision_config", None) is not None:
+            raise GymvError("training.backend megatron trains text decoders here; the vision tower feeding "
+                            "GPTModel's decoder_input is not wired", where="model.path",
+                            fix="use training.backend: torch or fsdp2 for a vision-language model")
+        self.hf_config = policy.model.config
+        self.shape = DecoderShape.of(self.hf_config)
+        # HF state dicts list a tied head under its own name too; the generator is sent what it holds
+        self.sends_tied_head = self.shape.tied and self.shape.hf_head in policy.model.state_dict()
+        self.device = torch.device(device)
+        super().__init__(policy, setup, device=device, rank=rank, world_size=world_size)
+        policy.model = self.trainer.model  # the HF copy is not kept
+
+    @classmethod
+    def create(cls, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1) -> MegatronBackend:
+        from gymv.backends.policy import load_policy
+        from gymv.backends.training.megatron_model import init_parallel
+
+        _check_setup(setup)
+        init_parallel(1, torch.device(device), seed=setup.seed)
+        policy = load_policy(setup.model_path, device="cpu", dtype=torch.float32, seed=setup.seed,
+                             trust_remote_code=setup.trust_remote_code)
+        return cls(policy, setup, device=device, rank=rank, world_size=world_size)
+
+    def _twin(self, hf_model) -> torch.nn.Module:
+        from gymv.backends.training.megatron_model import MegatronCausalLM, build_gpt
+        from gymv.backends.training.megatron_weights import hf_to_megatron
+
+        gpt = build_gpt(self.hf_config, self.shape, device=self.device)
+        state = hf_to_megatron(hf_model.state_dict(), self.shape)
+        gpt.load_state_dict({k: v.to(self.device) for k, v in state.items()}, strict=True)
+        return MegatronCausalLM(gpt, self.shape, self.hf_config)
+
+    def _make_trainer(self, model, device, *, frozen: bool = False):
+        return super()._make_trainer(self._twin(model), device, frozen=frozen)
+
+    def _hf_weights(self, *, include_tied_head: bool) -> Iterator[tuple[str, Tensor]]:
+        from gymv.backends.training.megatron_weights import megatron_to_hf
+
+        state = {k: v.detach() for k, v in self.trainer.model.gpt.state_dict().items() if isinstance(v, Tensor)}
+        yield from megatron_to_hf([state], self.shape, include_tied_head=include_tied_head)
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        yield from self._hf_weights(include_tied_head=self.sends_tied_head)
+
+    def _write_hf_weights(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        from gymv.backends.training.torch_trainer import MODEL_SAFETENSORS, _fsync_replace
+
+        tmp = path / f".{MODEL_SAFETENSORS}.tmp"
+        save_file({k: v.detach().cpu().contiguous() for k, v in self._hf_weights(include_tied_head=False)}, str(tmp),
+                  metadata={"format": "pt"})
+        _fsync_replace(tmp, path / MODEL_SAFETENSORS)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Rank 0 writes the trainer's optimizer state and step count, and the weights under HF names (the
+        folder loads as a model, and as this backend's checkpoint)."""
+        if self.rank != 0:
+            return
+        from dataclasses import asdict
+
+        from gymv.backends.training.torch_trainer import OPTIMIZER_FILE, TRAINER_FILE, _fsync_replace
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self._write_hf_weights(path)
+        tmp = path / f".{OPTIMIZER_FILE}.tmp"
+        torch.save(self.trainer.optimizer.state_dict(), tmp)
+        _fsync_replace(tmp, path / OPTIMIZER_FILE)
+        tmp = path / f".{TRAINER_FILE}.tmp"
+        tmp.write_text(json.dumps({"steps": self.trainer.steps, "config": asdict(self.trainer.config)}))
+        _fsync_replace(tmp, path / TRAINER_FILE)
+        copy_hf_files(self.setup.model_path, path)
+
+    def load(self, path: str | os.PathLike) -> None:
+        from safetensors.torch import load_file
+
+        from gymv.backends.training.megatron_weights import hf_to_megatron
+        from gymv.backends.training.torch_trainer import MODEL_SAFETENSORS, OPTIMIZER_FILE, TRAINER_FILE
+
+        path = Path(path)
+        for name in (MODEL_SAFETENSORS, OPTIMIZER_FILE):
+            if not (path / name).exists():
+                raise GymvError(f"no {name} in the checkpoint", where=str(path),
+                                fix="resume from a checkpoint written by gymv train")
+        hf = load_file(str(path / MODEL_SAFETENSORS), device=str(self.device))
+        try:
+            self.trainer.model.gpt.load_state_dict(hf_to_megatron(hf, self.shape), strict=True)
+        except (KeyError, RuntimeError) as e:
+            raise GymvError(f"checkpoint does not match the model ({str(e).splitlines()[0][:200]})",
+                            where=str(path / MODEL_SAFETENSORS),
+                            fix="load a checkpoint written by the same model architecture") from None
+        self.trainer.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device,
+                                                          weights_only=True))
+        meta = path / TRAINER_FILE
+        self.trainer.steps = int(json.loads(meta.read_text())["steps"]) if meta.exists() else 0
+
+    def export_hf(self, path: str | os.PathLike) -> None:
+        if self.rank != 0:
+            return
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self._write_hf_weights(path)
+        copy_hf_files(self.setup.model_path, path)
