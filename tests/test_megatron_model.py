@@ -141,3 +141,19 @@ def test_a_backend_checkpoint_is_an_hf_folder_and_resumes_the_same_training(tmp_
         b.train_step(make_samples(4, seed=2), PolicyLoss())
     for (name, a), (_, b) in zip(first.named_weights(), resumed.named_weights()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+def test_a_cuda_backend_step_matches_the_torch_backends_in_bf16_autocast():
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.backends.training.base import TrainingSetup
+    from gymv.backends.training.hf_torch import HFTorchBackend
+    from gymv.backends.training.megatron import MegatronBackend
+    from tiny_lm import make_samples
+    from tiny_models import tiny_path
+
+    setup = TrainingSetup(model_path=str(tiny_path("tiny-qwen3")), optimizer={"lr": 1e-3, "precision": "bf16"})
+    metrics = [cls.create(setup, device="cuda").train_step(make_samples(4, seed=1), PolicyLoss())
+               for cls in (MegatronBackend, HFTorchBackend)]
+    assert metrics[0]["train/grad_norm"] > 0
+    assert metrics[0]["train/grad_norm"] == pytest.approx(metrics[1]["train/grad_norm"], rel=0.05)

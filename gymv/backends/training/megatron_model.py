@@ -4,7 +4,7 @@ attention_mask -> .logits [B,T,V]) that gymv's logprob functions make.
 
 megatron-core assumes CUDA in three places a training forward reaches: the rotary table moves itself to
 `torch.cuda.current_device()`, attention scores go into a scratch buffer allocated there, and attention
-dropout forks a CUDA RNG state. With no CUDA device, `allow_cpu` replaces those three (the table and the
+dropout forks a CUDA RNG state. For a CPU model, `allow_cpu` replaces those three (the table and the
 buffer stay on the CPU; dropout, which gymv leaves at 0, draws from the CPU generator), so CI runs the same
 model on CPU with gloo.
 """
@@ -25,6 +25,7 @@ from gymv.errors import GymvError
 INSTALL_FIX = "pip install 'gymv[megatron]' (megatron-core; on Python 3.12+ add --no-deps to skip its CUDA extras)"
 _PRIVATE_STORE = None
 _CPU_ALLOWED = False
+_MODE: str | None = None  # the device type megatron's state in this process was built for
 
 
 def require_megatron():
@@ -77,20 +78,22 @@ def _cpu_buffer():
 
 
 def allow_cpu() -> None:
-    """Let GPTModel's training forward run without CUDA (see the module docstring); a no-op with CUDA.
-    Called after megatron's parallel state is initialised (it replaces the state's scratch buffer)."""
+    """Let GPTModel's training forward run without CUDA (see the module docstring). Called by `init_parallel`
+    for a CPU device, after megatron's parallel state is up (it replaces the state's scratch buffer)."""
     global _CPU_ALLOWED
-    if torch.cuda.is_available():
-        return
     from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
 
     parallel_state._GLOBAL_MEMORY_BUFFER = _cpu_buffer()  # initialize_model_parallel makes a CUDA one each time
+    mrandom._CUDA_RNG_STATE_TRACKER = _CpuRngTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     if _CPU_ALLOWED:
         return
     from megatron.core.models.common.embeddings import rotary_pos_embedding as rope
-    from megatron.core.tensor_parallel import random as mrandom
 
     def get_emb(self, max_seq_len: int, offset: int = 0) -> Tensor:
+        if _MODE == "cuda" and self.inv_freq.device.type == "cpu":  # megatron's own move, in a CUDA process
+            self.inv_freq = self.inv_freq.to(device=torch.cuda.current_device())
         freqs = self.get_freqs_non_repeated(max_seq_len, offset)
         if self.rotary_interleaved:
             emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
@@ -99,20 +102,30 @@ def allow_cpu() -> None:
         return emb[:, None, None, :]
 
     rope.RotaryEmbedding.get_emb = get_emb
-    mrandom._CUDA_RNG_STATE_TRACKER = _CpuRngTracker()
-    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _CPU_ALLOWED = True
 
 
 def init_parallel(tensor_parallel: int, device: torch.device, seed: int = 0) -> None:
     """Megatron's model-parallel groups over the default process group (a private one-rank group on
-    127.0.0.1 when none is up)."""
-    global _PRIVATE_STORE
+    127.0.0.1 when none is up), for CPU or CUDA models; a process moving to the other device type (tests do)
+    gets its private group and megatron's state rebuilt."""
+    global _PRIVATE_STORE, _MODE
     import torch.distributed as dist
 
     require_megatron()
     from megatron.core import parallel_state
 
+    if parallel_state.model_parallel_is_initialized():
+        held = parallel_state.get_tensor_model_parallel_world_size()
+        if held != tensor_parallel:
+            raise GymvError(f"this process already runs megatron with tensor parallel size {held}, not {tensor_parallel}",
+                            where="training.sharding.tensor_parallel", fix="use one tensor parallel size per process")
+        if _MODE == device.type:
+            return
+        if _PRIVATE_STORE is None:
+            raise GymvError(f"megatron runs on {_MODE} in this process, not {device.type}", where="training.backend",
+                            fix="use one device type per trainer process")
+        release_parallel()
     if not dist.is_initialized():
         from gymv.net import master_store
 
@@ -122,16 +135,14 @@ def init_parallel(tensor_parallel: int, device: torch.device, seed: int = 0) -> 
     if dist.get_world_size() % tensor_parallel:
         raise GymvError(f"tensor parallel size {tensor_parallel} does not divide the {dist.get_world_size()} "
                         "trainer ranks", where="training.sharding.tensor_parallel", fix="use a divisor of the rank count")
-    if parallel_state.model_parallel_is_initialized():
-        held = parallel_state.get_tensor_model_parallel_world_size()
-        if held != tensor_parallel:
-            raise GymvError(f"this process already runs megatron with tensor parallel size {held}, not {tensor_parallel}",
-                            where="training.sharding.tensor_parallel", fix="use one tensor parallel size per process")
-        return
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    _MODE = device.type
     if device.type == "cuda":
+        from megatron.core.tensor_parallel import random as mrandom
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+        if isinstance(mrandom._CUDA_RNG_STATE_TRACKER, _CpuRngTracker):
+            mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = None, False
         model_parallel_cuda_manual_seed(seed)
     else:
         allow_cpu()
@@ -139,11 +150,12 @@ def init_parallel(tensor_parallel: int, device: torch.device, seed: int = 0) -> 
 
 def release_parallel() -> None:
     """Undo `init_parallel` in this process: megatron's groups, and the private process group if it made one."""
-    global _PRIVATE_STORE
+    global _PRIVATE_STORE, _MODE
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+    _MODE = None
     if _PRIVATE_STORE is not None:
         dist.destroy_process_group()
         _PRIVATE_STORE[1].close()
