@@ -185,7 +185,7 @@ def build_gpt(hf_config: Any, shape: DecoderShape, *, tensor_parallel: int = 1, 
     cfg = TransformerConfig(
         num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
         num_query_groups=shape.kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn,
-        add_bias_linear=False, add_qkv_bias=shape.qkv_bias, gated_linear_unit=True,
+        add_bias_linear=False, add_qkv_bias=shape.qkv_bias, qk_layernorm=shape.qk_norm, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, normalization="RMSNorm", layernorm_epsilon=text.rms_norm_eps,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, tensor_model_parallel_size=tensor_parallel,
         use_cpu_initialization=device.type != "cuda", perform_initialization=False,
