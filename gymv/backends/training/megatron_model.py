@@ -29,13 +29,18 @@ _MODE: str | None = None  # the device type megatron's state in this process was
 
 
 def require_megatron():
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError as e:
-        raise GymvError("training.backend megatron needs megatron-core", where="training.backend",
-                        fix=INSTALL_FIX) from e
-    import megatron.core
+    """Import megatron-core and the modules gymv builds with once, quietly: without Transformer Engine and
+    apex every module warns that it falls back to torch, which is what gymv asks of it."""
+    import warnings
 
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
+        try:
+            import megatron.core
+            import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+        except ImportError as e:
+            raise GymvError("training.backend megatron needs megatron-core", where="training.backend",
+                            fix=INSTALL_FIX) from e
     return megatron.core
 
 
