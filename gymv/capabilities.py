@@ -76,6 +76,15 @@ def _gaps(cfg) -> Iterator[Gap]:
         if not _registered(key, name):
             yield _not_wired(key, name) or Gap(key, f"no {section} backend {name!r} is installed",
                                                f"use one of: {', '.join(backend_names(key))}")
+    if cfg.training.backend == "megatron":
+        p = cfg.training.parallel
+        for size in ("tensor", "pipeline", "context", "expert"):
+            if getattr(p, size) > 1:
+                yield Gap(f"training.parallel.{size}",
+                          f"training.backend megatron trains with training.parallel.{size} 1 here (model parallel "
+                          "steps are not wired; its tensor-parallel model and weight mapping are tested alone)",
+                          "set the parallel sizes to 1 (data parallel over the training GPUs)")
+                break
     g = cfg.generation
     if g.backend != "vllm" and g.vllm != type(g.vllm)():
         yield Gap("generation.vllm", f"generation.vllm is read only by generation.backend vllm, this recipe uses {g.backend}",

@@ -113,3 +113,8 @@ def test_gymv_train_names_the_vllm_venv_where_vllm_is_not_installed(tmp_path):
         train(recipe)
     assert e.value.where.endswith("r.yaml:3") and "vllm" in e.value.message
     assert "bash scripts/install.sh vllm" in e.value.fix and "install_vllm.sh --path)/bin/gymv" in e.value.fix
+
+
+def test_megatron_model_parallel_sizes_above_one_are_a_gap():
+    c = cfg(training={"backend": "megatron", "parallel": {"tensor": 2}}, cluster={"gpus_per_node": 2})
+    assert keys(c) == ["training.parallel.tensor"]
