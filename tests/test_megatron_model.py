@@ -157,3 +157,54 @@ def test_a_cuda_backend_step_matches_the_torch_backends_in_bf16_autocast():
                for cls in (MegatronBackend, HFTorchBackend)]
     assert metrics[0]["train/grad_norm"] > 0
     assert metrics[0]["train/grad_norm"] == pytest.approx(metrics[1]["train/grad_norm"], rel=0.05)
+
+
+def _image_samples(policy, n: int = 3) -> list[dict]:
+    from gymv.backends.training.samples import training_sample
+    from tiny_models import chat_ids, noise
+
+    g = torch.Generator().manual_seed(5)
+    samples = []
+    for i in range(n):
+        images = [noise(i)]
+        prompt = chat_ids(policy, "Which color?", images)
+        answer = [t for t in torch.randint(0, 200, (8 + i,), generator=g).tolist()
+                  if t not in policy.adapter.vision_token_ids][:4 + i]
+        samples.append(training_sample(prompt + answer, [0] * len(prompt) + [1] * len(answer), images=images,
+                                       advantage=float(i) - 1.0, where=f"sample {i}"))
+    return samples
+
+
+def test_a_llava_style_vlm_trains_its_vision_tower_and_gptmodel_decoder_as_the_torch_backend_does():
+    import copy
+
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.backends.training.base import TrainingSetup
+    from gymv.backends.training.hf_torch import HFTorchBackend
+    from gymv.backends.training.megatron import MegatronBackend
+    from tiny_models import tiny_path
+
+    setup = TrainingSetup(model_path=str(tiny_path("tiny-llava")),
+                          optimizer={"lr": 1e-3, "eps": 1e-3, "precision": "fp32"})
+    megatron, plain = MegatronBackend.create(setup, device="cpu"), HFTorchBackend.create(setup, device="cpu")
+    samples = _image_samples(plain.policy)
+    for got, want in zip(megatron.compute_logprobs(copy.deepcopy(samples)), plain.compute_logprobs(copy.deepcopy(samples))):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    m, p = (b.train_step(copy.deepcopy(samples), PolicyLoss()) for b in (megatron, plain))
+    assert m["train/grad_norm"] > 0 and m["train/grad_norm"] == pytest.approx(p["train/grad_norm"], rel=1e-5)
+    want = dict(plain.named_weights())
+    got = dict(megatron.named_weights())
+    assert got.keys() == want.keys() and any("vision_tower" in k for k in got)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+def test_a_vlm_with_3d_rotary_positions_is_refused_naming_the_backends_that_train_it():
+    from gymv.backends.training.base import TrainingSetup
+    from gymv.backends.training.megatron import MegatronBackend
+    from gymv.errors import GymvError
+    from tiny_models import tiny_path
+
+    with pytest.raises(GymvError, match="position_ids") as e:
+        MegatronBackend.create(TrainingSetup(model_path=str(tiny_path("tiny-qwen2_5vl"))), device="cpu")
+    assert "training.backend: torch or fsdp2" in e.value.fix

@@ -6,10 +6,12 @@ micro-batches, data parallel over the trainer's ranks, torch AdamW (megatron's d
 its CUDA-only gradient buffers, so it is not used), bf16 autocast on CUDA. Checkpoints and exports are HF
 folders (weights under HF names, so a checkpoint loads with `from_pretrained` too); refits send HF names.
 
-Wired here: text decoders (Llama, Qwen2, Qwen3) at tensor parallel size 1. The mapping and the model are
-tested at TP=2 (logprobs and gradients over two gloo ranks), but the optimizer step over TP shards (global
-gradient norm, the per-head norms' partial gradients) is not, so larger sizes are refused, as are pipeline and
-context parallelism and vision-language models (whose vision tower would feed GPTModel's decoder_input).
+Wired here: text decoders (Llama, Qwen2, Qwen3) and LLaVA-style vision-language models (the vision tower
+and projector stay torch modules, trained too; their image features reach GPTModel as its decoder_input),
+at tensor parallel size 1. The mapping and the model are tested at TP=2 (logprobs and gradients over two
+gloo ranks), but the optimizer step over TP shards (global gradient norm, the per-head norms' partial
+gradients) is not, so larger sizes are refused, as are pipeline and context parallelism and VLMs with 3-D
+rotary positions (Qwen2-VL, Qwen2.5-VL) or other decoder inputs (Qwen3-VL, Gemma 3).
 """
 
 from __future__ import annotations
@@ -43,18 +45,42 @@ def _check_setup(setup: TrainingSetup) -> None:
                         where="training.gradient_checkpointing", fix="set it to false, or use training.backend: fsdp2")
 
 
+def _hf_names(model) -> dict:
+    """Where the decoder's weights and the head sit in this HF model's state dict."""
+    keys = list(model.state_dict())
+    embed = [k for k in keys if k.endswith("embed_tokens.weight")]
+    if len(embed) != 1:
+        raise GymvError("cannot find the language model's token embedding in the checkpoint", where="model.path",
+                        fix="use training.backend: torch or fsdp2 for this model")
+    head = "lm_head.weight" if "lm_head.weight" in keys else next((k for k in keys if k.endswith("lm_head.weight")),
+                                                                  "lm_head.weight")
+    return {"hf_prefix": embed[0][: -len("embed_tokens.weight")], "hf_head": head}
+
+
+def _check_vlm(adapter) -> None:
+    """A VLM runs here when its decoder takes plain token positions and image features in its input
+    embeddings alone (LLaVA-style); 3-D rotary positions (Qwen2-VL), features fed to several layers
+    (Qwen3-VL) or extra model inputs (Gemma 3) are not mapped."""
+    from gymv.backends.multimodal import MultimodalAdapter
+
+    for hook in ("position_ids", "feature_inputs", "forward_kwargs"):
+        if getattr(type(adapter), hook) is not getattr(MultimodalAdapter, hook):
+            raise GymvError(f"training.backend megatron does not map this vision-language family's {hook} "
+                            f"({type(adapter).__name__})", where="model.path",
+                            fix="use training.backend: torch or fsdp2 for this model")
+
+
 class MegatronBackend(HFTorchBackend):
     """One data-parallel rank whose policy (and KL reference) is a GPTModel twin of the HF decoder."""
 
     def __init__(self, policy, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1):
         from gymv.backends.training.megatron_weights import DecoderShape
 
-        if getattr(policy.model.config, "vision_config", None) is not None:
-            raise GymvError("training.backend megatron trains text decoders here; the vision tower feeding "
-                            "GPTModel's decoder_input is not wired", where="model.path",
-                            fix="use training.backend: torch or fsdp2 for a vision-language model")
         self.hf_config = policy.model.config
-        self.shape = DecoderShape.of(self.hf_config)
+        self.vision = getattr(self.hf_config, "vision_config", None) is not None
+        if self.vision:
+            _check_vlm(policy.adapter)
+        self.shape = DecoderShape.of(self.hf_config, **_hf_names(policy.model))
         # HF state dicts list a tied head under its own name too; the generator is sent what it holds
         self.sends_tied_head = self.shape.tied and self.shape.hf_head in policy.model.state_dict()
         self.device = torch.device(device)
@@ -73,12 +99,14 @@ class MegatronBackend(HFTorchBackend):
         return cls(policy, setup, device=device, rank=rank, world_size=world_size)
 
     def _twin(self, hf_model) -> torch.nn.Module:
-        from gymv.backends.training.megatron_model import MegatronCausalLM, build_gpt
+        from gymv.backends.training.megatron_model import MegatronCausalLM, MegatronVLM, build_gpt, strip_language_model
         from gymv.backends.training.megatron_weights import hf_to_megatron
 
         gpt = build_gpt(self.hf_config, self.shape, device=self.device)
         state = hf_to_megatron(hf_model.state_dict(), self.shape)
         gpt.load_state_dict({k: v.to(self.device) for k, v in state.items()}, strict=True)
+        if self.vision:
+            return MegatronVLM(gpt, self.shape, self.hf_config, strip_language_model(hf_model, self.shape))
         return MegatronCausalLM(gpt, self.shape, self.hf_config)
 
     def _make_trainer(self, model, device, *, frozen: bool = False):
@@ -87,7 +115,10 @@ class MegatronBackend(HFTorchBackend):
     def _hf_weights(self, *, include_tied_head: bool) -> Iterator[tuple[str, Tensor]]:
         from gymv.backends.training.megatron_weights import megatron_to_hf
 
-        state = {k: v.detach() for k, v in self.trainer.model.gpt.state_dict().items() if isinstance(v, Tensor)}
+        model = self.trainer.model
+        if self.vision:
+            yield from ((k, v.detach()) for k, v in model.vision_model.state_dict().items())
+        state = {k: v.detach() for k, v in model.gpt.state_dict().items() if isinstance(v, Tensor)}
         yield from megatron_to_hf([state], self.shape, include_tied_head=include_tied_head)
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
@@ -136,6 +167,9 @@ class MegatronBackend(HFTorchBackend):
                                 fix="resume from a checkpoint written by gymv train")
         hf = load_file(str(path / MODEL_SAFETENSORS), device=str(self.device))
         try:
+            if self.vision:
+                vision = self.trainer.model.vision_model
+                vision.load_state_dict({k: hf[k] for k in vision.state_dict()}, strict=True)
             self.trainer.model.gpt.load_state_dict(hf_to_megatron(hf, self.shape), strict=True)
         except (KeyError, RuntimeError) as e:
             raise GymvError(f"checkpoint does not match the model ({str(e).splitlines()[0][:200]})",

@@ -260,3 +260,30 @@ class MegatronCausalLM(torch.nn.Module):
 
             logits = _GatherVocab.apply(logits, parallel_state.get_tensor_model_parallel_group())
         return SimpleNamespace(logits=logits)
+
+
+class MegatronVLM(MegatronCausalLM):
+    """A vision-language model whose language decoder is GPTModel: the HF model keeps its vision tower and
+    projector (torch modules, trained too); its language model and head are dropped, the image features
+    reach the decoder through `inputs_embeds` (GPTModel's decoder_input)."""
+
+    def __init__(self, gpt, shape: DecoderShape, hf_config: Any, vision_model: torch.nn.Module):
+        super().__init__(gpt, shape, hf_config)
+        self.vision_model = vision_model
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.gpt.parameters()).device
+
+    def get_image_features(self, *args, **kwargs):
+        return self.vision_model.get_image_features(*args, **kwargs)
+
+
+def strip_language_model(hf_model: torch.nn.Module, shape: DecoderShape) -> torch.nn.Module:
+    """The HF VLM without its language decoder and head (their weights live in the GPTModel twin)."""
+    for path in (shape.hf_prefix.rstrip("."), shape.hf_head.rsplit(".", 1)[0]):
+        parent_path, _, name = path.rpartition(".")
+        parent = hf_model.get_submodule(parent_path) if parent_path else hf_model
+        if isinstance(getattr(parent, name, None), torch.nn.Module):
+            setattr(parent, name, torch.nn.Module())
+    return hf_model
