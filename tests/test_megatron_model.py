@@ -175,7 +175,8 @@ def _image_samples(policy, n: int = 3) -> list[dict]:
     return samples
 
 
-def test_a_llava_style_vlm_trains_its_vision_tower_and_gptmodel_decoder_as_the_torch_backend_does():
+@pytest.mark.parametrize("arch", ["tiny-llava", "tiny-qwen2_5vl"])  # plain and 3-D rotary positions
+def test_a_vlm_trains_its_vision_tower_and_gptmodel_decoder_as_the_torch_backend_does(arch):
     import copy
 
     from gymv.algorithms.loss_fns import PolicyLoss
@@ -184,8 +185,7 @@ def test_a_llava_style_vlm_trains_its_vision_tower_and_gptmodel_decoder_as_the_t
     from gymv.backends.training.megatron import MegatronBackend
     from tiny_models import tiny_path
 
-    setup = TrainingSetup(model_path=str(tiny_path("tiny-llava")),
-                          optimizer={"lr": 1e-3, "eps": 1e-3, "precision": "fp32"})
+    setup = TrainingSetup(model_path=str(tiny_path(arch)), optimizer={"lr": 1e-3, "eps": 1e-3, "precision": "fp32"})
     megatron, plain = MegatronBackend.create(setup, device="cpu"), HFTorchBackend.create(setup, device="cpu")
     samples = _image_samples(plain.policy)
     for got, want in zip(megatron.compute_logprobs(copy.deepcopy(samples)), plain.compute_logprobs(copy.deepcopy(samples))):
@@ -194,17 +194,17 @@ def test_a_llava_style_vlm_trains_its_vision_tower_and_gptmodel_decoder_as_the_t
     assert m["train/grad_norm"] > 0 and m["train/grad_norm"] == pytest.approx(p["train/grad_norm"], rel=1e-5)
     want = dict(plain.named_weights())
     got = dict(megatron.named_weights())
-    assert got.keys() == want.keys() and any("vision_tower" in k for k in got)
+    assert got.keys() == want.keys() and any(".visual." in k or "vision_tower" in k for k in got)
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
-def test_a_vlm_with_3d_rotary_positions_is_refused_naming_the_backends_that_train_it():
+def test_a_vlm_whose_features_feed_several_layers_is_refused_naming_the_backends_that_train_it():
     from gymv.backends.training.base import TrainingSetup
     from gymv.backends.training.megatron import MegatronBackend
     from gymv.errors import GymvError
     from tiny_models import tiny_path
 
-    with pytest.raises(GymvError, match="position_ids") as e:
-        MegatronBackend.create(TrainingSetup(model_path=str(tiny_path("tiny-qwen2_5vl"))), device="cpu")
+    with pytest.raises(GymvError, match="feature_inputs") as e:
+        MegatronBackend.create(TrainingSetup(model_path=str(tiny_path("tiny-qwen3vl"))), device="cpu")
     assert "training.backend: torch or fsdp2" in e.value.fix

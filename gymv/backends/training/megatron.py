@@ -58,13 +58,14 @@ def _hf_names(model) -> dict:
 
 
 def _check_vlm(adapter) -> None:
-    """A VLM runs here when its decoder takes plain token positions and image features in its input
-    embeddings alone (LLaVA-style); 3-D rotary positions (Qwen2-VL), features fed to several layers
-    (Qwen3-VL) or extra model inputs (Gemma 3) are not mapped."""
-    from gymv.backends.multimodal import MultimodalAdapter
+    """A VLM runs here when its decoder takes image features in its input embeddings alone, with plain or
+    3-D rotary positions (LLaVA-style, Qwen2-VL, Qwen2.5-VL); features fed to several layers (Qwen3-VL) or
+    extra model inputs (Gemma 3) are not mapped."""
+    from gymv.backends.multimodal import GridAdapter, MultimodalAdapter
 
     for hook in ("position_ids", "feature_inputs", "forward_kwargs"):
-        if getattr(type(adapter), hook) is not getattr(MultimodalAdapter, hook):
+        mine = getattr(type(adapter), hook)
+        if mine is not getattr(MultimodalAdapter, hook) and mine is not getattr(GridAdapter, hook):
             raise GymvError(f"training.backend megatron does not map this vision-language family's {hook} "
                             f"({type(adapter).__name__})", where="model.path",
                             fix="use training.backend: torch or fsdp2 for this model")

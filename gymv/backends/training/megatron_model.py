@@ -106,7 +106,18 @@ def allow_cpu() -> None:
             emb = torch.cat((freqs, freqs), dim=-1)
         return emb[:, None, None, :]
 
+    def mrope_init(self, kv_channels: int, rotary_percent: float, rotary_interleaved: bool = False,
+                   seq_len_interpolation_factor=None, rotary_base: int = 10000, cp_group=None) -> None:
+        torch.nn.Module.__init__(self)
+        dim = int(kv_channels * rotary_percent) if rotary_percent < 1.0 else kv_channels
+        self.rotary_interleaved, self.seq_len_interpolation_factor = rotary_interleaved, seq_len_interpolation_factor
+        device = torch.cuda.current_device() if _MODE == "cuda" else "cpu"
+        self.inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+        self.cp_group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group(
+            check_initialized=False)
+
     rope.RotaryEmbedding.get_emb = get_emb
+    rope.MultimodalRotaryEmbedding.__init__ = mrope_init
     _CPU_ALLOWED = True
 
 
@@ -171,7 +182,7 @@ def _rope_theta(text) -> float:
     params = getattr(text, "rope_parameters", None) or {}
     scaling = getattr(text, "rope_scaling", None) or {}
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind not in ("default", "mrope"):
+    if kind != "default":
         raise GymvError(f"training.backend megatron supports plain rotary positions, not rope_type {kind!r}",
                         where="model.path config.json", fix="use training.backend: torch or fsdp2 for this model")
     return float(params.get("rope_theta") or getattr(text, "rope_theta", None) or 10000.0)
@@ -197,10 +208,12 @@ def build_gpt(hf_config: Any, shape: DecoderShape, *, tensor_parallel: int = 1, 
         bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False, attention_softmax_in_fp32=True,
         bf16=dtype == torch.bfloat16)
+    if shape.mrope_section:
+        cfg.mrope_section = list(shape.mrope_section)
     model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm),
                      vocab_size=shape.vocab, max_sequence_length=max_positions or text.max_position_embeddings,
                      parallel_output=True, share_embeddings_and_output_weights=shape.tied,
-                     position_embedding_type="rope", rotary_base=_rope_theta(text))
+                     position_embedding_type="mrope" if shape.mrope_section else "rope", rotary_base=_rope_theta(text))
     return model.to(device)
 
 
@@ -251,7 +264,10 @@ class MegatronCausalLM(torch.nn.Module):
         b, t = ref.shape[:2]
         if attention_mask is None:
             attention_mask = torch.ones(b, t, dtype=torch.long, device=ref.device)
-        pos = torch.arange(t, device=ref.device).expand(b, t)
+        if self.shape.mrope_section:  # 3-D positions [3, B, T], as the adapter computed them
+            pos = position_ids if position_ids.dim() == 3 else position_ids[None].expand(3, b, t)
+        else:  # megatron's rotary table counts 0..T-1 itself
+            pos = torch.arange(t, device=ref.device).expand(b, t)
         decoder_input = inputs_embeds.transpose(0, 1).contiguous() if inputs_embeds is not None else None
         logits = self.gpt(input_ids=input_ids, position_ids=pos, attention_mask=megatron_mask(attention_mask),
                           decoder_input=decoder_input)
@@ -277,6 +293,11 @@ class MegatronVLM(MegatronCausalLM):
 
     def get_image_features(self, *args, **kwargs):
         return self.vision_model.get_image_features(*args, **kwargs)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The HF inner model (vision parts, and e.g. Qwen2-VL's get_rope_index for the adapter's positions)."""
+        return getattr(self.vision_model, "model", self.vision_model)
 
 
 def strip_language_model(hf_model: torch.nn.Module, shape: DecoderShape) -> torch.nn.Module:

@@ -37,6 +37,7 @@ class DecoderShape:
     tied: bool
     qkv_bias: bool
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head
+    mrope_section: tuple[int, ...] | None = None  # Qwen2-VL / Qwen2.5-VL: 3-D rotary positions (t, h, w)
     hf_prefix: str = "model."  # where the decoder's weights live in the HF state dict
     hf_head: str = "lm_head.weight"
 
@@ -54,7 +55,7 @@ class DecoderShape:
                             kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim,
                             ffn=text.intermediate_size, vocab=text.vocab_size, tied=tied,
                             qkv_bias=model_type.startswith("qwen2") or bool(getattr(text, "attention_bias", False)),
-                            qk_norm=model_type == "qwen3",
+                            qk_norm=model_type == "qwen3", mrope_section=_mrope_section(text),
                             hf_prefix=hf_prefix, hf_head=hf_head)
 
     def check_tp(self, tp: int) -> None:
@@ -73,6 +74,13 @@ TP_PARTIAL_GRADIENTS = ("self_attention.q_layernorm.", "self_attention.k_layerno
 
 def tp_partial_gradient(name: str) -> bool:
     return any(part in name for part in TP_PARTIAL_GRADIENTS)
+
+
+def _mrope_section(text) -> tuple[int, ...] | None:
+    for where in (getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None)):
+        if isinstance(where, dict) and where.get("mrope_section"):
+            return tuple(int(x) for x in where["mrope_section"])
+    return None
 
 
 def _layer(shape: DecoderShape, i: int) -> str:
