@@ -208,3 +208,18 @@ def test_a_vlm_whose_features_feed_several_layers_is_refused_naming_the_backends
     with pytest.raises(GymvError, match="feature_inputs") as e:
         MegatronBackend.create(TrainingSetup(model_path=str(tiny_path("tiny-qwen3vl"))), device="cpu")
     assert "training.backend: torch or fsdp2" in e.value.fix
+
+
+def test_checkpointed_layers_give_the_same_gradients():
+    from gymv.backends.training.megatron_model import checkpoint_layers
+
+    ids, mask = batch()
+    grads = []
+    for checkpointed in (False, True):
+        twin = megatron_twin(tiny_hf("qwen2"))
+        if checkpointed:
+            checkpoint_layers(twin.gpt)
+        (token_logprobs(twin(input_ids=ids, attention_mask=mask).logits, ids) * mask[:, 1:]).sum().backward()
+        grads.append({k: p.grad for k, p in twin.gpt.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=0, atol=1e-6, msg=name)

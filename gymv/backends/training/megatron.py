@@ -40,9 +40,6 @@ def _check_setup(setup: TrainingSetup) -> None:
             raise GymvError(f"training.backend megatron runs training.parallel.{name} 1 here, not {size}",
                             where=f"training.parallel.{name}",
                             fix="set it to 1 (data parallel over the training GPUs), or use training.backend: fsdp2")
-    if setup.gradient_checkpointing:
-        raise GymvError("training.gradient_checkpointing is not wired for training.backend megatron",
-                        where="training.gradient_checkpointing", fix="set it to false, or use training.backend: fsdp2")
 
 
 def _hf_names(model) -> dict:
@@ -111,7 +108,12 @@ class MegatronBackend(HFTorchBackend):
         return MegatronCausalLM(gpt, self.shape, self.hf_config)
 
     def _make_trainer(self, model, device, *, frozen: bool = False):
-        return super()._make_trainer(self._twin(model), device, frozen=frozen)
+        from gymv.backends.training.megatron_model import checkpoint_layers
+
+        twin = self._twin(model)
+        if self.setup.gradient_checkpointing and not frozen:
+            checkpoint_layers(twin.gpt)
+        return super()._make_trainer(twin, device, frozen=frozen)
 
     def _hf_weights(self, *, include_tied_head: bool) -> Iterator[tuple[str, Tensor]]:
         from gymv.backends.training.megatron_weights import megatron_to_hf

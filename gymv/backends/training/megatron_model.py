@@ -217,6 +217,18 @@ def build_gpt(hf_config: Any, shape: DecoderShape, *, tensor_parallel: int = 1, 
     return model.to(device)
 
 
+def checkpoint_layers(gpt) -> None:
+    """Activation checkpointing, one decoder layer at a time, by torch's non-reentrant checkpoint (megatron's
+    own recompute saves CUDA RNG states, so it cannot run on a CPU); the backward recomputes each layer."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in gpt.decoder.layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+    gpt.gymv_checkpointed = True
+
+
 def megatron_mask(mask: Tensor) -> Tensor:
     """Megatron's boolean mask [B,1,T,T] (True = not attended): causal, and never onto padding."""
     t = mask.shape[-1]
