@@ -29,7 +29,7 @@ from gymv.backends.training.base import TrainingSetup
 from gymv.backends.training.hf_torch import HFTorchBackend, copy_hf_files
 from gymv.errors import GymvError
 
-PARALLEL_KEYS = ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel")
+PARALLEL_KEYS = ("pipeline_parallel", "context_parallel", "expert_parallel")
 
 
 def _check_setup(setup: TrainingSetup) -> None:
@@ -82,6 +82,8 @@ class MegatronBackend(HFTorchBackend):
         # HF state dicts list a tied head under its own name too; the generator is sent what it holds
         self.sends_tied_head = self.shape.tied and self.shape.hf_head in policy.model.state_dict()
         self.device = torch.device(device)
+        self.tp = int(setup.sharding.get("tensor_parallel", 1))
+        self.gathers_weights = self.tp > 1
         super().__init__(policy, setup, device=device, rank=rank, world_size=world_size)
         policy.model = self.trainer.model  # the HF copy is not kept
 
@@ -91,7 +93,7 @@ class MegatronBackend(HFTorchBackend):
         from gymv.backends.training.megatron_model import init_parallel
 
         _check_setup(setup)
-        init_parallel(1, torch.device(device), seed=setup.seed)
+        init_parallel(int(setup.sharding.get("tensor_parallel", 1)), torch.device(device), seed=setup.seed)
         policy = load_policy(setup.model_path, device="cpu", dtype=torch.float32, seed=setup.seed,
                              trust_remote_code=setup.trust_remote_code)
         return cls(policy, setup, device=device, rank=rank, world_size=world_size)
@@ -100,12 +102,16 @@ class MegatronBackend(HFTorchBackend):
         from gymv.backends.training.megatron_model import MegatronCausalLM, MegatronVLM, build_gpt, strip_language_model
         from gymv.backends.training.megatron_weights import hf_to_megatron
 
-        gpt = build_gpt(self.hf_config, self.shape, device=self.device)
-        state = hf_to_megatron(hf_model.state_dict(), self.shape)
+        from megatron.core import parallel_state
+
+        gpt = build_gpt(self.hf_config, self.shape, tensor_parallel=self.tp, device=self.device)
+        state = hf_to_megatron(hf_model.state_dict(), self.shape,
+                               tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=self.tp)
         gpt.load_state_dict({k: v.to(self.device) for k, v in state.items()}, strict=True)
+        pad = getattr(hf_model.get_input_embeddings(), "padding_idx", None)
         if self.vision:
-            return MegatronVLM(gpt, self.shape, self.hf_config, strip_language_model(hf_model, self.shape))
-        return MegatronCausalLM(gpt, self.shape, self.hf_config)
+            return MegatronVLM(gpt, self.shape, self.hf_config, strip_language_model(hf_model, self.shape), pad)
+        return MegatronCausalLM(gpt, self.shape, self.hf_config, pad)
 
     def _make_trainer(self, model, device, *, frozen: bool = False):
         from gymv.backends.training.megatron_model import checkpoint_layers
@@ -113,7 +119,42 @@ class MegatronBackend(HFTorchBackend):
         twin = self._twin(model)
         if self.setup.gradient_checkpointing and not frozen:
             checkpoint_layers(twin.gpt)
-        return super()._make_trainer(twin, device, frozen=frozen)
+        if self.tp == 1:
+            return super()._make_trainer(twin, device, frozen=frozen)
+        from megatron.core import parallel_state
+
+        from gymv.backends.training.hf_torch import plan_fn
+        from gymv.backends.training.megatron_tp import TensorParallelTrainer
+
+        if frozen:
+            twin.requires_grad_(True)  # TorchTrainer refuses a model without trainable parameters; never stepped
+        return TensorParallelTrainer(twin, self.logprob_fn, self.config, collate_fn=self.collate, device=device,
+                                     process_group=parallel_state.get_data_parallel_group(),
+                                     plan_fn=plan_fn(self.adapter, twin))
+
+    def train_step(self, samples, loss_fn):
+        if self.tp > 1:  # a replica's TP ranks run the same samples: all of theirs
+            from gymv.backends.training.megatron_tp import union_over_tp
+
+            samples = union_over_tp(samples)[0]
+        return super().train_step(samples, loss_fn)
+
+    def compute_logprobs(self, samples, *, reference: bool = False):
+        if self.tp == 1:
+            return super().compute_logprobs(samples, reference=reference)
+        from gymv.backends.training.megatron_tp import union_over_tp
+
+        everyone, mine = union_over_tp(samples)
+        return super().compute_logprobs(everyone, reference=reference)[mine]
+
+    def sum_over_ranks(self, value: float) -> float:
+        import torch.distributed as dist
+
+        if self.world_size == 1:
+            return float(value)
+        t = torch.tensor([float(value)], device=self.device)
+        dist.all_reduce(t)  # every rank's own share, TP peers included
+        return float(t)
 
     def _hf_weights(self, *, include_tied_head: bool) -> Iterator[tuple[str, Tensor]]:
         from gymv.backends.training.megatron_weights import megatron_to_hf
@@ -122,71 +163,100 @@ class MegatronBackend(HFTorchBackend):
         if self.vision:
             yield from ((k, v.detach()) for k, v in model.vision_model.state_dict().items())
         state = {k: v.detach() for k, v in model.gpt.state_dict().items() if isinstance(v, Tensor)}
-        yield from megatron_to_hf([state], self.shape, include_tied_head=include_tied_head)
+        if self.tp == 1:
+            yield from megatron_to_hf([state], self.shape, include_tied_head=include_tied_head)
+            return
+        from gymv.backends.training.megatron_tp import gather_state
+
+        yield from megatron_to_hf(gather_state(state), self.shape, include_tied_head=include_tied_head)
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         yield from self._hf_weights(include_tied_head=self.sends_tied_head)
 
-    def _write_hf_weights(self, path: Path) -> None:
+    def _hf_state_for_files(self) -> dict[str, Tensor] | None:
+        """The HF-named weights as files hold them (no tied head), on host memory; every rank joins the TP
+        gathers, rank 0 alone keeps the result."""
+        state = {k: v.detach().cpu().contiguous() for k, v in self._hf_weights(include_tied_head=False)}
+        return state if self.rank == 0 else None
+
+    @staticmethod
+    def _write_hf_weights(path: Path, state: dict[str, Tensor]) -> None:
         from safetensors.torch import save_file
 
         from gymv.backends.training.torch_trainer import MODEL_SAFETENSORS, _fsync_replace
 
         tmp = path / f".{MODEL_SAFETENSORS}.tmp"
-        save_file({k: v.detach().cpu().contiguous() for k, v in self._hf_weights(include_tied_head=False)}, str(tmp),
-                  metadata={"format": "pt"})
+        save_file(state, str(tmp), metadata={"format": "pt"})
         _fsync_replace(tmp, path / MODEL_SAFETENSORS)
 
+    def _optimizer_file(self) -> str:
+        """Optimizer state is per TP shard: one file per TP rank of the first data-parallel replica."""
+        from megatron.core import parallel_state
+
+        from gymv.backends.training.torch_trainer import OPTIMIZER_FILE
+
+        return OPTIMIZER_FILE if self.tp == 1 else f"optimizer_tp{parallel_state.get_tensor_model_parallel_rank()}.pt"
+
     def save(self, path: str | os.PathLike) -> None:
-        """Rank 0 writes the trainer's optimizer state and step count, and the weights under HF names (the
-        folder loads as a model, and as this backend's checkpoint)."""
-        if self.rank != 0:
-            return
+        """Rank 0 writes the weights under HF names (the folder loads as a model, and as this backend's
+        checkpoint) and the step count; each TP rank of the first replica its optimizer state."""
         from dataclasses import asdict
 
-        from gymv.backends.training.torch_trainer import OPTIMIZER_FILE, TRAINER_FILE, _fsync_replace
+        from megatron.core import parallel_state
+
+        from gymv.backends.training.torch_trainer import TRAINER_FILE, _fsync_replace
 
         path = Path(path)
+        state = self._hf_state_for_files()
+        if parallel_state.get_data_parallel_rank() != 0:
+            return
         path.mkdir(parents=True, exist_ok=True)
-        self._write_hf_weights(path)
-        tmp = path / f".{OPTIMIZER_FILE}.tmp"
+        tmp = path / f".{self._optimizer_file()}.tmp"
         torch.save(self.trainer.optimizer.state_dict(), tmp)
-        _fsync_replace(tmp, path / OPTIMIZER_FILE)
+        _fsync_replace(tmp, path / self._optimizer_file())
+        if state is None:
+            return
+        self._write_hf_weights(path, state)
         tmp = path / f".{TRAINER_FILE}.tmp"
-        tmp.write_text(json.dumps({"steps": self.trainer.steps, "config": asdict(self.trainer.config)}))
+        tmp.write_text(json.dumps({"steps": self.trainer.steps, "config": asdict(self.trainer.config),
+                                   "tensor_parallel": self.tp}))
         _fsync_replace(tmp, path / TRAINER_FILE)
         copy_hf_files(self.setup.model_path, path)
 
     def load(self, path: str | os.PathLike) -> None:
+        from megatron.core import parallel_state
         from safetensors.torch import load_file
 
         from gymv.backends.training.megatron_weights import hf_to_megatron
-        from gymv.backends.training.torch_trainer import MODEL_SAFETENSORS, OPTIMIZER_FILE, TRAINER_FILE
+        from gymv.backends.training.torch_trainer import MODEL_SAFETENSORS, TRAINER_FILE
 
         path = Path(path)
-        for name in (MODEL_SAFETENSORS, OPTIMIZER_FILE):
+        for name in (MODEL_SAFETENSORS, self._optimizer_file()):
             if not (path / name).exists():
                 raise GymvError(f"no {name} in the checkpoint", where=str(path),
-                                fix="resume from a checkpoint written by gymv train")
+                                fix="resume from a checkpoint written by gymv train at the same tensor parallel size")
         hf = load_file(str(path / MODEL_SAFETENSORS), device=str(self.device))
         try:
             if self.vision:
                 vision = self.trainer.model.vision_model
                 vision.load_state_dict({k: hf[k] for k in vision.state_dict()}, strict=True)
-            self.trainer.model.gpt.load_state_dict(hf_to_megatron(hf, self.shape), strict=True)
+            shard = hf_to_megatron(hf, self.shape, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                                   tp_size=self.tp)
+            self.trainer.model.gpt.load_state_dict(shard, strict=True)
         except (KeyError, RuntimeError) as e:
             raise GymvError(f"checkpoint does not match the model ({str(e).splitlines()[0][:200]})",
                             where=str(path / MODEL_SAFETENSORS),
                             fix="load a checkpoint written by the same model architecture") from None
-        self.trainer.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device,
+        self.trainer.optimizer.load_state_dict(torch.load(path / self._optimizer_file(), map_location=self.device,
                                                           weights_only=True))
         meta = path / TRAINER_FILE
         self.trainer.steps = int(json.loads(meta.read_text())["steps"]) if meta.exists() else 0
 
     def export_hf(self, path: str | os.PathLike) -> None:
-        if self.rank != 0:
+        state = self._hf_state_for_files()
+        if state is None:
             return
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        self._write_hf_weights(path)
+        self._write_hf_weights(path, state)
         copy_hf_files(self.setup.model_path, path)

@@ -256,18 +256,35 @@ class _GatherVocab(torch.autograd.Function):
         return grad.chunk(ctx.size, dim=-1)[ctx.rank].contiguous(), None
 
 
+class _PaddingIdxEmbedding(torch.nn.Module):
+    """Megatron's (vocab-parallel) token embedding with torch's `padding_idx` rule, as the HF model has it:
+    lookups of the padding token give the weight no gradient (its row never trains)."""
+
+    def __init__(self, embedding: torch.nn.Module, padding_idx: int | None):
+        super().__init__()
+        object.__setattr__(self, "inner", embedding)  # not a submodule: its weight is the GPTModel's
+        self.padding_idx = padding_idx
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        out = self.inner(input_ids)
+        if self.padding_idx is None:
+            return out
+        return torch.where((input_ids == self.padding_idx).unsqueeze(-1), out.detach(), out)
+
+
 class MegatronCausalLM(torch.nn.Module):
     """GPTModel behind the HF call gymv's logprob functions make. Positions are those of a right-padded
-    row (0..T-1), as the trainer's collate lays rows out; the KV-cache path is never taken (`gymv_lockstep`)."""
+    row (0..T-1), as the trainer's collate lays rows out; the KV-cache path is never taken (`gymv_lockstep`).
+    `padding_idx`: the HF embedding's (its row gets no gradient there either)."""
 
     gymv_lockstep = True
 
-    def __init__(self, gpt, shape: DecoderShape, hf_config: Any = None):
+    def __init__(self, gpt, shape: DecoderShape, hf_config: Any = None, padding_idx: int | None = None):
         super().__init__()
-        self.gpt, self.shape, self.config = gpt, shape, hf_config
+        self.gpt, self.shape, self.config, self.padding_idx = gpt, shape, hf_config, padding_idx
 
     def get_input_embeddings(self):
-        return self.gpt.embedding.word_embeddings
+        return _PaddingIdxEmbedding(self.gpt.embedding.word_embeddings, self.padding_idx)
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 inputs_embeds: Tensor | None = None, position_ids: Tensor | None = None, use_cache: bool = False,
@@ -280,7 +297,9 @@ class MegatronCausalLM(torch.nn.Module):
             pos = position_ids if position_ids.dim() == 3 else position_ids[None].expand(3, b, t)
         else:  # megatron's rotary table counts 0..T-1 itself
             pos = torch.arange(t, device=ref.device).expand(b, t)
-        decoder_input = inputs_embeds.transpose(0, 1).contiguous() if inputs_embeds is not None else None
+        if inputs_embeds is None:  # looked up here, with the padding rule, rather than inside GPTModel
+            inputs_embeds = self.get_input_embeddings()(input_ids)
+        decoder_input = inputs_embeds.transpose(0, 1).contiguous()
         logits = self.gpt(input_ids=input_ids, position_ids=pos, attention_mask=megatron_mask(attention_mask),
                           decoder_input=decoder_input)
         if self.gpt.config.tensor_model_parallel_size > 1:
@@ -295,8 +314,9 @@ class MegatronVLM(MegatronCausalLM):
     projector (torch modules, trained too); its language model and head are dropped, the image features
     reach the decoder through `inputs_embeds` (GPTModel's decoder_input)."""
 
-    def __init__(self, gpt, shape: DecoderShape, hf_config: Any, vision_model: torch.nn.Module):
-        super().__init__(gpt, shape, hf_config)
+    def __init__(self, gpt, shape: DecoderShape, hf_config: Any, vision_model: torch.nn.Module,
+                 padding_idx: int | None = None):
+        super().__init__(gpt, shape, hf_config, padding_idx)
         self.vision_model = vision_model
 
     @property

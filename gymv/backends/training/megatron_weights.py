@@ -72,8 +72,17 @@ class DecoderShape:
 TP_PARTIAL_GRADIENTS = ("self_attention.q_layernorm.", "self_attention.k_layernorm.")
 
 
+TP_SHARDED = ("embedding.word_embeddings.", "output_layer.", "self_attention.linear_qkv.",
+              "self_attention.linear_proj.", "mlp.linear_fc1.", "mlp.linear_fc2.")
+
+
 def tp_partial_gradient(name: str) -> bool:
     return any(part in name for part in TP_PARTIAL_GRADIENTS)
+
+
+def tp_sharded(name: str) -> bool:
+    """A GPTModel weight split over the TP ranks (the rest, norms, are whole on every rank)."""
+    return any(part in name for part in TP_SHARDED)
 
 
 def _mrope_section(text) -> tuple[int, ...] | None:
