@@ -78,12 +78,11 @@ def _gaps(cfg) -> Iterator[Gap]:
                                                f"use one of: {', '.join(backend_names(key))}")
     if cfg.training.backend == "megatron":
         p = cfg.training.parallel
-        for size in ("tensor", "pipeline", "context", "expert"):
+        for size in ("pipeline", "context", "expert"):
             if getattr(p, size) > 1:
                 yield Gap(f"training.parallel.{size}",
-                          f"training.backend megatron trains with training.parallel.{size} 1 here (model parallel "
-                          "steps are not wired; its tensor-parallel model and weight mapping are tested alone)",
-                          "set the parallel sizes to 1 (data parallel over the training GPUs)")
+                          f"training.backend megatron trains with training.parallel.{size} 1 here (only tensor "
+                          "parallelism is wired)", f"set training.parallel.{size} to 1")
                 break
     g = cfg.generation
     if g.backend != "vllm" and g.vllm != type(g.vllm)():

@@ -115,6 +115,7 @@ def test_gymv_train_names_the_vllm_venv_where_vllm_is_not_installed(tmp_path):
     assert "bash scripts/install.sh vllm" in e.value.fix and "install_vllm.sh --path)/bin/gymv" in e.value.fix
 
 
-def test_megatron_model_parallel_sizes_above_one_are_a_gap():
-    c = cfg(training={"backend": "megatron", "parallel": {"tensor": 2}}, cluster={"gpus_per_node": 2})
-    assert keys(c) == ["training.parallel.tensor"]
+def test_megatron_tensor_parallel_is_wired_and_pipeline_parallel_is_a_gap():
+    assert gaps(cfg(training={"backend": "megatron", "parallel": {"tensor": 2}}, cluster={"gpus_per_node": 2})) == []
+    c = cfg(training={"backend": "megatron", "parallel": {"pipeline": 2}}, cluster={"gpus_per_node": 2})
+    assert keys(c) == ["training.parallel.pipeline"]

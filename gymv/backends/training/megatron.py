@@ -2,16 +2,15 @@
 loaded from and written back to HF names by gymv's own mapping (gymv.backends.training.megatron_weights).
 
 Everything around the model is the `torch` backend's: the same losses over `training_sample`, token-budget
-micro-batches, data parallel over the trainer's ranks, torch AdamW (megatron's distributed optimizer wants
-its CUDA-only gradient buffers, so it is not used), bf16 autocast on CUDA. Checkpoints and exports are HF
+micro-batches, data parallel over the trainer's ranks, torch AdamW (megatron's distributed optimizer needs
+its DDP wrapper and gradient buffers, which gymv does not build yet), bf16 autocast on CUDA. Checkpoints and exports are HF
 folders (weights under HF names, so a checkpoint loads with `from_pretrained` too); refits send HF names.
 
 Wired here: text decoders (Llama, Qwen2, Qwen3) and LLaVA-style, Qwen2-VL and Qwen2.5-VL vision-language
 models (the vision tower and projector stay torch modules, trained too; their image features reach GPTModel
-as its decoder_input; 3-D rotary positions go through megatron's mrope), at tensor parallel size 1. The mapping and the model are tested at TP=2 (logprobs and gradients over two
-gloo ranks), but the optimizer step over TP shards (global gradient norm, the per-head norms' partial
-gradients) is not, so larger sizes are refused, as are pipeline and context parallelism and VLMs with other
-decoder inputs (Qwen3-VL, Gemma 3).
+as its decoder_input; 3-D rotary positions go through megatron's mrope), with tensor parallelism
+(gymv.backends.training.megatron_tp). Pipeline, context and expert parallelism are refused, as are VLMs with
+other decoder inputs (Qwen3-VL, Gemma 3).
 """
 
 from __future__ import annotations
