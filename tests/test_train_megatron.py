@@ -1,6 +1,7 @@
 """`gymv train` with training.backend megatron (Megatron-core's GPTModel on the CPU, gloo) on the tiny Qwen3:
-the first GRPO step's loss equals the torch backend's on the same rollouts, refits keep the generator in
-agreement with the trainer, and the checkpoint is an HF folder that loads and resumes."""
+each GRPO step equals the torch backend's on the same rollouts, refits keep the generator in agreement with
+the trainer, and the checkpoint is an HF folder of the torch backend's weights; and two tensor-parallel Ray
+ranks take one rank's step."""
 
 from __future__ import annotations
 
@@ -62,3 +63,55 @@ def test_the_last_checkpoint_is_an_hf_folder_with_the_torch_backends_weights(run
     assert got.keys() == want.keys()
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+def test_two_tensor_parallel_ranks_on_ray_take_one_ranks_step_and_refit_the_generator(tmp_path):
+    """TP=2 over two Ray training ranks (the tiny Qwen3's per-head norms included): the step of one rank on
+    the same rollouts, the gathered refit reaches the generator intact, and the export is an HF folder of
+    the trainer's weights."""
+    import random
+
+    import ray
+
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.backends.generation import SamplingParams
+    from gymv.cluster.group import Placement, PolicyCluster
+    from gymv.cluster.workers import GenerationWorker, TrainingWorker, WorkerSpec
+    from gymv.train.data import EnvSpec
+    from gymv.train.stats import policy_samples
+
+    def spec(**kw):
+        return WorkerSpec(model_path=str(tiny_path(ARCH)), env=EnvSpec("even-length-text"), training_backend="megatron",
+                          trainer={"lr": 1e-3, "eps": 1e-3, "precision": "fp32", "micro_batch_tokens": 512}, **kw)
+
+    gen = GenerationWorker(spec())
+    env = gen.router.default
+    rows = [(i, env.make_row(random.Random(i), env.presets["default"], i)) for i in range(3)]
+    out = gen.rollouts(rows, group_size=2, params=SamplingParams(max_new_tokens=8), seed=3, max_turns=1,
+                       max_rollout_tokens=64, max_seq_len=512)
+    samples = policy_samples(out["trajectories"], [1.0, -1.0, 0.5, -0.5, 0.25, -0.25])
+
+    one = TrainingWorker(spec())
+    one.setup()
+    want = one.grpo_step([[dict(s) for s in samples]], PolicyLoss())
+    want_weights = one.weights()
+    one.close()
+
+    cluster = PolicyCluster(spec(sharding={"tensor_parallel": 2}), Placement(num_generation=1, num_training=2))
+    try:
+        got = cluster.grpo_step([[dict(s) for s in samples]], PolicyLoss())
+        weights, *_ = ray.get([cluster.trainers[0].weights.remote()] + cluster._followers())
+        cluster.refit(1)
+        trainer_hash, generator_hashes = cluster.weight_hashes()
+        exported = cluster.export(tmp_path / "export")
+    finally:
+        cluster.shutdown()
+    assert got["train/loss"] == pytest.approx(want["train/loss"], abs=1e-6)
+    assert want["train/grad_norm"] > 0
+    assert got["train/grad_norm"] == pytest.approx(want["train/grad_norm"], rel=1e-5)
+    assert weights.keys() == want_weights.keys()
+    for name, tensor in want_weights.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=name)
+    assert generator_hashes == [trainer_hash]
+    for name, tensor in model_weights(exported).items():
+        torch.testing.assert_close(tensor, weights[name], rtol=0, atol=0, msg=name)
