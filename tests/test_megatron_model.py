@@ -225,63 +225,7 @@ def test_checkpointed_layers_give_the_same_gradients():
         torch.testing.assert_close(grads[1][name], g, rtol=0, atol=1e-6, msg=name)
 
 
-def _tp_backend_rank(rank, world, port, out, model_path):
-    import torch.distributed as dist
-
-    from gymv.algorithms.loss_fns import PolicyLoss
-    from gymv.backends.training.base import TrainingSetup
-    from gymv.backends.training.megatron import MegatronBackend
-    from tiny_lm import make_samples
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        setup = TrainingSetup(model_path=model_path, optimizer=BACKEND_OPTIMIZER, sharding={"tensor_parallel": world})
-        backend = MegatronBackend.create(setup, device="cpu", rank=rank, world_size=world)
-        samples = make_samples(6, seed=1)
-        mine = samples[:4] if rank == 0 else samples[4:]  # the driver hands each rank its own share
-        logp = backend.compute_logprobs(mine)
-        metrics = backend.train_step(mine, PolicyLoss())
-        weights = dict(backend.named_weights())  # a gather: every rank iterates
-        torch.save({"logp": logp, "metrics": metrics, "weights": weights}, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
 BACKEND_OPTIMIZER = {"lr": 1e-3, "eps": 1e-3, "precision": "fp32"}
-
-
-@pytest.mark.slow
-def test_a_tensor_parallel_backend_step_over_two_gloo_ranks_equals_one_rank(tmp_path):
-    """Tiny Qwen3 (per-head q/k norms: their TP-partial gradients are summed) at TP=2: both ranks train on
-    the union of their samples and end with the weights, loss and gradient norm of TP=1 on all of them."""
-    import torch.multiprocessing as mp
-
-    from gymv.algorithms.loss_fns import PolicyLoss
-    from gymv.backends.training.base import TrainingSetup
-    from gymv.backends.training.megatron import MegatronBackend
-    from tiny_lm import make_samples
-    from tiny_models import tiny_path
-
-    path = str(tiny_path("tiny-qwen3"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_tp_backend_rank, args=(2, port, str(tmp_path), path), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-
-    single = MegatronBackend.create(TrainingSetup(model_path=path, optimizer=BACKEND_OPTIMIZER), device="cpu")
-    samples = make_samples(6, seed=1)
-    logp = single.compute_logprobs(samples)
-    metrics = single.train_step(samples, PolicyLoss())
-    for got, want in zip(ranks[0]["logp"] + ranks[1]["logp"], logp):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    for r in ranks:
-        assert r["metrics"]["train/loss"] == pytest.approx(metrics["train/loss"], abs=1e-6)
-        assert r["metrics"]["train/grad_norm"] == pytest.approx(metrics["train/grad_norm"], rel=1e-5)
-    weights = dict(single.named_weights())
-    assert ranks[0]["weights"].keys() == weights.keys()
-    for name, tensor in weights.items():
-        torch.testing.assert_close(ranks[0]["weights"][name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
 def test_a_backend_step_equals_the_torch_backends_and_never_trains_the_padding_row():
