@@ -2,11 +2,12 @@
 HF decoder config, and a thin module that gives it the HF causal-LM call (input_ids or inputs_embeds,
 attention_mask -> .logits [B,T,V]) that gymv's logprob functions make.
 
-megatron-core assumes CUDA in three places a training forward reaches: the rotary table moves itself to
-`torch.cuda.current_device()`, attention scores go into a scratch buffer allocated there, and attention
-dropout forks a CUDA RNG state. For a CPU model, `allow_cpu` replaces those three (the table and the
-buffer stay on the CPU; dropout, which gymv leaves at 0, draws from the CPU generator), so CI runs the same
-model on CPU with gloo.
+megatron-core assumes CUDA in four places a training forward reaches: the rotary table moves itself to
+`torch.cuda.current_device()`, the multimodal (3-D) rotary table is built there, attention scores go into a
+scratch buffer allocated there, and attention dropout forks a CUDA RNG state. For a CPU model, `allow_cpu`
+replaces those four (tables and buffer stay on the CPU; dropout, which gymv leaves at 0, draws from the CPU
+generator), and tensor-parallel logits are gathered by gymv (megatron's gather allocates on CUDA too), so
+CI runs the same model on CPU with gloo.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from torch import Tensor
 from gymv.backends.training.megatron_weights import DecoderShape
 from gymv.errors import GymvError
 
-INSTALL_FIX = "pip install 'gymv[megatron]' (megatron-core; on Python 3.12+ add --no-deps to skip its CUDA extras)"
+INSTALL_FIX = ("pip install 'gymv[megatron]' (megatron-core 0.16.1 on Python 3.11, 0.19.2 on 3.12+; on a GPU machine "
+               "pip install --no-deps megatron-core keeps the installed torch)")
 _PRIVATE_STORE = None
 _CPU_ALLOWED = False
 _MODE: str | None = None  # the device type megatron's state in this process was built for
