@@ -246,3 +246,39 @@ def test_a_backend_step_equals_the_torch_backends_and_never_trains_the_padding_r
     got, want = (dict(b.named_weights()) for b in backends)
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+def _tp_cuda_rank(rank, world, port, out):
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        result = {}
+        for family in FAMILIES:
+            hf = tiny_hf(family).to(f"cuda:{rank}", torch.bfloat16)
+            twin = megatron_twin(hf, device=f"cuda:{rank}", dtype=torch.bfloat16, tp=world, rank=rank)
+            ids, mask = (t.cuda() for t in batch())
+            with torch.no_grad():
+                got = token_logprobs(twin(input_ids=ids, attention_mask=mask).logits, ids)
+                want = token_logprobs(hf(input_ids=ids, attention_mask=mask).logits, ids)
+            result[family] = (got.cpu(), want.cpu())
+        torch.save(result, f"{out}/cuda{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_tensor_parallel_two_cuda_ranks_match_hf_in_bf16(tmp_path):
+    import torch.multiprocessing as mp
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_tp_cuda_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    valid = batch()[1][:, 1:].bool()
+    for r in range(2):
+        for family, (got, want) in torch.load(tmp_path / f"cuda{r}.pt").items():
+            assert (got[valid] - want[valid]).abs().max().item() < 0.05, family  # bf16 rounding of two kernels
