@@ -1,6 +1,8 @@
 """One training step of the 0.8B text decoder shape (gpu_decode.py's language model: hidden 2048, 16 layers,
 16 heads, 8 kv heads, MLP 5632) through Megatron-core's GPTModel (local layer spec, TP=1, loaded by gymv's
-weight mapping) and through the HF model gymv's torch backend trains, on the same weights and batch.
+weight mapping; its attention either gymv's fused SDPA slot or megatron's local one) and through the HF
+model gymv's torch backend trains, on the same weights and batch. All three models stay on the GPU, so
+each path's peak memory includes the others' weights.
 
 A step is what gymv's trainer does: fp32 weights, bf16 autocast, token logprobs, a loss over them,
 backward, AdamW. Reported per path: median step seconds over the timed steps, tokens/s, MFU = 6·N·tokens /
@@ -113,13 +115,17 @@ def main() -> int:
         mask = torch.ones_like(ids)
         shape = DecoderShape.of(cfg)
         init_parallel(1, device)
-        gpt = build_gpt(cfg, shape, device=device)
-        gpt.load_state_dict(hf_to_megatron(hf.state_dict(), shape), strict=True)
-        mg = MegatronCausalLM(gpt, shape, cfg)
-        hf_lp, mg_lp = logprobs(hf, ids, mask, device), logprobs(mg, ids, mask, device)
-        diff = (hf_lp - mg_lp).abs()
-        report["logprob_abs_diff"] = {"max": diff.max().item(), "mean": diff.mean().item()}
-        for name, model in (("megatron", mg), ("hf", hf)):
+        models = {}
+        for attention in ("sdpa", "local"):
+            gpt = build_gpt(cfg, shape, device=device, attention=attention)
+            gpt.load_state_dict(hf_to_megatron(hf.state_dict(), shape), strict=True)
+            models[f"megatron_{attention}"] = MegatronCausalLM(gpt, shape, cfg)
+        models["hf"] = hf
+        hf_lp = logprobs(hf, ids, mask, device)
+        for name in ("megatron_sdpa", "megatron_local"):
+            diff = (hf_lp - logprobs(models[name], ids, mask, device)).abs()
+            report[f"logprob_abs_diff_{name}"] = {"max": diff.max().item(), "mean": diff.mean().item()}
+        for name, model in models.items():
             step = step_fn(model, ids, mask, device)
             times, losses = timed_steps(step, device, warmup=1 if a.cpu_smoke else 2, steps=steps)
             t = statistics.median(times)
@@ -130,7 +136,7 @@ def main() -> int:
             del step
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        report["first_loss_diff"] = abs(report["megatron"]["first_loss"] - report["hf"]["first_loss"])
+        report["first_loss_diff"] = abs(report["megatron_sdpa"]["first_loss"] - report["hf"]["first_loss"])
         status = 0
     except Exception:
         report["error"] = traceback.format_exc()

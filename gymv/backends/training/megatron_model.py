@@ -180,6 +180,40 @@ def release_parallel() -> None:
         _PRIVATE_STORE = None
 
 
+class SdpaCoreAttention(torch.nn.Module):
+    """Megatron's core-attention slot filled with PyTorch's fused scaled-dot-product attention (the local
+    spec's own materialises every [heads, T, T] score matrix). Causal only: gymv's training rows are
+    right-padded, so every real position attends exactly as under the padding mask, and padded positions
+    are never scored. No dropout (gymv trains at 0)."""
+
+    def __init__(self, config, layer_number: int = 1, attn_mask_type=None, attention_type: str = "self", **_: Any):
+        super().__init__()
+        self.config, self.layer_number = config, layer_number
+        self.softmax_scale = getattr(config, "softmax_scale", None)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask=None, **_: Any) -> Tensor:
+        import torch.nn.functional as F
+
+        sq, b = query.shape[:2]  # [sq, b, heads, dim]; key and value [sk, b, groups, dim]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if k.shape[1] != q.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+def _layer_spec(shape: DecoderShape, attention: str):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm)
+    if attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+    elif attention != "local":
+        raise GymvError(f"unknown megatron attention {attention!r}", where="megatron attention", fix="use sdpa or local")
+    return spec
+
+
 def _rope_theta(text) -> float:
     params = getattr(text, "rope_parameters", None) or {}
     scaling = getattr(text, "rope_scaling", None) or {}
@@ -191,10 +225,10 @@ def _rope_theta(text) -> float:
 
 
 def build_gpt(hf_config: Any, shape: DecoderShape, *, tensor_parallel: int = 1, dtype: torch.dtype = torch.float32,
-              device: torch.device | str = "cpu", max_positions: int | None = None):
-    """An un-initialised-for-use GPTModel of the HF decoder's shape (load its weights with the mapping)."""
+              device: torch.device | str = "cpu", max_positions: int | None = None, attention: str = "sdpa"):
+    """An un-initialised-for-use GPTModel of the HF decoder's shape (load its weights with the mapping).
+    `attention`: "sdpa" (fused, causal; see SdpaCoreAttention) or megatron's "local" one (masked)."""
     require_megatron()
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -212,7 +246,7 @@ def build_gpt(hf_config: Any, shape: DecoderShape, *, tensor_parallel: int = 1, 
         bf16=dtype == torch.bfloat16)
     if shape.mrope_section:
         cfg.mrope_section = list(shape.mrope_section)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm),
+    model = GPTModel(config=cfg, transformer_layer_spec=_layer_spec(shape, attention),
                      vocab_size=shape.vocab, max_sequence_length=max_positions or text.max_position_embeddings,
                      parallel_output=True, share_embeddings_and_output_weights=shape.tied,
                      position_embedding_type="mrope" if shape.mrope_section else "rope", rotary_base=_rope_theta(text))
