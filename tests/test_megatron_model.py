@@ -282,3 +282,20 @@ def test_tensor_parallel_two_cuda_ranks_match_hf_in_bf16(tmp_path):
     for r in range(2):
         for family, (got, want) in torch.load(tmp_path / f"cuda{r}.pt").items():
             assert (got[valid] - want[valid]).abs().max().item() < 0.05, family  # bf16 rounding of two kernels
+
+
+def test_the_fused_attention_slot_scores_real_positions_as_megatrons_masked_attention_does():
+    from gymv.backends.training.megatron_model import build_gpt
+
+    hf = tiny_hf("qwen3")
+    shape = DecoderShape.of(hf.config)
+    init_parallel(1, torch.device("cpu"))
+    ids, mask = batch()
+    logp = []
+    for attention in ("sdpa", "local"):
+        gpt = build_gpt(hf.config, shape, attention=attention)
+        gpt.load_state_dict(hf_to_megatron(hf.state_dict(), shape), strict=True)
+        with torch.no_grad():
+            logp.append(token_logprobs(MegatronCausalLM(gpt, shape)(input_ids=ids, attention_mask=mask).logits, ids))
+    valid = mask[:, 1:].bool()
+    torch.testing.assert_close(logp[0][valid], logp[1][valid], rtol=0, atol=1e-5)
