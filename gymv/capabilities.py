@@ -17,7 +17,6 @@ from typing import Any
 NOT_WIRED: dict[str, dict[Any, str]] = {
     "mopd.teachers.*.backend": {
         "megatron": "Megatron-core teachers are not wired into gymv train yet",
-        "vllm": "vLLM teachers are not wired into gymv train yet",
     },
     "vision.dedup_payloads": {False: "the generation backend always encodes an image shared by a group once"},
 }

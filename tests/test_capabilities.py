@@ -53,6 +53,12 @@ def test_the_vllm_generation_backend_is_wired():
     assert gaps(cfg(generation={"backend": "vllm"})) == []
 
 
+def test_vllm_teachers_are_wired():
+    c = MODELS["vlm_mopd"].model_validate({"algorithm": "vlm_mopd", "vision": {},
+                                            "mopd": {"teachers": {"a": {"path": "x", "backend": "vllm"}}}})
+    assert gaps(c) == [] and table()["mopd.teachers.*.backend"]["vllm"] == "runs"
+
+
 def test_vllm_settings_with_another_backend_are_a_gap_since_nothing_reads_them():
     assert keys(cfg(generation={"vllm": {"gpu_memory_utilization": 0.4}})) == ["generation.vllm"]
 
@@ -113,6 +119,21 @@ def test_gymv_train_names_the_vllm_venv_where_vllm_is_not_installed(tmp_path):
         train(recipe)
     assert e.value.where.endswith("r.yaml:3") and "vllm" in e.value.message
     assert "bash scripts/install.sh vllm" in e.value.fix and "install_vllm.sh --path)/bin/gymv" in e.value.fix
+
+
+def test_gymv_train_names_the_vllm_venv_for_a_vllm_teacher_where_vllm_is_not_installed(tmp_path):
+    from gymv.backends.generation.vllm import vllm_available
+    from gymv.train import train
+
+    if vllm_available():
+        pytest.skip("vLLM is installed in this Python")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("algorithm: mopd\nmopd:\n  default_teacher_alias: a\n  teachers:\n    a:\n      path: x\n"
+                      "      backend: vllm\n")
+    with pytest.raises(GymvError) as e:
+        train(recipe)
+    assert e.value.where.endswith("r.yaml:7") and e.value.message.startswith("mopd.teachers.a.backend vllm needs")
+    assert "bash scripts/install.sh vllm" in e.value.fix and e.value.fix.endswith("or use backend: torch")
 
 
 def test_megatron_tensor_parallel_is_wired_and_pipeline_parallel_is_a_gap():

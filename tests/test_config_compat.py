@@ -224,6 +224,11 @@ def test_mopd_default_teacher_must_exist():
     assert rules_hit(mopd(default_teacher_alias="zzz")) == {"mopd.routing"}
 
 
+def test_a_vllm_teacher_on_cpu_is_allowed_and_a_megatron_one_is_not():
+    assert rules_hit(mopd(teachers={"a": {"backend": "vllm"}})) == set()
+    assert rules_hit(mopd(teachers={"a": {"backend": "megatron"}})) == {"backend.needs-gpu"}
+
+
 def test_a_separate_teacher_on_gpus_needs_gpus_divisible_by_its_replicas():
     base = {"cluster": {"gpus_per_node": 8, "colocated": False, "generation_gpus": 2, "training_gpus": 4},
             "refit": {"transport": "nccl"}}

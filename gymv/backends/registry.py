@@ -19,7 +19,8 @@ TRAINING_BACKENDS = Registry("training backend", "gymv.training_backends",
                               "megatron": "gymv.backends.training.megatron:MegatronBackend"}, where="training.backend")
 # a MOPD teacher's scorer, built from a gymv.cluster.teachers.TeacherSpec
 TEACHER_BACKENDS = Registry("teacher backend", "gymv.teacher_backends",
-                            {"torch": "gymv.backends.teacher:TeacherModel"}, where="mopd.teachers.*.backend")
+                            {"torch": "gymv.backends.teacher:TeacherModel",
+                             "vllm": "gymv.backends.teacher_vllm:VllmTeacher"}, where="mopd.teachers.*.backend")
 # a transport's entry is its sender class; the sender names its receiver class (`receiver`)
 REFIT_TRANSPORTS = Registry("refit transport", "gymv.refit_transports", {
     "object_store": "gymv.cluster.refit:ObjectStoreSender",

@@ -60,8 +60,10 @@ class TeacherWorker:
         self.teacher = scorer(spec if str(device) == spec.device else _with_device(spec, str(device)))
 
     def info(self) -> dict:
+        count = getattr(self.teacher, "num_parameters", None)  # a teacher without a torch module here says it
+        parameters = count() if count is not None else sum(p.numel() for p in self.teacher.model.parameters())
         return {"alias": self.spec.alias, "replica": self.replica, "text_only": self.teacher.text_only,
-                "parameters": sum(p.numel() for p in self.teacher.model.parameters())}
+                "parameters": parameters}
 
     def score(self, rows) -> dict:
         t0 = time.perf_counter()
@@ -69,7 +71,9 @@ class TeacherWorker:
         return {"logprobs": scores, "seconds": time.perf_counter() - t0}
 
     def close(self) -> None:
-        pass
+        close = getattr(self.teacher, "close", None)
+        if close is not None:
+            close()
 
 
 def _with_device(spec: TeacherSpec, device: str) -> TeacherSpec:

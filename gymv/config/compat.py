@@ -216,14 +216,14 @@ def _parallel_backend(cfg: RecipeBase) -> Iterator[Finding]:
                    "set cluster.gpus_per_node, or the parallel sizes to 1")
 
 
-@rule("backend.needs-gpu", "Megatron and vLLM teachers run on GPUs only (the megatron training backend and vLLM "
-                           "generation also run on CPU)")
+@rule("backend.needs-gpu", "Megatron teachers run on GPUs only (the megatron training backend, vLLM generation and "
+                           "vLLM teachers also run on CPU)")
 def _backend_gpu(cfg: RecipeBase) -> Iterator[Finding]:
     if total_gpus(cfg) > 0:
         return
     m = _mopd(cfg)
     for alias, t in (m.teachers.items() if m else ()):
-        if t.backend in ("vllm", "megatron"):
+        if t.backend == "megatron":
             yield _err("backend.needs-gpu", f"mopd.teachers.{alias}.backend",
                        f"teacher {alias!r} uses backend {t.backend}, which needs GPUs", "use backend: torch on CPU")
 

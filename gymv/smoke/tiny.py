@@ -5,8 +5,10 @@ Qwen3 -> tiny-qwen3, Llama -> tiny-llama, ...), and every teacher the student's 
 must share the student's tokenizer. What stays is what a smoke run is meant to exercise: the algorithm, the
 environment and its turns and tools, async generation and importance sampling, MOPD routing and teachers (their count, aliases and data-parallel
 padding), validation, checkpointing and the checks. What changes is everything that needs the cluster:
-model and teacher weights, GPUs and parallel sizes, vLLM and Megatron, GPU-only refit transports, remote
-environments and data files, and the sizes (sequence length, batch, data) shrink to seconds of CPU work.
+model and teacher weights, GPUs and parallel sizes, Megatron, GPU-only refit transports, remote environments
+and data files, and the sizes (sequence length, batch, data) shrink to seconds of CPU work. vLLM (generation
+and teachers) stays where it imports in the running interpreter (its CPU build runs the tiny models) and
+becomes hf/torch elsewhere.
 """
 
 from __future__ import annotations
@@ -67,6 +69,13 @@ def _gpu_transports() -> set[str]:
     return {name for name, t in REFIT_TRANSPORTS.items() if t.needs_gpu}
 
 
+def vllm_runs_here() -> bool:
+    """vLLM imports in this interpreter (its own venv: scripts/install.sh vllm), so --tiny keeps it."""
+    from gymv.backends.generation.vllm import vllm_available
+
+    return vllm_available()
+
+
 def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
     """A copy of a resolved recipe with the tiny CPU settings, and the changes made (`key: old -> new`)."""
     from gymv.models.families import tiny_stand_in
@@ -98,7 +107,9 @@ def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
         "seed": prepare.get("seed", d.get("seed", 0)),
     })
 
-    _set(ch, d, "generation.backend", "hf")
+    keep_vllm = vllm_runs_here()
+    gen = d.get("generation", {}).get("backend")
+    _set(ch, d, "generation.backend", "vllm" if gen == "vllm" and keep_vllm else "hf")
     _cap(ch, d, "generation.max_new_tokens", MAX_NEW_TOKENS)
     if d.get("generation", {}).get("vllm") is not None:  # read by the vllm backend only
         from gymv.config.schema import VllmSection
@@ -129,7 +140,7 @@ def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
         if not isinstance(t, dict):
             continue
         _set(ch, d, f"mopd.teachers.{alias}.path", tiny_model)  # a teacher shares the student's tokenizer
-        _set(ch, d, f"mopd.teachers.{alias}.backend", "torch")
+        _set(ch, d, f"mopd.teachers.{alias}.backend", "vllm" if t.get("backend") == "vllm" and keep_vllm else "torch")
         _set(ch, d, f"mopd.teachers.{alias}.placement", "colocated")
         _set(ch, d, f"mopd.teachers.{alias}.gpus", None)
         _cap(ch, d, f"mopd.teachers.{alias}.data_parallel_size", MAX_TEACHER_REPLICAS)

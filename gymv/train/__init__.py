@@ -74,12 +74,17 @@ def _check_supported(rec, cfg) -> None:
         logger_classes(cfg)  # a missing TensorBoard/W&B library fails here, before the run directory is written
     except GymvError as e:
         raise GymvError(e.message, where=_where(rec, e.where or "logger"), fix=e.fix) from None
-    if cfg.generation.backend == "vllm":
-        from gymv.backends.generation.vllm import INSTALL_FIX, vllm_available
+    mopd = getattr(cfg, "mopd", None)
+    keys = (["generation.backend"] if cfg.generation.backend == "vllm" else []) + [
+        f"mopd.teachers.{alias}.backend" for alias, t in (mopd.teachers.items() if mopd is not None else ())
+        if t.backend == "vllm"]
+    if keys:
+        from gymv.backends.generation.vllm import INSTALL_FIX, VENV_FIX, vllm_available
 
         if not vllm_available():
-            raise GymvError(f"generation.backend vllm needs the vllm package, which this Python ({sys.prefix}) lacks",
-                            where=_where(rec, "generation.backend"), fix=INSTALL_FIX)
+            raise GymvError(f"{keys[0]} vllm needs the vllm package, which this Python ({sys.prefix}) lacks",
+                            where=_where(rec, keys[0]),
+                            fix=INSTALL_FIX if keys[0] == "generation.backend" else VENV_FIX + ", or use backend: torch")
     if cfg.training.backend == "megatron":
         import importlib.util
 

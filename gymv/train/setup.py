@@ -144,7 +144,7 @@ def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature
         chat_template_kwargs=dict(cfg.generation.chat_template_kwargs),
         tool_call_format=cfg.rollout.tool_call_format,
         generation_backend=cfg.generation.backend,
-        generation_options=cfg.generation.vllm.model_dump() if cfg.generation.backend == "vllm" else {},
+        generation_options=_vllm_options(cfg) if cfg.generation.backend == "vllm" else {},
         training_backend=t.backend,
         sharding=_sharding(t),
         **_agent_driver(cfg),
@@ -274,3 +274,9 @@ def should_validate(step: int, period: int, max_steps: int) -> bool:
 
 def should_checkpoint(step: int, period: int, max_steps: int, stopping: bool) -> bool:
     return stopping or step == max_steps or step % period == 0
+
+
+def _vllm_options(cfg) -> dict:
+    """generation.vllm, plus full_logits where top_p < 1 (the engine then returns every logit and gymv
+    computes the logprobs before the nucleus cut, as the trainer does)."""
+    return {**cfg.generation.vllm.model_dump(), "full_logits": cfg.generation.top_p < 1.0}

@@ -14,6 +14,7 @@ import torch  # noqa: E402
 
 from gymv.backends.generation.base import GenerationOutput, GenerationRequest, SamplingParams  # noqa: E402
 from gymv.backends.generation.hf import HFGenerationBackend  # noqa: E402
+from gymv.backends.generation.vllm import VllmGenerationBackend  # noqa: E402
 from gymv.errors import GymvError  # noqa: E402
 from gymv.rollout import run_rollouts  # noqa: E402
 from rollout_helpers import LOOK, PictureEnv, RecordingBackend, picture_row, turn_of  # noqa: E402
@@ -185,7 +186,7 @@ def test_a_text_only_language_model_matches_transformers(tmp_path_factory):
     model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
     backend = vllm_backend(path)
     try:
-        assert backend.adapter is None
+        assert backend.adapter.style == "text" and backend.adapter.vision_token_ids == ()  # what rollouts render with
         prompts = [tok.encode(t, add_special_tokens=False) for t in ("Hello there", "one two three four", "x")]
         outs = backend.generate([GenerationRequest(p) for p in prompts], GREEDY)
         for p, o in zip(prompts, outs):
@@ -200,3 +201,28 @@ def test_a_text_only_language_model_matches_transformers(tmp_path_factory):
             assert max(abs(a - b) for a, b in zip(o.logprobs, logps)) < 1e-3
     finally:
         backend.close()
+
+
+def test_top_p_below_one_keeps_the_trainers_logprob_definition_with_full_logits():
+    """gymv's logprob is taken before the nucleus cut (gymv.backends.sampling); vLLM's processed logprobs are
+    the renormalised nucleus's, so an engine built with full_logits computes them from every raw logit."""
+    policy = shared_policy("tiny-llava")
+    reqs = requests(policy, n=6)
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=12, seed=3)
+    engine = VllmGenerationBackend.create(str(tiny_path("tiny-llava")), seed=0, full_logits=True)
+    try:
+        outs = engine.generate(reqs, params)
+        greedy = engine.generate(reqs[:2], GREEDY)
+    finally:
+        engine.close()
+    assert all(o.token_ids for o in outs)
+    assert mult_prob_error(policy, reqs, outs, temperature=0.7) < 1.05
+    assert mult_prob_error(policy, reqs, outs, temperature=0.7) < 1.001  # fp32 on CPU: far inside the limit
+    assert mult_prob_error(policy, reqs[:2], greedy) < 1.001  # greedy validation: temperature-1 logprobs
+
+
+def test_top_p_below_one_on_an_engine_without_full_logits_is_refused(engines):
+    policy = shared_policy("tiny-llava")
+    with pytest.raises(GymvError, match="top_p 0.9") as e:
+        engines["tiny-llava"].generate(requests(policy, n=1), SamplingParams(temperature=1.0, top_p=0.9))
+    assert e.value.where == "generation.top_p" and "full_logits=True" in e.value.fix

@@ -65,3 +65,37 @@ def test_async_grpo_runs_on_vllm_with_in_flight_refits(tmp_path):
     # later steps add the policy change of trajectories generated one refit earlier
     assert rows[0]["train/token_mult_prob_error"] < 1.05
     assert max(r["async/age_max"] for r in rows) >= 1
+
+
+def test_mopd_runs_with_vllm_teachers_and_vllm_generation(tmp_path):
+    """An image teacher for circle counting and a text teacher (a VLM's language model) for arithmetic, both
+    on vLLM, routed by agent; the student generates on vLLM too."""
+    from gymv.envs.mix import MixPart, write_mixed_dataset
+    from gymv.models.tiny import init_tiny
+
+    count, arith = "circle_count_simple_agent", "arithmetic_simple_agent"
+    data = {split: tmp_path / f"{split}.jsonl" for split in ("train", "eval")}
+    for split, path in data.items():
+        write_mixed_dataset(path, [MixPart("circle-count", "tiny", 4), MixPart("arithmetic", "tiny", 4)], split=split)
+    teacher = init_tiny("tiny-llava", tmp_path / "teacher", layers=1)  # the student's tokenizer, other weights
+    settings = {
+        "model.path": str(tiny_path("tiny-llava")), "model.max_seq_len": 256,
+        "env.name": "circle-count", "env.max_turns": 1,
+        "data.train": str(data["train"]), "data.eval": str(data["eval"]), "data.prepare": None,
+        "generation.backend": "vllm", "generation.max_new_tokens": 6,
+        "generation.reset_encoder_cache_after_weight_update": True, "training.lr": 1.0e-3,
+        "mopd.prompts_per_step": 3, "mopd.max_steps": 3, "mopd.val_period": 0, "mopd.val_prompts": 2,
+        "mopd.teachers": {"_override_": True, "counting": {"path": str(teacher), "backend": "vllm"},
+                          "arith": {"path": f"text:{teacher}", "backend": "vllm"}},
+        "mopd.agent_to_teacher": {"_override_": True, count: "counting", arith: "arith"},
+        "checkpoint.dir": str(tmp_path / "runs"), "checkpoint.period": 3, "cluster.ray_address": None,
+    }
+    recipe = write_recipe(tmp_path, "vllm-mopd", "vlm/vlm_mopd-tinyllava-1n0g-torch.yaml", settings)
+    assert train(recipe)["complete"]
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "vllm-mopd" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        for key in ("train/loss", "train/kl_teacher/counting", "train/kl_teacher/arith", "timing/teacher_s"):
+            assert math.isfinite(r[key]), key
+        assert abs(r["train/kl_teacher/counting"]) > 1e-3 and abs(r["train/kl_teacher/arith"]) > 1e-3
+        assert r["train/grad_norm"] > 0

@@ -3,9 +3,10 @@
 The contract is the HF backend's (gymv.backends.generation.hf), so that a run can switch backends and keep
 its numbers: the logprob of a token is that of `gymv.backends.sampling` (vision tokens at -inf, divided by
 the temperature, before top-p; greedy reports temperature-1 logprobs), which vLLM gives with
-`logprobs_mode="processed_logprobs"` and the vision ids left out of `allowed_token_ids` (except with
-top_p < 1, where vLLM reports the renormalised nucleus's logprobs: docs/vllm.md); vision tokens are never
-sampled for the same reason; stop ids and strings stay in the output.
+`logprobs_mode="processed_logprobs"` and the vision ids left out of `allowed_token_ids`. With top_p < 1
+vLLM's logprobs are the renormalised nucleus's, so an engine built with `full_logits` returns every raw
+logit and the logprobs are computed here (docs/vllm.md). Vision tokens are never sampled for the same
+reason; stop ids and strings stay in the output.
 
 Two things vLLM does differently are handled here:
 - vLLM expands image placeholders itself, and silently expands already expanded ones again. gymv's prompts
@@ -41,8 +42,9 @@ from gymv.backends.generation.base import (
 )
 from gymv.errors import GymvError
 
-INSTALL_FIX = ("install vLLM's venv with `bash scripts/install.sh vllm` and run gymv from it "
-               "(\"$(bash scripts/install_vllm.sh --path)/bin/gymv\"), or use generation.backend: hf")
+VENV_FIX = ("install vLLM's venv with `bash scripts/install.sh vllm` and run gymv from it "
+            "(\"$(bash scripts/install_vllm.sh --path)/bin/gymv\")")
+INSTALL_FIX = VENV_FIX + ", or use generation.backend: hf"
 WORKER_EXTENSION = "gymv.backends.generation.vllm_worker.GymvWeightSync"
 
 
@@ -82,6 +84,7 @@ class VllmGenerationBackend(GenerationBackend):
         self.param_shapes = param_shapes
         self.rename = rename or (lambda name: name)
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
+        self.vocab_size = vocab_size
         forbidden = set(adapter.vision_token_ids) if adapter is not None else set()
         self.allowed_token_ids = [i for i in range(vocab_size) if i not in forbidden] if forbidden else None
         self._rng = random.Random(seed)
@@ -91,12 +94,18 @@ class VllmGenerationBackend(GenerationBackend):
         # vLLM does not say which cached image features predate a refit, so there is no stale-hit count here
         self._stats = {"weight_updates": 0, "encoder_cache_resets": 0, "prefix_cache_resets": 0}
         self.last_timing: dict = {}
+        self.full_logits = False  # set by create: logprobs computed here from every logit (top_p < 1)
 
     @classmethod
     def create(cls, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0,
                gpu_memory_utilization: float = 0.6, tensor_parallel_size: int = 1, enforce_eager: bool = False,
                max_model_len: int | None = None, max_images_per_prompt: int = 16,
-               trust_remote_code: bool = False) -> VllmGenerationBackend:
+               trust_remote_code: bool = False, full_logits: bool = False, logprobs_mode: str | None = None,
+               max_logprobs: int | None = None) -> VllmGenerationBackend:
+        """`full_logits`: every logit of every sampled position comes back and gymv computes the logprobs
+        (what top_p < 1 needs: vLLM's processed logprobs are the renormalised nucleus's, its raw ones lack the
+        temperature and the vision-token mask). `logprobs_mode`/`max_logprobs` are vLLM's, for callers that
+        read vLLM's outputs themselves (the vllm teacher)."""
         from gymv.models.load import resolve_model_path
 
         vllm = import_vllm()
@@ -108,12 +117,15 @@ class VllmGenerationBackend(GenerationBackend):
         own_load = any(rename(k) != k for k in checkpoint_names(path))
         kwargs: dict[str, Any] = dict(trust_remote_code=trust_remote_code,
             model=str(path), tokenizer=str(path), dtype=dtype, seed=seed, enable_prefix_caching=True,
-            logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
+            logprobs_mode=logprobs_mode or ("raw_logits" if full_logits else "processed_logprobs"),
+            worker_extension_cls=WORKER_EXTENSION,
             tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
         )
         if own_load:
             kwargs["load_format"] = "dummy"
-        if adapter is not None:
+        if full_logits or max_logprobs is not None:
+            kwargs["max_logprobs"] = -1 if max_logprobs is None else max_logprobs
+        if adapter is not None and adapter.style != "text":
             kwargs["limit_mm_per_prompt"] = {"image": max_images_per_prompt}
         if device == "cpu":
             # Whole prefills only: vLLM 0.32 rewinds a seeded request's generator after a partial (chunked)
@@ -144,6 +156,7 @@ class VllmGenerationBackend(GenerationBackend):
         backend = cls(llm, tokenizer, adapter, param_shapes=shapes, vocab_size=int(text_cfg.vocab_size),
                       eos_token_ids=[i for i in eos if i is not None], seed=seed, chat_template=template,
                       model_path=str(path), dtype=dtype, rename=rename)
+        backend.full_logits = full_logits
         if own_load:
             backend._load(read_checkpoint(path))
             llm.reset_prefix_cache()
@@ -179,7 +192,8 @@ class VllmGenerationBackend(GenerationBackend):
 
         return VllmParams(
             n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
-            seed=seed, logprobs=0, stop_token_ids=list(params.stop_token_ids),
+            seed=seed, logprobs=-1 if self.full_logits else 0, flat_logprobs=self.full_logits,
+            stop_token_ids=list(params.stop_token_ids),
             stop=[s for s in params.stop_strings if s] or None, include_stop_str_in_output=True,
             ignore_eos=params.ignore_eos, allowed_token_ids=self.allowed_token_ids,
             skip_special_tokens=False, spaces_between_special_tokens=False, detokenize=bool(params.stop_strings),
@@ -188,6 +202,11 @@ class VllmGenerationBackend(GenerationBackend):
     # -- generation ----------------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[GenerationOutput]:
         params.validate()
+        if params.top_p < 1.0 and not self.full_logits and params.temperature > 0:
+            raise GymvError(f"top_p {params.top_p} on a vLLM engine built without full_logits: its logprobs would be "
+                            "the renormalised nucleus's, not the trainer's", where="generation.top_p",
+                            fix="build the engine with VllmGenerationBackend.create(..., full_logits=True) "
+                                "(gymv train does when generation.top_p < 1), or set top_p to 1.0")
         for i, r in enumerate(requests):
             where = r.where or f"request {i}"
             if not r.prompt_token_ids:
@@ -218,7 +237,10 @@ class VllmGenerationBackend(GenerationBackend):
 
     def _output(self, c, params: SamplingParams) -> GenerationOutput:
         ids = list(c.token_ids)
-        logprobs = [float(step[t].logprob) for t, step in zip(ids, c.logprobs or [])]
+        if self.full_logits:
+            logprobs = self._policy_logprobs(ids, c.logprobs, params.temperature)
+        else:
+            logprobs = [float(step[t].logprob) for t, step in zip(ids, c.logprobs or [])]
         if len(logprobs) != len(ids):
             raise GymvError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens", where="generation",
                             fix="report this: vLLM's logprob output changed")
@@ -229,6 +251,20 @@ class VllmGenerationBackend(GenerationBackend):
         return GenerationOutput(token_ids=ids, logprobs=logprobs,
                                 text=self.tokenizer.decode(ids, skip_special_tokens=True),
                                 finish_reason=finish, stop_reason=stop)
+
+    def _policy_logprobs(self, ids: list[int], flat, temperature: float) -> list[float]:
+        """gymv's logprobs of the sampled `ids` (gymv.backends.sampling) from vLLM's raw logits of each step."""
+        import torch
+
+        from gymv.backends.sampling import forbidden_mask, policy_logits
+
+        if flat is None or len(flat) != len(ids):
+            return []  # the caller's length check names it
+        logits = flat_to_dense(flat, range(len(ids)), self.vocab_size)
+        vision = self.adapter.vision_token_ids if self.adapter is not None else ()
+        forbidden = forbidden_mask(logits.shape[-1], vision, logits.device)
+        lsm = torch.log_softmax(policy_logits(logits, temperature, forbidden), dim=-1)
+        return lsm.gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1).tolist()
 
     # -- weights -------------------------------------------------------------------------------------
     def update_weights(self, weights: Weights) -> None:
@@ -303,6 +339,25 @@ class VllmGenerationBackend(GenerationBackend):
             gc.collect()
 
 
+def flat_to_dense(flat, positions, vocab: int):
+    """[len(positions), vocab] float32 values from a vLLM FlatLogprobs whose `positions` hold every token
+    (`logprobs=-1` or `prompt_logprobs=-1`); a token absent from a position stays -inf."""
+    import torch
+
+    starts = [flat.start_indices[p] for p in positions]
+    ends = [flat.end_indices[p] for p in positions]
+    rows = len(starts)
+    out = torch.full((rows, vocab), float("-inf"))
+    if not rows:
+        return out
+    span = slice(starts[0], ends[-1])
+    ids = torch.tensor(flat.token_ids[span], dtype=torch.long)
+    values = torch.tensor(flat.logprobs[span], dtype=torch.float32)
+    lengths = torch.tensor(ends) - torch.tensor(starts)
+    out[torch.repeat_interleave(torch.arange(rows), lengths), ids] = values
+    return out
+
+
 def _in_process() -> bool:
     return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
 
@@ -345,8 +400,9 @@ def read_checkpoint(path: Path) -> dict:
 
 
 def load_processing(path: Path, *, trust_remote_code: bool = False):
-    """(tokenizer, adapter or None, chat template, config, {weight name: shape}) without loading weights:
-    vLLM loads the weights; gymv needs what renders prompts and what refits are checked against."""
+    """(tokenizer, adapter (a TextAdapter for a text-only model), chat template, config, {weight name: shape})
+    without loading weights: vLLM loads the weights; gymv needs what renders prompts and what refits are
+    checked against."""
     import torch
     from transformers import AutoConfig, AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -375,8 +431,10 @@ def load_processing(path: Path, *, trust_remote_code: bool = False):
                                 fix=f"gymv supports: {supported_text()}")
             adapter = make_adapter(processor_class, tokenizer, image_processor, config, hf_processor)
             template = getattr(hf_processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
-        else:
-            adapter, template = None, getattr(tokenizer, "chat_template", None)
+        else:  # the rollout renders a text model's turns through the text adapter, as with the hf backend
+            from gymv.backends.multimodal import TextAdapter
+
+            adapter, template = TextAdapter(tokenizer, config=config), getattr(tokenizer, "chat_template", None)
         auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         with torch.device("meta"):
             skeleton = auto.from_config(config)
