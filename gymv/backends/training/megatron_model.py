@@ -195,7 +195,8 @@ class SdpaCoreAttention(torch.nn.Module):
         import torch.nn.functional as F
 
         sq, b = query.shape[:2]  # [sq, b, heads, dim]; key and value [sk, b, groups, dim]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        # one dtype for the fused kernel: the value's (the QKV projection's output, bf16 under autocast)
+        q, k, v = (t.to(value.dtype).permute(1, 2, 0, 3) for t in (query, key, value))
         if k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
