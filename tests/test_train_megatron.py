@@ -67,8 +67,8 @@ def test_the_last_checkpoint_is_an_hf_folder_with_the_torch_backends_weights(run
 
 def test_two_tensor_parallel_ranks_on_ray_take_one_ranks_step_and_refit_the_generator(tmp_path):
     """TP=2 over two Ray training ranks (the tiny Qwen3's per-head norms included): the step of one rank on
-    the same rollouts, the gathered refit reaches the generator intact, and the export is an HF folder of
-    the trainer's weights."""
+    the same rollouts, the gathered refit reaches the generator intact, the export is an HF folder of the
+    trainer's weights, and a resume from its checkpoint repeats the next step exactly."""
     import random
 
     import ray
@@ -104,8 +104,18 @@ def test_two_tensor_parallel_ranks_on_ray_take_one_ranks_step_and_refit_the_gene
         cluster.refit(1)
         trainer_hash, generator_hashes = cluster.weight_hashes()
         exported = cluster.export(tmp_path / "export")
+        cluster.save(tmp_path / "ckpt")  # then: a second step, a resume from the checkpoint, the second step again
+        cluster.grpo_step([[dict(s) for s in samples]], PolicyLoss())
+        second, *_ = ray.get([cluster.trainers[0].weights.remote()] + cluster._followers())
+        resumed_at = cluster.load(tmp_path / "ckpt")
+        cluster.grpo_step([[dict(s) for s in samples]], PolicyLoss())
+        again, *_ = ray.get([cluster.trainers[0].weights.remote()] + cluster._followers())
     finally:
         cluster.shutdown()
+    assert resumed_at == 1 and sorted(p.name for p in (tmp_path / "ckpt").glob("optimizer*")) == [
+        "optimizer_tp0.pt", "optimizer_tp1.pt"]
+    for name, tensor in second.items():  # weights and each TP rank's optimizer state came back
+        torch.testing.assert_close(again[name], tensor, rtol=0, atol=0, msg=name)
     assert got["train/loss"] == pytest.approx(want["train/loss"], abs=1e-6)
     assert want["train/grad_norm"] > 0
     assert got["train/grad_norm"] == pytest.approx(want["train/grad_norm"], rel=1e-5)
