@@ -8,8 +8,9 @@ the KV cache of every row at its mean length) over the device-to-device copy ban
 run. Also: the new path's graph replay alone (device events), its logprobs against the trainer's
 (token_mult_prob_error, bf16), greedy agreement with the HF loop, and a kernel-time profile of one eager step.
 
-Paths: old (HFGenerationBackend), new (StaticDecodeBackend: compiled step on CUDA), new_eager (the same with
-compile=False: graphs of uncompiled kernels), hf_dynamic and hf_static (transformers `generate`,
+Paths: old (HFGenerationBackend), new (StaticDecodeBackend: compiled step on CUDA, the split-sequence triton
+decode-attention kernel where triton is present), new_sdpa (the same with PyTorch's SDPA for attention),
+new_eager (compile=False: graphs of uncompiled kernels), hf_dynamic and hf_static (transformers `generate`,
 cache_implementation unset or "static").
 
 Usage (on a GPU machine): python bench/gpu_decode.py --out DIR [--batches 1,16,64,256] [--paths new,old,...]
@@ -208,11 +209,31 @@ def parity(policy) -> dict:
     # a stop token ends every row of a group (greedy: the rows are alike); the loop then ends early
     stop = new[0].token_ids[2]
     stopped = backend.generate(reqs[:GROUP], SamplingParams(temperature=0, max_new_tokens=128, stop_token_ids=(stop,)))
-    return {"token_mult_prob_error": err, "greedy_first_divergence_per_row": same,
+    stop_steps = backend.last_timing["decode_steps"]
+    # continuous batching: 16 requests through 4 slots give each request what it gets in one batch of 16
+    slots = StaticDecodeBackend.from_policy(policy, max_batch=4)
+    spread = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=(stop,), seed=9)
+    slotted, together = slots.generate(reqs, spread), backend.generate(reqs, spread)
+    # no slots, a larger batch (16 more requests after these: same indices, so the same seeds)
+    larger = backend.generate(reqs + make_requests(policy, 32)[16:], spread)[:len(reqs)]
+
+    def compare(xs, ys):
+        """Rows equal; per differing row, where it first differs and the largest logprob gap before."""
+        diff = []
+        for x, y in zip(xs, ys):
+            if x.token_ids != y.token_ids:
+                j = next((i for i, (a, b) in enumerate(zip(x.token_ids, y.token_ids)) if a != b),
+                         min(len(x.token_ids), len(y.token_ids)))
+                gap = max((abs(a - b) for a, b in zip(x.logprobs[:j], y.logprobs[:j])), default=0.0)
+                diff.append({"first_diff": j, "max_logprob_gap_before": gap})
+        return {"rows_equal": f"{len(xs) - len(diff)}/{len(xs)}", "differing": diff}
+    cb = {"slotted_vs_one_batch": compare(slotted, together), "batch_of_32_vs_one_batch": compare(larger, together),
+          "refills": slots.last_timing.get("refills"), "lengths": [len(o.token_ids) for o in together]}
+    return {"token_mult_prob_error": err, "greedy_first_divergence_per_row": same, "continuous_batching": cb,
             "vision_tokens_sampled": sum(t in vision for o in outs for t in o.token_ids),
             "graph_equals_eager_rows": f"{graph_equal}/{len(reqs)}",
             "stop_rows": sum(o.finish_reason == "stop" and o.token_ids[-1] == stop for o in stopped),
-            "stop_decode_steps": backend.last_timing["decode_steps"],
+            "stop_decode_steps": stop_steps,
             "longest_row": max(len(o.token_ids) for o in stopped)}
 
 
@@ -245,7 +266,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--batches", default="1,16,64,256")
-    ap.add_argument("--paths", default="new,new_eager,old,hf_dynamic,hf_static")
+    ap.add_argument("--paths", default="new,new_sdpa,new_eager,old,hf_dynamic,hf_static")
     ap.add_argument("--no-parity", action="store_true")
     ap.add_argument("--profile-batch", type=int, default=64)
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip paths that start after this many seconds")
@@ -295,9 +316,9 @@ def main() -> None:
                 continue
             row = {"path": path, "batch": batch}
             try:
-                if path in ("new", "new_eager", "old"):
+                if path in ("new", "new_eager", "new_sdpa", "old"):
                     cls = HFGenerationBackend if path == "old" else StaticDecodeBackend
-                    kw = {"compile": False} if path == "new_eager" else {}
+                    kw = {"new_eager": {"compile": False}, "new_sdpa": {"attention": "sdpa"}}.get(path, {})
                     backend, reqs, r = gymv_path(policy, cls, batch, **kw)
                     row.update(r)
                     if path != "old":

@@ -15,6 +15,12 @@ def test_a_cpu_run_has_one_generation_worker_by_default():
     assert (p.num_generation, p.num_training, p.gpus) == (1, 1, 0)
 
 
+def test_a_cpu_run_takes_its_training_ranks_from_cpu_training_ranks_spread_over_its_nodes():
+    p = Placement.from_config(cfg(cpu_training_ranks=2, num_nodes=2))
+    assert (p.num_training, p.nodes, p.gpus) == (2, 2, 0)
+    assert Placement.from_config(cfg(num_nodes=2)).nodes == 1  # one rank: nothing to spread
+
+
 def test_on_a_cpu_generation_workers_per_gpu_is_the_number_of_generation_workers():
     assert Placement.from_config(cfg(generation_workers_per_gpu=3)).num_generation == 3
 

@@ -6,6 +6,8 @@ check the logic CI can run; the graph replay itself is measured by bench/gpu_dec
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -231,3 +233,67 @@ def test_fusing_views_again_keeps_them_in_place():
     with torch.no_grad():
         params[1].copy_(torch.ones(2, 4))  # a refit writes through the view
     assert torch.equal(again[3:], torch.ones(2, 4))
+
+
+def _stop_at_varied_lengths(reqs, backend, params):
+    """A stop token id that ends the rows of `reqs` after different numbers of tokens."""
+    free = backend.generate(reqs, params)
+    for tok in {t for o in free for t in o.token_ids}:
+        ends = {o.token_ids.index(tok) if tok in o.token_ids else len(o.token_ids) for o in free}
+        if len(ends) >= 3:
+            return tok
+    return free[0].token_ids[2]
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_requests_beyond_the_slots_take_finished_slots_and_get_the_outputs_they_get_together(greedy):
+    policy = shared_policy("tiny-llava")
+    texts = ("How many red circles?", "Click the blue one, please.", "Hi", "Count the squares in the picture.")
+    reqs = requests(policy, n=5, texts=texts)  # prompts of different lengths
+    together = StaticDecodeBackend.from_policy(policy)
+    params = SamplingParams(temperature=0 if greedy else 1.0, max_new_tokens=10, ignore_eos=True,
+                            seed=None if greedy else 4)
+    params = replace(params, stop_token_ids=(_stop_at_varied_lengths(reqs, together, params),))
+    want = together.generate(reqs, params)
+    slotted = StaticDecodeBackend.from_policy(policy, max_batch=2, sync_every=1)
+    got = slotted.generate(reqs, params)
+    assert slotted.last_timing["batch_bucket"] == 2 and slotted.last_timing["refills"] == 3
+    assert len({len(o.token_ids) for o in want}) > 1  # rows finish at different times
+    for a, b in zip(got, want):
+        assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_a_seeded_request_draws_the_same_tokens_in_any_slot():
+    policy = shared_policy("tiny-llava")
+    reqs = requests(policy, n=4)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=11)
+    one_slot = StaticDecodeBackend.from_policy(policy, max_batch=1, sync_every=3).generate(reqs, params)
+    three = StaticDecodeBackend.from_policy(policy, max_batch=3, sync_every=2).generate(reqs, params)
+    assert [o.token_ids for o in one_slot] == [o.token_ids for o in three]
+
+
+def test_a_stop_string_ends_its_row_inside_the_loop_and_the_result_is_unchanged():
+    policy = shared_policy("tiny-llava")
+    reqs = requests(policy, n=1)
+    free = StaticDecodeBackend.from_policy(policy).generate(
+        reqs, SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True))[0]
+    k = next(i for i in range(2, 10) if len(policy.tokenizer.decode(free.token_ids[:i])) >= 2)
+    stop = policy.tokenizer.decode(free.token_ids[:k])[-2:]
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True, stop_strings=(stop,))
+    backend = StaticDecodeBackend.from_policy(policy, sync_every=4)
+    out = backend.generate(reqs, params)[0]
+    old = HFGenerationBackend.from_policy(policy).generate(reqs, params)[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (old.token_ids, old.finish_reason, old.stop_reason)
+    assert backend.last_timing["decode_steps"] <= -(-len(out.token_ids) // 4) * 4 < 40  # not run to the end
+
+
+def test_a_longer_kept_state_serves_a_shorter_call_with_its_graphs():
+    policy = shared_policy("tiny-llava")
+    backend = StaticDecodeBackend.from_policy(policy)
+    reqs = requests(policy, n=2)
+    backend.generate(reqs, SamplingParams(temperature=0, max_new_tokens=70, ignore_eos=True))
+    backend.generate(reqs[:1] * 2, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+    assert len(backend._states) == 1
+    backend.generate(reqs, SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True))  # another mode
+    assert len(backend._states) == 2

@@ -151,3 +151,30 @@ def test_row_without_verifier_fields_raises_naming_the_row(policy, count_rows):
     bad = {k: v for k, v in rows[1][1].items() if k != "circles"}
     with pytest.raises(RowError, match=r"train\.jsonl line 2.*'circles'"):
         rollouts(policy, env, [rows[0], (1, bad)], source="train.jsonl")
+
+
+def test_each_shared_image_object_is_hashed_once_per_generate_call(policy, count_rows, monkeypatch):
+    from gymv.backends.generation import hf
+
+    hashed = []
+    real = hf.image_hash
+    monkeypatch.setattr(hf, "image_hash", lambda im: hashed.append(id(im)) or real(im))
+    env, rows = count_rows
+    rollouts(policy, env, rows, group_size=4)
+    assert len(hashed) == len(rows)  # one per picture, not one per episode of its group
+
+
+def test_stats_say_where_the_rollout_time_goes(policy, count_rows):
+    from gymv.rollout.loop import BREAKDOWN
+
+    env, rows = count_rows
+    stats = {}
+    rollouts(policy, env, rows, stats=stats)
+    parts = {k: stats[f"breakdown/{k}"] for k in BREAKDOWN}
+    assert all(v >= 0 for v in parts.values())
+    assert parts["backend_decode_s"] > 0 and parts["render_s"] > 0 and parts["image_decode_s"] > 0
+    assert parts["image_decode_s"] <= parts["render_s"]  # decoding happens while rendering
+    backend_s = sum(v for k, v in parts.items() if k.startswith("backend_"))
+    assert backend_s <= stats["generation_s"]
+    env_s = sum(parts[k] for k in ("env_open_s", "render_s", "parse_s", "env_step_s", "env_verify_s"))
+    assert env_s == pytest.approx(stats["env_s"], rel=0.05, abs=1e-3)

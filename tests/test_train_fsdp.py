@@ -148,17 +148,19 @@ def test_the_export_loads_with_from_pretrained_and_holds_the_trained_weights(fsd
         assert torch.equal(got[k], v), k
 
 
-def test_gymv_train_runs_fsdp2_and_resumes_from_its_sharded_checkpoint(tmp_path):
+def test_gymv_train_runs_fsdp2_on_two_cpu_ranks_and_resumes_from_its_sharded_checkpoint_on_one(tmp_path):
     import json
 
     from gymv.train import train
     from train_helpers import tiny_grpo_settings, write_recipe
 
-    settings = tiny_grpo_settings(tmp_path, tiny_path("tiny-llava"), **{"training.backend": "fsdp2", "grpo.max_steps": 2})
+    settings = tiny_grpo_settings(tmp_path, tiny_path("tiny-llava"), **{"training.backend": "fsdp2", "grpo.max_steps": 2,
+                                                                        "cluster.cpu_training_ranks": 2})
     recipe = write_recipe(tmp_path, "fsdp2-e2e", "vlm_grpo.yaml", settings)
     first = train(recipe)
     run = tmp_path / "runs" / "fsdp2-e2e"
     assert first["complete"] and list(run.rglob("dcp/.metadata"))
-    second = train(None, ["grpo.max_steps=3"], resume_dir=str(run))
+    assert len({p.name for p in run.rglob("dcp/*.distcp")}) == 2  # each of the two ranks wrote its shards
+    second = train(None, ["grpo.max_steps=3", "cluster.cpu_training_ranks=1"], resume_dir=str(run))
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert second["complete"] and steps == [1, 2, 3]  # resumed after step 2, nothing repeated

@@ -173,3 +173,15 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_rank_as_if_uninterrupted(fsdp_
     assert len(resumed["metrics"]) == STEPS - SAVE_AFTER
     _same_weights(resumed["weights"], single_process["weights"])
     assert resumed["metrics"][-1]["train/loss"] == pytest.approx(single_process["metrics"][-1]["train/loss"], rel=1e-5)
+
+
+def test_a_checkpoint_of_one_rank_resumes_on_two_ranks_as_if_uninterrupted(single_process, tmp_path):
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    spawn(tmp_path / "one", 1)
+    resumed = spawn(tmp_path / "two", 2, resume_from=str(tmp_path / "one" / "ckpt"))
+    for rank in resumed:
+        assert rank["steps"] == STEPS
+        assert len(rank["metrics"]) == STEPS - SAVE_AFTER
+        _same_weights(rank["weights"], single_process["weights"])
+        assert rank["metrics"][-1]["train/loss"] == pytest.approx(single_process["metrics"][-1]["train/loss"], rel=1e-5)

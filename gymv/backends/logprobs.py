@@ -22,7 +22,8 @@ from typing import Any, NamedTuple
 import torch
 
 from gymv.backends.hf_forward import forward_logits
-from gymv.backends.multimodal import MultimodalAdapter, image_hash
+from gymv.backends.multimodal import MultimodalAdapter, image_hash, preprocess_threaded
+from gymv.backends.packing import PackedRow, pack
 from gymv.backends.sampling import forbidden_mask, policy_logits
 
 
@@ -51,12 +52,16 @@ def right_pad(sequences: Sequence[Sequence[int]], images: Sequence[Sequence[Any]
 
 def _image_features(model, adapter: MultimodalAdapter, images: list) -> tuple[list, Any]:
     """Features of `images` in order, each distinct image (by pixel hash) encoded once."""
-    keys = [image_hash(im) for im in images]
+    seen: dict[int, str] = {}
+    for im in images:
+        if id(im) not in seen:
+            seen[id(im)] = image_hash(im)
+    keys = [seen[id(im)] for im in images]
     first: dict[str, int] = {}
     for i, k in enumerate(keys):
         first.setdefault(k, i)
     unique = [images[i] for i in first.values()]
-    inputs = adapter.preprocess(unique)
+    inputs = preprocess_threaded(adapter, unique)
     feats = adapter.image_features(model, inputs)
     slot = {k: n for n, k in enumerate(first)}
     order = [slot[k] for k in keys]
@@ -72,10 +77,59 @@ def _forward_kwargs(adapter, input_ids) -> dict:
     return fn(input_ids) if fn is not None else {}
 
 
-def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, keep=None) -> torch.Tensor:
-    """Logits [B, T, V], or [B, K, V] at the K sequence columns of the 1-D index tensor `keep`."""
+def packable(adapter: MultimodalAdapter, packed_attention: bool = False) -> str | None:
+    """None when the adapter's rows can be packed into one row (no extra model inputs; positions of its own,
+    such as 3-D rotary ones, only with gymv's packed attention, which confines attention to each sequence
+    without reading positions); else why not, for the error that refuses packing."""
+    cls = type(adapter)
+    if cls.position_ids is not MultimodalAdapter.position_ids and not packed_attention:
+        return (f"the {adapter.style} processor style computes its own (multi-dimensional) positions, which "
+                "only gymv's packed attention can pack, and this model cannot use it")
+    if cls.forward_kwargs is not MultimodalAdapter.forward_kwargs:
+        return f"the {adapter.style} processor style passes extra per-token inputs (bidirectional image attention)"
+    if cls.feature_inputs is not MultimodalAdapter.feature_inputs:
+        return f"the {adapter.style} processor style feeds image features into the decoder's layers"
+    return None
+
+
+def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, keep=None, *,
+                    packed: PackedRow | None = None) -> torch.Tensor:
+    """Logits [B, T, V], or [B, K, V] at the K sequence columns of the 1-D index tensor `keep`.
+
+    `packed`: the rows run as this one packed row (gymv.backends.packing), no padding computed; logits are
+    then [1, N, V], or [1, K, V] with `keep` indexing the packed row. With gymv.backends.packed_attention
+    installed each segment attends to its own keys alone; without it, no attention mask is passed and
+    transformers confines attention to each sequence from the restarting positions (no shared prefixes).
+    """
     dev = next(model.parameters()).device
     adapter.check_batch(batch.input_ids, batch.images, batch.where, batch.attention_mask)
+    if packed is not None:
+        from gymv.backends import packed_attention
+
+        if type(adapter).position_ids is MultimodalAdapter.position_ids:
+            feats = _image_features(model, adapter, packed.images)[0] if packed.images else []
+            positions = packed.positions.to(dev)[None]  # 1-D: each sequence counts from 0
+        else:  # the adapter's own positions (3-D rotary) of the padded rows, taken at each packed token
+            flat = [im for row in batch.images for im in row]
+            feats, grid = _image_features(model, adapter, flat) if flat else ([], None)
+            first = [0]
+            for row in batch.images:
+                first.append(first[-1] + len(row))
+            feats = [feats[j] for b in packed.image_rows for j in range(first[b], first[b + 1])]
+            rows, cols = packed.source_rows.to(dev), packed.positions.to(dev)
+            padded = adapter.position_ids(model, batch.input_ids.to(dev), batch.attention_mask.to(dev), grid)
+            positions = padded[..., rows, cols].unsqueeze(-2)  # [..., 1, N]
+        active = packed_attention.active(model)
+        extra = {packed_attention.KEYWORD: packed.attention_args(dev)} if active else {}
+        before = packed_attention.calls
+        logits = forward_logits(model, input_ids=packed.input_ids.to(dev)[None], attention_mask=None,
+                                position_ids=positions, image_token_id=adapter.image_token_id,
+                                features=feats, logits_to_keep=keep, extra=extra, adapter=adapter)
+        if active:
+            packed_attention.check_reached(before)
+        if keep is not None and logits.shape[1] != keep.numel():
+            logits = logits[:, keep.to(logits.device)]
+        return logits
     ids, mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)
     flat = [im for row in batch.images for im in row]
     feats, grid = [], None
@@ -115,6 +169,19 @@ def prefix_key(input_ids: torch.Tensor, score_mask: torch.Tensor, images: Sequen
         if id(im) not in hashes:
             hashes[id(im)] = image_hash(im)
     return p, tuple(input_ids[:p].tolist()), tuple(hashes[id(im)] for im in images)
+
+
+def packed_prefixes(input_ids: torch.Tensor, score_mask: torch.Tensor, images: Sequence[Sequence[Any]],
+                    image_token_id: int) -> list[tuple | None]:
+    """Per row of a packed micro-batch, (group, prefix length) for rows sharing a prefix with another row
+    (:func:`prefix_key` on each unpadded row), else None; rows are right-padded, the mask 0 on padding."""
+    hashes: dict[int, str] = {}
+    groups: dict = {}
+    out: list[tuple | None] = []
+    for b in range(input_ids.shape[0]):
+        key = prefix_key(input_ids[b], score_mask[b], images[b], image_token_id, hashes)
+        out.append(None if key is None else (groups.setdefault(key, len(groups)), key[0]))
+    return out
 
 
 def _shared_prefix_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, wanted: torch.Tensor):
@@ -261,8 +328,14 @@ def sequence_logprobs(model, adapter: MultimodalAdapter, batch: MultimodalBatch,
 
 def token_scores(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temperature: float = 1.0,
                  forbidden_ids: Sequence[int] | None = None, *, entropy: bool = False,
-                 score_mask: torch.Tensor | None = None, gather_ids: torch.Tensor | None = None) -> TokenScores:
+                 score_mask: torch.Tensor | None = None, gather_ids: torch.Tensor | None = None,
+                 packed: bool = False, prefixes: Sequence[tuple | None] | None = None) -> TokenScores:
     """Per-token logprobs [B, T], with entropies [B, T] when `entropy`; differentiable.
+
+    `packed`: the forward pass runs the rows' real tokens packed into one row (gymv.backends.packing); the
+    results are laid out as for the padded batch, and equal its results up to float error. `prefixes[b]`
+    (with `score_mask` and packed attention installed): (group, prefix length) of a row whose prefix the
+    rows of its group share, run once in the packed row (:func:`packed_prefixes`).
 
     `score_mask` [B, T] (e.g. the loss mask): score only these tokens; all other entries are 0.
     `gather_ids` [B, T, k] (with `score_mask`): also the logprobs of these candidate tokens at each scored
@@ -279,7 +352,11 @@ def token_scores(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temp
         if cols.numel() == 0:
             score_mask = None  # nothing to score: the full path keeps the loss attached to the graph
     if score_mask is None:
-        logits = _forward_logits(model, adapter, batch)
+        row = pack(ids_cpu, mask_cpu, batch.images) if packed else None
+        logits = _forward_logits(model, adapter, batch, packed=row)
+        if packed:
+            real = mask_cpu.bool().to(logits.device)
+            logits = logits.new_zeros((*real.shape, logits.shape[-1])).index_put(real.nonzero(as_tuple=True), logits[0])
         ids, mask = ids_cpu.to(logits.device), mask_cpu.to(logits.device)
         forbidden = forbidden_mask(logits.shape[-1], forbidden_ids, logits.device)
         out = _full_logprobs(logits, ids, mask, temperature, forbidden, return_entropy)
@@ -290,7 +367,18 @@ def token_scores(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temp
         return TokenScores(logp, ent, none)
 
     dev = next(model.parameters()).device
-    scored = _shared_prefix_logits(model, adapter, batch, wanted)
+    scored = None if packed else _shared_prefix_logits(model, adapter, batch, wanted)
+    if packed:
+        from gymv.backends import packed_attention
+
+        share = prefixes if prefixes is not None and packed_attention.active(model) else None
+        row = pack(ids_cpu, mask_cpu, batch.images, share)
+        rows, t = wanted.nonzero(as_tuple=True)
+        keep = row.index(rows, t)
+        order = keep.argsort()  # logits_to_keep in row order
+        rows, t = rows[order], t[order]
+        logits = _forward_logits(model, adapter, batch, keep=keep[order].to(dev), packed=row)[0]  # [N, V]
+        scored = logits, rows.to(dev), t.to(dev)
     if scored is None:
         cols_dev = cols.to(dev)
         logits = _forward_logits(model, adapter, batch, keep=cols_dev)  # [B, K, V]

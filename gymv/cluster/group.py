@@ -161,6 +161,8 @@ class PolicyCluster:
         out = ray_get([c.ref for c in calls], "generation")
         timing = {"generation_s": time.perf_counter() - t0,
                   "env_s": max(o["stats"].get("env_s", 0.0) for o in out)}
+        for key in {k for o in out for k in o["stats"] if k.startswith("breakdown/")}:  # the slowest worker's
+            timing[key] = max(o["stats"].get(key, 0.0) for o in out)
         return [t for o in out for t in o["trajectories"]], timing
 
     # -- training ------------------------------------------------------------------------------------

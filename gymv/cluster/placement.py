@@ -62,7 +62,8 @@ class Placement:
         total = c.num_nodes * c.gpus_per_node
         tp = _generation_tp(cfg) if total else 1
         if total == 0:
-            return cls(k, num_training or 1, 0, True, k)
+            ranks = num_training or c.cpu_training_ranks
+            return cls(k, ranks, 0, True, k, nodes=c.num_nodes if ranks > 1 else 1)
         if c.colocated:
             gen_gpus, train = total, num_training or total
         else:

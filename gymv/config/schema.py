@@ -154,6 +154,7 @@ class TrainingSection(Section):
     micro_batch_tokens: PosInt = 4096
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     gradient_checkpointing: bool = False
+    sequence_packing: bool | Literal["auto"] = "auto"  # micro-batches as packed rows (docs/training.md)
     parallel: ParallelSection = ParallelSection()
     fsdp: FsdpSection = FsdpSection()
 
@@ -183,6 +184,8 @@ class ClusterSection(Section):
     # generation processes per generation GPU (on a CPU: in all); the HF backend's host work (rendering,
     # tokenizing, env calls) is single-process Python, so a GPU that one process cannot keep busy takes more
     generation_workers_per_gpu: PosInt = 1
+    # training ranks of a CPU run (gpus_per_node: 0), one Ray actor each, spread over num_nodes Ray nodes
+    cpu_training_ranks: PosInt = 1
     ray_address: str | None = None
 
 

@@ -7,6 +7,7 @@ memory flat in G, and the generation backend's encoder cache, keyed by that hash
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from gymv.backends.multimodal import image_hash
@@ -23,15 +24,18 @@ class ImageCache:
         self._by_url: dict[str, tuple[Any, str]] = {}
         self.decodes = 0
         self.hits = 0
+        self.decode_s = 0.0  # decoding and hashing, for the rollout's time breakdown
 
     def get(self, image: Image, *, where: str | None = None) -> tuple[Any, str]:
         found = self._by_url.get(image.url)
         if found is not None:
             self.hits += 1
             return found
+        t0 = time.perf_counter()
         pil = image_io.decode_data_url(image.url, max_pixels=self.max_pixels, max_bytes=self.max_bytes, where=where)
         self.decodes += 1
         found = self._by_url[image.url] = (pil, image_hash(pil))
+        self.decode_s += time.perf_counter() - t0
         return found
 
     def __len__(self) -> int:

@@ -40,6 +40,13 @@ _MODEL_ITEM_TYPES = ("message", "function_call", "reasoning")
 MAX_ENV_THREADS = 64  # concurrent server calls per batch (environments with concurrent_calls)
 
 
+BREAKDOWN = ("env_open_s", "render_s", "image_decode_s", "parse_s", "env_step_s", "env_verify_s",
+             "backend_encode_s", "backend_prefill_s", "backend_capture_s", "backend_decode_s")
+"""Where a rollout's time goes (`stats["breakdown/..."]`): environment calls (open, step, verify), rendering and
+tokenizing (image decoding, also counted on its own, included), parsing the model's turns, and the
+generation backend's own split of its calls (image encoding, prefill, first-call capture, the decode loop)."""
+
+
 def _where(source: str | None, task_index: int, sample_index: int | None = None) -> str:
     base = f"{source} line {task_index + 1}" if source else f"row {task_index}"
     return base if sample_index is None else f"{base} sample {sample_index}"
@@ -166,11 +173,15 @@ def run_rollouts(backend: GenerationBackend, adapter, tokenizer, chat_template: 
         for g in range(group_size):
             episodes.append(Episode(task_index, g, row, env, _where(source, task_index, g if group_size > 1 else None),
                                     _agent_name(row, env)))
+    parts = dict.fromkeys(BREAKDOWN, 0.0)
     t0 = time.perf_counter()
     _each(_open, episodes)
+    t1 = time.perf_counter()
     for ep in episodes:
         _start(ep, renderer, cache, adapter, max_seq_len=max_seq_len, max_images=max_images)
     env_s = time.perf_counter() - t0
+    parts["env_open_s"] += t1 - t0
+    parts["render_s"] += env_s - (t1 - t0)
 
     base_seed = seed if seed is not None else params.seed
     gen_s, calls = 0.0, 0
@@ -188,25 +199,37 @@ def run_rollouts(backend: GenerationBackend, adapter, tokenizer, chat_template: 
         outs = backend.generate(requests, replace(params, max_new_tokens=max(caps), seed=_turn_seed(base_seed, turn)))
         gen_s += time.perf_counter() - t0
         calls += 1
+        for k, v in (getattr(backend, "last_timing", None) or {}).items():
+            if f"backend_{k}" in parts:
+                parts[f"backend_{k}"] += v
         if len(outs) != len(requests):
             raise GymvError(f"the generation backend answered {len(outs)} of {len(requests)} requests",
                             fix="a backend must return one output per request, in order")
         t0 = time.perf_counter()
         taken = [_record_turn(e, out, cap, turn, adapter=adapter, tokenizer=tokenizer, fmt=fmt)
                  for e, cap, out in zip(active, caps, outs)]
+        t1 = time.perf_counter()
         results = _each(lambda et: _step_env(et[0], et[1], turn), list(zip(active, taken)))
+        t2 = time.perf_counter()
         for e, t, result in zip(active, taken, results):
             if result is not None:
                 _end_turn(e, t, result, turn, renderer=renderer, cache=cache, adapter=adapter, max_turns=max_turns,
                           max_rollout_tokens=max_rollout_tokens, max_seq_len=max_seq_len, max_images=max_images)
-        env_s += time.perf_counter() - t0
+        t3 = time.perf_counter()
+        env_s += t3 - t0
+        parts["parse_s"] += t1 - t0
+        parts["env_step_s"] += t2 - t1
+        parts["render_s"] += t3 - t2
 
     t0 = time.perf_counter()
     trajectories = _each(lambda e: _score(e, weights_version), episodes)
     env_s += time.perf_counter() - t0
+    parts["env_verify_s"] += time.perf_counter() - t0
+    parts["image_decode_s"] = cache.decode_s
     if stats is not None:
         stats.update({"generation_s": gen_s, "env_s": env_s, "total_s": time.perf_counter() - t_start,
-                      "generate_calls": calls, "image_decodes": cache.decodes, "image_decode_hits": cache.hits})
+                      "generate_calls": calls, "image_decodes": cache.decodes, "image_decode_hits": cache.hits,
+                      **{f"breakdown/{k}": v for k, v in parts.items()}})
     return trajectories
 
 

@@ -90,6 +90,7 @@ def train_grpo(ctx: RunContext, *, resume: bool) -> dict:
                 "timing/refit_s": refit_s,
                 "timing/generation_tokens_per_s": generated / max(timing["generation_s"], 1e-9),
                 "timing/tokens_per_s": total_tokens / max(step_s, 1e-9),
+                **{f"timing/generation/{k.split('/', 1)[1]}": v for k, v in timing.items() if k.startswith("breakdown/")},
             })
             if cfg.logger.log_rollouts:
                 run.write_rollouts(step, [to_rollout_record(t, advantage=a) for t, a in zip(trajectories, advantages)])

@@ -27,7 +27,7 @@ from gymv.backends.generation.base import (
     named,
 )
 from gymv.backends.hf_forward import forward_logits
-from gymv.backends.multimodal import MultimodalAdapter, image_hash
+from gymv.backends.multimodal import MultimodalAdapter, image_hash, preprocess_threaded
 from gymv.backends.sampling import forbidden_mask, policy_logits, sample
 from gymv.errors import GymvError
 
@@ -67,7 +67,7 @@ class HFGenerationBackend(GenerationBackend):
     def _encode(self, requests: Sequence[GenerationRequest],
                 keys: list[list[str]] | None = None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Features of every image of every request, in sequence order, through the hash-keyed cache."""
-        keys = [[image_hash(im) for im in r.images] for r in requests] if keys is None else keys
+        keys = image_keys(requests) if keys is None else keys
         todo: dict[str, Any] = {}
         for r, ks in zip(requests, keys):
             for im, k in zip(r.images, ks):
@@ -83,7 +83,7 @@ class HFGenerationBackend(GenerationBackend):
                     self._stats["encoder_cache_misses"] += 1
         fresh: dict[str, tuple[torch.Tensor, torch.Tensor | None, int]] = {}
         if todo:
-            inputs = self.adapter.preprocess(list(todo.values()))
+            inputs = preprocess_threaded(self.adapter, list(todo.values()))
             with torch.no_grad():
                 feats = self.adapter.image_features(self.model, inputs)
             for i, k in enumerate(todo):
@@ -150,7 +150,7 @@ class HFGenerationBackend(GenerationBackend):
         model, dev = self.model, self.device
         generator = self._generator if params.seed is None else torch.Generator(device=dev).manual_seed(params.seed)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        keys = [[image_hash(im) for im in r.images] for r in requests]
+        keys = image_keys(requests)
         feats, grid = self._encode(requests, keys)
         # Requests with the same prompt and images (the G samples of a group) are prefilled once; their
         # rows of the KV cache and of the first logits are then copies of that one row.
@@ -244,6 +244,18 @@ class HFGenerationBackend(GenerationBackend):
             return None
         tail = self.tokenizer.decode(ids[-max(windows.values()):], skip_special_tokens=False)
         return next((s for s in stops if s in tail), None)
+
+
+def image_keys(requests: Sequence[GenerationRequest]) -> list[list[str]]:
+    """Each request's image hashes. The G requests of a group carry the same image objects: each object is
+    hashed once (hashing a 1000x1000 picture takes milliseconds, and a step has G times more requests than
+    pictures)."""
+    seen: dict[int, str] = {}
+    for r in requests:
+        for im in r.images:
+            if id(im) not in seen:
+                seen[id(im)] = image_hash(im)
+    return [[seen[id(im)] for im in r.images] for r in requests]
 
 
 def _forward_kwargs(adapter, input_ids) -> dict:

@@ -7,7 +7,12 @@ cache), its keys and values are copied into a static cache of shape [batch bucke
 head dim], and a decode step (sample from the last logits, record token and logprob, check stops, run the
 text model on the sampled token) touches only fixed buffers. On CUDA that step is captured once per batch
 bucket, length bucket, sampling mode and attention window, and replayed; the host only checks every
-`sync_every` steps whether all rows have finished, one step group behind, so the GPU never waits for it.
+`sync_every` steps which rows have finished, one step group behind, so the GPU never waits for it.
+
+Continuous batching: requests go through at most `max_batch` rows (slots). Every row keeps its own cache
+column, position, token count and seed, so when a row finishes (stop token, stop string, token budget)
+its slot takes the next waiting request, prefilled into that row alone; the others go on. A request's
+samples depend on its seed and index, not on the slot it lands in or when.
 
 The decode step reads the model's own parameters through small pure functions (Llama's RMSNorm, rotary
 embedding, attention over the static cache, gated MLP), so it serves Llama-family text models with 1-D
@@ -16,8 +21,10 @@ rotary positions (LLaVA-style VLMs); `text_model` says why any other model is le
 Sampling: the logprob is `log_softmax(policy_logits / temperature)` of the drawn token, the trainer's
 definition; vision tokens are at -inf. Draws use Gumbel-max with noise hashed from (row seed, step, token):
 no generator state, so a graph replays it, and a row's samples depend on its seed alone, not on the batch
-it shares (`SamplingParams.seed` s gives row b the seed (s, b)). Stop strings are found on the host after
-the loop (the tokens after the match are cut), so they end a row's output but not its GPU work.
+it shares (`SamplingParams.seed` s gives request i the seed (s, i)). Stop token ids are checked on the
+device at every step. Stop strings are checked on the host at each `sync_every` check, on the tokens copied
+there (no sync per token): a row that hit one is marked finished on the device, frees its slot and stops
+holding up the loop; its output is cut exactly where the HF loop cuts it.
 """
 
 from __future__ import annotations
@@ -31,13 +38,15 @@ import torch
 import torch.nn.functional as F
 
 from gymv.backends.generation.base import GenerationOutput, GenerationRequest, SamplingParams
-from gymv.backends.generation.hf import HFGenerationBackend
+from gymv.backends.generation.decode_attention import available as split_available
+from gymv.backends.generation.decode_attention import split_attention
+from gymv.backends.generation.hf import HFGenerationBackend, image_keys
 from gymv.backends.hf_forward import forward_logits
-from gymv.backends.multimodal import image_hash
 from gymv.backends.sampling import forbidden_mask, policy_logits
 from gymv.errors import GymvError
 
 _M32 = 0xFFFFFFFF
+ATTENTION_KERNELS = ("auto", "split", "sdpa")
 SUPPORTED_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
 
 
@@ -109,7 +118,9 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 
 class _State:
-    """The fixed buffers of one (batch bucket, length bucket, mode), and its captured graphs."""
+    """The fixed buffers of one (batch bucket, length bucket, mode), and its captured graphs.
+
+    Every counter is per row (slot): a slot refilled with a new request mid-loop starts its own count."""
 
     def __init__(self, tm: TextModel, B: int, S: int, T: int, vocab: int, dtype, device):
         z = dict(device=device)
@@ -118,13 +129,14 @@ class _State:
         self.v = [torch.zeros(B, tm.kv_heads, S, tm.head_dim, dtype=dtype, **z) for _ in tm.layers]
         self.valid = torch.zeros(B, S, dtype=torch.bool, **z)
         self.logits = torch.zeros(B, vocab, dtype=torch.float32, **z)
-        self.pos = torch.zeros(B, dtype=torch.long, **z)
-        self.col = torch.zeros(1, dtype=torch.long, **z)
-        self.step = torch.zeros(1, dtype=torch.long, **z)
+        self.pos = torch.zeros(B, dtype=torch.long, **z)  # rotary position of the row's next token
+        self.col = torch.zeros(B, dtype=torch.long, **z)  # cache column the row's next token is written to
+        self.step = torch.zeros(B, dtype=torch.long, **z)  # tokens the row has generated
+        self.cap = torch.full((B,), T, dtype=torch.long, **z)  # the row finishes at this many tokens
         self.seeds = torch.zeros(B, dtype=torch.long, **z)
         self.done = torch.zeros(B, dtype=torch.bool, **z)
-        self.tokens = torch.zeros(B, T, dtype=torch.long, **z)
-        self.logprobs = torch.zeros(B, T, dtype=torch.float32, **z)
+        self.tokens = torch.zeros(B, T + 1, dtype=torch.long, **z)  # column T: where finished rows write pads
+        self.logprobs = torch.zeros(B, T + 1, dtype=torch.float32, **z)
         self.temperature = torch.ones((), dtype=torch.float32, **z)
         self.top_p = torch.ones((), dtype=torch.float32, **z)
         self.stop_ids = torch.full((8,), -1, dtype=torch.long, **z)
@@ -146,7 +158,9 @@ class StaticDecodeBackend(HFGenerationBackend):
     matrix product reads them (refits that copy into the parameters, as `update_weights` does, reach it).
 
     Each step attends over the cache columns up to the next multiple of `ATTENTION_CHUNK` past the newest
-    token (one graph per such window), not over the whole preallocated length.
+    token (one graph per such window), not over the whole preallocated length. `attention` picks the kernel:
+    `split` (gymv.backends.generation.decode_attention, triton), `sdpa` (PyTorch's), `auto` (split on CUDA
+    where triton is present, else sdpa).
     """
 
     BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -155,7 +169,8 @@ class StaticDecodeBackend(HFGenerationBackend):
 
     def __init__(self, model, tokenizer, adapter, *, seed: int = 0, max_cached_images: int = 4096,
                  cuda_graphs: bool | None = None, sync_every: int = 16, max_states: int = 4,
-                 compile: bool | None = None, fuse_weights: bool = True, chat_template: str | None = None):
+                 compile: bool | None = None, fuse_weights: bool = True, chat_template: str | None = None,
+                 attention: str = "auto", max_batch: int = 256):
         super().__init__(model, tokenizer, adapter, seed=seed, max_cached_images=max_cached_images,
                          chat_template=chat_template)
         tm = text_model(model)
@@ -177,6 +192,19 @@ class StaticDecodeBackend(HFGenerationBackend):
         self._fused: list[tuple] = []
         self._fused_at: list[int] = []
         self.fuse_weights = fuse_weights
+        self.max_batch = max(1, max_batch)
+        self._pad, self._cap = 0, None
+        self._times = {"encode_s": 0.0, "prefill_s": 0.0, "prefill_rows": 0}
+        if attention not in ATTENTION_KERNELS:
+            raise GymvError(f"decode attention must be one of {', '.join(ATTENTION_KERNELS)}, got {attention!r}",
+                            where="StaticDecodeBackend(attention=...)", fix="use auto, split or sdpa")
+        if attention == "split" and not split_available(self.device, tm.head_dim):
+            raise GymvError("the split decode-attention kernel needs triton, a CUDA device (or TRITON_INTERPRET=1) "
+                            f"and a power-of-two head dim (this model's: {tm.head_dim})",
+                            where="StaticDecodeBackend(attention=...)", fix="use attention=auto or sdpa")
+        self._split_attention = attention == "split" or (attention == "auto"
+                                                         and split_available(self.device, tm.head_dim)
+                                                         and self.device.type == "cuda")
 
     def _set_functions(self, compiled: bool) -> None:
         fns = (_layer_pre, _layer_post, _lm_head, _draw)
@@ -186,23 +214,31 @@ class StaticDecodeBackend(HFGenerationBackend):
 
     # -- the decode step -----------------------------------------------------------------------------
     def _forward_token(self, st: _State, tok: torch.Tensor, window: int) -> torch.Tensor:
-        """Logits [B, V] (float32) after feeding one token per row at column `st.col` (< `window`), positions
-        `st.pos`; attention reads the cache's first `window` columns."""
+        """Logits [B, V] (float32) after feeding one token per row at that row's column `st.col` (< `window`),
+        positions `st.pos`; attention reads the cache's first `window` columns."""
         tm = self.tm
         x = tm.embed(tok[:, None])
         cos, sin = tm.rotary(x, st.pos[:, None])
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, head_dim]
-        st.valid.index_fill_(1, st.col, True)
-        bias = torch.zeros(st.valid.shape[0], 1, 1, window, dtype=x.dtype, device=x.device)
-        bias = bias.masked_fill(~st.valid[:, None, None, :window], float("-inf"))
+        st.valid.scatter_(1, st.col[:, None], True)
+        B, S, D = st.valid.shape[0], st.S, tm.head_dim
+        # each (row, kv head)'s new key lands in row (b * heads + h) * S + col of the cache seen as [B*H*S, D]
+        at = ((torch.arange(B * tm.kv_heads, device=tok.device).view(B, -1) * S) + st.col[:, None]).view(-1)
+        split = self._split_attention
+        if not split:
+            bias = torch.zeros(st.valid.shape[0], 1, 1, window, dtype=x.dtype, device=x.device)
+            bias = bias.masked_fill(~st.valid[:, None, None, :window], float("-inf"))
         for i, w in enumerate(self._fused):
             w = tuple(torch.cat(t) if isinstance(t, list) else t for t in w)
             q, k, v = self._pre(x, cos, sin, *w[:5], heads=tm.heads, kv_heads=tm.kv_heads, head_dim=tm.head_dim,
                                 eps=self._eps)
-            st.k[i].index_copy_(2, st.col, k)
-            st.v[i].index_copy_(2, st.col, v)
-            o = F.scaled_dot_product_attention(q, st.k[i][:, :, :window], st.v[i][:, :, :window], attn_mask=bias,
-                                               scale=self._scale)
+            st.k[i].view(-1, D).index_copy_(0, at, k.reshape(-1, D))
+            st.v[i].view(-1, D).index_copy_(0, at, v.reshape(-1, D))
+            if split:
+                o = split_attention(q.contiguous(), st.k[i], st.v[i], st.valid, window, self._scale)
+            else:
+                o = F.scaled_dot_product_attention(q, st.k[i][:, :, :window], st.v[i][:, :, :window],
+                                                   attn_mask=bias, scale=self._scale)
             x = self._post(x, o, *w[5:], act=self._act, eps=self._eps)
         return self._head(x, tm.norm.weight, tm.lm_head.weight, eps=self._eps)
 
@@ -231,26 +267,31 @@ class StaticDecodeBackend(HFGenerationBackend):
         mods = [self.tm.embed, self.tm.norm, self.tm.lm_head, self.tm.rotary, *self.tm.layers]
         return [t.data_ptr() for m in mods for t in (*m.parameters(), *m.buffers())]
 
-    def _sample(self, st: _State, greedy: bool, nucleus: bool) -> torch.Tensor:
-        """Draw from `st.logits`, record token and logprob at `st.step`, update the stop flags."""
+    def _sample(self, st: _State, greedy: bool, nucleus: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draw from `st.logits`, record token and logprob at each row's `st.step`, update the finished flags;
+        (tokens, rows that were still generating)."""
         tok, lp, done = self._draw(st.logits, self._forbidden, st.temperature, st.top_p, st.seeds, st.step, st.vocab,
                                    st.done, st.stop_ids, pad=st.pad, greedy=greedy, nucleus=nucleus)
-        st.tokens.index_copy_(1, st.step, tok[:, None])
-        st.logprobs.index_copy_(1, st.step, lp[:, None])
-        st.done.copy_(done)
-        return tok
+        st.tokens.scatter_(1, st.step[:, None], tok[:, None])
+        st.logprobs.scatter_(1, st.step[:, None], lp[:, None])
+        live = ~st.done
+        st.done.copy_(done | (st.step + 1 >= st.cap))
+        return tok, live
 
     def _decode_step(self, st: _State, greedy: bool, nucleus: bool, window: int) -> None:
-        tok = self._sample(st, greedy, nucleus)
+        """Sample one token per row and feed it; a finished row stays where it is (it writes a pad to column T
+        of its tokens, or past its last one, and rewrites one unused cache column)."""
+        tok, live = self._sample(st, greedy, nucleus)
         st.logits.copy_(self._forward_token(st, tok, window))
-        st.step += 1
-        st.col += 1
-        st.pos += 1
+        live = live.long()
+        st.step += live
+        st.col += live
+        st.pos += live
 
     def _capture(self, st: _State, greedy: bool, nucleus: bool, window: int) -> None:
         """Capture one decode step as a graph; buffers are saved and restored around the warm-up runs (which
         also compile), so capturing changes nothing a later step reads."""
-        kept = (st.logits, st.pos, st.col, st.step, st.done, st.valid)
+        kept = (st.logits, st.pos, st.col, st.step, st.done, st.valid, st.tokens, st.logprobs)
         saved = [t.clone() for t in kept]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -267,15 +308,20 @@ class StaticDecodeBackend(HFGenerationBackend):
         st.graphs[window] = g
 
     def _state(self, B: int, S: int, T: int, vocab: int, greedy: bool, nucleus: bool) -> tuple[_State, bool]:
-        key = (B, S, T, vocab, greedy, nucleus)
-        if key in self._states:
+        """The buffers for B rows of up to S cache columns and T new tokens: a kept state of the same batch
+        bucket and mode at least that long (its graphs reused: a GRPO run whose prompts vary in length
+        does not capture again each step), else a new one."""
+        fits = [key for key, st in self._states.items()
+                if key[0] == B and key[3:] == (vocab, greedy, nucleus) and st.S >= S and st.T >= T]
+        if fits:
+            key = min(fits, key=lambda k: (k[1], k[2]))
             self._states.move_to_end(key)
             return self._states[key], False
         while len(self._states) >= self.max_states:
             self._states.popitem(last=False)
         dtype = next(self.model.parameters()).dtype
         st = _State(self.tm, B, S, T, vocab, dtype, self.device)
-        self._states[key] = st
+        self._states[(B, S, T, vocab, greedy, nucleus)] = st
         return st, True
 
     def drop_graphs(self) -> None:
@@ -283,14 +329,17 @@ class StaticDecodeBackend(HFGenerationBackend):
         self._states.clear()
 
     # -- generation ----------------------------------------------------------------------------------
-    def _generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[GenerationOutput]:
+    def _prefill(self, requests: list[GenerationRequest]) -> tuple[list, torch.Tensor, torch.Tensor, list[int], int]:
+        """One prefill pass over the distinct (prompt, images) of `requests`, left-padded to their longest:
+        (per-layer (keys, values) [U, kv heads, L, head dim], last logits [U, V], mask [U, L], each request's
+        prefill row, L)."""
         from transformers import DynamicCache
 
+        model, dev = self.model, self.device
         t0 = time.perf_counter()
-        model, dev, tm = self.model, self.device, self.tm
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        keys = [[image_hash(im) for im in r.images] for r in requests]
+        keys = image_keys(requests)
         feats, grid = self._encode(requests, keys)
+        self._times["encode_s"] += time.perf_counter() - t0
         slots: dict[tuple, int] = {}
         row_slot = [slots.setdefault((tuple(r.prompt_token_ids), tuple(ks)), len(slots))
                     for r, ks in zip(requests, keys)]
@@ -301,11 +350,9 @@ class StaticDecodeBackend(HFGenerationBackend):
                 starts.append(starts[-1] + len(r.images))
             feats = [feats[i] for b in firsts for i in range(starts[b], starts[b + 1])]
         prompts = [requests[b] for b in firsts]
-        t_enc = time.perf_counter()
-
-        B, U, L = len(requests), len(prompts), max(len(r.prompt_token_ids) for r in prompts)
-        T = params.max_new_tokens
-        input_ids = torch.full((U, L), pad, dtype=torch.long)
+        U, L = len(prompts), max(len(r.prompt_token_ids) for r in prompts)
+        self._times["prefill_rows"] += U
+        input_ids = torch.full((U, L), self._pad, dtype=torch.long)
         mask = torch.zeros((U, L), dtype=torch.long)
         for b, r in enumerate(prompts):
             n = len(r.prompt_token_ids)
@@ -317,30 +364,52 @@ class StaticDecodeBackend(HFGenerationBackend):
         logits = forward_logits(model, input_ids=input_ids, attention_mask=mask, position_ids=positions,
                                 image_token_id=self.adapter.image_token_id, features=feats, cache=cache,
                                 logits_to_keep=1)[:, -1]
+        return _cache_tensors(cache, len(self.tm.layers)), logits, mask, row_slot, L
 
+    def _fill(self, st: _State, slots: list[int], requests: list[GenerationRequest], seeds: torch.Tensor) -> int:
+        """Prefill `requests` into rows `slots` of the static cache (columns 0..L-1, L their longest prompt):
+        each row starts its own count, seed and cap. Returns L."""
+        dev, t0, enc = self.device, time.perf_counter(), self._times["encode_s"]
+        kv, logits, mask, row_slot, L = self._prefill(requests)
+        rows = torch.tensor(row_slot, device=dev)
+        at = torch.tensor(slots, device=dev)
+        for i, (k, v) in enumerate(kv):
+            st.k[i][:, :, :L].index_copy_(0, at, k[rows].to(st.k[i].dtype))
+            st.v[i][:, :, :L].index_copy_(0, at, v[rows].to(st.v[i].dtype))
+        valid = torch.zeros(len(slots), st.S, dtype=torch.bool, device=dev)
+        valid[:, :L] = mask[rows].bool()
+        st.valid.index_copy_(0, at, valid)
+        st.logits.index_copy_(0, at, logits[rows].float())
+        st.pos.index_copy_(0, at, mask.sum(-1)[rows])
+        st.col.index_fill_(0, at, L)
+        st.step.index_fill_(0, at, 0)
+        st.done.index_fill_(0, at, False)
+        st.cap.index_fill_(0, at, st.T if self._cap is None else self._cap)
+        st.tokens.index_fill_(0, at, st.pad)
+        st.logprobs.index_fill_(0, at, 0.0)
+        st.seeds.index_copy_(0, at, seeds)
+        self._times["prefill_s"] += time.perf_counter() - t0 - (self._times["encode_s"] - enc)
+        return L
+
+    def _generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[GenerationOutput]:
+        """Requests go through `max_batch` slots: the first ones are prefilled together; when a row finishes
+        (a stop token, a stop string, its token budget) its slot takes the next waiting request, prefilled on
+        its own columns. A request's samples depend on its seed and index alone, not on its slot."""
+        t0 = time.perf_counter()
+        dev, tm = self.device, self.tm
+        self._times = {"encode_s": 0.0, "prefill_s": 0.0, "prefill_rows": 0}
+        self._pad = pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        N, T = len(requests), params.max_new_tokens
+        n_slots = min(N, self.max_batch)
+        Bb = _bucket(n_slots, self.BATCH_BUCKETS)
+        longest = max(len(r.prompt_token_ids) for r in requests)
+        S = -(-(longest + T + 1) // self.LENGTH_BUCKET) * self.LENGTH_BUCKET
         greedy, nucleus = params.temperature == 0, params.top_p < 1.0
         self._fuse()
-        Bb = _bucket(B, self.BATCH_BUCKETS)
-        S = -(-(L + T) // self.LENGTH_BUCKET) * self.LENGTH_BUCKET
-        st, _ = self._state(Bb, S, -(-T // self.LENGTH_BUCKET) * self.LENGTH_BUCKET, logits.shape[-1], greedy,
-                                nucleus)
-        if self._forbidden is None or self._forbidden.shape[0] != logits.shape[-1]:
-            self._forbidden = forbidden_mask(logits.shape[-1], self.adapter.vision_token_ids, dev)
-        # rows beyond B (bucket padding) copy row 0 and start finished
-        rows = torch.tensor(row_slot + [row_slot[0]] * (Bb - B), device=dev)
-        for i, (k, v) in enumerate(_cache_tensors(cache, len(tm.layers))):
-            st.k[i][:, :, :L].copy_(k[rows])
-            st.v[i][:, :, :L].copy_(v[rows])
-        st.valid.zero_()
-        st.valid[:, :L] = mask[rows].bool()
-        st.logits.copy_(logits[rows].float())
-        st.pos.copy_(mask.sum(-1)[rows])
-        st.col.fill_(L)
-        st.step.zero_()
-        st.done.zero_()
-        st.done[B:] = True
-        st.tokens.fill_(pad)
-        st.logprobs.zero_()
+        vocab = self.tm.lm_head.weight.shape[0]
+        st, _ = self._state(Bb, S, -(-T // self.LENGTH_BUCKET) * self.LENGTH_BUCKET, vocab, greedy, nucleus)
+        if self._forbidden is None or self._forbidden.shape[0] != vocab:
+            self._forbidden = forbidden_mask(vocab, self.adapter.vision_token_ids, dev)
         st.pad = pad
         st.temperature.fill_(1.0 if greedy else float(params.temperature))
         st.top_p.fill_(float(params.top_p))
@@ -351,64 +420,164 @@ class StaticDecodeBackend(HFGenerationBackend):
         st.stop_ids.fill_(-1)
         if stop:
             st.stop_ids[:len(stop)] = torch.tensor(stop, device=dev)
-        st.seeds.copy_(self._row_seeds(Bb, params.seed))
+        self._cap = T
+        seeds = self._row_seeds(max(N, Bb), params.seed)
+        # rows beyond the requests (bucket padding) copy request 0 and start finished
+        first = list(range(n_slots)) + [0] * (Bb - n_slots)
+        L = self._fill(st, list(range(Bb)), [requests[i] for i in first], seeds[torch.tensor(first, device=dev)])
+        if Bb > n_slots:
+            st.done[n_slots:] = True
         t_prefill = time.perf_counter()
 
+        stop_strings = tuple(x for x in params.stop_strings if x)
+        windows_of = {s: len(s.encode("utf-8")) + 1 for s in stop_strings}
+        slot_req: list[int | None] = list(range(n_slots)) + [None] * (Bb - n_slots)
+        filled_at = [0] * Bb  # the step count when the slot took its request
+        start_col = [L] * Bb
+        checked = [0] * Bb  # tokens of the slot's request already searched for stop strings
+        cut: dict[int, int] = {}  # request -> length where a stop string ended it (found mid-loop)
+        waiting = list(range(n_slots, N))
+        results: dict[int, tuple[list[int], list[float]]] = {}
+        use_graph = self.cuda_graphs and dev.type == "cuda"
         C = self.ATTENTION_CHUNK
-        windows = [min(S, (L + j) // C * C + C) for j in range(T - 1)]  # step j writes column L + j
-        use_graph = self.cuda_graphs and dev.type == "cuda" and T > 1  # one token: no decode step to replay
-        if use_graph:
-            for w in sorted(set(windows) - set(st.graphs)):
-                self._capture_or_uncompile(st, greedy, nucleus, w)
-        t_capture = time.perf_counter()
-        flag = torch.zeros((), dtype=torch.bool, pin_memory=dev.type == "cuda")
+        capture_s = refill_s = 0.0
+        steps = refills = 0
+        pinned = dev.type == "cuda"
+        host_done = torch.zeros(Bb, dtype=torch.bool, pin_memory=pinned)
+        host_tokens = torch.zeros(Bb, st.T + 1, dtype=torch.long, pin_memory=pinned) if stop_strings else None
+        host_step = torch.zeros(Bb, dtype=torch.long, pin_memory=pinned) if stop_strings else None
         pending: torch.cuda.Event | None = None
-        steps = 0
-        for step in range(T - 1):
+        live: list[int] = []
+        parked: list[int] = []  # finished rows read out at the end (no slot needed them back: no sync)
+        hi_base = hi_cap = last_fill = 0
+
+        def refresh() -> None:
+            """Per-step bounds over the slots still serving a request: the newest column any may write, and
+            the step by which all have hit their token budget."""
+            nonlocal live, hi_base, hi_cap, last_fill
+            live = [s_ for s_ in range(Bb) if slot_req[s_] is not None and s_ not in parked]
+            if live:
+                hi_base = max(start_col[s_] - filled_at[s_] for s_ in live)
+                hi_cap = max(start_col[s_] for s_ in live) + T
+                last_fill = max(filled_at[s_] for s_ in live)
+
+        def harvest(slot_ids: list[int]) -> None:
+            idx = torch.tensor(slot_ids, device=dev)
+            toks, lps, lens = st.tokens[idx].tolist(), st.logprobs[idx].tolist(), st.step[idx].tolist()
+            for j, s_ in enumerate(slot_ids):
+                r = slot_req[s_]
+                n = min(lens[j], cut.get(r, lens[j]))
+                results[r] = (toks[j][:n], lps[j][:n])
+                slot_req[s_] = None
+
+        refresh()
+        while live:
+            window = min(st.S, min(hi_base + steps, hi_cap) // C * C + C)
+            if not waiting and steps - last_fill == T - 1 and all(filled_at[s_] == last_fill for s_ in live):
+                _, going = self._sample(st, greedy, nucleus)  # every row's last token: nothing left to feed
+                st.step += going.long()
+                harvest(live + parked)
+                parked = []
+                steps += 1
+                break
             if use_graph:
-                st.graphs[windows[step]].replay()
+                if window not in st.graphs:
+                    tc = time.perf_counter()
+                    self._capture_or_uncompile(st, greedy, nucleus, window)
+                    capture_s += time.perf_counter() - tc
+                st.graphs[window].replay()
             else:
-                self._decode_step(st, greedy, nucleus, windows[step])
+                self._decode_step(st, greedy, nucleus, window)
             steps += 1
-            if (step + 1) % self.sync_every:
+            spent = steps - last_fill >= T  # every live row has hit its token budget
+            if steps % self.sync_every and not spent:
                 continue
-            if dev.type != "cuda":
-                if bool(st.done.all()):
-                    break
+            # a check: which rows finished (on CUDA as of the previous check: the GPU keeps a group queued)
+            if dev.type == "cuda" and not spent:
+                seen = pending is not None
+                if seen:
+                    pending.synchronize()
+                    done_now = host_done.clone()
+                    toks_now = host_tokens.clone() if stop_strings else None
+                    step_now = host_step.clone() if stop_strings else None
+                host_done.copy_(st.done, non_blocking=True)
+                if stop_strings:
+                    host_tokens.copy_(st.tokens, non_blocking=True)
+                    host_step.copy_(st.step, non_blocking=True)
+                pending = torch.cuda.Event()
+                pending.record()
+                if not seen:
+                    continue
+            else:
+                done_now = st.done.cpu()
+                toks_now = st.tokens.cpu() if stop_strings else None
+                step_now = st.step.cpu() if stop_strings else None
+            if stop_strings:
+                ended = []
+                for s_ in live:
+                    r = slot_req[s_]
+                    if bool(done_now[s_]) or r in cut:
+                        continue
+                    row, n = toks_now[s_].tolist(), int(step_now[s_])
+                    for j in range(checked[s_], n):
+                        if self._stop_string(row[:j + 1], stop_strings, windows_of) is not None:
+                            cut[r] = j + 1
+                            ended.append(s_)
+                            break
+                    checked[s_] = n
+                if ended:
+                    st.done.index_fill_(0, torch.tensor(ended, device=dev), True)
+                    done_now = done_now.clone()
+                    done_now[ended] = True
+            finished = [s_ for s_ in live if bool(done_now[s_]) or steps - filled_at[s_] >= T]
+            if not finished:
                 continue
-            if pending is not None:  # one group behind: the GPU keeps `sync_every` steps queued
-                pending.synchronize()
-                if bool(flag):
-                    break
-            flag.copy_(st.done.all(), non_blocking=True)
-            pending = torch.cuda.Event()
-            pending.record()
-        self._sample(st, greedy, nucleus)
-        tokens, logps = st.tokens[:B].tolist(), st.logprobs[:B].tolist()
+            if not waiting:
+                parked += finished
+            else:
+                harvest(finished)
+                tr = time.perf_counter()
+                take = finished[:len(waiting)]
+                reqs, waiting = waiting[:len(take)], waiting[len(take):]
+                Lf = self._fill(st, take, [requests[i] for i in reqs], seeds[torch.tensor(reqs, device=dev)])
+                for s_, r in zip(take, reqs):
+                    slot_req[s_], filled_at[s_], start_col[s_], checked[s_] = r, steps, Lf, 0
+                refills += len(take)
+                pending = None  # flags copied before the refill describe the slots' old requests
+                refill_s += time.perf_counter() - tr
+            refresh()
+        if parked:
+            harvest(parked)
         t_end = time.perf_counter()
 
-        outs = [self._finish(tokens[b], logps[b], steps + 1, set(stop), params) for b in range(B)]
-        self.last_timing = {"encode_s": t_enc - t0, "prefill_s": t_prefill - t_enc, "capture_s": t_capture - t_prefill,
-                            "decode_s": t_end - t_capture, "total_s": t_end - t0,
-                            "new_tokens": sum(len(o.token_ids) for o in outs), "decode_steps": steps + 1,
-                            "batch": B, "batch_bucket": Bb, "cache_len": S, "prefill_rows": U}
+        outs = [self._finish(*results[b], len(results[b][0]), set(stop), params) for b in range(N)]
+        self.last_timing = {**self._times, "capture_s": capture_s,
+                            "decode_s": t_end - t_prefill - capture_s - refill_s, "refill_s": refill_s,
+                            "total_s": t_end - t0,
+                            "new_tokens": sum(len(o.token_ids) for o in outs), "decode_steps": steps,
+                            "batch": N, "batch_bucket": Bb, "cache_len": st.S, "refills": refills}
         return outs
 
     def _capture_or_uncompile(self, st: _State, greedy: bool, nucleus: bool, window: int) -> None:
+        """Capture; if that fails, capture again with the split attention kernel off (SDPA), then uncompiled."""
         try:
             self._capture(st, greedy, nucleus, window)
-        except Exception as e:  # noqa: BLE001 - a compiler missing or failing must not stop generation
-            if not self.compile:
+        except Exception as e:  # noqa: BLE001 - a kernel or compiler failing must not stop generation
+            if not (self._split_attention or self.compile):
                 raise
             import warnings
 
-            warnings.warn(f"torch.compile of the decode step failed ({type(e).__name__}: {e}); decoding uncompiled",
-                          stacklevel=2)
-            self.compile = False
-            self._set_functions(False)
+            if self._split_attention:
+                what = "the split decode-attention kernel failed; decoding with SDPA"
+                self._split_attention = False
+            else:
+                what = "torch.compile of the decode step failed; decoding uncompiled"
+                self.compile = False
+                self._set_functions(False)
+            warnings.warn(f"{what} ({type(e).__name__}: {e})", stacklevel=2)
             st.graphs.clear()
             st.pool = None
-            self._capture(st, greedy, nucleus, window)
+            self._capture_or_uncompile(st, greedy, nucleus, window)
 
     def _row_seeds(self, n: int, seed: int | None) -> torch.Tensor:
         if seed is None:

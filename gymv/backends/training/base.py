@@ -62,6 +62,7 @@ class TrainingSetup:
     kl_reference: bool = False  # also hold a frozen copy of the initial policy for `reference=True` logprobs
     sharding: dict = field(default_factory=dict)  # a sharded backend's options (fsdp2: ShardingConfig fields)
     trust_remote_code: bool = False  # model.trust_remote_code: the checkpoint's own modelling code may run
+    sequence_packing: bool | str = "auto"  # training.sequence_packing: True, False or "auto"
 
 
 class TrainingBackend(ABC):

@@ -157,6 +157,7 @@ class FSDPTrainer(TorchTrainer):
     """TorchTrainer whose model is sharded with FSDP2 over the default process group (see the module doc)."""
 
     lockstep = True
+    foreach = True  # as on CUDA, also on a CPU: the tests then run the step the GPU runs
 
     def __init__(self, model, logprob_fn, config, *, sharding: ShardingConfig = ShardingConfig(),
                  trainable: bool = True, **kwargs):
@@ -200,6 +201,14 @@ class FSDPTrainer(TorchTrainer):
         # embedding unit before the model's forward, a text batch inside it, and gathers must not reorder
         self.model.unshard()
         return super()._forward(mb)
+
+    def _param_groups(self) -> list:
+        """Sharded (DTensor) and replicated (plain) parameters in separate groups: on CUDA, AdamW's foreach
+        kernels take one group at a time and cannot mix DTensors with plain tensors."""
+        ids = {id(p) for p in self.replicated}
+        sharded = [p for p in self.params if id(p) not in ids]
+        replicated = [p for p in self.params if id(p) in ids]
+        return [{"params": group} for group in (sharded, replicated) if group]
 
     def _sync_grads(self) -> None:
         self.dp.sum_grads_([p for p in self.replicated if p.requires_grad])

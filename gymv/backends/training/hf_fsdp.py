@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
-from gymv.backends.training.hf_torch import HFTorchBackend, copy_hf_files, plan_fn
+from gymv.backends.training.hf_torch import HFTorchBackend, copy_hf_files
 
 
 class HFFSDPBackend(HFTorchBackend):
@@ -28,8 +28,9 @@ class HFFSDPBackend(HFTorchBackend):
             # non-reentrant checkpointing: FSDP2's gathers re-run inside the recomputed forward
             model.gradient_checkpointing_disable()
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return FSDPTrainer(model, self.logprob_fn, self.config, collate_fn=self.collate, device=device,
-                           plan_fn=plan_fn(self.adapter, model), sharding=sharding, trainable=not frozen)
+        layout = self.layout(model)
+        return FSDPTrainer(model, self.logprob_fn, self.config, collate_fn=layout.collate, device=device,
+                           plan_fn=layout.plan, sharding=sharding, trainable=not frozen)
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Each weight gathered in full, one at a time; a collective, so every rank iterates it."""

@@ -30,17 +30,82 @@ def copy_hf_files(source: str | os.PathLike, target: str | os.PathLike) -> None:
             shutil.copy2(f, target / f.name)
 
 
-def samples_collate(pad_id: int):
-    from gymv.backends.training.micro_batches import pad_collate
+class BatchLayout:
+    """How one step's samples become micro-batches: padded rows (with each group's shared prompt run once where
+    the model allows it) or packed rows (every micro-batch's real tokens in one row, no padding computed;
+    with gymv's packed attention, each group's shared prompt once in the row).
 
-    def collate(samples):
+    `packing`: True packs always (an adapter that cannot pack is refused here, at build time); False never;
+    "auto" packs when it computes no more tokens than the padded shared-prefix plan would, which is always
+    the case with packed attention (it shares prompts too) or when the model recomputes activations or is
+    sharded (no shared-prefix cache there). The choice is made per step in `plan` and marked on each
+    micro-batch by `collate` (`mb["packed"]`, and `mb["prefixes"]` where prompts are shared), read by the
+    logprob function.
+    """
+
+    def __init__(self, adapter, model, pad_id: int, packing: bool | str = "auto"):
+        from gymv.backends.logprobs import packable
+        from gymv.errors import GymvError
+
+        from gymv.backends import packed_attention
+
+        # where packed attention is unsupported, transformers' dense packed mask confines attention instead
+        # (1-D positions only), and prompts are not shared in a row
+        installable = packed_attention.supports(model) is None
+        why_not = packable(adapter, installable)
+        if packing is True and why_not:
+            raise GymvError(f"sequence packing is not supported for this model: {why_not}",
+                            where="training.sequence_packing", fix="set training.sequence_packing: auto or false")
+        self.adapter, self.model, self.pad_id = adapter, model, pad_id
+        self.packing: bool | str = False if why_not else packing
+        self.shares_in_row = self.packing is not False and packed_attention.install(model)
+        self.packed = False
+
+    def _keys(self, samples) -> list:
+        from gymv.backends.logprobs import prefix_key
+
+        hashes: dict = {}
+        return [prefix_key(s["input_ids"], s["loss_mask"], s.get("images") or (), self.adapter.image_token_id, hashes)
+                for s in samples]
+
+    def plan(self, samples, max_tokens: int) -> list[list[int]]:
+        from gymv.backends.logprobs import recomputes_activations
+        from gymv.backends.training.micro_batches import (plan_micro_batches, plan_packed_micro_batches,
+                                                          plan_packed_shared_micro_batches,
+                                                          plan_shared_prefix_micro_batches, shared_prefix_cost)
+
+        lengths = [int(s["input_ids"].shape[0]) for s in samples]
+        if self.packing is not False and self.shares_in_row:
+            self.packed = True
+            return plan_packed_shared_micro_batches(self._keys(samples), lengths, max_tokens)
+        shares = not recomputes_activations(self.model)
+        if self.packing is True or (self.packing == "auto" and not shares):
+            self.packed = True
+            return plan_packed_micro_batches(lengths, max_tokens)
+        self.packed = False
+        if not shares:
+            return plan_micro_batches(lengths, max_tokens)
+        keys = self._keys(samples)
+        plan = plan_shared_prefix_micro_batches(keys, lengths, max_tokens)
+        if self.packing == "auto" and sum(lengths) <= shared_prefix_cost(plan, keys, lengths):
+            self.packed = True
+            return plan_packed_micro_batches(lengths, max_tokens)
+        return plan
+
+    def collate(self, samples):
+        from gymv.backends.logprobs import packed_prefixes
+        from gymv.backends.training.micro_batches import pad_collate
+
         tensors = [{k: v for k, v in s.items() if k not in NON_TENSOR_FIELDS} for s in samples]
-        mb = pad_collate(tensors, pad_values={"input_ids": pad_id})
+        mb = pad_collate(tensors, pad_values={"input_ids": self.pad_id})
         mb["images"] = [list(s.get("images") or ()) for s in samples]
         mb["where"] = [s.get("where") for s in samples]
+        if self.packed:
+            mb["packed"] = True
+            if self.shares_in_row and "loss_mask" in mb:
+                mb["prefixes"] = packed_prefixes(mb["input_ids"], mb["loss_mask"], mb["images"],
+                                                 self.adapter.image_token_id)
         return mb
-
-    return collate
 
 
 def logprob_fn(adapter, temperature: float):
@@ -51,26 +116,10 @@ def logprob_fn(adapter, temperature: float):
         With a teacher's top-k candidates in the batch, also the student's logprobs of them."""
         batch = MultimodalBatch(mb["input_ids"], mb["attention_mask"], mb["images"], mb["where"])
         return token_scores(model, adapter, batch, temperature, entropy=True, score_mask=mb.get("loss_mask"),
-                            gather_ids=mb.get("teacher_topk_ids"))
+                            gather_ids=mb.get("teacher_topk_ids"), packed=bool(mb.get("packed")),
+                            prefixes=mb.get("prefixes"))
 
     return fn
-
-
-def plan_fn(adapter, model):
-    """Micro-batches that keep a group's samples together: their shared prompt then runs once per group."""
-    from gymv.backends.logprobs import prefix_key, recomputes_activations
-    from gymv.backends.training.micro_batches import plan_micro_batches, plan_shared_prefix_micro_batches
-
-    def plan(samples, max_tokens):
-        lengths = [int(s["input_ids"].shape[0]) for s in samples]
-        if recomputes_activations(model):
-            return plan_micro_batches(lengths, max_tokens)
-        hashes: dict = {}
-        keys = [prefix_key(s["input_ids"], s["loss_mask"], s.get("images") or (), adapter.image_token_id, hashes)
-                for s in samples]
-        return plan_shared_prefix_micro_batches(keys, lengths, max_tokens)
-
-    return plan
 
 
 class HFTorchBackend(TrainingBackend):
@@ -85,7 +134,7 @@ class HFTorchBackend(TrainingBackend):
         model = policy.model
         if setup.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        self.collate = samples_collate(policy.tokenizer.pad_token_id or 0)
+        self.pad_id = policy.tokenizer.pad_token_id or 0
         self.logprob_fn = logprob_fn(policy.adapter, setup.temperature)
         self.config = TrainerConfig(**setup.optimizer)
         self.trainer = self._make_trainer(model, device)
@@ -102,8 +151,12 @@ class HFTorchBackend(TrainingBackend):
 
         if frozen:
             model.requires_grad_(True)  # TorchTrainer refuses a model without trainable parameters; never stepped
-        return TorchTrainer(model, self.logprob_fn, self.config, collate_fn=self.collate, device=device,
-                            plan_fn=plan_fn(self.adapter, model))
+        layout = self.layout(model)
+        return TorchTrainer(model, self.logprob_fn, self.config, collate_fn=layout.collate, device=device,
+                            plan_fn=layout.plan)
+
+    def layout(self, model) -> BatchLayout:
+        return BatchLayout(self.adapter, model, self.pad_id, self.setup.sequence_packing)
 
     @classmethod
     def create(cls, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1) -> HFTorchBackend:

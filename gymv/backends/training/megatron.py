@@ -122,14 +122,23 @@ class MegatronBackend(HFTorchBackend):
             return super()._make_trainer(twin, device, frozen=frozen)
         from megatron.core import parallel_state
 
-        from gymv.backends.training.hf_torch import plan_fn
         from gymv.backends.training.megatron_tp import TensorParallelTrainer
 
         if frozen:
             twin.requires_grad_(True)  # TorchTrainer refuses a model without trainable parameters; never stepped
-        return TensorParallelTrainer(twin, self.logprob_fn, self.config, collate_fn=self.collate, device=device,
-                                     process_group=parallel_state.get_data_parallel_group(),
-                                     plan_fn=plan_fn(self.adapter, twin))
+        layout = self.layout(twin)
+        return TensorParallelTrainer(twin, self.logprob_fn, self.config, collate_fn=layout.collate, device=device,
+                                     process_group=parallel_state.get_data_parallel_group(), plan_fn=layout.plan)
+
+    def layout(self, model):
+        """Padded rows only: GPTModel's attention here is causal over a row, so packed rows would attend
+        across their sequences."""
+        from gymv.backends.training.hf_torch import BatchLayout
+
+        if self.setup.sequence_packing is True:
+            raise GymvError("training.sequence_packing is not wired for training.backend megatron",
+                            where="training.sequence_packing", fix="set training.sequence_packing: auto or false")
+        return BatchLayout(self.adapter, model, self.pad_id, False)
 
     def train_step(self, samples, loss_fn):
         if self.tp > 1:  # a replica's TP ranks run the same samples: all of theirs

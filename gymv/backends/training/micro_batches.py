@@ -41,6 +41,87 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
     return plan
 
 
+def plan_packed_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Index lists whose summed length stays <= max_tokens: each micro-batch runs as one packed row, so it
+    costs its real tokens only. First fit, longest first (ties in input order), so the plan is deterministic
+    and close to the fewest rows; a sample longer than the budget runs alone. Indices within a list ascend.
+    """
+    if max_tokens < 1:
+        raise GymvError(f"micro_batch_tokens must be >= 1, got {max_tokens}", where="training.micro_batch_tokens",
+                        fix="set training.micro_batch_tokens to a positive token count")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def plan_packed_shared_micro_batches(prefixes: Sequence[tuple | None], lengths: Sequence[int],
+                                     max_tokens: int) -> list[list[int]]:
+    """Index lists for packed rows in which the samples of a group run their shared prefix once: a micro-batch
+    costs each distinct prefix once plus every sample's remainder (`prefixes[i]` is (length, key...) or None:
+    the whole sample), at most max_tokens. A group stays in one row where it fits (else it is cut into as few
+    pieces as fit, each with its prefix); groups and unshared samples are then placed first fit, costliest
+    first (ties in input order), so the plan is deterministic. Indices within a list ascend."""
+    if max_tokens < 1:
+        raise GymvError(f"micro_batch_tokens must be >= 1, got {max_tokens}", where="training.micro_batch_tokens",
+                        fix="set training.micro_batch_tokens to a positive token count")
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(prefixes):
+        if p is not None:
+            groups.setdefault(p, []).append(i)
+    items: list[tuple[int, list[int]]] = []  # (cost, indices)
+    grouped: set[int] = set()
+    for key, members in groups.items():
+        if len(members) == 1:
+            continue
+        grouped.update(members)
+        piece: list[int] = []
+        cost = key[0]
+        for i in sorted(members, key=lambda i: (-(lengths[i] - key[0]), i)):
+            rest = lengths[i] - key[0]
+            if piece and cost + rest > max_tokens:
+                items.append((cost, piece))
+                piece, cost = [], key[0]
+            piece.append(i)
+            cost += rest
+        items.append((cost, piece))
+    items += [(lengths[i], [i]) for i in range(len(lengths)) if i not in grouped]
+    items.sort(key=lambda item: (-item[0], min(item[1])))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for cost, members in items:
+        for b, free in enumerate(room):
+            if cost <= free:
+                bins[b] += members
+                room[b] -= cost
+                break
+        else:
+            bins.append(list(members))
+            room.append(max_tokens - cost)
+    return [sorted(b) for b in bins]
+
+
+def shared_prefix_cost(plan: Sequence[Sequence[int]], prefixes: Sequence[tuple | None], lengths: Sequence[int]) -> int:
+    """Tokens a shared-prefix plan computes: per micro-batch, distinct prefixes x longest prefix + samples x
+    longest remainder (prefix None: the whole padded row)."""
+    total = 0
+    for mb in plan:
+        if any(prefixes[i] is None for i in mb):
+            total += len(mb) * max(lengths[i] for i in mb)
+            continue
+        keys = {prefixes[i] for i in mb}
+        total += len(keys) * max(k[0] for k in keys) + len(mb) * max(lengths[i] - prefixes[i][0] for i in mb)
+    return total
+
+
 def plan_shared_prefix_micro_batches(prefixes: Sequence[tuple | None], lengths: Sequence[int],
                                      max_tokens: int) -> list[list[int]]:
     """Index lists for a forward pass that runs each distinct prefix once and every sample's remainder on

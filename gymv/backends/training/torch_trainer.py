@@ -85,18 +85,24 @@ class TorchTrainer:
         if not self.params:
             raise GymvError("the model has no trainable parameters", where="trainer", fix="unfreeze at least one parameter")
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay
+            self._param_groups(), lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay,
+            foreach=self.foreach,
         )
         self.steps = 0
 
     # -- what a sharded subclass replaces --------------------------------------------------------------
     lockstep = False  # True: every rank runs the same number of forward/backward passes (collectives inside)
+    foreach: bool | None = None  # AdamW's multi-tensor kernels: None = torch's default (on for CUDA)
 
     def _place(self, model: torch.nn.Module) -> torch.nn.Module:
         """Move the model to its device and start every rank from rank 0's weights."""
         model = model.to(self.device)
         self.dp.broadcast_module_(model)
         return model
+
+    def _param_groups(self) -> list:
+        """What AdamW steps: one group of every trainable parameter."""
+        return self.params
 
     def _sync_grads(self) -> None:
         self.dp.sum_grads_(self.params)

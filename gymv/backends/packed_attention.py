@@ -1,0 +1,212 @@
+"""Attention over packed rows that computes each sequence's own causal block and nothing else.
+
+transformers finds packed sequences from restarting position ids, but then builds a dense [N, N] mask: the
+attention of a packed row of N tokens costs N^2 (a 16k-token row of ~600-token sequences: ~27x the work of
+its sequences' own blocks, more than the rest of the layer). gymv registers its own attention
+implementation, "gymv_packed", with transformers' attention and mask registries and switches a model's text
+side to it (`install`). A packed forward passes the row's segments (gymv.backends.packing) as the keyword
+`gymv_packing`, which transformers hands to every attention call; with it, each segment attends causally to
+its own keys (itself, or a shared prompt and itself) through torch's variable-length flash kernel on CUDA
+(`torch.nn.attention.varlen`), else one SDPA call per segment. Without it (padded batches, the shared-prefix
+cache path, the vision tower), the call is transformers' own SDPA with its own mask: nothing else changes.
+
+A model whose text side uses sliding windows, attention soft-capping or bidirectional spans is not switched
+(`supports` says why): transformers' dense packed mask keeps those exact.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+
+import torch
+
+NAME = "gymv_packed"
+KEYWORD = "gymv_packing"  # a gymv.backends.packing.PackedAttentionArgs
+calls = 0  # packed attention calls so far: a packed forward that adds none never reached it (see check_reached)
+
+
+def _text_config(model):
+    config = model.config
+    get = getattr(config, "get_text_config", None)
+    return get() if get is not None else config
+
+
+def supports(model) -> str | None:
+    """None when `install` may switch this model; else why not."""
+    cfg = _text_config(model)
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return "sliding-window attention"
+    if getattr(cfg, "attn_logit_softcapping", None):
+        return "attention logit soft-capping"
+    if getattr(cfg, "_attn_implementation", None) not in (None, "sdpa", "eager", NAME):
+        return f"attention implementation {cfg._attn_implementation!r}"
+    return None
+
+
+def install(model) -> bool:
+    """Switch the model's text side to packed attention (registering it once); False where unsupported."""
+    if supports(model) is not None:
+        return False
+    _register()
+    _text_config(model)._attn_implementation = NAME
+    return True
+
+
+@lru_cache(maxsize=None)
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    def mask(*args, **kwargs):
+        # a packed row carries no 2-D mask and no cache: its attention needs no dense mask at all
+        if kwargs.get("attention_mask") is None and kwargs.get("q_length") == kwargs.get("kv_length") \
+                and not kwargs.get("q_offset") and not kwargs.get("kv_offset"):
+            return None
+        return sdpa_mask(*args, **kwargs)
+
+    AttentionInterface.register(NAME, packed_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, mask)
+
+
+def active(model) -> bool:
+    return getattr(_text_config(model), "_attn_implementation", None) == NAME
+
+
+def packed_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                             scaling: float | None = None, **kwargs):
+    """transformers' attention signature: query [1, H, N, D], key/value [1, Hkv, N, D]; returns [1, N, H, D]."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    global calls
+    args = kwargs.pop(KEYWORD, None)
+    if args is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if query.shape[0] != 1 or attention_mask is not None:
+        raise RuntimeError("packed attention expects one packed row and no attention mask")
+    calls += 1
+    dropout = dropout if module.training else 0.0
+    out = None
+    if query.is_cuda and dropout == 0.0:
+        out = _varlen(query, key, value, args, scaling)
+    if out is None:
+        out = _per_segment(query, key, value, args, scaling, dropout)
+    return out, None
+
+
+def _per_segment(query, key, value, args, scaling, dropout):
+    gqa = query.shape[1] != key.shape[1]
+    q_bounds, k_bounds = args.cu_q.tolist(), args.cu_k.tolist()
+    parts = []
+    for s in range(len(q_bounds) - 1):
+        q0, q1, k0, k1 = q_bounds[s], q_bounds[s + 1], k_bounds[s], k_bounds[s + 1]
+        if args.key_index is None:
+            k, v = key[:, :, k0:k1], value[:, :, k0:k1]
+        else:
+            idx = args.key_index[k0:k1]
+            k, v = key[:, :, idx], value[:, :, idx]
+        q = query[:, :, q0:q1]
+        lq, lk = q1 - q0, k1 - k0
+        mask = None
+        if lk != lq:  # the segment's queries are the last lq of its keys: causal, aligned bottom-right
+            mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        parts.append(torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=gqa))
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
+
+
+@lru_cache(maxsize=None)
+def _varlen_kernel():
+    """(torch's varlen_attn, its keyword parameters), or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _varlen(query, key, value, args, scaling):
+    """Flash varlen attention where this torch has a kernel that passed the one-time check on this device and
+    dtype (`_varlen_checks`); a segment whose keys start with a shared prompt also needs its causal mask
+    aligned bottom-right. None: use per-segment SDPA."""
+    found = _varlen_kernel()
+    if found is None or query.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    square, bottom_right = _varlen_checks(query.device, query.dtype)
+    if not square or (args.key_index is not None and not bottom_right):
+        return None
+    return _call_varlen(query, key, value, args, scaling)
+
+
+@lru_cache(maxsize=None)
+def _varlen_checks(device, dtype) -> tuple[bool, bool]:
+    """(the kernel runs forward and backward and matches SDPA on two causal sequences, and it lets query i of
+    a segment with more keys than queries see the keys up to i + keys - queries), each compared once with
+    SDPA on small random inputs (3 queries over 7 keys for the second)."""
+    from gymv.backends.packing import PackedAttentionArgs
+
+    def close(got, want) -> bool:
+        return got is not None and bool(torch.allclose(got.float(), want.float(), atol=2e-2))
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 7, 64, generator=g).to(device, dtype) for _ in range(3))
+    try:
+        q.requires_grad_(True)
+        cu = torch.tensor([0, 3, 7], dtype=torch.int32, device=device)
+        got = _call_varlen(q, k[:, :2], v[:, :2], PackedAttentionArgs(cu, None, cu, 4, 4), None)
+        got.float().sum().backward()
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        want = torch.cat([sdpa(q[:, :, a:b], k[:, :2, a:b], v[:, :2, a:b], is_causal=True, enable_gqa=True)
+                          for a, b in ((0, 3), (3, 7))], dim=2).transpose(1, 2)
+        square = close(got, want) and q.grad is not None and bool(torch.isfinite(q.grad).all())
+    except Exception:  # noqa: BLE001 - no usable kernel here: per-segment SDPA
+        return False, False
+    try:
+        q3 = q.detach()[:, :, :3]
+        cu_q = torch.tensor([0, 3], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, 7], dtype=torch.int32, device=device)
+        got = _call_varlen(q3, k, v, PackedAttentionArgs(cu_q, None, cu_k, 3, 7), None)
+        mask = torch.ones(3, 7, dtype=torch.bool, device=device).tril(4)
+        want = torch.nn.functional.scaled_dot_product_attention(q3, k, v, attn_mask=mask).transpose(1, 2)
+        return square, close(got, want)
+    except Exception:  # noqa: BLE001
+        return square, False
+
+
+def _call_varlen(query, key, value, args, scaling):
+    fn, params = _varlen_kernel()
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D]
+    q = q.contiguous()
+    if args.key_index is not None:
+        k, v = k.index_select(0, args.key_index), v.index_select(0, args.key_index)
+    kwargs: dict = {}
+    if scaling is not None and "scale" in params:
+        kwargs["scale"] = scaling
+    elif scaling is not None and abs(scaling - q.shape[-1] ** -0.5) > 1e-6:
+        return None  # this kernel cannot take the model's scale
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)
+    elif "is_causal" in params:
+        kwargs["is_causal"] = True
+    else:
+        return None
+    out = fn(q, k.contiguous(), v.contiguous(), args.cu_q, args.cu_k, args.max_q, args.max_k, **kwargs)
+    return out.unsqueeze(0)  # [1, N, H, D]
+
+
+def check_reached(before: int) -> None:
+    """Refuse a packed forward whose attention layers never got the packing keyword (a model that does not
+    pass keywords through to attention would otherwise attend across the packed sequences, silently)."""
+    if calls == before:
+        from gymv.errors import GymvError
+
+        raise GymvError("this model's attention layers did not receive gymv's packing arguments, so its "
+                        "sequences cannot be packed safely", where="training.sequence_packing",
+                        fix="set training.sequence_packing: false")
