@@ -15,7 +15,6 @@ from typing import Any
 
 # key -> {value: why that value does not run}. A backend registered under the same name wins over its row.
 NOT_WIRED: dict[str, dict[Any, str]] = {
-    "training.backend": {"megatron": "the Megatron-core training backend is not wired into gymv train yet"},
     "mopd.teachers.*.backend": {
         "megatron": "Megatron-core teachers are not wired into gymv train yet",
     },
@@ -76,6 +75,14 @@ def _gaps(cfg) -> Iterator[Gap]:
         if not _registered(key, name):
             yield _not_wired(key, name) or Gap(key, f"no {section} backend {name!r} is installed",
                                                f"use one of: {', '.join(backend_names(key))}")
+    if cfg.training.backend == "megatron":
+        p = cfg.training.parallel
+        for size in ("pipeline", "context", "expert"):
+            if getattr(p, size) > 1:
+                yield Gap(f"training.parallel.{size}",
+                          f"training.backend megatron trains with training.parallel.{size} 1 here (only tensor "
+                          "parallelism is wired)", f"set training.parallel.{size} to 1")
+                break
     g = cfg.generation
     if g.backend != "vllm" and g.vllm != type(g.vllm)():
         yield Gap("generation.vllm", f"generation.vllm is read only by generation.backend vllm, this recipe uses {g.backend}",

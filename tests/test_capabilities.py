@@ -22,9 +22,23 @@ def test_the_default_recipe_has_no_gaps():
     assert gaps(cfg()) == []
 
 
-def test_each_planned_value_is_a_gap_named_by_its_key():
-    c = cfg(training={"backend": "megatron"}, vision={"dedup_payloads": False})
+PLANNED = "the planned trainer is not wired into gymv train yet"
+
+
+@pytest.fixture
+def planned_trainer(monkeypatch):
+    """A training backend the table names as planned (every built-in one is wired now)."""
+    monkeypatch.setitem(NOT_WIRED, "training.backend", {"planned-trainer": PLANNED})
+    return "planned-trainer"
+
+
+def test_each_planned_value_is_a_gap_named_by_its_key(planned_trainer):
+    c = cfg(training={"backend": planned_trainer}, vision={"dedup_payloads": False})
     assert keys(c) == ["training.backend", "vision.dedup_payloads"]
+
+
+def test_the_megatron_training_backend_is_wired():
+    assert gaps(cfg(training={"backend": "megatron"})) == []
 
 
 def test_trust_remote_code_is_wired():
@@ -63,18 +77,34 @@ def test_a_registered_backend_wins_over_its_planned_row():
 def test_the_table_lists_what_runs_and_why_the_rest_does_not():
     t = table()
     assert t["generation.backend"] == {"hf": "runs", "vllm": "runs"}
-    assert t["training.backend"]["megatron"] == NOT_WIRED["training.backend"]["megatron"]
+    assert t["training.backend"] == {"fsdp2": "runs", "megatron": "runs", "torch": "runs"}
+    assert t["mopd.teachers.*.backend"]["megatron"] == NOT_WIRED["mopd.teachers.*.backend"]["megatron"]
     assert t["logger.tensorboard"]["true"].startswith("runs")
 
 
-def test_gymv_train_refuses_a_gap_at_the_line_that_wrote_it(tmp_path):
+def test_gymv_train_refuses_a_gap_at_the_line_that_wrote_it(tmp_path, planned_trainer):
     from gymv.train import train
 
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("algorithm: grpo\ntraining:\n  backend: megatron\ncluster:\n  gpus_per_node: 1\n")
+    recipe.write_text(f"algorithm: grpo\ntraining:\n  backend: {planned_trainer}\ncluster:\n  gpus_per_node: 1\n")
     with pytest.raises(GymvError) as e:
         train(recipe)
-    assert e.value.where.endswith("r.yaml:3") and "Megatron" in e.value.message
+    assert e.value.where.endswith("r.yaml:3") and e.value.message == PLANNED
+
+
+def test_gymv_train_names_the_megatron_extra_where_megatron_core_is_not_installed(tmp_path):
+    import importlib.util
+
+    from gymv.train import train
+
+    if importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None:
+        pytest.skip("megatron-core is installed in this Python")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("algorithm: grpo\ntraining:\n  backend: megatron\n")
+    with pytest.raises(GymvError) as e:
+        train(recipe)
+    assert e.value.where.endswith("r.yaml:3") and "megatron-core" in e.value.message
+    assert "gymv[megatron]" in e.value.fix
 
 
 def test_gymv_train_names_the_vllm_venv_where_vllm_is_not_installed(tmp_path):
@@ -104,3 +134,9 @@ def test_gymv_train_names_the_vllm_venv_for_a_vllm_teacher_where_vllm_is_not_ins
         train(recipe)
     assert e.value.where.endswith("r.yaml:7") and e.value.message.startswith("mopd.teachers.a.backend vllm needs")
     assert "bash scripts/install.sh vllm" in e.value.fix and e.value.fix.endswith("or use backend: torch")
+
+
+def test_megatron_tensor_parallel_is_wired_and_pipeline_parallel_is_a_gap():
+    assert gaps(cfg(training={"backend": "megatron", "parallel": {"tensor": 2}}, cluster={"gpus_per_node": 2})) == []
+    c = cfg(training={"backend": "megatron", "parallel": {"pipeline": 2}}, cluster={"gpus_per_node": 2})
+    assert keys(c) == ["training.parallel.pipeline"]

@@ -201,7 +201,9 @@ def test_a_gpu_recipe_whose_parallel_sizes_divide_its_gpus_is_clean(tree):
 
 
 def test_a_recipe_gymv_train_cannot_run_on_a_run_suite_is_gv022_at_its_entry(tree):
-    tree.add("llm/grpo-big-1n8g-megatron.yaml", Tree.GPU_RECIPE, gpus=8, minutes=1)
+    # megatron runs no pipeline parallelism: what gymv train cannot run
+    text = Tree.GPU_RECIPE.replace("backend: megatron\n", "backend: megatron\n  parallel:\n    pipeline: 2\n")
+    tree.add("llm/grpo-big-1n8g-megatron.yaml", text, gpus=8, minutes=1)
     [f] = lint()
     assert (f.rule, f.path, f.line) == ("GV022", "recipes/suites/nightly.txt", tree.line_of("suites/nightly.txt", "grpo-big"))
     assert "training.backend" in f.message and "disabled.txt" in f.fix

@@ -176,10 +176,11 @@ def test_the_tiny_stand_in_of_every_gpu_recipe_is_something_gymv_train_runs(tmp_
 
 
 def test_tiny_says_it_checks_plumbing_with_stand_ins_and_names_what_it_stood_in_for(tmp_path):
-    p = prepared(tmp_path, REPO / "recipes/llm/grpo-qwen3-1.7b-1n8g-megatron.yaml", tiny=True)
+    # its Megatron teacher is what gymv train cannot run here
+    p = prepared(tmp_path, REPO / "recipes/llm/mopd-qwen3-1.7b-1n8g-megatron.yaml", tiny=True)
     assert p.notes[0].startswith("--tiny checks the plumbing with stand-ins")
     stood_in = [n for n in p.notes if n.startswith("stand-in for what gymv train cannot run here")]
-    assert any("training.backend" in n for n in stood_in)
+    assert any("mopd.teachers.teacher.backend" in n for n in stood_in)
     assert not any("generation.backend" in n for n in stood_in)  # its vllm runs here (docs/vllm.md)
 
 

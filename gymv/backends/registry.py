@@ -15,7 +15,8 @@ GENERATION_BACKENDS = Registry("generation backend", "gymv.generation_backends",
                                 "vllm": "gymv.backends.generation.vllm:VllmGenerationBackend"}, where="generation.backend")
 TRAINING_BACKENDS = Registry("training backend", "gymv.training_backends",
                              {"torch": "gymv.backends.training.hf_torch:HFTorchBackend",
-                              "fsdp2": "gymv.backends.training.hf_fsdp:HFFSDPBackend"}, where="training.backend")
+                              "fsdp2": "gymv.backends.training.hf_fsdp:HFFSDPBackend",
+                              "megatron": "gymv.backends.training.megatron:MegatronBackend"}, where="training.backend")
 # a MOPD teacher's scorer, built from a gymv.cluster.teachers.TeacherSpec
 TEACHER_BACKENDS = Registry("teacher backend", "gymv.teacher_backends",
                             {"torch": "gymv.backends.teacher:TeacherModel",

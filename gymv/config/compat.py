@@ -216,13 +216,11 @@ def _parallel_backend(cfg: RecipeBase) -> Iterator[Finding]:
                    "set cluster.gpus_per_node, or the parallel sizes to 1")
 
 
-@rule("backend.needs-gpu", "megatron (trainer and teachers) runs on GPUs only; vLLM generation and teachers also run on CPU")
+@rule("backend.needs-gpu", "Megatron teachers run on GPUs only (the megatron training backend, vLLM generation and "
+                           "vLLM teachers also run on CPU)")
 def _backend_gpu(cfg: RecipeBase) -> Iterator[Finding]:
     if total_gpus(cfg) > 0:
         return
-    if cfg.training.backend == "megatron":
-        yield _err("backend.needs-gpu", "training.backend", "training.backend megatron needs GPUs, cluster.gpus_per_node is 0",
-                   "use training.backend: torch on CPU")
     m = _mopd(cfg)
     for alias, t in (m.teachers.items() if m else ()):
         if t.backend == "megatron":

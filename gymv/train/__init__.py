@@ -85,6 +85,14 @@ def _check_supported(rec, cfg) -> None:
             raise GymvError(f"{keys[0]} vllm needs the vllm package, which this Python ({sys.prefix}) lacks",
                             where=_where(rec, keys[0]),
                             fix=INSTALL_FIX if keys[0] == "generation.backend" else VENV_FIX + ", or use backend: torch")
+    if cfg.training.backend == "megatron":
+        import importlib.util
+
+        from gymv.backends.training.megatron_model import INSTALL_FIX as MEGATRON_FIX
+
+        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+            raise GymvError(f"training.backend megatron needs the megatron-core package, which this Python "
+                            f"({sys.prefix}) lacks", where=_where(rec, "training.backend"), fix=MEGATRON_FIX)
 
 
 def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, resume_dir: str | None = None,

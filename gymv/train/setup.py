@@ -147,9 +147,20 @@ def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature
         generation_backend=cfg.generation.backend,
         generation_options=_vllm_options(cfg) if cfg.generation.backend == "vllm" else {},
         training_backend=t.backend,
-        sharding=t.fsdp.model_dump() if t.backend == "fsdp2" else {},
+        sharding=_sharding(t),
         **_agent_driver(cfg),
     )
+
+
+def _sharding(t) -> dict:
+    """TrainingSetup.sharding: the fsdp2 options, or megatron's parallel sizes."""
+    if t.backend == "fsdp2":
+        return t.fsdp.model_dump()
+    if t.backend == "megatron":
+        p = t.parallel
+        return {"tensor_parallel": p.tensor, "pipeline_parallel": p.pipeline, "context_parallel": p.context,
+                "expert_parallel": p.expert}
+    return {}
 
 
 def _agent_driver(cfg) -> dict:

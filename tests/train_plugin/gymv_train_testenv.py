@@ -45,3 +45,15 @@ class EvenLength(Environment):
 
     def gold_turn(self, row: dict) -> ModelTurn:
         return ModelTurn(text="ok")
+
+
+class EvenLengthText(EvenLength):
+    """The same task without the image, for text-only models."""
+
+    name = "even-length-text"
+    agent_name = "even_length_text_agent"
+
+    def make_row(self, rng: random.Random, knobs: EvenKnobs, index: int) -> dict:
+        row = super().make_row(rng, knobs, index)
+        row["responses_create_params"]["input"][0]["content"] = [{"type": "input_text", "text": "Say something."}]
+        return row

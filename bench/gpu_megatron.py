@@ -1,0 +1,151 @@
+"""One training step of the 0.8B text decoder shape (gpu_decode.py's language model: hidden 2048, 16 layers,
+16 heads, 8 kv heads, MLP 5632) through Megatron-core's GPTModel (local layer spec, TP=1, loaded by gymv's
+weight mapping; its attention either gymv's fused SDPA slot or megatron's local one) and through the HF
+model gymv's torch backend trains, on the same weights and batch. All three models stay on the GPU, so
+each path's peak memory includes the others' weights.
+
+A step is what gymv's trainer does: fp32 weights, bf16 autocast, token logprobs, a loss over them,
+backward, AdamW. Reported per path: median step seconds over the timed steps, tokens/s, MFU = 6·N·tokens /
+step time / peak (N: every parameter; peak 989 TFLOP/s, an H200's dense bf16), peak memory; and the two
+models' bf16 logprob difference on the batch.
+
+Usage (GPU): python bench/gpu_megatron.py --out FILE.json   (--cpu-smoke: a tiny shape on the CPU, fp32)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+             intermediate_size=5632, vocab_size=1024, max_position_embeddings=4096)
+SMOKE = dict(SHAPE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128)
+PEAK_FLOPS = 989e12
+
+
+def sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_fn(model, ids, mask, device):
+    import torch
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with autocast:
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+        loss = -(logp * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+def timed_steps(step, device, warmup: int, steps: int) -> tuple[list[float], list[float]]:
+    import torch
+
+    losses = [step() for _ in range(warmup)]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        losses.append(step())
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times, losses
+
+
+def logprobs(model, ids, mask, device):
+    import torch
+
+    with torch.no_grad(), (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                           else torch.autocast("cpu", enabled=False)):
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=5)
+    a = ap.parse_args()
+    import torch
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import megatron.core
+    from gymv.backends.training.megatron_model import MegatronCausalLM, build_gpt, init_parallel
+    from gymv.backends.training.megatron_weights import DecoderShape, hf_to_megatron
+
+    device = torch.device("cpu" if a.cpu_smoke else "cuda")
+    shape_kw = SMOKE if a.cpu_smoke else SHAPE
+    batch, seq, steps = (2, 32, 2) if a.cpu_smoke else (a.batch, a.seq, a.steps)
+    report: dict = {"shape": shape_kw, "batch": batch, "seq": seq, "tokens_per_step": batch * seq, "steps": steps,
+                    "torch": torch.__version__, "transformers": transformers.__version__,
+                    "megatron_core": megatron.core.__version__, "peak_flops": PEAK_FLOPS,
+                    "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    try:
+        torch.manual_seed(0)
+        cfg = LlamaConfig(**shape_kw, tie_word_embeddings=False)
+        with torch.device(device):
+            hf = LlamaForCausalLM(cfg)
+        n = sum(p.numel() for p in hf.parameters())
+        report["params"] = n
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
+        mask = torch.ones_like(ids)
+        shape = DecoderShape.of(cfg)
+        init_parallel(1, device)
+        models = {}
+        for attention in ("sdpa", "local"):
+            gpt = build_gpt(cfg, shape, device=device, attention=attention)
+            gpt.load_state_dict(hf_to_megatron(hf.state_dict(), shape), strict=True)
+            models[f"megatron_{attention}"] = MegatronCausalLM(gpt, shape, cfg)
+        models["hf"] = hf
+        hf_lp = logprobs(hf, ids, mask, device)
+        for name in ("megatron_sdpa", "megatron_local"):
+            diff = (hf_lp - logprobs(models[name], ids, mask, device)).abs()
+            report[f"logprob_abs_diff_{name}"] = {"max": diff.max().item(), "mean": diff.mean().item()}
+        for name, model in models.items():
+            step = step_fn(model, ids, mask, device)
+            times, losses = timed_steps(step, device, warmup=1 if a.cpu_smoke else 2, steps=steps)
+            t = statistics.median(times)
+            report[name] = {"step_s": t, "step_times_s": times, "tokens_per_s": batch * seq / t,
+                            "mfu": 6 * n * batch * seq / t / PEAK_FLOPS, "first_loss": float(losses[0]),
+                            "peak_memory_gb": (torch.cuda.max_memory_allocated() / 2**30) if device.type == "cuda" else None}
+            print(name, json.dumps(report[name]), flush=True)
+            del step
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        report["first_loss_diff"] = abs(report["megatron_sdpa"]["first_loss"] - report["hf"]["first_loss"])
+        status = 0
+    except Exception:
+        report["error"] = traceback.format_exc()
+        print(report["error"], file=sys.stderr)
+        status = 1
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(report, indent=1))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

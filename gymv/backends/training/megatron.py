@@ -1,0 +1,270 @@
+"""The `megatron` training backend: the language decoder runs as Megatron-core's GPTModel (local layer spec),
+loaded from and written back to HF names by gymv's own mapping (gymv.backends.training.megatron_weights).
+
+Everything around the model is the `torch` backend's: the same losses over `training_sample`, token-budget
+micro-batches, data parallel over the trainer's ranks, torch AdamW (megatron's distributed optimizer needs
+its DDP wrapper and gradient buffers, which gymv does not build yet), bf16 autocast on CUDA. Checkpoints and exports are HF
+folders (weights under HF names, so a checkpoint loads with `from_pretrained` too); refits send HF names.
+
+Wired here: text decoders (Llama, Qwen2, Qwen3) and LLaVA-style, Qwen2-VL and Qwen2.5-VL vision-language
+models (the vision tower and projector stay torch modules, trained too; their image features reach GPTModel
+as its decoder_input; 3-D rotary positions go through megatron's mrope), with tensor parallelism
+(gymv.backends.training.megatron_tp). Pipeline, context and expert parallelism are refused, as are VLMs with
+other decoder inputs (Qwen3-VL, Gemma 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gymv.backends.training.base import TrainingSetup
+from gymv.backends.training.hf_torch import HFTorchBackend, copy_hf_files
+from gymv.errors import GymvError
+
+PARALLEL_KEYS = ("pipeline_parallel", "context_parallel", "expert_parallel")
+
+
+def _check_setup(setup: TrainingSetup) -> None:
+    for key in PARALLEL_KEYS:
+        size = int(setup.sharding.get(key, 1))
+        if size > 1:
+            name = key.replace("_parallel", "")
+            raise GymvError(f"training.backend megatron runs training.parallel.{name} 1 here, not {size}",
+                            where=f"training.parallel.{name}",
+                            fix="set it to 1 (data parallel over the training GPUs), or use training.backend: fsdp2")
+
+
+def _hf_names(model) -> dict:
+    """Where the decoder's weights and the head sit in this HF model's state dict."""
+    keys = list(model.state_dict())
+    embed = [k for k in keys if k.endswith("embed_tokens.weight")]
+    if len(embed) != 1:
+        raise GymvError("cannot find the language model's token embedding in the checkpoint", where="model.path",
+                        fix="use training.backend: torch or fsdp2 for this model")
+    head = "lm_head.weight" if "lm_head.weight" in keys else next((k for k in keys if k.endswith("lm_head.weight")),
+                                                                  "lm_head.weight")
+    return {"hf_prefix": embed[0][: -len("embed_tokens.weight")], "hf_head": head}
+
+
+def _check_vlm(adapter) -> None:
+    """A VLM runs here when its decoder takes image features in its input embeddings alone, with plain or
+    3-D rotary positions (LLaVA-style, Qwen2-VL, Qwen2.5-VL); features fed to several layers (Qwen3-VL) or
+    extra model inputs (Gemma 3) are not mapped."""
+    from gymv.backends.multimodal import GridAdapter, MultimodalAdapter
+
+    for hook in ("position_ids", "feature_inputs", "forward_kwargs"):
+        mine = getattr(type(adapter), hook)
+        if mine is not getattr(MultimodalAdapter, hook) and mine is not getattr(GridAdapter, hook):
+            raise GymvError(f"training.backend megatron does not map this vision-language family's {hook} "
+                            f"({type(adapter).__name__})", where="model.path",
+                            fix="use training.backend: torch or fsdp2 for this model")
+
+
+class MegatronBackend(HFTorchBackend):
+    """One data-parallel rank whose policy (and KL reference) is a GPTModel twin of the HF decoder."""
+
+    def __init__(self, policy, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1):
+        from gymv.backends.training.megatron_weights import DecoderShape
+
+        self.hf_config = policy.model.config
+        self.vision = getattr(self.hf_config, "vision_config", None) is not None
+        if self.vision:
+            _check_vlm(policy.adapter)
+        self.shape = DecoderShape.of(self.hf_config, **_hf_names(policy.model))
+        # HF state dicts list a tied head under its own name too; the generator is sent what it holds
+        self.sends_tied_head = self.shape.tied and self.shape.hf_head in policy.model.state_dict()
+        self.device = torch.device(device)
+        self.tp = int(setup.sharding.get("tensor_parallel", 1))
+        self.gathers_weights = self.tp > 1
+        super().__init__(policy, setup, device=device, rank=rank, world_size=world_size)
+        policy.model = self.trainer.model  # the HF copy is not kept
+
+    @classmethod
+    def create(cls, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1) -> MegatronBackend:
+        from gymv.backends.policy import load_policy
+        from gymv.backends.training.megatron_model import init_parallel
+
+        _check_setup(setup)
+        init_parallel(int(setup.sharding.get("tensor_parallel", 1)), torch.device(device), seed=setup.seed)
+        policy = load_policy(setup.model_path, device="cpu", dtype=torch.float32, seed=setup.seed,
+                             trust_remote_code=setup.trust_remote_code)
+        return cls(policy, setup, device=device, rank=rank, world_size=world_size)
+
+    def _twin(self, hf_model) -> torch.nn.Module:
+        from gymv.backends.training.megatron_model import MegatronCausalLM, MegatronVLM, build_gpt, strip_language_model
+        from gymv.backends.training.megatron_weights import hf_to_megatron
+
+        from megatron.core import parallel_state
+
+        gpt = build_gpt(self.hf_config, self.shape, tensor_parallel=self.tp, device=self.device)
+        state = hf_to_megatron(hf_model.state_dict(), self.shape,
+                               tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=self.tp)
+        gpt.load_state_dict({k: v.to(self.device) for k, v in state.items()}, strict=True)
+        pad = getattr(hf_model.get_input_embeddings(), "padding_idx", None)
+        if self.vision:
+            return MegatronVLM(gpt, self.shape, self.hf_config, strip_language_model(hf_model, self.shape), pad)
+        return MegatronCausalLM(gpt, self.shape, self.hf_config, pad)
+
+    def _make_trainer(self, model, device, *, frozen: bool = False):
+        from gymv.backends.training.megatron_model import checkpoint_layers
+
+        twin = self._twin(model)
+        if self.setup.gradient_checkpointing and not frozen:
+            checkpoint_layers(twin.gpt)
+        if self.tp == 1:
+            return super()._make_trainer(twin, device, frozen=frozen)
+        from megatron.core import parallel_state
+
+        from gymv.backends.training.megatron_tp import TensorParallelTrainer
+
+        if frozen:
+            twin.requires_grad_(True)  # TorchTrainer refuses a model without trainable parameters; never stepped
+        layout = self.layout(twin)
+        return TensorParallelTrainer(twin, self.logprob_fn, self.config, collate_fn=layout.collate, device=device,
+                                     process_group=parallel_state.get_data_parallel_group(), plan_fn=layout.plan)
+
+    def layout(self, model):
+        """Padded rows only: GPTModel's attention here is causal over a row, so packed rows would attend
+        across their sequences."""
+        from gymv.backends.training.hf_torch import BatchLayout
+
+        if self.setup.sequence_packing is True:
+            raise GymvError("training.sequence_packing is not wired for training.backend megatron",
+                            where="training.sequence_packing", fix="set training.sequence_packing: auto or false")
+        return BatchLayout(self.adapter, model, self.pad_id, False)
+
+    def train_step(self, samples, loss_fn):
+        if self.tp > 1:  # a replica's TP ranks run the same samples: all of theirs
+            from gymv.backends.training.megatron_tp import union_over_tp
+
+            samples = union_over_tp(samples)[0]
+        return super().train_step(samples, loss_fn)
+
+    def compute_logprobs(self, samples, *, reference: bool = False):
+        if self.tp == 1:
+            return super().compute_logprobs(samples, reference=reference)
+        from gymv.backends.training.megatron_tp import union_over_tp
+
+        everyone, mine = union_over_tp(samples)
+        return super().compute_logprobs(everyone, reference=reference)[mine]
+
+    def sum_over_ranks(self, value: float) -> float:
+        import torch.distributed as dist
+
+        if self.world_size == 1:
+            return float(value)
+        t = torch.tensor([float(value)], device=self.device)
+        dist.all_reduce(t)  # every rank's own share, TP peers included
+        return float(t)
+
+    def _hf_weights(self, *, include_tied_head: bool) -> Iterator[tuple[str, Tensor]]:
+        from gymv.backends.training.megatron_weights import megatron_to_hf
+
+        model = self.trainer.model
+        if self.vision:
+            yield from ((k, v.detach()) for k, v in model.vision_model.state_dict().items())
+        state = {k: v.detach() for k, v in model.gpt.state_dict().items() if isinstance(v, Tensor)}
+        if self.tp == 1:
+            yield from megatron_to_hf([state], self.shape, include_tied_head=include_tied_head)
+            return
+        from gymv.backends.training.megatron_tp import gather_state
+
+        yield from megatron_to_hf(gather_state(state), self.shape, include_tied_head=include_tied_head)
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        yield from self._hf_weights(include_tied_head=self.sends_tied_head)
+
+    def _hf_state_for_files(self) -> dict[str, Tensor] | None:
+        """The HF-named weights as files hold them (no tied head), on host memory; every rank joins the TP
+        gathers, rank 0 alone keeps the result."""
+        state = {k: v.detach().cpu().contiguous() for k, v in self._hf_weights(include_tied_head=False)}
+        return state if self.rank == 0 else None
+
+    @staticmethod
+    def _write_hf_weights(path: Path, state: dict[str, Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        from gymv.backends.training.torch_trainer import MODEL_SAFETENSORS, _fsync_replace
+
+        tmp = path / f".{MODEL_SAFETENSORS}.tmp"
+        save_file(state, str(tmp), metadata={"format": "pt"})
+        _fsync_replace(tmp, path / MODEL_SAFETENSORS)
+
+    def _optimizer_file(self) -> str:
+        """Optimizer state is per TP shard: one file per TP rank of the first data-parallel replica."""
+        from megatron.core import parallel_state
+
+        from gymv.backends.training.torch_trainer import OPTIMIZER_FILE
+
+        return OPTIMIZER_FILE if self.tp == 1 else f"optimizer_tp{parallel_state.get_tensor_model_parallel_rank()}.pt"
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Rank 0 writes the weights under HF names (the folder loads as a model, and as this backend's
+        checkpoint) and the step count; each TP rank of the first replica its optimizer state."""
+        from dataclasses import asdict
+
+        from megatron.core import parallel_state
+
+        from gymv.backends.training.torch_trainer import TRAINER_FILE, _fsync_replace
+
+        path = Path(path)
+        state = self._hf_state_for_files()
+        if parallel_state.get_data_parallel_rank() != 0:
+            return
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = path / f".{self._optimizer_file()}.tmp"
+        torch.save(self.trainer.optimizer.state_dict(), tmp)
+        _fsync_replace(tmp, path / self._optimizer_file())
+        if state is None:
+            return
+        self._write_hf_weights(path, state)
+        tmp = path / f".{TRAINER_FILE}.tmp"
+        tmp.write_text(json.dumps({"steps": self.trainer.steps, "config": asdict(self.trainer.config),
+                                   "tensor_parallel": self.tp}))
+        _fsync_replace(tmp, path / TRAINER_FILE)
+        copy_hf_files(self.setup.model_path, path)
+
+    def load(self, path: str | os.PathLike) -> None:
+        from megatron.core import parallel_state
+        from safetensors.torch import load_file
+
+        from gymv.backends.training.megatron_weights import hf_to_megatron
+        from gymv.backends.training.torch_trainer import MODEL_SAFETENSORS, TRAINER_FILE
+
+        path = Path(path)
+        for name in (MODEL_SAFETENSORS, self._optimizer_file()):
+            if not (path / name).exists():
+                raise GymvError(f"no {name} in the checkpoint", where=str(path),
+                                fix="resume from a checkpoint written by gymv train at the same tensor parallel size")
+        hf = load_file(str(path / MODEL_SAFETENSORS), device=str(self.device))
+        try:
+            if self.vision:
+                vision = self.trainer.model.vision_model
+                vision.load_state_dict({k: hf[k] for k in vision.state_dict()}, strict=True)
+            shard = hf_to_megatron(hf, self.shape, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                                   tp_size=self.tp)
+            self.trainer.model.gpt.load_state_dict(shard, strict=True)
+        except (KeyError, RuntimeError) as e:
+            raise GymvError(f"checkpoint does not match the model ({str(e).splitlines()[0][:200]})",
+                            where=str(path / MODEL_SAFETENSORS),
+                            fix="load a checkpoint written by the same model architecture") from None
+        self.trainer.optimizer.load_state_dict(torch.load(path / self._optimizer_file(), map_location=self.device,
+                                                          weights_only=True))
+        meta = path / TRAINER_FILE
+        self.trainer.steps = int(json.loads(meta.read_text())["steps"]) if meta.exists() else 0
+
+    def export_hf(self, path: str | os.PathLike) -> None:
+        state = self._hf_state_for_files()
+        if state is None:
+            return
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self._write_hf_weights(path, state)
+        copy_hf_files(self.setup.model_path, path)
