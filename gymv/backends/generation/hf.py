@@ -154,15 +154,8 @@ class HFGenerationBackend(GenerationBackend):
         feats, grid = self._encode(requests, keys)
         # Requests with the same prompt and images (the G samples of a group) are prefilled once; their
         # rows of the KV cache and of the first logits are then copies of that one row.
-        slots: dict[tuple, int] = {}
-        row_slot = [slots.setdefault((tuple(r.prompt_token_ids), tuple(ks)), len(slots))
-                    for r, ks in zip(requests, keys)]
-        firsts = [row_slot.index(u) for u in range(len(slots))]
-        if len(firsts) < len(requests):
-            starts = [0]
-            for r in requests:
-                starts.append(starts[-1] + len(r.images))
-            image_idx = [i for b in firsts for i in range(starts[b], starts[b + 1])]
+        row_slot, firsts, image_idx = distinct_prompts(requests, keys)
+        if image_idx is not None:
             feats = [feats[i] for i in image_idx]
             if grid is not None:
                 grid = grid[torch.tensor(image_idx, device=grid.device, dtype=torch.long)]
@@ -244,6 +237,21 @@ class HFGenerationBackend(GenerationBackend):
             return None
         tail = self.tokenizer.decode(ids[-max(windows.values()):], skip_special_tokens=False)
         return next((s for s in stops if s in tail), None)
+
+
+def distinct_prompts(requests: Sequence[GenerationRequest], keys: list[list[str]]):
+    """(row_slot, firsts, image_idx): each request's distinct (prompt, images) slot, the first request of each
+    slot, and the indices of the first requests' images in the flat image list (None when every request is
+    distinct), so that a group's shared prompt is prefilled once."""
+    slots: dict[tuple, int] = {}
+    row_slot = [slots.setdefault((tuple(r.prompt_token_ids), tuple(ks)), len(slots)) for r, ks in zip(requests, keys)]
+    firsts = [row_slot.index(u) for u in range(len(slots))]
+    if len(firsts) == len(requests):
+        return row_slot, firsts, None
+    starts = [0]
+    for r in requests:
+        starts.append(starts[-1] + len(r.images))
+    return row_slot, firsts, [i for b in firsts for i in range(starts[b], starts[b + 1])]
 
 
 def image_keys(requests: Sequence[GenerationRequest]) -> list[list[str]]:

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from gymv.backends.generation.base import GenerationOutput, GenerationRequest, SamplingParams
 from gymv.backends.generation.decode_attention import available as split_available
 from gymv.backends.generation.decode_attention import split_attention
-from gymv.backends.generation.hf import HFGenerationBackend, image_keys
+from gymv.backends.generation.hf import HFGenerationBackend, distinct_prompts, image_keys
 from gymv.backends.hf_forward import forward_logits
 from gymv.backends.sampling import forbidden_mask, policy_logits
 from gymv.errors import GymvError
@@ -340,15 +340,9 @@ class StaticDecodeBackend(HFGenerationBackend):
         keys = image_keys(requests)
         feats, grid = self._encode(requests, keys)
         self._times["encode_s"] += time.perf_counter() - t0
-        slots: dict[tuple, int] = {}
-        row_slot = [slots.setdefault((tuple(r.prompt_token_ids), tuple(ks)), len(slots))
-                    for r, ks in zip(requests, keys)]
-        firsts = [row_slot.index(u) for u in range(len(slots))]
-        if len(firsts) < len(requests):
-            starts = [0]
-            for r in requests:
-                starts.append(starts[-1] + len(r.images))
-            feats = [feats[i] for b in firsts for i in range(starts[b], starts[b + 1])]
+        row_slot, firsts, image_idx = distinct_prompts(requests, keys)
+        if image_idx is not None:
+            feats = [feats[i] for i in image_idx]
         prompts = [requests[b] for b in firsts]
         U, L = len(prompts), max(len(r.prompt_token_ids) for r in prompts)
         self._times["prefill_rows"] += U
