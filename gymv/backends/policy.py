@@ -101,6 +101,17 @@ def _model_kwargs(dtype, attn_implementation: str | None, trust: bool) -> dict:
     return kwargs
 
 
+def _eval_model(auto_class, ckpt: Path, device, kwargs: dict, what: str, fix: str):
+    """`auto_class.from_pretrained` on `device` in eval mode; a checkpoint it cannot load is one line naming it."""
+    try:
+        model = auto_class.from_pretrained(ckpt, **kwargs)
+    except ValueError as e:
+        raise GymvError(f"cannot load {what}: {str(e).splitlines()[0]}", where=str(ckpt), fix=fix) from None
+    model.to(device)
+    model.eval()
+    return model
+
+
 def _load_text(ckpt: Path, device, dtype, attn_implementation, trust: bool) -> Policy:
     """A text-only causal LM: tokenizer and AutoModelForCausalLM, no processor looked for."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -108,14 +119,8 @@ def _load_text(ckpt: Path, device, dtype, attn_implementation, trust: bool) -> P
     from gymv.backends.multimodal import TextAdapter
 
     tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
-    kwargs = _model_kwargs(dtype, attn_implementation, trust)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(ckpt, **kwargs)
-    except ValueError as e:
-        raise GymvError(f"cannot load a causal language model: {str(e).splitlines()[0]}", where=str(ckpt),
-                        fix="a text-only checkpoint must load with AutoModelForCausalLM") from None
-    model.to(device)
-    model.eval()
+    model = _eval_model(AutoModelForCausalLM, ckpt, device, _model_kwargs(dtype, attn_implementation, trust),
+                        "a causal language model", "a text-only checkpoint must load with AutoModelForCausalLM")
     adapter = TextAdapter(tokenizer, config=model.config)
     info = {"processor_class": None, "style": adapter.style, "model_class": type(model).__name__}
     return Policy(model=model, tokenizer=tokenizer, image_processor=None, adapter=adapter, processor=None, path=ckpt,
@@ -143,14 +148,9 @@ def _load(ckpt: Path, device, dtype, attn_implementation, trust: bool = False) -
     if processor_class not in SUPPORTED_PROCESSORS:
         raise GymvError(f"unsupported processor {processor_class or '(none found)'!r}", where=str(ckpt),
                         fix=f"gymv supports: {supported_text()}")
-    kwargs = _model_kwargs(dtype, attn_implementation, trust)
-    try:
-        model = AutoModelForImageTextToText.from_pretrained(ckpt, **kwargs)
-    except ValueError as e:
-        raise GymvError(f"cannot load an image-text-to-text model: {str(e).splitlines()[0]}", where=str(ckpt),
-                        fix="gymv trains vision-language models loadable with AutoModelForImageTextToText") from None
-    model.to(device)
-    model.eval()
+    model = _eval_model(AutoModelForImageTextToText, ckpt, device, _model_kwargs(dtype, attn_implementation, trust),
+                        "an image-text-to-text model",
+                        "gymv trains vision-language models loadable with AutoModelForImageTextToText")
     adapter = make_adapter(processor_class, tokenizer, image_processor, model.config, hf_processor)
     template = getattr(hf_processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
     info = {"processor_class": processor_class, "style": adapter.style, "model_class": type(model).__name__}

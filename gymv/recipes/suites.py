@@ -82,17 +82,8 @@ def load_suite(path: str | Path, recipes_dir: str | Path | None = None) -> Suite
     path = Path(path)
     recipes_dir = Path(recipes_dir) if recipes_dir is not None else path.parent.parent
     name = path.stem
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise GymvError("suite file not found", where=str(path), fix="check the suite name") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise GymvError(f"cannot read suite file: {e}", where=str(path)) from None
     entries = []
-    for lineno, raw in enumerate(text.splitlines(), 1):
-        body, comment = _strip_comment(raw)
-        if not body:
-            continue
+    for lineno, body, comment in _entries(path):
         where = f"{path}:{lineno}"
         if len(body.split()) > 1:
             raise GymvError(f"more than one path on a line: {body!r}", where=where, fix="put one recipe per line")
@@ -117,7 +108,8 @@ class DriverEntry:
         return f"{self.file}:{self.line}"
 
 
-def _entries(path: Path) -> list[tuple[int, str]]:
+def _entries(path: Path) -> list[tuple[int, str, str]]:
+    """(line number, entry, comment) of each non-blank line of a suite list."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -126,16 +118,16 @@ def _entries(path: Path) -> list[tuple[int, str]]:
         raise GymvError(f"cannot read suite file: {e}", where=str(path)) from None
     out = []
     for lineno, raw in enumerate(text.splitlines(), 1):
-        body, _ = _strip_comment(raw)
+        body, comment = _strip_comment(raw)
         if body:
-            out.append((lineno, body))
+            out.append((lineno, body, comment))
     return out
 
 
 def is_driver_suite(path: str | Path) -> bool:
     """A suite list whose entries are all driver scripts (.sh), as NeMo RL writes them."""
     entries = _entries(Path(path))
-    return bool(entries) and all(body.endswith(DRIVER_SUFFIX) for _, body in entries)
+    return bool(entries) and all(body.endswith(DRIVER_SUFFIX) for _, body, _ in entries)
 
 
 def resolve_listed_driver(written: str, suite_file: Path) -> Path | None:
@@ -155,7 +147,7 @@ def load_driver_suite(path: str | Path) -> list[DriverEntry]:
     """The drivers a NeMo-RL-style suite list names, each resolved to a file; a missing one is an error at its line."""
     path = Path(path)
     out = []
-    for lineno, body in _entries(path):
+    for lineno, body, _ in _entries(path):
         where = f"{path}:{lineno}"
         if len(body.split()) > 1:
             raise GymvError(f"more than one path on a line: {body!r}", where=where, fix="put one driver per line")
