@@ -134,7 +134,9 @@ def rank_main(rank: int, port: int, out: str, smoke: bool, batch: int, seq: int,
     finally:
         if rank == 0:
             Path(out).write_text(json.dumps(report, indent=1))
-        dist.destroy_process_group()
+        from gymv.backends.training.process_group import leave_process_group
+
+        leave_process_group()
 
 
 def main() -> int:

@@ -326,7 +326,9 @@ def worker(rank: int, world: int, port: int, a) -> None:
             print(json.dumps(brief), flush=True)
             (a.out / "gpu_train.json").write_text(json.dumps(result, indent=2))
     if world > 1:
-        dist.destroy_process_group()
+        from gymv.backends.training.process_group import leave_process_group
+
+        leave_process_group()
 
 
 def _port() -> int:

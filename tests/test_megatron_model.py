@@ -8,6 +8,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from gymv.backends.training.process_group import leave_process_group
 from gymv.backends.training.megatron_model import MegatronCausalLM, build_gpt, init_parallel, release_parallel  # noqa: E402,E501
 from gymv.backends.training.megatron_weights import (  # noqa: E402
     DecoderShape, hf_to_megatron, megatron_to_hf, tp_partial_gradient)
@@ -66,7 +67,7 @@ def _tp_rank(rank, world, port, out):
             grads = {k: p.grad.detach().clone() for k, p in twin.gpt.named_parameters()}
             torch.save({"logp": logp.detach(), "grads": grads}, f"{out}/{family}{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +266,7 @@ def _tp_cuda_rank(rank, world, port, out):
             result[family] = (got.cpu(), want.cpu())
         torch.save(result, f"{out}/cuda{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gymv.backends.training.process_group import leave_process_group
 from gymv.algorithms.loss_fns import PolicyLoss
 from gymv.backends.training.micro_batches import plan_micro_batches
 from gymv.backends.training.torch_trainer import TorchTrainer, TrainerConfig
@@ -55,7 +56,7 @@ def _worker(rank: int, world: int, port: int, out: str, backend: str = "gloo") -
         untouched = all(torch.equal(weights[k], v.cpu()) for k, v in t.state_dict().items())
         torch.save({"metrics": metrics, "weights": weights, "raised": raised, "untouched": untouched}, f"{out}/rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 def spawn_two(out, backend):

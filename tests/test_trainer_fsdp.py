@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gymv.backends.training.process_group import leave_process_group
 from gymv.algorithms.loss_fns import PolicyLoss
 from gymv.backends.training.fsdp import FSDPTrainer, shard_units
 from gymv.backends.training.micro_batches import plan_micro_batches
@@ -90,7 +91,7 @@ def _worker(rank: int, world: int, port: int, out: str, resume_from: str | None)
                     "raised": raised,
                     "untouched": untouched, "steps": t.steps}, f"{out}/rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 def spawn(out, world: int, resume_from=None):

@@ -436,7 +436,6 @@ class TrainingWorker:
         if self.backend is not None:
             self.backend.close()
         if self.world_size > 1:
-            import torch.distributed as dist
+            from gymv.backends.training.process_group import leave_process_group
 
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            leave_process_group()
