@@ -219,7 +219,7 @@ class GenerationWorker:
 
 
 class _Locked:
-    """The backend, with each generate call holding the weights lock."""
+    """The backend, with each generate call (each serve session, all of it) holding the weights lock."""
 
     def __init__(self, backend, lock):
         self.backend, self.lock = backend, lock
@@ -227,6 +227,10 @@ class _Locked:
     def generate(self, requests, params):
         with self.lock:
             return self.backend.generate(requests, params)
+
+    def serve(self, feed, params, on_output, **hints):
+        with self.lock:
+            return self.backend.serve(feed, params, on_output, **hints)
 
     def __getattr__(self, name):
         return getattr(self.backend, name)

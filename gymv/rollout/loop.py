@@ -1,6 +1,9 @@
 """The agent loop: every environment, single- or multi-turn, runs through `run_rollouts`.
 
-Each turn makes ONE `backend.generate` call for all unfinished episodes of the batch. The first turn
+Turns reach the backend in one of two ways. Turn-synchronous: each turn makes ONE `backend.generate`
+call for all unfinished episodes of the batch, then every environment steps. Streamed (the default where
+the backend batches continuously): one `backend.serve` session, each episode's next request fed as soon as
+its own environment step is done, while the others decode. The first turn
 renders the row's prompt (and tool schemas); later turns render only what the environment added (tool
 results, scripted follow-ups) and append its token ids after the sampled tokens, which are kept exactly as
 sampled. Images are attributed to the turn that introduced them and decoded once per batch.
@@ -15,12 +18,13 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from gymv.backends.generation.base import GenerationBackend, GenerationRequest, SamplingParams
+from gymv.backends.generation.base import GenerationBackend, GenerationRequest, RequestFeed, SamplingParams
 from gymv.data.images import ImageError
 from gymv.envs.rows import row_tools, to_chat_tool
 from gymv.envs.protocol import Environment, ModelTurn, RowError, StepResult
@@ -150,7 +154,7 @@ def run_rollouts(backend: GenerationBackend, adapter, tokenizer, chat_template: 
                  weights_version: int = 0, max_images: int | None = None, seed: int | None = None,
                  max_image_pixels: int | None = None, source: str | None = None,
                  stats: dict | None = None, chat_template_kwargs: dict | None = None,
-                 tool_call_format: str | None = None) -> list[Trajectory]:
+                 tool_call_format: str | None = None, streamed: bool | None = None) -> list[Trajectory]:
     """Run `group_size` episodes of each (dataset index, row); trajectories come back grouped, in row order.
 
     Budgets: each model call generates at most `params.max_new_tokens`; an episode generates at most
@@ -160,6 +164,12 @@ def run_rollouts(backend: GenerationBackend, adapter, tokenizer, chat_template: 
     given, receives timings and image-dedup counts. `chat_template_kwargs` go into every rendering (pass
     the same to `build_sft_sample` so that SFT and RL see the same tokens); `tool_call_format` names how the
     model writes tool calls (gymv.rollout.tool_formats; None: hermes).
+
+    `streamed` picks how turns reach the backend. Turn-synchronous (False): one `generate` call per turn for
+    every unfinished episode, then every environment steps. Streamed (True): one `backend.serve` session;
+    each episode's next request joins the running batch as soon as its own step and rendering are done, and
+    each request draws from a seed of (seed, episode, turn), so a seeded run does not depend on which episode
+    finished first. None: streamed when the backend batches continuously (`serves_continuously`).
     """
     _check_limits(group_size, max_turns, max_rollout_tokens, max_seq_len, max_images)
     t_start = time.perf_counter()
@@ -183,43 +193,11 @@ def run_rollouts(backend: GenerationBackend, adapter, tokenizer, chat_template: 
     parts["env_open_s"] += t1 - t0
     parts["render_s"] += env_s - (t1 - t0)
 
-    base_seed = seed if seed is not None else params.seed
-    gen_s, calls = 0.0, 0
-    for turn in range(max_turns):
-        active = [e for e in episodes if not e.done]
-        if not active:
-            break
-        caps = [min(params.max_new_tokens, max_seq_len - len(e.ids), max_rollout_tokens - e.generated) for e in active]
-        requests = []
-        for e in active:
-            ids = e.request_ids()
-            check_image_spans(adapter, ids, e.images, e.image_turns, e.model_calls, where=e.where)
-            requests.append(GenerationRequest(ids, list(e.images), where=e.at(turn)))
-        t0 = time.perf_counter()
-        outs = backend.generate(requests, replace(params, max_new_tokens=max(caps), seed=_turn_seed(base_seed, turn)))
-        gen_s += time.perf_counter() - t0
-        calls += 1
-        for k, v in (getattr(backend, "last_timing", None) or {}).items():
-            if f"backend_{k}" in parts:
-                parts[f"backend_{k}"] += v
-        if len(outs) != len(requests):
-            raise GymvError(f"the generation backend answered {len(outs)} of {len(requests)} requests",
-                            fix="a backend must return one output per request, in order")
-        t0 = time.perf_counter()
-        taken = [_record_turn(e, out, cap, turn, adapter=adapter, tokenizer=tokenizer, fmt=fmt)
-                 for e, cap, out in zip(active, caps, outs)]
-        t1 = time.perf_counter()
-        results = _each(lambda et: _step_env(et[0], et[1], turn), list(zip(active, taken)))
-        t2 = time.perf_counter()
-        for e, t, result in zip(active, taken, results):
-            if result is not None:
-                _end_turn(e, t, result, turn, renderer=renderer, cache=cache, adapter=adapter, max_turns=max_turns,
-                          max_rollout_tokens=max_rollout_tokens, max_seq_len=max_seq_len, max_images=max_images)
-        t3 = time.perf_counter()
-        env_s += t3 - t0
-        parts["parse_s"] += t1 - t0
-        parts["env_step_s"] += t2 - t1
-        parts["render_s"] += t3 - t2
+    run = _Run(backend, adapter, tokenizer, fmt, renderer, cache, params, seed if seed is not None else params.seed,
+               max_turns, max_rollout_tokens, max_seq_len, max_images, parts)
+    streams = getattr(backend, "serves_continuously", False) if streamed is None else streamed
+    gen_s, calls, turn_env_s = (_turns_streamed if streams else _turns_synchronous)(run, episodes)
+    env_s += turn_env_s
 
     t0 = time.perf_counter()
     trajectories = _each(lambda e: _score(e, weights_version), episodes)
@@ -231,6 +209,170 @@ def run_rollouts(backend: GenerationBackend, adapter, tokenizer, chat_template: 
                       "generate_calls": calls, "image_decodes": cache.decodes, "image_decode_hits": cache.hits,
                       **{f"breakdown/{k}": v for k, v in parts.items()}})
     return trajectories
+
+
+@dataclass
+class _Run:
+    """What every turn of one `run_rollouts` call needs."""
+
+    backend: GenerationBackend
+    adapter: object
+    tokenizer: object
+    fmt: object
+    renderer: ChatRenderer
+    cache: ImageCache
+    params: SamplingParams
+    base_seed: int | None
+    max_turns: int
+    max_rollout_tokens: int
+    max_seq_len: int
+    max_images: int | None
+    parts: dict
+
+    def cap(self, e: Episode) -> int:
+        """The most tokens the episode's next model call may generate (every budget at once)."""
+        return min(self.params.max_new_tokens, self.max_seq_len - len(e.ids), self.max_rollout_tokens - e.generated)
+
+    def request(self, e: Episode, turn: int, **kw) -> GenerationRequest:
+        ids = e.request_ids()
+        check_image_spans(self.adapter, ids, e.images, e.image_turns, e.model_calls, where=e.where)
+        return GenerationRequest(ids, list(e.images), where=e.at(turn), **kw)
+
+    def record(self, e: Episode, out, cap: int, turn: int) -> _Turn:
+        return _record_turn(e, out, cap, turn, adapter=self.adapter, tokenizer=self.tokenizer, fmt=self.fmt)
+
+    def end(self, e: Episode, t: _Turn, result: StepResult, turn: int) -> None:
+        _end_turn(e, t, result, turn, renderer=self.renderer, cache=self.cache, adapter=self.adapter,
+                  max_turns=self.max_turns, max_rollout_tokens=self.max_rollout_tokens, max_seq_len=self.max_seq_len,
+                  max_images=self.max_images)
+
+    def add_backend_timing(self) -> None:
+        for k, v in (getattr(self.backend, "last_timing", None) or {}).items():
+            if f"backend_{k}" in self.parts:
+                self.parts[f"backend_{k}"] += v
+
+
+def _turns_synchronous(run: _Run, episodes: list[Episode]) -> tuple[float, int, float]:
+    """Turn by turn: one `generate` call for every unfinished episode, then every environment steps.
+    (seconds generating, generate calls, seconds parsing, stepping and rendering)."""
+    gen_s, env_s, calls, parts = 0.0, 0.0, 0, run.parts
+    for turn in range(run.max_turns):
+        active = [e for e in episodes if not e.done]
+        if not active:
+            break
+        caps = [run.cap(e) for e in active]
+        requests = [run.request(e, turn) for e in active]
+        t0 = time.perf_counter()
+        outs = run.backend.generate(requests, replace(run.params, max_new_tokens=max(caps),
+                                                      seed=_turn_seed(run.base_seed, turn)))
+        gen_s += time.perf_counter() - t0
+        calls += 1
+        run.add_backend_timing()
+        if len(outs) != len(requests):
+            raise GymvError(f"the generation backend answered {len(outs)} of {len(requests)} requests",
+                            fix="a backend must return one output per request, in order")
+        t0 = time.perf_counter()
+        taken = [run.record(e, out, cap, turn) for e, cap, out in zip(active, caps, outs)]
+        t1 = time.perf_counter()
+        results = _each(lambda et: _step_env(et[0], et[1], turn), list(zip(active, taken)))
+        t2 = time.perf_counter()
+        for e, t, result in zip(active, taken, results):
+            if result is not None:
+                run.end(e, t, result, turn)
+        t3 = time.perf_counter()
+        env_s += t3 - t0
+        parts["parse_s"] += t1 - t0
+        parts["env_step_s"] += t2 - t1
+        parts["render_s"] += t3 - t2
+    return gen_s, calls, env_s
+
+
+def _request_seed(base: int | None, episode: int, turn: int) -> int | None:
+    """A streamed request's own seed: a function of (base seed, episode, turn) alone."""
+    return None if base is None else (base * 1_000_003 + episode * 104_729 + turn * 7_919) % (2**63 - 1)
+
+
+def _turns_streamed(run: _Run, episodes: list[Episode]) -> tuple[float, int, float]:
+    """One `backend.serve` session for the whole batch. An output is recorded as soon as the backend hands it
+    back; the episode's environment then steps in a worker thread (calls to an environment without
+    `concurrent_calls` one at a time) and its next request is fed at once, while other episodes decode.
+    Recording and rendering hold one lock (the tokenizer and the image cache are shared); only environment
+    calls overlap. A row error raised in a worker cancels the session and is raised here."""
+    parts, lock = run.parts, threading.Lock()
+    env_locks = {id(e.env): threading.Lock() for e in episodes if not e.env.concurrent_calls}
+    feed = RequestFeed()
+    turn_of = [0] * len(episodes)
+    cap_of = [0] * len(episodes)
+    live = [i for i, e in enumerate(episodes) if not e.done]
+    remaining = len(live)
+    failures: list[BaseException] = []
+    timing = {"env_s": 0.0}
+
+    def feed_turn(i: int) -> None:
+        e, turn = episodes[i], turn_of[i]
+        cap_of[i] = run.cap(e)
+        feed.put(i, run.request(e, turn, seed=_request_seed(run.base_seed, i, turn), max_new_tokens=cap_of[i]))
+
+    def step(i: int, t: _Turn) -> None:
+        nonlocal remaining
+        e, turn = episodes[i], turn_of[i]
+        try:
+            t0 = time.perf_counter()
+            env_lock = env_locks.get(id(e.env))
+            if env_lock is None:
+                result = _step_env(e, t, turn)
+            else:
+                with env_lock:
+                    result = _step_env(e, t, turn)
+            t1 = time.perf_counter()
+            with lock:
+                if result is not None:
+                    run.end(e, t, result, turn)
+                if e.done:
+                    remaining -= 1
+                    if not remaining:
+                        feed.close()
+                else:
+                    turn_of[i] = turn + 1
+                    feed_turn(i)
+                t2 = time.perf_counter()
+                parts["env_step_s"] += t1 - t0
+                parts["render_s"] += t2 - t1
+                timing["env_s"] += t2 - t0
+        except BaseException as ex:  # noqa: BLE001 - raised in the caller's thread below
+            failures.append(ex)
+            feed.cancel()
+
+    if not live:
+        return 0.0, 0, 0.0
+    with ThreadPoolExecutor(max_workers=min(MAX_ENV_THREADS, len(live))) as pool:
+        def on_output(i: int, out) -> None:
+            with lock:
+                t0 = time.perf_counter()
+                t = run.record(episodes[i], out, cap_of[i], turn_of[i])
+                parts["parse_s"] += time.perf_counter() - t0
+                timing["env_s"] += time.perf_counter() - t0
+            pool.submit(step, i, t)
+
+        t0 = time.perf_counter()
+        try:
+            with lock:
+                for i in live:
+                    feed_turn(i)
+            run.backend.serve(feed, run.params, on_output, max_seq_len=run.max_seq_len, slots=len(live))
+        except BaseException:
+            feed.cancel()
+            raise
+        finally:
+            pool.shutdown(wait=True)
+        gen_s = time.perf_counter() - t0
+    if failures:
+        raise failures[0]
+    if remaining:
+        raise GymvError(f"the generation backend's session ended with {remaining} episode(s) still waiting for output",
+                        fix="a backend's serve must answer every request it takes before returning")
+    run.add_backend_timing()
+    return gen_s, 1, timing["env_s"]
 
 
 @dataclass

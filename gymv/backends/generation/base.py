@@ -7,9 +7,11 @@ the policy distribution defined in `gymv.backends.sampling`.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from gymv.errors import GymvError
@@ -19,12 +21,17 @@ from gymv.errors import GymvError
 class GenerationRequest:
     """One sequence to continue: its prompt ids (image spans already expanded) and its images in order.
 
-    `where` names the row and turn for error messages (e.g. "rows.jsonl line 3, turn 2").
+    `where` names the row and turn for error messages (e.g. "rows.jsonl line 3, turn 2"). `seed`, when set,
+    is this request's own sampling seed, used instead of (`SamplingParams.seed`, its index in the call): its
+    samples then depend on it alone, whatever call or slot serves it. `max_new_tokens`, when set, caps this
+    request below `SamplingParams.max_new_tokens` (an episode near its budget).
     """
 
     prompt_token_ids: list[int]
     images: Sequence[Any] = ()
     where: str | None = None
+    seed: int | None = None
+    max_new_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,56 @@ class GenerationOutput:
     metrics: dict = field(default_factory=dict)
 
 
+class RequestFeed:
+    """Requests that become ready one by one while a backend decodes (`GenerationBackend.serve`).
+
+    The producer (the agent loop) `put`s (key, request) pairs and `close`s the feed when no more can come;
+    `cancel` also tells the backend to stop early (the producer failed). The backend `take`s: without
+    blocking whenever it has a free slot, blocking only when nothing is live. Thread-safe; first in, first out.
+    """
+
+    def __init__(self, items: Iterable[tuple[Hashable, GenerationRequest]] = (), *, closed: bool = False):
+        self._cond = threading.Condition()
+        self._items: deque[tuple[Hashable, GenerationRequest]] = deque(items)
+        self._closed = closed
+        self.cancelled = False
+
+    def put(self, key: Hashable, request: GenerationRequest) -> None:
+        with self._cond:
+            if self._closed:
+                raise GymvError("a request was fed after the feed was closed", where=request.where,
+                                fix="close the feed only once no more requests can come")
+            self._items.append((key, request))
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def cancel(self) -> None:
+        with self._cond:
+            self.cancelled = self._closed = True
+            self._items.clear()
+            self._cond.notify_all()
+
+    def take(self, n: int, *, block: bool) -> list[tuple[Hashable, GenerationRequest]]:
+        """Up to `n` ready requests, oldest first; with `block`, waits until one is ready or the feed closes."""
+        with self._cond:
+            if block:
+                self._cond.wait_for(lambda: self._items or self._closed)
+            return [self._items.popleft() for _ in range(min(n, len(self._items)))]
+
+    def exhausted(self) -> bool:
+        """Closed and drained: nothing more will come."""
+        with self._cond:
+            return self._closed and not self._items
+
+
+OnOutput = Callable[[Hashable, GenerationOutput], None]
+"""Called by `serve` with each finished request's key and output, as soon as the backend has read it out."""
+
+
 Weights = Mapping[str, Any] | Iterable[tuple[str, Any]]
 """Named tensors in the model's own names: a state dict, or (name, tensor) pairs streamed one by one."""
 
@@ -94,6 +151,33 @@ class GenerationBackend(ABC):
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[GenerationOutput]:
         """Continue every request; outputs are in request order."""
 
+    serves_continuously: bool = False
+    """Whether `serve` admits a request into the running batch (continuous batching) rather than falling back
+    to one `generate` call per group of ready requests. The agent loop streams turns by default only then."""
+
+    def serve(self, feed: RequestFeed, params: SamplingParams, on_output: OnOutput, *,
+              max_seq_len: int | None = None, slots: int | None = None) -> None:
+        """Serve the requests of `feed` until it is exhausted, handing each output to `on_output` as it is read.
+
+        `max_seq_len` (a prompt plus its new tokens never exceed it) and `slots` (how many requests may be live
+        at once, at most) are sizing hints. This default degrades to batched `generate`: it waits for at least
+        one request, takes every ready one, generates them in one call (the longest of their own caps;
+        outputs are cut to each cap), and repeats. Per-request seeds then shape that call's seed, so its
+        samples depend on how requests happened to be grouped; `serves_continuously` backends honour each
+        request's seed alone."""
+        params.validate()
+        while True:
+            batch = feed.take(slots or 1 << 30, block=True)
+            if not batch or feed.cancelled:
+                return
+            reqs = [r for _, r in batch]
+            caps = [min(params.max_new_tokens, r.max_new_tokens or params.max_new_tokens) for r in reqs]
+            seeds = [r.seed for r in reqs]
+            seed = params.seed if None in seeds else hash(tuple(seeds)) % (2**63 - 1)
+            outs = self.generate(reqs, replace(params, max_new_tokens=max(caps), seed=seed))
+            for (key, _), cap, out in zip(batch, caps, outs):
+                on_output(key, _cut(out, cap, self.tokenizer))
+
     @abstractmethod
     def update_weights(self, weights: Weights) -> None:
         """Load new policy weights (all or some, by the model's own names). All or nothing: a name or shape
@@ -112,3 +196,12 @@ class GenerationBackend(ABC):
 
     def close(self) -> None:
         """Free what the engine holds (processes, GPU memory)."""
+
+
+def _cut(out: GenerationOutput, cap: int, tokenizer) -> GenerationOutput:
+    """`out` cut to its first `cap` tokens (finish "length") when it ran past them."""
+    if len(out.token_ids) <= cap:
+        return out
+    toks = out.token_ids[:cap]
+    return GenerationOutput(toks, out.logprobs[:cap], tokenizer.decode(toks, skip_special_tokens=True), "length",
+                            None, out.metrics)

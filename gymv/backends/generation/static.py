@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gymv.backends.generation.base import GenerationOutput, GenerationRequest, SamplingParams
+from gymv.backends.generation.base import GenerationOutput, GenerationRequest, OnOutput, RequestFeed, SamplingParams
 from gymv.backends.generation.decode_attention import available as split_available
 from gymv.backends.generation.decode_attention import split_attention
 from gymv.backends.generation.hf import HFGenerationBackend, distinct_prompts, image_keys
@@ -193,7 +193,7 @@ class StaticDecodeBackend(HFGenerationBackend):
         self._fused_at: list[int] = []
         self.fuse_weights = fuse_weights
         self.max_batch = max(1, max_batch)
-        self._pad, self._cap = 0, None
+        self._pad = 0
         self._times = {"encode_s": 0.0, "prefill_s": 0.0, "prefill_rows": 0}
         if attention not in ATTENTION_KERNELS:
             raise GymvError(f"decode attention must be one of {', '.join(ATTENTION_KERNELS)}, got {attention!r}",
@@ -360,9 +360,10 @@ class StaticDecodeBackend(HFGenerationBackend):
                                 logits_to_keep=1)[:, -1]
         return _cache_tensors(cache, len(self.tm.layers)), logits, mask, row_slot, L
 
-    def _fill(self, st: _State, slots: list[int], requests: list[GenerationRequest], seeds: torch.Tensor) -> int:
+    def _fill(self, st: _State, slots: list[int], requests: list[GenerationRequest], seeds: torch.Tensor,
+              caps: list[int]) -> int:
         """Prefill `requests` into rows `slots` of the static cache (columns 0..L-1, L their longest prompt):
-        each row starts its own count, seed and cap. Returns L."""
+        each row starts its own count, seed and token cap. Returns L."""
         dev, t0, enc = self.device, time.perf_counter(), self._times["encode_s"]
         kv, logits, mask, row_slot, L = self._prefill(requests)
         rows = torch.tensor(row_slot, device=dev)
@@ -378,7 +379,7 @@ class StaticDecodeBackend(HFGenerationBackend):
         st.col.index_fill_(0, at, L)
         st.step.index_fill_(0, at, 0)
         st.done.index_fill_(0, at, False)
-        st.cap.index_fill_(0, at, st.T if self._cap is None else self._cap)
+        st.cap.index_copy_(0, at, torch.tensor(caps, dtype=torch.long, device=dev))
         st.tokens.index_fill_(0, at, st.pad)
         st.logprobs.index_fill_(0, at, 0.0)
         st.seeds.index_copy_(0, at, seeds)
@@ -389,15 +390,65 @@ class StaticDecodeBackend(HFGenerationBackend):
         """Requests go through `max_batch` slots: the first ones are prefilled together; when a row finishes
         (a stop token, a stop string, its token budget) its slot takes the next waiting request, prefilled on
         its own columns. A request's samples depend on its seed and index alone, not on its slot."""
+        outs: dict[int, GenerationOutput] = {}
+        longest = max(len(r.prompt_token_ids) for r in requests)
+        self._serve(RequestFeed(enumerate(requests), closed=True), params, outs.__setitem__,
+                    max_len=longest + params.max_new_tokens, slots=len(requests))
+        return [outs[i] for i in range(len(requests))]
+
+    serves_continuously = True
+
+    def serve(self, feed: RequestFeed, params: SamplingParams, on_output: OnOutput, *,
+              max_seq_len: int | None = None, slots: int | None = None) -> None:
+        """Continuous batching over a feed: a request that becomes ready while others decode takes a free slot
+        at the next check (every `sync_every` steps), prefilled on its own columns. The cache is as long as
+        `max_seq_len` (bucketed; else the first requests' longest prompt plus `max_new_tokens`): a request
+        that could outgrow it is refused. `slots` (else `max_batch`, and never more) sizes the batch."""
+        params.validate()
+        with torch.no_grad():
+            self._serve(feed, params, on_output, max_len=max_seq_len, slots=slots)
+
+    def _admit(self, key, r: GenerationRequest, S: int, T: int) -> int:
+        """Check one request as `generate` does and against the cache length; its token cap."""
+        where = r.where or f"request {key}"
+        if not r.prompt_token_ids:
+            raise GymvError("empty prompt", where=where, fix="render at least one message before generating")
+        self.adapter.check(r.prompt_token_ids, r.images, where=where)
+        cap = T if r.max_new_tokens is None else min(T, r.max_new_tokens)
+        if cap < 1:
+            raise GymvError(f"max_new_tokens must be >= 1, got {r.max_new_tokens}", where=where,
+                            fix="do not send a request with no room to generate")
+        if len(r.prompt_token_ids) + cap + 1 > S:
+            raise GymvError(f"the request needs {len(r.prompt_token_ids)} prompt + {cap} new tokens, over this "
+                            f"session's cache of {S} columns", where=where,
+                            fix="pass serve(max_seq_len=...) at least the longest sequence the caller builds")
+        return cap
+
+    def _seeds(self, requests: list[GenerationRequest], start: int, seed: int | None) -> torch.Tensor:
+        """Row seeds: a request's own `seed`, else (`seed`, its arrival index), else random."""
+        base = self._row_seeds(start + len(requests), seed)[start:]
+        own = [(i, r.seed) for i, r in enumerate(requests) if r.seed is not None]
+        if own:
+            idx = torch.tensor([i for i, _ in own], device=self.device)
+            vals = torch.tensor([(s * 0x9E3779B1 + 0x2545F491) & _M32 for _, s in own], device=self.device)
+            base = base.index_copy(0, idx, _mix32(_mix32(vals) ^ 0x5BD1E995))
+        return base
+
+    def _serve(self, feed: RequestFeed, params: SamplingParams, on_output: OnOutput, *, max_len: int | None,
+               slots: int | None) -> None:
         t0 = time.perf_counter()
-        dev, tm = self.device, self.tm
+        dev = self.device
         self._times = {"encode_s": 0.0, "prefill_s": 0.0, "prefill_rows": 0}
         self._pad = pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        N, T = len(requests), params.max_new_tokens
-        n_slots = min(N, self.max_batch)
-        Bb = _bucket(n_slots, self.BATCH_BUCKETS)
-        longest = max(len(r.prompt_token_ids) for r in requests)
-        S = -(-(longest + T + 1) // self.LENGTH_BUCKET) * self.LENGTH_BUCKET
+        T = params.max_new_tokens
+        usable = max(1, min(self.max_batch, slots or self.max_batch))
+        first = feed.take(usable, block=True)
+        if not first or feed.cancelled:
+            return
+        Bb = _bucket(usable, self.BATCH_BUCKETS)
+        if max_len is None:
+            max_len = max(len(r.prompt_token_ids) for _, r in first) + T
+        S = -(-(max_len + 1) // self.LENGTH_BUCKET) * self.LENGTH_BUCKET
         greedy, nucleus = params.temperature == 0, params.top_p < 1.0
         self._fuse()
         vocab = self.tm.lm_head.weight.shape[0]
@@ -414,60 +465,103 @@ class StaticDecodeBackend(HFGenerationBackend):
         st.stop_ids.fill_(-1)
         if stop:
             st.stop_ids[:len(stop)] = torch.tensor(stop, device=dev)
-        self._cap = T
-        seeds = self._row_seeds(max(N, Bb), params.seed)
-        # rows beyond the requests (bucket padding) copy request 0 and start finished
-        first = list(range(n_slots)) + [0] * (Bb - n_slots)
-        L = self._fill(st, list(range(Bb)), [requests[i] for i in first], seeds[torch.tensor(first, device=dev)])
-        if Bb > n_slots:
-            st.done[n_slots:] = True
+        stop_set = set(stop)
+        keys: dict[int, Any] = {}  # arrival index -> the caller's key
+        caps: list[int] = []  # arrival index -> token cap
+
+        def admit(batch: list) -> tuple[list[int], list[GenerationRequest], torch.Tensor]:
+            start = len(caps)
+            reqs = [r for _, r in batch]
+            for i, (key, r) in enumerate(batch):
+                caps.append(self._admit(key, r, st.S, T))
+                keys[start + i] = key
+            return list(range(start, len(caps))), reqs, self._seeds(reqs, start, params.seed)
+
+        ids0, reqs0, seeds0 = admit(first)
+        n0 = len(ids0)
+        # rows beyond the first requests (bucket padding, free slots) copy request 0 and start finished
+        rows0 = list(range(n0)) + [0] * (Bb - n0)
+        L = self._fill(st, list(range(Bb)), [reqs0[i] for i in rows0], seeds0[torch.tensor(rows0, device=dev)],
+                       [caps[i] for i in rows0])
+        if Bb > n0:
+            st.done[n0:] = True
         t_prefill = time.perf_counter()
 
         stop_strings = tuple(x for x in params.stop_strings if x)
         windows_of = {s: len(s.encode("utf-8")) + 1 for s in stop_strings}
-        slot_req: list[int | None] = list(range(n_slots)) + [None] * (Bb - n_slots)
+        slot_req: list[int | None] = ids0 + [None] * (Bb - n0)
+        cap_of = [caps[0]] * Bb
+        for s_, r in enumerate(ids0):
+            cap_of[s_] = caps[r]
         filled_at = [0] * Bb  # the step count when the slot took its request
         start_col = [L] * Bb
         checked = [0] * Bb  # tokens of the slot's request already searched for stop strings
         cut: dict[int, int] = {}  # request -> length where a stop string ended it (found mid-loop)
-        waiting = list(range(n_slots, N))
-        results: dict[int, tuple[list[int], list[float]]] = {}
         use_graph = self.cuda_graphs and dev.type == "cuda"
         C = self.ATTENTION_CHUNK
-        capture_s = refill_s = 0.0
-        steps = refills = 0
+        capture_s = refill_s = idle_s = handoff_s = 0.0
+        steps = refills = new_tokens = 0
         pinned = dev.type == "cuda"
         host_done = torch.zeros(Bb, dtype=torch.bool, pin_memory=pinned)
         host_tokens = torch.zeros(Bb, st.T + 1, dtype=torch.long, pin_memory=pinned) if stop_strings else None
         host_step = torch.zeros(Bb, dtype=torch.long, pin_memory=pinned) if stop_strings else None
         pending: torch.cuda.Event | None = None
         live: list[int] = []
-        parked: list[int] = []  # finished rows read out at the end (no slot needed them back: no sync)
-        hi_base = hi_cap = last_fill = 0
+        parked: list[int] = []  # finished rows read out at the end (nothing more can come: no sync needed)
+        hi_base = hi_cap = 0
 
         def refresh() -> None:
             """Per-step bounds over the slots still serving a request: the newest column any may write, and
             the step by which all have hit their token budget."""
-            nonlocal live, hi_base, hi_cap, last_fill
+            nonlocal live, hi_base, hi_cap
             live = [s_ for s_ in range(Bb) if slot_req[s_] is not None and s_ not in parked]
             if live:
                 hi_base = max(start_col[s_] - filled_at[s_] for s_ in live)
-                hi_cap = max(start_col[s_] for s_ in live) + T
-                last_fill = max(filled_at[s_] for s_ in live)
+                hi_cap = max(start_col[s_] + cap_of[s_] for s_ in live)
 
         def harvest(slot_ids: list[int]) -> None:
+            """Read the rows out and hand each output back (a sync with the device)."""
+            nonlocal handoff_s, new_tokens
+            th = time.perf_counter()
             idx = torch.tensor(slot_ids, device=dev)
             toks, lps, lens = st.tokens[idx].tolist(), st.logprobs[idx].tolist(), st.step[idx].tolist()
             for j, s_ in enumerate(slot_ids):
                 r = slot_req[s_]
                 n = min(lens[j], cut.get(r, lens[j]))
-                results[r] = (toks[j][:n], lps[j][:n])
+                out = self._finish(toks[j][:n], lps[j][:n], n, stop_set, params)
+                new_tokens += len(out.token_ids)
                 slot_req[s_] = None
+                on_output(keys.pop(r), out)
+            handoff_s += time.perf_counter() - th
+
+        def refill(batch: list) -> None:
+            nonlocal refills, refill_s, pending
+            tr = time.perf_counter()
+            free = [s_ for s_ in range(usable) if slot_req[s_] is None]
+            ids, reqs, seeds = admit(batch)
+            take = free[:len(ids)]
+            Lf = self._fill(st, take, reqs, seeds, [caps[r] for r in ids])
+            for s_, r in zip(take, ids):
+                slot_req[s_], filled_at[s_], start_col[s_], checked[s_], cap_of[s_] = r, steps, Lf, 0, caps[r]
+            refills += len(take)
+            pending = None  # flags copied before the refill describe the slots' old requests
+            refill_s += time.perf_counter() - tr
 
         refresh()
-        while live:
+        while True:
+            if feed.cancelled:
+                break
+            if not live:
+                ti = time.perf_counter()
+                batch = feed.take(usable, block=True)  # nothing to decode: wait for the caller
+                idle_s += time.perf_counter() - ti
+                if not batch or feed.cancelled:
+                    break
+                refill(batch)
+                refresh()
+                continue
             window = min(st.S, min(hi_base + steps, hi_cap) // C * C + C)
-            if not waiting and steps - last_fill == T - 1 and all(filled_at[s_] == last_fill for s_ in live):
+            if all(steps - filled_at[s_] == cap_of[s_] - 1 for s_ in live) and feed.exhausted():
                 _, going = self._sample(st, greedy, nucleus)  # every row's last token: nothing left to feed
                 st.step += going.long()
                 harvest(live + parked)
@@ -483,7 +577,7 @@ class StaticDecodeBackend(HFGenerationBackend):
             else:
                 self._decode_step(st, greedy, nucleus, window)
             steps += 1
-            spent = steps - last_fill >= T  # every live row has hit its token budget
+            spent = all(steps - filled_at[s_] >= cap_of[s_] for s_ in live)  # every live row hit its budget
             if steps % self.sync_every and not spent:
                 continue
             # a check: which rows finished (on CUDA as of the previous check: the GPU keeps a group queued)
@@ -523,34 +617,25 @@ class StaticDecodeBackend(HFGenerationBackend):
                     st.done.index_fill_(0, torch.tensor(ended, device=dev), True)
                     done_now = done_now.clone()
                     done_now[ended] = True
-            finished = [s_ for s_ in live if bool(done_now[s_]) or steps - filled_at[s_] >= T]
-            if not finished:
-                continue
-            if not waiting:
-                parked += finished
-            else:
-                harvest(finished)
-                tr = time.perf_counter()
-                take = finished[:len(waiting)]
-                reqs, waiting = waiting[:len(take)], waiting[len(take):]
-                Lf = self._fill(st, take, [requests[i] for i in reqs], seeds[torch.tensor(reqs, device=dev)])
-                for s_, r in zip(take, reqs):
-                    slot_req[s_], filled_at[s_], start_col[s_], checked[s_] = r, steps, Lf, 0
-                refills += len(take)
-                pending = None  # flags copied before the refill describe the slots' old requests
-                refill_s += time.perf_counter() - tr
+            finished = [s_ for s_ in live if bool(done_now[s_]) or steps - filled_at[s_] >= cap_of[s_]]
+            if finished:
+                if feed.exhausted():
+                    parked += finished
+                else:
+                    harvest(finished)
+            if not feed.exhausted() and any(slot_req[s_] is None for s_ in range(usable)):
+                batch = feed.take(sum(slot_req[s_] is None for s_ in range(usable)), block=False)
+                if batch:
+                    refill(batch)
             refresh()
-        if parked:
+        if parked and not feed.cancelled:
             harvest(parked)
         t_end = time.perf_counter()
-
-        outs = [self._finish(*results[b], len(results[b][0]), set(stop), params) for b in range(N)]
         self.last_timing = {**self._times, "capture_s": capture_s,
-                            "decode_s": t_end - t_prefill - capture_s - refill_s, "refill_s": refill_s,
-                            "total_s": t_end - t0,
-                            "new_tokens": sum(len(o.token_ids) for o in outs), "decode_steps": steps,
-                            "batch": N, "batch_bucket": Bb, "cache_len": st.S, "refills": refills}
-        return outs
+                            "decode_s": t_end - t_prefill - capture_s - refill_s - idle_s - handoff_s,
+                            "refill_s": refill_s, "idle_s": idle_s, "handoff_s": handoff_s, "total_s": t_end - t0,
+                            "new_tokens": new_tokens, "decode_steps": steps, "batch": len(caps),
+                            "batch_bucket": Bb, "slots": usable, "cache_len": st.S, "refills": refills}
 
     def _capture_or_uncompile(self, st: _State, greedy: bool, nucleus: bool, window: int) -> None:
         """Capture; if that fails, capture again with the split attention kernel off (SDPA), then uncompiled."""
