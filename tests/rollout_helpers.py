@@ -147,3 +147,37 @@ def picture_row():
 
 def script(where: str) -> str:
     return {0: LOOK, 1: "Red.<|im_end|>", 2: "blue<|im_end|>"}[turn_of(where)]
+
+
+class TurnsEnv(Environment):
+    """An episode lasts the row's `turns` model turns, whatever the model says: after each turn but the last a
+    scripted user follow-up asks it to go on (at turn 2 with an image). Rows with `crash_at` make the
+    environment's step fail at that turn."""
+
+    name = "turns-test"
+    agent_name = "turns_test_agent"
+    max_turns = 8
+
+    def step(self, state, turn):
+        if state.row.get("crash_at") == state.turns:
+            raise RuntimeError("environment server went away")
+        return super().step(state, turn)
+
+    def follow_up(self, state, turn, results):
+        if state.turns >= state.row["turns"]:
+            return []
+        if state.turns == 2:
+            return [Message("user", [Text("And this one?"), Image.from_pil(solid(BLUE, (30, 40)))])]
+        return [Message("user", [Text(f"Go on ({state.turns}).")])]
+
+    def score_output(self, row, output):
+        return Score(float(sum(1 for item in output if item.get("type") == "message")), {}, None)
+
+    def gold_turn(self, row):
+        return ModelTurn(text="ok")
+
+
+def turns_row(text: str, turns: int, **extra) -> dict:
+    return {"responses_create_params": {"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": text}]}]},
+        "agent_ref": {"type": "responses_api_agents", "name": "turns_test_agent"}, "turns": turns, **extra}

@@ -500,7 +500,7 @@ class StaticDecodeBackend(HFGenerationBackend):
         use_graph = self.cuda_graphs and dev.type == "cuda"
         C = self.ATTENTION_CHUNK
         capture_s = refill_s = idle_s = handoff_s = 0.0
-        steps = refills = new_tokens = 0
+        steps = refills = joined = new_tokens = 0  # joined: requests taken while other rows were decoding
         pinned = dev.type == "cuda"
         host_done = torch.zeros(Bb, dtype=torch.bool, pin_memory=pinned)
         host_tokens = torch.zeros(Bb, st.T + 1, dtype=torch.long, pin_memory=pinned) if stop_strings else None
@@ -535,7 +535,7 @@ class StaticDecodeBackend(HFGenerationBackend):
             handoff_s += time.perf_counter() - th
 
         def refill(batch: list) -> None:
-            nonlocal refills, refill_s, pending
+            nonlocal refills, refill_s, pending, joined
             tr = time.perf_counter()
             free = [s_ for s_ in range(usable) if slot_req[s_] is None]
             ids, reqs, seeds = admit(batch)
@@ -544,6 +544,8 @@ class StaticDecodeBackend(HFGenerationBackend):
             for s_, r in zip(take, ids):
                 slot_req[s_], filled_at[s_], start_col[s_], checked[s_], cap_of[s_] = r, steps, Lf, 0, caps[r]
             refills += len(take)
+            if any(slot_req[s_] is not None for s_ in range(Bb) if s_ not in take):
+                joined += len(take)
             pending = None  # flags copied before the refill describe the slots' old requests
             refill_s += time.perf_counter() - tr
 
@@ -635,7 +637,8 @@ class StaticDecodeBackend(HFGenerationBackend):
                             "decode_s": t_end - t_prefill - capture_s - refill_s - idle_s - handoff_s,
                             "refill_s": refill_s, "idle_s": idle_s, "handoff_s": handoff_s, "total_s": t_end - t0,
                             "new_tokens": new_tokens, "decode_steps": steps, "batch": len(caps),
-                            "batch_bucket": Bb, "slots": usable, "cache_len": st.S, "refills": refills}
+                            "batch_bucket": Bb, "slots": usable, "cache_len": st.S, "refills": refills,
+                            "joined": joined}
 
     def _capture_or_uncompile(self, st: _State, greedy: bool, nucleus: bool, window: int) -> None:
         """Capture; if that fails, capture again with the split attention kernel off (SDPA), then uncompiled."""
