@@ -75,6 +75,7 @@ class RolloutSection(Section):
     model_server_port: NonNegInt = 0  # where the agents were told the policy model is
     agent_timeout_s: PosFloat = 600.0
     tool_call_format: str = "hermes"  # how the model writes tool calls (gymv.rollout.tool_formats)
+    turns: Literal["auto", "streamed", "synchronous"] = "auto"  # how gymv's loop batches turns (docs/rollout.md)
 
     @field_validator("tool_call_format")
     @classmethod

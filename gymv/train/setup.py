@@ -190,7 +190,8 @@ def rollout_kwargs(cfg) -> dict:
             "max_images": vision.max_images_per_sample if vision is not None else None,
             "max_image_pixels": vision.max_image_pixels if vision is not None else None,
             "chat_template_kwargs": dict(cfg.generation.chat_template_kwargs) or None,
-            "tool_call_format": cfg.rollout.tool_call_format}
+            "tool_call_format": cfg.rollout.tool_call_format,
+            "streamed": {"auto": None, "streamed": True, "synchronous": False}[cfg.rollout.turns]}
 
 
 def step_seed(seed: int, step: int, kind: str = "train") -> int:
