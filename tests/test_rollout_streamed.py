@@ -218,3 +218,12 @@ def test_serve_refuses_a_request_longer_than_its_cache(policy):
     with pytest.raises(GymvError, match="over this session's cache") as e:
         backend.serve(feed, SamplingParams(max_new_tokens=64), lambda k, o: None, max_seq_len=len(ids) + 8)
     assert "row 9, turn 3" in str(e.value)
+
+
+def test_a_session_takes_fewer_rows_where_their_cache_would_not_fit():
+    from gymv.backends.generation.static import rows_that_fit
+
+    buckets = StaticDecodeBackend.BATCH_BUCKETS
+    assert rows_that_fit(100, 10, 1280, buckets) == 100  # its bucket, 128 rows, fits
+    assert rows_that_fit(100, 10, 1279, buckets) == 64
+    assert rows_that_fit(3, 10, 5, buckets) == 1

@@ -117,6 +117,14 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     return -(-n // step) * step
 
 
+def rows_that_fit(n: int, per_row: int, budget: float, buckets: tuple[int, ...]) -> int:
+    """`n` if its batch bucket of rows of `per_row` bytes fits in `budget`, else the largest bucket below `n`
+    that does (at least 1)."""
+    if _bucket(n, buckets) * per_row <= budget:
+        return n
+    return max([b for b in buckets if b * per_row <= budget and b < n] or [1])
+
+
 class _State:
     """The fixed buffers of one (batch bucket, length bucket, mode), and its captured graphs.
 
@@ -153,7 +161,9 @@ class StaticDecodeBackend(HFGenerationBackend):
     "every row finished". Graph states are kept for the `max_states` most recent shapes. `compile` (None: on
     CUDA) runs the per-layer pieces of the step and the sampling through `torch.compile` (fused norms,
     rotary, residuals and noise; compiled once per batch bucket: the weights are arguments, so every layer
-    reuses one compiled graph); if compiling fails the step runs uncompiled. `fuse_weights` stores each
+    reuses one compiled graph); if compiling fails the step runs uncompiled. On CUDA a call or session
+    takes fewer rows than asked where their cache would fill more than `max_cache_fraction` of the free
+    device memory (a session's cache is as long as its `max_seq_len`); None: no limit. `fuse_weights` stores each
     layer's q/k/v and gate/up weights in one tensor, the model's parameters becoming views of it, so one
     matrix product reads them (refits that copy into the parameters, as `update_weights` does, reach it).
 
@@ -170,7 +180,7 @@ class StaticDecodeBackend(HFGenerationBackend):
     def __init__(self, model, tokenizer, adapter, *, seed: int = 0, max_cached_images: int = 4096,
                  cuda_graphs: bool | None = None, sync_every: int = 16, max_states: int = 4,
                  compile: bool | None = None, fuse_weights: bool = True, chat_template: str | None = None,
-                 attention: str = "auto", max_batch: int = 256):
+                 attention: str = "auto", max_batch: int = 256, max_cache_fraction: float | None = 0.5):
         super().__init__(model, tokenizer, adapter, seed=seed, max_cached_images=max_cached_images,
                          chat_template=chat_template)
         tm = text_model(model)
@@ -193,6 +203,7 @@ class StaticDecodeBackend(HFGenerationBackend):
         self._fused_at: list[int] = []
         self.fuse_weights = fuse_weights
         self.max_batch = max(1, max_batch)
+        self.max_cache_fraction = max_cache_fraction
         self._pad = 0
         self._times = {"encode_s": 0.0, "prefill_s": 0.0, "prefill_rows": 0}
         if attention not in ATTENTION_KERNELS:
@@ -408,6 +419,19 @@ class StaticDecodeBackend(HFGenerationBackend):
         with torch.no_grad():
             self._serve(feed, params, on_output, max_len=max_seq_len, slots=slots)
 
+    def _cache_len(self, max_len: int) -> int:
+        return -(-(max_len + 1) // self.LENGTH_BUCKET) * self.LENGTH_BUCKET
+
+    def _rows_that_fit(self, n: int, S: int) -> int:
+        """`n`, or fewer rows (a smaller batch bucket) where `n` rows of S columns would take more than
+        `max_cache_fraction` of the device's free memory; the requests left over wait for a free slot."""
+        if self.device.type != "cuda" or not self.max_cache_fraction:
+            return n
+        free, _ = torch.cuda.mem_get_info(self.device)
+        tm, size = self.tm, next(self.model.parameters()).element_size()
+        per_row = 2 * len(tm.layers) * tm.kv_heads * tm.head_dim * S * size
+        return rows_that_fit(n, per_row, free * self.max_cache_fraction, self.BATCH_BUCKETS)
+
     def _admit(self, key, r: GenerationRequest, S: int, T: int) -> int:
         """Check one request as `generate` does and against the cache length; its token cap."""
         where = r.where or f"request {key}"
@@ -442,13 +466,15 @@ class StaticDecodeBackend(HFGenerationBackend):
         self._pad = pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         T = params.max_new_tokens
         usable = max(1, min(self.max_batch, slots or self.max_batch))
+        if max_len is not None:
+            usable = self._rows_that_fit(usable, self._cache_len(max_len))
         first = feed.take(usable, block=True)
         if not first or feed.cancelled:
             return
         Bb = _bucket(usable, self.BATCH_BUCKETS)
         if max_len is None:
             max_len = max(len(r.prompt_token_ids) for _, r in first) + T
-        S = -(-(max_len + 1) // self.LENGTH_BUCKET) * self.LENGTH_BUCKET
+        S = self._cache_len(max_len)
         greedy, nucleus = params.temperature == 0, params.top_p < 1.0
         self._fuse()
         vocab = self.tm.lm_head.weight.shape[0]
