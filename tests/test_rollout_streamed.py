@@ -227,3 +227,14 @@ def test_a_session_takes_fewer_rows_where_their_cache_would_not_fit():
     assert rows_that_fit(100, 10, 1280, buckets) == 100  # its bucket, 128 rows, fits
     assert rows_that_fit(100, 10, 1279, buckets) == 64
     assert rows_that_fit(3, 10, 5, buckets) == 1
+
+
+def test_a_generation_worker_holds_its_weights_lock_for_a_whole_session(policy):
+    from gymv.cluster.workers import _Locked
+
+    lock = threading.Lock()
+    held = []
+    backend = _Locked(StaticDecodeBackend.from_policy(policy), lock)
+    feed = RequestFeed([(0, GenerationRequest(chat_ids(policy, "Hi", []), []))], closed=True)
+    backend.serve(feed, greedy(policy, 4), lambda key, out: held.append(lock.locked()), max_seq_len=256)
+    assert held == [True] and not lock.locked()
