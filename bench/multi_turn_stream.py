@@ -157,8 +157,8 @@ def main() -> None:
             result["runs"].append(once(backend, streamed, a.episodes))
             (a.out / "multi_turn_stream.json").write_text(json.dumps(result, indent=2))
         backend.drop_graphs()
-    cols = ("mode", "sync_every", "episodes", "wall_s", "episodes_per_s", "generation_s", "turns", "decode_steps", "new_tokens",
-            "slot_occupancy", "joined", "truncated", "errors")
+    cols = ("mode", "sync_every", "episodes", "wall_s", "episodes_per_s", "generation_s", "turns", "decode_steps",
+            "new_tokens", "slot_occupancy", "joined", "truncated", "errors")
     print(" | ".join(cols))
     for r in result["runs"]:
         print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
