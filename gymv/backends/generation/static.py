@@ -693,11 +693,12 @@ def _cache_tensors(cache, n_layers: int) -> list[tuple[torch.Tensor, torch.Tenso
 DECODE_MODES = ("auto", "eager", "static")
 
 
-def with_decode(backend, decode: str = "auto", *, seed: int = 0):
+def with_decode(backend, decode: str = "auto", *, seed: int = 0, max_batch: int = 256):
     """`backend` with the decode loop `decode` asks for (`generation.decode`): `static` turns an
     `HFGenerationBackend` into a `StaticDecodeBackend` on the same model (static cache, CUDA graphs on a
     GPU), `eager` keeps it, `auto` is static on CUDA where the model allows it and eager otherwise. Other
-    engines decode their own way: they pass through `auto` and `eager`, and `static` is an error."""
+    engines decode their own way: they pass through `auto` and `eager`, and `static` is an error.
+    `max_batch` (`generation.max_batch`) caps the static decoder's slots, and so its KV cache."""
     if decode not in DECODE_MODES:
         raise GymvError(f"generation.decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}",
                         fix="use auto (static on CUDA), static or eager")
@@ -711,7 +712,8 @@ def with_decode(backend, decode: str = "auto", *, seed: int = 0):
     if decode == "auto" and (backend.device.type != "cuda" or isinstance(text_model(backend.model), str)):
         return backend
     return StaticDecodeBackend(backend.model, backend.tokenizer, backend.adapter, seed=seed,
-                               max_cached_images=backend.max_cached_images, chat_template=backend.chat_template)
+                               max_cached_images=backend.max_cached_images, chat_template=backend.chat_template,
+                               max_batch=max_batch)
 
 
 def hf_backend(policy, *, decode: str = "auto", seed: int = 0, **kwargs) -> HFGenerationBackend:
