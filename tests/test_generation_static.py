@@ -312,3 +312,15 @@ def test_a_longer_kept_state_serves_a_shorter_call_with_its_graphs():
     assert len(backend._states) == 1
     backend.generate(reqs, SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True))  # another mode
     assert len(backend._states) == 2
+
+
+def test_a_compiled_decoder_lifts_dynamos_recompile_limit_above_its_graph_count():
+    import torch._dynamo.config as dynamo
+
+    old = dynamo.recompile_limit
+    try:
+        dynamo.recompile_limit = 8  # torch's default: past it a function would silently run eagerly
+        StaticDecodeBackend.from_policy(shared_policy("tiny-llava"), compile=True)
+        assert dynamo.recompile_limit >= len(StaticDecodeBackend.BATCH_BUCKETS) * 3
+    finally:
+        dynamo.recompile_limit = old

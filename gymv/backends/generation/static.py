@@ -206,9 +206,16 @@ class StaticDecodeBackend(HFGenerationBackend):
                                                          and split_available(self.device, tm.head_dim)
                                                          and self.device.type == "cuda")
 
+    COMPILED_VARIANTS = len(BATCH_BUCKETS) * 3  # per function: a graph per batch bucket and sampling mode
+
     def _set_functions(self, compiled: bool) -> None:
         fns = (_layer_pre, _layer_post, _lm_head, _draw)
         if compiled:
+            import torch._dynamo.config as dynamo
+
+            # past the limit (8 by default) dynamo runs a function eagerly from then on, without telling:
+            # a long run would slow down as it met new batch sizes
+            dynamo.recompile_limit = max(dynamo.recompile_limit, self.COMPILED_VARIANTS)
             fns = tuple(torch.compile(f, dynamic=False) for f in fns)
         self._pre, self._post, self._head, self._draw = fns
 
