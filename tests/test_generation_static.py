@@ -221,6 +221,21 @@ def test_the_recipes_decode_mode_reaches_the_generation_worker_spec():
         load_recipe(recipe, overrides=["generation.decode=fast"]).validated
 
 
+def test_the_recipes_max_batch_caps_the_static_decoders_slots():
+    from pathlib import Path
+
+    from gymv.config import load_recipe
+    from gymv.train.setup import worker_spec
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml"
+    assert worker_spec(load_recipe(recipe).validated, "m").generation_max_batch == 256
+    spec = worker_spec(load_recipe(recipe, overrides=["generation.max_batch=8"]).validated, "m")
+    eager = HFGenerationBackend.from_policy(shared_policy("tiny-llava"))
+    assert with_decode(eager, "static", max_batch=spec.generation_max_batch).max_batch == 8
+    with pytest.raises(GymvError, match="max_batch"):
+        load_recipe(recipe, overrides=["generation.max_batch=0"]).validated
+
+
 def test_fusing_views_again_keeps_them_in_place():
     layer = torch.nn.ModuleList([torch.nn.Linear(4, 3), torch.nn.Linear(4, 2)])
     params = [m.weight for m in layer]
@@ -297,3 +312,15 @@ def test_a_longer_kept_state_serves_a_shorter_call_with_its_graphs():
     assert len(backend._states) == 1
     backend.generate(reqs, SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True))  # another mode
     assert len(backend._states) == 2
+
+
+def test_a_compiled_decoder_lifts_dynamos_recompile_limit_above_its_graph_count():
+    import torch._dynamo.config as dynamo
+
+    old = dynamo.recompile_limit
+    try:
+        dynamo.recompile_limit = 8  # torch's default: past it a function would silently run eagerly
+        StaticDecodeBackend.from_policy(shared_policy("tiny-llava"), compile=True)
+        assert dynamo.recompile_limit >= len(StaticDecodeBackend.BATCH_BUCKETS) * 3
+    finally:
+        dynamo.recompile_limit = old

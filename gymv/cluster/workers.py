@@ -35,6 +35,7 @@ class WorkerSpec:
     device: str = "cpu"
     generation_dtype: str = "float32"
     generation_decode: str = "auto"
+    generation_max_batch: int = 256
     temperature: float = 1.0
     threads: int | None = None
     refit_transport: str = "object_store"
@@ -121,7 +122,8 @@ class GenerationWorker:
         self.backend = backend_cls.create(spec.model_path, device=str(self.device), dtype=spec.generation_dtype,
                                           seed=spec.seed + 7919 * index, **spec.generation_options,
                                           **({"trust_remote_code": True} if spec.trust_remote_code else {}))
-        self.backend = with_decode(self.backend, spec.generation_decode, seed=spec.seed + 7919 * index)
+        self.backend = with_decode(self.backend, spec.generation_decode, seed=spec.seed + 7919 * index,
+                                   max_batch=spec.generation_max_batch)
         self.router = EnvRouter(spec.env)
         self.receiver = None
         self.weights_version = 0

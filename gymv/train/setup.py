@@ -127,6 +127,7 @@ def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature
         device="cuda" if cfg.cluster.gpus_per_node > 0 else "cpu",
         generation_dtype=generation_dtype(cfg, model_path),
         generation_decode=cfg.generation.decode,
+        generation_max_batch=cfg.generation.max_batch,
         temperature=cfg.generation.temperature if temperature is None else temperature,
         refit_transport=cfg.refit.transport,
         reset_encoder_cache=cfg.generation.reset_encoder_cache_after_weight_update,
