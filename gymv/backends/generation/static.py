@@ -567,8 +567,18 @@ class StaticDecodeBackend(HFGenerationBackend):
                 on_output(keys.pop(r), out)
             handoff_s += time.perf_counter() - th
 
+        def snapshot() -> None:
+            """Queue a copy of the finished flags (and tokens, for stop strings) for the next check to read."""
+            nonlocal pending
+            host_done.copy_(st.done, non_blocking=True)
+            if stop_strings:
+                host_tokens.copy_(st.tokens, non_blocking=True)
+                host_step.copy_(st.step, non_blocking=True)
+            pending = torch.cuda.Event()
+            pending.record()
+
         def refill(batch: list) -> None:
-            nonlocal refills, refill_s, pending, joined
+            nonlocal refills, refill_s, joined
             tr = time.perf_counter()
             free = [s_ for s_ in range(usable) if slot_req[s_] is None]
             ids, reqs, seeds = admit(batch)
@@ -579,7 +589,8 @@ class StaticDecodeBackend(HFGenerationBackend):
             refills += len(take)
             if any(slot_req[s_] is not None for s_ in range(Bb) if s_ not in take):
                 joined += len(take)
-            pending = None  # flags copied before the refill describe the slots' old requests
+            if dev.type == "cuda":  # flags copied before the refill describe the slots' old requests
+                snapshot()
             refill_s += time.perf_counter() - tr
 
         refresh()
@@ -623,12 +634,7 @@ class StaticDecodeBackend(HFGenerationBackend):
                     done_now = host_done.clone()
                     toks_now = host_tokens.clone() if stop_strings else None
                     step_now = host_step.clone() if stop_strings else None
-                host_done.copy_(st.done, non_blocking=True)
-                if stop_strings:
-                    host_tokens.copy_(st.tokens, non_blocking=True)
-                    host_step.copy_(st.step, non_blocking=True)
-                pending = torch.cuda.Event()
-                pending.record()
+                snapshot()
                 if not seen:
                     continue
             else:
