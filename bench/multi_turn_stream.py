@@ -5,9 +5,9 @@ of wall time (a tool server's latency); the model samples at temperature 1 with 
 `--stop-every` (so a turn lasts about that many tokens, at most `--new-tokens`). The same rows, seed and
 backend (gymv's static-cache decoder) run twice: turn-synchronous (one `generate` per turn, every environment
 steps between turns) and streamed (one `serve` session; an episode's next turn joins the running batch as soon
-as its own step is done). Per mode: wall time and episodes/s, decode steps, sampled tokens, slot occupancy
-(sampled tokens / (decode steps x slots of the call): the share of the batch's rows doing useful work per
-step), and requests that joined a running batch. Each mode runs once unmeasured first (graph capture).
+as its own step is done). Per mode: wall time and episodes/s, decode steps, sampled tokens, row-steps (rows
+the decoder ran, summed over its steps: its compute), slot occupancy (sampled tokens / row-steps: the share of
+those rows doing useful work), and requests that joined a running batch. Each mode runs once unmeasured first (graph capture).
 
 Usage: python bench/multi_turn_stream.py --out DIR [--episodes 128] [--cpu-smoke]
 """
@@ -68,14 +68,14 @@ class Metered:
         self.reset()
 
     def reset(self):
-        self.m = {"calls": 0, "decode_steps": 0, "new_tokens": 0, "slot_steps": 0, "joined": 0, "capture_s": 0.0}
+        self.m = {"calls": 0, "decode_steps": 0, "new_tokens": 0, "row_steps": 0, "joined": 0, "capture_s": 0.0}
 
     def _add(self):
         t = self.inner.last_timing
         self.m["calls"] += 1
         for k in ("decode_steps", "new_tokens", "joined", "capture_s"):
             self.m[k] += t.get(k, 0)
-        self.m["slot_steps"] += t["decode_steps"] * t["slots"]
+        self.m["row_steps"] += t["row_steps"]
 
     def generate(self, requests, params):
         out = self.inner.generate(requests, params)
@@ -142,7 +142,7 @@ def main() -> None:
                 "episodes_per_s": n / wall, "generation_s": stats["generation_s"], "turns": sum(t.turns for t in trajs),
                 "truncated": sum(t.truncated for t in trajs), "errors": sum(t.error is not None for t in trajs),
                 "backend_calls": m["calls"], "decode_steps": m["decode_steps"], "new_tokens": m["new_tokens"],
-                "slot_occupancy": m["new_tokens"] / max(1, m["slot_steps"]), "joined": m["joined"],
+                "slot_occupancy": m["new_tokens"] / max(1, m["row_steps"]), "row_steps": m["row_steps"], "joined": m["joined"],
                 "capture_s": m["capture_s"], "env_step_s": stats["breakdown/env_step_s"]}
 
     result = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
@@ -158,7 +158,7 @@ def main() -> None:
             (a.out / "multi_turn_stream.json").write_text(json.dumps(result, indent=2))
         backend.drop_graphs()
     cols = ("mode", "sync_every", "episodes", "wall_s", "episodes_per_s", "generation_s", "turns", "decode_steps",
-            "new_tokens", "slot_occupancy", "joined", "truncated", "errors")
+            "new_tokens", "row_steps", "slot_occupancy", "joined", "truncated", "errors")
     print(" | ".join(cols))
     for r in result["runs"]:
         print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols))

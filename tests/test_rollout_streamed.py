@@ -70,6 +70,8 @@ def test_streamed_greedy_episodes_of_different_lengths_equal_turn_synchronous(po
     assert any(t.image_turns == [2] for t in sync)  # the follow-up image came in at turn 2
     assert (stats_sync["generate_calls"], stats_streamed["generate_calls"]) == (4, 1)
     assert backend.last_timing["batch"] == sum(t.turns for t in sync)  # every turn went through the one session
+    assert backend.last_timing["repacks"] >= 1  # the rows of the last long episodes moved to a smaller bucket
+    assert backend.last_timing["batch_bucket"] < 8  # it started on 8 rows (6 episodes)
 
 
 def test_streaming_is_the_default_for_a_continuously_batching_backend(policy):

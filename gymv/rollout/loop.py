@@ -330,6 +330,7 @@ def _turns_streamed(run: _Run, episodes: list[Episode]) -> tuple[float, int, flo
                     run.end(e, t, result, turn)
                 if e.done:
                     remaining -= 1
+                    feed.open_keys = remaining
                     if not remaining:
                         feed.close()
                 else:
@@ -359,6 +360,7 @@ def _turns_streamed(run: _Run, episodes: list[Episode]) -> tuple[float, int, flo
             with lock:
                 for i in live:
                     feed_turn(i)
+                feed.open_keys = remaining
             run.backend.serve(feed, run.params, on_output, max_seq_len=run.max_seq_len, slots=len(live))
         except BaseException:
             feed.cancel()

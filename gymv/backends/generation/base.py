@@ -77,6 +77,8 @@ class RequestFeed:
     The producer (the agent loop) `put`s (key, request) pairs and `close`s the feed when no more can come;
     `cancel` also tells the backend to stop early (the producer failed). The backend `take`s: without
     blocking whenever it has a free slot, blocking only when nothing is live. Thread-safe; first in, first out.
+    `open_keys`, when the producer sets it, is how many keys (episodes) may still send a request, those
+    being served included: a backend may shrink its batch to fit them.
     """
 
     def __init__(self, items: Iterable[tuple[Hashable, GenerationRequest]] = (), *, closed: bool = False):
@@ -84,6 +86,7 @@ class RequestFeed:
         self._items: deque[tuple[Hashable, GenerationRequest]] = deque(items)
         self._closed = closed
         self.cancelled = False
+        self.open_keys: int | None = None
 
     def put(self, key: Hashable, request: GenerationRequest) -> None:
         with self._cond:

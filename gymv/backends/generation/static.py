@@ -163,7 +163,8 @@ class StaticDecodeBackend(HFGenerationBackend):
     rotary, residuals and noise; compiled once per batch bucket: the weights are arguments, so every layer
     reuses one compiled graph); if compiling fails the step runs uncompiled. On CUDA a call or session
     takes fewer rows than asked where their cache would fill more than `max_cache_fraction` of the free
-    device memory (a session's cache is as long as its `max_seq_len`); None: no limit. `fuse_weights` stores each
+    device memory (a session's cache is as long as its `max_seq_len`; a session that shrinks its batch keeps
+    the smaller buckets' states too, under twice the first's size); None: no limit. `fuse_weights` stores each
     layer's q/k/v and gate/up weights in one tensor, the model's parameters becoming views of it, so one
     matrix product reads them (refits that copy into the parameters, as `update_weights` does, reach it).
 
@@ -180,7 +181,7 @@ class StaticDecodeBackend(HFGenerationBackend):
     def __init__(self, model, tokenizer, adapter, *, seed: int = 0, max_cached_images: int = 4096,
                  cuda_graphs: bool | None = None, sync_every: int = 16, max_states: int = 4,
                  compile: bool | None = None, fuse_weights: bool = True, chat_template: str | None = None,
-                 attention: str = "auto", max_batch: int = 256, max_cache_fraction: float | None = 0.5):
+                 attention: str = "auto", max_batch: int = 256, max_cache_fraction: float | None = 0.4):
         super().__init__(model, tokenizer, adapter, seed=seed, max_cached_images=max_cached_images,
                          chat_template=chat_template)
         tm = text_model(model)
@@ -488,17 +489,21 @@ class StaticDecodeBackend(HFGenerationBackend):
         st, _ = self._state(Bb, S, -(-T // self.LENGTH_BUCKET) * self.LENGTH_BUCKET, vocab, greedy, nucleus)
         if self._forbidden is None or self._forbidden.shape[0] != vocab:
             self._forbidden = forbidden_mask(vocab, self.adapter.vision_token_ids, dev)
-        st.pad = pad
-        st.temperature.fill_(1.0 if greedy else float(params.temperature))
-        st.top_p.fill_(float(params.top_p))
         stop = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
-        if len(stop) > st.stop_ids.numel():
-            st.stop_ids = torch.full((len(stop),), -1, dtype=torch.long, device=dev)
-            st.graphs.clear()
-        st.stop_ids.fill_(-1)
-        if stop:
-            st.stop_ids[:len(stop)] = torch.tensor(stop, device=dev)
         stop_set = set(stop)
+
+        def setup(state: _State) -> None:
+            state.pad = pad
+            state.temperature.fill_(1.0 if greedy else float(params.temperature))
+            state.top_p.fill_(float(params.top_p))
+            if len(stop) > state.stop_ids.numel():
+                state.stop_ids = torch.full((len(stop),), -1, dtype=torch.long, device=dev)
+                state.graphs.clear()
+            state.stop_ids.fill_(-1)
+            if stop:
+                state.stop_ids[:len(stop)] = torch.tensor(stop, device=dev)
+
+        setup(st)
         keys: dict[int, Any] = {}  # arrival index -> the caller's key
         caps: list[int] = []  # arrival index -> token cap
 
@@ -533,11 +538,16 @@ class StaticDecodeBackend(HFGenerationBackend):
         use_graph = self.cuda_graphs and dev.type == "cuda"
         C = self.ATTENTION_CHUNK
         capture_s = refill_s = idle_s = handoff_s = 0.0
-        steps = refills = joined = new_tokens = 0  # joined: requests taken while other rows were decoding
+        steps = refills = joined = repacks = new_tokens = row_steps = 0  # joined: taken while other rows decoded
         pinned = dev.type == "cuda"
-        host_done = torch.zeros(Bb, dtype=torch.bool, pin_memory=pinned)
-        host_tokens = torch.zeros(Bb, st.T + 1, dtype=torch.long, pin_memory=pinned) if stop_strings else None
-        host_step = torch.zeros(Bb, dtype=torch.long, pin_memory=pinned) if stop_strings else None
+
+        def host_buffers(B: int, state: _State) -> tuple:
+            """Pinned host copies of the finished flags (and, for stop strings, tokens and counts)."""
+            return (torch.zeros(B, dtype=torch.bool, pin_memory=pinned),
+                    torch.zeros(B, state.T + 1, dtype=torch.long, pin_memory=pinned) if stop_strings else None,
+                    torch.zeros(B, dtype=torch.long, pin_memory=pinned) if stop_strings else None)
+
+        host_done, host_tokens, host_step = host_buffers(Bb, st)
         pending: torch.cuda.Event | None = None
         live: list[int] = []
         parked: list[int] = []  # finished rows read out at the end (nothing more can come: no sync needed)
@@ -593,11 +603,51 @@ class StaticDecodeBackend(HFGenerationBackend):
                 snapshot()
             refill_s += time.perf_counter() - tr
 
+        def repack() -> None:
+            """Move the rows still serving a request into the smallest batch bucket that holds every request
+            that may still come (`feed.open_keys`), when that is smaller than the current one: a session's
+            tail, its few longest episodes, then decodes on fewer rows."""
+            nonlocal st, Bb, usable, slot_req, filled_at, start_col, checked, cap_of, repacks, refill_s
+            nonlocal host_done, host_tokens, host_step
+            open_keys = feed.open_keys
+            src = [s_ for s_ in range(Bb) if slot_req[s_] is not None]
+            if open_keys is None or parked or _bucket(max(1, open_keys, len(src)), self.BATCH_BUCKETS) >= Bb:
+                return
+            tr = time.perf_counter()
+            B2 = _bucket(max(1, open_keys, len(src)), self.BATCH_BUCKETS)
+            st2, _ = self._state(B2, st.S, st.T, vocab, greedy, nucleus)
+            setup(st2)
+            st2.done.fill_(True)
+            st2.valid.zero_()
+            st2.tokens.fill_(pad)
+            n = len(src)
+            if n:
+                idx = torch.tensor(src, device=dev)
+                for i in range(len(st.k)):
+                    st2.k[i][:n, :, :st.S] = st.k[i][idx]
+                    st2.v[i][:n, :, :st.S] = st.v[i][idx]
+                st2.valid[:n, :st.S] = st.valid[idx]
+                for name in ("logits", "pos", "col", "step", "cap", "seeds", "done"):
+                    getattr(st2, name)[:n] = getattr(st, name)[idx]
+                st2.tokens[:n, :st.T] = st.tokens[idx, :st.T]
+                st2.logprobs[:n, :st.T] = st.logprobs[idx, :st.T]
+            moved = src + [None] * (B2 - n)
+            slot_req = [None if s_ is None else slot_req[s_] for s_ in moved]
+            filled_at, start_col, checked, cap_of = ([0 if s_ is None else xs[s_] for s_ in moved]
+                                                     for xs in (filled_at, start_col, checked, cap_of))
+            st, Bb, usable = st2, B2, min(usable, B2)
+            host_done, host_tokens, host_step = host_buffers(B2, st2)
+            if dev.type == "cuda":
+                snapshot()
+            repacks += 1
+            refill_s += time.perf_counter() - tr
+
         refresh()
         while True:
             if feed.cancelled:
                 break
             if not live:
+                repack()
                 ti = time.perf_counter()
                 batch = feed.take(usable, block=True)  # nothing to decode: wait for the caller
                 idle_s += time.perf_counter() - ti
@@ -613,6 +663,7 @@ class StaticDecodeBackend(HFGenerationBackend):
                 harvest(live + parked)
                 parked = []
                 steps += 1
+                row_steps += Bb
                 break
             if use_graph:
                 if window not in st.graphs:
@@ -623,6 +674,7 @@ class StaticDecodeBackend(HFGenerationBackend):
             else:
                 self._decode_step(st, greedy, nucleus, window)
             steps += 1
+            row_steps += Bb
             spent = all(steps - filled_at[s_] >= cap_of[s_] for s_ in live)  # every live row hit its budget
             if steps % self.sync_every and not spent:
                 continue
@@ -668,6 +720,7 @@ class StaticDecodeBackend(HFGenerationBackend):
                 batch = feed.take(sum(slot_req[s_] is None for s_ in range(usable)), block=False)
                 if batch:
                     refill(batch)
+            repack()
             refresh()
         if parked and not feed.cancelled:
             harvest(parked)
@@ -677,7 +730,7 @@ class StaticDecodeBackend(HFGenerationBackend):
                             "refill_s": refill_s, "idle_s": idle_s, "handoff_s": handoff_s, "total_s": t_end - t0,
                             "new_tokens": new_tokens, "decode_steps": steps, "batch": len(caps),
                             "batch_bucket": Bb, "slots": usable, "cache_len": st.S, "refills": refills,
-                            "joined": joined}
+                            "joined": joined, "repacks": repacks, "row_steps": row_steps}
 
     def _capture_or_uncompile(self, st: _State, greedy: bool, nucleus: bool, window: int) -> None:
         """Capture; if that fails, capture again with the split attention kernel off (SDPA), then uncompiled."""
