@@ -99,6 +99,8 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=5.0)
     ap.add_argument("--sync-every", default="4,16", help="decode steps between the decoder's host checks (a list: "
                     "both modes run at each)")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="start no further --sync-every value after this many "
+                    "seconds (the results so far are kept)")
     ap.add_argument("--layers", type=int, default=None, help="text layers of the model (default: the 0.8B shape's 16)")
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny model on the CPU: checks this script, not speed")
     a = ap.parse_args()
@@ -150,6 +152,10 @@ def main() -> None:
               "new_tokens": a.new_tokens, "stop_every": a.stop_every, "step_ms": a.step_ms, "runs": []}
     print(f"model {result['params'] / 1e6:.0f}M params on {result['device']}, built in {build_s:.1f} s", flush=True)
     for every in (int(x) for x in a.sync_every.split(",")):
+        if time.perf_counter() - t_build > a.budget_s:
+            result.setdefault("skipped_sync_every", []).append(every)
+            print(f"sync_every {every}: skipped, over --budget-s {a.budget_s:.0f}", flush=True)
+            continue
         backend = Metered(StaticDecodeBackend.from_policy(policy, compile=False, sync_every=every))
         for streamed in (False, True):  # unmeasured: captures the graphs each mode's shapes need
             once(backend, streamed, a.episodes)
