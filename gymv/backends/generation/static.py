@@ -12,7 +12,10 @@ bucket, length bucket, sampling mode and attention window, and replayed; the hos
 Continuous batching: requests go through at most `max_batch` rows (slots). Every row keeps its own cache
 column, position, token count and seed, so when a row finishes (stop token, stop string, token budget)
 its slot takes the next waiting request, prefilled into that row alone; the others go on. A request's
-samples depend on its seed and index, not on the slot it lands in or when.
+samples depend on its seed and index (or its own seed), not on the slot it lands in or when. `serve` runs
+the same loop over a feed that the caller fills while it decodes (the streamed rollout loop: an episode's
+next turn takes a free slot as soon as it is ready), and moves the live rows into a smaller batch bucket
+when the requests that may still come fit one; `generate` is a feed filled and closed up front.
 
 The decode step reads the model's own parameters through small pure functions (Llama's RMSNorm, rotary
 embedding, attention over the static cache, gated MLP), so it serves Llama-family text models with 1-D
