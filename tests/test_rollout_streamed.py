@@ -171,8 +171,9 @@ def test_a_failure_in_a_worker_thread_ends_the_session_and_raises(policy):
                      streamed=True)
 
 
-def test_the_budgets_hold_in_a_streamed_run(policy):
-    backend = StaticDecodeBackend.from_policy(policy)
+@pytest.mark.parametrize("backend_class", [StaticDecodeBackend, HFGenerationBackend])
+def test_the_budgets_hold_in_a_streamed_run(policy, backend_class):
+    backend = backend_class.from_policy(policy)
     params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)  # every turn runs to its cap
     sync = run_rollouts(backend, policy.adapter, policy.tokenizer, None, TurnsEnv(), rows((4, 4)), group_size=1,
                         params=params, max_turns=6, max_rollout_tokens=4, max_seq_len=1024, streamed=False)
@@ -240,3 +241,16 @@ def test_a_generation_worker_holds_its_weights_lock_for_a_whole_session(policy):
     feed = RequestFeed([(0, GenerationRequest(chat_ids(policy, "Hi", []), []))], closed=True)
     backend.serve(feed, greedy(policy, 4), lambda key, out: held.append(lock.locked()), max_seq_len=256)
     assert held == [True] and not lock.locked()
+
+
+def test_the_default_serve_generates_ready_requests_together_and_cuts_each_to_its_cap(policy):
+    backend = HFGenerationBackend.from_policy(policy)
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    reqs = [GenerationRequest(chat_ids(policy, t, []), [], where=t, max_new_tokens=n)
+            for t, n in (("Hi", 2), ("Count", 5))]
+    got = {}
+    backend.serve(RequestFeed(enumerate(reqs), closed=True), params, got.__setitem__)
+    assert (backend.last_timing["batch"], backend.last_timing["new_tokens"]) == (2, 10)  # one call, to the longest cap
+    full = backend.generate(reqs, params)
+    assert [got[i].token_ids for i in range(2)] == [full[0].token_ids[:2], full[1].token_ids[:5]]
+    assert [got[i].finish_reason for i in range(2)] == ["length", "length"]
