@@ -9,7 +9,14 @@ backward, AdamW. Reported per path: median step seconds over the timed steps, to
 step time / peak (N: every parameter; peak 989 TFLOP/s, an H200's dense bf16), peak memory; and the two
 models' bf16 logprob difference on the batch.
 
-Usage (GPU): python bench/gpu_megatron.py --out FILE.json   (--cpu-smoke: a tiny shape on the CPU, fp32)
+`--packing`: instead, sequence packing against padding on the same shape: `--batch` sequences of random
+lengths between a quarter of `--seq` and `--seq` (seeded), one step each through GPTModel and the HF model,
+as padded rows [batch, longest] and as one packed row of their real tokens (gymv.backends.packing; the
+attention of each sequence kept to itself by gymv.backends.packed_attention: varlen flash on CUDA). MFU
+there counts the real tokens only, for every path; the report also has each path's loss on the starting
+weights and the packed paths' logprob difference from their padded twins.
+
+Usage (GPU): python bench/gpu_megatron.py --out FILE.json [--packing]   (--cpu-smoke: a tiny shape on the CPU, fp32)
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num
 SMOKE = dict(SHAPE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128)
 PEAK_FLOPS = 989e12
+
+
+class _Done(Exception):
+    """The chosen comparison finished: write the report."""
 
 
 def sync(device):
@@ -80,6 +91,121 @@ def logprobs(model, ids, mask, device):
     return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
 
 
+def autocast(device):
+    import torch
+
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+
+def variable_batch(vocab: int, count: int, longest: int, device):
+    """`count` right-padded rows of seeded lengths in [longest / 4, longest], and the same rows packed."""
+    import torch
+
+    from gymv.backends.packing import pack
+
+    g = torch.Generator().manual_seed(2)
+    lengths = torch.randint(max(2, longest // 4), longest + 1, (count,), generator=g)
+    ids = torch.randint(0, vocab, (count, int(lengths.max())), generator=g)
+    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+    row = pack(ids * mask, mask, [[] for _ in range(count)])
+    return (ids * mask).to(device), mask.to(device), row
+
+
+def packed_call(model, row, device):
+    from gymv.backends import packed_attention
+
+    return model(input_ids=row.input_ids.to(device)[None], position_ids=row.positions.to(device)[None],
+                 **{packed_attention.KEYWORD: row.attention_args(device)}).logits[0]
+
+
+def padded_token_logprobs(model, ids, mask):
+    """Logprobs of each row's tokens after its first, in row order [real tokens - rows]."""
+    import torch
+
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    return logp[mask[:, 1:].bool()]
+
+
+def packed_token_logprobs(model, row, device):
+    import torch
+
+    logits = packed_call(model, row, device)
+    ids = row.input_ids.to(device)
+    logp = torch.log_softmax(logits[:-1].float(), -1).gather(-1, ids[1:, None])[..., 0]
+    return logp[row.positions.to(device)[1:] != 0]  # a position 0 starts the next sequence: not a target
+
+
+def packing_step_fn(score, params, device):
+    import torch
+
+    opt = torch.optim.AdamW(params, lr=1e-6)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with autocast(device):
+            logp = score()
+        loss = -logp.float().mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+def packing_comparison(a, report: dict, device, shape_kw: dict, batch: int, seq: int, steps: int) -> None:
+    """Padded rows against one packed row, through GPTModel and through the HF model (the torch/fsdp2 path)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gymv.backends import packed_attention
+    from gymv.backends.training.megatron_model import MegatronCausalLM, build_gpt, init_parallel
+    from gymv.backends.training.megatron_weights import DecoderShape, hf_to_megatron
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**shape_kw, tie_word_embeddings=False)
+    with torch.device(device):
+        hf = LlamaForCausalLM(cfg)
+    n = sum(p.numel() for p in hf.parameters())
+    ids, mask, row = variable_batch(cfg.vocab_size, batch, seq, device)
+    real = int(mask.sum())
+    report.update(params=n, lengths=mask.sum(1).tolist(), real_tokens=real, padded_tokens=mask.numel(),
+                  packed_tokens=int(row.input_ids.numel()))
+    shape = DecoderShape.of(cfg)
+    init_parallel(1, device)
+    gpt = build_gpt(cfg, shape, device=device)
+    gpt.load_state_dict(hf_to_megatron(hf.state_dict(), shape), strict=True)
+    twin = MegatronCausalLM(gpt, shape, cfg)
+    assert packed_attention.install(hf) and packed_attention.install(twin)
+    if device.type == "cuda":
+        report["varlen_flash_checks"] = list(packed_attention._varlen_checks(device, torch.bfloat16))
+    paths = {"megatron_padded": (twin, lambda m: padded_token_logprobs(m, ids, mask)),
+             "megatron_packed": (twin, lambda m: packed_token_logprobs(m, row, device)),
+             "hf_padded": (hf, lambda m: padded_token_logprobs(m, ids, mask)),
+             "hf_packed": (hf, lambda m: packed_token_logprobs(m, row, device))}
+    start = {}
+    with torch.no_grad(), autocast(device):
+        for name, (model, score) in paths.items():
+            start[name] = score(model).float()
+    for name in ("megatron_packed", "hf_packed"):
+        diff = (start[name] - start[name.replace("packed", "padded")]).abs()
+        report[f"logprob_abs_diff_{name}_vs_padded"] = {"max": diff.max().item(), "mean": diff.mean().item()}
+    report["start_loss"] = {name: -lp.mean().item() for name, lp in start.items()}
+    for name, (model, score) in paths.items():
+        step = packing_step_fn(lambda: score(model), [p for p in model.parameters() if p.requires_grad], device)
+        times, _ = timed_steps(step, device, warmup=1 if a.cpu_smoke else 2, steps=steps)
+        t = statistics.median(times)
+        report[name] = {"step_s": t, "step_times_s": times, "real_tokens_per_s": real / t,
+                        "mfu_real_tokens": 6 * n * real / t / PEAK_FLOPS,
+                        "peak_memory_gb": (torch.cuda.max_memory_allocated() / 2**30) if device.type == "cuda" else None}
+        print(name, json.dumps(report[name]), flush=True)
+        del step
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for family in ("megatron", "hf"):
+        report[f"{family}_packed_speedup"] = report[f"{family}_padded"]["step_s"] / report[f"{family}_packed"]["step_s"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -87,6 +213,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--packing", action="store_true", help="packed against padded rows of random lengths")
     a = ap.parse_args()
     import torch
     import transformers
@@ -104,6 +231,11 @@ def main() -> int:
                     "megatron_core": megatron.core.__version__, "peak_flops": PEAK_FLOPS,
                     "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     try:
+        if a.packing:
+            report["mode"] = "packing"
+            report.pop("tokens_per_step")
+            packing_comparison(a, report, device, shape_kw, batch, seq, steps)
+            raise _Done
         torch.manual_seed(0)
         cfg = LlamaConfig(**shape_kw, tie_word_embeddings=False)
         with torch.device(device):
@@ -137,6 +269,8 @@ def main() -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         report["first_loss_diff"] = abs(report["megatron_sdpa"]["first_loss"] - report["hf"]["first_loss"])
+        status = 0
+    except _Done:
         status = 0
     except Exception:
         report["error"] = traceback.format_exc()

@@ -127,3 +127,22 @@ def test_packing_true_is_refused_for_a_model_packed_attention_cannot_serve_and_a
     assert e.value.where == "training.sequence_packing" and "auto or false" in e.value.fix
     layout = _sliding_window_backend("auto").trainer.plan_fn.__self__
     assert layout.packing is False
+
+
+@pytest.mark.gpu
+def test_a_packed_bf16_step_on_cuda_matches_the_padded_one():
+    """On CUDA the packed segments go through torch's varlen flash kernel where it passed its check."""
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.backends.training.base import TrainingSetup
+    from gymv.backends.training.megatron import MegatronBackend
+
+    metrics = {}
+    for packing in (False, True):
+        setup = TrainingSetup(model_path=str(tiny_path("tiny-qwen3")), sequence_packing=packing,
+                              optimizer={**OPTIMIZER, "precision": "bf16"})
+        backend = MegatronBackend.create(setup, device="cuda")
+        metrics[packing] = backend.train_step(_samples(backend.policy, IMAGES["tiny-qwen3"], seed=9), PolicyLoss())
+        assert backend.trainer.plan_fn.__self__.packed is packing
+    assert metrics[True]["train/grad_norm"] > 0
+    assert metrics[True]["train/grad_norm"] == pytest.approx(metrics[False]["train/grad_norm"], rel=0.05)
+    assert metrics[True]["train/loss"] == pytest.approx(metrics[False]["train/loss"], abs=0.02)
