@@ -154,6 +154,13 @@ def test_tiny_keeps_the_sharded_training_backends_which_run_on_a_cpu(tmp_path, r
     assert cfg["training"]["fsdp"]["cpu_offload"] is False
 
 
+def test_tiny_runs_megatron_as_torch_when_its_twin_does_not_map_the_stand_in(tmp_path):
+    recipe = REPO / "recipes/vlm/vlm_grpo-qwen2.5-vl-7b-1n8g-megatron.yaml"
+    p = prepared(tmp_path, recipe, tiny=True, overrides=["model.path=Qwen/Qwen3-VL-8B-Instruct"])
+    assert run_config(p)["training"]["backend"] == "torch"
+    assert "training.backend: 'megatron' -> 'torch'" in p.tiny_changes
+
+
 def test_tiny_keeps_what_the_smoke_run_is_meant_to_exercise(tmp_path):
     recipe = REPO / "recipes/vlm/vlm_grpo-qwen2.5-vl-7b-1n8g-megatron-async-1off.yaml"
     before = load_recipe(recipe, smoke=True).validated.to_dict()
@@ -318,3 +325,20 @@ def test_an_error_about_the_resolved_recipe_also_names_the_recipe_line_that_wrot
     said = p.explain(f"{p.config_file}:{line}: async GRPO is not implemented")
     assert said == (f"recipes/vlm/vlm_grpo-tinyllava-1n0g-torch-async-1off.yaml:7 (run as {p.config_file}:{line}): "
                     "async GRPO is not implemented")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", __import__("gymv.models.tiny", fromlist=["ARCHES"]).ARCHES)
+def test_tiny_keeps_megatron_exactly_for_the_stand_ins_its_twin_maps(arch):
+    pytest.importorskip("megatron.core")
+    from tiny_models import shared_policy
+
+    from gymv.backends.training.megatron import check_maps
+    from gymv.smoke.tiny import MEGATRON_STAND_INS
+
+    try:
+        check_maps(shared_policy(arch))
+        maps = True
+    except GymvError:
+        maps = False
+    assert (arch in MEGATRON_STAND_INS) == maps
