@@ -133,6 +133,24 @@ def test_a_packed_row_gives_the_padded_rows_logprobs_with_each_sequences_positio
     torch.testing.assert_close(packed[valid], padded[valid], rtol=0, atol=1e-5)
 
 
+def test_logits_to_keep_runs_the_head_on_those_positions_alone_with_the_same_logits_and_gradients():
+    twin = megatron_twin(tiny_hf("qwen2"))
+    ids, mask = batch()
+    cols = torch.tensor([2, 5, 10])
+    full = twin(input_ids=ids, attention_mask=mask).logits
+    full[:, cols].square().sum().backward()
+    want = {k: p.grad.clone() for k, p in twin.gpt.named_parameters()}
+    twin.zero_grad(set_to_none=True)
+    kept = twin(input_ids=ids, attention_mask=mask, logits_to_keep=cols).logits
+    assert kept.shape == (2, 3, full.shape[-1])
+    torch.testing.assert_close(kept, full[:, cols], rtol=0, atol=1e-6)
+    kept.square().sum().backward()
+    for name, g in want.items():
+        torch.testing.assert_close(twin.gpt.get_parameter(name).grad, g, rtol=1e-5, atol=1e-6, msg=name)
+    last = twin(input_ids=ids, attention_mask=mask, logits_to_keep=2).logits
+    torch.testing.assert_close(last, full[:, -2:].detach(), rtol=0, atol=1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
 def test_bf16_megatron_logprobs_match_hf_on_cuda(family):

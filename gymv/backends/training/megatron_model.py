@@ -230,6 +230,25 @@ def _rotary_at(gpt, positions: Tensor):
         del rope.forward
 
 
+@contextlib.contextmanager
+def _head_at(gpt, keep: int | Tensor):
+    """For one forward, GPTModel's output layer runs on the kept positions alone (HF's `logits_to_keep`:
+    the last `keep`, or the columns a 1-D tensor names): a loss scores the answer tokens only, and the head
+    over the whole vocabulary is a large share of a step."""
+    layer = gpt.output_layer
+    inner = layer.forward
+
+    def forward(hidden: Tensor, *args: Any, **kwargs: Any):  # hidden [T, B, H]
+        picked = hidden[-keep:] if isinstance(keep, int) else hidden.index_select(0, keep.to(hidden.device))
+        return inner(picked, *args, **kwargs)
+
+    layer.forward = forward
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
 def _layer_spec(shape: DecoderShape, attention: str):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -352,10 +371,11 @@ class MegatronCausalLM(torch.nn.Module):
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 inputs_embeds: Tensor | None = None, position_ids: Tensor | None = None, use_cache: bool = False,
-                **kwargs: Any) -> SimpleNamespace:
+                logits_to_keep: int | Tensor | None = None, **kwargs: Any) -> SimpleNamespace:
         """A padded batch (attention_mask [B, T]), or one packed row: [1, N] tokens with the keyword
         gymv.backends.packed_attention.KEYWORD (its segments), its positions (restarting per sequence, or
-        3-D ones) and no attention mask."""
+        3-D ones) and no attention mask. `logits_to_keep` as in HF models: logits [B, K, V] at those
+        positions only."""
         from gymv.backends import packed_attention
 
         ref = input_ids if input_ids is not None else inputs_embeds
@@ -376,7 +396,10 @@ class MegatronCausalLM(torch.nn.Module):
             inputs_embeds = self.get_input_embeddings()(input_ids)
         decoder_input = inputs_embeds.transpose(0, 1).contiguous()
         mask = packing if packing is not None else megatron_mask(attention_mask)
-        with rotary:
+        head = contextlib.nullcontext()
+        if isinstance(logits_to_keep, Tensor) or (logits_to_keep or 0) > 0:
+            head = _head_at(self.gpt, logits_to_keep)
+        with rotary, head:
             logits = self.gpt(input_ids=input_ids, position_ids=pos, attention_mask=mask, decoder_input=decoder_input)
         if self.gpt.config.tensor_model_parallel_size > 1:
             from megatron.core import parallel_state
