@@ -199,6 +199,8 @@ def packing_comparison(a, report: dict, device, shape_kw: dict, batch: int, seq:
                         "mfu_real_tokens": 6 * n * real / t / PEAK_FLOPS,
                         "peak_memory_gb": (torch.cuda.max_memory_allocated() / 2**30) if device.type == "cuda" else None}
         print(name, json.dumps(report[name]), flush=True)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(report, indent=1))  # what finished, should a time limit stop the rest
         del step
         if device.type == "cuda":
             torch.cuda.empty_cache()
