@@ -9,12 +9,15 @@ backward, AdamW. Reported per path: median step seconds over the timed steps, to
 step time / peak (N: every parameter; peak 989 TFLOP/s, an H200's dense bf16), peak memory; and the two
 models' bf16 logprob difference on the batch.
 
-`--packing`: instead, sequence packing against padding on the same shape: `--batch` sequences of random
-lengths between a quarter of `--seq` and `--seq` (seeded), one step each through GPTModel and the HF model,
-as padded rows [batch, longest] and as one packed row of their real tokens (gymv.backends.packing; the
-attention of each sequence kept to itself by gymv.backends.packed_attention: varlen flash on CUDA). MFU
-there counts the real tokens only, for every path; the report also has each path's loss on the starting
-weights and the packed paths' logprob difference from their padded twins.
+`--packing`: instead, sequence packing against padding on the same shape, on a GRPO-like batch: `--batch`
+rows in groups of `--group` sharing a prompt (--seq/8..--seq/4 tokens), each with its own answer
+(--seq/8..3·--seq/4 tokens), seeded; the loss scores the answer tokens. One step each through GPTModel and
+the HF model, as padded rows [batch, longest], as one packed row of the real tokens (each prompt repeated),
+and as one packed row with each group's prompt once (gymv.backends.packing; each segment's attention kept
+to its own keys by gymv.backends.packed_attention: varlen flash on CUDA); the output layer runs at the
+scored positions (`logits_to_keep`), as gymv's trainers do. MFU there counts the unique tokens (prompts
+once) for every path; the report also has each path's loss on the starting weights and the packed paths'
+logprob difference from their padded twins.
 
 Usage (GPU): python bench/gpu_megatron.py --out FILE.json [--packing]   (--cpu-smoke: a tiny shape on the CPU, fp32)
 """
@@ -97,43 +100,69 @@ def autocast(device):
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
 
 
-def variable_batch(vocab: int, count: int, longest: int, device):
-    """`count` right-padded rows of seeded lengths in [longest / 4, longest], and the same rows packed."""
+def grouped_batch(vocab: int, count: int, group: int, longest: int):
+    """`count` right-padded rows in groups of `group` (GRPO-like): each group's rows share a prompt of
+    longest/8..longest/4 tokens, each row has its own answer of longest/8..longest*3/4 tokens (seeded).
+    Returns ids, mask, the scored (row, logits column) pairs (the answer's tokens, each predicted by the
+    token before it) and each row's shared prefix for gymv.backends.packing.pack."""
     import torch
-
-    from gymv.backends.packing import pack
 
     g = torch.Generator().manual_seed(2)
-    lengths = torch.randint(max(2, longest // 4), longest + 1, (count,), generator=g)
-    ids = torch.randint(0, vocab, (count, int(lengths.max())), generator=g)
-    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
-    row = pack(ids * mask, mask, [[] for _ in range(count)])
-    return (ids * mask).to(device), mask.to(device), row
+    rows, prefixes = [], []
+    for first in range(0, count, group):
+        plen = int(torch.randint(max(2, longest // 8), max(3, longest // 4) + 1, (1,), generator=g))
+        prompt = torch.randint(0, vocab, (plen,), generator=g)
+        for _ in range(min(group, count - first)):
+            alen = int(torch.randint(max(1, longest // 8), max(2, longest * 3 // 4) + 1, (1,), generator=g))
+            rows.append(torch.cat([prompt, torch.randint(0, vocab, (alen,), generator=g)]))
+            prefixes.append((first, plen - 1))  # the token that predicts the first answer token is the row's own
+    width = max(r.numel() for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    wanted = torch.zeros(len(rows), width - 1, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        ids[b, : r.numel()], mask[b, : r.numel()] = r, 1
+        wanted[b, prefixes[b][1]: r.numel() - 1] = True
+    return ids, mask, wanted, prefixes
 
 
-def packed_call(model, row, device):
-    from gymv.backends import packed_attention
+class Layout:
+    """One way to run the batch: padded rows, or one packed row (prompts repeated, or once per group)."""
 
-    return model(input_ids=row.input_ids.to(device)[None], position_ids=row.positions.to(device)[None],
-                 **{packed_attention.KEYWORD: row.attention_args(device)}).logits[0]
+    def __init__(self, ids, mask, wanted, prefixes, device, packed: bool, shared: bool):
+        import torch
 
+        from gymv.backends.packing import pack
 
-def padded_token_logprobs(model, ids, mask):
-    """Logprobs of each row's tokens after its first, in row order [real tokens - rows]."""
-    import torch
+        self.device, self.packed = device, packed
+        rows, cols = wanted.nonzero(as_tuple=True)
+        self.targets = ids[rows, cols + 1].to(device)
+        if not packed:
+            self.ids, self.mask = ids.to(device), mask.to(device)
+            self.keep = wanted.any(0).nonzero().squeeze(-1)
+            position = torch.searchsorted(self.keep, cols)
+            self.pick = (rows.to(device), position.to(device))
+            self.tokens = int(mask.numel())  # padding computed too
+            return
+        self.row = pack(ids, mask, [[] for _ in range(ids.shape[0])], prefixes if shared else None)
+        keep = self.row.index(rows, cols)
+        order = keep.argsort()
+        self.keep, self.targets = keep[order].to(device), self.targets[order.to(device)]
+        self.tokens = int(self.row.input_ids.numel())
 
-    logits = model(input_ids=ids, attention_mask=mask).logits
-    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
-    return logp[mask[:, 1:].bool()]
+    def logprobs(self, model):
+        import torch
 
+        from gymv.backends import packed_attention
 
-def packed_token_logprobs(model, row, device):
-    import torch
-
-    logits = packed_call(model, row, device)
-    ids = row.input_ids.to(device)
-    logp = torch.log_softmax(logits[:-1].float(), -1).gather(-1, ids[1:, None])[..., 0]
-    return logp[row.positions.to(device)[1:] != 0]  # a position 0 starts the next sequence: not a target
+        if self.packed:
+            logits = model(input_ids=self.row.input_ids.to(self.device)[None],
+                           position_ids=self.row.positions.to(self.device)[None], logits_to_keep=self.keep,
+                           **{packed_attention.KEYWORD: self.row.attention_args(self.device)}).logits[0]
+        else:
+            logits = model(input_ids=self.ids, attention_mask=self.mask, logits_to_keep=self.keep.to(self.device)
+                           ).logits[self.pick]
+        return torch.log_softmax(logits.float(), -1).gather(-1, self.targets[:, None])[:, 0]
 
 
 def packing_step_fn(score, params, device):
@@ -154,7 +183,8 @@ def packing_step_fn(score, params, device):
 
 
 def packing_comparison(a, report: dict, device, shape_kw: dict, batch: int, seq: int, steps: int) -> None:
-    """Padded rows against one packed row, through GPTModel and through the HF model (the torch/fsdp2 path)."""
+    """Padded rows against one packed row (prompts repeated, and each group's prompt once), through GPTModel
+    and through the HF model (the torch/fsdp2 path)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -167,10 +197,13 @@ def packing_comparison(a, report: dict, device, shape_kw: dict, batch: int, seq:
     with torch.device(device):
         hf = LlamaForCausalLM(cfg)
     n = sum(p.numel() for p in hf.parameters())
-    ids, mask, row = variable_batch(cfg.vocab_size, batch, seq, device)
-    real = int(mask.sum())
-    report.update(params=n, lengths=mask.sum(1).tolist(), real_tokens=real, padded_tokens=mask.numel(),
-                  packed_tokens=int(row.input_ids.numel()))
+    ids, mask, wanted, prefixes = grouped_batch(cfg.vocab_size, batch, a.group, seq)
+    layouts = {"padded": Layout(ids, mask, wanted, prefixes, device, packed=False, shared=False),
+               "packed": Layout(ids, mask, wanted, prefixes, device, packed=True, shared=False),
+               "packed_shared": Layout(ids, mask, wanted, prefixes, device, packed=True, shared=True)}
+    unique = layouts["packed_shared"].tokens
+    report.update(params=n, group=a.group, lengths=mask.sum(1).tolist(), scored_tokens=int(wanted.sum()),
+                  real_tokens=int(mask.sum()), tokens={name: layout.tokens for name, layout in layouts.items()})
     shape = DecoderShape.of(cfg)
     init_parallel(1, device)
     gpt = build_gpt(cfg, shape, device=device)
@@ -179,24 +212,24 @@ def packing_comparison(a, report: dict, device, shape_kw: dict, batch: int, seq:
     assert packed_attention.install(hf) and packed_attention.install(twin)
     if device.type == "cuda":
         report["varlen_flash_checks"] = list(packed_attention._varlen_checks(device, torch.bfloat16))
-    paths = {"megatron_padded": (twin, lambda m: padded_token_logprobs(m, ids, mask)),
-             "megatron_packed": (twin, lambda m: packed_token_logprobs(m, row, device)),
-             "hf_padded": (hf, lambda m: padded_token_logprobs(m, ids, mask)),
-             "hf_packed": (hf, lambda m: packed_token_logprobs(m, row, device))}
+    paths = {f"{family}_{name}": (model, layout) for family, model in (("megatron", twin), ("hf", hf))
+             for name, layout in layouts.items()}
     start = {}
     with torch.no_grad(), autocast(device):
-        for name, (model, score) in paths.items():
-            start[name] = score(model).float()
-    for name in ("megatron_packed", "hf_packed"):
-        diff = (start[name] - start[name.replace("packed", "padded")]).abs()
-        report[f"logprob_abs_diff_{name}_vs_padded"] = {"max": diff.max().item(), "mean": diff.mean().item()}
+        for name, (model, layout) in paths.items():
+            start[name] = layout.logprobs(model).float()
+    for name in paths:
+        if not name.endswith("_padded"):
+            diff = (start[name] - start[name.rsplit("_packed", 1)[0] + "_padded"]).abs()
+            report[f"logprob_abs_diff_{name}_vs_padded"] = {"max": diff.max().item(), "mean": diff.mean().item()}
     report["start_loss"] = {name: -lp.mean().item() for name, lp in start.items()}
-    for name, (model, score) in paths.items():
-        step = packing_step_fn(lambda: score(model), [p for p in model.parameters() if p.requires_grad], device)
+    for name, (model, layout) in paths.items():
+        step = packing_step_fn(lambda: layout.logprobs(model), [p for p in model.parameters() if p.requires_grad],
+                               device)
         times, _ = timed_steps(step, device, warmup=1 if a.cpu_smoke else 2, steps=steps)
         t = statistics.median(times)
-        report[name] = {"step_s": t, "step_times_s": times, "real_tokens_per_s": real / t,
-                        "mfu_real_tokens": 6 * n * real / t / PEAK_FLOPS,
+        report[name] = {"step_s": t, "step_times_s": times, "computed_tokens": layout.tokens,
+                        "unique_tokens_per_s": unique / t, "mfu_unique_tokens": 6 * n * unique / t / PEAK_FLOPS,
                         "peak_memory_gb": (torch.cuda.max_memory_allocated() / 2**30) if device.type == "cuda" else None}
         print(name, json.dumps(report[name]), flush=True)
         a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -205,7 +238,8 @@ def packing_comparison(a, report: dict, device, shape_kw: dict, batch: int, seq:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     for family in ("megatron", "hf"):
-        report[f"{family}_packed_speedup"] = report[f"{family}_padded"]["step_s"] / report[f"{family}_packed"]["step_s"]
+        for name in ("packed", "packed_shared"):
+            report[f"{family}_{name}_speedup"] = report[f"{family}_padded"]["step_s"] / report[f"{family}_{name}"]["step_s"]
 
 
 def main() -> int:
@@ -216,6 +250,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--packing", action="store_true", help="packed against padded rows of random lengths")
+    ap.add_argument("--group", type=int, default=8, help="--packing: rows per group sharing a prompt")
     a = ap.parse_args()
     import torch
     import transformers
