@@ -97,7 +97,9 @@ def logprobs(model, ids, mask, device):
 def autocast(device):
     import torch
 
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
 
 
 def grouped_batch(vocab: int, count: int, group: int, longest: int):
@@ -228,9 +230,10 @@ def packing_comparison(a, report: dict, device, shape_kw: dict, batch: int, seq:
                                device)
         times, _ = timed_steps(step, device, warmup=1 if a.cpu_smoke else 2, steps=steps)
         t = statistics.median(times)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
         report[name] = {"step_s": t, "step_times_s": times, "computed_tokens": layout.tokens,
                         "unique_tokens_per_s": unique / t, "mfu_unique_tokens": 6 * n * unique / t / PEAK_FLOPS,
-                        "peak_memory_gb": (torch.cuda.max_memory_allocated() / 2**30) if device.type == "cuda" else None}
+                        "peak_memory_gb": peak}
         print(name, json.dumps(report[name]), flush=True)
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(report, indent=1))  # what finished, should a time limit stop the rest
@@ -239,7 +242,8 @@ def packing_comparison(a, report: dict, device, shape_kw: dict, batch: int, seq:
             torch.cuda.empty_cache()
     for family in ("megatron", "hf"):
         for name in ("packed", "packed_shared"):
-            report[f"{family}_{name}_speedup"] = report[f"{family}_padded"]["step_s"] / report[f"{family}_{name}"]["step_s"]
+            padded, packed = report[f"{family}_padded"]["step_s"], report[f"{family}_{name}"]["step_s"]
+            report[f"{family}_{name}_speedup"] = padded / packed
 
 
 def main() -> int:
