@@ -221,7 +221,9 @@ def _rotary_at(gpt, positions: Tensor):
     (or continue from a shared prompt). For one forward, the table hands each token the row of its own
     position instead (megatron applies a [T, 1, 1, dim] table token by token)."""
     rope = gpt.rotary_pos_emb
-    table = rope(int(positions.max()) + 1)  # [S, 1, 1, dim], megatron's own table (cached by length)
+    # [N, 1, 1, dim], megatron's own table (cached by length); a position is below N, the row's length, as
+    # every sequence (a shared prompt included) lies inside the row
+    table = rope(positions.numel())
     at = table[positions.to(table.device)]
     rope.forward = lambda *args, **kwargs: at
     try:
