@@ -184,6 +184,50 @@ def packing_step_fn(score, params, device):
     return step
 
 
+def diagnose(step, device, profile: bool) -> dict:
+    """Where one step's time goes: seconds until the step's work is queued (the host side) against until it
+    finished, the synchronising CUDA calls it makes (each stalls the host's run-ahead; file:line of the
+    caller), and with `profile` the CUDA kernels taking the most time."""
+    import warnings
+
+    import torch
+
+    out: dict = {}
+    sync(device)
+    t0 = time.perf_counter()
+    step()
+    out["queued_s"] = time.perf_counter() - t0
+    sync(device)
+    out["finished_s"] = time.perf_counter() - t0
+    if device.type != "cuda":
+        return out
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    where: dict = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            key = f"{Path(w.filename).name}:{w.lineno}"
+            where[key] = where.get(key, 0) + 1
+    out["synchronising_calls"] = where
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            sync(device)
+        rows = sorted(prof.key_averages(), key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)
+        out["cuda_ms_total"] = sum(getattr(e, "self_device_time_total", 0) for e in rows) / 1e3
+        out["top_cuda_kernels"] = [{"name": e.key[:90], "ms": getattr(e, "self_device_time_total", 0) / 1e3,
+                                    "calls": e.count} for e in rows[:12]]
+    return out
+
+
 def packing_comparison(a, report: dict, device, shape_kw: dict, batch: int, seq: int, steps: int) -> None:
     """Padded rows against one packed row (prompts repeated, and each group's prompt once), through GPTModel
     and through the HF model (the torch/fsdp2 path)."""
@@ -216,6 +260,7 @@ def packing_comparison(a, report: dict, device, shape_kw: dict, batch: int, seq:
         report["varlen_flash_checks"] = list(packed_attention._varlen_checks(device, torch.bfloat16))
     paths = {f"{family}_{name}": (model, layout) for family, model in (("megatron", twin), ("hf", hf))
              for name, layout in layouts.items()}
+    report["elapsed_s"] = {"setup": time.perf_counter() - a.started}
     start = {}
     with torch.no_grad(), autocast(device):
         for name, (model, layout) in paths.items():
@@ -234,6 +279,12 @@ def packing_comparison(a, report: dict, device, shape_kw: dict, batch: int, seq:
         report[name] = {"step_s": t, "step_times_s": times, "computed_tokens": layout.tokens,
                         "unique_tokens_per_s": unique / t, "mfu_unique_tokens": 6 * n * unique / t / PEAK_FLOPS,
                         "peak_memory_gb": peak}
+        if a.diagnose:
+            try:
+                report[name]["diagnosis"] = diagnose(step, device, profile=name.startswith("megatron"))
+            except Exception as e:  # noqa: BLE001 - a diagnosis that fails leaves the timings standing
+                report[name]["diagnosis"] = {"error": repr(e)[:400]}
+        report.setdefault("elapsed_s", {})[name] = time.perf_counter() - a.started
         print(name, json.dumps(report[name]), flush=True)
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(report, indent=1))  # what finished, should a time limit stop the rest
@@ -255,7 +306,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--packing", action="store_true", help="packed against padded rows of random lengths")
     ap.add_argument("--group", type=int, default=8, help="--packing: rows per group sharing a prompt")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="--packing: per path, host-queued against finished time, synchronising calls, kernels")
     a = ap.parse_args()
+    a.started = time.perf_counter()
     import torch
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
