@@ -258,6 +258,14 @@ def packing_comparison(a, report: dict, device, shape_kw: dict, batch: int, seq:
     assert packed_attention.install(hf) and packed_attention.install(twin)
     if device.type == "cuda":
         report["varlen_flash_checks"] = list(packed_attention._varlen_checks(device, torch.bfloat16))
+        report["cudnn_version"] = torch.backends.cudnn.version()
+        try:  # some torch releases route varlen_attn to cuDNN on sm90/sm100 (a private switch, if present)
+            from torch.nn.attention import varlen
+
+            choose = getattr(varlen, "_should_use_cudnn", None)
+            report["varlen_uses_cudnn"] = None if choose is None else bool(choose(torch.cuda.current_device()))
+        except Exception as e:  # noqa: BLE001
+            report["varlen_uses_cudnn"] = repr(e)[:200]
     paths = {f"{family}_{name}": (model, layout) for family, model in (("megatron", twin), ("hf", hf))
              for name, layout in layouts.items()}
     report["elapsed_s"] = {"setup": time.perf_counter() - a.started}
