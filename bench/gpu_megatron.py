@@ -17,7 +17,10 @@ and as one packed row with each group's prompt once (gymv.backends.packing; each
 to its own keys by gymv.backends.packed_attention: varlen flash on CUDA); the output layer runs at the
 scored positions (`logits_to_keep`), as gymv's trainers do. MFU there counts the unique tokens (prompts
 once) for every path; the report also has each path's loss on the starting weights and the packed paths'
-logprob difference from their padded twins.
+logprob difference from their padded twins. `--diagnose` adds, per path, the seconds until a step's work is
+queued against until it finished, the synchronising CUDA calls of one step, the top CUDA kernels of one
+profiled Megatron step, and a Megatron packed path with one SDPA call per sequence instead of the varlen
+kernel.
 
 Usage (GPU): python bench/gpu_megatron.py --out FILE.json [--packing]   (--cpu-smoke: a tiny shape on the CPU, fp32)
 """
@@ -266,21 +269,38 @@ def packing_comparison(a, report: dict, device, shape_kw: dict, batch: int, seq:
             report["varlen_uses_cudnn"] = None if choose is None else bool(choose(torch.cuda.current_device()))
         except Exception as e:  # noqa: BLE001
             report["varlen_uses_cudnn"] = repr(e)[:200]
-    paths = {f"{family}_{name}": (model, layout) for family, model in (("megatron", twin), ("hf", hf))
+    paths = {f"{family}_{name}": (model, layout, False) for family, model in (("megatron", twin), ("hf", hf))
              for name, layout in layouts.items()}
+    if a.diagnose:  # the packed row with one SDPA call per sequence instead of the varlen kernel
+        paths = dict(list(paths.items())[:3] + [("megatron_packed_per_segment", (twin, layouts["packed"], True))]
+                     + list(paths.items())[3:])
     report["elapsed_s"] = {"setup": time.perf_counter() - a.started}
+
+    def scorer(model, layout, per_segment: bool):
+        def score():
+            if not per_segment:
+                return layout.logprobs(model)
+            kernel = packed_attention._varlen
+            packed_attention._varlen = lambda *args, **kwargs: None
+            try:
+                return layout.logprobs(model)
+            finally:
+                packed_attention._varlen = kernel
+
+        return score
+
     start = {}
     with torch.no_grad(), autocast(device):
-        for name, (model, layout) in paths.items():
-            start[name] = layout.logprobs(model).float()
+        for name, (model, layout, per_segment) in paths.items():
+            start[name] = scorer(model, layout, per_segment)().float()
     for name in paths:
         if not name.endswith("_padded"):
             diff = (start[name] - start[name.rsplit("_packed", 1)[0] + "_padded"]).abs()
             report[f"logprob_abs_diff_{name}_vs_padded"] = {"max": diff.max().item(), "mean": diff.mean().item()}
     report["start_loss"] = {name: -lp.mean().item() for name, lp in start.items()}
-    for name, (model, layout) in paths.items():
-        step = packing_step_fn(lambda: layout.logprobs(model), [p for p in model.parameters() if p.requires_grad],
-                               device)
+    for name, (model, layout, per_segment) in paths.items():
+        step = packing_step_fn(scorer(model, layout, per_segment),
+                               [p for p in model.parameters() if p.requires_grad], device)
         times, _ = timed_steps(step, device, warmup=1 if a.cpu_smoke else 2, steps=steps)
         t = statistics.median(times)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
