@@ -6,10 +6,10 @@ sender casts to the generation dtype while flattening (bf16 generation gets half
 
 | transport | sender (training rank 0) | receiver (each generation worker) |
 |---|---|---|
-| object_store | flat numpy array returned through Ray (zero-copy reads on the receiving host) | views of it |
+| object_store | one numpy array per bucket put into Ray's object store (zero-copy reads on the host) | views of them |
 | shm | flat buffer written into one POSIX shared-memory segment, reused every step | views of the segment |
 | cuda_ipc | flat CUDA buffer, shared by a CUDA IPC handle (same GPU, no copy through the host) | views of it |
-| nccl | flat CUDA buffer broadcast over a dedicated NCCL group (trainer rank 0 + receivers) | its own flat buffer |
+| nccl | CUDA buckets broadcast over a dedicated NCCL group (trainer rank 0 + receivers) | its own flat buffer |
 
 The `collective` implementation behind `nccl` also runs on gloo (CPU), which is how it is tested here.
 Encoder-cache resets are the receiver's caller's job (GenerationWorker), after a refit that succeeded.
