@@ -1,7 +1,8 @@
 """Weight refit: the trainer's new weights reach the generation backend after each optimizer step.
 
-Every transport moves one flat buffer plus a `WeightLayout` (name, shape, offset of each tensor), so a
-receiver rebuilds views into the buffer and copies them into its live parameters with one pass. The
+Every transport moves one flat buffer (whole, or in buckets) plus a `WeightLayout` (name, shape, offset of
+each tensor), so a receiver rebuilds views into the buffer and copies them into its live parameters with one
+pass. The
 sender casts to the generation dtype while flattening (bf16 generation gets half the bytes).
 
 | transport | sender (training rank 0) | receiver (each generation worker) |
