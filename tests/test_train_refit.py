@@ -294,6 +294,19 @@ def test_a_failed_refit_changes_nothing_and_does_not_reset_the_cache(workers):
     assert after["weights_version"] == before["weights_version"] and w.weights_hash() == weights
 
 
+def test_a_bucketed_refit_whose_last_bucket_is_wrong_loads_none_of_the_earlier_ones(workers):
+    w = workers[True]
+    before, weights = w.stats(), w.weights_hash()
+    sd = {k: v * 2.0 for k, v in w.backend.model.state_dict().items()}
+    payload = make_sender("object_store", torch.float32, "cpu", bucket_mb=0.25).publish(sd)
+    assert len(payload["buckets"]) > 2
+    payload["buckets"][-1] = payload["buckets"][-1][:-1]
+    with pytest.raises(GymvError, match="none were loaded"):
+        w.receive(payload, version=9)
+    assert w.weights_hash() == weights and w.stats()["weights_version"] == before["weights_version"]
+    assert w.stats()["encoder_cache_resets"] == before["encoder_cache_resets"]
+
+
 def test_generation_worker_hash_matches_the_weights_it_received(workers):
     w = workers[False]
     sd = {k: v + 0.5 for k, v in w.backend.model.state_dict().items()}

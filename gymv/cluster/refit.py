@@ -424,8 +424,12 @@ class ObjectStoreReceiver(RefitReceiver):
         import ray
 
         layout: WeightLayout = payload["layout"]
+        spans = payload["spans"]
+        if len(payload["buckets"]) != len(spans):
+            raise GymvError(f"refit: {len(payload['buckets'])} buckets arrived, the layout has {len(spans)}; "
+                            "none were loaded", where="refit (object_store)", fix="see the training worker's error")
         buckets = []
-        for bucket in payload["buckets"]:
+        for k, bucket in enumerate(payload["buckets"]):
             if isinstance(bucket, ray.ObjectRef):
                 bucket = ray.get(bucket)
             with warnings.catch_warnings():  # Ray hands out read-only arrays; they are only read here
@@ -433,8 +437,12 @@ class ObjectStoreReceiver(RefitReceiver):
                 flat = torch.from_numpy(bucket)
             if layout.torch_dtype == torch.bfloat16:
                 flat = flat.view(torch.bfloat16)
+            if flat.numel() != spans[k][1] - spans[k][0]:
+                raise GymvError(f"refit: bucket {k} holds {flat.numel()} elements, its slice of the layout "
+                                f"{spans[k][1] - spans[k][0]}; none were loaded", where="refit (object_store)",
+                                fix="the sender and receivers must run the same gymv")
             buckets.append(flat.to(self.device))
-        return stage_buckets(buckets, payload["spans"], layout)
+        return stage_buckets(buckets, spans, layout)
 
 
 def _untrack_shm(shm) -> None:
