@@ -199,7 +199,8 @@ def pack_buckets(pairs: Iterable, layout: WeightLayout, spans: list[tuple[int, i
         yield k, buf
 
 
-def stage_buckets(buckets: list[torch.Tensor], spans: list[tuple[int, int]], layout: WeightLayout) -> dict[str, torch.Tensor]:
+def stage_buckets(buckets: list[torch.Tensor], spans: list[tuple[int, int]],
+                  layout: WeightLayout) -> dict[str, torch.Tensor]:
     """Named tensors from received buckets: views where a tensor lies in one bucket, a joined copy where it
     spans several."""
     starts = [start for start, _ in spans]
