@@ -206,6 +206,12 @@ def test_a_collective_refit_that_fails_midway_loads_nothing_and_the_next_one_wor
     for t in threads:
         t.join(timeout=60)
     assert errors == [] and results == {1: weights_hash(_state(seed=2))}
+    results, errors, threads = _receive_all(receivers)
+    with pytest.raises(GymvError, match="changed names or shapes"):  # refused before any bucket: still aborted
+        sender.publish(dict(_state(), **{"layer.bias": torch.zeros(4)}))
+    for t in threads:
+        t.join(timeout=60)
+    assert results == {} and len(errors) == 1 and "failed midway" in str(errors[0])
 
 
 def test_collective_transport_broadcasts_over_its_own_process_group():

@@ -626,7 +626,9 @@ class CollectiveSender(RefitSender):
     def _layout(self, state_dict) -> WeightLayout:
         layout = make_layout(state_dict, self.dtype)
         if self.layout is not None and layout != self.layout:
-            raise GymvError("refit: the weights changed names or shapes since the receivers joined", where="refit",
+            if self._pg is not None:  # receivers already wait in the broadcasts of the old layout
+                self._abort(self.spans(self.layout), 0)
+            raise GymvError("the weights changed names or shapes since the receivers joined", where="refit",
                             fix="the trainer's parameters must keep their names and shapes")
         self.layout = layout
         return layout
