@@ -2,8 +2,9 @@
 loaded from and written back to HF names by gymv's own mapping (gymv.backends.training.megatron_weights).
 
 Everything around the model is the `torch` backend's: the same losses over `training_sample`, token-budget
-micro-batches, data parallel over the trainer's ranks, torch AdamW (megatron's distributed optimizer needs
-its DDP wrapper and gradient buffers, which gymv does not build yet), bf16 autocast on CUDA. Checkpoints and exports are HF
+micro-batches, data parallel over the trainer's ranks, torch AdamW (megatron's distributed optimizer, with its DDP
+wrapper and gradient buffers, allocates on CUDA and accepts only CUDA parameters, so no CPU test could check
+it: docs/training.md, "Why not megatron's distributed optimizer"), bf16 autocast on CUDA. Checkpoints and exports are HF
 folders (weights under HF names, so a checkpoint loads with `from_pretrained` too); refits send HF names.
 
 Wired here: text decoders (Llama, Qwen2, Qwen3) and LLaVA-style, Qwen2-VL and Qwen2.5-VL vision-language
