@@ -2,7 +2,7 @@
 attending to itself (and to its group's shared prompt) alone, with its own rotary positions; the packed step
 gives the padded Megatron step's logprobs, entropies, loss, gradient norm and weights, and the torch
 backend's packed step's, within fp32 tolerance, for a text LM, LLaVA with images inside the row and
-Qwen2.5-VL's 3-D positions."""
+Qwen2-VL's and Qwen2.5-VL's 3-D positions."""
 
 from __future__ import annotations
 
@@ -63,10 +63,10 @@ def _scores(backend, samples):
 
 IMAGES = {"tiny-qwen3": [[], [], [], []],
           "tiny-llava": [[solid("red")], [noise(3)], [], [noise(4)]],
+          "tiny-qwen2vl": [[noise(7)], [], [solid("blue")], [noise(8)]],
           "tiny-qwen2_5vl": [[noise(5)], [solid("green")], [noise(6)], []]}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(IMAGES))
 def test_a_packed_megatron_step_equals_the_padded_one_and_the_torch_backends_packed_one(arch):
     from gymv.algorithms.loss_fns import PolicyLoss
