@@ -39,6 +39,7 @@ class WorkerSpec:
     temperature: float = 1.0
     threads: int | None = None
     refit_transport: str = "object_store"
+    refit_bucket_mb: float = 256.0  # refit.bucket_mb: the size of each bucket a refit ships (0: one shot)
     reset_encoder_cache: bool = False
     trainer: dict = field(default_factory=dict)  # TrainerConfig fields
     warmup_steps: int = 0
@@ -361,7 +362,8 @@ class TrainingWorker:
     def refit_open(self, num_receivers: int) -> dict | None:
         from gymv.cluster.refit import make_sender
 
-        self.sender = make_sender(self.spec.refit_transport, self._generation_dtype(), self.device, num_receivers)
+        self.sender = make_sender(self.spec.refit_transport, self._generation_dtype(), self.device, num_receivers,
+                                  self.spec.refit_bucket_mb)
         return {"info": self.sender.rendezvous(self._weights_to_send()), "in_band": self.sender.in_band}
 
     def refit_connect(self) -> None:

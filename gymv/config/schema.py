@@ -168,6 +168,8 @@ class TrainingSection(Section):
 
 class RefitSection(Section):
     transport: str = "object_store"
+    # MiB per bucket that object_store and nccl ship while the next fills (0: the whole buffer at once)
+    bucket_mb: NonNegFloat = 256.0
 
     @field_validator("transport")
     @classmethod

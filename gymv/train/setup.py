@@ -130,6 +130,7 @@ def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature
         generation_max_batch=cfg.generation.max_batch,
         temperature=cfg.generation.temperature if temperature is None else temperature,
         refit_transport=cfg.refit.transport,
+        refit_bucket_mb=cfg.refit.bucket_mb,
         reset_encoder_cache=cfg.generation.reset_encoder_cache_after_weight_update,
         trainer={"lr": t.lr, "betas": tuple(t.betas), "eps": t.eps, "weight_decay": t.weight_decay,
                  "max_grad_norm": t.max_grad_norm, "micro_batch_tokens": t.micro_batch_tokens, "precision": precision},

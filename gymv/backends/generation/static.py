@@ -854,7 +854,7 @@ def _draw(logits, forbidden, temperature, top_p, seeds, step, vocab, done, stop_
         tok = (drawn + gumbel_noise(seeds, step, vocab)).argmax(-1)
     lp = (z.gather(-1, tok[:, None]) - lse).squeeze(-1)
     tok = torch.where(done, torch.full_like(tok, pad), tok)
-    return tok, lp, done | torch.isin(tok, stop_ids)
+    return tok, lp, done | (tok.unsqueeze(-1) == stop_ids).any(-1)  # torch.isin cannot be captured in a CUDA graph
 
 
 def _lm_head(x, norm, head, *, eps: float):
