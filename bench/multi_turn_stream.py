@@ -68,15 +68,17 @@ class Metered:
         self.inner = inner
         self.reset()
 
+    SUMMED = ("decode_steps", "new_tokens", "row_steps", "joined", "refill_calls", "repacks", "prefill_rows",
+              "capture_s", "encode_s", "prefill_s", "decode_s", "refill_s", "idle_s", "handoff_s")
+
     def reset(self):
-        self.m = {"calls": 0, "decode_steps": 0, "new_tokens": 0, "row_steps": 0, "joined": 0, "capture_s": 0.0}
+        self.m = dict.fromkeys(self.SUMMED, 0) | {"calls": 0}
 
     def _add(self):
         t = self.inner.last_timing
         self.m["calls"] += 1
-        for k in ("decode_steps", "new_tokens", "joined", "capture_s"):
+        for k in self.SUMMED:
             self.m[k] += t.get(k, 0)
-        self.m["row_steps"] += t["row_steps"]
 
     def generate(self, requests, params):
         out = self.inner.generate(requests, params)
@@ -141,12 +143,12 @@ def main() -> None:
         wall = time.perf_counter() - t0
         m = backend.m
         return {"mode": "streamed" if streamed else "turn-synchronous", "sync_every": backend.sync_every,
-                "episodes": n, "wall_s": wall,
-                "episodes_per_s": n / wall, "generation_s": stats["generation_s"], "turns": sum(t.turns for t in trajs),
-                "truncated": sum(t.truncated for t in trajs), "errors": sum(t.error is not None for t in trajs),
-                "backend_calls": m["calls"], "decode_steps": m["decode_steps"], "new_tokens": m["new_tokens"],
-                "slot_occupancy": m["new_tokens"] / max(1, m["row_steps"]), "row_steps": m["row_steps"], "joined": m["joined"],
-                "capture_s": m["capture_s"], "env_step_s": stats["breakdown/env_step_s"]}
+                "episodes": n, "wall_s": wall, "episodes_per_s": n / wall, "generation_s": stats["generation_s"],
+                "turns": sum(t.turns for t in trajs), "truncated": sum(t.truncated for t in trajs),
+                "errors": sum(t.error is not None for t in trajs), "backend_calls": m["calls"],
+                "slot_occupancy": m["new_tokens"] / max(1, m["row_steps"]), "env_step_s": stats["breakdown/env_step_s"],
+                **{k: m[k] for k in Metered.SUMMED if not k.endswith("_s")},
+                **{f"backend_{k}": m[k] for k in Metered.SUMMED if k.endswith("_s")}}
 
     result = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
               "model": model, "params": sum(p.numel() for p in policy.model.parameters()), "build_s": build_s,
@@ -165,10 +167,16 @@ def main() -> None:
             (a.out / "multi_turn_stream.json").write_text(json.dumps(result, indent=2))
         backend.drop_graphs()
     cols = ("mode", "sync_every", "episodes", "wall_s", "episodes_per_s", "generation_s", "turns", "decode_steps",
-            "new_tokens", "row_steps", "slot_occupancy", "joined", "capture_s", "truncated", "errors")
+            "new_tokens", "row_steps", "slot_occupancy", "joined", "truncated", "errors")
     print(" | ".join(cols))
     for r in result["runs"]:
         print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
+    split = ("mode", "sync_every", "prefill_rows", "backend_prefill_s", "backend_decode_s", "backend_refill_s",
+             "backend_idle_s", "backend_handoff_s", "backend_capture_s", "refill_calls", "repacks")
+    print("where the backend's time went (refill_s: the prefills of requests that joined mid-session)")
+    print(" | ".join(split))
+    for r in result["runs"]:
+        print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in split))
     for sync, streamed in zip(result["runs"][::2], result["runs"][1::2]):
         print(f"sync_every {sync['sync_every']}: streamed / turn-synchronous "
               f"{streamed['episodes_per_s'] / sync['episodes_per_s']:.2f}x episodes/s, "

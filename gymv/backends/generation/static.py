@@ -541,7 +541,7 @@ class StaticDecodeBackend(HFGenerationBackend):
         use_graph = self.cuda_graphs and dev.type == "cuda"
         C = self.ATTENTION_CHUNK
         capture_s = refill_s = idle_s = handoff_s = 0.0
-        steps = refills = joined = repacks = new_tokens = row_steps = 0  # joined: taken while other rows decoded
+        steps = refills = refill_calls = joined = repacks = new_tokens = row_steps = 0  # joined: while others decoded
         pinned = dev.type == "cuda"
 
         def host_buffers(B: int, state: _State) -> tuple:
@@ -591,7 +591,7 @@ class StaticDecodeBackend(HFGenerationBackend):
             pending.record()
 
         def refill(batch: list) -> None:
-            nonlocal refills, refill_s, joined
+            nonlocal refills, refill_calls, refill_s, joined
             tr = time.perf_counter()
             free = [s_ for s_ in range(usable) if slot_req[s_] is None]
             ids, reqs, seeds = admit(batch)
@@ -600,6 +600,7 @@ class StaticDecodeBackend(HFGenerationBackend):
             for s_, r in zip(take, ids):
                 slot_req[s_], filled_at[s_], start_col[s_], checked[s_], cap_of[s_] = r, steps, Lf, 0, caps[r]
             refills += len(take)
+            refill_calls += 1
             if any(slot_req[s_] is not None for s_ in range(Bb) if s_ not in take):
                 joined += len(take)
             if dev.type == "cuda":  # flags copied before the refill describe the slots' old requests
@@ -733,7 +734,8 @@ class StaticDecodeBackend(HFGenerationBackend):
                             "refill_s": refill_s, "idle_s": idle_s, "handoff_s": handoff_s, "total_s": t_end - t0,
                             "new_tokens": new_tokens, "decode_steps": steps, "batch": len(caps),
                             "batch_bucket": Bb, "slots": usable, "cache_len": st.S, "refills": refills,
-                            "joined": joined, "repacks": repacks, "row_steps": row_steps}
+                            "refill_calls": refill_calls, "joined": joined, "repacks": repacks,
+                            "row_steps": row_steps}
 
     def _capture_or_uncompile(self, st: _State, greedy: bool, nucleus: bool, window: int) -> None:
         """Capture; if that fails, capture again with the split attention kernel off (SDPA), then uncompiled."""
