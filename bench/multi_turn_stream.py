@@ -10,7 +10,10 @@ the decoder ran, summed over its steps: its compute), slot occupancy (sampled to
 those rows doing useful work), and requests that joined a running batch. Each mode runs once unmeasured first
 (graph capture; the decoder keeps up to 16 cache shapes, so measured runs capture little: `capture_s` says).
 
-Usage: python bench/multi_turn_stream.py --out DIR [--episodes 128] [--cpu-smoke]
+`--join-every N` adds, per `--sync-every` value below N, a streamed run whose decoder lets N steps pass between
+two mid-session refills (`StaticDecodeBackend(join_every=N)`): fewer, larger refills.
+
+Usage: python bench/multi_turn_stream.py --out DIR [--episodes 128] [--join-every 16] [--cpu-smoke]
 """
 
 from __future__ import annotations
@@ -102,6 +105,8 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=5.0)
     ap.add_argument("--sync-every", default="4,16", help="decode steps between the decoder's host checks (a list: "
                     "both modes run at each)")
+    ap.add_argument("--join-every", type=int, default=None, help="also run streamed with the decoder's join_every at "
+                    "this many steps (fewer, larger mid-session refills)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no further --sync-every value after this many "
                     "seconds (the results so far are kept)")
     ap.add_argument("--layers", type=int, default=None, help="text layers of the model (default: the 0.8B shape's 16)")
@@ -142,7 +147,10 @@ def main() -> None:
                              streamed=streamed, stats=stats)
         wall = time.perf_counter() - t0
         m = backend.m
-        return {"mode": "streamed" if streamed else "turn-synchronous", "sync_every": backend.sync_every,
+        mode = "streamed" if streamed else "turn-synchronous"
+        if streamed and backend.join_every:
+            mode += f" join {backend.join_every}"
+        return {"mode": mode, "sync_every": backend.sync_every,
                 "episodes": n, "wall_s": wall, "episodes_per_s": n / wall, "generation_s": stats["generation_s"],
                 "turns": sum(t.turns for t in trajs), "truncated": sum(t.truncated for t in trajs),
                 "errors": sum(t.error is not None for t in trajs), "backend_calls": m["calls"],
@@ -160,9 +168,11 @@ def main() -> None:
             print(f"sync_every {every}: skipped, over --budget-s {a.budget_s:.0f}", flush=True)
             continue
         backend = Metered(StaticDecodeBackend.from_policy(policy, compile=False, sync_every=every, max_states=16))
+        joins = [None] + ([a.join_every] if a.join_every and a.join_every > every else [])
         for streamed in (False, True):  # unmeasured: captures the graphs each mode's shapes need
             once(backend, streamed, a.episodes)
-        for streamed in (False, True):
+        for streamed, join in [(False, None)] + [(True, j) for j in joins]:
+            backend.inner.join_every = join
             result["runs"].append(once(backend, streamed, a.episodes))
             (a.out / "multi_turn_stream.json").write_text(json.dumps(result, indent=2))
         backend.drop_graphs()
@@ -177,10 +187,12 @@ def main() -> None:
     print(" | ".join(split))
     for r in result["runs"]:
         print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in split))
-    for sync, streamed in zip(result["runs"][::2], result["runs"][1::2]):
-        print(f"sync_every {sync['sync_every']}: streamed / turn-synchronous "
-              f"{streamed['episodes_per_s'] / sync['episodes_per_s']:.2f}x episodes/s, "
-              f"{streamed['decode_steps'] / max(1, sync['decode_steps']):.2f}x decode steps", flush=True)
+    for sync in (r for r in result["runs"] if r["mode"] == "turn-synchronous"):
+        for streamed in (r for r in result["runs"]
+                         if r["mode"] != sync["mode"] and r["sync_every"] == sync["sync_every"]):
+            print(f"sync_every {sync['sync_every']}: {streamed['mode']} / turn-synchronous "
+                  f"{streamed['episodes_per_s'] / sync['episodes_per_s']:.2f}x episodes/s, "
+                  f"{streamed['decode_steps'] / max(1, sync['decode_steps']):.2f}x decode steps", flush=True)
 
 
 if __name__ == "__main__":

@@ -254,3 +254,13 @@ def test_the_default_serve_generates_ready_requests_together_and_cuts_each_to_it
     full = backend.generate(reqs, params)
     assert [got[i].token_ids for i in range(2)] == [full[0].token_ids[:2], full[1].token_ids[:5]]
     assert [got[i].finish_reason for i in range(2)] == ["length", "length"]
+
+
+def test_a_session_joins_no_request_into_running_rows_before_join_every_steps(policy):
+    every_check = StaticDecodeBackend.from_policy(policy, sync_every=1)
+    never_mid_decode = StaticDecodeBackend.from_policy(policy, sync_every=1, join_every=10_000)
+    data = rows((3, 4, 2, 4, 3, 1))
+    same_trajectories(run(policy, never_mid_decode, greedy(policy), data, streamed=True),
+                      run(policy, every_check, greedy(policy), data, streamed=True))
+    assert never_mid_decode.last_timing["joined"] == 0  # requests waited until no row was decoding
+    assert never_mid_decode.last_timing["refill_calls"] > 0

@@ -167,7 +167,10 @@ class StaticDecodeBackend(HFGenerationBackend):
     reuses one compiled graph); if compiling fails the step runs uncompiled. On CUDA a call or session
     takes fewer rows than asked where their cache would fill more than `max_cache_fraction` of the free
     device memory (a session's cache is as long as its `max_seq_len`; a session that shrinks its batch keeps
-    the smaller buckets' states too, under twice the first's size); None: no limit. `fuse_weights` stores each
+    the smaller buckets' states too, under twice the first's size); None: no limit. `join_every` (None: at
+    every check) is how many steps a session lets pass between two refills while other rows decode: each
+    refill has a fixed cost (a sync, a prefill), so fewer, larger ones can be cheaper; rows that finish are
+    still handed back at every check. `fuse_weights` stores each
     layer's q/k/v and gate/up weights in one tensor, the model's parameters becoming views of it, so one
     matrix product reads them (refits that copy into the parameters, as `update_weights` does, reach it).
 
@@ -184,7 +187,8 @@ class StaticDecodeBackend(HFGenerationBackend):
     def __init__(self, model, tokenizer, adapter, *, seed: int = 0, max_cached_images: int = 4096,
                  cuda_graphs: bool | None = None, sync_every: int = 16, max_states: int = 4,
                  compile: bool | None = None, fuse_weights: bool = True, chat_template: str | None = None,
-                 attention: str = "auto", max_batch: int = 256, max_cache_fraction: float | None = 0.4):
+                 attention: str = "auto", max_batch: int = 256, max_cache_fraction: float | None = 0.4,
+                 join_every: int | None = None):
         super().__init__(model, tokenizer, adapter, seed=seed, max_cached_images=max_cached_images,
                          chat_template=chat_template)
         tm = text_model(model)
@@ -208,6 +212,7 @@ class StaticDecodeBackend(HFGenerationBackend):
         self.fuse_weights = fuse_weights
         self.max_batch = max(1, max_batch)
         self.max_cache_fraction = max_cache_fraction
+        self.join_every = join_every
         self._pad = 0
         self._times = {"encode_s": 0.0, "prefill_s": 0.0, "prefill_rows": 0}
         if attention not in ATTENTION_KERNELS:
@@ -542,6 +547,7 @@ class StaticDecodeBackend(HFGenerationBackend):
         C = self.ATTENTION_CHUNK
         capture_s = refill_s = idle_s = handoff_s = 0.0
         steps = refills = refill_calls = joined = repacks = new_tokens = row_steps = 0  # joined: while others decoded
+        last_join = 0
         pinned = dev.type == "cuda"
 
         def host_buffers(B: int, state: _State) -> tuple:
@@ -591,7 +597,7 @@ class StaticDecodeBackend(HFGenerationBackend):
             pending.record()
 
         def refill(batch: list) -> None:
-            nonlocal refills, refill_calls, refill_s, joined
+            nonlocal refills, refill_calls, refill_s, joined, last_join
             tr = time.perf_counter()
             free = [s_ for s_ in range(usable) if slot_req[s_] is None]
             ids, reqs, seeds = admit(batch)
@@ -601,6 +607,7 @@ class StaticDecodeBackend(HFGenerationBackend):
                 slot_req[s_], filled_at[s_], start_col[s_], checked[s_], cap_of[s_] = r, steps, Lf, 0, caps[r]
             refills += len(take)
             refill_calls += 1
+            last_join = steps
             if any(slot_req[s_] is not None for s_ in range(Bb) if s_ not in take):
                 joined += len(take)
             if dev.type == "cuda":  # flags copied before the refill describe the slots' old requests
@@ -720,7 +727,8 @@ class StaticDecodeBackend(HFGenerationBackend):
                     parked += finished
                 else:
                     harvest(finished)
-            if not feed.exhausted() and any(slot_req[s_] is None for s_ in range(usable)):
+            due = self.join_every is None or steps - last_join >= self.join_every
+            if due and not feed.exhausted() and any(slot_req[s_] is None for s_ in range(usable)):
                 batch = feed.take(sum(slot_req[s_] is None for s_ in range(usable)), block=False)
                 if batch:
                     refill(batch)
