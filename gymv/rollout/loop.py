@@ -187,6 +187,7 @@ def run_rollouts(backend: GenerationBackend, adapter, tokenizer, chat_template: 
     t0 = time.perf_counter()
     _each(_open, episodes)
     t1 = time.perf_counter()
+    cache.prefetch(im for ep in episodes if ep.error is None for m in ep.state.messages for im in m.images)
     for ep in episodes:
         _start(ep, renderer, cache, adapter, max_seq_len=max_seq_len, max_images=max_images)
     env_s = time.perf_counter() - t0
