@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from gymv.backends.chunked_scores import chunked_scores
 from gymv.backends.hf_forward import forward_logits
 from gymv.backends.multimodal import MultimodalAdapter, image_hash, preprocess_threaded
 from gymv.backends.packing import PackedRow, pack
@@ -388,14 +389,19 @@ def token_scores(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temp
         scored = logits[rows, k], rows, t
     logits, rows, t = scored
     forbidden = forbidden_mask(logits.shape[-1], forbidden_ids, logits.device)
-    z = policy_logits(logits, temperature, forbidden)  # [N, V]
     target = ids_cpu.to(dev)[rows, t + 1]
+    B, T = ids_cpu.shape
+    if gather_ids is None:  # never the whole [N, V] in float32 at once
+        lp, ent, _ = chunked_scores(logits, target, forbidden, temperature, return_entropy)
+        logprobs = lp.new_zeros((B, T)).index_put((rows, t + 1), lp)
+        entropies = ent.new_zeros((B, T)).index_put((rows, t + 1), ent) if return_entropy else None
+        return TokenScores(logprobs, entropies, None)
+    z = policy_logits(logits, temperature, forbidden)  # [N, V]
     lse = torch.logsumexp(z, dim=-1)
     picked = z.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     lp = picked - lse
     if forbidden is not None:
         lp = torch.where(forbidden[target], torch.zeros_like(lp), lp)
-    B, T = ids_cpu.shape
     logprobs = lp.new_zeros((B, T)).index_put((rows, t + 1), lp)
     entropies = candidates = None
     if return_entropy:

@@ -157,7 +157,7 @@ class FSDPTrainer(TorchTrainer):
     """TorchTrainer whose model is sharded with FSDP2 over the default process group (see the module doc)."""
 
     lockstep = True
-    foreach = True  # as on CUDA, also on a CPU: the tests then run the step the GPU runs
+    fused = True  # as on CUDA, also on a CPU: the tests then run the step the GPU runs (DTensor shards)
 
     def __init__(self, model, logprob_fn, config, *, sharding: ShardingConfig = ShardingConfig(),
                  trainable: bool = True, **kwargs):
@@ -203,7 +203,7 @@ class FSDPTrainer(TorchTrainer):
         return super()._forward(mb)
 
     def _param_groups(self) -> list:
-        """Sharded (DTensor) and replicated (plain) parameters in separate groups: on CUDA, AdamW's foreach
+        """Sharded (DTensor) and replicated (plain) parameters in separate groups: AdamW's fused and foreach
         kernels take one group at a time and cannot mix DTensors with plain tensors."""
         ids = {id(p) for p in self.replicated}
         sharded = [p for p in self.params if id(p) not in ids]
