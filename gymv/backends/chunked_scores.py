@@ -44,6 +44,7 @@ class _ChunkedScores(torch.autograd.Function):
         if forbidden is not None:  # a forbidden target (an image placeholder) scores 0, as in sampling
             lp = torch.where(forbidden[target], torch.zeros_like(lp), lp)
         ctx.save_for_backward(logits, target, lse, forbidden)
+        ctx.set_materialize_grads(False)  # an unused entropy (a logged metric) then costs no backward work
         ctx.temperature, ctx.want_entropy = temperature, want_entropy
         ctx.mark_non_differentiable(lse)
         return (lp, ent, lse) if want_entropy else (lp, lse)
@@ -54,6 +55,8 @@ class _ChunkedScores(torch.autograd.Function):
         g_ent = rest[0] if ctx.want_entropy else None
         t = float(ctx.temperature)
         scale = 1.0 / t if t > 0 and t != 1.0 else 1.0
+        if g_lp is None and g_ent is None:
+            return None, None, None, None, None
         g_lp = g_lp.float() if g_lp is not None else torch.zeros_like(lse)
         if forbidden is not None:
             g_lp = torch.where(forbidden[target], torch.zeros_like(g_lp), g_lp)
