@@ -178,10 +178,12 @@ def run_name(run) -> str:
 KINDS = [("matmul", ("gemm", "matmul", "aten::mm", "aten::addmm", "aten::bmm", "cutlass", "sm90_xmma", "nvjet")),
          ("attention", ("flash", "attn", "fmha", "attention")),
          ("compiled (triton)", ("triton_",)),
+         ("communication", ("nccl",)),
+         ("optimizer", ("adam", "foreach", "multi_tensor")),
          ("dtype copies", ("copy_", "_to_copy", "cast", "convert")),
+         ("indexing", ("index", "gather", "scatter")),
          ("elementwise", ("elementwise", "mul", "add", "silu", "pow", "rsqrt", "neg", "cat", "where", "exp", "sub",
-                          "div", "mean", "sum", "reduce")),
-         ("optimizer", ("adam", "foreach", "multi_tensor"))]
+                          "div", "mean", "sum", "reduce"))]
 
 
 def profile_summary(averages, key: str, limit: int = 25, kernels_only: bool = False) -> dict:
