@@ -29,7 +29,7 @@ Before the runs, `parity`: packed against padded logprobs of the same weights (b
 --compile off|on|both runs each run eager, with training.compile (each decoder layer compiled), or both;
 `first_step_s` is the warm-up step (with compile: the compilation). --runs picks runs by name
 (`<shape>-<backend>-packed|padded[-ckpt]`), `@TOKENS` sets micro_batch_tokens, `:eager` or `:compile` one
-variant. computed_tokens_rank0: the tokens rank 0's forward passes run
+variant, `:keep` training.fsdp.reshard_after_forward false. computed_tokens_rank0: the tokens rank 0's forward passes run
 (packed rows' lengths, or padded rows x longest), to check that each group's prompt runs once.
 
 Usage: python bench/gpu_train.py --out DIR [--shapes 0.8b,3b,7b] [--runs SPEC] [--compile off|on|both]
@@ -214,20 +214,21 @@ def profile_summary(averages, key: str, limit: int = 25, kernels_only: bool = Fa
 
 
 def select_runs(spec: str, shapes: list[str], variants: list[bool]) -> list[tuple]:
-    """(run, compile, micro_batch_tokens or None) to measure, in order. `spec`: comma-separated
-    `NAME[@TOKENS][:eager|:compile]` (TOKENS: micro_batch_tokens instead of the default; without a
-    variant, each of `variants`); empty: every run of `shapes`, each variant."""
+    """(run, compile, micro_batch_tokens or None, keep_gathered) to measure, in order. `spec`: comma-separated
+    `NAME[@TOKENS][:eager|:compile][:keep]` (TOKENS: micro_batch_tokens instead of the default; without
+    eager/compile, each of `variants`; keep: training.fsdp.reshard_after_forward false, the gathered weights
+    kept from forward to backward); empty: every run of `shapes`, each variant."""
     if not spec:
-        return [(run, c, None) for run in RUNS if run[0] in shapes for c in variants]
+        return [(run, c, None, False) for run in RUNS if run[0] in shapes for c in variants]
     by_name = {run_name(run): run for run in RUNS}
     out = []
     for item in spec.split(","):
-        item, _, variant = item.partition(":")
-        name, _, tokens = item.partition("@")
-        if name not in by_name or variant not in ("", "eager", "compile"):
-            sys.exit(f"--runs: unknown run {item!r} (known: {', '.join(by_name)}; variant :eager or :compile)")
-        chosen = [variant == "compile"] if variant else variants
-        out += [(by_name[name], c, int(tokens) if tokens else None) for c in chosen]
+        head, *options = item.split(":")
+        name, _, tokens = head.partition("@")
+        if name not in by_name or not set(options) <= {"eager", "compile", "keep"}:
+            sys.exit(f"--runs: unknown run {item!r} (known: {', '.join(by_name)}; options :eager, :compile, :keep)")
+        modes = [o == "compile" for o in options if o in ("eager", "compile")] or variants
+        out += [(by_name[name], c, int(tokens) if tokens else None, "keep" in options) for c in modes]
     return out
 
 
@@ -251,7 +252,8 @@ def computed_tokens(backend, batch) -> int:
 
 
 def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, seed: int, smoke: bool,
-            profile: bool = False, compile_layers: bool = False, micro_batch_tokens: int | None = None) -> dict:
+            profile: bool = False, compile_layers: bool = False, micro_batch_tokens: int | None = None,
+            keep_gathered: bool = False) -> dict:
     import torch
 
     from gymv.algorithms.loss_fns import PolicyLoss
@@ -269,7 +271,8 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
     setup = TrainingSetup(model_path=str(policy.path), device=device, seed=seed, gradient_checkpointing=ckpt,
                           optimizer={"lr": 1e-6, "precision": "fp32" if smoke else "bf16",
                                      "micro_batch_tokens": micro_batch_tokens or (2048 if smoke else 16384)},
-                          sequence_packing=packing, compile=compile_layers)
+                          sequence_packing=packing, compile=compile_layers,
+                          sharding={"reshard_after_forward": not keep_gathered})
     cls = HFFSDPBackend if backend_name == "fsdp2" else HFTorchBackend
     backend = cls(policy, setup, device=device, rank=rank, world_size=world)
     all_samples = rollouts(policy, groups * world, seed, smoke)
@@ -319,7 +322,7 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
     flops = 6 * counts["decoder"] * unique + 6 * counts["head"] * generated
     flops_all = 6 * counts["decoder"] * total + 6 * counts["head"] * generated
     out = {"run": run_name(run), "compile": compile_layers, "first_step_s": first_step_s,
-           "micro_batch_tokens": setup.optimizer["micro_batch_tokens"],
+           "micro_batch_tokens": setup.optimizer["micro_batch_tokens"], "reshard_after_forward": not keep_gathered,
            "shape": shape_name, "backend": backend_name, "sequence_packing": packing, "activation_checkpointing": ckpt,
            "ranks": world, "samples": len(all_samples), "tokens": total, "unique_tokens": unique,
            "computed_tokens_rank0": computed_tokens(backend, [as_tensors(dict(s)) for s in mine]),
@@ -405,20 +408,20 @@ def worker(rank: int, world: int, port: int, a) -> None:
         print("parity", json.dumps(result["parity"]), flush=True)
     profiled = False
     selected = select_runs(a.runs, shapes, {"off": [False], "on": [True], "both": [False, True]}[a.compile])
-    for run, compiled, tokens in selected:
+    for run, compiled, tokens, keep in selected:
         # --profile: the first run's first variant; --profile compile: its compiled variant
         profile_this = a.profile is not None and not profiled and (a.profile != "compile" or compiled)
         if time.time() - start > a.budget_s:
             row = {"run": run_name(run), "compile": compiled, "micro_batch_tokens": tokens,
-                   "error": "skipped: time budget"}
+                   "reshard_after_forward": not keep, "error": "skipped: time budget"}
         else:
             try:
                 row = one_run(run, base, rank, world, device, a.steps, a.seed, smoke, profile=profile_this,
-                              compile_layers=compiled, micro_batch_tokens=tokens)
+                              compile_layers=compiled, micro_batch_tokens=tokens, keep_gathered=keep)
                 profiled = profiled or profile_this
             except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
                 row = {"run": run_name(run), "compile": compiled, "micro_batch_tokens": tokens,
-                       "error": f"{type(e).__name__}: {e}",
+                       "reshard_after_forward": not keep, "error": f"{type(e).__name__}: {e}",
                        "trace": traceback.format_exc()[-3000:]}
                 gc.collect()
                 if not smoke:
@@ -454,7 +457,7 @@ def main() -> None:
     ap.add_argument("--profile", nargs="?", const="first", choices=["first", "compile"], default=None,
                     help="profile one extra step of the first run (`compile`: of its compiled variant); printed, "
                          "and summed by kind of kernel in the JSON")
-    ap.add_argument("--runs", default="", help="comma-separated NAME[@TOKENS][:eager|:compile], in this order "
+    ap.add_argument("--runs", default="", help="comma-separated NAME[@TOKENS][:eager|:compile][:keep], in this order "
                                                "(e.g. 0.8b-fsdp2-packed,0.8b-fsdp2-packed@32768:compile); "
                                                "default: every run of --shapes")
     ap.add_argument("--compile", choices=["off", "on", "both"], default="off",
