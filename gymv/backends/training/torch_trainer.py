@@ -119,6 +119,9 @@ class TorchTrainer:
     def _sync_grads(self) -> None:
         self.dp.sum_grads_(self.params)
 
+    def _before_backward(self, last: bool) -> None:
+        """Called before each micro-batch of a step; `last`: no backward pass of this step follows it."""
+
     def _grad_norm(self) -> Tensor:
         grads = [p.grad for p in self.params if p.grad is not None]
         return torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros((), device=self.device)
@@ -195,8 +198,9 @@ class TorchTrainer:
         idle = self._micro_batches_to_match(len(plan))
         mb = None
         losses: list[Tensor] = []  # checked once after the last backward: a check per micro-batch waits on the device
-        for indices in plan:
+        for n, indices in enumerate(plan):
             mb = _to_device(self.collate_fn([samples[i] for i in indices]), self.device)
+            self._before_backward(last=n == len(plan) - 1 and not idle)
             logp, entropy, candidates = self._forward(mb)
             extra = {"candidates": candidates} if candidates is not None else {}
             loss, metrics = loss_fn(mb, logp, entropy, counts, **extra)
