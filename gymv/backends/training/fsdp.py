@@ -221,27 +221,39 @@ class FSDPTrainer(TorchTrainer):
         if self.world_size == 1:
             self.model.set_requires_gradient_sync(last)
 
-    def _grad_norm(self) -> Tensor:
-        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
-        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+    def _local_grads(self) -> tuple[list[Tensor], list[Tensor]]:
+        """(local shards of the sharded gradients, replicated gradients): plain tensors, for foreach kernels."""
         ids = {id(p) for p in self.replicated}
-        for p in self.params:
-            if p.grad is None:
-                continue
-            sq = _local(p.grad).double().pow(2).sum().to(self.device)
-            if id(p) in ids:
-                replicated += sq
-            else:
-                sharded += sq
-        self.dp.sum_(sharded)
-        return (sharded + replicated).sqrt().float()
+        sharded = [_local(p.grad) for p in self.params if p.grad is not None and id(p) not in ids]
+        replicated = [p.grad for p in self.params if p.grad is not None and id(p) in ids]
+        return sharded, replicated
+
+    @staticmethod
+    def _squared_norm(grads: list[Tensor], device: torch.device) -> Tensor:
+        """Sum of squares in float64 over per-tensor norms (one multi-tensor kernel per device and dtype,
+        instead of several kernels per parameter)."""
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        by_device: dict = {}
+        for g in grads:
+            by_device.setdefault((g.device, g.dtype), []).append(g)
+        for group in by_device.values():
+            norms = torch._foreach_norm(group, 2.0)
+            total += torch.stack(norms).double().pow(2).sum().to(device)
+        return total
+
+    def _grad_norm(self) -> Tensor:
+        sharded, replicated = self._local_grads()
+        sq_sharded = self._squared_norm(sharded, self.device)
+        self.dp.sum_(sq_sharded)
+        return (sq_sharded + self._squared_norm(replicated, self.device)).sqrt().float()
 
     def _scale_grads(self, norm: Tensor) -> None:
         coef = min(1.0, self.config.max_grad_norm / (float(norm) + 1e-6))
         if coef < 1.0:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+            sharded, replicated = self._local_grads()
+            for group in (sharded, replicated):
+                if group:
+                    torch._foreach_mul_(group, coef)
 
     def named_full_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Each weight gathered in full, one at a time (a collective: every rank iterates); tied names yield
