@@ -36,3 +36,16 @@ def batch(seed: int = 1, vocab: int = VOCAB):
 
 def token_logprobs(logits, ids):
     return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def packed_token_logprobs(model, ids, mask):
+    """The rows' token logprobs [B, T-1] from one packed forward (gymv.backends.packing), laid out as padded."""
+    from gymv.backends import packed_attention
+    from gymv.backends.packing import pack
+
+    row = pack(ids, mask, [[] for _ in range(ids.shape[0])])
+    logits = model(input_ids=row.input_ids[None], position_ids=row.positions[None],
+                   **{packed_attention.KEYWORD: row.attention_args(ids.device)}).logits[0]
+    real = mask.bool()
+    full = logits.new_zeros((*mask.shape, logits.shape[-1])).index_put(real.nonzero(as_tuple=True), logits)
+    return token_logprobs(full, ids)

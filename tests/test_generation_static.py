@@ -221,6 +221,21 @@ def test_the_recipes_decode_mode_reaches_the_generation_worker_spec():
         load_recipe(recipe, overrides=["generation.decode=fast"]).validated
 
 
+def test_the_recipes_max_batch_caps_the_static_decoders_slots():
+    from pathlib import Path
+
+    from gymv.config import load_recipe
+    from gymv.train.setup import worker_spec
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml"
+    assert worker_spec(load_recipe(recipe).validated, "m").generation_max_batch == 256
+    spec = worker_spec(load_recipe(recipe, overrides=["generation.max_batch=8"]).validated, "m")
+    eager = HFGenerationBackend.from_policy(shared_policy("tiny-llava"))
+    assert with_decode(eager, "static", max_batch=spec.generation_max_batch).max_batch == 8
+    with pytest.raises(GymvError, match="max_batch"):
+        load_recipe(recipe, overrides=["generation.max_batch=0"]).validated
+
+
 def test_fusing_views_again_keeps_them_in_place():
     layer = torch.nn.ModuleList([torch.nn.Linear(4, 3), torch.nn.Linear(4, 2)])
     params = [m.weight for m in layer]
@@ -297,3 +312,37 @@ def test_a_longer_kept_state_serves_a_shorter_call_with_its_graphs():
     assert len(backend._states) == 1
     backend.generate(reqs, SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True))  # another mode
     assert len(backend._states) == 2
+
+
+def test_a_compiled_decoder_lifts_dynamos_recompile_limit_above_its_graph_count():
+    import torch._dynamo.config as dynamo
+
+    old = dynamo.recompile_limit
+    try:
+        dynamo.recompile_limit = 8  # torch's default: past it a function would silently run eagerly
+        StaticDecodeBackend.from_policy(shared_policy("tiny-llava"), compile=True)
+        assert dynamo.recompile_limit >= len(StaticDecodeBackend.BATCH_BUCKETS) * 3
+    finally:
+        dynamo.recompile_limit = old
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["split", "sdpa"])
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_graph_decoding_equals_the_hf_loop_compiled_or_not(compile, attention):
+    from gymv.backends.policy import load_policy
+    from tests.tiny_models import tiny_path
+
+    policy = load_policy(tiny_path("tiny-llava"), device="cuda")
+    reqs = requests(policy, n=3)
+    params = SamplingParams(temperature=0, max_new_tokens=34, ignore_eos=True, stop_token_ids=(5,))
+    try:
+        graphs = StaticDecodeBackend.from_policy(policy, cuda_graphs=True, compile=compile, attention=attention)
+    except GymvError as e:
+        pytest.skip(f"no split kernel here: {e.message}")
+    new = graphs.generate(reqs, params)
+    old = HFGenerationBackend.from_policy(policy).generate(reqs, params)
+    assert graphs.last_timing["capture_s"] > 0  # the step was captured, not run eagerly
+    for a, b in zip(new, old):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-3)

@@ -12,7 +12,7 @@ from gymv.backends.training.process_group import leave_process_group
 from gymv.backends.training.megatron_model import MegatronCausalLM, build_gpt, init_parallel, release_parallel  # noqa: E402,E501
 from gymv.backends.training.megatron_weights import (  # noqa: E402
     DecoderShape, hf_to_megatron, megatron_to_hf, tp_partial_gradient)
-from megatron_helpers import batch, tiny_hf, token_logprobs  # noqa: E402
+from megatron_helpers import batch, packed_token_logprobs, tiny_hf, token_logprobs  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -65,7 +65,12 @@ def _tp_rank(rank, world, port, out):
             logp = token_logprobs(twin(input_ids=ids, attention_mask=mask).logits, ids)
             (logp * mask[:, 1:]).sum().backward()
             grads = {k: p.grad.detach().clone() for k, p in twin.gpt.named_parameters()}
-            torch.save({"logp": logp.detach(), "grads": grads}, f"{out}/{family}{rank}.pt")
+            twin.zero_grad(set_to_none=True)
+            packed = packed_token_logprobs(twin, ids, mask)
+            (packed * mask[:, 1:]).sum().backward()
+            packed_grads = {k: p.grad.detach().clone() for k, p in twin.gpt.named_parameters()}
+            torch.save({"logp": logp.detach(), "grads": grads, "packed_logp": packed.detach(),
+                        "packed_grads": packed_grads}, f"{out}/{family}{rank}.pt")
     finally:
         leave_process_group()
 
@@ -104,6 +109,46 @@ def test_tensor_parallel_two_gloo_ranks_give_the_hf_logprobs_and_gradients(famil
         if name in grads:
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
     assert len(grads) == len(dict(hf.named_parameters()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensor_parallel_ranks_give_a_packed_row_the_padded_rows_logprobs_and_gradients(family, tp2_ranks):
+    """Each TP rank attends over its own heads of the packed row's segments: its shard's gradients are the
+    padded batch's."""
+    valid = batch()[1][:, 1:].bool()
+    for r in tp2_ranks[family]:
+        torch.testing.assert_close(r["packed_logp"][valid], r["logp"][valid], rtol=0, atol=1e-5)
+        for name, g in r["grads"].items():
+            torch.testing.assert_close(r["packed_grads"][name], g, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_packed_row_gives_the_padded_rows_logprobs_with_each_sequences_positions_from_0():
+    twin = megatron_twin(tiny_hf("llama"))
+    ids, mask = batch()
+    with torch.no_grad():
+        padded = token_logprobs(twin(input_ids=ids, attention_mask=mask).logits, ids)
+        packed = packed_token_logprobs(twin, ids, mask)
+    valid = mask[:, 1:].bool()
+    torch.testing.assert_close(packed[valid], padded[valid], rtol=0, atol=1e-5)
+
+
+def test_logits_to_keep_runs_the_head_on_those_positions_alone_with_the_same_logits_and_gradients():
+    twin = megatron_twin(tiny_hf("qwen2"))
+    ids, mask = batch()
+    cols = torch.tensor([2, 5, 10])
+    full = twin(input_ids=ids, attention_mask=mask).logits
+    full[:, cols].square().sum().backward()
+    want = {k: p.grad.clone() for k, p in twin.gpt.named_parameters()}
+    twin.zero_grad(set_to_none=True)
+    kept = twin(input_ids=ids, attention_mask=mask, logits_to_keep=cols).logits
+    assert kept.shape == (2, 3, full.shape[-1])
+    torch.testing.assert_close(kept, full[:, cols], rtol=0, atol=1e-6)
+    kept.square().sum().backward()
+    for name, g in want.items():
+        torch.testing.assert_close(twin.gpt.get_parameter(name).grad, g, rtol=1e-5, atol=1e-6, msg=name)
+    last = twin(input_ids=ids, attention_mask=mask, logits_to_keep=2).logits
+    torch.testing.assert_close(last, full[:, -2:].detach(), rtol=0, atol=1e-6)
 
 
 @pytest.mark.gpu

@@ -131,13 +131,34 @@ def test_tiny_turns_every_gpu_recipe_into_a_valid_cpu_recipe(tmp_path, recipe):
 
     assert cfg["model"]["path"] in {f"embedded:{a}" for a in ARCHES}  # the family's stand-in (test below)
     assert (cfg["cluster"]["gpus_per_node"], cfg["cluster"]["num_nodes"], cfg["cluster"]["ray_address"]) == (0, 1, None)
-    assert (cfg["training"]["backend"], cfg["generation"]["backend"]) == ("torch", "hf")
+    own = load_recipe(recipe, smoke=True).validated.to_dict()["training"]["backend"]
+    assert cfg["training"]["backend"] == (own if own in ("fsdp2", "megatron") else "torch")
+    assert cfg["generation"]["backend"] == "hf"
     assert set(cfg["training"]["parallel"].values()) == {1}
     assert cfg["refit"]["transport"] not in ("cuda_ipc", "nccl")
     assert cfg["model"]["max_seq_len"] <= 512 and cfg["generation"]["max_new_tokens"] <= 16
     assert cfg["data"]["prepare"]["n_train"] <= 8 and cfg["data"]["train"] is None
     for teacher in (cfg.get("mopd") or {}).get("teachers", {}).values():
         assert (teacher["path"], teacher["backend"], teacher["placement"]) == (cfg["model"]["path"], "torch", "colocated")
+
+
+@pytest.mark.parametrize("recipe, backend", [
+    ("vlm/vlm_grpo-qwen2.5-vl-7b-1n2g-fsdp2.yaml", "fsdp2"),
+    ("llm/grpo-qwen3-1.7b-1n8g-megatron.yaml", "megatron"),
+])
+def test_tiny_keeps_the_sharded_training_backends_which_run_on_a_cpu(tmp_path, recipe, backend):
+    p = prepared(tmp_path, REPO / "recipes" / recipe, tiny=True)
+    cfg = run_config(p)
+    assert cfg["training"]["backend"] == backend
+    assert not any(c.startswith("training.backend") for c in p.tiny_changes)
+    assert cfg["training"]["fsdp"]["cpu_offload"] is False
+
+
+def test_tiny_runs_megatron_as_torch_when_its_twin_does_not_map_the_stand_in(tmp_path):
+    recipe = REPO / "recipes/vlm/vlm_grpo-qwen2.5-vl-7b-1n8g-megatron.yaml"
+    p = prepared(tmp_path, recipe, tiny=True, overrides=["model.path=Qwen/Qwen3-VL-8B-Instruct"])
+    assert run_config(p)["training"]["backend"] == "torch"
+    assert "training.backend: 'megatron' -> 'torch'" in p.tiny_changes
 
 
 def test_tiny_keeps_what_the_smoke_run_is_meant_to_exercise(tmp_path):
@@ -304,3 +325,20 @@ def test_an_error_about_the_resolved_recipe_also_names_the_recipe_line_that_wrot
     said = p.explain(f"{p.config_file}:{line}: async GRPO is not implemented")
     assert said == (f"recipes/vlm/vlm_grpo-tinyllava-1n0g-torch-async-1off.yaml:7 (run as {p.config_file}:{line}): "
                     "async GRPO is not implemented")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", __import__("gymv.models.tiny", fromlist=["ARCHES"]).ARCHES)
+def test_tiny_keeps_megatron_exactly_for_the_stand_ins_its_twin_maps(arch):
+    pytest.importorskip("megatron.core")
+    from tiny_models import shared_policy
+
+    from gymv.backends.training.megatron import check_maps
+    from gymv.smoke.tiny import MEGATRON_STAND_INS
+
+    try:
+        check_maps(shared_policy(arch))
+        maps = True
+    except GymvError:
+        maps = False
+    assert (arch in MEGATRON_STAND_INS) == maps

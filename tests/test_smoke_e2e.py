@@ -82,4 +82,4 @@ def test_tiny_runs_a_gpu_recipe_on_the_cpu(tmp_path):
     assert r.code == 0 and res["status"] == "PASS", res
     assert res["steps"] == 1 and "model.path: 'Qwen/Qwen2.5-VL-7B-Instruct' -> 'embedded:tiny-qwen2_5vl'" in res["tiny_changes"]
     assert res["notes"][0].startswith("--tiny checks the plumbing with stand-ins")  # a pass here is not the recipe's
-    assert "training.backend: 'megatron' -> 'torch'" in res["tiny_changes"]  # one CPU rank of the torch backend
+    assert not any(c.startswith("training.backend") for c in res["tiny_changes"])  # megatron itself, on one CPU rank

@@ -5,6 +5,7 @@ one rank, and the export is a Hugging Face folder of the same weights."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from tiny_models import tiny_path
 from train_helpers import ray_module
 
 pytestmark = pytest.mark.slow
+BUCKET_MB = 0.1  # 52,428 bf16 elements a refit bucket: the 131,072-element embedding spans three
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,18 +78,30 @@ def fsdp_cluster(image_samples, tmp_path_factory):
     from gymv.cluster.group import Placement, PolicyCluster
 
     tmp = tmp_path_factory.mktemp("fsdp")
-    # a bf16 generator: the gathered weights are cast one by one on their way to it
-    cluster = PolicyCluster(_spec("fsdp2", "bfloat16"), Placement(num_generation=1, num_training=2))
+    # a bf16 generator: the gathered weights are cast one by one on their way to it, in buckets smaller
+    # than the largest tensor
+    spec = replace(_spec("fsdp2", "bfloat16"), refit_bucket_mb=BUCKET_MB)
+    cluster = PolicyCluster(spec, Placement(num_generation=1, num_training=2))
     try:
         metrics = cluster.grpo_step([image_samples], PolicyLoss())
         weights, *_ = ray.get([cluster.trainers[0].weights.remote()] + cluster._followers())
         cluster.refit(1)
         hashes = cluster.weight_hashes()
+        # the second refit streams each gathered tensor into the buckets; other weights in the generator
+        # first, so only a complete refit makes the hashes equal again
+        ray.get(cluster.generators[0].restore.remote({k: v * 0.5 for k, v in weights.items()}, 1))
+        scrambled = cluster.weight_hashes()
+        cluster.refit(2)
+        streamed = cluster.weight_hashes()
+        payload, *_ = ray.get([cluster.trainers[0].publish.remote()] + cluster._followers())
+        buckets = {"refs": all(isinstance(ref, ray.ObjectRef) for ref in payload["buckets"]),
+                   "nbytes": [ray.get(ref).nbytes for ref in payload["buckets"]], "numel": payload["layout"].numel}
         cluster.save(tmp / "ckpt")
         exported = cluster.export(tmp / "export")
     finally:
         cluster.shutdown()
-    return {"metrics": metrics, "weights": weights, "hashes": hashes, "ckpt": tmp / "ckpt", "export": exported}
+    return {"metrics": metrics, "weights": weights, "hashes": hashes, "scrambled": scrambled, "streamed": streamed,
+            "buckets": buckets, "ckpt": tmp / "ckpt", "export": exported}
 
 
 def _close(a: dict, b: dict) -> float:
@@ -124,6 +138,19 @@ def test_two_fsdp_ranks_with_activation_checkpointing_take_the_same_step(image_s
 def test_a_refit_from_sharded_ranks_gives_the_generator_the_trainers_weights(fsdp_cluster):
     trainer, generators = fsdp_cluster["hashes"]
     assert generators == [trainer]
+
+
+def test_a_streamed_bucketed_refit_from_sharded_ranks_gives_the_generator_the_trainers_weights(fsdp_cluster):
+    trainer, generators = fsdp_cluster["scrambled"]
+    assert generators != [trainer]
+    trainer, generators = fsdp_cluster["streamed"]
+    assert generators == [trainer]
+
+
+def test_the_object_store_refit_is_one_stored_object_per_bucket(fsdp_cluster):
+    buckets = fsdp_cluster["buckets"]
+    assert buckets["refs"] and len(buckets["nbytes"]) == -(-buckets["numel"] * 2 // int(BUCKET_MB * 2**20))
+    assert max(buckets["nbytes"]) <= BUCKET_MB * 2**20 and sum(buckets["nbytes"]) == buckets["numel"] * 2
 
 
 def test_the_sharded_checkpoint_of_two_ranks_loads_on_one_rank(fsdp_cluster):

@@ -96,6 +96,124 @@ def test_a_streamed_refit_missing_a_weight_is_refused():
         sender.publish(iter([(k, v) for k, v in _state().items() if k != "layer.weight"]))
 
 
+def _bucket_mb(numel: int, dtype=torch.float32) -> float:
+    """A bucket of `numel` elements of `dtype`, as refit.bucket_mb."""
+    return numel * torch.empty((), dtype=dtype).element_size() / 2**20
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_buckets_smaller_than_the_largest_tensor_deliver_every_weight_exactly(dtype):
+    """7-element buckets: embed.weight (24 elements) spans four of them; both refits (the first from a
+    mapping, the next streamed) arrive bit for bit."""
+    sender = make_sender("object_store", dtype, "cpu", bucket_mb=_bucket_mb(7, dtype))
+    receiver = make_receiver("object_store", "cpu")
+    first = sender.publish(_state())
+    assert len(first["buckets"]) == 6 and all(len(b) <= 7 for b in first["buckets"])  # 42 elements
+    got = receiver.receive(first)
+    assert all(torch.equal(got[k], v.to(dtype)) for k, v in _state().items())
+    streamed = {k: v for k, v in _state(seed=1).items() if k != "head.weight"}
+    got = receiver.receive(sender.publish(iter(streamed.items())))
+    assert weights_hash(got) == weights_hash(_state(seed=1), dtype)
+    assert got["head.weight"] is got["embed.weight"]
+
+
+def test_a_bucketed_refit_holds_two_buckets_and_one_gathered_tensor():
+    sender = make_sender("object_store", torch.float32, "cpu", bucket_mb=_bucket_mb(5))
+    receiver = make_receiver("object_store", "cpu")
+    receiver.receive(sender.publish(_state()))
+    alive: list[int] = []
+    sd = {k: v for k, v in _state(seed=1).items() if k != "head.weight"}
+    got = receiver.receive(sender.publish(_gathered(sd, alive)))
+    assert max(alive) == 0  # no earlier gathered tensor outlives its copy into a bucket
+    assert sender.staging.numel == 2 * 5  # the trainer's staging: two buckets, not the 42-element model
+    assert weights_hash(got) == weights_hash(_state(seed=1))
+
+
+def test_a_bucket_size_of_zero_ships_the_whole_buffer_at_once():
+    sender = make_sender("object_store", torch.float32, "cpu", bucket_mb=0)
+    payload = sender.publish(_state())
+    assert payload["spans"] == [(0, 42)] and len(payload["buckets"]) == 1
+    assert weights_hash(make_receiver("object_store", "cpu").receive(payload)) == weights_hash(_state())
+
+
+def test_a_streamed_refit_that_sends_a_weight_twice_is_refused():
+    sender = make_sender("object_store", torch.float32, "cpu", bucket_mb=_bucket_mb(5))
+    sd = _state()
+    sender.publish(sd)
+    with pytest.raises(GymvError, match="'embed.weight' arrived again"):
+        sender.publish(iter([("embed.weight", sd["embed.weight"]), ("layer.weight", sd["layer.weight"]),
+                             ("embed.weight", sd["embed.weight"])]))
+
+
+def _collective(num_receivers: int, bucket_mb: float, sd):
+    """A collective sender and receivers (threads of this process, as separate workers would be)."""
+    sender = make_sender("collective", torch.float32, "cpu", num_receivers=num_receivers, bucket_mb=bucket_mb)
+    info = sender.rendezvous(sd)
+    receivers = [make_receiver("collective", "cpu", info, rank) for rank in range(1, num_receivers + 1)]
+    threads = [threading.Thread(target=r.connect) for r in receivers]
+    for t in threads:
+        t.start()
+    sender.connect()
+    for t in threads:
+        t.join(timeout=60)
+    return sender, receivers
+
+
+def _receive_all(receivers) -> tuple[dict, list]:
+    """Each receiver's weights hash (or its error), received in threads beside the sender's publish."""
+    results: dict = {}
+    errors: list = []
+
+    def receive(r):
+        try:
+            results[r.rank] = weights_hash(r.receive(None))
+        except GymvError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=receive, args=(r,)) for r in receivers]
+    for t in threads:
+        t.start()
+    return results, errors, threads
+
+
+def test_collective_buckets_smaller_than_a_tensor_reach_every_receiver_exactly():
+    sender, receivers = _collective(2, _bucket_mb(7), _state())
+    assert len(sender.spans(sender.layout)) == 6
+    for seed in (0, 1):  # the first refit, then a streamed one
+        results, errors, threads = _receive_all(receivers)
+        sd = _state(seed)
+        sender.publish(sd if seed == 0 else iter([(k, v) for k, v in sd.items() if k != "head.weight"]))
+        for t in threads:
+            t.join(timeout=60)
+        assert errors == [] and results == {1: weights_hash(sd), 2: weights_hash(sd)}
+    assert sender.staging.numel == 2 * 7
+
+
+def test_a_collective_refit_that_fails_midway_loads_nothing_and_the_next_one_works():
+    """The sender fails after shipping two buckets: receivers get the abort flag instead of hanging in the
+    broadcast, and the group stays in step for the next refit."""
+    sender, receivers = _collective(1, _bucket_mb(7), _state())
+    results, errors, threads = _receive_all(receivers)
+    bad = list(_state(seed=1).items())
+    bad[2] = ("layer.bias", torch.zeros(4))  # after embed.weight (24) and layer.weight (15): 5 buckets went out
+    with pytest.raises(GymvError, match="layer.bias"):
+        sender.publish(iter(bad))
+    for t in threads:
+        t.join(timeout=60)
+    assert results == {} and len(errors) == 1 and "failed midway" in str(errors[0])
+    results, errors, threads = _receive_all(receivers)
+    sender.publish(_state(seed=2))
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == [] and results == {1: weights_hash(_state(seed=2))}
+    results, errors, threads = _receive_all(receivers)
+    with pytest.raises(GymvError, match="changed names or shapes"):  # refused before any bucket: still aborted
+        sender.publish(dict(_state(), **{"layer.bias": torch.zeros(4)}))
+    for t in threads:
+        t.join(timeout=60)
+    assert results == {} and len(errors) == 1 and "failed midway" in str(errors[0])
+
+
 def test_collective_transport_broadcasts_over_its_own_process_group():
     """The code path behind `nccl`, run on gloo: rank 0 sends, two receivers get the weights."""
     sd = _state()
@@ -182,6 +300,19 @@ def test_a_failed_refit_changes_nothing_and_does_not_reset_the_cache(workers):
     after = w.stats()
     assert after["encoder_cache_resets"] == before["encoder_cache_resets"]
     assert after["weights_version"] == before["weights_version"] and w.weights_hash() == weights
+
+
+def test_a_bucketed_refit_whose_last_bucket_is_wrong_loads_none_of_the_earlier_ones(workers):
+    w = workers[True]
+    before, weights = w.stats(), w.weights_hash()
+    sd = {k: v * 2.0 for k, v in w.backend.model.state_dict().items()}
+    payload = make_sender("object_store", torch.float32, "cpu", bucket_mb=0.25).publish(sd)
+    assert len(payload["buckets"]) > 2
+    payload["buckets"][-1] = payload["buckets"][-1][:-1]
+    with pytest.raises(GymvError, match="none were loaded"):
+        w.receive(payload, version=9)
+    assert w.weights_hash() == weights and w.stats()["weights_version"] == before["weights_version"]
+    assert w.stats()["encoder_cache_resets"] == before["encoder_cache_resets"]
 
 
 def test_generation_worker_hash_matches_the_weights_it_received(workers):

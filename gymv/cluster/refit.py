@@ -1,27 +1,38 @@
 """Weight refit: the trainer's new weights reach the generation backend after each optimizer step.
 
-Every transport moves one flat buffer plus a `WeightLayout` (name, shape, offset of each tensor), so a
-receiver rebuilds views into the buffer and copies them into its live parameters with one pass. The
+Every transport moves one flat buffer (whole, or in buckets) plus a `WeightLayout` (name, shape, offset of
+each tensor), so a receiver rebuilds views into the buffer and copies them into its live parameters with one
+pass. The
 sender casts to the generation dtype while flattening (bf16 generation gets half the bytes).
 
 | transport | sender (training rank 0) | receiver (each generation worker) |
 |---|---|---|
-| object_store | flat numpy array returned through Ray (zero-copy reads on the receiving host) | views of it |
+| object_store | one numpy array per bucket put into Ray's object store (zero-copy reads on the host) | views of them |
 | shm | flat buffer written into one POSIX shared-memory segment, reused every step | views of the segment |
 | cuda_ipc | flat CUDA buffer, shared by a CUDA IPC handle (same GPU, no copy through the host) | views of it |
-| nccl | flat CUDA buffer broadcast over a dedicated NCCL group (trainer rank 0 + receivers) | its own flat buffer |
+| nccl | CUDA buckets broadcast over a dedicated NCCL group (trainer rank 0 + receivers) | its own flat buffer |
 
 The `collective` implementation behind `nccl` also runs on gloo (CPU), which is how it is tested here.
 Encoder-cache resets are the receiver's caller's job (GenerationWorker), after a refit that succeeded.
+
+Buckets (`refit.bucket_mb`): object_store and collective ship the flat buffer in fixed-size slices of the
+layout as each fills (a tensor may span several), so the trainer holds two bucket buffers and one gathered
+tensor, not the model: the previous bucket is sent (a background `ray.put`, an async broadcast) while the
+next one fills. shm and cuda_ipc write into the buffer the receivers map, which is itself the model's size,
+so they ship once. Receivers stage every bucket and load them in one `update_weights` at the end: a refit
+that fails midway loads nothing (a collective sender that fails still completes the broadcasts and then
+broadcasts an abort flag, so its receivers raise instead of waiting).
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import uuid
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +117,111 @@ def stream_into(flat: torch.Tensor, pairs, layout: WeightLayout) -> torch.Tensor
     return flat
 
 
+DEFAULT_BUCKET_MB = 256.0
+
+
+def bucket_numel(layout: WeightLayout, bucket_mb: float) -> int:
+    """Elements per bucket for `bucket_mb` MiB in the layout's dtype; 0 (one shot) when the model fits one."""
+    if bucket_mb <= 0:
+        return 0
+    per = max(1, int(bucket_mb * 2**20) // torch.empty((), dtype=layout.torch_dtype).element_size())
+    return 0 if per >= layout.numel else per
+
+
+def bucket_spans(numel: int, per_bucket: int) -> list[tuple[int, int]]:
+    """(start, stop) of each bucket: fixed-size slices of the flat layout, the last one shorter."""
+    if per_bucket <= 0 or per_bucket >= numel:
+        return [(0, numel)]
+    return [(start, min(start + per_bucket, numel)) for start in range(0, numel, per_bucket)]
+
+
+class _LayoutOrder:
+    """Checks each streamed (name, tensor) against the layout's next entry (tied names are skipped)."""
+
+    def __init__(self, layout: WeightLayout):
+        self.aliases = {alias for alias, _ in layout.aliases}
+        self.entries = [(name, shape) for name, shape, _, _ in layout.entries]
+        self.index = {name: i for i, (name, _) in enumerate(self.entries)}
+        self.next = 0
+
+    def takes(self, name: str, t: torch.Tensor) -> bool:
+        """False for a tied name to skip; raises for a weight out of place."""
+        if name in self.aliases and name not in self.index:
+            return False
+        i = self.index.get(name)
+        if i is None or tuple(t.shape) != self.entries[i][1]:
+            raise GymvError(f"weight {name!r} {tuple(t.shape)} is not in the layout of the first refit",
+                            where="refit", fix="the trainer's parameters must keep their names and shapes")
+        if i > self.next:
+            self.done()
+        if i < self.next:
+            raise GymvError(f"weight {name!r} arrived again or out of the order of the first refit", where="refit",
+                            fix="the trainer must yield each weight once, in the same order at every refit")
+        self.next += 1
+        return True
+
+    def done(self) -> None:
+        if self.next < len(self.entries):
+            raise GymvError(f"weights never arrived (first: {self.entries[self.next][0]!r})", where="refit",
+                            fix="the trainer's parameters must keep their names and shapes")
+
+
+def pack_buckets(pairs: Iterable, layout: WeightLayout, spans: list[tuple[int, int]],
+                 buffer: Callable[[int, int], torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+    """Copy (and cast) the streamed tensors into bucket buffers, in layout order, yielding (bucket index,
+    filled buffer) as soon as each bucket is full. `buffer(k, numel)` hands out bucket k's buffer (the
+    sender reuses a buffer once its earlier bucket has been sent). A tensor larger than the room left in
+    a bucket continues in the next one; no gathered tensor is held past its copy."""
+    order = _LayoutOrder(layout)
+    k, (start, stop) = 0, spans[0]
+    buf, pos = buffer(0, stop - start), start
+    with torch.no_grad():
+        for name, t in pairs:
+            if not order.takes(name, t):
+                del t
+                continue
+            t = t.reshape(-1)
+            i, n = 0, t.numel()
+            while i < n:
+                take = min(n - i, stop - pos)
+                buf[pos - start:pos - start + take].copy_(t[i:i + take])
+                i, pos = i + take, pos + take
+                if pos == stop:
+                    yield k, buf
+                    k += 1
+                    if k == len(spans):
+                        break
+                    start, stop = spans[k]
+                    buf, pos = buffer(k, stop - start), start
+            del t
+    order.done()
+    if k < len(spans):  # only an empty layout has a bucket left, itself empty
+        yield k, buf
+
+
+def stage_buckets(buckets: list[torch.Tensor], spans: list[tuple[int, int]],
+                  layout: WeightLayout) -> dict[str, torch.Tensor]:
+    """Named tensors from received buckets: views where a tensor lies in one bucket, a joined copy where it
+    spans several."""
+    starts = [start for start, _ in spans]
+    out: dict[str, torch.Tensor] = {}
+    for name, shape, offset, numel in layout.entries:
+        k = bisect.bisect_right(starts, offset) - 1
+        if numel == 0 or offset + numel <= spans[k][1]:
+            out[name] = buckets[k][offset - spans[k][0]:offset - spans[k][0] + numel].view(shape)
+            continue
+        pieces, pos = [], offset
+        while pos < offset + numel:
+            start, stop = spans[k]
+            take = min(stop, offset + numel) - pos
+            pieces.append(buckets[k][pos - start:pos - start + take])
+            pos, k = pos + take, k + 1
+        out[name] = torch.cat(pieces).view(shape)
+    for alias, canonical in layout.aliases:
+        out[alias] = out[canonical]
+    return out
+
+
 def unflatten(flat: torch.Tensor, layout: WeightLayout) -> dict[str, torch.Tensor]:
     """Views of `flat`, one per name (tied names included): no copy."""
     out = {name: flat[offset:offset + numel].view(shape) for name, shape, offset, numel in layout.entries}
@@ -123,9 +239,12 @@ class RefitSender(ABC):
     name: str
     receiver: type[RefitReceiver]  # the class each generation worker receives with
     in_band = True  # False: receivers get the weights through the transport itself, not the returned payload
+    bucketed = False  # True: ships in buckets of `bucket_mb` (`_bucket_buffer`, `_send_bucket`, `_finish`)
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, num_receivers: int = 1):
+    def __init__(self, dtype: torch.dtype, device: torch.device, num_receivers: int = 1,
+                 bucket_mb: float = DEFAULT_BUCKET_MB):
         self.dtype, self.device, self.num_receivers = dtype, torch.device(device), num_receivers
+        self.bucket_mb = bucket_mb
         self.layout: WeightLayout | None = None
 
     def _layout(self, state_dict) -> WeightLayout:
@@ -133,6 +252,10 @@ class RefitSender(ABC):
         if self.layout is None or self.layout != layout:
             self.layout = layout
         return self.layout
+
+    def spans(self, layout: WeightLayout) -> list[tuple[int, int]]:
+        """The buckets this sender ships `layout` in (one for a transport that ships once)."""
+        return bucket_spans(layout.numel, bucket_numel(layout, self.bucket_mb) if self.bucketed else 0)
 
     def rendezvous(self, weights: Weights) -> dict | None:
         """Connection info receivers need before the first refit (collective transports); else None."""
@@ -146,25 +269,85 @@ class RefitSender(ABC):
         (`TrainingBackend.named_weights`). Once a layout is known, streamed pairs are copied into the buffer
         one at a time, so a sharded trainer's gathered tensors never all live at once."""
         if self.layout is not None and not isinstance(weights, Mapping):
+            if self.bucketed:
+                return self._ship_buckets(self.layout, weights)
             return self._ship(self.layout, stream_into(self._buffer(self.layout), weights, self.layout))
         return self.send(named(weights))
 
     def send(self, state_dict: Mapping[str, torch.Tensor]) -> Any:
         """What `publish` returns to the driver for every receiver."""
         layout = self._layout(state_dict)
+        if self.bucketed:
+            return self._ship_buckets(layout, ((name, state_dict[name]) for name, *_ in layout.entries))
         return self._ship(layout, flatten_into(self._buffer(layout), state_dict, layout))
 
-    @abstractmethod
+    def _ship_buckets(self, layout: WeightLayout, pairs) -> Any:
+        spans = self.spans(layout)
+        sent = 0
+        try:
+            for k, filled in pack_buckets(pairs, layout, spans, self._bucket_buffer):
+                self._send_bucket(k, filled)
+                sent = k + 1
+        except BaseException:
+            self._abort(spans, sent)
+            raise
+        return self._finish(layout, spans)
+
     def _buffer(self, layout: WeightLayout) -> torch.Tensor:
         """The flat buffer the weights are copied into (reused across refits where the transport allows)."""
+        raise NotImplementedError
 
-    @abstractmethod
     def _ship(self, layout: WeightLayout, flat: torch.Tensor) -> Any:
         """Hand the filled buffer to the receivers; returns the payload for the driver."""
+        raise NotImplementedError
+
+    def _bucket_buffer(self, k: int, numel: int) -> torch.Tensor:
+        """Bucket k's buffer, once the bucket that used it before has been sent."""
+        raise NotImplementedError
+
+    def _send_bucket(self, k: int, filled: torch.Tensor) -> None:
+        """Start sending a filled bucket (it may complete in the background)."""
+        raise NotImplementedError
+
+    def _finish(self, layout: WeightLayout, spans: list[tuple[int, int]]) -> Any:
+        """Wait for every bucket to be sent; returns the payload for the driver."""
+        raise NotImplementedError
+
+    def _abort(self, spans: list[tuple[int, int]], sent: int) -> None:
+        """A refit failed after `sent` buckets: let go of what was sent, so no receiver loads any of it."""
 
     def close(self) -> None:
         """Free what the sender holds (shared memory, process groups)."""
 
+
+class _DoubleBuffer:
+    """Two bucket buffers: one fills while the other's bucket is being sent; a buffer is handed out again
+    only after `wait` on the send that used it."""
+
+    def __init__(self):
+        self.buffers: list[torch.Tensor | None] = [None, None]
+        self.pending: list[Callable[[], Any] | None] = [None, None]
+
+    def get(self, k: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        i = k % 2
+        self.wait(i)
+        buf = self.buffers[i]
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = self.buffers[i] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
+
+    def wait(self, i: int) -> Any:
+        pending, self.pending[i] = self.pending[i], None
+        return pending() if pending is not None else None
+
+    def wait_all(self) -> None:
+        for i in (0, 1):
+            self.wait(i)
+
+    @property
+    def numel(self) -> int:
+        """Elements held in staging buffers (the trainer's extra memory for a refit, besides one tensor)."""
+        return sum(b.numel() for b in self.buffers if b is not None)
 
 class RefitReceiver(ABC):
     """Lives in a generation worker; `receive` turns a payload into named tensors to load."""
@@ -183,30 +366,84 @@ class RefitReceiver(ABC):
 
 
 class ObjectStoreSender(RefitSender):
-    """Returns a flat numpy array; Ray stores it once and every receiver reads it (zero-copy on its host)."""
+    """Puts each bucket into Ray's object store as it fills (a background thread, while the next bucket fills)
+    and returns their references; every receiver reads them (zero-copy on its host). Outside a Ray worker the
+    buckets are plain numpy copies in the payload."""
 
     name = "object_store"
+    bucketed = True
 
-    def _buffer(self, layout):
-        return torch.empty(layout.numel, dtype=layout.torch_dtype)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.staging = _DoubleBuffer()
+        self._pool: ThreadPoolExecutor | None = None
+        self._sent: list[Future] = []
 
-    def _ship(self, layout, flat):
-        if flat.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the bits
-            flat = flat.view(torch.int16)
-        return {"layout": layout, "flat": flat.numpy()}
+    def _bucket_buffer(self, k, numel):
+        return self.staging.get(k, numel, self.dtype, torch.device("cpu"))
+
+    def _send_bucket(self, k, filled):
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="gymv-refit")
+        future = self._pool.submit(_put, filled)
+        self._sent.append(future)
+        self.staging.pending[k % 2] = future.result
+
+    def _finish(self, layout, spans):
+        self.staging.wait_all()
+        buckets, self._sent = [f.result() for f in self._sent], []
+        return {"layout": layout, "spans": spans, "buckets": buckets}
+
+    def _abort(self, spans, sent):
+        self._sent = []  # dropping the references frees the buckets already put
+        try:
+            self.staging.wait_all()
+        except Exception:  # the refit's own error is the one to report
+            pass
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _put(bucket: torch.Tensor):
+    """The bucket's bytes in Ray's object store (a copy: the buffer is free to refill when this returns)."""
+    if bucket.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the bits
+        bucket = bucket.view(torch.int16)
+    import ray
+
+    if ray.is_initialized():
+        return ray.put(bucket.numpy())
+    return bucket.numpy().copy()
 
 
 class ObjectStoreReceiver(RefitReceiver):
     name = "object_store"
 
     def receive(self, payload):
+        import ray
+
         layout: WeightLayout = payload["layout"]
-        with warnings.catch_warnings():  # Ray hands out read-only arrays; they are only read here
-            warnings.simplefilter("ignore")
-            flat = torch.from_numpy(payload["flat"])
-        if layout.torch_dtype == torch.bfloat16:
-            flat = flat.view(torch.bfloat16)
-        return unflatten(flat.to(self.device), layout)
+        spans = payload["spans"]
+        if len(payload["buckets"]) != len(spans):
+            raise GymvError(f"refit: {len(payload['buckets'])} buckets arrived, the layout has {len(spans)}; "
+                            "none were loaded", where="refit (object_store)", fix="see the training worker's error")
+        buckets = []
+        for k, bucket in enumerate(payload["buckets"]):
+            if isinstance(bucket, ray.ObjectRef):
+                bucket = ray.get(bucket)
+            with warnings.catch_warnings():  # Ray hands out read-only arrays; they are only read here
+                warnings.simplefilter("ignore")
+                flat = torch.from_numpy(bucket)
+            if layout.torch_dtype == torch.bfloat16:
+                flat = flat.view(torch.bfloat16)
+            if flat.numel() != spans[k][1] - spans[k][0]:
+                raise GymvError(f"refit: bucket {k} holds {flat.numel()} elements, its slice of the layout "
+                                f"{spans[k][1] - spans[k][0]}; none were loaded", where="refit (object_store)",
+                                fix="the sender and receivers must run the same gymv")
+            buckets.append(flat.to(self.device))
+        return stage_buckets(buckets, spans, layout)
 
 
 def _untrack_shm(shm) -> None:
@@ -360,45 +597,78 @@ class CudaIpcReceiver(RefitReceiver):
 
 
 class CollectiveSender(RefitSender):
-    """Broadcast from a process group of its own: rank 0 = this trainer, ranks 1..R = the receivers."""
+    """Broadcast from a process group of its own: rank 0 = this trainer, ranks 1..R = the receivers. Each
+    bucket is broadcast asynchronously (NCCL runs it on its own stream) while the next one fills; a status
+    broadcast ends every refit (1: load it, 0: the sender failed midway, load nothing)."""
 
     name = "collective"
     backend = "gloo"
     in_band = False
+    bucketed = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._store = None
         self._pg = None
-        self._flat: torch.Tensor | None = None
+        self.staging = _DoubleBuffer()
 
     def rendezvous(self, weights) -> dict:
         state_dict = named(weights)
         host = _node_ip()
         self._store, self._listener = master_store(host, self.num_receivers + 1)
+        layout = self._layout(state_dict)
         return {"host": host, "port": self._store.port, "world_size": self.num_receivers + 1, "backend": self.backend,
-                "layout": self._layout(state_dict)}
+                "layout": layout, "spans": self.spans(layout)}
 
     def connect(self) -> None:
         self._pg = _process_group(self.backend, self._store, 0, self.num_receivers + 1)
 
-    def _buffer(self, layout):
-        if self._flat is None or self._flat.numel() != layout.numel or self._flat.dtype != layout.torch_dtype:
-            self._flat = torch.empty(layout.numel, dtype=layout.torch_dtype, device=self.device)
-        return self._flat
+    def _layout(self, state_dict) -> WeightLayout:
+        layout = make_layout(state_dict, self.dtype)
+        if self.layout is not None and layout != self.layout:
+            if self._pg is not None:  # receivers already wait in the broadcasts of the old layout
+                self._abort(self.spans(self.layout), 0)
+            raise GymvError("the weights changed names or shapes since the receivers joined", where="refit",
+                            fix="the trainer's parameters must keep their names and shapes")
+        self.layout = layout
+        return layout
 
-    def _ship(self, layout, flat):
-        self._pg.broadcast(flat, 0).wait()
+    def _bucket_buffer(self, k, numel):
+        return self.staging.get(k, numel, self.dtype, self.device)
+
+    def _send_bucket(self, k, filled):
+        self.staging.pending[k % 2] = self._pg.broadcast(filled, 0).wait
+
+    def _finish(self, layout, spans):
+        self.staging.wait_all()
+        self._status(1)
         return {"layout": layout}
 
+    def _abort(self, spans, sent):
+        """Complete the broadcasts the receivers are waiting in, then tell them to load nothing."""
+        try:
+            self.staging.wait_all()
+            for k in range(sent, len(spans)):
+                start, stop = spans[k]
+                self._pg.broadcast(self._bucket_buffer(k, stop - start), 0).wait()
+            self._status(0)
+        except Exception:  # the group itself failed: the receivers see that failure too
+            pass
+
+    def _status(self, ok: int) -> None:
+        self._pg.broadcast(torch.tensor([ok], dtype=torch.int32, device=self.device), 0).wait()
+
     def close(self) -> None:
-        self._pg = self._store = self._flat = None
+        self._pg = self._store = None
+        self.staging = _DoubleBuffer()
         if getattr(self, "_listener", None) is not None:
             self._listener.close()
             self._listener = None
 
 
 class CollectiveReceiver(RefitReceiver):
+    """Receives every bucket into its own flat buffer, then loads it only if the sender's status says so."""
+
     name = "collective"
 
     def __init__(self, *args, **kwargs):
@@ -414,10 +684,17 @@ class CollectiveReceiver(RefitReceiver):
         self._pg = _process_group(info["backend"], store, self.rank, info["world_size"])
 
     def receive(self, payload):
-        layout: WeightLayout = (payload or self.info)["layout"]
+        info = payload or self.info
+        layout: WeightLayout = info["layout"]
         if self._flat is None or self._flat.numel() != layout.numel or self._flat.dtype != layout.torch_dtype:
             self._flat = torch.empty(layout.numel, dtype=layout.torch_dtype, device=self.device)
-        self._pg.broadcast(self._flat, 0).wait()
+        for start, stop in info.get("spans", [(0, layout.numel)]):
+            self._pg.broadcast(self._flat[start:stop], 0).wait()
+        status = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._pg.broadcast(status, 0).wait()
+        if int(status.item()) != 1:
+            raise GymvError("refit: the trainer failed midway through sending the weights; none were loaded",
+                            where="refit", fix="see the training worker's error")
         return unflatten(self._flat, layout)
 
     def close(self) -> None:
@@ -473,9 +750,11 @@ def _sender_class(name: str) -> type[RefitSender]:
     return REFIT_TRANSPORTS.load(name)
 
 
-def make_sender(name: str, dtype: torch.dtype, device, num_receivers: int = 1) -> RefitSender:
-    """The sender of the transport registered as `name` (gymv.backends.registry.REFIT_TRANSPORTS)."""
-    return _sender_class(name)(dtype, device, num_receivers)
+def make_sender(name: str, dtype: torch.dtype, device, num_receivers: int = 1,
+                bucket_mb: float = DEFAULT_BUCKET_MB) -> RefitSender:
+    """The sender of the transport registered as `name` (gymv.backends.registry.REFIT_TRANSPORTS);
+    `bucket_mb` is the bucket size of transports that ship in buckets (0: the whole buffer at once)."""
+    return _sender_class(name)(dtype, device, num_receivers, bucket_mb)
 
 
 def make_receiver(name: str, device, info: dict | None = None, rank: int = 1) -> RefitReceiver:

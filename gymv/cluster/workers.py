@@ -35,9 +35,11 @@ class WorkerSpec:
     device: str = "cpu"
     generation_dtype: str = "float32"
     generation_decode: str = "auto"
+    generation_max_batch: int = 256
     temperature: float = 1.0
     threads: int | None = None
     refit_transport: str = "object_store"
+    refit_bucket_mb: float = 256.0  # refit.bucket_mb: the size of each bucket a refit ships (0: one shot)
     reset_encoder_cache: bool = False
     trainer: dict = field(default_factory=dict)  # TrainerConfig fields
     warmup_steps: int = 0
@@ -122,7 +124,8 @@ class GenerationWorker:
         self.backend = backend_cls.create(spec.model_path, device=str(self.device), dtype=spec.generation_dtype,
                                           seed=spec.seed + 7919 * index, **spec.generation_options,
                                           **({"trust_remote_code": True} if spec.trust_remote_code else {}))
-        self.backend = with_decode(self.backend, spec.generation_decode, seed=spec.seed + 7919 * index)
+        self.backend = with_decode(self.backend, spec.generation_decode, seed=spec.seed + 7919 * index,
+                                   max_batch=spec.generation_max_batch)
         self.router = EnvRouter(spec.env)
         self.receiver = None
         self.weights_version = 0
@@ -356,7 +359,8 @@ class TrainingWorker:
     def refit_open(self, num_receivers: int) -> dict | None:
         from gymv.cluster.refit import make_sender
 
-        self.sender = make_sender(self.spec.refit_transport, self._generation_dtype(), self.device, num_receivers)
+        self.sender = make_sender(self.spec.refit_transport, self._generation_dtype(), self.device, num_receivers,
+                                  self.spec.refit_bucket_mb)
         return {"info": self.sender.rendezvous(self._weights_to_send()), "in_band": self.sender.in_band}
 
     def refit_connect(self) -> None:

@@ -112,6 +112,7 @@ def _known_backend(key: str, name: str) -> str:
 class GenerationSection(Section):
     backend: str = "hf"  # a registered generation backend, or a planned one (gymv.capabilities)
     decode: Literal["auto", "eager", "static"] = "auto"  # the hf backend's decode loop
+    max_batch: PosInt = 256  # sequences the static decoder runs at once; the rest wait for a free slot
     temperature: NonNegFloat = 1.0
     top_p: Fraction = 1.0
     max_new_tokens: PosInt = 64
@@ -167,6 +168,8 @@ class TrainingSection(Section):
 
 class RefitSection(Section):
     transport: str = "object_store"
+    # MiB per bucket that object_store and nccl ship while the next fills (0: the whole buffer at once)
+    bucket_mb: NonNegFloat = 256.0
 
     @field_validator("transport")
     @classmethod

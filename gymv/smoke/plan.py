@@ -146,16 +146,16 @@ def _origins(rec, text: str, where: str) -> dict[int, str]:
     return out
 
 
-def stand_in_notes(cfg, generation: str = "hf") -> list[str]:
+def stand_in_notes(cfg, tiny: dict) -> list[str]:
     """What a --tiny run says about itself: it checks the plumbing with stand-ins, and which of the recipe's
     own settings gymv train could not run here at all (gymv.capabilities), so a pass is not read as more."""
     from gymv.capabilities import gaps
-    from gymv.smoke.tiny import TINY_MODEL
 
+    generation = tiny["generation"]["backend"]
     engine = ("vLLM's CPU build as the vllm generation backend" if generation == "vllm"
               else f"the {generation} generation")
-    notes = [f"--tiny checks the plumbing with stand-ins ({TINY_MODEL} on a CPU, {engine} and the torch "
-             "training backend, small sizes), not that the recipe itself runs"]
+    notes = [f"--tiny checks the plumbing with stand-ins ({tiny['model']['path']} on a CPU, {engine} and the "
+             f"{tiny['training']['backend']} training backend, small sizes), not that the recipe itself runs"]
     notes += [f"stand-in for what gymv train cannot run here: {g}" for g in gaps(cfg)]
     return notes
 
@@ -202,7 +202,7 @@ def prepare_run(target: SmokeTarget, *, out_dir: str | os.PathLike, name: str, o
     prepared = PreparedRun(target, name, cfg.algorithm, int(d[base]["max_steps"]), steps_from, config_file, run_dir,
                            recipe_checks(rec), tiny_changes=changes, origins=_origins(rec, text, str(config_file)))
     if tiny:
-        prepared.notes.extend(stand_in_notes(cfg, d.get("generation", {}).get("backend", "hf")))
+        prepared.notes.extend(stand_in_notes(cfg, d))
     if target.driver is not None:
         try:
             from gymv.recipes.drivers import parse_driver

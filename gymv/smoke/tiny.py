@@ -76,6 +76,31 @@ def vllm_runs_here() -> bool:
     return vllm_available()
 
 
+def megatron_runs_here() -> bool:
+    """megatron-core imports in this interpreter (the dev extra installs it), so --tiny keeps that backend."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ImportError:  # a `megatron` namespace without `core`
+        return False
+
+
+MEGATRON_STAND_INS = ("tiny-llava", "tiny-llava-next", "tiny-llava-onevision", "tiny-qwen2vl", "tiny-qwen2_5vl",
+                      "tiny-smolvlm", "tiny-qwen3", "tiny-llama")
+"""The tiny models gymv's Megatron twin maps (a test checks this list against the backend's own check)."""
+
+
+def _tiny_training_backend(backend: str | None, tiny_model: str) -> str:
+    """The training backend a CPU smoke run uses: fsdp2 runs on one gloo rank, and megatron on a CPU where it
+    is installed and maps the stand-in, so both keep their own code path; anything else runs as torch."""
+    if backend == "fsdp2":
+        return backend
+    if backend == "megatron" and megatron_runs_here() and tiny_model.removeprefix("embedded:") in MEGATRON_STAND_INS:
+        return backend
+    return "torch"
+
+
 def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
     """A copy of a resolved recipe with the tiny CPU settings, and the changes made (`key: old -> new`)."""
     from gymv.models.families import tiny_stand_in
@@ -118,7 +143,10 @@ def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
     if isinstance(d.get("vision"), dict):
         _set(ch, d, "vision.dedup_payloads", True)
 
-    _set(ch, d, "training.backend", "torch")
+    training_backend = _tiny_training_backend(d.get("training", {}).get("backend"), tiny_model)
+    _set(ch, d, "training.backend", training_backend)
+    if training_backend == "fsdp2":
+        _set(ch, d, "training.fsdp.cpu_offload", False)  # host memory is where a CPU run's weights already are
     _set(ch, d, "training.dtype", "auto")
     for k in ("tensor", "pipeline", "context", "expert"):
         _set(ch, d, f"training.parallel.{k}", 1)

@@ -206,9 +206,16 @@ class StaticDecodeBackend(HFGenerationBackend):
                                                          and split_available(self.device, tm.head_dim)
                                                          and self.device.type == "cuda")
 
+    COMPILED_VARIANTS = len(BATCH_BUCKETS) * 3  # per function: a graph per batch bucket and sampling mode
+
     def _set_functions(self, compiled: bool) -> None:
         fns = (_layer_pre, _layer_post, _lm_head, _draw)
         if compiled:
+            import torch._dynamo.config as dynamo
+
+            # past the limit (8 by default) dynamo runs a function eagerly from then on, without telling:
+            # a long run would slow down as it met new batch sizes
+            dynamo.recompile_limit = max(dynamo.recompile_limit, self.COMPILED_VARIANTS)
             fns = tuple(torch.compile(f, dynamic=False) for f in fns)
         self._pre, self._post, self._head, self._draw = fns
 
@@ -671,7 +678,7 @@ def _draw(logits, forbidden, temperature, top_p, seeds, step, vocab, done, stop_
         tok = (drawn + gumbel_noise(seeds, step, vocab)).argmax(-1)
     lp = (z.gather(-1, tok[:, None]) - lse).squeeze(-1)
     tok = torch.where(done, torch.full_like(tok, pad), tok)
-    return tok, lp, done | torch.isin(tok, stop_ids)
+    return tok, lp, done | (tok.unsqueeze(-1) == stop_ids).any(-1)  # torch.isin cannot be captured in a CUDA graph
 
 
 def _lm_head(x, norm, head, *, eps: float):
@@ -693,11 +700,12 @@ def _cache_tensors(cache, n_layers: int) -> list[tuple[torch.Tensor, torch.Tenso
 DECODE_MODES = ("auto", "eager", "static")
 
 
-def with_decode(backend, decode: str = "auto", *, seed: int = 0):
+def with_decode(backend, decode: str = "auto", *, seed: int = 0, max_batch: int = 256):
     """`backend` with the decode loop `decode` asks for (`generation.decode`): `static` turns an
     `HFGenerationBackend` into a `StaticDecodeBackend` on the same model (static cache, CUDA graphs on a
     GPU), `eager` keeps it, `auto` is static on CUDA where the model allows it and eager otherwise. Other
-    engines decode their own way: they pass through `auto` and `eager`, and `static` is an error."""
+    engines decode their own way: they pass through `auto` and `eager`, and `static` is an error.
+    `max_batch` (`generation.max_batch`) caps the static decoder's slots, and so its KV cache."""
     if decode not in DECODE_MODES:
         raise GymvError(f"generation.decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}",
                         fix="use auto (static on CUDA), static or eager")
@@ -711,7 +719,8 @@ def with_decode(backend, decode: str = "auto", *, seed: int = 0):
     if decode == "auto" and (backend.device.type != "cuda" or isinstance(text_model(backend.model), str)):
         return backend
     return StaticDecodeBackend(backend.model, backend.tokenizer, backend.adapter, seed=seed,
-                               max_cached_images=backend.max_cached_images, chat_template=backend.chat_template)
+                               max_cached_images=backend.max_cached_images, chat_template=backend.chat_template,
+                               max_batch=max_batch)
 
 
 def hf_backend(policy, *, decode: str = "auto", seed: int = 0, **kwargs) -> HFGenerationBackend:

@@ -54,12 +54,18 @@ class GymvWeightSync:
         group = dist.ProcessGroupNCCL(dist.PrefixStore("gymv-refit", store), rank, world_size)
         self._gymv_group = group  # type: ignore[attr-defined]
 
-    def gymv_load_weights_broadcast(self, layout) -> None:
-        """Receive the flat buffer that trainer rank 0 broadcasts, then load views of it."""
+    def gymv_load_weights_broadcast(self, layout, spans=None) -> None:
+        """Receive the buckets that trainer rank 0 broadcasts (the `spans` of its rendezvous info) into one
+        flat buffer, then its status flag; load views of the buffer only if the sender finished."""
         import torch
 
         flat = torch.empty(layout.numel, dtype=layout.torch_dtype, device=self.device)  # type: ignore[attr-defined]
-        self._gymv_group.broadcast(flat, 0).wait()  # type: ignore[attr-defined]
+        for start, stop in spans or [(0, layout.numel)]:
+            self._gymv_group.broadcast(flat[start:stop], 0).wait()  # type: ignore[attr-defined]
+        status = torch.zeros(1, dtype=torch.int32, device=self.device)  # type: ignore[attr-defined]
+        self._gymv_group.broadcast(status, 0).wait()  # type: ignore[attr-defined]
+        if int(status.item()) != 1:
+            raise RuntimeError("refit: the trainer failed midway through sending the weights; none were loaded")
         self._gymv_reload(_views(flat, layout))
 
 

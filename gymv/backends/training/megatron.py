@@ -2,15 +2,17 @@
 loaded from and written back to HF names by gymv's own mapping (gymv.backends.training.megatron_weights).
 
 Everything around the model is the `torch` backend's: the same losses over `training_sample`, token-budget
-micro-batches, data parallel over the trainer's ranks, torch AdamW (megatron's distributed optimizer needs
-its DDP wrapper and gradient buffers, which gymv does not build yet), bf16 autocast on CUDA. Checkpoints and exports are HF
+micro-batches, data parallel over the trainer's ranks, torch AdamW (megatron's distributed optimizer, with its DDP
+wrapper and gradient buffers, allocates on CUDA and accepts only CUDA parameters, so no CPU test could check
+it: docs/training.md, "Why not megatron's distributed optimizer"), bf16 autocast on CUDA. Checkpoints and exports are HF
 folders (weights under HF names, so a checkpoint loads with `from_pretrained` too); refits send HF names.
 
 Wired here: text decoders (Llama, Qwen2, Qwen3) and LLaVA-style, Qwen2-VL and Qwen2.5-VL vision-language
 models (the vision tower and projector stay torch modules, trained too; their image features reach GPTModel
 as its decoder_input; 3-D rotary positions go through megatron's mrope), with tensor parallelism
-(gymv.backends.training.megatron_tp). Pipeline, context and expert parallelism are refused, as are VLMs with
-other decoder inputs (Qwen3-VL, Gemma 3).
+(gymv.backends.training.megatron_tp), and sequence packing (`training.sequence_packing`: one row per
+micro-batch, each sequence attending to itself alone through SdpaCoreAttention). Pipeline, context and
+expert parallelism are refused, as are VLMs with other decoder inputs (Qwen3-VL, Gemma 3).
 """
 
 from __future__ import annotations
@@ -67,16 +69,25 @@ def _check_vlm(adapter) -> None:
                             fix="use training.backend: torch or fsdp2 for this model")
 
 
+def check_maps(policy) -> None:
+    """Raise GymvError (naming model.path) unless gymv's Megatron twin maps this model's decoder and, for a VLM,
+    how its image features reach the decoder."""
+    from gymv.backends.training.megatron_weights import DecoderShape
+
+    if getattr(policy.model.config, "vision_config", None) is not None:
+        _check_vlm(policy.adapter)
+    DecoderShape.of(policy.model.config, **_hf_names(policy.model))
+
+
 class MegatronBackend(HFTorchBackend):
     """One data-parallel rank whose policy (and KL reference) is a GPTModel twin of the HF decoder."""
 
     def __init__(self, policy, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1):
         from gymv.backends.training.megatron_weights import DecoderShape
 
+        check_maps(policy)
         self.hf_config = policy.model.config
         self.vision = getattr(self.hf_config, "vision_config", None) is not None
-        if self.vision:
-            _check_vlm(policy.adapter)
         self.shape = DecoderShape.of(self.hf_config, **_hf_names(policy.model))
         # HF state dicts list a tied head under its own name too; the generator is sent what it holds
         self.sends_tied_head = self.shape.tied and self.shape.hf_head in policy.model.state_dict()
@@ -137,14 +148,22 @@ class MegatronBackend(HFTorchBackend):
                                      process_group=parallel_state.get_data_parallel_group(), plan_fn=layout.plan)
 
     def layout(self, model):
-        """Padded rows only: GPTModel's attention here is causal over a row, so packed rows would attend
-        across their sequences."""
+        """Padded or packed rows, as the torch backend lays them out. A packed row needs gymv's packed
+        attention in GPTModel's attention slot (SdpaCoreAttention): without it, attention over the row would
+        cross its sequences, so a model that cannot use it (sliding windows, soft-capping) runs padded rows
+        under `auto` and is refused under `true`."""
+        from gymv.backends import packed_attention
         from gymv.backends.training.hf_torch import BatchLayout
 
-        if self.setup.sequence_packing is True:
-            raise GymvError("training.sequence_packing is not wired for training.backend megatron",
-                            where="training.sequence_packing", fix="set training.sequence_packing: auto or false")
-        return BatchLayout(self.adapter, model, self.pad_id, False)
+        packing = self.setup.sequence_packing
+        why_not = packed_attention.supports(model)
+        if why_not is not None:
+            if packing is True:
+                raise GymvError(f"training.backend megatron packs sequences with gymv's packed attention, which this "
+                                f"model cannot use ({why_not})", where="training.sequence_packing",
+                                fix="set training.sequence_packing: auto or false")
+            packing = False
+        return BatchLayout(self.adapter, model, self.pad_id, packing)
 
     def train_step(self, samples, loss_fn):
         if self.tp > 1:  # a replica's TP ranks run the same samples: all of theirs

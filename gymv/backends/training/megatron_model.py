@@ -182,9 +182,13 @@ def release_parallel() -> None:
 
 class SdpaCoreAttention(torch.nn.Module):
     """Megatron's core-attention slot filled with PyTorch's fused scaled-dot-product attention (the local
-    spec's own materialises every [heads, T, T] score matrix). Causal only: gymv's training rows are
+    spec's own materialises every [heads, T, T] score matrix). Causal over each row: gymv's padded rows are
     right-padded, so every real position attends exactly as under the padding mask, and padded positions
-    are never scored. No dropout (gymv trains at 0)."""
+    are never scored. A packed row arrives with its segments (gymv.backends.packing.PackedAttentionArgs) in
+    the attention-mask argument, which megatron hands through every layer unchanged (and torch's checkpoint
+    keeps for the recompute): each segment then attends to its own keys alone, through
+    gymv.backends.packed_attention (varlen flash on CUDA, one SDPA call per segment elsewhere). No dropout
+    (gymv trains at 0)."""
 
     def __init__(self, config, layer_number: int = 1, attn_mask_type=None, attention_type: str = "self", **_: Any):
         super().__init__()
@@ -194,14 +198,57 @@ class SdpaCoreAttention(torch.nn.Module):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask=None, **_: Any) -> Tensor:
         import torch.nn.functional as F
 
+        from gymv.backends import packed_attention
+        from gymv.backends.packing import PackedAttentionArgs
+
         sq, b = query.shape[:2]  # [sq, b, heads, dim]; key and value [sk, b, groups, dim]
         # one dtype for the fused kernel: the value's (the QKV projection's output, bf16 under autocast)
         q, k, v = (t.to(value.dtype).permute(1, 2, 0, 3) for t in (query, key, value))
+        if isinstance(attention_mask, PackedAttentionArgs):
+            out, _ = packed_attention.packed_attention_forward(self, q, k, v, None, scaling=self.softmax_scale,
+                                                               **{packed_attention.KEYWORD: attention_mask})
+            return out.reshape(sq, b, -1)  # [1, N, heads, dim] -> [N, 1, heads * dim]
         if k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+@contextlib.contextmanager
+def _rotary_at(gpt, positions: Tensor):
+    """GPTModel's plain rotary table counts 0..T-1 over a row; a packed row's positions restart per sequence
+    (or continue from a shared prompt). For one forward, the table hands each token the row of its own
+    position instead (megatron applies a [T, 1, 1, dim] table token by token)."""
+    rope = gpt.rotary_pos_emb
+    # [N, 1, 1, dim], megatron's own table (cached by length); a position is below N, the row's length, as
+    # every sequence (a shared prompt included) lies inside the row
+    table = rope(positions.numel())
+    at = table[positions.to(table.device)]
+    rope.forward = lambda *args, **kwargs: at
+    try:
+        yield
+    finally:
+        del rope.forward
+
+
+@contextlib.contextmanager
+def _head_at(gpt, keep: int | Tensor):
+    """For one forward, GPTModel's output layer runs on the kept positions alone (HF's `logits_to_keep`:
+    the last `keep`, or the columns a 1-D tensor names): a loss scores the answer tokens only, and the head
+    over the whole vocabulary is a large share of a step."""
+    layer = gpt.output_layer
+    inner = layer.forward
+
+    def forward(hidden: Tensor, *args: Any, **kwargs: Any):  # hidden [T, B, H]
+        picked = hidden[-keep:] if isinstance(keep, int) else hidden.index_select(0, keep.to(hidden.device))
+        return inner(picked, *args, **kwargs)
+
+    layer.forward = forward
+    try:
+        yield
+    finally:
+        del layer.forward
 
 
 def _layer_spec(shape: DecoderShape, attention: str):
@@ -311,7 +358,8 @@ class _PaddingIdxEmbedding(torch.nn.Module):
 
 class MegatronCausalLM(torch.nn.Module):
     """GPTModel behind the HF call gymv's logprob functions make. Positions are those of a right-padded
-    row (0..T-1), as the trainer's collate lays rows out; the KV-cache path is never taken (`gymv_lockstep`).
+    row (0..T-1), as the trainer's collate lays rows out, or a packed row's own (gymv.backends.packing); the
+    KV-cache path is never taken (`gymv_lockstep`).
     `padding_idx`: the HF embedding's (its row gets no gradient there either)."""
 
     gymv_lockstep = True
@@ -325,20 +373,36 @@ class MegatronCausalLM(torch.nn.Module):
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 inputs_embeds: Tensor | None = None, position_ids: Tensor | None = None, use_cache: bool = False,
-                **_: Any) -> SimpleNamespace:
+                logits_to_keep: int | Tensor | None = None, **kwargs: Any) -> SimpleNamespace:
+        """A padded batch (attention_mask [B, T]), or one packed row: [1, N] tokens with the keyword
+        gymv.backends.packed_attention.KEYWORD (its segments), its positions (restarting per sequence, or
+        3-D ones) and no attention mask. `logits_to_keep` as in HF models: logits [B, K, V] at those
+        positions only."""
+        from gymv.backends import packed_attention
+
         ref = input_ids if input_ids is not None else inputs_embeds
         b, t = ref.shape[:2]
-        if attention_mask is None:
+        packing = kwargs.get(packed_attention.KEYWORD)
+        if packing is not None and (b != 1 or attention_mask is not None or position_ids is None):
+            raise RuntimeError("a packed forward takes one row, its positions and no attention mask")
+        if attention_mask is None and packing is None:
             attention_mask = torch.ones(b, t, dtype=torch.long, device=ref.device)
+        rotary = contextlib.nullcontext()
         if self.shape.mrope_section:  # 3-D positions [3, B, T], as the adapter computed them
             pos = position_ids if position_ids.dim() == 3 else position_ids[None].expand(3, b, t)
-        else:  # megatron's rotary table counts 0..T-1 itself
+        else:  # megatron's rotary table counts 0..T-1 itself; a packed row's positions are its own
             pos = torch.arange(t, device=ref.device).expand(b, t)
+            if packing is not None:
+                rotary = _rotary_at(self.gpt, position_ids.reshape(-1))
         if inputs_embeds is None:  # looked up here, with the padding rule, rather than inside GPTModel
             inputs_embeds = self.get_input_embeddings()(input_ids)
         decoder_input = inputs_embeds.transpose(0, 1).contiguous()
-        logits = self.gpt(input_ids=input_ids, position_ids=pos, attention_mask=megatron_mask(attention_mask),
-                          decoder_input=decoder_input)
+        mask = packing if packing is not None else megatron_mask(attention_mask)
+        head = contextlib.nullcontext()
+        if isinstance(logits_to_keep, Tensor) or (logits_to_keep or 0) > 0:
+            head = _head_at(self.gpt, logits_to_keep)
+        with rotary, head:
+            logits = self.gpt(input_ids=input_ids, position_ids=pos, attention_mask=mask, decoder_input=decoder_input)
         if self.gpt.config.tensor_model_parallel_size > 1:
             from megatron.core import parallel_state
 
