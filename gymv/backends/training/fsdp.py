@@ -213,7 +213,7 @@ class FSDPTrainer(TorchTrainer):
     def _sync_grads(self) -> None:
         self.dp.sum_grads_([p for p in self.replicated if p.requires_grad])
 
-    def _before_backward(self, last: bool) -> None:
+    def _start_micro_batch(self, last: bool) -> None:
         """One rank: gradients accumulate unsharded (in the reduce dtype) over the step's micro-batches and go
         through FSDP2's reduction once, after the last, instead of after every micro-batch (its per-unit
         copies and kernel launches were a large share of a step's host time). With R > 1 ranks each

@@ -119,7 +119,7 @@ class TorchTrainer:
     def _sync_grads(self) -> None:
         self.dp.sum_grads_(self.params)
 
-    def _before_backward(self, last: bool) -> None:
+    def _start_micro_batch(self, last: bool) -> None:
         """Called before each micro-batch of a step; `last`: no backward pass of this step follows it."""
 
     def _grad_norm(self) -> Tensor:
@@ -200,7 +200,7 @@ class TorchTrainer:
         losses: list[Tensor] = []  # checked once after the last backward: a check per micro-batch waits on the device
         for n, indices in enumerate(plan):
             mb = _to_device(self.collate_fn([samples[i] for i in indices]), self.device)
-            self._before_backward(last=n == len(plan) - 1 and not idle)
+            self._start_micro_batch(last=n == len(plan) - 1 and not idle)
             logp, entropy, candidates = self._forward(mb)
             extra = {"candidates": candidates} if candidates is not None else {}
             loss, metrics = loss_fn(mb, logp, entropy, counts, **extra)
