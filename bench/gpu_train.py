@@ -26,7 +26,14 @@ Before the runs, `parity`: packed against padded logprobs of the same weights (b
 
 --ranks N spawns N processes (NCCL on 127.0.0.1, one GPU each); the groups are split over the ranks.
 
-Usage: python bench/gpu_train.py --out DIR [--shapes 0.8b,3b,7b] [--ranks 1] [--steps 3] [--budget-s 170]
+--compile off|on|both runs each run eager, with training.compile (each decoder layer compiled), or both;
+`first_step_s` is the warm-up step (with compile: the compilation). --runs picks runs by name
+(`<shape>-<backend>-packed|padded[-ckpt]`), `@TOKENS` sets micro_batch_tokens, `:eager` or `:compile` one
+variant, `:keep` training.fsdp.reshard_after_forward false. computed_tokens_rank0: the tokens rank 0's forward passes run
+(packed rows' lengths, or padded rows x longest), to check that each group's prompt runs once.
+
+Usage: python bench/gpu_train.py --out DIR [--shapes 0.8b,3b,7b] [--runs SPEC] [--compile off|on|both]
+                                 [--ranks 1] [--steps 3] [--budget-s 170] [--profile [compile]]
        python bench/gpu_train.py --out DIR --cpu-smoke     (tiny shapes, fp32, CPU: checks the script)
 """
 
@@ -162,8 +169,91 @@ def param_counts(model) -> dict:
     return {"decoder": decoder, "embedding": embed, "head": head, "vision": vision}
 
 
+def run_name(run) -> str:
+    shape, backend, packing, ckpt, _ = run
+    return f"{shape}-{backend}-{'packed' if packing else 'padded'}{'-ckpt' if ckpt else ''}"
+
+
+# profiler rows (kernel and op names) by kind, to sum a step's device time
+KINDS = [("matmul", ("gemm", "matmul", "aten::mm", "aten::addmm", "aten::bmm", "cutlass", "sm90_xmma", "nvjet")),
+         ("attention", ("flash", "attn", "fmha", "attention")),
+         ("compiled (triton)", ("triton_",)),
+         ("communication", ("nccl",)),
+         ("optimizer", ("adam", "foreach", "multi_tensor")),
+         ("dtype copies", ("copy_", "_to_copy", "cast", "convert")),
+         ("indexing", ("index", "gather", "scatter")),
+         ("elementwise", ("elementwise", "mul", "add", "silu", "pow", "rsqrt", "neg", "cat", "where", "exp", "sub",
+                          "div", "mean", "sum", "reduce"))]
+
+
+def profile_summary(averages, key: str, limit: int = 25, kernels_only: bool = False) -> dict:
+    """The profiled step's device (or CPU) time: the top rows by self time and a sum per kind of kernel.
+    `kernels_only`: device kernels alone (an operator's self device time repeats its kernels' time)."""
+    from torch.autograd import DeviceType
+
+    def collect(skip_host_ops: bool) -> list[dict]:
+        rows = []
+        for e in averages:
+            if skip_host_ops and getattr(e, "device_type", None) == DeviceType.CPU:
+                continue
+            t = getattr(e, key, 0.0) or 0.0
+            if t > 0:
+                rows.append({"name": e.key, "self_ms": t / 1e3, "calls": e.count})
+        return rows
+
+    rows = collect(kernels_only) or collect(False)
+    rows.sort(key=lambda r: -r["self_ms"])
+    kinds: dict[str, float] = {}
+    for r in rows:
+        name = r["name"].lower()
+        kind = next((k for k, words in KINDS if any(w in name for w in words)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + r["self_ms"]
+    total = sum(r["self_ms"] for r in rows)
+    return {"by": key, "total_self_ms": total, "by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "top": rows[:limit]}
+
+
+def select_runs(spec: str, shapes: list[str], variants: list[bool]) -> list[tuple]:
+    """(run, compile, micro_batch_tokens or None, keep_gathered) to measure, in order. `spec`: comma-separated
+    `NAME[@TOKENS][:eager|:compile][:keep]` (TOKENS: micro_batch_tokens instead of the default; without
+    eager/compile, each of `variants`; keep: training.fsdp.reshard_after_forward false, the gathered weights
+    kept from forward to backward); empty: every run of `shapes`, each variant."""
+    if not spec:
+        return [(run, c, None, False) for run in RUNS if run[0] in shapes for c in variants]
+    by_name = {run_name(run): run for run in RUNS}
+    out = []
+    for item in spec.split(","):
+        head, *options = item.split(":")
+        name, _, tokens = head.partition("@")
+        if name not in by_name or not set(options) <= {"eager", "compile", "keep"}:
+            sys.exit(f"--runs: unknown run {item!r} (known: {', '.join(by_name)}; options :eager, :compile, :keep)")
+        modes = [o == "compile" for o in options if o in ("eager", "compile")] or variants
+        out += [(by_name[name], c, int(tokens) if tokens else None, "keep" in options) for c in modes]
+    return out
+
+
+def computed_tokens(backend, batch) -> int:
+    """Tokens the trainer's forward actually runs: the packed rows' lengths (each group's prompt once per row it
+    lands in), or the padded micro-batches' rows x longest sample."""
+    from gymv.backends.logprobs import packed_prefixes
+    from gymv.backends.packing import pack
+
+    layout = backend.trainer.plan_fn.__self__
+    total = 0
+    for indices in backend.trainer._plan(batch):
+        mb = layout.collate([batch[i] for i in indices])
+        if not layout.packed:
+            total += int(mb["input_ids"].numel())
+            continue
+        share = packed_prefixes(mb["input_ids"], mb["loss_mask"], mb["images"], layout.adapter.image_token_id) \
+            if layout.shares_in_row else None
+        total += int(pack(mb["input_ids"], mb["attention_mask"], mb["images"], share).input_ids.numel())
+    return total
+
+
 def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, seed: int, smoke: bool,
-            profile: bool = False) -> dict:
+            profile: bool = False, compile_layers: bool = False, micro_batch_tokens: int | None = None,
+            keep_gathered: bool = False) -> dict:
     import torch
 
     from gymv.algorithms.loss_fns import PolicyLoss
@@ -180,8 +270,9 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
         policy.model.gradient_checkpointing_enable()
     setup = TrainingSetup(model_path=str(policy.path), device=device, seed=seed, gradient_checkpointing=ckpt,
                           optimizer={"lr": 1e-6, "precision": "fp32" if smoke else "bf16",
-                                     "micro_batch_tokens": 2048 if smoke else 16384},
-                          sequence_packing=packing)
+                                     "micro_batch_tokens": micro_batch_tokens or (2048 if smoke else 16384)},
+                          sequence_packing=packing, compile=compile_layers,
+                          sharding={"reshard_after_forward": not keep_gathered})
     cls = HFFSDPBackend if backend_name == "fsdp2" else HFTorchBackend
     backend = cls(policy, setup, device=device, rank=rank, world_size=world)
     all_samples = rollouts(policy, groups * world, seed, smoke)
@@ -190,7 +281,7 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
     generated = sum(sum(s["loss_mask"]) for s in all_samples)
     unique = total - sum((GROUP - 1) * s["loss_mask"].index(True) for s in all_samples[::GROUP])
     loss = PolicyLoss()
-    times, metrics = [], {}
+    times, metrics, first_step_s = [], {}, None
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     for step in range(steps + 1):
@@ -203,6 +294,8 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
             torch.cuda.synchronize()
         if step > 0:
             times.append(time.perf_counter() - t0)
+        else:
+            first_step_s = time.perf_counter() - t0  # with training.compile: the compilation
     if profile and rank == 0:  # one more step, profiled: where a step's time goes (not in the figures)
         from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -214,17 +307,25 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
                 torch.cuda.synchronize()
         averages = prof.key_averages()
         key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
-        print(f"profile of one step of {list(run)}, by {key}:", flush=True)
+        print(f"profile of one step of {list(run)} (compile {compile_layers}), by {key}:", flush=True)
         print(averages.table(sort_by=key, row_limit=18, max_name_column_width=60), flush=True)
         print("by cpu_time_total:", flush=True)
         print(averages.table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=60), flush=True)
+        attr = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+        profiled = {"device": profile_summary(averages, attr, kernels_only=device.startswith("cuda")),
+                    "host": profile_summary(averages, "cpu_time_total", 15)}
     elif profile and world > 1:
         backend.train_step([as_tensors(dict(s)) for s in mine], loss)  # rank 0's profiled step is collective
+    if not (profile and rank == 0):
+        profiled = None
     t = statistics.median(times)
     flops = 6 * counts["decoder"] * unique + 6 * counts["head"] * generated
     flops_all = 6 * counts["decoder"] * total + 6 * counts["head"] * generated
-    out = {"shape": shape_name, "backend": backend_name, "sequence_packing": packing, "activation_checkpointing": ckpt,
+    out = {"run": run_name(run), "compile": compile_layers, "first_step_s": first_step_s,
+           "micro_batch_tokens": setup.optimizer["micro_batch_tokens"], "reshard_after_forward": not keep_gathered,
+           "shape": shape_name, "backend": backend_name, "sequence_packing": packing, "activation_checkpointing": ckpt,
            "ranks": world, "samples": len(all_samples), "tokens": total, "unique_tokens": unique,
+           "computed_tokens_rank0": computed_tokens(backend, [as_tensors(dict(s)) for s in mine]),
            "generated_tokens": generated, "params": counts, "step_s": t, "step_s_all": times,
            "tokens_per_s": total / t, "unique_tokens_per_s": unique / t,
            "mfu": flops / t / (PEAK_FLOPS * world), "mfu_all_tokens": flops_all / t / (PEAK_FLOPS * world),
@@ -232,6 +333,8 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
            "loss": metrics.get("train/loss")}
     if device.startswith("cuda"):
         out["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    if profiled is not None:
+        out["profile"] = profiled
     from gymv.backends import packed_attention
 
     out["packed_attention"] = packed_attention.active(backend.model)
@@ -304,25 +407,29 @@ def worker(rank: int, world: int, port: int, a) -> None:
             result["parity"] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
         print("parity", json.dumps(result["parity"]), flush=True)
     profiled = False
-    for run in RUNS:
-        if run[0] not in shapes:
-            continue
+    selected = select_runs(a.runs, shapes, {"off": [False], "on": [True], "both": [False, True]}[a.compile])
+    for run, compiled, tokens, keep in selected:
+        # --profile: the first run's first variant; --profile compile: its compiled variant
+        profile_this = a.profile is not None and not profiled and (a.profile != "compile" or compiled)
         if time.time() - start > a.budget_s:
-            row = {"run": list(run), "error": "skipped: time budget"}
+            row = {"run": run_name(run), "compile": compiled, "micro_batch_tokens": tokens,
+                   "reshard_after_forward": not keep, "error": "skipped: time budget"}
         else:
             try:
-                row = one_run(run, base, rank, world, device, a.steps, a.seed, smoke,
-                              profile=a.profile and not profiled)
-                profiled = True
+                row = one_run(run, base, rank, world, device, a.steps, a.seed, smoke, profile=profile_this,
+                              compile_layers=compiled, micro_batch_tokens=tokens, keep_gathered=keep)
+                profiled = profiled or profile_this
             except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
-                row = {"run": list(run), "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
+                row = {"run": run_name(run), "compile": compiled, "micro_batch_tokens": tokens,
+                       "reshard_after_forward": not keep, "error": f"{type(e).__name__}: {e}",
+                       "trace": traceback.format_exc()[-3000:]}
                 gc.collect()
                 if not smoke:
                     torch.cuda.empty_cache()
         if rank == 0:
             result["runs"].append(row)
             brief = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                     if k not in ("step_s_all", "params", "trace")}
+                     if k not in ("step_s_all", "params", "trace", "profile")}
             print(json.dumps(brief), flush=True)
             (a.out / "gpu_train.json").write_text(json.dumps(result, indent=2))
     if world > 1:
@@ -347,7 +454,14 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=170.0, help="start no new run after this many seconds")
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--no-parity", action="store_true", help="skip the packed-vs-padded logprob check")
-    ap.add_argument("--profile", action="store_true", help="print a profile of one extra step of the first run")
+    ap.add_argument("--profile", nargs="?", const="first", choices=["first", "compile"], default=None,
+                    help="profile one extra step of the first run (`compile`: of its compiled variant); printed, "
+                         "and summed by kind of kernel in the JSON")
+    ap.add_argument("--runs", default="", help="comma-separated NAME[@TOKENS][:eager|:compile][:keep], in this order "
+                                               "(e.g. 0.8b-fsdp2-packed,0.8b-fsdp2-packed@32768:compile); "
+                                               "default: every run of --shapes")
+    ap.add_argument("--compile", choices=["off", "on", "both"], default="off",
+                    help="training.compile for each run: off, on, or both (eager first)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -21,7 +21,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from gymv.backends.chunked_scores import chunked_scores
 from gymv.backends.hf_forward import forward_logits
+from gymv.backends.host_copy import to_device
 from gymv.backends.multimodal import MultimodalAdapter, image_hash, preprocess_threaded
 from gymv.backends.packing import PackedRow, pack
 from gymv.backends.sampling import forbidden_mask, policy_logits
@@ -108,7 +110,7 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
 
         if type(adapter).position_ids is MultimodalAdapter.position_ids:
             feats = _image_features(model, adapter, packed.images)[0] if packed.images else []
-            positions = packed.positions.to(dev)[None]  # 1-D: each sequence counts from 0
+            positions = to_device(packed.positions, dev)[None]  # 1-D: each sequence counts from 0
         else:  # the adapter's own positions (3-D rotary) of the padded rows, taken at each packed token
             flat = [im for row in batch.images for im in row]
             feats, grid = _image_features(model, adapter, flat) if flat else ([], None)
@@ -116,13 +118,13 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
             for row in batch.images:
                 first.append(first[-1] + len(row))
             feats = [feats[j] for b in packed.image_rows for j in range(first[b], first[b + 1])]
-            rows, cols = packed.source_rows.to(dev), packed.positions.to(dev)
-            padded = adapter.position_ids(model, batch.input_ids.to(dev), batch.attention_mask.to(dev), grid)
+            rows, cols = to_device(packed.source_rows, dev), to_device(packed.positions, dev)
+            padded = adapter.position_ids(model, to_device(batch.input_ids, dev), to_device(batch.attention_mask, dev), grid)
             positions = padded[..., rows, cols].unsqueeze(-2)  # [..., 1, N]
         active = packed_attention.active(model)
         extra = {packed_attention.KEYWORD: packed.attention_args(dev)} if active else {}
         before = packed_attention.calls
-        logits = forward_logits(model, input_ids=packed.input_ids.to(dev)[None], attention_mask=None,
+        logits = forward_logits(model, input_ids=to_device(packed.input_ids, dev)[None], attention_mask=None,
                                 position_ids=positions, image_token_id=adapter.image_token_id,
                                 features=feats, logits_to_keep=keep, extra=extra, adapter=adapter)
         if active:
@@ -130,7 +132,7 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
         if keep is not None and logits.shape[1] != keep.numel():
             logits = logits[:, keep.to(logits.device)]
         return logits
-    ids, mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)
+    ids, mask = to_device(batch.input_ids, dev), to_device(batch.attention_mask, dev)
     flat = [im for row in batch.images for im in row]
     feats, grid = [], None
     if flat:
@@ -377,10 +379,10 @@ def token_scores(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temp
         keep = row.index(rows, t)
         order = keep.argsort()  # logits_to_keep in row order
         rows, t = rows[order], t[order]
-        logits = _forward_logits(model, adapter, batch, keep=keep[order].to(dev), packed=row)[0]  # [N, V]
-        scored = logits, rows.to(dev), t.to(dev)
+        logits = _forward_logits(model, adapter, batch, keep=to_device(keep[order], dev), packed=row)[0]  # [N, V]
+        scored = logits, to_device(rows, dev), to_device(t, dev)
     if scored is None:
-        cols_dev = cols.to(dev)
+        cols_dev = to_device(cols, dev)
         logits = _forward_logits(model, adapter, batch, keep=cols_dev)  # [B, K, V]
         sel = wanted[:, cols].to(logits.device)  # [B, K]: the scored (row, column) pairs
         rows, k = sel.nonzero(as_tuple=True)
@@ -388,14 +390,19 @@ def token_scores(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temp
         scored = logits[rows, k], rows, t
     logits, rows, t = scored
     forbidden = forbidden_mask(logits.shape[-1], forbidden_ids, logits.device)
+    target = to_device(ids_cpu, dev)[rows, t + 1]
+    B, T = ids_cpu.shape
+    if gather_ids is None:  # never the whole [N, V] in float32 at once
+        lp, ent, _ = chunked_scores(logits, target, forbidden, temperature, return_entropy)
+        logprobs = lp.new_zeros((B, T)).index_put((rows, t + 1), lp)
+        entropies = ent.new_zeros((B, T)).index_put((rows, t + 1), ent) if return_entropy else None
+        return TokenScores(logprobs, entropies, None)
     z = policy_logits(logits, temperature, forbidden)  # [N, V]
-    target = ids_cpu.to(dev)[rows, t + 1]
     lse = torch.logsumexp(z, dim=-1)
     picked = z.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     lp = picked - lse
     if forbidden is not None:
         lp = torch.where(forbidden[target], torch.zeros_like(lp), lp)
-    B, T = ids_cpu.shape
     logprobs = lp.new_zeros((B, T)).index_put((rows, t + 1), lp)
     entropies = candidates = None
     if return_entropy:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from gymv.backends.host_copy import to_device
 from gymv.errors import GymvError
 
 SUPPORTED_PROCESSORS = {
@@ -292,7 +293,7 @@ class PlaceholderAdapter(MultimodalAdapter):
 
     def image_features(self, model, inputs: ImageInputs) -> list:
         dtype = next(model.parameters()).dtype
-        out = model.get_image_features(pixel_values=inputs.pixel_values.to(model.device, dtype))
+        out = model.get_image_features(pixel_values=to_device(inputs.pixel_values, model.device).to(dtype))
         return _per_image(out, inputs.tokens_per_image)
 
 
@@ -321,8 +322,8 @@ class GridAdapter(MultimodalAdapter):
 
     def image_features(self, model, inputs: ImageInputs) -> list:
         dtype = next(model.parameters()).dtype
-        out = model.get_image_features(pixel_values=inputs.pixel_values.to(model.device, dtype),
-                                       image_grid_thw=inputs.image_grid_thw.to(model.device))
+        out = model.get_image_features(pixel_values=to_device(inputs.pixel_values, model.device).to(dtype),
+                                       image_grid_thw=to_device(inputs.image_grid_thw, model.device))
         return _per_image(out, inputs.tokens_per_image)
 
     def position_ids(self, model, input_ids, attention_mask, image_grid_thw=None):
@@ -370,8 +371,8 @@ class DeepstackGridAdapter(GridAdapter):
 
     def image_features(self, model, inputs: ImageInputs) -> list:
         dtype = next(model.parameters()).dtype
-        out = model.get_image_features(pixel_values=inputs.pixel_values.to(model.device, dtype),
-                                       image_grid_thw=inputs.image_grid_thw.to(model.device))
+        out = model.get_image_features(pixel_values=to_device(inputs.pixel_values, model.device).to(dtype),
+                                       image_grid_thw=to_device(inputs.image_grid_thw, model.device))
         main = _per_image(out, inputs.tokens_per_image)
         layers = [list(layer) if not hasattr(layer, "split") else list(layer.split(inputs.tokens_per_image))
                   for layer in out.deepstack_features]
@@ -431,8 +432,8 @@ class AnyResAdapter(MultimodalAdapter):
 
     def image_features(self, model, inputs: ImageInputs) -> list:
         dtype = next(model.parameters()).dtype
-        out = model.get_image_features(pixel_values=inputs.pixel_values.to(model.device, dtype),
-                                       image_sizes=inputs.image_sizes.to(model.device),
+        out = model.get_image_features(pixel_values=to_device(inputs.pixel_values, model.device).to(dtype),
+                                       image_sizes=to_device(inputs.image_sizes, model.device),
                                        vision_feature_layer=self.config.vision_feature_layer,
                                        vision_feature_select_strategy=self.strategy)
         return _per_image(out, inputs.tokens_per_image)
@@ -492,7 +493,7 @@ class ImageBlockAdapter(MultimodalAdapter):
 
     def image_features(self, model, inputs: ImageInputs) -> list:
         dtype = next(model.parameters()).dtype
-        out = model.get_image_features(pixel_values=inputs.pixel_values.to(model.device, dtype))
+        out = model.get_image_features(pixel_values=to_device(inputs.pixel_values, model.device).to(dtype))
         return _per_image(out, inputs.tokens_per_image)
 
 
@@ -560,8 +561,8 @@ class SplitAdapter(MultimodalAdapter):
 
     def image_features(self, model, inputs: ImageInputs) -> list:
         dtype = next(model.parameters()).dtype
-        mask = inputs.extra["pixel_attention_mask"].to(model.device)
-        out = model.get_image_features(pixel_values=inputs.pixel_values.to(model.device, dtype),
+        mask = to_device(inputs.extra["pixel_attention_mask"], model.device)
+        out = model.get_image_features(pixel_values=to_device(inputs.pixel_values, model.device).to(dtype),
                                        pixel_attention_mask=mask)
         return _per_image(out, inputs.tokens_per_image)
 

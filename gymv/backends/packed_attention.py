@@ -78,15 +78,20 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
     """transformers' attention signature: query [1, H, N, D], key/value [1, Hkv, N, D]; returns [1, N, H, D]."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    global calls
     args = kwargs.pop(KEYWORD, None)
     if args is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    return _packed(query, key, value, attention_mask, args, dropout if module.training else 0.0, scaling)
+
+
+@torch.compiler.disable
+def _packed(query, key, value, attention_mask, args, dropout: float, scaling: float | None):
+    """Eager even inside a compiled decoder layer (training.compile): segment bounds are read on the host."""
+    global calls
     if query.shape[0] != 1 or attention_mask is not None:
         raise RuntimeError("packed attention expects one packed row and no attention mask")
     calls += 1
-    dropout = dropout if module.training else 0.0
     out = None
     if query.is_cuda and dropout == 0.0:
         out = _varlen(query, key, value, args, scaling)

@@ -39,8 +39,11 @@ class PackedRow:
         return starts[rows] + columns - offsets[rows]
 
     def attention_args(self, device) -> PackedAttentionArgs:
-        return PackedAttentionArgs(self.cu_q.to(device), None if self.key_index is None else self.key_index.to(device),
-                                   self.cu_k.to(device), self.max_q, self.max_k)
+        from gymv.backends.host_copy import to_device
+
+        return PackedAttentionArgs(to_device(self.cu_q, device),
+                                   None if self.key_index is None else to_device(self.key_index, device),
+                                   to_device(self.cu_k, device), self.max_q, self.max_k)
 
 
 @dataclass

@@ -11,17 +11,25 @@ of temperature 1.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 
 
 def forbidden_mask(vocab_size: int, forbidden_ids: Sequence[int], device) -> torch.Tensor | None:
+    """[V] bool, True at the forbidden ids; one shared tensor per (vocabulary, ids, device): read it, never
+    write it. Built once, because a copy from host memory waits for the device's queue to drain."""
+    return _forbidden_mask(vocab_size, tuple(int(i) for i in forbidden_ids), torch.device(device))
+
+
+@lru_cache(maxsize=64)
+def _forbidden_mask(vocab_size: int, forbidden_ids: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
     ids = [i for i in forbidden_ids if 0 <= i < vocab_size]
     if not ids:
         return None
-    mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-    mask[torch.tensor(ids, device=device)] = True
-    return mask
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask[torch.tensor(ids)] = True
+    return mask.to(device)
 
 
 def policy_logits(logits: torch.Tensor, temperature: float, forbidden: torch.Tensor | None) -> torch.Tensor:

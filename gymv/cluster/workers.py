@@ -48,6 +48,7 @@ class WorkerSpec:
     total_steps: int = 0  # optimizer steps of the whole run (the schedule's end)
     gradient_checkpointing: bool = False
     sequence_packing: bool | str = "auto"
+    compile: bool = False
     kl_reference: bool = False
     max_seq_len: int = 2048
     max_image_pixels: int | None = None
@@ -77,7 +78,7 @@ class WorkerSpec:
                              min_lr_ratio=self.min_lr_ratio, total_steps=self.total_steps,
                              gradient_checkpointing=self.gradient_checkpointing, kl_reference=self.kl_reference,
                              sharding=dict(self.sharding), trust_remote_code=self.trust_remote_code,
-                             sequence_packing=self.sequence_packing)
+                             sequence_packing=self.sequence_packing, compile=self.compile)
 
 
 def _set_threads(threads: int | None) -> None:

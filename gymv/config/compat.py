@@ -216,6 +216,15 @@ def _parallel_backend(cfg: RecipeBase) -> Iterator[Finding]:
                    "set cluster.gpus_per_node, or the parallel sizes to 1")
 
 
+@rule("training.compile-backend", "training.compile compiles the torch and fsdp2 backends' decoder layers")
+def _compile_backend(cfg: RecipeBase) -> Iterator[Finding]:
+    t = cfg.training
+    if t.compile and t.backend not in ("torch", "fsdp2"):
+        yield _err("training.compile-backend", "training.compile",
+                   f"training.compile is not wired for training.backend {t.backend}",
+                   "set training.compile: false, or training.backend: torch or fsdp2")
+
+
 @rule("backend.needs-gpu", "Megatron teachers run on GPUs only (the megatron training backend, vLLM generation and "
                            "vLLM teachers also run on CPU)")
 def _backend_gpu(cfg: RecipeBase) -> Iterator[Finding]:

@@ -157,6 +157,7 @@ class TrainingSection(Section):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     gradient_checkpointing: bool = False
     sequence_packing: bool | Literal["auto"] = "auto"  # micro-batches as packed rows (docs/training.md)
+    compile: bool = False  # torch.compile each decoder layer (torch and fsdp2 backends; docs/training.md)
     parallel: ParallelSection = ParallelSection()
     fsdp: FsdpSection = FsdpSection()
 

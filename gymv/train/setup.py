@@ -140,6 +140,7 @@ def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature
         total_steps=cfg.optimizer_steps,
         gradient_checkpointing=t.gradient_checkpointing,
         sequence_packing=t.sequence_packing,
+        compile=t.compile,
         kl_reference=kl_reference,
         max_seq_len=cfg.model.max_seq_len,
         max_image_pixels=cfg.vision.max_image_pixels if getattr(cfg, "vision", None) is not None else None,

@@ -63,6 +63,9 @@ class TrainingSetup:
     sharding: dict = field(default_factory=dict)  # a sharded backend's options (fsdp2: ShardingConfig fields)
     trust_remote_code: bool = False  # model.trust_remote_code: the checkpoint's own modelling code may run
     sequence_packing: bool | str = "auto"  # training.sequence_packing: True, False or "auto"
+    # training.compile: torch.compile each decoder layer (gymv.backends.training.compile); a string names the
+    # torch.compile backend (True: inductor)
+    compile: bool | str = False
 
 
 class TrainingBackend(ABC):

@@ -157,7 +157,7 @@ class FSDPTrainer(TorchTrainer):
     """TorchTrainer whose model is sharded with FSDP2 over the default process group (see the module doc)."""
 
     lockstep = True
-    foreach = True  # as on CUDA, also on a CPU: the tests then run the step the GPU runs
+    fused = True  # as on CUDA, also on a CPU: the tests then run the step the GPU runs (DTensor shards)
 
     def __init__(self, model, logprob_fn, config, *, sharding: ShardingConfig = ShardingConfig(),
                  trainable: bool = True, **kwargs):
@@ -203,7 +203,7 @@ class FSDPTrainer(TorchTrainer):
         return super()._forward(mb)
 
     def _param_groups(self) -> list:
-        """Sharded (DTensor) and replicated (plain) parameters in separate groups: on CUDA, AdamW's foreach
+        """Sharded (DTensor) and replicated (plain) parameters in separate groups: AdamW's fused and foreach
         kernels take one group at a time and cannot mix DTensors with plain tensors."""
         ids = {id(p) for p in self.replicated}
         sharded = [p for p in self.params if id(p) not in ids]
@@ -213,27 +213,47 @@ class FSDPTrainer(TorchTrainer):
     def _sync_grads(self) -> None:
         self.dp.sum_grads_([p for p in self.replicated if p.requires_grad])
 
-    def _grad_norm(self) -> Tensor:
-        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
-        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+    def _start_micro_batch(self, last: bool) -> None:
+        """One rank: gradients accumulate unsharded (in the reduce dtype) over the step's micro-batches and go
+        through FSDP2's reduction once, after the last, instead of after every micro-batch (its per-unit
+        copies and kernel launches were a large share of a step's host time). With R > 1 ranks each
+        micro-batch reduce-scatters as before: accumulating unsharded would hold a full gradient per rank."""
+        if self.world_size == 1:
+            self.model.set_requires_gradient_sync(last)
+
+    def _local_grads(self) -> tuple[list[Tensor], list[Tensor]]:
+        """(local shards of the sharded gradients, replicated gradients): plain tensors, for foreach kernels."""
         ids = {id(p) for p in self.replicated}
-        for p in self.params:
-            if p.grad is None:
-                continue
-            sq = _local(p.grad).double().pow(2).sum().to(self.device)
-            if id(p) in ids:
-                replicated += sq
-            else:
-                sharded += sq
-        self.dp.sum_(sharded)
-        return (sharded + replicated).sqrt().float()
+        sharded = [_local(p.grad) for p in self.params if p.grad is not None and id(p) not in ids]
+        replicated = [p.grad for p in self.params if p.grad is not None and id(p) in ids]
+        return sharded, replicated
+
+    @staticmethod
+    def _squared_norm(grads: list[Tensor], device: torch.device) -> Tensor:
+        """Sum of squares in float64 over per-tensor norms (one multi-tensor kernel per device and dtype,
+        instead of several kernels per parameter)."""
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        by_device: dict = {}
+        for g in grads:
+            by_device.setdefault((g.device, g.dtype), []).append(g)
+        for group in by_device.values():
+            norms = torch._foreach_norm(group, 2.0)
+            total += torch.stack(norms).double().pow(2).sum().to(device)
+        return total
+
+    def _grad_norm(self) -> Tensor:
+        sharded, replicated = self._local_grads()
+        sq_sharded = self._squared_norm(sharded, self.device)
+        self.dp.sum_(sq_sharded)
+        return (sq_sharded + self._squared_norm(replicated, self.device)).sqrt().float()
 
     def _scale_grads(self, norm: Tensor) -> None:
         coef = min(1.0, self.config.max_grad_norm / (float(norm) + 1e-6))
         if coef < 1.0:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+            sharded, replicated = self._local_grads()
+            for group in (sharded, replicated):
+                if group:
+                    torch._foreach_mul_(group, coef)
 
     def named_full_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Each weight gathered in full, one at a time (a collective: every rank iterates); tied names yield

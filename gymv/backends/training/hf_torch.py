@@ -152,8 +152,17 @@ class HFTorchBackend(TrainingBackend):
         if frozen:
             model.requires_grad_(True)  # TorchTrainer refuses a model without trainable parameters; never stepped
         layout = self.layout(model)
+        self.compile_layers(model, frozen)
         return TorchTrainer(model, self.logprob_fn, self.config, collate_fn=layout.collate, device=device,
                             plan_fn=layout.plan)
+
+    def compile_layers(self, model, frozen: bool) -> None:
+        """training.compile: the policy's decoder layers compiled (after the layout switched its attention,
+        before sharding); the frozen reference stays eager."""
+        if self.setup.compile and not frozen:
+            from gymv.backends.training.compile import compile_layers
+
+            compile_layers(model, **({"backend": self.setup.compile} if isinstance(self.setup.compile, str) else {}))
 
     def layout(self, model) -> BatchLayout:
         return BatchLayout(self.adapter, model, self.pad_id, self.setup.sequence_packing)

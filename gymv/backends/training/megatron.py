@@ -123,9 +123,15 @@ class MegatronBackend(HFTorchBackend):
             return MegatronVLM(gpt, self.shape, self.hf_config, strip_language_model(hf_model, self.shape), pad)
         return MegatronCausalLM(gpt, self.shape, self.hf_config, pad)
 
+    def compile_layers(self, model, frozen: bool) -> None:
+        if self.setup.compile:
+            raise GymvError("training.compile is not wired for training.backend megatron", where="training.compile",
+                            fix="set training.compile: false (it compiles the torch and fsdp2 backends' layers)")
+
     def _make_trainer(self, model, device, *, frozen: bool = False):
         from gymv.backends.training.megatron_model import checkpoint_layers
 
+        self.compile_layers(model, frozen)
         twin = self._twin(model)
         if self.setup.gradient_checkpointing and not frozen:
             checkpoint_layers(twin.gpt)

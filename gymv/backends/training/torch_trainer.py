@@ -48,7 +48,14 @@ class TrainerConfig:
 
 
 def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, Tensor) else v) for k, v in mb.items()}
+    """Host tensors go to a GPU through pinned memory: a copy from pageable memory would wait for the device's
+    queue to drain, so the host could not prepare this micro-batch while the last one still runs."""
+    def move(v: Tensor) -> Tensor:
+        if device.type == "cuda" and v.device.type == "cpu":
+            v = v.pin_memory()
+        return v.to(device, non_blocking=True)
+
+    return {k: (move(v) if isinstance(v, Tensor) else v) for k, v in mb.items()}
 
 
 def _fsync_replace(tmp: Path, final: Path) -> None:
@@ -84,15 +91,20 @@ class TorchTrainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise GymvError("the model has no trainable parameters", where="trainer", fix="unfreeze at least one parameter")
+        fused = self.fused if self.fused is not None else self.device.type == "cuda"
+        kernel = {"fused": True} if fused else {"foreach": self.foreach}
         self.optimizer = torch.optim.AdamW(
             self._param_groups(), lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay,
-            foreach=self.foreach,
+            **kernel,
         )
         self.steps = 0
 
     # -- what a sharded subclass replaces --------------------------------------------------------------
     lockstep = False  # True: every rank runs the same number of forward/backward passes (collectives inside)
-    foreach: bool | None = None  # AdamW's multi-tensor kernels: None = torch's default (on for CUDA)
+    foreach: bool | None = None  # AdamW's multi-tensor kernels (where not fused): None = torch's default
+    # AdamW's fused kernel (one pass over each parameter group instead of a dozen multi-tensor passes):
+    # None = on CUDA only
+    fused: bool | None = None
 
     def _place(self, model: torch.nn.Module) -> torch.nn.Module:
         """Move the model to its device and start every rank from rank 0's weights."""
@@ -106,6 +118,9 @@ class TorchTrainer:
 
     def _sync_grads(self) -> None:
         self.dp.sum_grads_(self.params)
+
+    def _start_micro_batch(self, last: bool) -> None:
+        """Called before each micro-batch of a step; `last`: no backward pass of this step follows it."""
 
     def _grad_norm(self) -> Tensor:
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -161,11 +176,12 @@ class TorchTrainer:
         return plan_micro_batches(lengths, self.config.micro_batch_tokens)
 
     def global_counts(self, samples: Sequence[Sample]) -> GlobalCounts:
-        local = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for s in samples:
+        tokens = sequences = 0.0
+        for s in samples:  # host-side sums: one small copy to the device, not two kernels per sample
             m = s["loss_mask"] != 0
-            local[0] += float(m.sum())
-            local[1] += float(bool(m.any()))
+            tokens += float(m.sum())
+            sequences += float(bool(m.any()))
+        local = torch.tensor([tokens, sequences], dtype=torch.float64, device=self.device)
         self.dp.sum_(local)
         return GlobalCounts(tokens=float(local[0]), sequences=float(local[1]))
 
@@ -179,24 +195,17 @@ class TorchTrainer:
         sums: dict[str, Tensor] = {}
         maxes: dict[str, Tensor] = {}
         mins: dict[str, Tensor] = {}
-        bad = ""
         idle = self._micro_batches_to_match(len(plan))
         mb = None
-        for indices in plan:
+        losses: list[Tensor] = []  # checked once after the last backward: a check per micro-batch waits on the device
+        for n, indices in enumerate(plan):
             mb = _to_device(self.collate_fn([samples[i] for i in indices]), self.device)
-            if bad:  # a lock-step rank keeps joining its peers' collectives until the step is refused
-                self._idle_pass(mb, backward=True)
-                continue
+            self._start_micro_batch(last=n == len(plan) - 1 and not idle)
             logp, entropy, candidates = self._forward(mb)
             extra = {"candidates": candidates} if candidates is not None else {}
             loss, metrics = loss_fn(mb, logp, entropy, counts, **extra)
-            if not bool(torch.isfinite(loss)):
-                bad = f"non-finite loss {float(loss.detach())} in a micro-batch of {len(indices)} samples"
-                if not self.lockstep:
-                    break
-                (logp.sum() * 0).backward()
-                continue
-            loss.backward()
+            loss.backward()  # a non-finite loss only spoils gradients that are then thrown away
+            losses.append(loss.detach())
             loss_sum += loss.detach().double()
             for k, v in metrics.items():
                 v = torch.as_tensor(v, device=self.device).detach().double()
@@ -208,6 +217,12 @@ class TorchTrainer:
                     sums[k] = sums.get(k, 0) + v
         for _ in range(idle):
             self._idle_pass(mb if mb is not None else self._empty_micro_batch(), backward=True)
+        bad = ""
+        if losses:
+            finite = torch.isfinite(torch.stack(losses)).tolist()
+            if not all(finite):
+                first = finite.index(False)
+                bad = f"non-finite loss {float(losses[first])} in a micro-batch of {len(plan[first])} samples"
         flag = self.dp.max_(torch.tensor([1.0 if bad else 0.0], device=self.device))
         if float(flag) > 0:
             self.optimizer.zero_grad(set_to_none=True)
