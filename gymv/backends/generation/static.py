@@ -231,11 +231,9 @@ class StaticDecodeBackend(HFGenerationBackend):
     def _set_functions(self, compiled: bool) -> None:
         fns = (_layer_pre, _layer_post, _lm_head, _draw)
         if compiled:
-            import torch._dynamo.config as dynamo
+            from gymv.backends.compile_limits import lift_recompile_limit
 
-            # past the limit (8 by default) dynamo runs a function eagerly from then on, without telling:
-            # a long run would slow down as it met new batch sizes
-            dynamo.recompile_limit = max(dynamo.recompile_limit, self.COMPILED_VARIANTS)
+            lift_recompile_limit(self.COMPILED_VARIANTS)
             fns = tuple(torch.compile(f, dynamic=False) for f in fns)
         self._pre, self._post, self._head, self._draw = fns
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from gymv.backends.compile_limits import lift_recompile_limit
 from gymv.errors import GymvError
 
 
@@ -31,13 +32,8 @@ def compile_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
     if not layers:
         raise GymvError(f"training.compile found no decoder layers in {type(model).__name__}",
                         where="training.compile", fix="set training.compile: false for this model")
-    # each layer and each graph break adds cache entries to the one shared code object; the default limit
-    # (8) would silently leave later layers eager
-    cfg = torch._dynamo.config
-    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # renamed in torch 2.x
-    setattr(cfg, name, max(getattr(cfg, name), 8 * len(layers)))
-    if hasattr(cfg, "accumulated_recompile_limit"):
-        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 32 * len(layers))
+    # each layer and each graph break adds cache entries to the one shared code object
+    lift_recompile_limit(8 * len(layers), 32 * len(layers))
     for layer in layers:
         if not getattr(layer, "gymv_compiled", False):
             layer.forward = torch.compile(layer.forward, backend=backend)

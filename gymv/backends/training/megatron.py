@@ -69,26 +69,23 @@ def _check_vlm(adapter) -> None:
                             fix="use training.backend: torch or fsdp2 for this model")
 
 
-def check_maps(policy) -> None:
-    """Raise GymvError (naming model.path) unless gymv's Megatron twin maps this model's decoder and, for a VLM,
-    how its image features reach the decoder."""
+def check_maps(policy):
+    """The decoder's `DecoderShape`; GymvError (naming model.path) unless gymv's Megatron twin maps this model's
+    decoder and, for a VLM, how its image features reach the decoder."""
     from gymv.backends.training.megatron_weights import DecoderShape
 
     if getattr(policy.model.config, "vision_config", None) is not None:
         _check_vlm(policy.adapter)
-    DecoderShape.of(policy.model.config, **_hf_names(policy.model))
+    return DecoderShape.of(policy.model.config, **_hf_names(policy.model))
 
 
 class MegatronBackend(HFTorchBackend):
     """One data-parallel rank whose policy (and KL reference) is a GPTModel twin of the HF decoder."""
 
     def __init__(self, policy, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1):
-        from gymv.backends.training.megatron_weights import DecoderShape
-
-        check_maps(policy)
+        self.shape = check_maps(policy)
         self.hf_config = policy.model.config
         self.vision = getattr(self.hf_config, "vision_config", None) is not None
-        self.shape = DecoderShape.of(self.hf_config, **_hf_names(policy.model))
         # HF state dicts list a tied head under its own name too; the generator is sent what it holds
         self.sends_tied_head = self.shape.tied and self.shape.hf_head in policy.model.state_dict()
         self.device = torch.device(device)
