@@ -18,10 +18,15 @@ def pictures(n: int, size: int = 64) -> list[Image]:
 
 
 def test_prefetch_decodes_each_distinct_picture_once_and_gets_are_served_from_it(monkeypatch):
-    threads, real = set(), image_io.decode_data_url
+    real, calls, lock = image_io.decode_data_url, [], threading.Lock()
+    both_in = threading.Barrier(2, timeout=30)  # the first two decodes wait for each other: they must overlap
 
     def recording(url, **kw):
-        threads.add(threading.get_ident())
+        with lock:
+            calls.append(url)
+            first_two = len(calls) <= 2
+        if first_two:
+            both_in.wait()
         return real(url, **kw)
 
     monkeypatch.setattr(image_io, "decode_data_url", recording)
@@ -30,7 +35,7 @@ def test_prefetch_decodes_each_distinct_picture_once_and_gets_are_served_from_it
     batch = pics * 3  # a group of three shares each picture
     cache = ImageCache()
     cache.prefetch(batch)
-    assert cache.decodes == 6 and len(threads) > 1
+    assert cache.decodes == len(calls) == 6 and not both_in.broken  # decoded on two threads at once
     got = [cache.get(im, where="row") for im in batch]
     assert (cache.decodes, cache.hits) == (6, 12)  # as if decoded on first use
     serial = ImageCache()
