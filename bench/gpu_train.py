@@ -33,7 +33,7 @@ variant, `:keep` training.fsdp.reshard_after_forward false. computed_tokens_rank
 (packed rows' lengths, or padded rows x longest), to check that each group's prompt runs once.
 
 Usage: python bench/gpu_train.py --out DIR [--shapes 0.8b,3b,7b] [--runs SPEC] [--compile off|on|both]
-                                 [--ranks 1] [--steps 3] [--budget-s 170] [--profile [compile]]
+                                 [--ranks 1] [--steps 3] [--budget-s 170] [--profile [compile]] [--trace]
        python bench/gpu_train.py --out DIR --cpu-smoke     (tiny shapes, fp32, CPU: checks the script)
 """
 
@@ -253,7 +253,7 @@ def computed_tokens(backend, batch) -> int:
 
 def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, seed: int, smoke: bool,
             profile: bool = False, compile_layers: bool = False, micro_batch_tokens: int | None = None,
-            keep_gathered: bool = False) -> dict:
+            keep_gathered: bool = False, trace: str | None = None) -> dict:
     import torch
 
     from gymv.algorithms.loss_fns import PolicyLoss
@@ -305,6 +305,14 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
             backend.train_step(batch, loss)
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
+        if trace:  # the profiled step's timeline (chrome://tracing, Perfetto), gzipped
+            import gzip
+            import shutil
+
+            prof.export_chrome_trace(trace)
+            with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.remove(trace)
         averages = prof.key_averages()
         key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
         print(f"profile of one step of {list(run)} (compile {compile_layers}), by {key}:", flush=True)
@@ -417,7 +425,8 @@ def worker(rank: int, world: int, port: int, a) -> None:
         else:
             try:
                 row = one_run(run, base, rank, world, device, a.steps, a.seed, smoke, profile=profile_this,
-                              compile_layers=compiled, micro_batch_tokens=tokens, keep_gathered=keep)
+                              compile_layers=compiled, micro_batch_tokens=tokens, keep_gathered=keep,
+                              trace=str(a.out / "trace.json") if a.trace and profile_this else None)
                 profiled = profiled or profile_this
             except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
                 row = {"run": run_name(run), "compile": compiled, "micro_batch_tokens": tokens,
@@ -457,6 +466,8 @@ def main() -> None:
     ap.add_argument("--profile", nargs="?", const="first", choices=["first", "compile"], default=None,
                     help="profile one extra step of the first run (`compile`: of its compiled variant); printed, "
                          "and summed by kind of kernel in the JSON")
+    ap.add_argument("--trace", action="store_true", help="with --profile: also write the profiled step's timeline "
+                                                         "as OUT/trace.json.gz (chrome://tracing, Perfetto)")
     ap.add_argument("--runs", default="", help="comma-separated NAME[@TOKENS][:eager|:compile][:keep], in this order "
                                                "(e.g. 0.8b-fsdp2-packed,0.8b-fsdp2-packed@32768:compile); "
                                                "default: every run of --shapes")

@@ -19,6 +19,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from gymv.backends.training.base import CollateFn, GlobalCounts, LogprobFn, LossFn, MicroBatch, PlanFn, Sample
 from gymv.backends.training.data_parallel import DataParallel
@@ -199,12 +200,15 @@ class TorchTrainer:
         mb = None
         losses: list[Tensor] = []  # checked once after the last backward: a check per micro-batch waits on the device
         for n, indices in enumerate(plan):
-            mb = _to_device(self.collate_fn([samples[i] for i in indices]), self.device)
+            with record_function("gymv/collate"):  # named spans: a profiled step's timeline reads by phase
+                mb = _to_device(self.collate_fn([samples[i] for i in indices]), self.device)
             self._start_micro_batch(last=n == len(plan) - 1 and not idle)
-            logp, entropy, candidates = self._forward(mb)
-            extra = {"candidates": candidates} if candidates is not None else {}
-            loss, metrics = loss_fn(mb, logp, entropy, counts, **extra)
-            loss.backward()  # a non-finite loss only spoils gradients that are then thrown away
+            with record_function("gymv/forward"):
+                logp, entropy, candidates = self._forward(mb)
+                extra = {"candidates": candidates} if candidates is not None else {}
+                loss, metrics = loss_fn(mb, logp, entropy, counts, **extra)
+            with record_function("gymv/backward"):
+                loss.backward()  # a non-finite loss only spoils gradients that are then thrown away
             losses.append(loss.detach())
             loss_sum += loss.detach().double()
             for k, v in metrics.items():
@@ -232,9 +236,10 @@ class TorchTrainer:
                 fix="the step was not applied; check rewards/advantages and logprobs for inf/NaN, or lower the learning rate",
                 exit_code=1,
             )
-        self._sync_grads()
-        grad_norm = self._clip_grads()
-        self.optimizer.step()
+        with record_function("gymv/optimizer"):
+            self._sync_grads()
+            grad_norm = self._clip_grads()
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         out = {"train/loss": float(self.dp.sum_(loss_sum))}
