@@ -106,3 +106,29 @@ def test_unsupported_processor_class_lists_supported_ones():
     policy = shared_policy("tiny-llava")
     with pytest.raises(GymvError, match=r"unsupported processor 'IdeficsProcessor'.*LlavaProcessor \(placeholder\)"):
         make_adapter("IdeficsProcessor", policy.tokenizer, policy.image_processor, policy.model.config)
+
+
+@pytest.mark.parametrize("arch", ["tiny-llava", "tiny-qwen2vl", "tiny-smolvlm", "tiny-qwen3"])
+def test_a_padded_batch_passes_the_check_where_each_row_does(arch):
+    from gymv.backends.logprobs import right_pad
+
+    policy = shared_policy(arch)
+    rows = [[], [solid("red")], [solid("blue", (90, 40)), solid("red")]] if arch != "tiny-qwen3" else [[], [], []]
+    ids = [chat_ids(policy, f"row {b}", images) if images or arch != "tiny-qwen3" else
+           policy.tokenizer.encode(f"row {b}" * (b + 1)) for b, images in enumerate(rows)]
+    batch = right_pad(ids, rows, pad_id=0)
+    policy.adapter.check_batch(batch.input_ids, batch.images, None, batch.attention_mask)
+
+
+@pytest.mark.parametrize("arch", ["tiny-llava", "tiny-qwen2vl", "tiny-smolvlm"])
+def test_a_padded_batch_names_the_first_row_whose_spans_do_not_match(arch):
+    from gymv.backends.logprobs import right_pad
+
+    policy = shared_policy(arch)
+    rows = [[solid("red")], [solid("blue")], [solid("green")]]
+    ids = [chat_ids(policy, f"row {b}", images) for b, images in enumerate(rows)]
+    ids[1].remove(policy.adapter.image_token_id)
+    batch = right_pad(ids, rows, pad_id=policy.adapter.image_token_id)  # padding never counts as a placeholder
+    with pytest.raises(GymvError, match="^sample 7: image placeholder tokens do not match"):
+        policy.adapter.check_batch(batch.input_ids, batch.images, ["sample 6", "sample 7", "sample 8"],
+                                   batch.attention_mask)

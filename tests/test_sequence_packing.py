@@ -261,3 +261,18 @@ def test_a_packed_forward_whose_attention_never_gets_the_packing_arguments_is_re
                                                                         if k != packed_attention.KEYWORD})
     with pytest.raises(GymvError, match="sequence_packing: false"):
         token_scores(policy.model, policy.adapter, batch, score_mask=loss_mask, packed=True)
+
+
+def test_collating_a_planned_micro_batch_reuses_the_plans_prefix_keys_and_groups_rows_as_from_scratch():
+    from gymv.backends.logprobs import packed_prefixes
+    from gymv.backends.training.hf_torch import BatchLayout
+
+    policy = fresh_policy("tiny-llava")
+    samples = _group(policy, 3, seed=21) + _samples(policy, [[solid("red")]], seed=5) + _group(policy, 2, seed=22)
+    layout = BatchLayout(policy.adapter, policy.model, policy.tokenizer.pad_token_id or 0, True)
+    plan = layout.plan(samples, 1 << 20)
+    assert layout._known_keys([samples[i] for i in plan[0]]) is not None
+    mb = layout.collate([samples[i] for i in plan[0]])
+    fresh = packed_prefixes(mb["input_ids"], mb["loss_mask"], mb["images"], policy.adapter.image_token_id)
+    assert mb["prefixes"] == fresh and [p[0] for p in fresh] == [0, 0, 0, 1, 2, 2]
+    assert layout._known_keys([as_tensors(dict(s)) for s in samples]) is None  # other objects: computed anew

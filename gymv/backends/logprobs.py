@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+from torch.profiler import record_function
 
 from gymv.backends.chunked_scores import chunked_scores
 from gymv.backends.hf_forward import forward_logits
 from gymv.backends.host_copy import to_device
-from gymv.backends.multimodal import MultimodalAdapter, image_hash, preprocess_threaded
+from gymv.backends.multimodal import MultimodalAdapter, image_hash
+from gymv.backends.pixel_cache import pixel_cache
 from gymv.backends.packing import PackedRow, pack
 from gymv.backends.sampling import forbidden_mask, policy_logits
 
@@ -63,7 +65,8 @@ def _image_features(model, adapter: MultimodalAdapter, images: list) -> tuple[li
     for i, k in enumerate(keys):
         first.setdefault(k, i)
     unique = [images[i] for i in first.values()]
-    inputs = preprocess_threaded(adapter, unique)
+    with record_function("gymv/preprocess_images"):
+        inputs = pixel_cache(adapter).inputs(adapter, unique, list(first))
     feats = adapter.image_features(model, inputs)
     slot = {k: n for n, k in enumerate(first)}
     order = [slot[k] for k in keys]
@@ -104,7 +107,8 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
     transformers confines attention to each sequence from the restarting positions (no shared prefixes).
     """
     dev = next(model.parameters()).device
-    adapter.check_batch(batch.input_ids, batch.images, batch.where, batch.attention_mask)
+    with record_function("gymv/check_batch"):
+        adapter.check_batch(batch.input_ids, batch.images, batch.where, batch.attention_mask)
     if packed is not None:
         from gymv.backends import packed_attention
 
@@ -158,8 +162,8 @@ def recomputes_activations(model) -> bool:
 def prefix_key(input_ids: torch.Tensor, score_mask: torch.Tensor, images: Sequence[Any], image_token_id: int,
                hashes: dict[int, str] | None = None) -> tuple | None:
     """What one unpadded row shares with the rows of its group under `sequence_logprobs(score_mask=...)`: the
-    tokens before the one that predicts its first scored token, and its images; (length, tokens, image hashes).
-    None when nothing is shared: no scored token after the second, or an image after the prefix."""
+    tokens before the one that predicts its first scored token, and its images; (length, the tokens' bytes,
+    image hashes). None when nothing is shared: no scored token after the second, or an image after the prefix."""
     scored = score_mask[1:].bool().nonzero()
     if scored.numel() == 0:
         return None
@@ -170,7 +174,8 @@ def prefix_key(input_ids: torch.Tensor, score_mask: torch.Tensor, images: Sequen
     for im in images:
         if id(im) not in hashes:
             hashes[id(im)] = image_hash(im)
-    return p, tuple(input_ids[:p].tolist()), tuple(hashes[id(im)] for im in images)
+    prefix = input_ids[:p].detach().cpu().numpy()
+    return p, prefix.dtype.str.encode() + prefix.tobytes(), tuple(hashes[id(im)] for im in images)
 
 
 def packed_prefixes(input_ids: torch.Tensor, score_mask: torch.Tensor, images: Sequence[Sequence[Any]],
@@ -178,12 +183,15 @@ def packed_prefixes(input_ids: torch.Tensor, score_mask: torch.Tensor, images: S
     """Per row of a packed micro-batch, (group, prefix length) for rows sharing a prefix with another row
     (:func:`prefix_key` on each unpadded row), else None; rows are right-padded, the mask 0 on padding."""
     hashes: dict[int, str] = {}
+    return group_prefixes([prefix_key(input_ids[b], score_mask[b], images[b], image_token_id, hashes)
+                           for b in range(input_ids.shape[0])])
+
+
+def group_prefixes(keys: Sequence[tuple | None]) -> list[tuple | None]:
+    """(group, prefix length) per row from each row's :func:`prefix_key`, groups numbered in order of first
+    appearance; None where the row shares nothing."""
     groups: dict = {}
-    out: list[tuple | None] = []
-    for b in range(input_ids.shape[0]):
-        key = prefix_key(input_ids[b], score_mask[b], images[b], image_token_id, hashes)
-        out.append(None if key is None else (groups.setdefault(key, len(groups)), key[0]))
-    return out
+    return [None if key is None else (groups.setdefault(key, len(groups)), key[0]) for key in keys]
 
 
 def _shared_prefix_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, wanted: torch.Tensor):
@@ -374,7 +382,8 @@ def token_scores(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temp
         from gymv.backends import packed_attention
 
         share = prefixes if prefixes is not None and packed_attention.active(model) else None
-        row = pack(ids_cpu, mask_cpu, batch.images, share)
+        with record_function("gymv/pack"):
+            row = pack(ids_cpu, mask_cpu, batch.images, share)
         rows, t = wanted.nonzero(as_tuple=True)
         keep = row.index(rows, t)
         order = keep.argsort()  # logits_to_keep in row order

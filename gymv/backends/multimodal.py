@@ -86,30 +86,49 @@ def preprocess_threaded(adapter: MultimodalAdapter, images: Sequence, threads: i
     chunks = [list(images[i::n]) for i in range(n)]  # strided: equal work where sizes vary along the list
     with ThreadPoolExecutor(max_workers=n) as pool:
         parts = list(pool.map(adapter.preprocess, chunks))
+    joined = [part.select(j) for part in parts for j in range(len(part.tokens_per_image))]
+    out = join_inputs([joined[sum(len(c) for c in chunks[:i % n]) + i // n] for i in range(len(images))])
+    return out if out is not None else adapter.preprocess(images)
+
+
+def join_inputs(singles: Sequence[ImageInputs]) -> ImageInputs | None:
+    """One-image inputs joined in order into what one `preprocess` call over their images returns; None
+    where they cannot be joined (per-batch padding gives images different shapes)."""
+    import torch
+
     try:
-        joined = [part.select(j) for part in parts for j in range(len(part.tokens_per_image))]
-        order = [joined[sum(len(c) for c in chunks[:i % n]) + i // n] for i in range(len(images))]
-        pv = torch.cat([o.pixel_values for o in order])
-        grid = torch.cat([o.image_grid_thw for o in order]) if order[0].image_grid_thw is not None else None
-        sizes = (torch.cat([torch.as_tensor(o.image_sizes) for o in order])
-                 if order[0].image_sizes is not None else None)
-        extra = {k: torch.cat([o.extra[k] for o in order]) for k in order[0].extra}
-    except (RuntimeError, TypeError, KeyError):  # shapes that differ between pieces
-        return adapter.preprocess(images)
-    return ImageInputs(pv, grid, [t for o in order for t in o.tokens_per_image], sizes, extra)
+        pv = torch.cat([o.pixel_values for o in singles])
+        grid = torch.cat([o.image_grid_thw for o in singles]) if singles[0].image_grid_thw is not None else None
+        sizes = (torch.cat([torch.as_tensor(o.image_sizes) for o in singles])
+                 if singles[0].image_sizes is not None else None)
+        extra = {k: torch.cat([o.extra[k] for o in singles]) for k in singles[0].extra}
+    except (RuntimeError, TypeError, KeyError):
+        return None
+    return ImageInputs(pv, grid, [t for o in singles for t in o.tokens_per_image], sizes, extra)
 
 
-def _runs(ids: Sequence[int], token_id: int) -> list[int]:
-    runs, n = [], 0
-    for t in ids:
-        if t == token_id:
-            n += 1
-        elif n:
-            runs.append(n)
-            n = 0
-    if n:
-        runs.append(n)
-    return runs
+def _runs(ids, token_id: int) -> list[int]:
+    """Lengths of the runs of `token_id` in `ids`, in order (vectorised: a training micro-batch checks
+    every row of every sample before each forward pass)."""
+    import numpy as np
+
+    hit = np.asarray(ids) == token_id
+    if not hit.any():
+        return []
+    edges = np.diff(hit.astype(np.int8), prepend=np.int8(0), append=np.int8(0))
+    return (np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)).tolist()
+
+
+def _row_runs(hit) -> list[list[int]]:
+    """`_runs` of every row of a 2-D boolean array at once."""
+    import numpy as np
+
+    edges = np.diff(hit.astype(np.int8), axis=1, prepend=np.int8(0), append=np.int8(0))
+    rows, starts = np.nonzero(edges == 1)
+    ends = np.nonzero(edges == -1)[1]  # row-major: each run's end in the same order as its start
+    lengths = (ends - starts).tolist()
+    cuts = np.searchsorted(rows, np.arange(hit.shape[0] + 1)).tolist()
+    return [lengths[cuts[b]:cuts[b + 1]] for b in range(hit.shape[0])]
 
 
 def _per_image(out, counts: list[int]) -> list:
@@ -127,8 +146,13 @@ def _per_image(out, counts: list[int]) -> list:
     return feats
 
 
-def _as_list(ids) -> list[int]:
-    return ids.tolist() if hasattr(ids, "tolist") else list(ids)
+def _as_array(ids):
+    """Token ids as a numpy array, without a Python list in between."""
+    import numpy as np
+
+    if hasattr(ids, "detach"):
+        return ids.detach().cpu().numpy()
+    return np.asarray(ids)
 
 
 class MultimodalAdapter:
@@ -178,12 +202,14 @@ class MultimodalAdapter:
         return out
 
     def count_placeholders(self, ids) -> int:
-        return sum(1 for t in _as_list(ids) if t == self.image_token_id)
+        return int((_as_array(ids) == self.image_token_id).sum())
 
     def check(self, ids, images: Sequence, *, where: str | None = None) -> None:
         """Raise unless the placeholder spans of `ids` are exactly the spans `images` need, in order."""
-        ids = _as_list(ids)
-        runs = _runs(ids, self.image_token_id)
+        self.check_runs(_runs(_as_array(ids), self.image_token_id), images, where=where)
+
+    def check_runs(self, runs: list[int], images: Sequence, *, where: str | None = None) -> None:
+        """`check`, given the lengths of the sequence's placeholder runs."""
         need = [self.tokens_per_image(im) for im in images]
         ok, i = True, 0
         for run in runs:
@@ -205,11 +231,20 @@ class MultimodalAdapter:
 
     def check_batch(self, rows, images: Sequence[Sequence], where: Sequence[str | None] | None = None,
                     attention_mask=None) -> None:
-        for b, row in enumerate(rows):
-            ids = _as_list(row)
-            if attention_mask is not None:
-                ids = [t for t, m in zip(ids, _as_list(attention_mask[b])) if m]
-            self.check(ids, images[b], where=(where[b] if where else None) or f"batch row {b}")
+        name = lambda b: (where[b] if where else None) or f"batch row {b}"  # noqa: E731
+        ids = _as_array(rows) if hasattr(rows, "shape") else None
+        if ids is None or ids.ndim != 2:
+            for b, row in enumerate(rows):
+                ids = _as_array(row)
+                if attention_mask is not None:
+                    ids = ids[_as_array(attention_mask[b]) != 0]
+                self.check(ids, images[b], where=name(b))
+            return
+        hit = ids == self.image_token_id
+        if attention_mask is not None:
+            hit &= _as_array(attention_mask) != 0
+        for b, runs in enumerate(_row_runs(hit)):
+            self.check_runs(runs, images[b], where=name(b))
 
     # -- model inputs -------------------------------------------------------------------------------
     def preprocess(self, images: Sequence) -> ImageInputs:
@@ -543,8 +578,7 @@ class SplitAdapter(MultimodalAdapter):
                             global_image_token=self.global_token)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def check(self, ids, images: Sequence, *, where: str | None = None) -> None:
-        runs = _runs(_as_list(ids), self.image_token_id)
+    def check_runs(self, runs: list[int], images: Sequence, *, where: str | None = None) -> None:
         need = [n for im in images for n in self.runs(im)]
         if runs != need:
             raise GymvError(
@@ -599,7 +633,7 @@ class TextAdapter(MultimodalAdapter):
     def count_placeholders(self, ids) -> int:
         return 0
 
-    def check(self, ids, images: Sequence, *, where: str | None = None) -> None:
+    def check_runs(self, runs: list[int], images: Sequence, *, where: str | None = None) -> None:
         self._no_images(images, where)
 
     def preprocess(self, images: Sequence) -> ImageInputs:

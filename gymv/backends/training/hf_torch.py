@@ -60,13 +60,40 @@ class BatchLayout:
         self.packing: bool | str = False if why_not else packing
         self.shares_in_row = self.packing is not False and packed_attention.install(model)
         self.packed = False
+        self._planned: dict[int, tuple] = {}  # id(sample) -> (sample, prefix key) of the last plan
 
-    def _keys(self, samples) -> list:
+    def _prefetch_pixels(self, samples) -> dict[int, str]:
+        """Start preprocessing the step's pictures in the background (gymv.backends.pixel_cache); returns the
+        pictures' content hashes by id, for the prefix keys."""
+        from gymv.backends.multimodal import image_hash
+        from gymv.backends.pixel_cache import pixel_cache
+
+        hashes: dict[int, str] = {}
+        pictures = []
+        for s in samples:
+            for im in s.get("images") or ():
+                if id(im) not in hashes:
+                    hashes[id(im)] = image_hash(im)
+                    pictures.append(im)
+        if pictures:
+            pixel_cache(self.adapter).prefetch(self.adapter, pictures, [hashes[id(im)] for im in pictures])
+        return hashes
+
+    def _keys(self, samples, hashes: dict[int, str]) -> list:
+        """Each sample's prefix key, remembered (with the sample) until the next plan, so that collating the
+        planned micro-batches does not compute them again."""
         from gymv.backends.logprobs import prefix_key
 
-        hashes: dict = {}
-        return [prefix_key(s["input_ids"], s["loss_mask"], s.get("images") or (), self.adapter.image_token_id, hashes)
+        keys = [prefix_key(s["input_ids"], s["loss_mask"], s.get("images") or (), self.adapter.image_token_id, hashes)
                 for s in samples]
+        self._planned = {id(s): (s, k) for s, k in zip(samples, keys)}
+        return keys
+
+    def _known_keys(self, samples) -> list | None:
+        found = [self._planned.get(id(s)) for s in samples]
+        if all(f is not None and f[0] is s for f, s in zip(found, samples)):
+            return [f[1] for f in found]
+        return None
 
     def plan(self, samples, max_tokens: int) -> list[list[int]]:
         from gymv.backends.logprobs import recomputes_activations
@@ -74,10 +101,11 @@ class BatchLayout:
                                                           plan_packed_shared_micro_batches,
                                                           plan_shared_prefix_micro_batches, shared_prefix_cost)
 
+        hashes = self._prefetch_pixels(samples)
         lengths = [int(s["input_ids"].shape[0]) for s in samples]
         if self.packing is not False and self.shares_in_row:
             self.packed = True
-            return plan_packed_shared_micro_batches(self._keys(samples), lengths, max_tokens)
+            return plan_packed_shared_micro_batches(self._keys(samples, hashes), lengths, max_tokens)
         shares = not recomputes_activations(self.model)
         if self.packing is True or (self.packing == "auto" and not shares):
             self.packed = True
@@ -85,7 +113,7 @@ class BatchLayout:
         self.packed = False
         if not shares:
             return plan_micro_batches(lengths, max_tokens)
-        keys = self._keys(samples)
+        keys = self._keys(samples, hashes)
         plan = plan_shared_prefix_micro_batches(keys, lengths, max_tokens)
         if self.packing == "auto" and sum(lengths) <= shared_prefix_cost(plan, keys, lengths):
             self.packed = True
@@ -93,7 +121,7 @@ class BatchLayout:
         return plan
 
     def collate(self, samples):
-        from gymv.backends.logprobs import packed_prefixes
+        from gymv.backends.logprobs import group_prefixes, packed_prefixes
         from gymv.backends.training.micro_batches import pad_collate
 
         tensors = [{k: v for k, v in s.items() if k not in NON_TENSOR_FIELDS} for s in samples]
@@ -103,8 +131,9 @@ class BatchLayout:
         if self.packed:
             mb["packed"] = True
             if self.shares_in_row and "loss_mask" in mb:
-                mb["prefixes"] = packed_prefixes(mb["input_ids"], mb["loss_mask"], mb["images"],
-                                                 self.adapter.image_token_id)
+                keys = self._known_keys(samples)
+                mb["prefixes"] = group_prefixes(keys) if keys is not None else packed_prefixes(
+                    mb["input_ids"], mb["loss_mask"], mb["images"], self.adapter.image_token_id)
         return mb
 
 
