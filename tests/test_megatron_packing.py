@@ -136,13 +136,17 @@ def test_a_packed_bf16_step_on_cuda_matches_the_padded_one():
     from gymv.backends.training.base import TrainingSetup
     from gymv.backends.training.megatron import MegatronBackend
 
+    from gymv.backends import packed_attention
+
     metrics = {}
     for packing in (False, True):
         setup = TrainingSetup(model_path=str(tiny_path("tiny-qwen3")), sequence_packing=packing,
                               optimizer={**OPTIMIZER, "precision": "bf16"})
         backend = MegatronBackend.create(setup, device="cuda")
+        before = packed_attention.varlen_calls
         metrics[packing] = backend.train_step(_samples(backend.policy, IMAGES["tiny-qwen3"], seed=9), PolicyLoss())
         assert backend.trainer.plan_fn.__self__.packed is packing
+        assert (packed_attention.varlen_calls > before) is packing  # fp32 weights, bf16 autocast: still the kernel
     assert metrics[True]["train/grad_norm"] > 0
     assert metrics[True]["train/grad_norm"] == pytest.approx(metrics[False]["train/grad_norm"], rel=0.05)
     assert metrics[True]["train/loss"] == pytest.approx(metrics[False]["train/loss"], abs=0.02)

@@ -276,3 +276,34 @@ def test_collating_a_planned_micro_batch_reuses_the_plans_prefix_keys_and_groups
     fresh = packed_prefixes(mb["input_ids"], mb["loss_mask"], mb["images"], policy.adapter.image_token_id)
     assert mb["prefixes"] == fresh and [p[0] for p in fresh] == [0, 0, 0, 1, 2, 2]
     assert layout._known_keys([as_tensors(dict(s)) for s in samples]) is None  # other objects: computed anew
+
+
+def test_packed_attention_runs_a_float32_query_under_16_bit_autocast_in_the_autocast_dtype():
+    from gymv.backends.packed_attention import _half_dtype
+
+    query = torch.zeros(1, 2, 3, 4)
+    assert _half_dtype(query) is None and _half_dtype(query.bfloat16()) is torch.bfloat16
+    with torch.autocast("cpu", torch.bfloat16):
+        assert _half_dtype(query) is torch.bfloat16
+
+
+@pytest.mark.gpu
+def test_a_packed_torch_backend_step_on_cuda_runs_the_varlen_kernel_under_autocast():
+    """float32 weights and bf16 autocast: rotary embeddings leave the query in float32, and the packed
+    attention still takes the flash kernel (once per layer and pass) rather than one SDPA call per segment."""
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.backends import packed_attention
+    from gymv.backends.training.base import TrainingSetup
+    from gymv.backends.training.hf_torch import HFTorchBackend
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    policy = fresh_policy("tiny-llava")
+    setup = TrainingSetup(model_path=str(policy.path), device="cuda", sequence_packing=True,
+                          optimizer={"lr": 1e-5, "precision": "bf16"})
+    backend = HFTorchBackend(policy, setup, device="cuda")
+    samples = _group(policy, 3, seed=31) + _group(policy, 2, seed=32)
+    before, calls = packed_attention.varlen_calls, packed_attention.calls
+    backend.train_step(samples, PolicyLoss())
+    assert backend.trainer.plan_fn.__self__.packed
+    assert packed_attention.varlen_calls - before == packed_attention.calls - calls > 0

@@ -24,6 +24,7 @@ import torch
 NAME = "gymv_packed"
 KEYWORD = "gymv_packing"  # a gymv.backends.packing.PackedAttentionArgs
 calls = 0  # packed attention calls so far: a packed forward that adds none never reached it (see check_reached)
+varlen_calls = 0  # those that ran the variable-length flash kernel
 
 
 def _text_config(model):
@@ -88,13 +89,14 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
 @torch.compiler.disable
 def _packed(query, key, value, attention_mask, args, dropout: float, scaling: float | None):
     """Eager even inside a compiled decoder layer (training.compile): segment bounds are read on the host."""
-    global calls
+    global calls, varlen_calls
     if query.shape[0] != 1 or attention_mask is not None:
         raise RuntimeError("packed attention expects one packed row and no attention mask")
     calls += 1
     out = None
     if query.is_cuda and dropout == 0.0:
         out = _varlen(query, key, value, args, scaling)
+        varlen_calls += out is not None
     if out is None:
         out = _per_segment(query, key, value, args, scaling, dropout)
     return out, None
@@ -136,12 +138,24 @@ def _varlen(query, key, value, args, scaling):
     dtype (`_varlen_checks`); a segment whose keys start with a shared prompt also needs its causal mask
     aligned bottom-right. None: use per-segment SDPA."""
     found = _varlen_kernel()
-    if found is None or query.dtype not in (torch.float16, torch.bfloat16):
+    dtype = _half_dtype(query)
+    if found is None or dtype is None:
         return None
-    square, bottom_right = _varlen_checks(query.device, query.dtype)
+    square, bottom_right = _varlen_checks(query.device, dtype)
     if not square or (args.key_index is not None and not bottom_right):
         return None
-    return _call_varlen(query, key, value, args, scaling)
+    return _call_varlen(query.to(dtype), key.to(dtype), value.to(dtype), args, scaling)
+
+
+def _half_dtype(query) -> torch.dtype | None:
+    """The 16-bit dtype the kernel runs in: the query's, or under autocast the autocast dtype (SDPA would run
+    there too). A float32 query under autocast is common: rotary embeddings computed in float32 upcast it."""
+    if query.dtype in (torch.float16, torch.bfloat16):
+        return query.dtype
+    device = query.device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in (torch.float16, torch.bfloat16):
+        return torch.get_autocast_dtype(device)
+    return None
 
 
 @lru_cache(maxsize=None)
