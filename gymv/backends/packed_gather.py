@@ -39,9 +39,10 @@ class KeyGather:
         order = torch.sort(index, stable=True).indices  # slots grouped by position, each group in slot order
         starts = torch.cumsum(counts, 0) - counts
         repeated = torch.sort(counts, descending=True, stable=True).indices[: int((counts > 1).sum())]
+        held = counts[repeated]  # descending: the positions with more than r copies are a prefix
         copies = []
-        for r in range(1, int(counts.max()) if n else 0):
-            rows = repeated[: int((counts[repeated] > r).sum())]  # a prefix: most copies first
+        for r in range(1, int(held[0]) if held.numel() else 1):
+            rows = repeated[: int((held > r).sum())]
             copies.append(order[starts[rows] + r])
         return cls(index, order[starts], repeated, copies)
 
