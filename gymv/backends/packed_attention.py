@@ -21,6 +21,8 @@ from functools import lru_cache
 
 import torch
 
+from gymv.backends.packed_gather import gather
+
 NAME = "gymv_packed"
 KEYWORD = "gymv_packing"  # a gymv.backends.packing.PackedAttentionArgs
 calls = 0  # packed attention calls so far: a packed forward that adds none never reached it (see check_reached)
@@ -104,15 +106,13 @@ def _packed(query, key, value, attention_mask, args, dropout: float, scaling: fl
 
 def _per_segment(query, key, value, args, scaling, dropout):
     gqa = query.shape[1] != key.shape[1]
-    q_bounds, k_bounds = args.cu_q.tolist(), args.cu_k.tolist()
+    q_bounds, k_bounds = args.bounds or (args.cu_q.tolist(), args.cu_k.tolist())
+    if args.keys is not None:  # [1, H, Nk, D]
+        key, value = (t.transpose(0, 2) for t in gather(args.keys, key.transpose(0, 2), value.transpose(0, 2)))
     parts = []
     for s in range(len(q_bounds) - 1):
         q0, q1, k0, k1 = q_bounds[s], q_bounds[s + 1], k_bounds[s], k_bounds[s + 1]
-        if args.key_index is None:
-            k, v = key[:, :, k0:k1], value[:, :, k0:k1]
-        else:
-            idx = args.key_index[k0:k1]
-            k, v = key[:, :, idx], value[:, :, idx]
+        k, v = key[:, :, k0:k1], value[:, :, k0:k1]
         q = query[:, :, q0:q1]
         lq, lk = q1 - q0, k1 - k0
         mask = None
@@ -142,7 +142,7 @@ def _varlen(query, key, value, args, scaling):
     if found is None or dtype is None:
         return None
     square, bottom_right = _varlen_checks(query.device, dtype)
-    if not square or (args.key_index is not None and not bottom_right):
+    if not square or (args.keys is not None and not bottom_right):
         return None
     return _call_varlen(query.to(dtype), key.to(dtype), value.to(dtype), args, scaling)
 
@@ -197,8 +197,8 @@ def _call_varlen(query, key, value, args, scaling):
     fn, params = _varlen_kernel()
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D]
     q = q.contiguous()
-    if args.key_index is not None:
-        k, v = k.index_select(0, args.key_index), v.index_select(0, args.key_index)
+    if args.keys is not None:
+        k, v = gather(args.keys, k, v)
     kwargs: dict = {}
     if scaling is not None and "scale" in params:
         kwargs["scale"] = scaling

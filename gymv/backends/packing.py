@@ -6,7 +6,8 @@ shares a prefix (gymv.backends.logprobs.prefix_key: the tokens before the first 
 inside) is one prefix segment, attending to itself, and one segment per member holding the rest of its
 sequence, attending to the prefix and causally to itself. Positions continue from the prefix, so each
 member computes exactly what its own unshared sequence would, and the prefix's gradients add up over
-its members. Keys of segment s are `key_index[cu_k[s]:cu_k[s+1]]` (positions in the row).
+its members. Keys of segment s are `keys.index[cu_k[s]:cu_k[s+1]]` (positions in the row;
+gymv.backends.packed_gather, whose plan for adding the prompt's gradients back is built here, on the host).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gymv.backends.packed_gather import KeyGather
+
 
 @dataclass
 class PackedRow:
@@ -23,7 +26,7 @@ class PackedRow:
     positions: torch.Tensor  # [N]: the column of each token in its own row (1-D positions of the packed row)
     source_rows: torch.Tensor  # [N]: the batch row each token comes from
     cu_q: torch.Tensor  # [S + 1] int32: segment starts in the row, and its end
-    key_index: torch.Tensor | None  # [Nk] long, or None: every segment's keys are its own tokens
+    keys: KeyGather | None  # [Nk] gathered keys, or None: every segment's keys are its own tokens
     cu_k: torch.Tensor  # [S + 1] int32
     max_q: int
     max_k: int
@@ -41,9 +44,9 @@ class PackedRow:
     def attention_args(self, device) -> PackedAttentionArgs:
         from gymv.backends.host_copy import to_device
 
-        return PackedAttentionArgs(to_device(self.cu_q, device),
-                                   None if self.key_index is None else to_device(self.key_index, device),
-                                   to_device(self.cu_k, device), self.max_q, self.max_k)
+        return PackedAttentionArgs(to_device(self.cu_q, device), None if self.keys is None else self.keys.to(device),
+                                   to_device(self.cu_k, device), self.max_q, self.max_k,
+                                   (self.cu_q.tolist(), self.cu_k.tolist()))
 
 
 @dataclass
@@ -51,10 +54,11 @@ class PackedAttentionArgs:
     """What the packed attention needs of the row: segments, and where each segment's keys come from."""
 
     cu_q: torch.Tensor
-    key_index: torch.Tensor | None
+    keys: KeyGather | None
     cu_k: torch.Tensor
     max_q: int
     max_k: int
+    bounds: tuple[list[int], list[int]] | None = None  # cu_q and cu_k on the host: no device read per layer
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, images: Sequence[Sequence],
@@ -108,6 +112,6 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, images: Sequence
         offsets.append(plen)
     cu_q = torch.nn.functional.pad(torch.cumsum(torch.tensor(q_lens), 0), (1, 0)).to(torch.int32)
     cu_k = torch.nn.functional.pad(torch.cumsum(torch.tensor(k_lens), 0), (1, 0)).to(torch.int32)
-    key_index = torch.cat(k_parts) if prefix_at else None
-    return PackedRow(torch.cat(ids_parts), torch.cat(pos_parts), torch.cat(row_parts), cu_q, key_index, cu_k,
+    keys = KeyGather.build(torch.cat(k_parts), n) if prefix_at else None
+    return PackedRow(torch.cat(ids_parts), torch.cat(pos_parts), torch.cat(row_parts), cu_q, keys, cu_k,
                      max(q_lens), max(k_lens), flat_images, image_rows, starts, offsets)
