@@ -4,7 +4,9 @@ in-place adds, no atomics), and torch.segment_reduce over the copies sorted by p
 
 The row is a GRPO-like micro-batch as `pack` lays it out: 16 groups of 8 members, prompts of ~400 tokens,
 completions lognormal with median 300 clipped to 16..1536; keys [N, 8 kv heads, 128]; K and V gathered
-together, as packed attention does once per layer. Each variant's median over the timed repeats (device
+together, as packed attention does once per layer. Then the gathered keys and values widened to the 16
+query heads, as packed attention does for a varlen kernel without grouped-query attention (torch 2.11):
+repeat_interleave's autograd against gymv.backends.packed_attention.repeat_heads. Each variant's median over the timed repeats (device
 events on CUDA), its largest difference from index_select's gradient, and whether two backwards agree bit
 for bit.
 
@@ -67,6 +69,7 @@ def _segment_reduce_gather(index, order, lengths):
 def measure(args) -> dict:
     import torch
 
+    from gymv.backends.packed_attention import repeat_heads
     from gymv.backends.packed_gather import KeyGather, gather
 
     device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
@@ -89,6 +92,14 @@ def measure(args) -> dict:
         "KeyGather (gymv)": lambda: gather(plan, k, v),
         "segment_reduce": lambda f=_segment_reduce_gather(index, order, lengths): f(k, v),
     }
+    # the gathered keys and values widened to the query heads, for a kernel without grouped-query attention
+    kg, vg = (t.detach().index_select(0, index).requires_grad_(True) for t in (k, v))
+    groups = args.q_heads // args.kv_heads
+    wide = [torch.randn(index.numel(), args.q_heads, args.head_dim, generator=g).to(device, dtype) for _ in range(2)]
+    head_variants = {
+        "heads: repeat_interleave": lambda: (kg.repeat_interleave(groups, 1), vg.repeat_interleave(groups, 1)),
+        "heads: repeat_heads (gymv)": lambda: (repeat_heads(kg, groups), repeat_heads(vg, groups)),
+    }
     cuda = device == "cuda"
 
     def clock(fn) -> float:
@@ -103,11 +114,21 @@ def measure(args) -> dict:
         fn()
         return (time.perf_counter() - t) * 1e3
 
+    rows = _time(variants, (k, v), grads, clock, args) + _time(head_variants, (kg, vg), wide, clock, args)
+    return {"device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": str(dtype).split(".")[-1],
+            "row_tokens": n, "gathered_keys": index.numel(), "repeated_positions": plan.repeated.numel(),
+            "copy_passes": len(plan.copies), "plan_build_ms": build_ms, "torch": torch.__version__, "rows": rows}
+
+
+def _time(variants: dict, inputs: tuple, grads: list, clock, args) -> list[dict]:
+    """Median forward and backward times of each variant; gradients compared with the first variant's."""
+    import torch
+
     ref = None
     rows = []
     for name, fwd in variants.items():
         def backward(out):
-            return torch.autograd.grad(out, (k, v), grads)
+            return torch.autograd.grad(out, inputs, grads)
 
         got = backward(fwd())
         again = backward(fwd())
@@ -124,9 +145,7 @@ def measure(args) -> dict:
             bwd_ms.append(clock(lambda: backward(box["out"])))
         rows.append({"variant": name, "forward_ms": statistics.median(fwd_ms),
                      "backward_ms": statistics.median(bwd_ms), "max_grad_diff": diff, "deterministic": same})
-    return {"device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": str(dtype).split(".")[-1],
-            "row_tokens": n, "gathered_keys": index.numel(), "repeated_positions": plan.repeated.numel(),
-            "copy_passes": len(plan.copies), "plan_build_ms": build_ms, "torch": torch.__version__, "rows": rows}
+    return rows
 
 
 def main() -> None:
@@ -136,6 +155,7 @@ def main() -> None:
     p.add_argument("--members", type=int, default=8)
     p.add_argument("--prompt", type=int, default=400)
     p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--q-heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)

@@ -87,7 +87,7 @@ def test_per_segment_attention_takes_segment_bounds_from_the_host():
 
 @pytest.mark.gpu
 def test_varlen_attention_over_shared_prompts_never_waits_for_the_gpu():
-    device, dtype = torch.device("cuda"), torch.bfloat16
+    device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16  # a tensor's own device
     if packed_attention._varlen_kernel() is None or not all(packed_attention._varlen_checks(device, dtype)):
         pytest.skip("no varlen kernel with a bottom-right causal mask in this torch")
     row = _row(LAYOUTS["uneven members and groups of one"])
@@ -114,3 +114,18 @@ def test_gathered_key_gradients_on_cuda_equal_index_select_autograd():
     (gather(plan, k)[0] * w).sum().backward()
     (k0.index_select(0, plan.index) * w).sum().backward()
     torch.testing.assert_close(k.grad, k0.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_repeated_heads_equal_repeat_interleave_in_value_and_gradient(groups):
+    from gymv.backends.packed_attention import repeat_heads
+
+    base = torch.randn(1, 3, 40, 8, dtype=torch.float64, requires_grad=True)
+    twin = base.detach().clone().requires_grad_(True)
+    weight = torch.randn(40, 3 * groups, 8, dtype=torch.float64)
+    ours = repeat_heads(base.squeeze(0).transpose(0, 1), groups)  # a strided view, as packed attention passes it
+    theirs = twin.squeeze(0).transpose(0, 1).repeat_interleave(groups, dim=1)
+    assert torch.equal(ours, theirs)
+    (ours * weight).sum().backward()
+    (theirs * weight).sum().backward()
+    torch.testing.assert_close(base.grad, twin.grad, rtol=1e-12, atol=1e-12)
