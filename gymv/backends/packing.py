@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gymv.backends.packed_gather import KeyGather
@@ -76,42 +77,52 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, images: Sequence
     for b, p in enumerate(prefixes):
         if p is not None:
             group_first.setdefault(p[0], b)
-    ids_parts, pos_parts, row_parts, q_lens, k_parts, k_lens, flat_images, image_rows = [], [], [], [], [], [], [], []
-    starts, offsets = [], []
+    # each segment: (batch row, first column taken, length, first position, shared prefix's (start, length))
+    segments: list[tuple[int, int, int, int, tuple[int, int] | None]] = []
+    flat_images, image_rows, starts, offsets = [], [], [], []
     prefix_at: dict = {}  # group -> (start in the row, length)
     n = 0
 
-    def segment(b: int, ids: torch.Tensor, first_pos: int, keys: list[torch.Tensor]) -> int:
+    def segment(b: int, col: int, length: int, first_pos: int, prefix: tuple[int, int] | None) -> int:
         nonlocal n
-        start = n
-        ids_parts.append(ids)
-        pos_parts.append(torch.arange(first_pos, first_pos + ids.numel()))
-        row_parts.append(torch.full((ids.numel(),), b, dtype=torch.long))
-        own = torch.arange(start, start + ids.numel())
-        k_parts.extend([*keys, own])
-        k_lens.append(sum(k.numel() for k in keys) + ids.numel())
-        q_lens.append(ids.numel())
-        n += ids.numel()
-        return start
+        segments.append((b, col, length, first_pos, prefix))
+        n += length
+        return n - length
 
     for b, length in enumerate(lengths):
-        row = input_ids[b, :length]
         p = prefixes[b]
         if p is None or group_first.get(p[0], b) == b:  # a plain row, or its group's prompt comes first
             flat_images.extend(images[b])
             image_rows.append(b)
         if p is None:
-            starts.append(segment(b, row, 0, []))
+            starts.append(segment(b, 0, length, 0, None))
             offsets.append(0)
             continue
         group, plen = p
         if group not in prefix_at:
-            prefix_at[group] = (segment(b, row[:plen], 0, []), plen)
-        pstart, plen = prefix_at[group]
-        starts.append(segment(b, row[plen:], plen, [torch.arange(pstart, pstart + plen)]))
+            prefix_at[group] = (segment(b, 0, plen, 0, None), plen)
+        starts.append(segment(b, plen, length - plen, plen, prefix_at[group]))
         offsets.append(plen)
-    cu_q = torch.nn.functional.pad(torch.cumsum(torch.tensor(q_lens), 0), (1, 0)).to(torch.int32)
-    cu_k = torch.nn.functional.pad(torch.cumsum(torch.tensor(k_lens), 0), (1, 0)).to(torch.int32)
-    keys = KeyGather.build(torch.cat(k_parts), n) if prefix_at else None
-    return PackedRow(torch.cat(ids_parts), torch.cat(pos_parts), torch.cat(row_parts), cu_q, keys, cu_k,
-                     max(q_lens), max(k_lens), flat_images, image_rows, starts, offsets)
+    # every per-token tensor from the segment table at once (a micro-batch holds a hundred or more segments)
+    rows, cols, lens, first = (np.array(c, dtype=np.int64) for c in list(zip(*segments))[:4])
+    seg_start = np.cumsum(lens) - lens
+    offset = np.arange(n) - np.repeat(seg_start, lens)  # each token's place in its segment
+    width = input_ids.shape[1]
+    flat = np.repeat(rows * width + cols, lens) + offset
+    ids = input_ids.reshape(-1)[torch.from_numpy(flat)]
+    positions = torch.from_numpy(np.repeat(first, lens) + offset)
+    source_rows = torch.from_numpy(np.repeat(rows, lens))
+    prefix = np.array([sp if sp is not None else (0, 0) for *_, sp in segments], dtype=np.int64).reshape(-1, 2)
+    k_lens = prefix[:, 1] + lens
+    q_lens = lens
+    keys = None
+    if prefix_at:  # per segment: its prefix's positions, then its own
+        range_starts = np.stack([prefix[:, 0], seg_start], 1).reshape(-1)
+        range_lens = np.stack([prefix[:, 1], lens], 1).reshape(-1)
+        key_index = np.repeat(range_starts - (np.cumsum(range_lens) - range_lens), range_lens) + np.arange(
+            int(range_lens.sum()))
+        keys = KeyGather.build(torch.from_numpy(key_index), n)
+    cu_q = torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens)])).to(torch.int32)
+    cu_k = torch.from_numpy(np.concatenate([[0], np.cumsum(k_lens)])).to(torch.int32)
+    return PackedRow(ids, positions, source_rows, cu_q, keys, cu_k, int(q_lens.max()), int(k_lens.max()),
+                     flat_images, image_rows, starts, offsets)
