@@ -3,6 +3,7 @@ fused AdamW's step on the device (weights, moments and step count bit-identical)
 before stepping, and a normal step is plain AdamW after clip_grad_norm_, bit for bit."""
 
 import socket
+import warnings
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from gymv.backends.training.base import GlobalCounts
 from gymv.backends.training.micro_batches import pad_collate
 from gymv.backends.training.torch_trainer import TorchTrainer, TrainerConfig
 from gymv.errors import GymvError
-from tiny_lm import logprob_fn, make_samples, tiny_lm
+from tiny_lm import VOCAB, logprob_fn, make_samples, tiny_lm
 
 CONFIG = TrainerConfig(lr=1e-2, eps=1e-3, weight_decay=0.01, max_grad_norm=0.05, micro_batch_tokens=24,
                        precision="fp32")
@@ -144,25 +145,38 @@ def test_one_fsdp2_rank_leaves_sharded_weights_and_state_bit_identical_on_a_nan_
     assert_identical(before, snapshot(t))
 
 
+class OneHotStack(torch.nn.Module):
+    """Tokens in through a one-hot matmul: nn.Embedding's CUDA backward reads a count on the host, a wait
+    that is the model's, not the trainer's."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.embed = torch.nn.Linear(VOCAB, dim, bias=False)
+        self.layer = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, VOCAB)
+
+    def forward(self, input_ids):
+        h = self.embed((input_ids.unsqueeze(-1) == torch.arange(VOCAB, device=input_ids.device)).float())
+        return self.head(h + torch.tanh(self.layer(h)))
+
+
 @pytest.mark.gpu
 def test_a_fused_cuda_step_waits_on_the_device_once():
-    from test_trainer_fsdp import tiny_stack
-
-    t = TorchTrainer(tiny_stack(), logprob_fn, CONFIG, device="cuda")
+    torch.manual_seed(0)
+    t = TorchTrainer(OneHotStack(), logprob_fn, CONFIG, device="cuda")
     assert t.optimizer.param_groups[0]["fused"]
-    samples = make_samples(6, seed=10)
+    samples = make_samples(6, seed=10)  # several micro-batches
     t.train_step(samples, SFTLoss())  # warm-up: lazy state, the caching allocators
     torch.cuda.synchronize()
-    import warnings
-
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            t.train_step(samples, SFTLoss())
+            metrics = t.train_step(samples, SFTLoss())
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert metrics["train/num_micro_batches"] > 1
     assert len(syncs) == 1, syncs
 
 

@@ -231,15 +231,15 @@ class TorchTrainer:
         with record_function("gymv/optimizer"):
             self._sync_grads()
             norm = self._grad_norm()
-            stacked = torch.stack(losses) if losses else torch.zeros(0, device=self.device)
-            loss_bad = (~torch.isfinite(stacked)).any()
+            step_losses = torch.stack(losses).reshape(-1) if losses else torch.zeros(0, device=self.device)
+            loss_bad = (~torch.isfinite(step_losses)).any()
             # [loss, norm]: 1 where a rank saw a non-finite value; every rank then cancels the same step
             flags = self.dp.max_(torch.stack([loss_bad.float(), (~torch.isfinite(norm)).float().reshape(())]))
             self._clip_grads(norm)
             on_device = skips_on_device(self.optimizer)
             fresh = step_unless(self.optimizer, flags.max()) if on_device else []
         keys, reduced = self._reduce_metrics(loss_sum, float(len(plan)), sums, maxes, mins)
-        read = torch.cat([flags.double(), norm.double().reshape(1), reduced, stacked.double()]).tolist()  # the one wait
+        read = torch.cat([flags.double(), norm.double().reshape(1), reduced, step_losses.double()]).tolist()  # one wait
         loss_flag, norm_flag, grad_norm = read[0], read[1], read[2]
         values, local_losses = read[3 : 3 + len(keys)], read[3 + len(keys) :]
         if loss_flag or norm_flag:
@@ -268,13 +268,13 @@ class TorchTrainer:
         gradient norm."""
         where = f"train step {self.steps + 1} (rank {self.rank})"
         if not loss:
-            return GymvError(f"non-finite gradient norm {norm}", where=where,
-                             fix="the step was not applied; lower the learning rate or check the loss inputs", exit_code=1)
+            return GymvError(f"non-finite gradient norm {norm}", where=where, exit_code=1,
+                             fix="the step was not applied; lower the learning rate or check the loss inputs")
         first = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
         bad = (f"non-finite loss {losses[first]} in a micro-batch of {len(plan[first])} samples" if first is not None
                else "non-finite loss on another data-parallel rank")
-        return GymvError(bad, where=where, exit_code=1,
-                         fix="the step was not applied; check rewards/advantages and logprobs for inf/NaN, or lower the learning rate")
+        return GymvError(bad, where=where, exit_code=1, fix="the step was not applied; check rewards/advantages and "
+                                                            "logprobs for inf/NaN, or lower the learning rate")
 
     def _clip_grads(self, norm: Tensor) -> None:
         """Scale gradients to `max_grad_norm`, on the device; a non-finite norm scales nothing."""
