@@ -40,11 +40,11 @@ def nan_loss_batch() -> list[dict]:
 
 
 def snapshot(t: TorchTrainer) -> tuple[dict, dict]:
-    """Weights by name, and AdamW's state (exp_avg, exp_avg_sq, step) by parameter name."""
+    """Weights by name, and AdamW's state (exp_avg, exp_avg_sq, step) by parameter name: this rank's shards."""
     names = {id(p): n for n, p in t.model.named_parameters()}
-    full = lambda v: v.full_tensor() if hasattr(v, "full_tensor") else v  # noqa: E731
-    weights = {k: full(v.detach()).clone() for k, v in t.model.state_dict().items()}
-    state = {names[id(p)]: {k: full(v).clone() for k, v in s.items()} for p, s in t.optimizer.state.items()}
+    local = lambda v: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu().clone()  # noqa: E731
+    weights = {k: local(v) for k, v in t.model.state_dict().items()}
+    state = {names[id(p)]: {k: local(v) for k, v in s.items()} for p, s in t.optimizer.state.items()}
     return weights, state
 
 
