@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gymv.backends.training.guarded_step import finite_or
 from gymv.backends.training.micro_batches import pad_collate
 from gymv.backends.training.torch_trainer import TRAINER_FILE, TorchTrainer, _fsync_replace
 from gymv.errors import GymvError
@@ -248,12 +249,15 @@ class FSDPTrainer(TorchTrainer):
         return (sq_sharded + self._squared_norm(replicated, self.device)).sqrt().float()
 
     def _scale_grads(self, norm: Tensor) -> None:
-        coef = min(1.0, self.config.max_grad_norm / (float(norm) + 1e-6))
-        if coef < 1.0:
-            sharded, replicated = self._local_grads()
-            for group in (sharded, replicated):
-                if group:
-                    torch._foreach_mul_(group, coef)
+        """min(1, max_grad_norm / (norm + 1e-6)), worked out in float64 on the device (no wait on the host);
+        1 where the norm is not finite."""
+        denominator = finite_or(norm, 0.0).double() + 1e-6
+        coef = (torch.full_like(denominator, self.config.max_grad_norm) / denominator).clamp(max=1.0).float()
+        by_device: dict = {}
+        for g in (g for group in self._local_grads() for g in group):
+            by_device.setdefault(g.device, []).append(g)
+        for device, grads in by_device.items():
+            torch._foreach_mul_(grads, coef.to(device))
 
     def named_full_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Each weight gathered in full, one at a time (a collective: every rank iterates); tied names yield

@@ -23,6 +23,7 @@ from torch.profiler import record_function
 
 from gymv.backends.training.base import CollateFn, GlobalCounts, LogprobFn, LossFn, MicroBatch, PlanFn, Sample
 from gymv.backends.training.data_parallel import DataParallel
+from gymv.backends.training.guarded_step import drop_fresh_state, finite_or, skips_on_device, step_unless
 from gymv.backends.training.micro_batches import pad_collate, plan_micro_batches
 from gymv.errors import GymvError
 
@@ -35,6 +36,7 @@ MODEL_SAFETENSORS = "model.safetensors"
 MODEL_TORCH = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
 TRAINER_FILE = "trainer.json"
+_LOSS, _MICRO_BATCHES = " loss", " micro_batches"  # not metric names a loss function could return
 
 
 @dataclass(frozen=True)
@@ -127,8 +129,9 @@ class TorchTrainer:
         grads = [p.grad for p in self.params if p.grad is not None]
         return torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros((), device=self.device)
 
-    def _scale_grads(self, factor: Tensor) -> None:
-        torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_grad_norm, factor)
+    def _scale_grads(self, norm: Tensor) -> None:
+        """Multiply by min(1, max_grad_norm / (norm + 1e-6)) on the device; by 1 where the norm is not finite."""
+        torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_grad_norm, finite_or(norm, 0.0))
 
     def _idle_pass(self, mb: MicroBatch, backward: bool) -> None:
         """A pass that changes nothing, so a lock-step rank with fewer micro-batches joins its peers' collectives."""
@@ -139,7 +142,7 @@ class TorchTrainer:
 
     def _micro_batches_to_match(self, mine: int) -> int:
         """How many idle passes this rank adds so that every rank runs as many as the busiest."""
-        if not self.lockstep:
+        if not self.lockstep or not self.dp.distributed:
             return 0
         most = self.dp.max_(torch.tensor([float(mine)], device=self.device))
         return int(most) - mine
@@ -182,11 +185,15 @@ class TorchTrainer:
             m = s["loss_mask"] != 0
             tokens += float(m.sum())
             sequences += float(bool(m.any()))
+        if not self.dp.distributed:  # nothing to add up: no copy to the device and back
+            return GlobalCounts(tokens=tokens, sequences=sequences)
         local = torch.tensor([tokens, sequences], dtype=torch.float64, device=self.device)
         self.dp.sum_(local)
         return GlobalCounts(tokens=float(local[0]), sequences=float(local[1]))
 
     def train_step(self, samples: Sequence[Sample], loss_fn: LossFn) -> dict[str, float]:
+        """Backward, gradient norm, clip and the optimizer step are queued without the host waiting on the
+        device; one read at the end gets the losses, the norm, the non-finite flags and the metrics."""
         start = time.perf_counter()
         self.model.train()
         counts = self.global_counts(samples)
@@ -198,7 +205,7 @@ class TorchTrainer:
         mins: dict[str, Tensor] = {}
         idle = self._micro_batches_to_match(len(plan))
         mb = None
-        losses: list[Tensor] = []  # checked once after the last backward: a check per micro-batch waits on the device
+        losses: list[Tensor] = []  # checked once after the step: a check per micro-batch waits on the device
         for n, indices in enumerate(plan):
             with record_function("gymv/collate"):  # named spans: a profiled step's timeline reads by phase
                 mb = _to_device(self.collate_fn([samples[i] for i in indices]), self.device)
@@ -221,63 +228,79 @@ class TorchTrainer:
                     sums[k] = sums.get(k, 0) + v
         for _ in range(idle):
             self._idle_pass(mb if mb is not None else self._empty_micro_batch(), backward=True)
-        bad = ""
-        if losses:
-            finite = torch.isfinite(torch.stack(losses)).tolist()
-            if not all(finite):
-                first = finite.index(False)
-                bad = f"non-finite loss {float(losses[first])} in a micro-batch of {len(plan[first])} samples"
-        flag = self.dp.max_(torch.tensor([1.0 if bad else 0.0], device=self.device))
-        if float(flag) > 0:
-            self.optimizer.zero_grad(set_to_none=True)
-            raise GymvError(
-                bad or "non-finite loss on another data-parallel rank",
-                where=f"train step {self.steps + 1} (rank {self.rank})",
-                fix="the step was not applied; check rewards/advantages and logprobs for inf/NaN, or lower the learning rate",
-                exit_code=1,
-            )
         with record_function("gymv/optimizer"):
             self._sync_grads()
-            grad_norm = self._clip_grads()
-            self.optimizer.step()
+            norm = self._grad_norm()
+            step_losses = torch.stack(losses).reshape(-1) if losses else torch.zeros(0, device=self.device)
+            loss_bad = (~torch.isfinite(step_losses)).any()
+            # [loss, norm]: 1 where a rank saw a non-finite value; every rank then cancels the same step
+            flags = self.dp.max_(torch.stack([loss_bad.float(), (~torch.isfinite(norm)).float().reshape(())]))
+            self._clip_grads(norm)
+            on_device = skips_on_device(self.optimizer)
+            fresh = step_unless(self.optimizer, flags.max()) if on_device else []
+        keys, reduced = self._reduce_metrics(loss_sum, float(len(plan)), sums, maxes, mins)
+        read = torch.cat([flags.double(), norm.double().reshape(1), reduced, step_losses.double()]).tolist()  # one wait
+        loss_flag, norm_flag, grad_norm = read[0], read[1], read[2]
+        values, local_losses = read[3 : 3 + len(keys)], read[3 + len(keys) :]
+        if loss_flag or norm_flag:
+            drop_fresh_state(self.optimizer, fresh)
+            self.optimizer.zero_grad(set_to_none=True)
+            raise self._non_finite(loss_flag > 0, grad_norm, local_losses, plan)
+        if not on_device:
+            with record_function("gymv/optimizer"):
+                self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        out = {"train/loss": float(self.dp.sum_(loss_sum))}
-        out.update(self._reduce_metrics(sums, maxes, mins))
+        reads = dict(zip(keys, values))
+        out = {"train/loss": reads.pop(_LOSS)}
+        micro_batches = reads.pop(_MICRO_BATCHES)
+        out.update({f"train/{k}": reads[k] for k in sorted(reads)})
         out["train/grad_norm"] = grad_norm
         out["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
         out["train/num_tokens"] = counts.tokens
         out["train/num_sequences"] = counts.sequences
-        out["train/num_micro_batches"] = float(self.dp.sum_(torch.tensor([float(len(plan))], device=self.device)))
+        out["train/num_micro_batches"] = micro_batches
         out["timing/train_step_s"] = time.perf_counter() - start
         return out
 
-    def _clip_grads(self) -> float:
-        norm = self._grad_norm()
-        if not bool(torch.isfinite(norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise GymvError(
-                f"non-finite gradient norm {float(norm)}",
-                where=f"train step {self.steps + 1} (rank {self.rank})",
-                fix="the step was not applied; lower the learning rate or check the loss inputs",
-                exit_code=1,
-            )
+    def _non_finite(self, loss: bool, norm: float, losses: list[float], plan: list[list[int]]) -> GymvError:
+        """The error of a cancelled step: the first non-finite loss of this rank, else another rank's, else the
+        gradient norm."""
+        where = f"train step {self.steps + 1} (rank {self.rank})"
+        if not loss:
+            return GymvError(f"non-finite gradient norm {norm}", where=where, exit_code=1,
+                             fix="the step was not applied; lower the learning rate or check the loss inputs")
+        first = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+        bad = (f"non-finite loss {losses[first]} in a micro-batch of {len(plan[first])} samples" if first is not None
+               else "non-finite loss on another data-parallel rank")
+        return GymvError(bad, where=where, exit_code=1, fix="the step was not applied; check rewards/advantages and "
+                                                            "logprobs for inf/NaN, or lower the learning rate")
+
+    def _clip_grads(self, norm: Tensor) -> None:
+        """Scale gradients to `max_grad_norm`, on the device; a non-finite norm scales nothing."""
         if self.config.max_grad_norm is not None and self.config.max_grad_norm > 0 and any(p.grad is not None for p in self.params):
             self._scale_grads(norm)
-        return float(norm)
 
-    def _reduce_metrics(self, sums: dict, maxes: dict, mins: dict) -> dict[str, float]:
-        out: dict[str, float] = {}
+    def _reduce_metrics(self, loss_sum: Tensor, micro_batches: float, sums: dict, maxes: dict,
+                        mins: dict) -> tuple[list[str], Tensor]:
+        """Names and cross-rank reductions (loss and micro-batch count first), still on the device: one
+        collective per kind of reduction instead of one per metric."""
         keys = self.dp.union_keys([*sums, *maxes, *mins])
-        for k in keys:
-            if k.endswith("_max"):
-                v = self.dp.max_(maxes.get(k, torch.tensor(-math.inf, dtype=torch.float64, device=self.device)).clone().reshape(1))
-            elif k.endswith("_min"):
-                v = self.dp.min_(mins.get(k, torch.tensor(math.inf, dtype=torch.float64, device=self.device)).clone().reshape(1))
-            else:
-                v = self.dp.sum_(torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64, device=self.device).clone().reshape(1))
-            out[f"train/{k}"] = float(v)
-        return out
+        summed = [k for k in keys if not k.endswith(("_max", "_min"))]
+        maxed = [k for k in keys if k.endswith("_max")]
+        minned = [k for k in keys if k.endswith("_min")]
+
+        def stacked(first: list[Tensor], names: list[str], got: dict, default: float) -> Tensor:
+            fill = lambda: torch.full((), default, dtype=torch.float64, device=self.device)  # noqa: E731
+            return torch.stack([*first, *(got[k].reshape(()) if k in got else fill() for k in names)])
+
+        count = torch.full((), micro_batches, dtype=torch.float64, device=self.device)
+        out = [self.dp.sum_(stacked([loss_sum, count], summed, sums, 0.0))]
+        if maxed:
+            out.append(self.dp.max_(stacked([], maxed, maxes, -math.inf)))
+        if minned:
+            out.append(self.dp.min_(stacked([], minned, mins, math.inf)))
+        return [_LOSS, _MICRO_BATCHES, *summed, *maxed, *minned], torch.cat(out)
 
     @torch.no_grad()
     def compute_logprobs(self, samples: Sequence[Sample]) -> list[Tensor]:
