@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch.profiler import record_function
 
@@ -164,18 +165,23 @@ def prefix_key(input_ids: torch.Tensor, score_mask: torch.Tensor, images: Sequen
     """What one unpadded row shares with the rows of its group under `sequence_logprobs(score_mask=...)`: the
     tokens before the one that predicts its first scored token, and its images; (length, the tokens' bytes,
     image hashes). None when nothing is shared: no scored token after the second, or an image after the prefix."""
-    scored = score_mask[1:].bool().nonzero()
-    if scored.numel() == 0:
+    ids, scores = _host_array(input_ids), _host_array(score_mask)  # numpy: once per sample per step
+    scored = np.flatnonzero(scores[1:])
+    if scored.size == 0:
         return None
     p = int(scored[0])  # logits column of the first scored token = the prefix length
-    if p < 1 or bool((input_ids[p:] == image_token_id).any()):
+    if p < 1 or bool((ids[p:] == image_token_id).any()):
         return None
     hashes = {} if hashes is None else hashes
     for im in images:
         if id(im) not in hashes:
             hashes[id(im)] = image_hash(im)
-    prefix = input_ids[:p].detach().cpu().numpy()
+    prefix = ids[:p]
     return p, prefix.dtype.str.encode() + prefix.tobytes(), tuple(hashes[id(im)] for im in images)
+
+
+def _host_array(t) -> np.ndarray:
+    return t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
 
 
 def packed_prefixes(input_ids: torch.Tensor, score_mask: torch.Tensor, images: Sequence[Sequence[Any]],
