@@ -138,3 +138,13 @@ def test_a_picture_that_fails_to_preprocess_in_the_background_raises_where_it_is
     with pytest.raises(Exception):
         cache.inputs(adapter, ["not a picture"], ["k"])
     assert len(cache) == 0
+
+
+def test_pinned_joining_gives_the_same_inputs_and_leaves_the_cache_joinable():
+    adapter = shared_policy("tiny-llava").adapter
+    cache = PixelCache()
+    pics = _pictures(3)
+    keys = [image_hash(im) for im in pics]
+    got = cache.inputs(adapter, pics, keys, pin=True)  # without CUDA: joined in pageable memory
+    assert cache.joinable and _same(got, adapter.preprocess(pics))
+    assert got.pixel_values.is_pinned() == torch.cuda.is_available()

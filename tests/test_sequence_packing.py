@@ -278,6 +278,29 @@ def test_collating_a_planned_micro_batch_reuses_the_plans_prefix_keys_and_groups
     assert layout._known_keys([as_tensors(dict(s)) for s in samples]) is None  # other objects: computed anew
 
 
+def test_a_planned_micro_batch_is_scored_from_its_host_copies_without_hashing_its_pictures_again(monkeypatch):
+    from gymv.backends import logprobs
+    from gymv.backends.training.hf_torch import BatchLayout, logprob_fn
+
+    policy = fresh_policy("tiny-llava")
+    samples = _group(policy, 3, seed=23) + _samples(policy, [[solid("red")]], seed=6)
+    layout = BatchLayout(policy.adapter, policy.model, policy.tokenizer.pad_token_id or 0, True)
+    plan = layout.plan(samples, 1 << 20)
+    mb = layout.collate([samples[i] for i in plan[0]])
+    host = mb["host"]
+    assert host.input_ids is mb["input_ids"] and host.loss_mask is mb["loss_mask"]
+    assert sorted(host.image_hashes) == sorted({id(im) for row in mb["images"] for im in row})
+    want = logprob_fn(policy.adapter, 1.0)(policy.model, {k: v for k, v in mb.items() if k != "host"})
+    hashed = []
+    monkeypatch.setattr(logprobs, "image_hash", lambda im: hashed.append(im) or "unused")
+    got = logprob_fn(policy.adapter, 1.0)(policy.model, mb)
+    assert hashed == []
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert "host" in layout.collate([as_tensors(dict(s)) for s in samples[:2]])  # unplanned: still a host view
+    assert layout.collate([as_tensors(dict(s)) for s in samples[:2]])["host"].image_hashes is None
+
+
 def test_packed_attention_runs_a_float32_query_under_16_bit_autocast_in_the_autocast_dtype():
     from gymv.backends.packed_attention import _half_dtype
 

@@ -25,7 +25,7 @@ from torch.profiler import record_function
 
 from gymv.backends.chunked_scores import chunked_scores
 from gymv.backends.hf_forward import forward_logits
-from gymv.backends.host_copy import to_device
+from gymv.backends.host_copy import to_device, to_device_many
 from gymv.backends.multimodal import MultimodalAdapter, image_hash
 from gymv.backends.pixel_cache import pixel_cache
 from gymv.backends.packing import PackedRow, pack
@@ -41,6 +41,7 @@ class MultimodalBatch:
     images: list[list[Any]]
     where: list[str] | None = None
     extras: dict = field(default_factory=dict)
+    image_hashes: dict[int, str] | None = None  # content hashes by id(picture) where already computed
 
 
 def right_pad(sequences: Sequence[Sequence[int]], images: Sequence[Sequence[Any]], pad_id: int,
@@ -55,9 +56,11 @@ def right_pad(sequences: Sequence[Sequence[int]], images: Sequence[Sequence[Any]
     return MultimodalBatch(ids, mask, [list(x) for x in images], list(where) if where else None)
 
 
-def _image_features(model, adapter: MultimodalAdapter, images: list) -> tuple[list, Any]:
-    """Features of `images` in order, each distinct image (by pixel hash) encoded once."""
-    seen: dict[int, str] = {}
+def _image_features(model, adapter: MultimodalAdapter, images: list,
+                    hashes: dict[int, str] | None = None) -> tuple[list, Any]:
+    """Features of `images` in order, each distinct image (by pixel hash) encoded once. `hashes`: content
+    hashes by id(picture) already computed for these pictures (planning hashes a step's pictures)."""
+    seen: dict[int, str] = dict(hashes or {})
     for im in images:
         if id(im) not in seen:
             seen[id(im)] = image_hash(im)
@@ -66,8 +69,9 @@ def _image_features(model, adapter: MultimodalAdapter, images: list) -> tuple[li
     for i, k in enumerate(keys):
         first.setdefault(k, i)
     unique = [images[i] for i in first.values()]
+    pin = next(model.parameters()).device.type == "cuda"  # joined straight into pinned memory for the copy
     with record_function("gymv/preprocess_images"):
-        inputs = pixel_cache(adapter).inputs(adapter, unique, list(first))
+        inputs = pixel_cache(adapter).inputs(adapter, unique, list(first), pin=pin)
     feats = adapter.image_features(model, inputs)
     slot = {k: n for n, k in enumerate(first)}
     order = [slot[k] for k in keys]
@@ -113,23 +117,24 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
     if packed is not None:
         from gymv.backends import packed_attention
 
+        packed = packed.to(dev)  # every index tensor of the row in one copy
         if type(adapter).position_ids is MultimodalAdapter.position_ids:
-            feats = _image_features(model, adapter, packed.images)[0] if packed.images else []
-            positions = to_device(packed.positions, dev)[None]  # 1-D: each sequence counts from 0
+            feats = _image_features(model, adapter, packed.images, batch.image_hashes)[0] if packed.images else []
+            positions = packed.positions[None]  # 1-D: each sequence counts from 0
         else:  # the adapter's own positions (3-D rotary) of the padded rows, taken at each packed token
             flat = [im for row in batch.images for im in row]
-            feats, grid = _image_features(model, adapter, flat) if flat else ([], None)
+            feats, grid = _image_features(model, adapter, flat, batch.image_hashes) if flat else ([], None)
             first = [0]
             for row in batch.images:
                 first.append(first[-1] + len(row))
             feats = [feats[j] for b in packed.image_rows for j in range(first[b], first[b + 1])]
-            rows, cols = to_device(packed.source_rows, dev), to_device(packed.positions, dev)
+            rows, cols = packed.source_rows, packed.positions
             padded = adapter.position_ids(model, to_device(batch.input_ids, dev), to_device(batch.attention_mask, dev), grid)
             positions = padded[..., rows, cols].unsqueeze(-2)  # [..., 1, N]
         active = packed_attention.active(model)
         extra = {packed_attention.KEYWORD: packed.attention_args(dev)} if active else {}
         before = packed_attention.calls
-        logits = forward_logits(model, input_ids=to_device(packed.input_ids, dev)[None], attention_mask=None,
+        logits = forward_logits(model, input_ids=packed.input_ids[None], attention_mask=None,
                                 position_ids=positions, image_token_id=adapter.image_token_id,
                                 features=feats, logits_to_keep=keep, extra=extra, adapter=adapter)
         if active:
@@ -141,7 +146,7 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
     flat = [im for row in batch.images for im in row]
     feats, grid = [], None
     if flat:
-        feats, grid = _image_features(model, adapter, flat)
+        feats, grid = _image_features(model, adapter, flat, batch.image_hashes)
     positions = adapter.position_ids(model, ids, mask, grid)
     logits = forward_logits(model, input_ids=ids, attention_mask=mask, position_ids=positions,
                             image_token_id=adapter.image_token_id, features=feats, logits_to_keep=keep,
@@ -395,7 +400,7 @@ def token_scores(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temp
         order = keep.argsort()  # logits_to_keep in row order
         rows, t = rows[order], t[order]
         logits = _forward_logits(model, adapter, batch, keep=to_device(keep[order], dev), packed=row)[0]  # [N, V]
-        scored = logits, to_device(rows, dev), to_device(t, dev)
+        scored = logits, rows, t  # where the ids are: on the host, the targets are taken there too
     if scored is None:
         cols_dev = to_device(cols, dev)
         logits = _forward_logits(model, adapter, batch, keep=cols_dev)  # [B, K, V]
@@ -405,7 +410,11 @@ def token_scores(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temp
         scored = logits[rows, k], rows, t
     logits, rows, t = scored
     forbidden = forbidden_mask(logits.shape[-1], forbidden_ids, logits.device)
-    target = to_device(ids_cpu, dev)[rows, t + 1]
+    if rows.device == ids_cpu.device:
+        target = ids_cpu[rows, t + 1]
+    else:
+        target = to_device(ids_cpu, dev)[rows, t + 1]
+    rows, t, target = to_device_many([rows, t, target], dev)
     B, T = ids_cpu.shape
     if gather_ids is None:  # never the whole [N, V] in float32 at once
         lp, ent, _ = chunked_scores(logits, target, forbidden, temperature, return_entropy)

@@ -91,18 +91,24 @@ def preprocess_threaded(adapter: MultimodalAdapter, images: Sequence, threads: i
     return out if out is not None else adapter.preprocess(images)
 
 
-def join_inputs(singles: Sequence[ImageInputs]) -> ImageInputs | None:
+def join_inputs(singles: Sequence[ImageInputs], pin: bool = False) -> ImageInputs | None:
     """One-image inputs joined in order into what one `preprocess` call over their images returns; None
-    where they cannot be joined (per-batch padding gives images different shapes)."""
+    where they cannot be joined (per-batch padding gives images different shapes). `pin`: the pixels are
+    joined into pinned memory (a fresh pageable buffer costs page faults, then a second copy to pin it)."""
     import torch
 
     try:
-        pv = torch.cat([o.pixel_values for o in singles])
+        pixels = [o.pixel_values for o in singles]
+        out = None
+        if pin and torch.cuda.is_available():
+            out = torch.empty((sum(p.shape[0] for p in pixels), *pixels[0].shape[1:]), dtype=pixels[0].dtype,
+                              pin_memory=True)
+        pv = torch.cat(pixels, out=out)
         grid = torch.cat([o.image_grid_thw for o in singles]) if singles[0].image_grid_thw is not None else None
         sizes = (torch.cat([torch.as_tensor(o.image_sizes) for o in singles])
                  if singles[0].image_sizes is not None else None)
         extra = {k: torch.cat([o.extra[k] for o in singles]) for k in singles[0].extra}
-    except (RuntimeError, TypeError, KeyError):
+    except (RuntimeError, TypeError, KeyError, AttributeError):
         return None
     return ImageInputs(pv, grid, [t for o in singles for t in o.tokens_per_image], sizes, extra)
 

@@ -6,16 +6,17 @@ attends to the prompt's keys, so the varlen kernel gets them once per member: `i
 keys by `index`. index_select's backward adds every gathered gradient back to its row position with
 `index_add_`, which on CUDA is an atomic add per element; with a prompt's positions repeated once per member,
 in bf16, those atomics cost more than the rest of the attention's bookkeeping. The layout is known on the
-host when the row is packed, so `KeyGather.build` lists each position's copies there, once per row; the
-backward then takes every position's first copy by one gather and adds each further copy by a gather and an
-in-place add, copy after copy in the order they lie. No atomics, deterministic, and the sums are those of
-index_add_ over the copies in order (what index_select's backward computes on CPU).
+host when the row is packed, so `KeyGather.build` lists each position's copies there, once per row: the
+backward takes every position's first copy by one gather, and for the positions held more than once, all
+their copies by one gather per distinct number of copies (a GRPO row has one or two), summed over the copies
+by one reduction (in float32 for 16-bit gradients). No atomics, deterministic, a handful of kernels per layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -27,30 +28,37 @@ class KeyGather:
     index: torch.Tensor  # [Nk] long: the row position of each gathered key
     first: torch.Tensor  # [N] long: for each row position, where its first copy lies among the gathered keys
     repeated: torch.Tensor  # [D] long: the positions with more than one copy, most copies first
-    copies: list[torch.Tensor]  # copies[r]: where the (r + 2)-th copies of repeated[:len(copies[r])] lie
+    tables: list[torch.Tensor]  # per number of copies c (descending): [c, D_c] where the copies of the next
+    # D_c positions of `repeated` lie among the gathered keys
 
     @classmethod
     def build(cls, index: torch.Tensor, n: int) -> KeyGather:
-        """The plan for gathering rows `index` of an n-row tensor; every row must be gathered at least once."""
+        """The plan for gathering rows `index` of an n-row tensor; every row must be gathered at least once.
+        Built with numpy: it runs on the host before every packed forward pass."""
         index = index.detach().to("cpu", torch.long)
-        counts = torch.bincount(index, minlength=n)
-        if index.numel() and (int(index.min()) < 0 or counts.numel() != n) or bool((counts == 0).any()):
+        at = index.numpy()
+        if at.size and (int(at.min()) < 0 or int(at.max()) >= n):
             raise ValueError(f"a key index must gather each of the {n} row positions at least once")
-        order = torch.sort(index, stable=True).indices  # slots grouped by position, each group in slot order
-        starts = torch.cumsum(counts, 0) - counts
-        repeated = torch.sort(counts, descending=True, stable=True).indices[: int((counts > 1).sum())]
-        held = counts[repeated]  # descending: the positions with more than r copies are a prefix
-        copies = []
-        for r in range(1, int(held[0]) if held.numel() else 1):
-            rows = repeated[: int((held > r).sum())]
-            copies.append(order[starts[rows] + r])
-        return cls(index, order[starts], repeated, copies)
+        counts = np.bincount(at, minlength=n)
+        if counts.size != n or (counts == 0).any():
+            raise ValueError(f"a key index must gather each of the {n} row positions at least once")
+        order = np.argsort(at, kind="stable")  # slots grouped by position, each group in slot order
+        starts = np.cumsum(counts) - counts
+        many = np.flatnonzero(counts > 1)
+        repeated = many[np.argsort(-counts[many], kind="stable")]  # most copies first, then by position
+        held = counts[repeated]
+        tables, done = [], 0
+        for c in np.unique(held)[::-1]:
+            rows = repeated[done:done + int(np.count_nonzero(held == c))]
+            tables.append(torch.from_numpy(order[starts[rows][None, :] + np.arange(int(c))[:, None]]))
+            done += rows.size
+        return cls(index, torch.from_numpy(order[starts]), torch.from_numpy(repeated), tables)
 
     def to(self, device) -> KeyGather:
         from gymv.backends.host_copy import to_device
 
         move = lambda t: to_device(t, device)  # noqa: E731
-        return KeyGather(move(self.index), move(self.first), move(self.repeated), [move(c) for c in self.copies])
+        return KeyGather(move(self.index), move(self.first), move(self.repeated), [move(t) for t in self.tables])
 
 
 def gather(plan: KeyGather, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -61,11 +69,9 @@ def gather(plan: KeyGather, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def add_copies(plan: KeyGather, grad: torch.Tensor) -> torch.Tensor:
     """The gradient of the gathered rows, summed back onto the row positions they came from."""
     out = grad.index_select(0, plan.first)
-    if plan.copies:
-        acc = out.index_select(0, plan.repeated)
-        for slots in plan.copies:
-            acc[: slots.numel()].add_(grad.index_select(0, slots))
-        out.index_copy_(0, plan.repeated, acc)
+    if plan.tables:
+        sums = [grad.index_select(0, t.reshape(-1)).view(*t.shape, *grad.shape[1:]).sum(0) for t in plan.tables]
+        out.index_copy_(0, plan.repeated, sums[0] if len(sums) == 1 else torch.cat(sums))
     return out
 
 

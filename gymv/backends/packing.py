@@ -12,6 +12,7 @@ gymv.backends.packed_gather, whose plan for adding the prompt's gradients back i
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,24 @@ class PackedRow:
     image_rows: list[int]  # the batch rows whose images the row holds, in order (`images` is theirs)
     starts: list[int]  # per batch row: where its column `offsets[b]` lands in the row
     offsets: list[int]  # per batch row: its first column held in its own segment (its prefix length, or 0)
+    bounds: tuple[list[int], list[int]] | None = None  # cu_q and cu_k as host lists (no device read per layer)
+
+    def to(self, device) -> PackedRow:
+        """The row with its tensors on `device`, moved in one copy (host lists stay)."""
+        from gymv.backends.host_copy import to_device_many
+
+        keys = self.keys
+        tensors = [self.input_ids, self.positions, self.source_rows, self.cu_q, self.cu_k]
+        if keys is not None:
+            tensors += [keys.index, keys.first, keys.repeated, *keys.tables]
+        moved = to_device_many(tensors, device)
+        if keys is not None:
+            keys = KeyGather(*moved[5:8], moved[8:])
+        return dataclasses.replace(self, input_ids=moved[0], positions=moved[1], source_rows=moved[2],
+                                   cu_q=moved[3], cu_k=moved[4], keys=keys, bounds=self.host_bounds())
+
+    def host_bounds(self) -> tuple[list[int], list[int]]:
+        return self.bounds if self.bounds is not None else (self.cu_q.tolist(), self.cu_k.tolist())
 
     def index(self, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
         """Row positions of batch (row, column) pairs; each column must lie in the row's own segment."""
@@ -46,8 +65,7 @@ class PackedRow:
         from gymv.backends.host_copy import to_device
 
         return PackedAttentionArgs(to_device(self.cu_q, device), None if self.keys is None else self.keys.to(device),
-                                   to_device(self.cu_k, device), self.max_q, self.max_k,
-                                   (self.cu_q.tolist(), self.cu_k.tolist()))
+                                   to_device(self.cu_k, device), self.max_q, self.max_k, self.host_bounds())
 
 
 @dataclass
@@ -125,4 +143,4 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, images: Sequence
     cu_q = torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens)])).to(torch.int32)
     cu_k = torch.from_numpy(np.concatenate([[0], np.cumsum(k_lens)])).to(torch.int32)
     return PackedRow(ids, positions, source_rows, cu_q, keys, cu_k, int(q_lens.max()), int(k_lens.max()),
-                     flat_images, image_rows, starts, offsets)
+                     flat_images, image_rows, starts, offsets, (cu_q.tolist(), cu_k.tolist()))

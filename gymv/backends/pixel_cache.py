@@ -83,8 +83,10 @@ class PixelCache:
             _, (_, dropped) = self._entries.popitem(last=False)
             self._bytes -= dropped
 
-    def inputs(self, adapter: MultimodalAdapter, images: Sequence, keys: Sequence[str]) -> ImageInputs:
-        """What `adapter.preprocess(images)` returns; `keys[i]` is `image_hash(images[i])`."""
+    def inputs(self, adapter: MultimodalAdapter, images: Sequence, keys: Sequence[str],
+               pin: bool = False) -> ImageInputs:
+        """What `adapter.preprocess(images)` returns; `keys[i]` is `image_hash(images[i])`. `pin`: the joined
+        pixels in pinned memory, ready for a copy to a GPU that does not wait."""
         if not self.joinable or not images:
             return preprocess_threaded(adapter, images)
         found: dict[str, ImageInputs] = {}
@@ -105,7 +107,7 @@ class PixelCache:
         if todo:
             found.update(zip(todo, _each(adapter, list(todo.values()))))
         found.update((k, f.result()) for k, f in waiting.items())
-        joined = join_inputs([found[k] for k in keys])
+        joined = join_inputs([found[k] for k in keys], pin=pin)
         if joined is None:
             self.joinable = False
             return preprocess_threaded(adapter, images)

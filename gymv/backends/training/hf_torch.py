@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,18 @@ from torch import Tensor
 
 from gymv.backends.training.base import LossFn, Sample, TrainingBackend, TrainingSetup
 from gymv.backends.training.samples import NON_TENSOR_FIELDS, as_tensors
+
+@dataclass(frozen=True)
+class HostView:
+    """A micro-batch's ids and masks in host memory, kept beside the copies the trainer moves to the device:
+    packing, index building and placeholder checks read them here, so the host never waits on the device
+    before a forward pass. `image_hashes`: the pictures' content hashes by id, from planning."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    loss_mask: Tensor | None
+    image_hashes: dict[int, str] | None = None
+
 
 HF_FILE_PREFIXES = ("config.json", "generation_config.json", "tokenizer", "special_tokens_map", "vocab", "merges",
                     "added_tokens", "chat_template", "processor_config", "preprocessor_config", "video_preprocessor")
@@ -61,6 +74,7 @@ class BatchLayout:
         self.shares_in_row = self.packing is not False and packed_attention.install(model)
         self.packed = False
         self._planned: dict[int, tuple] = {}  # id(sample) -> (sample, prefix key) of the last plan
+        self._hashes: dict[int, str] = {}  # id(picture) -> content hash, of the last plan's pictures
 
     def _prefetch_pixels(self, samples) -> dict[int, str]:
         """Start preprocessing the step's pictures in the background (gymv.backends.pixel_cache); returns the
@@ -89,11 +103,16 @@ class BatchLayout:
         self._planned = {id(s): (s, k) for s, k in zip(samples, keys)}
         return keys
 
-    def _known_keys(self, samples) -> list | None:
+    def _planned_samples(self, samples) -> bool:
+        """These are samples of the last plan (the same objects), so what it computed for them still holds."""
         found = [self._planned.get(id(s)) for s in samples]
-        if all(f is not None and f[0] is s for f, s in zip(found, samples)):
-            return [f[1] for f in found]
-        return None
+        return all(f is not None and f[0] is s for f, s in zip(found, samples))
+
+    def _known_keys(self, samples) -> list | None:
+        if not self._planned_samples(samples):
+            return None
+        keys = [self._planned[id(s)][1] for s in samples]
+        return None if any(k is None for k in keys) else keys
 
     def plan(self, samples, max_tokens: int) -> list[list[int]]:
         from gymv.backends.logprobs import recomputes_activations
@@ -101,7 +120,8 @@ class BatchLayout:
                                                           plan_packed_shared_micro_batches,
                                                           plan_shared_prefix_micro_batches, shared_prefix_cost)
 
-        hashes = self._prefetch_pixels(samples)
+        hashes = self._hashes = self._prefetch_pixels(samples)
+        self._planned = {id(s): (s, None) for s in samples}  # `_keys` adds the prefix keys where computed
         lengths = [int(s["input_ids"].shape[0]) for s in samples]
         if self.packing is not False and self.shares_in_row:
             self.packed = True
@@ -128,10 +148,15 @@ class BatchLayout:
         mb = pad_collate(tensors, pad_values={"input_ids": self.pad_id})
         mb["images"] = [list(s.get("images") or ()) for s in samples]
         mb["where"] = [s.get("where") for s in samples]
+        planned = self._planned_samples(samples)
+        hashes = None
+        if planned:  # the planned samples' pictures: their ids still name the pictures that were hashed
+            hashes = {id(im): self._hashes[id(im)] for row in mb["images"] for im in row if id(im) in self._hashes}
+        mb["host"] = HostView(mb["input_ids"], mb["attention_mask"], mb.get("loss_mask"), hashes)
         if self.packed:
             mb["packed"] = True
             if self.shares_in_row and "loss_mask" in mb:
-                keys = self._known_keys(samples)
+                keys = self._known_keys(samples) if planned else None
                 mb["prefixes"] = group_prefixes(keys) if keys is not None else packed_prefixes(
                     mb["input_ids"], mb["loss_mask"], mb["images"], self.adapter.image_token_id)
         return mb
@@ -143,8 +168,15 @@ def logprob_fn(adapter, temperature: float):
     def fn(model, mb):
         """Scores the loss-masked tokens only (every loss reads logprobs there alone); other entries are 0.
         With a teacher's top-k candidates in the batch, also the student's logprobs of them."""
-        batch = MultimodalBatch(mb["input_ids"], mb["attention_mask"], mb["images"], mb["where"])
-        return token_scores(model, adapter, batch, temperature, entropy=True, score_mask=mb.get("loss_mask"),
+        host = mb.get("host")
+        if host is not None:
+            batch = MultimodalBatch(host.input_ids, host.attention_mask, mb["images"], mb["where"],
+                                    image_hashes=host.image_hashes)
+            score_mask = host.loss_mask
+        else:
+            batch = MultimodalBatch(mb["input_ids"], mb["attention_mask"], mb["images"], mb["where"])
+            score_mask = mb.get("loss_mask")
+        return token_scores(model, adapter, batch, temperature, entropy=True, score_mask=score_mask,
                             gather_ids=mb.get("teacher_topk_ids"), packed=bool(mb.get("packed")),
                             prefixes=mb.get("prefixes"))
 
