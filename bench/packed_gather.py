@@ -1,12 +1,15 @@
 """The key/value gather of a packed row with shared prompts, forward and backward: index_select's autograd
-(backward: index_add_, atomic adds on CUDA) against gymv.backends.packed_gather (backward: gathers and
-in-place adds, no atomics), and torch.segment_reduce over the copies sorted by position for comparison.
+(backward: index_add_, atomic adds on CUDA) against gymv.backends.packed_gather (backward: gathers and a
+reduction over each position's copies, no atomics), and torch.segment_reduce over the copies sorted by
+position for comparison.
 
 The row is a GRPO-like micro-batch as `pack` lays it out: 16 groups of 8 members, prompts of ~400 tokens,
 completions lognormal with median 300 clipped to 16..1536; keys [N, 8 kv heads, 128]; K and V gathered
 together, as packed attention does once per layer. Then the gathered keys and values widened to the 16
 query heads, as packed attention does for a varlen kernel without grouped-query attention (torch 2.11):
-repeat_interleave's autograd against gymv.backends.packed_attention.repeat_heads. Each variant's median over the timed repeats (device
+repeat_interleave's autograd against gymv.backends.packed_attention.repeat_heads. On CUDA, one layer's whole
+packed attention (gather, widening, varlen kernel) with the keys widened and copied, against the input layout
+the kernel's one-time check accepted. Each variant's median over the timed repeats (device
 events on CUDA), its largest difference from index_select's gradient, and whether two backwards agree bit
 for bit.
 
@@ -115,9 +118,35 @@ def measure(args) -> dict:
         return (time.perf_counter() - t) * 1e3
 
     rows = _time(variants, (k, v), grads, clock, args) + _time(head_variants, (kg, vg), wide, clock, args)
+    rows += _attention_rows(row, n, device, dtype, g, clock, args) if cuda else []
     return {"device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": str(dtype).split(".")[-1],
             "row_tokens": n, "gathered_keys": index.numel(), "repeated_positions": plan.repeated.numel(),
-            "copy_passes": len(plan.copies), "plan_build_ms": build_ms, "torch": torch.__version__, "rows": rows}
+            "copy_counts": [t.shape[0] for t in plan.tables], "plan_build_ms": build_ms, "torch": torch.__version__,
+            "rows": rows}
+
+
+def _attention_rows(row, n: int, device, dtype, g, clock, args) -> list[dict]:
+    """One layer's packed attention through the varlen kernel (gather, widening, kernel), forward and backward:
+    keys widened to the query heads and contiguous copies, against the input layout the one-time check
+    accepted (grouped-query keys with their own heads, strided views)."""
+    import torch
+
+    from gymv.backends import packed_attention
+
+    dev = torch.device(device)
+    if packed_attention._varlen_kernel() is None or not all(packed_attention._varlen_checks(dev, dtype)):
+        return []
+    gqa, views = packed_attention._varlen_inputs(dev, dtype)
+    attn = row.attention_args(device)
+    q, k, v = (torch.randn(1, h, n, args.head_dim, generator=g).to(device, dtype).requires_grad_(True)
+               for h in (args.q_heads, args.kv_heads, args.kv_heads))
+    out_grad = [torch.randn(1, n, args.q_heads, args.head_dim, generator=g).to(device, dtype)]
+    call = packed_attention._call_varlen
+    variants = {"attention: widened heads, copies": lambda: (call(q, k, v, attn, None),)}
+    if gqa or views:
+        variants[f"attention: own heads {gqa}, views {views}"] = lambda: (call(q, k, v, attn, None, gqa=gqa,
+                                                                               views=views),)
+    return _time(variants, (q, k, v), out_grad, clock, args)
 
 
 def _time(variants: dict, inputs: tuple, grads: list, clock, args) -> list[dict]:
@@ -167,10 +196,10 @@ def main() -> None:
     res = measure(args)
     print(f"{res['device']} {res['dtype']} torch {res['torch']}: row of {res['row_tokens']} tokens, "
           f"{res['gathered_keys']} gathered keys, {res['repeated_positions']} shared-prompt positions, "
-          f"{res['copy_passes']} copy passes, plan built in {res['plan_build_ms']:.1f} ms on the host")
-    print(f"{'variant':<26}{'forward ms':>12}{'backward ms':>13}{'max |grad diff|':>17}{'deterministic':>15}")
+          f"copies per position {res['copy_counts']}, plan built in {res['plan_build_ms']:.1f} ms on the host")
+    print(f"{'variant':<44}{'forward ms':>12}{'backward ms':>13}{'max |grad diff|':>17}{'deterministic':>15}")
     for r in res["rows"]:
-        print(f"{r['variant']:<26}{r['forward_ms']:>12.3f}{r['backward_ms']:>13.3f}{r['max_grad_diff']:>17.3g}"
+        print(f"{r['variant']:<44}{r['forward_ms']:>12.3f}{r['backward_ms']:>13.3f}{r['max_grad_diff']:>17.3g}"
               f"{str(r['deterministic']):>15}")
     if args.out:
         with open(args.out, "w") as f:

@@ -97,6 +97,7 @@ def test_varlen_attention_over_shared_prompts_never_waits_for_the_gpu():
     args = row.attention_args(device)
     n = row.input_ids.numel()
     q, k, v = (torch.randn(1, h, n, 64, device=device, dtype=dtype, requires_grad=True) for h in (4, 2, 2))
+    packed_attention.prepare(device)  # the one-time checks, as a packed forward pass runs them first
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -118,6 +118,7 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
         from gymv.backends import packed_attention
 
         packed = packed.to(dev)  # every index tensor of the row in one copy
+        packed_attention.prepare(dev)
         if type(adapter).position_ids is MultimodalAdapter.position_ids:
             feats = _image_features(model, adapter, packed.images, batch.image_hashes)[0] if packed.images else []
             positions = packed.positions[None]  # 1-D: each sequence counts from 0

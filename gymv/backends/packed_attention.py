@@ -259,6 +259,18 @@ def _call_varlen(query, key, value, args, scaling, *, gqa: bool = False, views: 
     return out.unsqueeze(0)  # [1, N, H, D]
 
 
+def prepare(device) -> None:
+    """Run the kernel's one-time checks for `device` now, before a packed forward pass: inside one, under
+    activation checkpointing, the checks' own saved tensors would differ between the forward and its
+    recomputation (and their reads would wait on the device mid-pass)."""
+    device = torch.device(device)
+    if device.type != "cuda" or _varlen_kernel() is None:
+        return
+    for dtype in (torch.bfloat16, torch.float16):
+        if _varlen_checks(device, dtype)[0]:
+            _varlen_inputs(device, dtype)
+
+
 def check_reached(before: int) -> None:
     """Refuse a packed forward whose attention layers never got the packing keyword (a model that does not
     pass keywords through to attention would otherwise attend across the packed sequences, silently)."""

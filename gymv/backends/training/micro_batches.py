@@ -175,17 +175,13 @@ def pad_collate(samples: Sequence[Mapping[str, Tensor]], pad_values: Mapping[str
         if values[0].dim() == 0:
             out[key] = torch.stack(values)
             continue
-        for v in values:
+        longest = max(v.shape[0] for v in values)
+        shape = (len(values), longest, *values[0].shape[1:])
+        batch = torch.full(shape, pads.get(key, 0), dtype=values[0].dtype, device=values[0].device)
+        for row, v in enumerate(values):
             if v.shape[1:] != values[0].shape[1:]:
                 raise RuntimeError(f"collate: field {key!r} has trailing shape {tuple(v.shape[1:])} in one sample and "
                                    f"{tuple(values[0].shape[1:])} in another")
-        if len({(v.dtype, v.device) for v in values}) == 1:  # one call, not a copy per row
-            out[key] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True, padding_value=pads.get(key, 0))
-            continue
-        longest = max(v.shape[0] for v in values)
-        batch = torch.full((len(values), longest, *values[0].shape[1:]), pads.get(key, 0), dtype=values[0].dtype,
-                           device=values[0].device)
-        for row, v in enumerate(values):
             batch[row, : v.shape[0]] = v
         out[key] = batch
     if "attention_mask" not in out and "input_ids" in out:
