@@ -53,8 +53,7 @@ def test_gathered_keys_and_their_gradients_equal_index_select_autograd(groups):
     sum((t * w).sum() for t, w in zip(got, weights)).backward()
     sum((t * w).sum() for t, w in zip(want, weights)).backward()
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    for ours, theirs in ((k.grad, k0.grad), (v.grad, v0.grad)):  # the copies summed by a reduction, not in turn
-        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    assert torch.equal(k.grad, k0.grad) and torch.equal(v.grad, v0.grad)  # on the CPU: copy after copy
 
 
 def test_a_row_whose_groups_share_no_prompt_has_no_keys_to_gather():

@@ -69,7 +69,15 @@ def gather(plan: KeyGather, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def add_copies(plan: KeyGather, grad: torch.Tensor) -> torch.Tensor:
     """The gradient of the gathered rows, summed back onto the row positions they came from."""
     out = grad.index_select(0, plan.first)
-    if plan.tables:
+    if plan.tables and not grad.is_cuda:  # on the CPU, copy after copy: the sums of index_add_, bit for bit
+        sums = []
+        for t in plan.tables:
+            acc = grad.index_select(0, t[0])
+            for slots in t[1:]:
+                acc.add_(grad.index_select(0, slots))
+            sums.append(acc)
+        out.index_copy_(0, plan.repeated, sums[0] if len(sums) == 1 else torch.cat(sums))
+    elif plan.tables:
         sums = [grad.index_select(0, t.reshape(-1)).view(*t.shape, *grad.shape[1:]).sum(0) for t in plan.tables]
         out.index_copy_(0, plan.repeated, sums[0] if len(sums) == 1 else torch.cat(sums))
     return out
