@@ -156,7 +156,8 @@ class BatchLayout:
         if self.packed:
             mb["packed"] = True
             if self.shares_in_row and "loss_mask" in mb:
-                keys = self._known_keys(samples) if planned else None
+                keys = [self._planned[id(s)][1] for s in samples] if planned else None
+                keys = None if keys is None or any(k is None for k in keys) else keys
                 mb["prefixes"] = group_prefixes(keys) if keys is not None else packed_prefixes(
                     mb["input_ids"], mb["loss_mask"], mb["images"], self.adapter.image_token_id)
         return mb
