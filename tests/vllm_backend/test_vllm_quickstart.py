@@ -2,12 +2,19 @@
 recipe through `gymv train` with vLLM generating (rollouts and held-out validation); held-out accuracy rises.
 Fewer GRPO steps and held-out rows than the quickstart (100 steps, 128 rows) so that it fits in CI.
 
+At this scale one validation swings by 10-30 points between neighbouring checkpoints, and where a run lands
+at a given step depends on the machine's float path (its CPU's kernels): an assertion on the last
+validation alone failed on one machine at 55.5% -> 61.7% while it passed on others at 55.5% -> 92.2%.
+So learning is judged on smoothed measures: the train reward of the last 20 steps against the first 20
+(1280 samples each), and the mean of the validations at steps 50, 75 and 100 against the start.
+
 Runs in the vLLM venv (`bash scripts/install.sh vllm`; `scripts/test.sh` runs it); skipped elsewhere.
 """
 
 from __future__ import annotations
 
 import json
+from statistics import mean
 
 import pytest
 
@@ -43,11 +50,16 @@ def test_the_quickstart_recipe_learns_with_vllm_generation(tmp_path):
                        {**data, "model.path": str(model), "sft.val_period": 0}))
     train(write_recipe(tmp_path, "grpo", "vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", {
         **data, "model.path": str(tmp_path / "runs" / "sft" / "final"), "generation.backend": "vllm",
-        "grpo.max_steps": 100, "grpo.val_period": 100, "grpo.val_prompts": 128, "grpo.val_at_start": True,
+        "grpo.max_steps": 100, "grpo.val_period": 25, "grpo.val_prompts": 128, "grpo.val_at_start": True,
         "checkpoint.period": 100}))
     metrics = [json.loads(x) for x in (tmp_path / "runs" / "grpo" / "metrics.jsonl").read_text().splitlines()]
     val = [m["val/accuracy"] for m in metrics if "val/accuracy" in m]
+    reward = [m["train/reward_mean"] for m in metrics if "train/reward_mean" in m]
     err = max(m["train/token_mult_prob_error"] for m in metrics if "train/token_mult_prob_error" in m)
-    print(f"held-out accuracy {val[0]:.3f} -> {val[-1]:.3f}; max token_mult_prob_error {err:.5f}")
-    assert len(val) == 2 and val[-1] > val[0] + 0.1, val
+    first, last, later_val = mean(reward[:20]), mean(reward[-20:]), mean(val[2:])
+    print(f"held-out accuracy {val[0]:.3f} -> {' '.join(f'{v:.3f}' for v in val[1:])} (steps 25-100); train "
+          f"reward {first:.3f} -> {last:.3f} (first and last 20 steps); max token_mult_prob_error {err:.5f}")
+    assert len(val) == 5 and len(reward) == 100, (val, len(reward))
+    assert last > first + 0.1, (first, last)
+    assert later_val > val[0] + 0.1, val
     assert err < 1.05  # every step on-policy: the engine's logprobs are the trainer's after each refit
