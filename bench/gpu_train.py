@@ -55,6 +55,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PEAK_FLOPS = 989e12  # H200 bf16 dense, per GPU
+RESULT_NAME = "gpu_train.json"
 # the base checkpoints (tokenizer, processor, chat template; tiny text model) every shape of a family builds on
 BASES = {
     "llava": dict(vision_hidden=256, vision_layers=4, vision_heads=4, image_size=224, patch_size=14),
@@ -253,7 +254,7 @@ def computed_tokens(backend, batch) -> int:
 
 def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, seed: int, smoke: bool,
             profile: bool = False, compile_layers: bool = False, micro_batch_tokens: int | None = None,
-            keep_gathered: bool = False, trace: str | None = None) -> dict:
+            keep_gathered: bool = False, trace: str | None = None, groups_override: int | None = None) -> dict:
     import torch
 
     from gymv.algorithms.loss_fns import PolicyLoss
@@ -263,7 +264,7 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
     from gymv.backends.training.hf_torch import HFTorchBackend
 
     shape_name, backend_name, packing, ckpt, groups = run
-    groups = 2 if smoke else groups
+    groups = 2 if smoke else (groups_override or groups)
     policy = build_policy(base, shape_name, device, seed, smoke)
     counts = param_counts(policy.model)
     if ckpt:
@@ -340,7 +341,11 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
            "micro_batches": metrics.get("train/num_micro_batches"), "packed": backend.trainer.plan_fn.__self__.packed,
            "loss": metrics.get("train/loss")}
     if device.startswith("cuda"):
+        stats = torch.cuda.memory_stats()
         out["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        out["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
+        out["alloc_retries"] = stats.get("num_alloc_retries", 0)  # cudaFree-and-retry: a device sync each
+        out["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if profiled is not None:
         out["profile"] = profiled
     from gymv.backends import packed_attention
@@ -426,7 +431,8 @@ def worker(rank: int, world: int, port: int, a) -> None:
             try:
                 row = one_run(run, base, rank, world, device, a.steps, a.seed, smoke, profile=profile_this,
                               compile_layers=compiled, micro_batch_tokens=tokens, keep_gathered=keep,
-                              trace=str(a.out / "trace.json") if a.trace and profile_this else None)
+                              trace=str(a.out / "trace.json") if a.trace and profile_this else None,
+                              groups_override=a.groups)
                 profiled = profiled or profile_this
             except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
                 row = {"run": run_name(run), "compile": compiled, "micro_batch_tokens": tokens,
@@ -440,7 +446,7 @@ def worker(rank: int, world: int, port: int, a) -> None:
             brief = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
                      if k not in ("step_s_all", "params", "trace", "profile")}
             print(json.dumps(brief), flush=True)
-            (a.out / "gpu_train.json").write_text(json.dumps(result, indent=2))
+            (a.out / RESULT_NAME).write_text(json.dumps(result, indent=2))
     if world > 1:
         from gymv.backends.training.process_group import leave_process_group
 
@@ -460,6 +466,8 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json-name", help="results file name under --out (default gpu_train.json)")
+    ap.add_argument("--groups", type=int, help="groups of G=8 samples per step and rank (default: the run's own)")
     ap.add_argument("--budget-s", type=float, default=170.0, help="start no new run after this many seconds")
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--no-parity", action="store_true", help="skip the packed-vs-padded logprob check")
@@ -475,6 +483,9 @@ def main() -> None:
                     help="training.compile for each run: off, on, or both (eager first)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.json_name:
+        global RESULT_NAME
+        RESULT_NAME = a.json_name
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if not a.cpu_smoke:
         import torch
