@@ -156,6 +156,25 @@ class _State:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # attention window -> the step that attends over it
         self.pool = None  # the graphs' memory pool: shared by this state's graphs only, freed with them
 
+    def take_rows(self, src: _State, rows: list[int], pad: int) -> None:
+        """Rows `rows` of `src` (a larger batch bucket of the same lengths) become rows 0.. of this state, in
+        that order; the rest are empty and finished."""
+        self.done.fill_(True)
+        self.valid.zero_()
+        self.tokens.fill_(pad)
+        n = len(rows)
+        if not n:
+            return
+        idx = torch.tensor(rows, device=self.done.device)
+        for i in range(len(src.k)):
+            self.k[i][:n, :, :src.S] = src.k[i][idx]
+            self.v[i][:n, :, :src.S] = src.v[i][idx]
+        self.valid[:n, :src.S] = src.valid[idx]
+        for name in ("logits", "pos", "col", "step", "cap", "seeds", "done"):
+            getattr(self, name)[:n] = getattr(src, name)[idx]
+        self.tokens[:n, :src.T] = src.tokens[idx, :src.T]
+        self.logprobs[:n, :src.T] = src.logprobs[idx, :src.T]
+
 
 class StaticDecodeBackend(HFGenerationBackend):
     """Same interface and outputs as `HFGenerationBackend`; decoding on a static cache, graph-replayed on CUDA.
@@ -475,273 +494,18 @@ class StaticDecodeBackend(HFGenerationBackend):
     def _serve(self, feed: RequestFeed, params: SamplingParams, on_output: OnOutput, *, max_len: int | None,
                slots: int | None) -> None:
         t0 = time.perf_counter()
-        dev = self.device
         self._times = {"encode_s": 0.0, "prefill_s": 0.0, "prefill_rows": 0}
-        self._pad = pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        T = params.max_new_tokens
+        self._pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         usable = max(1, min(self.max_batch, slots or self.max_batch))
         if max_len is not None:
             usable = self._rows_that_fit(usable, self._cache_len(max_len))
         first = feed.take(usable, block=True)
         if not first or feed.cancelled:
             return
-        Bb = _bucket(usable, self.BATCH_BUCKETS)
-        if max_len is None:
-            max_len = max(len(r.prompt_token_ids) for _, r in first) + T
-        S = self._cache_len(max_len)
-        greedy, nucleus = params.temperature == 0, params.top_p < 1.0
-        self._fuse()
-        vocab = self.tm.lm_head.weight.shape[0]
-        st, _ = self._state(Bb, S, -(-T // self.LENGTH_BUCKET) * self.LENGTH_BUCKET, vocab, greedy, nucleus)
-        if self._forbidden is None or self._forbidden.shape[0] != vocab:
-            self._forbidden = forbidden_mask(vocab, self.adapter.vision_token_ids, dev)
-        stop = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
-        stop_set = set(stop)
-
-        def setup(state: _State) -> None:
-            state.pad = pad
-            state.temperature.fill_(1.0 if greedy else float(params.temperature))
-            state.top_p.fill_(float(params.top_p))
-            if len(stop) > state.stop_ids.numel():
-                state.stop_ids = torch.full((len(stop),), -1, dtype=torch.long, device=dev)
-                state.graphs.clear()
-            state.stop_ids.fill_(-1)
-            if stop:
-                state.stop_ids[:len(stop)] = torch.tensor(stop, device=dev)
-
-        setup(st)
-        keys: dict[int, Any] = {}  # arrival index -> the caller's key
-        caps: list[int] = []  # arrival index -> token cap
-
-        def admit(batch: list) -> tuple[list[int], list[GenerationRequest], torch.Tensor]:
-            start = len(caps)
-            reqs = [r for _, r in batch]
-            for i, (key, r) in enumerate(batch):
-                caps.append(self._admit(key, r, st.S, T))
-                keys[start + i] = key
-            return list(range(start, len(caps))), reqs, self._seeds(reqs, start, params.seed)
-
-        ids0, reqs0, seeds0 = admit(first)
-        n0 = len(ids0)
-        # rows beyond the first requests (bucket padding, free slots) copy request 0 and start finished
-        rows0 = list(range(n0)) + [0] * (Bb - n0)
-        L = self._fill(st, list(range(Bb)), [reqs0[i] for i in rows0], seeds0[torch.tensor(rows0, device=dev)],
-                       [caps[i] for i in rows0])
-        if Bb > n0:
-            st.done[n0:] = True
-        t_prefill = time.perf_counter()
-
-        stop_strings = tuple(x for x in params.stop_strings if x)
-        windows_of = {s: len(s.encode("utf-8")) + 1 for s in stop_strings}
-        slot_req: list[int | None] = ids0 + [None] * (Bb - n0)
-        cap_of = [caps[0]] * Bb
-        for s_, r in enumerate(ids0):
-            cap_of[s_] = caps[r]
-        filled_at = [0] * Bb  # the step count when the slot took its request
-        start_col = [L] * Bb
-        checked = [0] * Bb  # tokens of the slot's request already searched for stop strings
-        cut: dict[int, int] = {}  # request -> length where a stop string ended it (found mid-loop)
-        use_graph = self.cuda_graphs and dev.type == "cuda"
-        C = self.ATTENTION_CHUNK
-        capture_s = refill_s = idle_s = handoff_s = 0.0
-        steps = refills = refill_calls = joined = repacks = new_tokens = row_steps = 0  # joined: while others decoded
-        last_join = 0
-        pinned = dev.type == "cuda"
-
-        def host_buffers(B: int, state: _State) -> tuple:
-            """Pinned host copies of the finished flags (and, for stop strings, tokens and counts)."""
-            return (torch.zeros(B, dtype=torch.bool, pin_memory=pinned),
-                    torch.zeros(B, state.T + 1, dtype=torch.long, pin_memory=pinned) if stop_strings else None,
-                    torch.zeros(B, dtype=torch.long, pin_memory=pinned) if stop_strings else None)
-
-        host_done, host_tokens, host_step = host_buffers(Bb, st)
-        pending: torch.cuda.Event | None = None
-        live: list[int] = []
-        parked: list[int] = []  # finished rows read out at the end (nothing more can come: no sync needed)
-        hi_base = hi_cap = 0
-
-        def refresh() -> None:
-            """Per-step bounds over the slots still serving a request: the newest column any may write, and
-            the step by which all have hit their token budget."""
-            nonlocal live, hi_base, hi_cap
-            live = [s_ for s_ in range(Bb) if slot_req[s_] is not None and s_ not in parked]
-            if live:
-                hi_base = max(start_col[s_] - filled_at[s_] for s_ in live)
-                hi_cap = max(start_col[s_] + cap_of[s_] for s_ in live)
-
-        def harvest(slot_ids: list[int]) -> None:
-            """Read the rows out and hand each output back (a sync with the device)."""
-            nonlocal handoff_s, new_tokens
-            th = time.perf_counter()
-            idx = torch.tensor(slot_ids, device=dev)
-            toks, lps, lens = st.tokens[idx].tolist(), st.logprobs[idx].tolist(), st.step[idx].tolist()
-            for j, s_ in enumerate(slot_ids):
-                r = slot_req[s_]
-                n = min(lens[j], cut.get(r, lens[j]))
-                out = self._finish(toks[j][:n], lps[j][:n], n, stop_set, params)
-                new_tokens += len(out.token_ids)
-                slot_req[s_] = None
-                on_output(keys.pop(r), out)
-            handoff_s += time.perf_counter() - th
-
-        def snapshot() -> None:
-            """Queue a copy of the finished flags (and tokens, for stop strings) for the next check to read."""
-            nonlocal pending
-            host_done.copy_(st.done, non_blocking=True)
-            if stop_strings:
-                host_tokens.copy_(st.tokens, non_blocking=True)
-                host_step.copy_(st.step, non_blocking=True)
-            pending = torch.cuda.Event()
-            pending.record()
-
-        def refill(batch: list) -> None:
-            nonlocal refills, refill_calls, refill_s, joined, last_join
-            tr = time.perf_counter()
-            free = [s_ for s_ in range(usable) if slot_req[s_] is None]
-            ids, reqs, seeds = admit(batch)
-            take = free[:len(ids)]
-            Lf = self._fill(st, take, reqs, seeds, [caps[r] for r in ids])
-            for s_, r in zip(take, ids):
-                slot_req[s_], filled_at[s_], start_col[s_], checked[s_], cap_of[s_] = r, steps, Lf, 0, caps[r]
-            refills += len(take)
-            refill_calls += 1
-            last_join = steps
-            if any(slot_req[s_] is not None for s_ in range(Bb) if s_ not in take):
-                joined += len(take)
-            if dev.type == "cuda":  # flags copied before the refill describe the slots' old requests
-                snapshot()
-            refill_s += time.perf_counter() - tr
-
-        def repack() -> None:
-            """Move the rows still serving a request into the smallest batch bucket that holds every request
-            that may still come (`feed.open_keys`), when that is smaller than the current one: a session's
-            tail, its few longest episodes, then decodes on fewer rows."""
-            nonlocal st, Bb, usable, slot_req, filled_at, start_col, checked, cap_of, repacks, refill_s
-            nonlocal host_done, host_tokens, host_step
-            open_keys = feed.open_keys
-            src = [s_ for s_ in range(Bb) if slot_req[s_] is not None]
-            if open_keys is None or parked or _bucket(max(1, open_keys, len(src)), self.BATCH_BUCKETS) >= Bb:
-                return
-            tr = time.perf_counter()
-            B2 = _bucket(max(1, open_keys, len(src)), self.BATCH_BUCKETS)
-            st2, _ = self._state(B2, st.S, st.T, vocab, greedy, nucleus)
-            setup(st2)
-            st2.done.fill_(True)
-            st2.valid.zero_()
-            st2.tokens.fill_(pad)
-            n = len(src)
-            if n:
-                idx = torch.tensor(src, device=dev)
-                for i in range(len(st.k)):
-                    st2.k[i][:n, :, :st.S] = st.k[i][idx]
-                    st2.v[i][:n, :, :st.S] = st.v[i][idx]
-                st2.valid[:n, :st.S] = st.valid[idx]
-                for name in ("logits", "pos", "col", "step", "cap", "seeds", "done"):
-                    getattr(st2, name)[:n] = getattr(st, name)[idx]
-                st2.tokens[:n, :st.T] = st.tokens[idx, :st.T]
-                st2.logprobs[:n, :st.T] = st.logprobs[idx, :st.T]
-            moved = src + [None] * (B2 - n)
-            slot_req = [None if s_ is None else slot_req[s_] for s_ in moved]
-            filled_at, start_col, checked, cap_of = ([0 if s_ is None else xs[s_] for s_ in moved]
-                                                     for xs in (filled_at, start_col, checked, cap_of))
-            st, Bb, usable = st2, B2, min(usable, B2)
-            host_done, host_tokens, host_step = host_buffers(B2, st2)
-            if dev.type == "cuda":
-                snapshot()
-            repacks += 1
-            refill_s += time.perf_counter() - tr
-
-        refresh()
-        while True:
-            if feed.cancelled:
-                break
-            if not live:
-                repack()
-                ti = time.perf_counter()
-                batch = feed.take(usable, block=True)  # nothing to decode: wait for the caller
-                idle_s += time.perf_counter() - ti
-                if not batch or feed.cancelled:
-                    break
-                refill(batch)
-                refresh()
-                continue
-            window = min(st.S, min(hi_base + steps, hi_cap) // C * C + C)
-            if all(steps - filled_at[s_] == cap_of[s_] - 1 for s_ in live) and feed.exhausted():
-                _, going = self._sample(st, greedy, nucleus)  # every row's last token: nothing left to feed
-                st.step += going.long()
-                harvest(live + parked)
-                parked = []
-                steps += 1
-                row_steps += Bb
-                break
-            if use_graph:
-                if window not in st.graphs:
-                    tc = time.perf_counter()
-                    self._capture_or_uncompile(st, greedy, nucleus, window)
-                    capture_s += time.perf_counter() - tc
-                st.graphs[window].replay()
-            else:
-                self._decode_step(st, greedy, nucleus, window)
-            steps += 1
-            row_steps += Bb
-            spent = all(steps - filled_at[s_] >= cap_of[s_] for s_ in live)  # every live row hit its budget
-            if steps % self.sync_every and not spent:
-                continue
-            # a check: which rows finished (on CUDA as of the previous check: the GPU keeps a group queued)
-            if dev.type == "cuda" and not spent:
-                seen = pending is not None
-                if seen:
-                    pending.synchronize()
-                    done_now = host_done.clone()
-                    toks_now = host_tokens.clone() if stop_strings else None
-                    step_now = host_step.clone() if stop_strings else None
-                snapshot()
-                if not seen:
-                    continue
-            else:
-                done_now = st.done.cpu()
-                toks_now = st.tokens.cpu() if stop_strings else None
-                step_now = st.step.cpu() if stop_strings else None
-            if stop_strings:
-                ended = []
-                for s_ in live:
-                    r = slot_req[s_]
-                    if bool(done_now[s_]) or r in cut:
-                        continue
-                    row, n = toks_now[s_].tolist(), int(step_now[s_])
-                    for j in range(checked[s_], n):
-                        if self._stop_string(row[:j + 1], stop_strings, windows_of) is not None:
-                            cut[r] = j + 1
-                            ended.append(s_)
-                            break
-                    checked[s_] = n
-                if ended:
-                    st.done.index_fill_(0, torch.tensor(ended, device=dev), True)
-                    done_now = done_now.clone()
-                    done_now[ended] = True
-            finished = [s_ for s_ in live if bool(done_now[s_]) or steps - filled_at[s_] >= cap_of[s_]]
-            if finished:
-                if feed.exhausted():
-                    parked += finished
-                else:
-                    harvest(finished)
-            due = self.join_every is None or steps - last_join >= self.join_every
-            if due and not feed.exhausted() and any(slot_req[s_] is None for s_ in range(usable)):
-                batch = feed.take(sum(slot_req[s_] is None for s_ in range(usable)), block=False)
-                if batch:
-                    refill(batch)
-            repack()
-            refresh()
-        if parked and not feed.cancelled:
-            harvest(parked)
-        t_end = time.perf_counter()
-        self.last_timing = {**self._times, "capture_s": capture_s,
-                            "decode_s": t_end - t_prefill - capture_s - refill_s - idle_s - handoff_s,
-                            "refill_s": refill_s, "idle_s": idle_s, "handoff_s": handoff_s, "total_s": t_end - t0,
-                            "new_tokens": new_tokens, "decode_steps": steps, "batch": len(caps),
-                            "batch_bucket": Bb, "slots": usable, "cache_len": st.S, "refills": refills,
-                            "refill_calls": refill_calls, "joined": joined, "repacks": repacks,
-                            "row_steps": row_steps}
+        session = _Session(self, feed, params, on_output, usable)
+        session.start(first, max_len)
+        session.run()
+        self.last_timing = session.timing(t0)
 
     def _capture_or_uncompile(self, st: _State, greedy: bool, nucleus: bool, window: int) -> None:
         """Capture; if that fails, capture again with the split attention kernel off (SDPA), then uncompiled."""
@@ -787,6 +551,313 @@ class StaticDecodeBackend(HFGenerationBackend):
         return GenerationOutput(token_ids=toks, logprobs=lps,
                                 text=self.tokenizer.decode(toks, skip_special_tokens=True),
                                 finish_reason=finish[0], stop_reason=finish[1])
+
+
+class _Session:
+    """One `serve` call: the slots, which request each serves and since when, and the decode loop over them.
+
+    A slot's bookkeeping lives in lists indexed by slot (`slot_req`, `filled_at`, `start_col`, `checked`,
+    `cap_of`); `live` are the slots still decoding a request, `parked` the finished ones read out at the end
+    (once nothing more can come, no sync is needed to free them)."""
+
+    def __init__(self, backend: StaticDecodeBackend, feed: RequestFeed, params: SamplingParams,
+                 on_output: OnOutput, usable: int):
+        self.backend, self.feed, self.params, self.on_output = backend, feed, params, on_output
+        self.dev, self.pad, self.usable = backend.device, backend._pad, usable
+        self.T = params.max_new_tokens
+        self.greedy, self.nucleus = params.temperature == 0, params.top_p < 1.0
+        self.stop = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(backend.eos_token_ids)))
+        self.stop_set = set(self.stop)
+        self.stop_strings = tuple(x for x in params.stop_strings if x)
+        self.windows_of = {s: len(s.encode("utf-8")) + 1 for s in self.stop_strings}
+        self.keys: dict[int, Any] = {}  # arrival index -> the caller's key
+        self.caps: list[int] = []  # arrival index -> token cap
+        self.cut: dict[int, int] = {}  # request -> length where a stop string ended it (found mid-loop)
+        self.use_graph = backend.cuda_graphs and self.dev.type == "cuda"
+        self.pinned = self.dev.type == "cuda"
+        self.capture_s = self.refill_s = self.idle_s = self.handoff_s = 0.0
+        self.steps = self.refills = self.refill_calls = self.joined = self.repacks = 0  # joined: while others decoded
+        self.new_tokens = self.row_steps = self.last_join = 0
+        self.pending: torch.cuda.Event | None = None
+        self.live: list[int] = []
+        self.parked: list[int] = []
+        self.hi_base = self.hi_cap = 0
+
+    def start(self, first: list, max_len: int | None) -> None:
+        """The batch bucket and cache for the first requests, prefilled together."""
+        b, dev, T = self.backend, self.dev, self.T
+        self.Bb = Bb = _bucket(self.usable, b.BATCH_BUCKETS)
+        if max_len is None:
+            max_len = max(len(r.prompt_token_ids) for _, r in first) + T
+        b._fuse()
+        self.vocab = vocab = b.tm.lm_head.weight.shape[0]
+        st, _ = b._state(Bb, b._cache_len(max_len), -(-T // b.LENGTH_BUCKET) * b.LENGTH_BUCKET, vocab,
+                         self.greedy, self.nucleus)
+        self.st = st
+        if b._forbidden is None or b._forbidden.shape[0] != vocab:
+            b._forbidden = forbidden_mask(vocab, b.adapter.vision_token_ids, dev)
+        self.setup(st)
+        ids0, reqs0, seeds0 = self.admit(first)
+        n0 = len(ids0)
+        # rows beyond the first requests (bucket padding, free slots) copy request 0 and start finished
+        rows0 = list(range(n0)) + [0] * (Bb - n0)
+        L = b._fill(st, list(range(Bb)), [reqs0[i] for i in rows0], seeds0[torch.tensor(rows0, device=dev)],
+                    [self.caps[i] for i in rows0])
+        if Bb > n0:
+            st.done[n0:] = True
+        self.t_prefill = time.perf_counter()
+        self.slot_req: list[int | None] = ids0 + [None] * (Bb - n0)
+        self.cap_of = [self.caps[0]] * Bb
+        for s_, r in enumerate(ids0):
+            self.cap_of[s_] = self.caps[r]
+        self.filled_at = [0] * Bb  # the step count when the slot took its request
+        self.start_col = [L] * Bb
+        self.checked = [0] * Bb  # tokens of the slot's request already searched for stop strings
+        self.host_done, self.host_tokens, self.host_step = self.host_buffers(Bb, st)
+
+    def setup(self, state: _State) -> None:
+        """The sampling settings and stop ids of this call, in `state`'s buffers."""
+        dev, stop = self.dev, self.stop
+        state.pad = self.pad
+        state.temperature.fill_(1.0 if self.greedy else float(self.params.temperature))
+        state.top_p.fill_(float(self.params.top_p))
+        if len(stop) > state.stop_ids.numel():
+            state.stop_ids = torch.full((len(stop),), -1, dtype=torch.long, device=dev)
+            state.graphs.clear()
+        state.stop_ids.fill_(-1)
+        if stop:
+            state.stop_ids[:len(stop)] = torch.tensor(stop, device=dev)
+
+    def admit(self, batch: list) -> tuple[list[int], list[GenerationRequest], torch.Tensor]:
+        """Arrival indices, requests and row seeds of `batch`, each request checked and given its token cap."""
+        start, caps = len(self.caps), self.caps
+        reqs = [r for _, r in batch]
+        for i, (key, r) in enumerate(batch):
+            caps.append(self.backend._admit(key, r, self.st.S, self.T))
+            self.keys[start + i] = key
+        return list(range(start, len(caps))), reqs, self.backend._seeds(reqs, start, self.params.seed)
+
+    def host_buffers(self, B: int, state: _State) -> tuple:
+        """Pinned host copies of the finished flags (and, for stop strings, tokens and counts)."""
+        pinned, strings = self.pinned, self.stop_strings
+        return (torch.zeros(B, dtype=torch.bool, pin_memory=pinned),
+                torch.zeros(B, state.T + 1, dtype=torch.long, pin_memory=pinned) if strings else None,
+                torch.zeros(B, dtype=torch.long, pin_memory=pinned) if strings else None)
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Decode until the feed is exhausted and every request has been handed back, or it is cancelled."""
+        feed = self.feed
+        self.refresh()
+        while not feed.cancelled:
+            if not self.live:
+                if not self.wait():
+                    break
+                continue
+            if self.last_step_due():
+                self.last_step()
+                break
+            self.step()
+            spent = all(self.steps - self.filled_at[s_] >= self.cap_of[s_] for s_ in self.live)
+            if self.steps % self.backend.sync_every and not spent:
+                continue
+            flags = self.read_flags(spent)
+            if flags is not None:
+                self.check(*flags)
+        if self.parked and not feed.cancelled:
+            self.harvest(self.parked)
+
+    def wait(self) -> bool:
+        """Nothing to decode: shrink, then block until the caller feeds requests; False when none will come."""
+        self.repack()
+        ti = time.perf_counter()
+        batch = self.feed.take(self.usable, block=True)
+        self.idle_s += time.perf_counter() - ti
+        if not batch or self.feed.cancelled:
+            return False
+        self.refill(batch)
+        self.refresh()
+        return True
+
+    def last_step_due(self) -> bool:
+        """Every live row draws its last token now and nothing more can come: no token is left to feed."""
+        steps = self.steps
+        return all(steps - self.filled_at[s_] == self.cap_of[s_] - 1 for s_ in self.live) and self.feed.exhausted()
+
+    def last_step(self) -> None:
+        _, going = self.backend._sample(self.st, self.greedy, self.nucleus)
+        self.st.step += going.long()
+        self.harvest(self.live + self.parked)
+        self.parked = []
+        self.steps += 1
+        self.row_steps += self.Bb
+
+    def step(self) -> None:
+        """One decode step, a graph replay where graphs are on (captured at a window's first step)."""
+        b, st = self.backend, self.st
+        C = b.ATTENTION_CHUNK
+        window = min(st.S, min(self.hi_base + self.steps, self.hi_cap) // C * C + C)
+        if self.use_graph:
+            if window not in st.graphs:
+                tc = time.perf_counter()
+                b._capture_or_uncompile(st, self.greedy, self.nucleus, window)
+                self.capture_s += time.perf_counter() - tc
+            st.graphs[window].replay()
+        else:
+            b._decode_step(st, self.greedy, self.nucleus, window)
+        self.steps += 1
+        self.row_steps += self.Bb
+
+    def read_flags(self, spent: bool) -> tuple | None:
+        """(finished flags, tokens, counts) for a check; on CUDA as of the previous check (the GPU keeps a
+        step group queued), None at the first check, which only queues the copy."""
+        st = self.st
+        if self.dev.type == "cuda" and not spent:
+            seen = self.pending is not None
+            flags = None
+            if seen:
+                self.pending.synchronize()
+                strings = self.stop_strings
+                flags = (self.host_done.clone(), self.host_tokens.clone() if strings else None,
+                         self.host_step.clone() if strings else None)
+            self.snapshot()
+            return flags
+        if self.stop_strings:
+            return st.done.cpu(), st.tokens.cpu(), st.step.cpu()
+        return st.done.cpu(), None, None
+
+    def check(self, done_now: torch.Tensor, toks_now: torch.Tensor | None, step_now: torch.Tensor | None) -> None:
+        """Cut rows at stop strings, hand back (or park) finished rows, refill free slots, shrink the batch."""
+        if self.stop_strings:
+            done_now = self.cut_stop_strings(done_now, toks_now, step_now)
+        steps, live, feed = self.steps, self.live, self.feed
+        finished = [s_ for s_ in live if bool(done_now[s_]) or steps - self.filled_at[s_] >= self.cap_of[s_]]
+        if finished:
+            if feed.exhausted():
+                self.parked += finished
+            else:
+                self.harvest(finished)
+        join_every = self.backend.join_every
+        due = join_every is None or steps - self.last_join >= join_every
+        free = sum(self.slot_req[s_] is None for s_ in range(self.usable))
+        if due and not feed.exhausted() and free:
+            batch = feed.take(free, block=False)
+            if batch:
+                self.refill(batch)
+        self.repack()
+        self.refresh()
+
+    def cut_stop_strings(self, done_now: torch.Tensor, toks_now: torch.Tensor, step_now: torch.Tensor
+                         ) -> torch.Tensor:
+        """Search the tokens each live row made since the last check for a stop string; a row that ends on one
+        is marked finished (on the device too) and its cut recorded. The finished flags, updated."""
+        ended = []
+        for s_ in self.live:
+            r = self.slot_req[s_]
+            if bool(done_now[s_]) or r in self.cut:
+                continue
+            row, n = toks_now[s_].tolist(), int(step_now[s_])
+            for j in range(self.checked[s_], n):
+                if self.backend._stop_string(row[:j + 1], self.stop_strings, self.windows_of) is not None:
+                    self.cut[r] = j + 1
+                    ended.append(s_)
+                    break
+            self.checked[s_] = n
+        if ended:
+            self.st.done.index_fill_(0, torch.tensor(ended, device=self.dev), True)
+            done_now = done_now.clone()
+            done_now[ended] = True
+        return done_now
+
+    # -- slots ---------------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Per-step bounds over the slots still serving a request: the newest column any may write, and
+        the step by which all have hit their token budget."""
+        self.live = live = [s_ for s_ in range(self.Bb) if self.slot_req[s_] is not None and s_ not in self.parked]
+        if live:
+            self.hi_base = max(self.start_col[s_] - self.filled_at[s_] for s_ in live)
+            self.hi_cap = max(self.start_col[s_] + self.cap_of[s_] for s_ in live)
+
+    def harvest(self, slot_ids: list[int]) -> None:
+        """Read the rows out and hand each output back (a sync with the device)."""
+        th = time.perf_counter()
+        st = self.st
+        idx = torch.tensor(slot_ids, device=self.dev)
+        toks, lps, lens = st.tokens[idx].tolist(), st.logprobs[idx].tolist(), st.step[idx].tolist()
+        for j, s_ in enumerate(slot_ids):
+            r = self.slot_req[s_]
+            n = min(lens[j], self.cut.get(r, lens[j]))
+            out = self.backend._finish(toks[j][:n], lps[j][:n], n, self.stop_set, self.params)
+            self.new_tokens += len(out.token_ids)
+            self.slot_req[s_] = None
+            self.on_output(self.keys.pop(r), out)
+        self.handoff_s += time.perf_counter() - th
+
+    def snapshot(self) -> None:
+        """Queue a copy of the finished flags (and tokens, for stop strings) for the next check to read."""
+        st = self.st
+        self.host_done.copy_(st.done, non_blocking=True)
+        if self.stop_strings:
+            self.host_tokens.copy_(st.tokens, non_blocking=True)
+            self.host_step.copy_(st.step, non_blocking=True)
+        self.pending = torch.cuda.Event()
+        self.pending.record()
+
+    def refill(self, batch: list) -> None:
+        """Prefill `batch` into free slots; each starts its own count there."""
+        tr, steps = time.perf_counter(), self.steps
+        free = [s_ for s_ in range(self.usable) if self.slot_req[s_] is None]
+        ids, reqs, seeds = self.admit(batch)
+        take = free[:len(ids)]
+        Lf = self.backend._fill(self.st, take, reqs, seeds, [self.caps[r] for r in ids])
+        for s_, r in zip(take, ids):
+            self.slot_req[s_], self.filled_at[s_], self.start_col[s_] = r, steps, Lf
+            self.checked[s_], self.cap_of[s_] = 0, self.caps[r]
+        self.refills += len(take)
+        self.refill_calls += 1
+        self.last_join = steps
+        if any(self.slot_req[s_] is not None for s_ in range(self.Bb) if s_ not in take):
+            self.joined += len(take)
+        if self.dev.type == "cuda":  # flags copied before the refill describe the slots' old requests
+            self.snapshot()
+        self.refill_s += time.perf_counter() - tr
+
+    def repack(self) -> None:
+        """Move the rows still serving a request into the smallest batch bucket that holds every request
+        that may still come (`feed.open_keys`), when that is smaller than the current one: a session's
+        tail, its few longest episodes, then decodes on fewer rows."""
+        open_keys, st = self.feed.open_keys, self.st
+        src = [s_ for s_ in range(self.Bb) if self.slot_req[s_] is not None]
+        b = self.backend
+        if open_keys is None or self.parked or _bucket(max(1, open_keys, len(src)), b.BATCH_BUCKETS) >= self.Bb:
+            return
+        tr = time.perf_counter()
+        B2 = _bucket(max(1, open_keys, len(src)), b.BATCH_BUCKETS)
+        st2, _ = b._state(B2, st.S, st.T, self.vocab, self.greedy, self.nucleus)
+        self.setup(st2)
+        st2.take_rows(st, src, self.pad)
+        moved = src + [None] * (B2 - len(src))
+        self.slot_req = [None if s_ is None else self.slot_req[s_] for s_ in moved]
+        self.filled_at, self.start_col, self.checked, self.cap_of = (
+            [0 if s_ is None else xs[s_] for s_ in moved]
+            for xs in (self.filled_at, self.start_col, self.checked, self.cap_of))
+        self.st, self.Bb, self.usable = st2, B2, min(self.usable, B2)
+        self.host_done, self.host_tokens, self.host_step = self.host_buffers(B2, st2)
+        if self.dev.type == "cuda":
+            self.snapshot()
+        self.repacks += 1
+        self.refill_s += time.perf_counter() - tr
+
+    def timing(self, t0: float) -> dict[str, Any]:
+        """Where the call's time went (`last_timing`)."""
+        t_end = time.perf_counter()
+        busy = self.capture_s + self.refill_s + self.idle_s + self.handoff_s
+        return {**self.backend._times, "capture_s": self.capture_s, "decode_s": t_end - self.t_prefill - busy,
+                "refill_s": self.refill_s, "idle_s": self.idle_s, "handoff_s": self.handoff_s, "total_s": t_end - t0,
+                "new_tokens": self.new_tokens, "decode_steps": self.steps, "batch": len(self.caps),
+                "batch_bucket": self.Bb, "slots": self.usable, "cache_len": self.st.S, "refills": self.refills,
+                "refill_calls": self.refill_calls, "joined": self.joined, "repacks": self.repacks,
+                "row_steps": self.row_steps}
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
