@@ -29,7 +29,8 @@ Before the runs, `parity`: packed against padded logprobs of the same weights (b
 --compile off|on|both runs each run eager, with training.compile (each decoder layer compiled), or both;
 `first_step_s` is the warm-up step (with compile: the compilation). --runs picks runs by name
 (`<shape>-<backend>-packed|padded[-ckpt]`), `@TOKENS` sets micro_batch_tokens, `:eager` or `:compile` one
-variant, `:keep` training.fsdp.reshard_after_forward false. computed_tokens_rank0: the tokens rank 0's forward passes run
+variant, `:keep` training.fsdp.reshard_after_forward false, `:adam16` AdamW moments in bfloat16
+(training.optimizer_state_dtype), `:nodefer` gradients reduced after every micro-batch on one rank. computed_tokens_rank0: the tokens rank 0's forward passes run
 (packed rows' lengths, or padded rows x longest), to check that each group's prompt runs once.
 
 Usage: python bench/gpu_train.py --out DIR [--shapes 0.8b,3b,7b] [--runs SPEC] [--compile off|on|both]
@@ -214,22 +215,28 @@ def profile_summary(averages, key: str, limit: int = 25, kernels_only: bool = Fa
             "top": rows[:limit]}
 
 
+# :adam16 training.optimizer_state_dtype bfloat16; :nodefer training.fsdp.defer_gradient_reduction false
+EXTRA_OPTIONS = ("adam16", "nodefer")
+
+
 def select_runs(spec: str, shapes: list[str], variants: list[bool]) -> list[tuple]:
     """(run, compile, micro_batch_tokens or None, keep_gathered) to measure, in order. `spec`: comma-separated
     `NAME[@TOKENS][:eager|:compile][:keep]` (TOKENS: micro_batch_tokens instead of the default; without
     eager/compile, each of `variants`; keep: training.fsdp.reshard_after_forward false, the gathered weights
     kept from forward to backward); empty: every run of `shapes`, each variant."""
     if not spec:
-        return [(run, c, None, False) for run in RUNS if run[0] in shapes for c in variants]
+        return [(run, c, None, False, frozenset()) for run in RUNS if run[0] in shapes for c in variants]
     by_name = {run_name(run): run for run in RUNS}
     out = []
     for item in spec.split(","):
         head, *options = item.split(":")
         name, _, tokens = head.partition("@")
-        if name not in by_name or not set(options) <= {"eager", "compile", "keep"}:
-            sys.exit(f"--runs: unknown run {item!r} (known: {', '.join(by_name)}; options :eager, :compile, :keep)")
+        if name not in by_name or not set(options) <= {"eager", "compile", "keep", *EXTRA_OPTIONS}:
+            sys.exit(f"--runs: unknown run {item!r} (known: {', '.join(by_name)}; options :eager, :compile, :keep, "
+                     f"{', '.join(':' + o for o in EXTRA_OPTIONS)})")
         modes = [o == "compile" for o in options if o in ("eager", "compile")] or variants
-        out += [(by_name[name], c, int(tokens) if tokens else None, "keep" in options) for c in modes]
+        extra = frozenset(o for o in options if o in EXTRA_OPTIONS)
+        out += [(by_name[name], c, int(tokens) if tokens else None, "keep" in options, extra) for c in modes]
     return out
 
 
@@ -254,7 +261,8 @@ def computed_tokens(backend, batch) -> int:
 
 def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, seed: int, smoke: bool,
             profile: bool = False, compile_layers: bool = False, micro_batch_tokens: int | None = None,
-            keep_gathered: bool = False, trace: str | None = None, groups_override: int | None = None) -> dict:
+            keep_gathered: bool = False, trace: str | None = None, groups_override: int | None = None,
+            options: frozenset = frozenset()) -> dict:
     import torch
 
     from gymv.algorithms.loss_fns import PolicyLoss
@@ -271,9 +279,11 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
         policy.model.gradient_checkpointing_enable()
     setup = TrainingSetup(model_path=str(policy.path), device=device, seed=seed, gradient_checkpointing=ckpt,
                           optimizer={"lr": 1e-6, "precision": "fp32" if smoke else "bf16",
-                                     "micro_batch_tokens": micro_batch_tokens or (2048 if smoke else 16384)},
+                                     "micro_batch_tokens": micro_batch_tokens or (2048 if smoke else 16384),
+                                     "optimizer_state_dtype": "bfloat16" if "adam16" in options else "float32"},
                           sequence_packing=packing, compile=compile_layers,
-                          sharding={"reshard_after_forward": not keep_gathered})
+                          sharding={"reshard_after_forward": not keep_gathered,
+                                    **({"defer_gradient_reduction": False} if "nodefer" in options else {})})
     cls = HFFSDPBackend if backend_name == "fsdp2" else HFTorchBackend
     backend = cls(policy, setup, device=device, rank=rank, world_size=world)
     all_samples = rollouts(policy, groups * world, seed, smoke)
@@ -330,7 +340,8 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
     t = statistics.median(times)
     flops = 6 * counts["decoder"] * unique + 6 * counts["head"] * generated
     flops_all = 6 * counts["decoder"] * total + 6 * counts["head"] * generated
-    out = {"run": run_name(run), "compile": compile_layers, "first_step_s": first_step_s,
+    out = {"run": run_name(run), "compile": compile_layers, "first_step_s": first_step_s, "options": sorted(options),
+           "groups": groups, "optimizer_state_dtype": setup.optimizer["optimizer_state_dtype"],
            "micro_batch_tokens": setup.optimizer["micro_batch_tokens"], "reshard_after_forward": not keep_gathered,
            "shape": shape_name, "backend": backend_name, "sequence_packing": packing, "activation_checkpointing": ckpt,
            "ranks": world, "samples": len(all_samples), "tokens": total, "unique_tokens": unique,
@@ -421,7 +432,7 @@ def worker(rank: int, world: int, port: int, a) -> None:
         print("parity", json.dumps(result["parity"]), flush=True)
     profiled = False
     selected = select_runs(a.runs, shapes, {"off": [False], "on": [True], "both": [False, True]}[a.compile])
-    for run, compiled, tokens, keep in selected:
+    for run, compiled, tokens, keep, extra in selected:
         # --profile: the first run's first variant; --profile compile: its compiled variant
         profile_this = a.profile is not None and not profiled and (a.profile != "compile" or compiled)
         if time.time() - start > a.budget_s:
@@ -432,7 +443,7 @@ def worker(rank: int, world: int, port: int, a) -> None:
                 row = one_run(run, base, rank, world, device, a.steps, a.seed, smoke, profile=profile_this,
                               compile_layers=compiled, micro_batch_tokens=tokens, keep_gathered=keep,
                               trace=str(a.out / "trace.json") if a.trace and profile_this else None,
-                              groups_override=a.groups)
+                              groups_override=a.groups, options=extra)
                 profiled = profiled or profile_this
             except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
                 row = {"run": run_name(run), "compile": compiled, "micro_batch_tokens": tokens,

@@ -140,6 +140,9 @@ class FsdpSection(Section):
 
     cpu_offload: bool = False  # sharded weights, gradients and optimizer state in host memory (CUDA only)
     reshard_after_forward: bool = True  # free each layer's gathered weights after its forward
+    # one rank: reduce gradients once per step (accumulated unsharded in float32) instead of after every
+    # micro-batch; auto: where those gradients take at most a tenth of the GPU's memory (docs/training.md)
+    defer_gradient_reduction: bool | Literal["auto"] = "auto"
 
 
 class TrainingSection(Section):
@@ -149,6 +152,8 @@ class TrainingSection(Section):
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after the warm-up
     min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0  # where linear/cosine end, as a fraction of lr
     weight_decay: NonNegFloat = 0.0
+    # AdamW's moments: float32, or bfloat16 with stochastic rounding (half their memory; docs/training.md)
+    optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"
     betas: Annotated[list[float], Field(min_length=2, max_length=2)] = [0.9, 0.999]
     eps: PosFloat = 1e-8
     max_grad_norm: PosFloat | None = 1.0

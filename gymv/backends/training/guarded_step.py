@@ -13,7 +13,9 @@ from torch import Tensor
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
-    """True when every group runs the fused kernel: the only AdamW kernel that honours `found_inf`."""
+    """True when the optimizer honours `found_inf`: AdamW's fused kernel (every group), or gymv's own."""
+    if getattr(optimizer, "honours_found_inf", False):
+        return True
     return bool(optimizer.param_groups) and all(g.get("fused") for g in optimizer.param_groups)
 
 

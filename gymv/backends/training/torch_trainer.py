@@ -48,6 +48,7 @@ class TrainerConfig:
     max_grad_norm: float | None = 1.0
     micro_batch_tokens: int = 4096
     precision: Literal["auto", "fp32", "bf16"] = "auto"
+    optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"  # AdamW's moments (adamw_bf16.py)
 
 
 def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
@@ -94,13 +95,18 @@ class TorchTrainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise GymvError("the model has no trainable parameters", where="trainer", fix="unfreeze at least one parameter")
+        self.optimizer = self._make_optimizer(config)
+        self.steps = 0
+
+    def _make_optimizer(self, config: TrainerConfig) -> torch.optim.Optimizer:
+        common = dict(lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay)
+        if config.optimizer_state_dtype == "bfloat16":
+            from gymv.backends.training.adamw_bf16 import AdamWBf16State
+
+            return AdamWBf16State(self._param_groups(), **common)
         fused = self.fused if self.fused is not None else self.device.type == "cuda"
         kernel = {"fused": True} if fused else {"foreach": self.foreach}
-        self.optimizer = torch.optim.AdamW(
-            self._param_groups(), lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay,
-            **kernel,
-        )
-        self.steps = 0
+        return torch.optim.AdamW(self._param_groups(), **common, **kernel)
 
     # -- what a sharded subclass replaces --------------------------------------------------------------
     lockstep = False  # True: every rank runs the same number of forward/backward passes (collectives inside)
