@@ -10,6 +10,7 @@ from gymv.algorithms.advantages import group_ids_for, grpo_advantages, mopd_adva
 from gymv.errors import GymvError
 
 SQRT2 = math.sqrt(2.0)
+SQRT3 = math.sqrt(3.0)
 
 
 def adv(rewards, groups=None, valid=None, **kw):
@@ -24,14 +25,28 @@ def test_leave_one_out_baseline_is_the_mean_of_the_other_rewards():
     assert adv([1, 0, 0, 1], normalize_std=False) == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3], abs=1e-6)
 
 
-def test_leave_one_out_divides_by_the_std_of_the_other_rewards():
-    # others of sample 0 are (0,0,1): std = sqrt(1/3 - 1/9) = sqrt(2)/3, so A = (2/3) / (sqrt(2)/3) = sqrt(2)
-    assert adv([1, 0, 0, 1]) == pytest.approx([SQRT2, -SQRT2, -SQRT2, SQRT2], rel=1e-5)
+def test_leave_one_out_divides_by_the_unbiased_std_of_the_other_rewards_by_default():
+    # others of sample 0 are (0,0,1): b = 1/3, squared deviations sum to 2/3; over k - 1 = 2: std = sqrt(1/3),
+    # so A = (2/3) / sqrt(1/3) = 2/sqrt(3) (NeMo RL's 1.155)
+    assert adv([1, 0, 0, 1]) == pytest.approx([2 / SQRT3, -2 / SQRT3, -2 / SQRT3, 2 / SQRT3], rel=1e-5)
+
+
+def test_the_population_std_divides_by_the_number_of_other_rewards():
+    # the same deviations over k = 3: std = sqrt(2)/3, so A = (2/3) / (sqrt(2)/3) = sqrt(2)
+    assert adv([1, 0, 0, 1], std="population") == pytest.approx([SQRT2, -SQRT2, -SQRT2, SQRT2], rel=1e-5)
 
 
 def test_zero_leave_one_out_std_leaves_the_advantage_undivided():
-    # sample 0: others (0,0) have std 0 -> A = 1 - 0 = 1; sample 1: others (1,0): b = .5, std = .5 -> A = -1
-    assert adv([1, 0, 0]) == pytest.approx([1.0, -1.0, -1.0], rel=1e-5)
+    # sample 0: others (0,0) have std 0 -> A = 1 - 0 = 1; sample 1: others (1,0): b = .5, deviations sum to .5;
+    # unbiased std sqrt(.5) -> A = -.5/sqrt(.5) = -sqrt(.5); population std .5 -> A = -1
+    h = math.sqrt(0.5)
+    assert adv([1, 0, 0]) == pytest.approx([1.0, -h, -h], rel=1e-5)
+    assert adv([1, 0, 0], std="population") == pytest.approx([1.0, -1.0, -1.0], rel=1e-5)
+
+
+def test_one_other_reward_has_no_unbiased_std_so_the_advantage_is_undivided():
+    # G = 2, leave-one-out: k = 1, the unbiased std is undefined and taken as 0
+    assert adv([1, 0]) == pytest.approx([1.0, -1.0])
 
 
 def test_equal_rewards_that_binary_cannot_hold_exactly_count_as_no_spread():
@@ -43,8 +58,10 @@ def test_equal_rewards_that_binary_cannot_hold_exactly_count_as_no_spread():
 
 
 def test_group_mean_baseline_includes_the_sample_itself():
-    # mean .5, std .5 -> A = +-0.5 / (0.5 + 1e-6)
-    assert adv([1, 0, 0, 1], baseline="mean") == pytest.approx([1, -1, -1, 1], rel=1e-5)
+    # mean .5, deviations sum to 1 over k = 4: unbiased std sqrt(1/3) -> A = +-0.5 * sqrt(3); population .5 -> +-1
+    h = 0.5 * SQRT3
+    assert adv([1, 0, 0, 1], baseline="mean") == pytest.approx([h, -h, -h, h], rel=1e-5)
+    assert adv([1, 0, 0, 1], baseline="mean", std="population") == pytest.approx([1, -1, -1, 1], rel=1e-5)
 
 
 def test_equal_rewards_give_zero_advantage():
@@ -58,8 +75,9 @@ def test_single_generation_per_prompt_gives_zero_advantage():
 
 def test_excluded_samples_get_zero_and_stay_out_of_the_baseline():
     # the invalid reward 5 (or NaN) must not enter the others' baselines: result equals rewards (1,0,0)
-    assert adv([1, 0, 5, 0], valid=[True, True, False, True]) == pytest.approx([1, -1, 0, -1], rel=1e-5)
-    assert adv([1, 0, float("nan"), 0], valid=[True, True, False, True]) == pytest.approx([1, -1, 0, -1], rel=1e-5)
+    want = adv([1, 0, 0])
+    assert adv([1, 0, 5, 0], valid=[True, True, False, True]) == pytest.approx([want[0], want[1], 0, want[2]])
+    assert adv([1, 0, float("nan"), 0], valid=[True, True, False, True]) == pytest.approx([want[0], want[1], 0, want[2]])
 
 
 def test_a_group_with_one_valid_sample_gives_zero():

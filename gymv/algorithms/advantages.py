@@ -15,6 +15,7 @@ from torch import Tensor
 from gymv.errors import GymvError
 
 Baseline = Literal["leave_one_out", "mean"]
+StdKind = Literal["unbiased", "population"]
 SPREAD_TOLERANCE = 1e-6  # a reward std below this (relative to the baseline, at least 1) is rounding, not spread
 
 
@@ -29,11 +30,13 @@ def group_baseline_and_std(
     valid: Tensor | None = None,
     *,
     baseline: Baseline = "leave_one_out",
+    std: StdKind = "unbiased",
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-sample (baseline, std, has_baseline).
+    """Per-sample (baseline, std, has_baseline) over the sample's reference set of k rewards.
 
-    leave_one_out: baseline and population std over the *other* valid samples of the group.
-    mean: baseline and population std over all valid samples of the group, the sample itself included.
+    leave_one_out: the reference set is the *other* valid samples of the group; mean: all valid samples of
+    the group, the sample itself included. The std divides the squared deviations by k - 1 (`unbiased`,
+    Bessel's correction, NeMo RL's choice; 0 where k = 1) or by k (`population`).
     `has_baseline` is False where the reference set is empty (G=1, or the only valid sample of its group)
     and for invalid samples; there baseline = reward and std = 0, so the advantage is 0.
     """
@@ -42,6 +45,8 @@ def group_baseline_and_std(
                          f"{tuple(group_ids.shape)}")
     if baseline not in ("leave_one_out", "mean"):
         raise ValueError(f"unknown baseline {baseline!r}: use 'leave_one_out' or 'mean'")
+    if std not in ("unbiased", "population"):
+        raise ValueError(f"unknown std {std!r}: use 'unbiased' or 'population'")
     r = rewards.detach().to(torch.float64)
     v = torch.ones_like(r, dtype=torch.bool) if valid is None else valid.to(torch.bool)
     if not bool(torch.isfinite(r[v]).all()):
@@ -60,13 +65,15 @@ def group_baseline_and_std(
     n_safe = n.clamp(min=1)
     base = s / n_safe
     var = (ss / n_safe - base * base).clamp(min=0)
+    if std == "unbiased":
+        var = torch.where(n > 1, var * n / (n - 1).clamp(min=1), torch.zeros_like(var))
     base = torch.where(has, base, r)
     # E[x^2] - E[x]^2 leaves ~1e-9 where the rewards are equal but not exact in binary (thirds): that is
     # no spread, and dividing by it would turn a 1/3 gap into an advantage of 3e5
-    std = var.sqrt()
-    std = torch.where(has & (std > SPREAD_TOLERANCE * base.abs().clamp(min=1.0)), std, torch.zeros_like(std))
+    sd = var.sqrt()
+    sd = torch.where(has & (sd > SPREAD_TOLERANCE * base.abs().clamp(min=1.0)), sd, torch.zeros_like(sd))
     dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
-    return base.to(dtype), std.to(dtype), has
+    return base.to(dtype), sd.to(dtype), has
 
 
 def grpo_advantages(
@@ -77,16 +84,17 @@ def grpo_advantages(
     baseline: Baseline = "leave_one_out",
     normalize_std: bool = True,
     eps: float = 1e-6,
+    std: StdKind = "unbiased",
 ) -> Tensor:
     """A_i = r_i - b_i, divided by (std_i + eps) only where std_i > 0 and `normalize_std` is on.
 
     Groups whose rewards are all equal give 0 (no signal, no division by ~0). Invalid samples give 0.
     """
-    base, std, has = group_baseline_and_std(rewards, group_ids, valid, baseline=baseline)
+    base, sd, has = group_baseline_and_std(rewards, group_ids, valid, baseline=baseline, std=std)
     r = rewards.detach().to(base.dtype)
     adv = torch.where(has, r - base, torch.zeros_like(r))
     if normalize_std:
-        adv = torch.where(std > 0, adv / (std + eps), adv)
+        adv = torch.where(sd > 0, adv / (sd + eps), adv)
     return adv
 
 

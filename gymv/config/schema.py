@@ -236,6 +236,7 @@ class GrpoLoss(Section):
 class Advantage(Section):
     baseline: Literal["leave_one_out", "mean"] = "leave_one_out"
     normalize_std: bool = True
+    std: Literal["unbiased", "population"] = "unbiased"
     eps: PosFloat = 1e-6
 
 

@@ -64,7 +64,7 @@ def group_advantages(trajectories: Sequence[Any], group_size: int, advantage_cfg
     rewards = torch.tensor([float(t.reward) if t.error is None else float("nan") for t in trajectories], dtype=torch.float64)
     groups = group_ids_for(n // group_size, group_size)
     adv = grpo_advantages(rewards, groups, valid, baseline=advantage_cfg.baseline,
-                          normalize_std=advantage_cfg.normalize_std, eps=advantage_cfg.eps)
+                          normalize_std=advantage_cfg.normalize_std, eps=advantage_cfg.eps, std=advantage_cfg.std)
     vals = [float(a) for a, v in zip(adv, valid) if v]
     r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, group_size)
     vmask = valid.view(-1, group_size)
