@@ -128,11 +128,10 @@ def test_gymv_train_names_the_vllm_venv_for_a_vllm_teacher_where_vllm_is_not_ins
     if vllm_available():
         pytest.skip("vLLM is installed in this Python")
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("algorithm: mopd\nmopd:\n  default_teacher_alias: a\n  teachers:\n    a:\n      path: x\n"
-                      "      backend: vllm\n")
+    recipe.write_text("algorithm: mopd\nmopd:\n  teachers:\n    a:\n      path: x\n      backend: vllm\n")
     with pytest.raises(GymvError) as e:
         train(recipe)
-    assert e.value.where.endswith("r.yaml:7") and e.value.message.startswith("mopd.teachers.a.backend vllm needs")
+    assert e.value.where.endswith("r.yaml:6") and e.value.message.startswith("mopd.teachers.a.backend vllm needs")
     assert "bash scripts/install.sh vllm" in e.value.fix and e.value.fix.endswith("or use backend: torch")
 
 

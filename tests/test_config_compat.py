@@ -220,6 +220,13 @@ def test_mopd_non_strict_matching_needs_a_default_teacher():
     assert rules_hit(mopd(strict_agent_name_match=False, default_teacher_alias="a")) == set()
 
 
+def test_a_default_teacher_under_strict_matching_is_an_error_naming_both_keys_and_the_fix():
+    [f] = check_compatibility(mopd(default_teacher_alias="a"))
+    assert (f.rule, f.key, f.severity) == ("mopd.routing", "mopd.default_teacher_alias", "error")
+    assert "mopd.strict_agent_name_match is true" in f.message and "never used" in f.message
+    assert "strict_agent_name_match: false" in f.fix and "remove mopd.default_teacher_alias" in f.fix
+
+
 def test_mopd_default_teacher_must_exist():
     assert rules_hit(mopd(default_teacher_alias="zzz")) == {"mopd.routing"}
 

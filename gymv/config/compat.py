@@ -317,6 +317,12 @@ def _routing(cfg: RecipeBase) -> Iterator[Finding]:
         yield _err("mopd.routing", "mopd.default_teacher_alias",
                    f"mopd.default_teacher_alias {m.default_teacher_alias!r} is not in mopd.teachers",
                    f"use one of: {', '.join(m.teachers)}")
+    if m.strict_agent_name_match and m.default_teacher_alias is not None:
+        yield _err("mopd.routing", "mopd.default_teacher_alias",
+                   f"mopd.default_teacher_alias {m.default_teacher_alias!r} is never used: "
+                   "mopd.strict_agent_name_match is true, so an unmatched agent is an error",
+                   "set mopd.strict_agent_name_match: false to route unmatched agents to the default teacher, "
+                   "or remove mopd.default_teacher_alias")
     if not m.strict_agent_name_match and m.default_teacher_alias is None:
         yield _err("mopd.routing", "mopd.strict_agent_name_match",
                    "mopd.strict_agent_name_match is false but no default_teacher_alias catches unmatched agents",
