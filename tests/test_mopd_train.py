@@ -74,7 +74,8 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def mopd_run(tmp_path_factory, data):
     tmp = tmp_path_factory.mktemp("mopd")
-    recipe = write_recipe(tmp, "mopd-e2e", "vlm/vlm_mopd-tinyllava-1n0g-torch.yaml", _settings(tmp, data))
+    recipe = write_recipe(tmp, "mopd-e2e", "vlm/vlm_mopd-tinyllava-1n0g-torch.yaml",
+                          _settings(tmp, data, **{"mopd.seq_logprob_error_threshold": 2.0}))
     rec = Recorder()
     summary = train(recipe, reporter=rec)
     return summary, rec, tmp / "runs" / "mopd-e2e", tmp
@@ -99,6 +100,13 @@ def test_three_steps_train_with_a_reverse_kl_to_each_teacher(mopd_run):
         # other weights than the student (a sampled k1 estimate: nonzero, of either sign on a few tokens)
         assert abs(r["train/kl_teacher/counting"]) > 1e-3 and abs(r["train/kl_teacher/arith"]) > 1e-3
         assert r["train/grad_norm"] > 0
+
+
+def test_no_sequence_is_masked_for_logprob_error_when_generator_and_trainer_agree(mopd_run):
+    _, _, run, _ = mopd_run
+    for r in _metrics(run):  # the reference MOPD smoke's health figure
+        assert r["train/num_masked_seqs_by_logprob_error"] == 0.0
+        assert 1.0 <= r["train/max_seq_mult_prob_error"] < 1.05
 
 
 def test_top_k_distillation_trains_on_each_teachers_candidates(tmp_path, data):

@@ -42,7 +42,8 @@ class Recorder(Reporter):
 @pytest.fixture(scope="module")
 def grpo_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grpo")
-    recipe = write_recipe(tmp, "grpo-e2e", "vlm_grpo.yaml", tiny_grpo_settings(tmp, tiny_path("tiny-llava")))
+    settings = tiny_grpo_settings(tmp, tiny_path("tiny-llava"), **{"grpo.seq_logprob_error_threshold": 2.0})
+    recipe = write_recipe(tmp, "grpo-e2e", "vlm_grpo.yaml", settings)
     rec = Recorder()
     summary = train(recipe, reporter=rec)
     return summary, rec, tmp / "runs" / "grpo-e2e"
@@ -83,6 +84,15 @@ def test_generator_and_trainer_logprobs_agree_on_the_same_tokens(grpo_run):
     _, _, run = grpo_run
     errors = [r["train/token_mult_prob_error"] for r in _metrics(run)]
     assert all(1.0 <= e < 1.05 for e in errors), errors
+
+
+def test_a_recipe_with_a_sequence_error_threshold_logs_nemo_rls_eight_figures(grpo_run):
+    _, _, run = grpo_run
+    for r in _metrics(run):
+        assert r["train/num_masked_seqs_by_logprob_error"] == 0.0  # one engine, same weights: nothing to mask
+        assert 1.0 <= r["train/min_seq_mult_prob_error"] <= r["train/max_seq_mult_prob_error"] < 1.05
+        assert r["train/max_seq_mult_prob_error_after_mask"] == r["train/max_seq_mult_prob_error"]
+        assert r["train/masked_correct_pct"] == 0.0 and r["train/num_sequences"] == 4
 
 
 def test_rollouts_are_written_in_nemo_gym_format_with_token_ids_and_logprobs(grpo_run):

@@ -41,7 +41,7 @@ def records(run, step: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def one_off(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("one_off")
-    return run_recipe(tmp, "one-off", **ASYNC, **{"grpo.max_steps": 4})
+    return run_recipe(tmp, "one-off", **ASYNC, **{"grpo.max_steps": 4, "grpo.seq_logprob_error_threshold": 2.0})
 
 
 def test_age_zero_async_reproduces_the_synchronous_run_sample_for_sample(tmp_path):
@@ -78,6 +78,13 @@ def _tokens(record) -> list:
 def test_one_off_async_trains_each_step_on_weights_one_step_old(one_off):
     summary, _, rows = one_off
     assert summary["complete"] and [r["step"] for r in rows] == [1, 2, 3, 4]
+
+
+def test_one_off_async_judges_each_sequence_against_the_trainers_weights_before_the_step(one_off):
+    _, _, rows = one_off
+    for r in rows:  # behaviour from weights up to a step old: each sequence's error is measured, >= 1
+        assert 1.0 <= r["train/min_seq_mult_prob_error"] <= r["train/max_seq_mult_prob_error"]
+        assert r["train/num_sequences"] == 4 - r["train/num_masked_seqs_by_logprob_error"]
     assert rows[0]["async/age_max"] == 0.0  # step 1 trains on the initial weights, which are current
     for r in rows[1:]:
         assert r["async/age_1_fraction"] == 1.0 and r["async/age_max"] == 1.0

@@ -10,7 +10,7 @@ import torch
 
 from gymv.algorithms.loss_fns import PolicyLoss
 from gymv.backends.logprobs import right_pad, sequence_logprobs
-from gymv.cluster.workers import TrainingWorker, WorkerSpec
+from gymv.cluster.workers import SEQ_ERRORS_KEY, TrainingWorker, WorkerSpec
 from gymv.train.data import EnvSpec
 from tiny_models import chat_ids, noise, tiny_path
 
@@ -97,3 +97,27 @@ def test_a_step_takes_samples_whose_fields_are_plain_lists_as_it_takes_tensors()
     for k in ("train/loss", "train/grad_norm", "train/token_mult_prob_error", "train/num_tokens"):
         assert got[k] == pytest.approx(want[k], rel=1e-6), k
     assert all(torch.equal(x, y) for x, y in zip(a.weights().values(), b.weights().values()))
+
+
+def test_a_sequence_over_the_logprob_error_threshold_trains_as_if_it_were_not_in_the_batch():
+    masked, plain = worker(), worker()
+    samples = samples_for(masked)
+    off = samples[1]  # its generator logprobs 1 nat below the trainer's on every generated token: e_s = e > 2
+    off["logp_behaviour"] = torch.where(off["loss_mask"], off["logp_behaviour"] - 1.0, off["logp_behaviour"])
+    got = masked.grpo_step([samples], PolicyLoss(), seq_error_threshold=2.0)
+    want = plain.grpo_step([[s for i, s in enumerate(samples_for(plain)) if i != 1]], PolicyLoss())
+    errors = got.pop(SEQ_ERRORS_KEY)
+    assert errors[1] == pytest.approx(math.e, rel=1e-5)
+    assert all(e == pytest.approx(1.0, abs=1e-5) for e in errors[:1] + errors[2:])
+    # nothing of it in the loss, the counts the loss divides by, or the gradient
+    for k in ("train/loss", "train/num_sequences", "train/num_tokens", "train/token_mult_prob_error", "train/grad_norm"):
+        assert got[k] == pytest.approx(want[k], rel=1e-5), k
+    assert got["train/num_sequences"] == 3
+
+
+def test_a_step_whose_every_sequence_is_masked_trains_nothing():
+    w = worker()
+    before = w.weights()
+    metrics = w.grpo_step([samples_for(w, behaviour_shift=-1.0)], PolicyLoss(), seq_error_threshold=2.0)
+    assert metrics["train/num_sequences"] == 0 and len(metrics[SEQ_ERRORS_KEY]) == 4
+    assert all(torch.equal(before[k], v) for k, v in w.weights().items())

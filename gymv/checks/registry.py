@@ -10,6 +10,8 @@ from __future__ import annotations
 import difflib
 import re
 
+from gymv.algorithms.seq_error import METRIC_NAMES as SEQ_ERROR_METRICS
+
 _TRAIN_ROLLOUT = ("reward_mean", "reward_std", "accuracy", "gen_length_mean", "gen_length_max", "turns_mean",
                   "truncated_fraction", "failed_fraction", "num_rollouts")
 
@@ -23,6 +25,8 @@ KNOWN_METRICS: frozenset[str] = frozenset(
     + [f"train/{n}" for n in _TRAIN_ROLLOUT]
     + [f"train/{n}" for n in ("advantage_mean", "advantage_std", "advantage_min", "advantage_max",
                               "zero_std_group_fraction")]
+    # sequence-level logprob error (`seq_logprob_error_threshold`, NeMo RL's names)
+    + [f"train/{n}" for n in SEQ_ERROR_METRICS]
     + [f"async/{n}" for n in (
         "age_mean", "age_max", "dropped_trajectories", "dropped_trajectories_total", "failed_calls_total",
         "retried_calls_total", "worker_restarts_total", "buffered_groups", "encoder_cache_stale_hits_total",

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gymv.cluster.placement import Placement
-from gymv.cluster.workers import GenerationWorker, TrainingWorker, WorkerSpec
+from gymv.cluster.workers import SEQ_ERRORS_KEY, GenerationWorker, TrainingWorker, WorkerSpec
 from gymv.errors import GymvError
 
 
@@ -77,6 +77,23 @@ def cpu_env() -> dict[str, str]:
 def _split(items: Sequence, parts: int) -> list[list]:
     size = math.ceil(len(items) / parts) if items else 0
     return [list(items[i * size:(i + 1) * size]) for i in range(parts)]
+
+
+def shard_minibatches(minibatches: list[list], world: int) -> list[list[list]]:
+    """Each rank's contiguous part of every minibatch: shards[r][i] is rank r's part of minibatch i."""
+    per_rank: list[list[list]] = [[] for _ in range(world)]
+    for mb in minibatches:
+        for r, part in enumerate(_split(mb, world)):
+            per_rank[r].append(part)
+    return per_rank
+
+
+def unshard(shards: list[list[list]], per_rank: list[list]) -> list:
+    """One value per sample in the order of the minibatches that `shard_minibatches` split into `shards`
+    (rank r's part of minibatch i is shards[r][i]), from each rank's values in its own sample order."""
+    values = [iter(v) for v in per_rank]
+    num_minibatches = len(shards[0]) if shards else 0
+    return [next(values[r]) for i in range(num_minibatches) for r, shard in enumerate(shards) for _ in shard[i]]
 
 
 class PolicyCluster:
@@ -167,16 +184,18 @@ class PolicyCluster:
 
     # -- training ------------------------------------------------------------------------------------
     def _shard(self, minibatches: list[list]) -> list[list[list]]:
-        world = len(self.trainers)
-        per_rank: list[list[list]] = [[] for _ in range(world)]
-        for mb in minibatches:
-            for r, part in enumerate(_split(mb, world)):
-                per_rank[r].append(part)
-        return per_rank
+        return shard_minibatches(minibatches, len(self.trainers))
 
-    def grpo_step(self, minibatches: list[list[dict]], loss_fn) -> dict:
+    def grpo_step(self, minibatches: list[list[dict]], loss_fn, seq_error_threshold: float | None = None) -> dict:
+        """One algorithm step's updates. With `seq_error_threshold`, the metrics carry every sample's
+        sequence-level logprob error under SEQ_ERRORS_KEY, in the order of `minibatches`."""
         shards = self._shard(minibatches)
-        return ray_get([t.grpo_step.remote(s, loss_fn) for t, s in zip(self.trainers, shards)], "training")[0]
+        out = ray_get([t.grpo_step.remote(s, loss_fn, seq_error_threshold) for t, s in zip(self.trainers, shards)],
+                      "training")
+        metrics = out[0]
+        if seq_error_threshold is not None:  # each rank scored its own shard of every minibatch
+            metrics[SEQ_ERRORS_KEY] = unshard(shards, [o[SEQ_ERRORS_KEY] for o in out])
+        return metrics
 
     def sft_step(self, rows: list[tuple[int, dict, str]], loss_fn) -> dict:
         shards = self._shard([rows])

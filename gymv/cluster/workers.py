@@ -242,6 +242,8 @@ class _Locked:
 
 # ---------------------------------------------------------------------------------------------- training
 
+SEQ_ERRORS_KEY = "seq_mult_prob_errors"  # grpo_step's per-sample sequence errors (a list, not a metric)
+
 
 def _merge_minibatch_metrics(rows: list[dict]) -> dict:
     """Metrics of several optimizer steps in one algorithm step: counts add up, extremes reduce, rest average."""
@@ -307,8 +309,13 @@ class TrainingWorker:
     def _train_minibatches(self, minibatches: list[list[dict]], loss_fn) -> dict:
         return _merge_minibatch_metrics([self.backend.train_step(samples, loss_fn) for samples in minibatches])
 
-    def grpo_step(self, minibatches: list[list[dict]], loss_fn) -> dict:
-        """Reference and old logprobs where needed, then one optimizer step per minibatch."""
+    def grpo_step(self, minibatches: list[list[dict]], loss_fn, seq_error_threshold: float | None = None) -> dict:
+        """Reference and old logprobs where needed, then one optimizer step per minibatch.
+
+        With `seq_error_threshold`, samples whose sequence-level logprob error exceeds it are left out
+        (gymv.algorithms.seq_error) and the metrics carry every sample's error under SEQ_ERRORS_KEY, in
+        the order of `minibatches`."""
+        from gymv.algorithms.seq_error import drop_masked_samples
         from gymv.backends.training.samples import as_tensors
 
         t0 = time.perf_counter()
@@ -316,13 +323,19 @@ class TrainingWorker:
         if self.spec.kl_reference and flat:
             for s, lp in zip(flat, self.backend.compute_logprobs(flat, reference=True)):
                 s["logp_ref"] = lp
-        if len(minibatches) > 1 and flat:  # later minibatches see moved weights: ratios need the old policy
+        # later minibatches see moved weights: ratios need the old policy; so does the sequence error
+        if (len(minibatches) > 1 or seq_error_threshold is not None) and flat:
             for s, lp in zip(flat, self.backend.compute_logprobs(flat)):
                 s["logp_old"] = lp
+        errors = None
+        if seq_error_threshold is not None:
+            minibatches, errors = drop_masked_samples(minibatches, seq_error_threshold)
         t1 = time.perf_counter()
         metrics = self._train_minibatches(minibatches, loss_fn)
         metrics["timing/logprobs_s"] = t1 - t0
         metrics["timing/training_s"] = time.perf_counter() - t1
+        if errors is not None:
+            metrics[SEQ_ERRORS_KEY] = errors
         return metrics
 
     def sft_samples(self, rows: Sequence[tuple[int, dict, str]]) -> list[dict]:

@@ -18,6 +18,8 @@ NonNegInt = Annotated[int, Field(ge=0)]
 PosFloat = Annotated[float, Field(gt=0)]
 NonNegFloat = Annotated[float, Field(ge=0)]
 Fraction = Annotated[float, Field(gt=0, le=1)]
+# a sequence's multiplicative logprob error is >= 1, so a threshold below 1 would mask every sequence
+SeqErrorThreshold = Annotated[float, Field(ge=1)] | None
 
 
 class Section(BaseModel):
@@ -257,6 +259,7 @@ class GrpoSection(Section):
     advantage: Advantage = Advantage()
     async_: AsyncSection = Field(AsyncSection(), alias="async")
     importance_sampling: ImportanceSampling = ImportanceSampling()
+    seq_logprob_error_threshold: SeqErrorThreshold = None
 
 
 class SftSection(Section):
@@ -292,6 +295,7 @@ class MopdSection(Section):
     # teacher's k most likely tokens at every position of the student's samples (cross-entropy to them)
     top_k: NonNegInt = 0
     importance_sampling: ImportanceSampling = ImportanceSampling()
+    seq_logprob_error_threshold: SeqErrorThreshold = None
 
 
 class RecipeBase(Section):

@@ -28,7 +28,7 @@ from gymv.train.setup import (
     step_seed,
     worker_spec,
 )
-from gymv.train.stats import group_advantages, minibatches, policy_samples, rollout_metrics
+from gymv.train.stats import group_advantages, is_usable, policy_samples, policy_update, rollout_metrics
 from gymv.train.validation import validate
 
 
@@ -71,8 +71,8 @@ def train_grpo(ctx: RunContext, *, resume: bool) -> dict:
             samples = policy_samples(trajectories, advantages)
 
             # 4. optimizer step(s)
-            train_metrics = cluster.grpo_step(
-                minibatches(samples, cfg.training.global_batch_size, cfg.samples_per_step), loss_fn)
+            train_metrics = policy_update(cluster, cfg, samples, [t.reward for t in trajectories if is_usable(t)],
+                                          loss_fn, grpo.seq_logprob_error_threshold)
 
             # 5. refit
             refit_s = cluster.refit(step)

@@ -33,7 +33,7 @@ from gymv.train.setup import (
     should_validate,
     worker_spec,
 )
-from gymv.train.stats import group_advantages, minibatches, policy_samples, rollout_metrics
+from gymv.train.stats import group_advantages, is_usable, policy_samples, policy_update, rollout_metrics
 from gymv.train.validation import validate
 
 
@@ -80,8 +80,8 @@ def train_grpo_async(ctx: RunContext, *, resume: bool) -> dict:
             advantages, adv_stats = group_advantages(trajectories, G, grpo.advantage)
             samples = policy_samples(trajectories, advantages)
             t_train = time.time()
-            train_metrics = cluster.grpo_step(
-                minibatches(samples, cfg.training.global_batch_size, cfg.samples_per_step), loss_fn)
+            train_metrics = policy_update(cluster, cfg, samples, [t.reward for t in trajectories if is_usable(t)],
+                                          loss_fn, grpo.seq_logprob_error_threshold)
             t_trained = time.time()
 
             # 4. new weights to the generators (validation queues right behind them), then the batches they allow

@@ -35,7 +35,7 @@ from gymv.train.setup import (
     step_seed,
     worker_spec,
 )
-from gymv.train.stats import minibatches, rollout_metrics
+from gymv.train.stats import is_usable, policy_update, rollout_metrics
 from gymv.train.validation import validate
 
 COLOCATED_POLICY_SHARE = 0.35  # of a GPU, for each of generation and training when a teacher shares it
@@ -108,14 +108,14 @@ def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
 
             # 2-3. routing and teacher scores of the usable episodes
             advantages = env_advantages(trajectories, G)
-            keep = [i for i, t in enumerate(trajectories) if t.error is None and any(t.loss_mask)]
+            keep = [i for i, t in enumerate(trajectories) if is_usable(t)]
             usable = [trajectories[i] for i in keep]
             teacher_lp, aliases, teacher_s = teacher_scores(pool, router, usable) if usable else ([], [], 0.0)
             samples = distillation_samples(usable, teacher_lp, [advantages[i] for i in keep])
 
             # 4. optimizer step(s)
-            train_metrics = cluster.grpo_step(
-                minibatches(samples, cfg.training.global_batch_size, cfg.samples_per_step), loss_fn)
+            train_metrics = policy_update(cluster, cfg, samples, [t.reward for t in usable], loss_fn,
+                                          mopd.seq_logprob_error_threshold)
 
             # 5. refit (the generation workers reset their encoder cache after it, when configured)
             refit_s = cluster.refit(step)

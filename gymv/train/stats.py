@@ -82,6 +82,11 @@ def group_advantages(trajectories: Sequence[Any], group_size: int, advantage_cfg
     return [float(a) for a in adv], stats
 
 
+def is_usable(t: Any) -> bool:
+    """A trajectory that trains: no infrastructure error and at least one generated token."""
+    return t.error is None and any(t.loss_mask)
+
+
 def policy_samples(trajectories: Sequence[Any], advantages: Sequence[float]) -> list[dict]:
     """Training samples of the usable trajectories: tokens, loss mask, behaviour logprobs, advantage, images
     (gymv.backends.training.samples)."""
@@ -89,7 +94,21 @@ def policy_samples(trajectories: Sequence[Any], advantages: Sequence[float]) -> 
 
     return [training_sample(t.token_ids, t.loss_mask, images=t.images, where=f"row {t.task_index} sample {t.sample_index}",
                             logp_behaviour=t.logprobs, advantage=a)
-            for t, a in zip(trajectories, advantages) if t.error is None and any(t.loss_mask)]
+            for t, a in zip(trajectories, advantages) if is_usable(t)]
+
+
+def policy_update(cluster, cfg, samples: list, rewards: Sequence[float], loss_fn,
+                  seq_error_threshold: float | None) -> dict[str, float]:
+    """The optimizer step(s) of one algorithm step on `samples` (their episodes' `rewards` beside them), and
+    with a `seq_logprob_error_threshold` the sequence-level logprob-error figures (gymv.algorithms.seq_error)."""
+    from gymv.algorithms.seq_error import seq_error_metrics
+    from gymv.cluster.workers import SEQ_ERRORS_KEY
+
+    metrics = cluster.grpo_step(minibatches(samples, cfg.training.global_batch_size, cfg.samples_per_step), loss_fn,
+                                seq_error_threshold=seq_error_threshold)
+    if seq_error_threshold is not None:
+        metrics.update(seq_error_metrics(metrics.pop(SEQ_ERRORS_KEY), rewards, seq_error_threshold))
+    return metrics
 
 
 def minibatches(samples: list, global_batch_size: int, samples_per_step: int) -> list[list]:

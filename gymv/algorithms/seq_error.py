@@ -1,0 +1,90 @@
+"""Sequence-level logprob-error masking (`seq_logprob_error_threshold`, with NeMo RL's semantics and metric names).
+
+`token_mult_prob_error` says how far generator and trainer disagree on average over a batch; one sequence
+they disagree on badly (a kernel bug on one length, a stale expert) is lost in that mean but gives its tokens
+importance ratios that mean nothing. The per-sequence error is the same quantity over one sequence's
+generated tokens,
+
+    e_s = mean over the generated tokens t of s of exp(|logp_behaviour[t] - logp_old[t]|)    (>= 1; 1 = agree)
+
+and a sequence with e_s > threshold is masked: it contributes nothing to the loss nor to the token and
+sequence counts the loss is normalised by. Its reward still entered its group's baseline (advantages come
+first), as in NeMo RL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from gymv.errors import GymvError
+
+if TYPE_CHECKING:  # torch stays unimported for the metric names (gymv.checks, `gymv lint`)
+    from torch import Tensor
+
+METRIC_NAMES: tuple[str, ...] = (
+    "max_seq_mult_prob_error", "mean_seq_mult_prob_error", "min_seq_mult_prob_error",
+    "max_seq_mult_prob_error_after_mask", "mean_seq_mult_prob_error_after_mask",
+    "min_seq_mult_prob_error_after_mask", "num_masked_seqs_by_logprob_error", "masked_correct_pct")
+
+
+def sequence_mult_prob_error(logp_behaviour: Tensor, logp_old: Tensor, mask: Tensor) -> float | None:
+    """e_s of one sequence ([L] tensors); None when it has no generated token (it is then never masked)."""
+    from gymv.algorithms.masked import as_bool
+
+    m = as_bool(mask)
+    n = int(m.sum())
+    if n == 0:
+        return None
+    diff = (logp_behaviour.detach().double() - logp_old.detach().double())[m]
+    return float(diff.abs().exp().sum()) / n
+
+
+def is_masked(error: float | None, threshold: float | None) -> bool:
+    """Masked: a threshold is set and the sequence's error exceeds it (equal is kept)."""
+    return threshold is not None and error is not None and error > threshold
+
+
+def _stats(errors: Sequence[float], suffix: str = "") -> dict[str, float]:
+    values = (max(errors), sum(errors) / len(errors), min(errors)) if errors else (0.0, 0.0, 0.0)
+    return {f"{stat}_seq_mult_prob_error{suffix}": v for stat, v in zip(("max", "mean", "min"), values)}
+
+
+def seq_error_metrics(errors: Sequence[float | None], rewards: Sequence[float], threshold: float | None,
+                      prefix: str = "train/") -> dict[str, float]:
+    """NeMo RL's eight figures of a batch: max/mean/min of e_s over the sequences with generated tokens,
+    the same over those kept, how many were masked and the share of those whose reward is exactly 1
+    (`masked_correct_pct`, a fraction despite its name). With nothing to average the statistics are 0."""
+    if len(errors) != len(rewards):
+        raise ValueError(f"{len(errors)} sequence errors for {len(rewards)} rewards")
+    masked = [is_masked(e, threshold) for e in errors]
+    scored = [e for e in errors if e is not None]
+    kept = [e for e, m in zip(errors, masked) if e is not None and not m]
+    n_masked = sum(masked)
+    correct = sum(1 for r, m in zip(rewards, masked) if m and float(r) == 1.0)
+    out = {**_stats(scored), **_stats(kept, "_after_mask"),
+           "num_masked_seqs_by_logprob_error": float(n_masked),
+           "masked_correct_pct": correct / n_masked if n_masked else 0.0}
+    return {f"{prefix}{k}": v for k, v in out.items()}
+
+
+def drop_masked_samples(minibatches: Sequence[Sequence[dict]], threshold: float) -> tuple[list[list[dict]], list]:
+    """(the minibatches without their masked samples, e_s of every sample in minibatch order).
+
+    Samples carry `logp_behaviour`, `logp_old` and `loss_mask` as tensors (the training worker's). Dropping a
+    sample is masking it: the loss and the counts of its minibatch are sums over the samples that remain."""
+    errors: list[float | None] = []
+    kept: list[list[dict]] = []
+    for mb in minibatches:
+        mine = []
+        for s in mb:
+            if "logp_behaviour" not in s:
+                raise GymvError(f"{s.get('where') or 'a sample'} has no generator logprobs to compare",
+                                where="seq_logprob_error_threshold",
+                                fix="use a generation backend that returns logprobs, or set the threshold to null")
+            e = sequence_mult_prob_error(s["logp_behaviour"], s["logp_old"], s["loss_mask"])
+            errors.append(e)
+            if not is_masked(e, threshold):
+                mine.append(s)
+        kept.append(mine)
+    return kept, errors
