@@ -50,6 +50,7 @@ def serve(
     log_requests: bool = typer.Option(False, "--log-requests", help="Log each request on stderr."),
     max_turns: int = typer.Option(None, "--max-turns", help="Model turns per episode on /step (default: the environment's own)."),
     latency_ms: float = typer.Option(0.0, "--latency-ms", help="Delay every /step and tool call by this much (simulate a slow tool)."),
+    read_deadline: float = typer.Option(60.0, "--read-deadline", help="Seconds a request may take to arrive, first byte to last (slower: 408)."),
 ) -> None:
     """Serve NAME with NeMo Gym's resources-server and gymnasium endpoints until interrupted.
 
@@ -69,9 +70,12 @@ def serve(
         raise GymvError("--max-body-mb and --max-session-mb must be positive")
     if latency_ms < 0:
         raise GymvError("--latency-ms must be >= 0")
+    if read_deadline <= 0:
+        raise GymvError("--read-deadline must be positive", fix="give seconds, e.g. --read-deadline 60")
     env = get_env(name, **({"max_turns": max_turns} if max_turns is not None else {}))
     server = EnvServer(env, host, port, max_body_bytes=int(max_body_mb * 1024 * 1024), log_requests=log_requests,
-                        max_session_bytes=int(max_session_mb * 1024 * 1024), step_latency_s=latency_ms / 1000.0)
+                        max_session_bytes=int(max_session_mb * 1024 * 1024), step_latency_s=latency_ms / 1000.0,
+                        read_deadline=read_deadline)
     print(server.url, flush=True)  # the URL alone, so that `read -r URL` or a script's readline() gets it
     print(f"serving {env.name} on {server.url} (Ctrl-C stops)", file=sys.stderr, flush=True)
 

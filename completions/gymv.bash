@@ -23,7 +23,7 @@ _gymv_options() {
         'train') echo '--resume --ray-address --json --async --help -h' ;;
         'env') echo '--help -h' ;;
         'env list') echo '--json --help -h' ;;
-        'env serve') echo '--host --port --max-body-mb --max-session-mb --log-requests --max-turns --latency-ms --help -h' ;;
+        'env serve') echo '--host --port --max-body-mb --max-session-mb --log-requests --max-turns --latency-ms --read-deadline --help -h' ;;
         'env verify') echo '--data --env --on-error --out --fail-on-mismatch --json --help -h' ;;
         'model') echo '--help -h' ;;
         'model init') echo '--hidden --layers --vision-layers --image-size --patch-size --vocab-size --seed --force --json --help -h' ;;
@@ -64,6 +64,7 @@ _gymv_value_kind() {
         'env serve|--max-session-mb') echo 'none' ;;
         'env serve|--max-turns') echo 'none' ;;
         'env serve|--latency-ms') echo 'none' ;;
+        'env serve|--read-deadline') echo 'none' ;;
         'env verify|--data') echo 'files' ;;
         'env verify|--env') echo 'choice:arithmetic circle-click circle-count doorkey example-multi-turn-gymnasium polygon-naming scripted tangram' ;;
         'env verify|--on-error') echo 'files' ;;

@@ -305,3 +305,81 @@ def test_a_stalled_body_is_408_and_the_server_goes_on():
         sock.close()
         assert reply.startswith("HTTP/1.1 408") and "stopped arriving" in reply
         assert EnvClient(srv.url).health()["status"] == "ok"
+
+
+def verify_body(env_name: str = "circle-count", text: str | None = None) -> dict:
+    """A NeMo-shaped /verify body for one default-preset row, answered correctly unless `text` is given."""
+    import random
+
+    env = get_env(env_name)
+    row = env.make_row(random.Random(0), env.presets["default"], 0)
+    turn = env.gold_turn(row) if text is None else ModelTurn(text=text)
+    return request_body(row, turn.to_items())
+
+
+def test_a_kept_alive_request_is_answered_as_fast_as_one_on_a_new_connection(count_server):
+    from http_latency import assert_kept_alive_as_fast
+
+    body = json.dumps(verify_body()).encode()
+    assert_kept_alive_as_fast(count_server.host, count_server.port, "POST", "/verify", body)
+
+
+def test_a_response_is_written_in_one_piece(count_server):
+    sock = socket.create_connection((count_server.host, count_server.port), timeout=10)
+    sock.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    first = sock.recv(65536)  # one write arrives whole on loopback
+    sock.close()
+    head, _, body = first.partition(b"\r\n\r\n")
+    assert int(re.search(rb"Content-Length: (\d+)", head).group(1)) == len(body)
+    assert json.loads(body)["status"] == "ok"
+
+
+def test_a_number_too_long_to_read_is_422_naming_its_field(count_server):
+    body = verify_body()
+    raw = json.dumps(body).replace('"target_color"', '"huge": ' + "9" * 100_000 + ', "target_color"', 1)
+    status, answer, _ = post(count_server, "/verify", raw.encode())
+    assert status == 422 and answer["detail"][0]["loc"] == ["body", "huge"]
+    assert "100000 characters" in answer["detail"][0]["msg"]
+
+
+@pytest.mark.parametrize("answer", ["\\boxed{" + "7" * 500_000 + "}", "\\boxed{" + "0" * 100_000 + "3}"])
+def test_an_answer_with_endless_digits_is_scored_not_a_500(count_server, answer):
+    status, result, _ = post(count_server, "/verify", json.dumps(verify_body(text=answer)).encode())
+    assert status == 200
+    assert (result["reward"], result["failure_reason"]) == (0.0, "wrong_count") or result["reward"] == 1.0
+
+
+def test_a_body_sent_a_byte_at_a_time_is_408_at_the_read_deadline():
+    with EnvServer(get_env("circle-click"), request_timeout=5, read_deadline=0.6) as srv:
+        sock = socket.create_connection((srv.host, srv.port), timeout=10)
+        sock.sendall(b"POST /verify HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n")
+        t0 = time.monotonic()
+        reply = b""
+        sock.settimeout(0.1)
+        while not reply and time.monotonic() - t0 < 5:  # one byte per 0.1 s, never idle for the 5 s timeout
+            sock.sendall(b" ")
+            try:
+                reply = sock.recv(65536)
+            except TimeoutError:
+                pass
+        sock.close()
+        assert reply.startswith(b"HTTP/1.1 408") and b"read deadline" in reply
+        assert time.monotonic() - t0 < 3
+        assert EnvClient(srv.url).health()["status"] == "ok"
+
+
+def test_headers_sent_a_byte_at_a_time_are_408_at_the_read_deadline():
+    with EnvServer(get_env("circle-click"), request_timeout=5, read_deadline=0.6) as srv:
+        sock = socket.create_connection((srv.host, srv.port), timeout=10)
+        sock.sendall(b"GET / HTTP/1.1\r\n")
+        t0 = time.monotonic()
+        reply = b""
+        sock.settimeout(0.1)
+        while not reply and time.monotonic() - t0 < 5:
+            sock.sendall(b"X")
+            try:
+                reply = sock.recv(65536)
+            except TimeoutError:
+                pass
+        sock.close()
+        assert reply.startswith(b"HTTP/1.1 408")

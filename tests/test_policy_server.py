@@ -159,6 +159,39 @@ def test_a_body_nemo_gym_would_refuse_is_422(policy):
     assert status == 422 and body["detail"][0]["loc"] == ["body", "max_tokens"]
 
 
+def test_a_kept_alive_request_is_answered_as_fast_as_one_on_a_new_connection(policy):
+    from http_latency import assert_kept_alive_as_fast
+
+    with PolicyServer(Recorded(policy, {}), params=PARAMS, max_seq_len=4096, batch_wait_s=0.0) as srv:
+        host, port = srv.httpd.server_address[:2]
+        assert_kept_alive_as_fast(host, port, "POST", "/v1/responses", json.dumps({"input": "hi"}).encode())
+
+
+def test_a_number_too_long_to_read_is_422_naming_its_field(policy):
+    with PolicyServer(Recorded(policy, {}), params=PARAMS, max_seq_len=4096) as srv:
+        req = urllib.request.Request(srv.url + "/v1/responses", method="POST",
+                                     data=b'{"input": "hi", "max_output_tokens": ' + b"9" * 100_000 + b"}")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 422 and json.loads(e.value.read())["detail"][0]["loc"] == ["body", "max_output_tokens"]
+
+
+def test_a_stalled_body_is_408_and_the_server_goes_on(policy):
+    import socket
+
+    with PolicyServer(Recorded(policy, {}), params=PARAMS, max_seq_len=4096) as srv:
+        srv.httpd.RequestHandlerClass.idle_timeout_s = 0.5
+        host, port = srv.httpd.server_address[:2]
+        sock = socket.create_connection((host, port), timeout=10)
+        sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{\"in")
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+        sock.close()
+        assert reply.startswith(b"HTTP/1.1 408")
+        assert post(srv.url + "/v1/responses", {"input": "hi"})[0] == 200
+
+
 # ------------------------------------------------------------------------------------------- with NeMo Gym's agents
 
 AGENT_CASES = [("simple_agent", "circle-count"), ("simple_agent", "polygon-naming"), ("gymnasium_agent", "doorkey"),

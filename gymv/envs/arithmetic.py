@@ -103,14 +103,14 @@ class Arithmetic(Environment):
         return row  # type: ignore[return-value]
 
     def score_output(self, row: dict, output: list[dict]) -> Score:
-        from gymv.envs.rows import output_text
+        from gymv.envs.rows import answer_int, output_text
 
         self.check_row(row)
         expected = row["expected_answer"]
         match = BOXED.search(output_text(output))
-        predicted = int(match.group(1)) if match else None
-        correct = predicted == expected
-        reason = None if correct else ("no_boxed_answer" if predicted is None else "wrong_answer")
+        predicted = answer_int(match.group(1)) if match else None  # None: too long to be any answer
+        correct = predicted is not None and predicted == expected
+        reason = None if correct else ("no_boxed_answer" if match is None else "wrong_answer")
         return Score(1.0 if correct else 0.0, {"predicted_answer": predicted, "correct": correct}, reason)
 
     def gold_turn(self, row: dict) -> ModelTurn:

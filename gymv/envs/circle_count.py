@@ -95,14 +95,14 @@ class CircleCount(Environment):
         return row
 
     def score_output(self, row: dict, output: list[dict]) -> Score:
-        from gymv.envs.rows import output_text
+        from gymv.envs.rows import answer_int, output_text
 
         expected = self.expected_count(row)
         match = BOXED.search(output_text(output))
-        predicted = int(match.group(1)) if match else None
+        predicted = answer_int(match.group(1)) if match else None  # None: too long to be any count
         correct = predicted is not None and predicted == expected
         extras = {"predicted_count": predicted, "expected_count": expected, "correct": correct}
-        reason = None if correct else ("no_boxed_answer" if predicted is None else "wrong_count")
+        reason = None if correct else ("no_boxed_answer" if match is None else "wrong_count")
         return Score(1.0 if correct else 0.0, extras, reason)
 
     def gold_turn(self, row: dict) -> ModelTurn:

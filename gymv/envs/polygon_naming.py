@@ -167,7 +167,8 @@ class PolygonNaming(Environment):
         if not isinstance(polygons, list) or len(polygons) != PICTURES:
             raise RowError(f"verifier field 'polygons' must be a list of {PICTURES} objects", where=where)
         for i, p in enumerate(polygons):
-            if not isinstance(p, dict) or p.get("shape") not in POLYGONS or p.get("color") not in COLORS:
+            if not isinstance(p, dict) or not all(isinstance(p.get(k), str) for k in ("shape", "color")) \
+                    or p["shape"] not in POLYGONS or p["color"] not in COLORS:
                 raise RowError(f"polygons[{i}] needs a known 'shape' ({', '.join(POLYGONS)}) and 'color' "
                                f"({', '.join(COLORS)})", where=where)
             if not all(isinstance(p.get(k), (int, float)) and not isinstance(p.get(k), bool)

@@ -144,3 +144,14 @@ def agent_name(row: Any) -> str | None:
     ref = row.get("agent_ref") if isinstance(row, dict) else None
     name = ref.get("name") if isinstance(ref, dict) else None
     return name if isinstance(name, str) and name else None
+
+
+def answer_int(digits: str, max_digits: int = 30) -> int | None:
+    """int() of a number the model wrote (`[-+]?digits`), or None when it has more significant digits than
+    any answer here can have: Python's int() refuses over 4,300 digits, and a model can write a million."""
+    if len(digits.lstrip("+-").lstrip("0")) > max_digits:
+        return None
+    try:
+        return int(digits)
+    except ValueError:  # digits str.isdigit() accepts and int() does not ("²")
+        return None

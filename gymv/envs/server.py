@@ -37,7 +37,6 @@ import traceback
 import uuid
 from collections import OrderedDict
 from http.cookies import CookieError, SimpleCookie
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from gymv.envs.nemo_schema import RunRequest, SchemaError, VerifyRequest, validate_body
@@ -45,7 +44,9 @@ from gymv.envs.protocol import Environment, EpisodeState, Text, ToolCallError, p
 from gymv.envs.responses import encode_parts
 from gymv.envs.transcript import turn_from_items
 from gymv.envs.verify import aggregate_metrics
+from gymv import json_bounds
 from gymv.errors import GymvError
+from gymv.http_serve import DEFAULT_READ_DEADLINE_S, ListeningServer, OneWriteHandler, json_bytes
 from gymv.net import host_allowed, origin_allowed
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -111,20 +112,8 @@ class _Sessions:
         return len(self._items)
 
 
-class _ListeningServer(ThreadingHTTPServer):
-    """A deep listen backlog: a batch opens one connection per episode at once, and the standard 5 would make
-    the kernel drop the excess SYNs, which the client resends only after a second."""
-
-    request_queue_size = 1024
-    daemon_threads = True
-
-    def handle_error(self, request, client_address) -> None:
-        """A client that went away is one log line, not a traceback; anything else is a bug worth one."""
-        exc = sys.exc_info()[1]
-        if isinstance(exc, OSError):
-            sys.stderr.write(f"gymv env serve: connection from {client_address[0]} ended: {type(exc).__name__}\n")
-        else:
-            super().handle_error(request, client_address)
+class _ListeningServer(ListeningServer):
+    log_name = "gymv env serve"
 
 
 class EnvServer:
@@ -133,7 +122,7 @@ class EnvServer:
     def __init__(self, env: Environment, host: str = "127.0.0.1", port: int = 0, *,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_sessions: int = 10_000,
                  max_session_bytes: int = DEFAULT_MAX_SESSION_BYTES, request_timeout: float = 60.0,
-                 log_requests: bool = False, step_latency_s: float = 0.0):
+                 read_deadline: float = DEFAULT_READ_DEADLINE_S, log_requests: bool = False, step_latency_s: float = 0.0):
         if step_latency_s < 0:
             raise GymvError(f"step latency must be >= 0 seconds, got {step_latency_s}")
         clash = RESERVED.intersection(t.name for t in env.tool_specs())
@@ -145,7 +134,8 @@ class EnvServer:
         self.sessions = _Sessions(max_sessions, max_session_bytes)
         self.log_requests = log_requests
         self.step_latency_s = float(step_latency_s)  # added to every /step and tool call: a slow tool, simulated
-        handler = type("Handler", (_Handler,), {"server_obj": self, "timeout": request_timeout})
+        handler = type("Handler", (_Handler,), {"server_obj": self, "idle_timeout_s": request_timeout,
+                                                "read_deadline_s": read_deadline})
         try:
             self.httpd = _ListeningServer((host, port), handler)
         except OSError as e:
@@ -313,9 +303,8 @@ def _kind(value: Any) -> str:
         type(value), "a number")
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(OneWriteHandler):
     server_obj: EnvServer
-    protocol_version = "HTTP/1.1"
     server_version = "gymv-env"
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's signature
@@ -336,22 +325,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None, *, sid: str | None = None,
               close: bool = False) -> None:
-        self.send_response(status)
         headers = {"Content-Type": "application/json", **(headers or {})}
-        for k, v in headers.items():
-            self.send_header(k, v)
         if sid is not None:
-            self.send_header("Set-Cookie", f"{SESSION_COOKIE}={sid}; Path=/; HttpOnly; SameSite=Lax")
-        self.send_header("Content-Length", str(len(body)))
-        if close:
-            self.send_header("Connection", "close")
-            self.close_connection = True
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
+            headers["Set-Cookie"] = f"{SESSION_COOKIE}={sid}; Path=/; HttpOnly; SameSite=Lax"
+        self.send_whole(status, body, headers, close=close)
 
     def _json(self, status: int, obj: Any, *, sid: str | None = None, close: bool = False) -> None:
-        self._send(status, json.dumps(obj, ensure_ascii=False).encode("utf-8"), sid=sid, close=close)
+        self._send(status, json_bytes(obj), sid=sid, close=close)
 
     def _error(self, status: int, detail: str | list, *, sid: str | None = None, close: bool = False) -> None:
         self._json(status, {"detail": detail}, sid=sid, close=close)
@@ -374,16 +354,18 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             raw = self.rfile.read(length)
         except TimeoutError:
-            raise HTTPError(408, f"the request body stopped arriving (no data for {self.timeout:g} s)") from None
+            raise HTTPError(408, f"the request body stopped arriving ({self.read_timed_out_after})") from None
         self._body_bytes = len(raw)
         if len(raw) < length:
             raise HTTPError(400, f"request body ended after {len(raw)} of {length} bytes")
         if not raw.strip():
             raise HTTPError(422, [{"type": "missing", "loc": ["body"], "msg": "Field required", "input": None}])
         try:
-            return json.loads(raw.decode("utf-8"))
+            return json_bounds.loads(raw.decode("utf-8"))
         except UnicodeDecodeError:
             raise HTTPError(400, "request body is not UTF-8") from None
+        except json_bounds.NumberTooLong as e:
+            raise HTTPError(422, [{"type": "value_error", "loc": ["body", *e.loc], "msg": str(e), "input": None}]) from None
         except json.JSONDecodeError as e:
             raise HTTPError(422, [{"type": "json_invalid", "loc": ["body", e.pos], "msg": "JSON decode error",
                                    "input": {}, "ctx": {"error": f"{e.msg} at line {e.lineno} column {e.colno}"}}]) from None

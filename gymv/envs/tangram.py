@@ -25,6 +25,7 @@ from gymv.envs import sampling
 from gymv.envs.circles import COLORS
 from gymv.envs.knobs import knob
 from gymv.envs.protocol import Environment, ModelTurn, RowError, Score
+from gymv.envs.rows import answer_int
 from gymv.envs.shapes import Canvas, centroid, check_names, transform
 from gymv.errors import GymvError
 
@@ -90,7 +91,8 @@ _REACH = _reach()
 def normalize_answer(text: str) -> str:
     text = " ".join(text.strip().lower().split()).strip(" .!?,;:'\"")
     text = _ARTICLE.sub("", text)
-    return str(int(text)) if text.isdigit() else text
+    number = answer_int(text) if text.isdigit() else None
+    return text if number is None else str(number)
 
 
 def _scattered(rng: random.Random, count: int, size: int) -> list[tuple[str, list[tuple[float, float]]]]:

@@ -204,14 +204,41 @@ def _numeric_fields(vr: dict) -> dict[str, float]:
     for k, v in vr.items():
         if k in (TASK_INDEX, ROLLOUT_INDEX):
             continue
-        if isinstance(v, (bool, int, float)) and (not isinstance(v, float) or math.isfinite(v)):
-            values[k] = float(v)
+        if isinstance(v, (bool, int, float)) and (x := _finite(v)) is not None:
+            values[k] = x
     usage = (vr.get("response") or {}).get("usage") if isinstance(vr.get("response"), dict) else None
     if isinstance(usage, dict):
         for k in ("input_tokens", "output_tokens", "total_tokens"):
-            if isinstance(usage.get(k), (int, float)) and not isinstance(usage.get(k), bool):
-                values[k] = float(usage[k])
+            v = usage.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and (x := _finite(v)) is not None:
+                values[k] = x
     return values
+
+
+def _finite(v: bool | int | float) -> float | None:
+    """v as a finite float; None for NaN, infinities and ints beyond a float's range."""
+    try:
+        x = float(v)
+    except OverflowError:
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _mean(xs: list[float]) -> float:
+    try:
+        return statistics.fmean(xs)
+    except OverflowError:  # the sum leaves a float's range; the mean of finite values does not
+        return math.fsum(x / len(xs) for x in xs)
+
+
+def _stdev(xs: list[float]) -> float:
+    if len(xs) < 2:
+        return 0.0
+    try:
+        return statistics.stdev(xs)
+    except OverflowError:  # the squares leave a float's range: compute on values scaled to at most 1
+        scale = max(abs(x) for x in xs)
+        return statistics.stdev([x / scale for x in xs]) * scale
 
 
 def _stats(samples: list[dict[str, float]]) -> dict[str, float]:
@@ -223,7 +250,7 @@ def _stats(samples: list[dict[str, float]]) -> dict[str, float]:
         for k in keys:
             xs = [s[k] for s in samples if k in s]
             if stat == "mean":
-                out[f"mean/{k}"] = statistics.fmean(xs)
+                out[f"mean/{k}"] = _mean(xs)
             elif stat == "max":
                 out[f"max/{k}"] = max(xs)
             elif stat == "min":
@@ -231,7 +258,7 @@ def _stats(samples: list[dict[str, float]]) -> dict[str, float]:
             elif stat == "median":
                 out[f"median/{k}"] = statistics.median(xs)
             else:
-                out[f"std/{k}"] = statistics.stdev(xs) if len(xs) > 1 else 0.0
+                out[f"std/{k}"] = _stdev(xs)
     return out
 
 

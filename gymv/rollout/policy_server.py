@@ -22,13 +22,14 @@ import sys
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from gymv.backends.generation.base import GenerationBackend, GenerationRequest, SamplingParams
 from gymv.envs.nemo_schema import ResponseCreateParams, SchemaError, validate_body
 from gymv.envs.responses import new_id, response_object
+from gymv import json_bounds
 from gymv.errors import GymvError
+from gymv.http_serve import ListeningServer, OneWriteHandler, json_bytes
 from gymv.net import host_allowed, origin_allowed
 from gymv.rollout.agent_turns import TurnRebuilder, chat_tools
 from gymv.rollout.images import ImageCache
@@ -175,26 +176,16 @@ class PolicyServer:
             j.done.set_result(out)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 1024
+class _Server(ListeningServer):
+    log_name = "gymv model server"
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(OneWriteHandler):
     server_obj: PolicyServer
-    protocol_version = "HTTP/1.1"
     server_version = "gymv-policy"
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        pass
-
     def _send(self, status: int, obj: Any) -> None:
-        raw = json.dumps(obj, ensure_ascii=False).encode("utf-8")
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(raw)))
-        self.end_headers()
-        self.wfile.write(raw)
+        self.send_whole(status, json_bytes(obj), {"Content-Type": "application/json"})
 
     def do_GET(self) -> None:  # noqa: N802
         if self.path.split("?", 1)[0] == "/":
@@ -220,8 +211,15 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(413 if length > 0 else 411, {"detail": f"send a Content-Length of at most "
                                                                      f"{srv.max_body_bytes} bytes"})
         try:
-            body = json.loads(self.rfile.read(length))
+            raw = self.rfile.read(length)
+        except TimeoutError:
+            self.close_connection = True
+            return self._send(408, {"detail": f"the request body stopped arriving ({self.read_timed_out_after})"})
+        try:
+            body = json_bounds.loads(raw)
             self._send(200, srv.respond(body))
+        except json_bounds.NumberTooLong as e:
+            self._send(422, {"detail": [{"type": "value_error", "loc": ["body", *e.loc], "msg": str(e), "input": None}]})
         except (ValueError, RecursionError) as e:
             self._send(422, {"detail": [{"type": "json_invalid", "loc": ["body"], "msg": str(e), "input": None}]})
         except SchemaError as e:
