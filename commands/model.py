@@ -18,7 +18,8 @@ app = typer.Typer(
 @app.command("init")
 def init(
     arch: str = typer.Argument(..., metavar="ARCH", help="Architecture: tiny-llava, tiny-llava-next, tiny-llava-onevision, tiny-qwen2vl, "
-                                         "tiny-qwen2_5vl, tiny-qwen3vl, tiny-gemma3, tiny-smolvlm, or the text-only "
+                                         "tiny-qwen2_5vl, tiny-qwen3vl, tiny-gemma3, tiny-smolvlm, the hybrid "
+                                         "Mamba/attention/MoE tiny-nemotron-omni, or the text-only "
                                          "tiny-qwen3 and tiny-llama (docs/models.md)."),
     out_dir: Path = typer.Argument(..., help="Folder to write the Hugging Face checkpoint to."),
     hidden: int = typer.Option(None, "--hidden", help="Text model width (default 128)."),
@@ -27,6 +28,13 @@ def init(
     image_size: int = typer.Option(None, "--image-size", help="Image side in pixels (default 56 LLaVA, 112 Qwen2-VL)."),
     patch_size: int = typer.Option(None, "--patch-size", help="Vision patch size (default 7)."),
     vocab_size: int = typer.Option(None, "--vocab-size", help="BPE vocabulary size (default 1024)."),
+    layer_pattern: str = typer.Option(None, "--layer-pattern",
+                                      help="tiny-nemotron-omni: layer letters, M Mamba-2, * attention, E MoE, - MLP "
+                                           "(default ME*E; sets the layer count)."),
+    experts: int = typer.Option(None, "--experts", help="tiny-nemotron-omni: routed experts per MoE layer (default 4)."),
+    top_k: int = typer.Option(None, "--top-k", help="tiny-nemotron-omni: experts each token is routed to (default 2)."),
+    mtp_layers: int = typer.Option(None, "--mtp-layers",
+                                   help="tiny-nemotron-omni: num_nextn_predict_layers, the MTP switch (default 0)."),
     seed: int = typer.Option(0, "--seed", help="Seed for the tokenizer corpus and the weights."),
     force: bool = typer.Option(False, "--force", help="Replace OUT_DIR if it exists."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -35,11 +43,13 @@ def init(
     text-only causal LM (tiny-qwen3, tiny-llama) that AutoModelForCausalLM loads.
 
     Example: gymv model init tiny-llava models/tiny --layers 4 --seed 1
+    Example: gymv model init tiny-nemotron-omni models/omni --layer-pattern 'ME*EME*E' --experts 8 --top-k 2
     """
     from gymv.models.tiny import count_parameters, init_tiny
 
     knobs = dict(hidden=hidden, layers=layers, vision_layers=vision_layers, image_size=image_size, patch_size=patch_size,
-                 vocab_size=vocab_size, seed=seed)
+                 vocab_size=vocab_size, seed=seed, layer_pattern=layer_pattern, experts=experts,
+                 experts_per_token=top_k, mtp_layers=mtp_layers)
     with err_console.status(f"building {arch}"):
         path = init_tiny(arch, out_dir, force=force, **knobs)
     summary = _summary(path)

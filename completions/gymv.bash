@@ -26,7 +26,7 @@ _gymv_options() {
         'env serve') echo '--host --port --max-body-mb --max-session-mb --log-requests --max-turns --latency-ms --read-deadline --help -h' ;;
         'env verify') echo '--data --env --on-error --out --fail-on-mismatch --json --help -h' ;;
         'model') echo '--help -h' ;;
-        'model init') echo '--hidden --layers --vision-layers --image-size --patch-size --vocab-size --seed --force --json --help -h' ;;
+        'model init') echo '--hidden --layers --vision-layers --image-size --patch-size --vocab-size --layer-pattern --experts --top-k --mtp-layers --seed --force --json --help -h' ;;
         'model info') echo '--json --help -h' ;;
     esac
 }
@@ -75,6 +75,10 @@ _gymv_value_kind() {
         'model init|--image-size') echo 'none' ;;
         'model init|--patch-size') echo 'none' ;;
         'model init|--vocab-size') echo 'none' ;;
+        'model init|--layer-pattern') echo 'files' ;;
+        'model init|--experts') echo 'none' ;;
+        'model init|--top-k') echo 'none' ;;
+        'model init|--mtp-layers') echo 'none' ;;
         'model init|--seed') echo 'none' ;;
     esac
 }
@@ -93,7 +97,7 @@ _gymv_arg_kind() {
         'train|'*) echo 'keys' ;;
         'env serve|''0') echo 'choice:arithmetic circle-click circle-count doorkey example-multi-turn-gymnasium polygon-naming scripted tangram' ;;
         'env verify|''0') echo 'files' ;;
-        'model init|''0') echo 'choice:tiny-gemma3 tiny-llama tiny-llava tiny-llava-next tiny-llava-onevision tiny-qwen2_5vl tiny-qwen2vl tiny-qwen3 tiny-qwen3vl tiny-smolvlm' ;;
+        'model init|''0') echo 'choice:tiny-gemma3 tiny-llama tiny-llava tiny-llava-next tiny-llava-onevision tiny-nemotron-omni tiny-qwen2_5vl tiny-qwen2vl tiny-qwen3 tiny-qwen3vl tiny-smolvlm' ;;
         'model init|''1') echo 'files' ;;
         'model info|''0') echo 'files' ;;
     esac

@@ -77,7 +77,9 @@ def favour_vision_tokens(policy):
         out[..., ids] += 1000.0
         return out
 
-    return policy.model.get_output_embeddings().register_forward_hook(hook)
+    from gymv.backends.hf_forward import output_head
+
+    return output_head(policy.model).register_forward_hook(hook)
 
 
 def grpo_step(arch: str, traj) -> tuple[dict, bool]:

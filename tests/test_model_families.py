@@ -28,6 +28,7 @@ VLM_FAMILIES = {
     "tiny-llava-onevision": ("LlavaOnevisionForConditionalGeneration", "LlavaOnevisionProcessor", "anyres"),
     "tiny-gemma3": ("Gemma3ForConditionalGeneration", "Gemma3Processor", "image_block"),
     "tiny-smolvlm": ("SmolVLMForConditionalGeneration", "SmolVLMProcessor", "split"),
+    "tiny-nemotron-omni": ("NemotronH_Omni_Reasoning_V3", "NemotronH_Omni_Reasoning_V3Processor", "patch_grid"),
 }
 TEXT_FAMILIES = {
     "tiny-qwen3": "Qwen3ForCausalLM",

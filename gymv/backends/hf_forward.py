@@ -24,6 +24,37 @@ def cache_keyword(model) -> str:
     return "cache" if "cache" in _params(type(model)) else "past_key_values"
 
 
+RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "mamba", "mamba2"})
+
+
+def has_recurrent_layers(model) -> bool:
+    """The decoder holds recurrent layers (Mamba-2): their cached state is a running summary of every token
+    passed, pads included, not a table of per-position keys."""
+    text = model.config.get_text_config()
+    kinds = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None) or ()
+    return bool(RECURRENT_LAYER_TYPES & set(kinds))
+
+
+def output_head(model) -> torch.nn.Module | None:
+    """The LM head; a composite model that keeps it inside its language model (Nemotron 3 Omni) returns None
+    from its own `get_output_embeddings`, so the language model is asked next."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    inner = getattr(model, "language_model", None)
+    if head is None and inner is not None and hasattr(inner, "get_output_embeddings"):
+        head = inner.get_output_embeddings()
+    return head
+
+
+def select_cache_rows(cache, rows: torch.Tensor) -> None:
+    """Keep `rows` of every layer's cache, in that order (hybrid caches: recurrent layers hold conv and SSM
+    states, which transformers reorders with `reorder_cache` and has no `batch_select_indices` for)."""
+    for layer in cache.layers:
+        if hasattr(layer, "batch_select_indices"):
+            layer.batch_select_indices(rows)
+        else:
+            layer.reorder_cache(rows)
+
+
 def embed_with_images(model, input_ids: torch.Tensor, image_token_id: int, features: list[torch.Tensor]) -> torch.Tensor:
     """Token embeddings with each image's features written over its placeholder tokens, in order."""
     embeds = model.get_input_embeddings()(input_ids)

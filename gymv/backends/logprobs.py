@@ -24,7 +24,7 @@ import torch
 from torch.profiler import record_function
 
 from gymv.backends.chunked_scores import chunked_scores
-from gymv.backends.hf_forward import forward_logits
+from gymv.backends.hf_forward import forward_logits, has_recurrent_layers, select_cache_rows
 from gymv.backends.host_copy import to_device, to_device_many
 from gymv.backends.multimodal import MultimodalAdapter, image_hash
 from gymv.backends.pixel_cache import pixel_cache
@@ -87,10 +87,14 @@ def _forward_kwargs(adapter, input_ids) -> dict:
     return fn(input_ids) if fn is not None else {}
 
 
-def packable(adapter: MultimodalAdapter, packed_attention: bool = False) -> str | None:
+def packable(adapter: MultimodalAdapter, packed_attention: bool = False, model=None) -> str | None:
     """None when the adapter's rows can be packed into one row (no extra model inputs; positions of its own,
     such as 3-D rotary ones, only with gymv's packed attention, which confines attention to each sequence
-    without reading positions); else why not, for the error that refuses packing."""
+    without reading positions) and `model` has no recurrent layers; else why not, for the error that
+    refuses packing."""
+    if model is not None and has_recurrent_layers(model):
+        return ("the decoder's Mamba-2 layers run through a row's tokens in order, so each sequence of a packed row "
+                "would start from the state the previous one left behind")
     cls = type(adapter)
     if cls.position_ids is not MultimodalAdapter.position_ids and not packed_attention:
         return (f"the {adapter.style} processor style computes its own (multi-dimensional) positions, which "
@@ -247,6 +251,8 @@ def _shared_prefix_logits(model, adapter: MultimodalAdapter, batch: MultimodalBa
     adapter.check_batch(ids, batch.images, batch.where, batch.attention_mask)
     reps = [groups.index(u) for u in range(U)]
     P = int(first.max())
+    if has_recurrent_layers(model) and int(first.min()) != P:
+        return None  # a recurrent layer's state would run on through a shorter prefix's padding
     dev = next(model.parameters()).device
     rep_idx = torch.tensor(reps)
     pre_len = first[rep_idx]
@@ -265,7 +271,7 @@ def _shared_prefix_logits(model, adapter: MultimodalAdapter, batch: MultimodalBa
         return None
     group_idx = torch.tensor(groups, device=dev)
     next_pos = adapter.next_positions(pre_pos, pre_mask)[group_idx]
-    cache.batch_select_indices(group_idx)
+    select_cache_rows(cache, group_idx)
 
     lengths = mask.sum(1)
     S = int((lengths - first).max())

@@ -8,8 +8,8 @@ position ids, and the vision special tokens that must never be sampled. The styl
 - ``grid`` (Qwen2-VL, Qwen2.5-VL; ``grid_deepstack`` for Qwen3-VL): ``<|vision_start|><|image_pad|><|vision_end|>``
   in the text; the pad becomes ``t*h*w / merge_size**2`` copies, which depends on the image size; inputs carry
   ``image_grid_thw`` and the text model uses 3-D (M-RoPE) positions.
-- ``anyres`` (LLaVA-NeXT, OneVision), ``image_block`` (Gemma 3), ``split`` (SmolVLM, Idefics3): see their
-  classes; ``text``: a causal LM with no vision path at all.
+- ``anyres`` (LLaVA-NeXT, OneVision), ``image_block`` (Gemma 3), ``split`` (SmolVLM, Idefics3), ``patch_grid``
+  (Nemotron 3 Omni): see their classes; ``text``: a causal LM with no vision path at all.
 
 Every forward pass in gymv first calls :meth:`MultimodalAdapter.check` on each sequence, so a placeholder
 count that does not match the images is a one-line error naming the row and turn, never a wrong tensor.
@@ -33,6 +33,7 @@ SUPPORTED_PROCESSORS = {
     "LlavaProcessor": "placeholder", "Qwen2VLProcessor": "grid", "Qwen2_5_VLProcessor": "grid",
     "Qwen3VLProcessor": "grid_deepstack", "LlavaNextProcessor": "anyres", "LlavaOnevisionProcessor": "anyres",
     "Gemma3Processor": "image_block", "Idefics3Processor": "split", "SmolVLMProcessor": "split",
+    "NemotronH_Omni_Reasoning_V3Processor": "patch_grid",
 }
 
 
@@ -607,6 +608,49 @@ class SplitAdapter(MultimodalAdapter):
         return _per_image(out, inputs.tokens_per_image)
 
 
+class PatchGridAdapter(MultimodalAdapter):
+    """Nemotron 3 Omni: `<image>` in the chat text becomes `<img>`, `rows*cols/merge**2` image tokens and
+    `</img>`, where the patch grid depends on the image's size (dynamic resolution, pixel shuffle 2x2 after the
+    RADIO tower); the model takes flattened patches of every image with `image_grid_hw` [images, 2].
+
+    The image processor is gymv's torch rendition of the family's own (gymv.models.nemotron_omni), which
+    transformers ships only for torchvision. Each image is processed on its own, so an image's tokens never
+    depend on the images other turns add; a processor config whose patch budget would is refused at load.
+    """
+
+    style = "patch_grid"
+    adjacent_images_merge = False
+
+    def __init__(self, tokenizer, image_processor, config, processor_class: str, hf_processor=None):
+        super().__init__(tokenizer, image_processor, config, processor_class, hf_processor)
+        from gymv.models.nemotron_omni import IMAGE_END, IMAGE_START, VIDEO_TOKEN
+
+        image_processor.check_budget(processor_class)
+        named = lambda attr, default: tokenizer.convert_tokens_to_ids(getattr(tokenizer, attr, None) or default)  # noqa: E731
+        self.start_id, self.end_id = int(named("image_start_token", IMAGE_START)), int(named("image_end_token", IMAGE_END))
+        video = named("video_token", VIDEO_TOKEN)
+        extra = {self.start_id, self.end_id} | ({int(video)} if isinstance(video, int) and video >= 0 else set())
+        self.vision_token_ids = tuple(sorted({*self.vision_token_ids, *extra}))
+
+    def tokens_per_image(self, image) -> int:
+        return self.image_processor.tokens(image)
+
+    def image_token_ids(self, image) -> list[int]:
+        return [self.start_id, *[self.image_token_id] * self.tokens_per_image(image), self.end_id]
+
+    def preprocess(self, images: Sequence) -> ImageInputs:
+        out = self.image_processor(list(images))
+        grid = out["image_grid_hw"]  # rides in the grid slot: select() splits pixel rows by its products
+        merge = self.image_processor.merge_size
+        return ImageInputs(out["pixel_values"], grid, [int(n) // merge ** 2 for n in grid.prod(-1).tolist()])
+
+    def image_features(self, model, inputs: ImageInputs) -> list:
+        dtype = next(model.parameters()).dtype
+        out = model.get_image_features(pixel_values=to_device(inputs.pixel_values, model.device).to(dtype),
+                                       image_grid_hw=to_device(inputs.image_grid_thw, model.device))
+        return _per_image(out, inputs.tokens_per_image)
+
+
 class TextAdapter(MultimodalAdapter):
     """A text-only causal LM: no image token at all (id -1 matches no token), nothing masked out of sampling,
     and any image is a one-line error naming the row, before a forward pass."""
@@ -656,7 +700,7 @@ class TextAdapter(MultimodalAdapter):
 
 _STYLES = {"placeholder": PlaceholderAdapter, "grid": GridAdapter, "grid_deepstack": DeepstackGridAdapter,
            "anyres": AnyResAdapter,
-           "image_block": ImageBlockAdapter, "split": SplitAdapter}
+           "image_block": ImageBlockAdapter, "split": SplitAdapter, "patch_grid": PatchGridAdapter}
 
 
 def make_adapter(processor_class: str, tokenizer, image_processor, config, hf_processor=None) -> MultimodalAdapter:

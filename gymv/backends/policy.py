@@ -40,6 +40,21 @@ def _processor_class(path: Path) -> str:
     return ""
 
 
+def _omni_image_processor(ckpt: Path):
+    from gymv.models.nemotron_omni import OmniImageProcessor
+
+    f = ckpt / "preprocessor_config.json"
+    if not f.exists():
+        raise GymvError("the checkpoint has no preprocessor_config.json", where=str(ckpt),
+                        fix="save the image processor config with the model")
+    return OmniImageProcessor.from_dict(json.loads(f.read_text()))
+
+
+# processor class -> the loader of gymv's own image processor for families whose transformers image
+# processor needs torchvision (used wherever the checkpoint loads, so pixels are the same everywhere)
+OWN_IMAGE_PROCESSORS = {"NemotronH_Omni_Reasoning_V3Processor": _omni_image_processor}
+
+
 def load_policy(path: str | os.PathLike, device: str = "cpu", dtype: Any = None, *,
                 cache_dir: str | os.PathLike | None = None, seed: int = 0,
                 attn_implementation: str | None = None, trust_remote_code: bool = False) -> Policy:
@@ -136,15 +151,20 @@ def _load(ckpt: Path, device, dtype, attn_implementation, trust: bool = False) -
         return _load_text(ckpt, device, dtype, attn_implementation, trust)
     processor_class = _processor_class(ckpt)
     hf_processor, why = None, None
+    # where gymv brings the image processor, transformers' needs torchvision and says so in a ValueError
+    missing = (ImportError, ValueError) if processor_class in OWN_IMAGE_PROCESSORS else ImportError
     try:
         hf_processor = AutoProcessor.from_pretrained(ckpt, trust_remote_code=trust)
         processor_class = type(hf_processor).__name__
         tokenizer = hf_processor.tokenizer
         image_processor = getattr(hf_processor, "image_processor", None)
-    except ImportError as e:  # a sub-processor (e.g. video) needs a package that is not installed
+    except missing as e:  # a sub-processor (e.g. video) needs a package that is not installed
         why = " ".join(str(e).split()).split(". ")[0]
         tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
-        image_processor = AutoImageProcessor.from_pretrained(ckpt, trust_remote_code=trust)
+        image_processor = (None if processor_class in OWN_IMAGE_PROCESSORS
+                           else AutoImageProcessor.from_pretrained(ckpt, trust_remote_code=trust))
+    if processor_class in OWN_IMAGE_PROCESSORS:
+        image_processor = OWN_IMAGE_PROCESSORS[processor_class](ckpt)
     if processor_class not in SUPPORTED_PROCESSORS:
         raise GymvError(f"unsupported processor {processor_class or '(none found)'!r}", where=str(ckpt),
                         fix=f"gymv supports: {supported_text()}")

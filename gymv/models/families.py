@@ -19,6 +19,7 @@ STAND_INS: tuple[tuple[str, str], ...] = (
     (r"llava[-_]?(next|v1\.6)", "tiny-llava-next"),
     (r"smolvlm|idefics3", "tiny-smolvlm"),
     (r"gemma[-_]?3[-_]?(4|12|27)b", "tiny-gemma3"),
+    (r"nemotron.*omni", "tiny-nemotron-omni"),
     (r"llava", "tiny-llava"),
     (r"llama", "tiny-llama"),
     (r"qwen", "tiny-qwen3"),

@@ -37,6 +37,11 @@ class TinyKnobs:
     patch_size: int = 7
     vocab_size: int = 1024
     seed: int = 0
+    # hybrid decoders only (tiny-nemotron-omni): layer letters, routed experts, top-k, MTP layers
+    layer_pattern: str = ""
+    experts: int = 4
+    experts_per_token: int = 2
+    mtp_layers: int = 0
 
     def validate(self, arch: str) -> None:
         def bad(msg: str, fix: str) -> GymvError:
@@ -56,17 +61,26 @@ class TinyKnobs:
         if self.vocab_size < 400:
             raise bad(f"vocab size {self.vocab_size} is below 400 (bytes + specials + tool markup)",
                       "pass --vocab-size 512 or more")
+        hybrid = dict(layer_pattern="", experts=4, experts_per_token=2, mtp_layers=0)
+        changed = sorted(n for n, v in hybrid.items() if getattr(self, n) != v)
+        if changed and arch not in HYBRID_ARCHES:
+            raise bad(f"{', '.join(changed)} only apply to the hybrid architectures ({', '.join(HYBRID_ARCHES)})",
+                      "leave them out for this architecture")
+        if self.experts < 1 or self.experts_per_token < 1 or self.mtp_layers < 0:
+            raise bad("experts and experts_per_token must be at least 1, mtp_layers at least 0",
+                      "pass e.g. --experts 4 --top-k 2 --mtp-layers 0")
 
 
 ARCHES = ("tiny-llava", "tiny-llava-next", "tiny-llava-onevision", "tiny-qwen2vl", "tiny-qwen2_5vl", "tiny-qwen3vl",
-          "tiny-gemma3", "tiny-smolvlm", "tiny-qwen3", "tiny-llama")
+          "tiny-gemma3", "tiny-smolvlm", "tiny-nemotron-omni", "tiny-qwen3", "tiny-llama")
+HYBRID_ARCHES = ("tiny-nemotron-omni",)  # Mamba-2 / attention / MoE decoders
 ANYRES_ARCHES = ("tiny-llava-next", "tiny-llava-onevision")
 GRID_ARCHES = {"tiny-qwen2vl": "Qwen2VL", "tiny-qwen2_5vl": "Qwen2_5_VL", "tiny-qwen3vl": "Qwen3VL"}  # arch -> transformers class prefix
 TEXT_ONLY_ARCHES = ("tiny-qwen3", "tiny-llama")
 DEFAULTS = {"tiny-llava": TinyKnobs(), "tiny-qwen2vl": TinyKnobs(image_size=112),
             "tiny-qwen2_5vl": TinyKnobs(image_size=112), "tiny-qwen3vl": TinyKnobs(image_size=112),
             "tiny-llava-next": TinyKnobs(), "tiny-llava-onevision": TinyKnobs(), "tiny-gemma3": TinyKnobs(),
-            "tiny-smolvlm": TinyKnobs(),
+            "tiny-smolvlm": TinyKnobs(), "tiny-nemotron-omni": TinyKnobs(layers=4, image_size=96, patch_size=8, vision_layers=1),
             "tiny-qwen3": TinyKnobs(), "tiny-llama": TinyKnobs()}
 
 
@@ -513,6 +527,10 @@ def init_tiny(arch: str, out_dir: str | os.PathLike, *, force: bool = False, reu
         return init_tiny_anyres(arch, out_dir, force=force, reuse=reuse, **knobs)
     if arch in TEXT_ONLY_ARCHES:
         return init_tiny_text(arch, out_dir, force=force, reuse=reuse, **knobs)
+    if arch in HYBRID_ARCHES:
+        from gymv.models.tiny_omni import init_tiny_nemotron_omni
+
+        return init_tiny_nemotron_omni(out_dir, force=force, reuse=reuse, **knobs)
     raise GymvError(f"unknown tiny architecture {arch!r}", fix=f"use one of: {', '.join(ARCHES)}")
 
 

@@ -26,7 +26,7 @@ from gymv.backends.generation.base import (
     Weights,
     named,
 )
-from gymv.backends.hf_forward import forward_logits
+from gymv.backends.hf_forward import forward_logits, select_cache_rows
 from gymv.backends.multimodal import MultimodalAdapter, image_hash, preprocess_threaded
 from gymv.backends.sampling import forbidden_mask, policy_logits, sample
 from gymv.errors import GymvError
@@ -179,7 +179,7 @@ class HFGenerationBackend(GenerationBackend):
                                 adapter=self.adapter)[:, -1]
         if U < B:
             rows = torch.tensor(row_slot, device=dev)
-            cache.batch_select_indices(rows)
+            select_cache_rows(cache, rows)
             logits, mask, next_pos = logits[rows], mask[rows], next_pos[rows]
         t_prefill = time.perf_counter()
 
@@ -212,7 +212,7 @@ class HFGenerationBackend(GenerationBackend):
                 break
             if len(keep) < len(active):
                 idx = torch.tensor(keep, device=dev)
-                cache.batch_select_indices(idx)
+                select_cache_rows(cache, idx)
                 mask, next_pos, tok = mask[idx], next_pos[idx], tok[idx]
                 active = [active[j] for j in keep]
             mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)

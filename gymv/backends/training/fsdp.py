@@ -88,7 +88,9 @@ def _separate_embedding(model: torch.nn.Module) -> torch.nn.Module | None:
     embed = get() if get is not None else None
     if embed is None:
         return None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    from gymv.backends.hf_forward import output_head
+
+    head = output_head(model)
     if head is not None and head.weight is embed.weight:
         return None
     return embed

@@ -65,7 +65,7 @@ class BatchLayout:
         # where packed attention is unsupported, transformers' dense packed mask confines attention instead
         # (1-D positions only), and prompts are not shared in a row
         installable = packed_attention.supports(model) is None
-        why_not = packable(adapter, installable)
+        why_not = packable(adapter, installable, model)
         if packing is True and why_not:
             raise GymvError(f"sequence packing is not supported for this model: {why_not}",
                             where="training.sequence_packing", fix="set training.sequence_packing: auto or false")
