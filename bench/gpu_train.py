@@ -262,7 +262,7 @@ def computed_tokens(backend, batch) -> int:
 def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, seed: int, smoke: bool,
             profile: bool = False, compile_layers: bool = False, micro_batch_tokens: int | None = None,
             keep_gathered: bool = False, trace: str | None = None, groups_override: int | None = None,
-            options: frozenset = frozenset()) -> dict:
+            options: frozenset = frozenset(), mem_phases: bool = False) -> dict:
     import torch
 
     from gymv.algorithms.loss_fns import PolicyLoss
@@ -359,6 +359,8 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
         out["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if profiled is not None:
         out["profile"] = profiled
+    if mem_phases and device.startswith("cuda"):
+        out["memory_phases"] = memory_phases(backend, [as_tensors(dict(s)) for s in mine], loss)
     from gymv.backends import packed_attention
 
     out["packed_attention"] = packed_attention.active(backend.model)
@@ -369,6 +371,40 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return out
+
+
+def memory_phases(backend, batch, loss) -> list[dict]:
+    """One more step with the allocator read at each micro-batch's start and around the optimizer step: memory
+    held, and the peak since the previous mark (host-side counters: no device sync)."""
+    import torch
+
+    trainer, marks = backend.trainer, []
+
+    def mark(at: str) -> None:
+        marks.append({"at": at, "allocated_gb": round(torch.cuda.memory_allocated() / 2**30, 2),
+                      "peak_since_last_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2)})
+        torch.cuda.reset_peak_memory_stats()
+
+    start, step = trainer._start_micro_batch, trainer.optimizer.step
+
+    def on_start(last):
+        mark("micro-batch start")
+        start(last)
+
+    def on_step(*a, **k):
+        mark("optimizer step start")
+        out = step(*a, **k)
+        mark("optimizer step end")
+        return out
+
+    trainer._start_micro_batch, trainer.optimizer.step = on_start, on_step
+    try:
+        mark("step start")
+        backend.train_step(batch, loss)
+        mark("step end")
+    finally:
+        trainer._start_micro_batch, trainer.optimizer.step = start, step
+    return marks
 
 
 def parity(base: dict, device: str, smoke: bool) -> dict:
@@ -443,7 +479,7 @@ def worker(rank: int, world: int, port: int, a) -> None:
                 row = one_run(run, base, rank, world, device, a.steps, a.seed, smoke, profile=profile_this,
                               compile_layers=compiled, micro_batch_tokens=tokens, keep_gathered=keep,
                               trace=str(a.out / "trace.json") if a.trace and profile_this else None,
-                              groups_override=a.groups, options=extra)
+                              groups_override=a.groups, options=extra, mem_phases=a.mem_phases)
                 profiled = profiled or profile_this
             except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
                 row = {"run": run_name(run), "compile": compiled, "micro_batch_tokens": tokens,
@@ -455,7 +491,7 @@ def worker(rank: int, world: int, port: int, a) -> None:
         if rank == 0:
             result["runs"].append(row)
             brief = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                     if k not in ("step_s_all", "params", "trace", "profile")}
+                     if k not in ("step_s_all", "params", "trace", "profile", "memory_phases")}
             print(json.dumps(brief), flush=True)
             (a.out / RESULT_NAME).write_text(json.dumps(result, indent=2))
     if world > 1:
@@ -477,6 +513,8 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mem-phases", action="store_true",
+                    help="one more step per run with the allocator read at each phase (memory_phases in the JSON)")
     ap.add_argument("--json-name", help="results file name under --out (default gpu_train.json)")
     ap.add_argument("--groups", type=int, help="groups of G=8 samples per step and rank (default: the run's own)")
     ap.add_argument("--budget-s", type=float, default=170.0, help="start no new run after this many seconds")

