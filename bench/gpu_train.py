@@ -360,7 +360,17 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
     if profiled is not None:
         out["profile"] = profiled
     if mem_phases and device.startswith("cuda"):
+        snapshot = os.environ.get("GYMV_BENCH_MEM_SNAPSHOT")  # a path: the allocator's history of that step
+        if snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
         out["memory_phases"] = memory_phases(backend, [as_tensors(dict(s)) for s in mine], loss)
+        if snapshot:
+            import gzip
+            import pickle
+
+            with gzip.open(snapshot, "wb") as fh:
+                pickle.dump(torch.cuda.memory._snapshot(), fh)
+            torch.cuda.memory._record_memory_history(enabled=None)
     from gymv.backends import packed_attention
 
     out["packed_attention"] = packed_attention.active(backend.model)
