@@ -23,6 +23,17 @@ Per config, the medians over the runs of each framework are compared. Target: gy
 
     .venv/bin/python bench/grpo_vs_trl.py [--configs 4x4-sft,8x8-random] [--repeats 3] [--steps N] [--json]
     .venv/bin/python bench/grpo_vs_trl.py --gymv-only [--configs ...]   # gymv alone: A/B of gymv changes
+
+`--device cuda` (one GPU; both frameworks in the running Python, no virtual environments): a ~0.8B LLaVA-shaped
+VLM built locally (`gymv.models.tiny` at hidden 2048, 16 layers, a 4-layer 224-pixel CLIP tower; random
+weights, so every completion runs to the token limit in both frameworks and the work per step is the same),
+circle-count rows at NeMo Gym's default 1000x1000, bf16 compute with float32 master weights in both. gymv runs
+its colocated layout (generation and training on the one GPU, CUDA-IPC refit, the static-cache decoder, fsdp2
+with packed rows); TRL's `GRPOTrainer` generates with transformers (`generation_kwargs`: dynamic and static
+cache are both run, the faster one is TRL's figure), since vLLM's GPU wheel cannot be installed beside this
+torch. Steps 2..N timed as above.
+
+    python bench/grpo_vs_trl.py --device cuda [--configs cuda-16x8] [--repeats 1] [--steps 6]
 """
 
 from __future__ import annotations
@@ -217,12 +228,15 @@ def circle_count_reward():
 def trl_worker(spec_path: Path) -> None:
     import torch
 
-    torch.set_num_threads(THREADS)
+    spec = json.loads(spec_path.read_text())
+    cuda = spec.get("device") == "cuda"
+    if not cuda:
+        torch.set_num_threads(THREADS)
     from transformers import AutoProcessor, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    spec = json.loads(spec_path.read_text())
     P, G = spec["prompts"], spec["generations"]
+    accumulation = 4 if cuda else 1
     step_ends: dict[int, float] = {}
     rows: list[dict] = []
 
@@ -236,14 +250,18 @@ def trl_worker(spec_path: Path) -> None:
                              **{k: v for k, v in logs.items() if isinstance(v, (int, float))}})
 
     config = GRPOConfig(
-        output_dir=spec["output_dir"], use_cpu=True, bf16=False, fp16=False, seed=SEED,
-        per_device_train_batch_size=P * G, gradient_accumulation_steps=1, steps_per_generation=1,
+        output_dir=spec["output_dir"], use_cpu=not cuda, bf16=cuda, fp16=False, seed=SEED,
+        # on a GPU four micro-batches of 32 (one generation of P x G, one optimizer step): 128 rows of a 0.8B
+        # model in one forward would hold ~80 GB of activations
+        per_device_train_batch_size=P * G // accumulation, gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation,
         num_generations=G, num_iterations=1, max_completion_length=spec["max_new_tokens"],
         temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, loss_type="dapo",
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         max_steps=spec["steps"], shuffle_dataset=False, gradient_checkpointing=False,
         logging_steps=1, save_strategy="no", report_to="none", dataloader_num_workers=0,
         disable_tqdm=True, model_init_kwargs={"dtype": "float32"},
+        **({"cache_implementation": spec["cache"]} if spec.get("cache") else {}),
     )
     processor = AutoProcessor.from_pretrained(spec["model"], padding_side="left")
     trainer = GRPOTrainer(model=spec["model"], reward_funcs=circle_count_reward(), args=config,
@@ -268,15 +286,18 @@ def trl_worker(spec_path: Path) -> None:
     Path(spec["result"]).write_text(json.dumps(out))
 
 
-def run_trl(python: Path, work: Path, model: Path, rows: Path, args: argparse.Namespace, tag: str) -> dict:
+def run_trl(python: Path, work: Path, model: Path, rows: Path, args: argparse.Namespace, tag: str,
+            device: str = "cpu", cache: str | None = None) -> dict:
     name = f"trl-{tag}"
     spec = {"model": str(model), "rows": str(rows), "prompts": args.prompts, "generations": args.generations,
             "max_new_tokens": args.max_new_tokens, "steps": args.steps, "output_dir": str(work / name),
-            "result": str(work / f"{name}.json")}
+            "result": str(work / f"{name}.json"), "device": device, "cache": cache}
     spec_path = work / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
     env = bench_env()
-    env["PYTHONPATH"] = str(ROOT)  # gymv's verifier and image decoding, imported from the source tree
+    if device == "cuda":  # the running Python (its PYTHONPATH too), all host threads
+        env.pop("OMP_NUM_THREADS", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     t0 = time.time()
     run([str(python), str(Path(__file__).resolve()), "--trl-worker", str(spec_path)], log=work / f"{name}.log",
         env=env)
@@ -293,6 +314,7 @@ def run_trl(python: Path, work: Path, model: Path, rows: Path, args: argparse.Na
         "median_generation_s": round(statistics.median(res["generation_s"][1:]), 4),
         **{k: res[k] for k in ("threads", "model_class", "processor_class", "attn_implementation",
                                "activation_checkpointing")},
+        "cache_implementation": cache,
     }
 
 
@@ -407,6 +429,109 @@ def gymv_only(args: argparse.Namespace, names: list[str], work: Path) -> None:
     print(f"-> {out}")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# one GPU: both frameworks in this Python
+# ---------------------------------------------------------------------------------------------------------------
+
+CUDA_MODEL = dict(hidden=2048, layers=16, heads=16, kv_heads=8, intermediate=5632, vision_hidden=256, vision_layers=4,
+                  vision_heads=4, image_size=224, patch_size=14, vocab_size=1024)
+CUDA_CONFIGS = {"cuda-16x8": (16, 8, 128, 6)}  # prompts, generations, max new tokens, steps
+CUDA_LAYOUT = ["cluster.num_nodes=1", "cluster.gpus_per_node=1", "cluster.colocated=true", "refit.transport=cuda_ipc",
+               "training.dtype=bfloat16", "model.dtype=bfloat16", "training.backend=fsdp2",
+               "training.sequence_packing=true", "training.micro_batch_tokens=32768", "model.max_seq_len=2048"]
+
+
+def prepare_cuda(work: Path) -> tuple[Path, Path]:
+    from gymv.data.generate import write_dataset
+    from gymv.envs import get_env
+    from gymv.envs.knobs import resolve_knobs
+    from gymv.models.tiny import init_tiny_llava
+
+    work.mkdir(parents=True, exist_ok=True)
+    rows = work / "train-cuda.jsonl"
+    if not rows.exists():
+        env = get_env("circle-count")
+        write_dataset(rows, env, resolve_knobs(env, None, []), n=256, seed=SEED)
+    model = init_tiny_llava(work / "model-cuda", reuse=True, **CUDA_MODEL)
+    return model, rows
+
+
+def run_gymv_cuda(work: Path, model: Path, rows: Path, cfg: argparse.Namespace, tag: str) -> dict:
+    name = f"gymv-{tag}"
+    if (work / name).exists():
+        shutil.rmtree(work / name)
+    overrides = [
+        f"model.path={model}", f"data.train={rows}", f"data.eval={rows}", "data.shuffle=false", "data.prepare=null",
+        f"grpo.prompts_per_step={cfg.prompts}", f"grpo.generations_per_prompt={cfg.generations}",
+        f"generation.max_new_tokens={cfg.max_new_tokens}", "generation.temperature=1.0", "generation.top_p=1.0",
+        "grpo.val_period=0", "grpo.val_at_start=false", f"grpo.max_steps={cfg.steps}", "grpo.loss.kl_coef=0.0",
+        "grpo.loss.clip_low=0.2", "grpo.loss.clip_high=0.2", "grpo.loss.aggregation=token_mean", f"training.lr={LR}",
+        "training.warmup_steps=0", "training.max_grad_norm=1.0", "training.gradient_checkpointing=false",
+        f"checkpoint.period={cfg.steps}", "checkpoint.resume=false", f"checkpoint.dir={work}", f"name={name}",
+        f"seed={SEED}", "env.preset=null", *CUDA_LAYOUT]
+    code = "import sys; from gymv.train import train; train(sys.argv[1], sys.argv[2:])"
+    env = bench_env()
+    env.pop("OMP_NUM_THREADS", None)
+    t0 = time.time()
+    run([sys.executable, "-c", code, str(ROOT / RECIPE), *overrides], log=work / f"{name}.log", env=env)
+    wall = time.time() - t0
+    metrics = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    metrics = [m for m in metrics if m["step"] >= 1]
+    tail = [m for m in metrics if m["step"] >= 2]
+    out = {**steady_state({m["step"]: m["wall_time"] for m in metrics}, cfg.steps, cfg.prompts * cfg.generations),
+           "process_wall_s": round(wall, 1),
+           "completion_tokens_mean": round(statistics.mean(m["train/gen_length_mean"] for m in metrics), 2),
+           "reward_mean": round(statistics.mean(m["train/reward_mean"] for m in metrics), 3),
+           "median_generation_s": round(statistics.median(m["timing/generation_s"] for m in tail), 4)}
+    for k in ("timing/training_s", "timing/logprobs_s", "timing/refit_s", "train/token_mult_prob_error"):
+        if all(k in m for m in tail):
+            out["median_" + k.split("/")[-1]] = round(statistics.median(m[k] for m in tail), 4)
+    return out
+
+
+def bench_cuda(args: argparse.Namespace, work: Path) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device")
+    results = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": torch.cuda.get_device_name(0),
+               "versions": package_versions(Path(sys.executable), ["torch", "transformers", "trl", "ray"]),
+               "model": CUDA_MODEL, "layout": CUDA_LAYOUT, "configs": []}
+    model, rows = prepare_cuda(work)
+    for name in args.configs.split(","):
+        prompts, generations, max_new_tokens, steps = CUDA_CONFIGS[name]
+        cfg = argparse.Namespace(prompts=prompts, generations=generations, max_new_tokens=max_new_tokens,
+                                 steps=args.steps or steps)
+        runs: dict[str, list[dict]] = {}
+        for i in range(args.repeats):
+            for which, cache in (("gymv", None), ("trl-dynamic", None), ("trl-static", "static")):
+                tag = f"{name}-{which}-{i}"
+                try:
+                    r = run_gymv_cuda(work, model, rows, cfg, tag) if which == "gymv" else \
+                        run_trl(Path(sys.executable), work, model, rows, cfg, tag, device="cuda", cache=cache)
+                except SystemExit as e:  # a failed run is reported, the others go on
+                    r = {"error": str(e)[-2000:]}
+                runs.setdefault(which, []).append(r)
+                print(f"{name} {which} run {i}: " + (f"{r['samples_per_s']:.1f} samples/s" if "error" not in r
+                                                     else r["error"][-300:]), file=sys.stderr, flush=True)
+        medians = {k: median_of(v) for k, v in runs.items() if all("error" not in r for r in v)}
+        trl = max((v for k, v in medians.items() if k.startswith("trl")), key=lambda m: m["samples_per_s"], default=None)
+        entry = {"name": name, "setup": vars(cfg), "runs": runs, "medians": medians}
+        if trl is not None and "gymv" in medians:
+            entry["ratio_samples_per_s"] = round(medians["gymv"]["samples_per_s"] / trl["samples_per_s"], 2)
+        results["configs"].append(entry)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"\n{name}: {prompts} prompts x {generations} generations, {max_new_tokens} new tokens, steps 2..{cfg.steps}")
+        print(f"{'':<22}" + "".join(f"{k:>14}" for k in medians))
+        for label, key in (("samples/s", "samples_per_s"), ("s/step", "step_s"),
+                           ("generation s", "median_generation_s"), ("completion tokens", "completion_tokens_mean")):
+            print(f"{label:<22}" + "".join(f"{m.get(key, float('nan')):>14.3f}" for m in medians.values()))
+        if "ratio_samples_per_s" in entry:
+            print(f"gymv over TRL's faster path: {entry['ratio_samples_per_s']:.2f}x samples/s")
+    print(f"-> {args.out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=",".join(CONFIGS),
@@ -419,10 +544,19 @@ def main() -> None:
     ap.add_argument("--gymv-only", action="store_true",
                     help="run gymv alone (no TRL environment): its samples/s and per-step split, for A/B comparisons "
                          "of gymv changes; results go to bench/results/gymv_only.json unless --out is given")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: one GPU, a ~0.8B VLM, both frameworks in this Python (see the module doc)")
     ap.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_worker:
         trl_worker(args.trl_worker)
+        return
+    if args.device == "cuda":
+        if args.configs == ",".join(CONFIGS):
+            args.configs = ",".join(CUDA_CONFIGS)
+        if args.out == RESULTS:
+            args.out = RESULTS.with_name("grpo_vs_trl_cuda.json")
+        bench_cuda(args, args.work.resolve())
         return
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
