@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -45,3 +46,23 @@ def test_local_ray_cluster_binds_every_listener_to_loopback(tmp_path):
     assert len(found) >= 3  # GCS, raylet, a worker at least: the probe sees the cluster
     exposed = [(pid, addr, port) for pid, addr, port in found if not is_loopback(addr)]
     assert exposed == [], f"listening beyond 127.0.0.1: {exposed}"
+
+
+_PRIVATE = textwrap.dedent("""
+    from gymv.cluster.ray_cluster import start_ray, stop_ray
+
+    info = start_ray(num_cpus=1)
+    print("STARTED", info.started_here)
+    stop_ray()
+""")
+
+
+@pytest.mark.slow
+def test_a_local_cluster_is_started_even_where_another_one_is_advertised(tmp_path):
+    # Ray's own default would join the cluster in RAY_ADDRESS or in /tmp/ray/ray_current_cluster (another
+    # user's `ray start` on a shared machine) and fail there; gymv's local cluster is its own
+    env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:1"}
+    out = subprocess.run([sys.executable, "-c", _PRIVATE], capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "STARTED True" in out.stdout

@@ -68,6 +68,7 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None, num_gp
             if num_gpus is None:
                 num_gpus = _local_gpu_count()
             ray.init(
+                address="local",  # a new cluster: never the machine's `ray start` one, nor RAY_ADDRESS's
                 num_cpus=num_cpus or os.cpu_count() or 1,
                 num_gpus=num_gpus,
                 _node_ip_address=LOOPBACK,
