@@ -58,6 +58,22 @@ def test_without_the_env_term_the_loss_is_the_distillation_loss():
     assert torch.equal(a, b) and "env_pg_loss" not in mb
 
 
+def test_the_teacher_advantage_is_reported_as_its_token_mean_and_its_extremes():
+    mask = torch.tensor([[False, True, True], [False, True, False]])
+    student = torch.zeros(2, 3)
+    teacher = torch.tensor([[9.0, -0.5, 0.25], [-9.0, 1.5, 7.0]])  # 9, -9 and 7 lie off the generated tokens
+    batch = {"loss_mask": mask, "logp_teacher": teacher}
+    _, m = DistillationLoss()(batch, student, None, GlobalCounts(tokens=3.0, sequences=2.0))
+    assert m["teacher_advantage"].item() == pytest.approx((-0.5 + 0.25 + 1.5) / 3)
+    assert (m["teacher_advantage_min"].item(), m["teacher_advantage_max"].item()) == (-0.5, 1.5)
+
+
+def test_a_micro_batch_without_trained_tokens_leaves_the_extremes_to_the_others():
+    batch = {"loss_mask": torch.zeros(1, 3, dtype=torch.bool), "logp_teacher": torch.ones(1, 3)}
+    _, m = DistillationLoss()(batch, torch.zeros(1, 3), None, GlobalCounts(tokens=1.0, sequences=1.0))
+    assert (m["teacher_advantage_max"].item(), m["teacher_advantage_min"].item()) == (-float("inf"), float("inf"))
+
+
 @dataclass
 class T:
     reward: float

@@ -109,6 +109,14 @@ def test_no_sequence_is_masked_for_logprob_error_when_generator_and_trainer_agre
         assert 1.0 <= r["train/max_seq_mult_prob_error"] < 1.05
 
 
+def test_each_step_logs_the_teacher_advantages_range_and_its_teacher_batches(mopd_run):
+    _, _, run, _ = mopd_run
+    replicas = {"counting": 1, "arith": 2}  # data_parallel_size: one batch per replica given rows
+    for r in _metrics(run):
+        assert r["train/teacher_advantage_min"] <= r["train/teacher_advantage"] <= r["train/teacher_advantage_max"]
+        assert r["train/num_teacher_batches"] == sum(n for a, n in replicas.items() if f"train/num_sequences/{a}" in r)
+
+
 def test_top_k_distillation_trains_on_each_teachers_candidates(tmp_path, data):
     settings = _settings(tmp_path, data, **{"mopd.top_k": 4, "mopd.max_steps": 2, "checkpoint.period": 2})
     recipe = write_recipe(tmp_path, "mopd-topk", "vlm/vlm_mopd-tinyllava-1n0g-torch.yaml", settings)

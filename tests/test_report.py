@@ -74,6 +74,22 @@ def test_a_plot_without_data_is_left_out(tmp_path):
     assert sorted(f.name for f in (tmp_path / "out" / "plots").iterdir()) == ["loss.png"]
 
 
+def test_a_mopd_run_with_a_sequence_error_threshold_gets_its_health_plots(tmp_path):
+    run = RunDir.create(tmp_path / "mopd", {"name": "mopd", "algorithm": "vlm_mopd"})
+    with run.metrics_log() as log:
+        for s in (1, 2):
+            log.log(s, {"train/loss": 0.1, "train/teacher_advantage": -0.2, "train/teacher_advantage_min": -3.0,
+                        "train/teacher_advantage_max": 1.5, "train/num_teacher_batches": 2.0,
+                        "train/max_seq_mult_prob_error": 1.02, "train/mean_seq_mult_prob_error": 1.01,
+                        "train/min_seq_mult_prob_error": 1.0, "train/max_seq_mult_prob_error_after_mask": 1.02,
+                        "train/num_masked_seqs_by_logprob_error": 0.0})
+    result = build_report(run.path, tmp_path / "out")
+    assert [p.name for p in result.plots] == ["loss", "seq_mult_prob_error", "masked_seqs", "teacher_advantage",
+                                              "teacher_batches"]
+    advantage = next(p for p in result.plots if p.name == "teacher_advantage")
+    assert advantage.metrics == ("train/teacher_advantage", "train/teacher_advantage_min", "train/teacher_advantage_max")
+
+
 # -- a run in progress --------------------------------------------------------------------------------------
 
 

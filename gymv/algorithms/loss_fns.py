@@ -34,7 +34,7 @@ from gymv.algorithms.losses import (
     nll_loss,
     reinforce_loss,
 )
-from gymv.algorithms.masked import as_bool, masked_fill_zero, masked_max
+from gymv.algorithms.masked import as_bool, masked_extreme, masked_fill_zero, masked_max
 
 Metrics = dict[str, Tensor]
 
@@ -180,6 +180,8 @@ class DistillationLoss:
             per_token = per_token * weights.detach()
         loss = aggregate(per_token, kept, self.aggregation, counts)
         metrics["teacher_advantage"] = _token_share(adv, kept, counts)
+        metrics["teacher_advantage_max"] = masked_extreme(adv, kept, largest=True)
+        metrics["teacher_advantage_min"] = masked_extreme(adv, kept, largest=False)
         metrics["kl_teacher"] = _token_share(-masked_fill_zero(teacher - logp_old, mask), mask, counts)
         if entropy is not None:
             metrics["entropy"] = _token_share(entropy, mask, counts)

@@ -6,6 +6,8 @@ reduction here selects instead of multiplying.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -35,3 +37,13 @@ def masked_max(x: Tensor, mask: Tensor) -> Tensor:
     if not bool(m.any()):
         return torch.zeros((), dtype=x.dtype, device=x.device)
     return x[m].max()
+
+
+def masked_extreme(x: Tensor, mask: Tensor, *, largest: bool) -> Tensor:
+    """Max (or min) over kept positions, -inf (or +inf) where none is kept: the neutral element of the max
+    (min) that reduces it over micro-batches and ranks, found without the host waiting on the device."""
+    fill = -math.inf if largest else math.inf
+    if x.numel() == 0:
+        return torch.tensor(fill, dtype=x.dtype, device=x.device)
+    kept = torch.where(as_bool(mask), x, torch.full((), fill, dtype=x.dtype, device=x.device))
+    return kept.amax() if largest else kept.amin()

@@ -157,8 +157,9 @@ class TeacherPool:
         infos = ray_get([w.info.remote() for ws in self.replicas.values() for w in ws], "starting the teachers")
         self.info = {i["alias"]: i for i in infos}
 
-    def score(self, rows_by_alias: dict[str, Sequence]) -> tuple[dict[str, list], dict[str, float]]:
-        """(logprobs per alias, one `[len]` tensor per real row in row order; seconds per alias)."""
+    def score(self, rows_by_alias: dict[str, Sequence]) -> tuple[dict[str, list], int]:
+        """(logprobs per alias, one `[len]` tensor per real row in row order; the teacher batches scored: one
+        per replica given rows)."""
         from gymv.algorithms.teacher_batch import pad_rows, shard_rows, trim
         from gymv.cluster.group import ray_get
 
@@ -171,12 +172,11 @@ class TeacherPool:
             padded, n = pad_rows(rows, self.dp[alias])
             shards = shard_rows(padded, self.dp[alias])
             pending[alias] = (n, [w.score.remote(s) for w, s in zip(self.replicas[alias], shards)])
-        out, seconds = {}, {}
+        out = {}
         for alias, (n, refs) in pending.items():
             parts = ray_get(refs, f"teacher {alias!r} scoring")
             out[alias] = trim([lp for p in parts for lp in p["logprobs"]], n)
-            seconds[alias] = max(p["seconds"] for p in parts)
-        return out, seconds
+        return out, sum(len(refs) for _, refs in pending.values())
 
     def shutdown(self) -> None:
         import ray

@@ -20,7 +20,8 @@ from gymv.report.run import RunData, read_run
 from gymv.report.viewer import groups, rollout_views
 
 LATEST = ("train/reward_mean", "train/accuracy", "val/reward_mean", "val/accuracy", "train/loss", "train/kl_ref",
-          "train/entropy", "train/token_mult_prob_error", "train/grad_norm", "timing/step_s")
+          "train/kl_teacher", "train/teacher_advantage", "train/entropy", "train/token_mult_prob_error",
+          "train/num_masked_seqs_by_logprob_error", "train/grad_norm", "timing/step_s")
 
 
 @dataclass(frozen=True)

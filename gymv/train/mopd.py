@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from gymv.algorithms.mopd import distillation_samples, env_advantages, mopd_loss, sample_where, teacher_metrics
 from gymv.algorithms.mopd_routing import TeacherRouter
@@ -41,21 +42,31 @@ from gymv.train.validation import validate
 COLOCATED_POLICY_SHARE = 0.35  # of a GPU, for each of generation and training when a teacher shares it
 
 
-def teacher_scores(pool, router: TeacherRouter, usable: Sequence) -> tuple[list, list[str], float]:
-    """(teacher logprobs per usable episode, its teacher alias, seconds): route, score per alias, reassemble."""
+@dataclass
+class TeacherScores:
+    logprobs: list  # per usable episode, its teacher's scores
+    aliases: list[str]  # per usable episode, the teacher that scored it
+    seconds: float
+    batches: int  # teacher logprob batches scored (one per teacher replica given rows)
+
+
+def teacher_scores(pool, router: TeacherRouter, usable: Sequence) -> TeacherScores:
+    """Route each usable episode to its teacher, score per alias, reassemble in episode order."""
     from gymv.algorithms.teacher_batch import TeacherRow
 
     t0 = time.perf_counter()
+    if not usable:
+        return TeacherScores([], [], 0.0, 0)
     routes = router.route([t.agent_name for t in usable], [sample_where(t) for t in usable])
     rows = {alias: [TeacherRow(usable[i].token_ids, list(usable[i].images), sample_where(usable[i])) for i in idx]
             for alias, idx in routes.items()}
-    scored, _ = pool.score(rows)
+    scored, batches = pool.score(rows)
     logprobs: list = [None] * len(usable)
     aliases: list[str] = [""] * len(usable)
     for alias, idx in routes.items():
         for i, lp in zip(idx, scored[alias]):
             logprobs[i], aliases[i] = lp, alias
-    return logprobs, aliases, time.perf_counter() - t0
+    return TeacherScores(logprobs, aliases, time.perf_counter() - t0, batches)
 
 
 def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
@@ -110,8 +121,8 @@ def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
             advantages = env_advantages(trajectories, G)
             keep = [i for i, t in enumerate(trajectories) if is_usable(t)]
             usable = [trajectories[i] for i in keep]
-            teacher_lp, aliases, teacher_s = teacher_scores(pool, router, usable) if usable else ([], [], 0.0)
-            samples = distillation_samples(usable, teacher_lp, [advantages[i] for i in keep])
+            scores = teacher_scores(pool, router, usable)
+            samples = distillation_samples(usable, scores.logprobs, [advantages[i] for i in keep])
 
             # 4. optimizer step(s)
             train_metrics = policy_update(cluster, cfg, samples, [t.reward for t in usable], loss_fn,
@@ -122,21 +133,22 @@ def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
             report.on_refit(step, cluster)
 
             # 6. validation, logs, checkpoint
-            metrics = {**rollout_metrics(trajectories, "train"), **teacher_metrics(usable, teacher_lp, aliases),
-                       **train_metrics}
+            metrics = {**rollout_metrics(trajectories, "train"),
+                       **teacher_metrics(usable, scores.logprobs, scores.aliases),
+                       "train/num_teacher_batches": float(scores.batches), **train_metrics}
             if should_validate(step, mopd.val_period, mopd.max_steps):
                 metrics.update(validate(ctx, cluster, step, mopd.val_prompts))
             step_s = time.perf_counter() - t_step
             generated = sum(sum(t.loss_mask) for t in trajectories)
             metrics.update({
                 "timing/step_s": step_s, "timing/generation_s": timing["generation_s"], "timing/env_s": timing["env_s"],
-                "timing/teacher_s": teacher_s, "timing/refit_s": refit_s,
+                "timing/teacher_s": scores.seconds, "timing/refit_s": refit_s,
                 "timing/generation_tokens_per_s": generated / max(timing["generation_s"], 1e-9),
                 "timing/tokens_per_s": sum(len(t.token_ids) for t in trajectories) / max(step_s, 1e-9),
             })
             if cfg.logger.log_rollouts:
                 records = [to_rollout_record(t) for t in trajectories]
-                for i, alias in zip(keep, aliases):
+                for i, alias in zip(keep, scores.aliases):
                     records[i].setdefault("_gymv", {})["teacher"] = alias
                 run.write_rollouts(step, records)
             metrics_log.log(step, metrics)
