@@ -19,7 +19,9 @@ when the requests that may still come fit one; `generate` is a feed filled and c
 
 The decode step reads the model's own parameters through small pure functions (Llama's RMSNorm, rotary
 embedding, attention over the static cache, gated MLP), so it serves Llama-family text models with 1-D
-rotary positions (LLaVA-style VLMs); `text_model` says why any other model is left to the HF loop.
+rotary positions (LLaVA-style VLMs), and Nemotron-H hybrids (Mamba-2, attention, mixture-of-experts layers;
+their per-row Mamba states live beside the KV cache, see `static_hybrid`); `text_model` says why any other
+model is left to the HF loop.
 
 Sampling: the logprob is `log_softmax(policy_logits / temperature)` of the drawn token, the trainer's
 definition; vision tokens are at -inf. Draws use Gumbel-max with noise hashed from (row seed, step, token):
@@ -35,15 +37,17 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from gymv.backends.generation import static_hybrid as hybrid
 from gymv.backends.generation.base import GenerationOutput, GenerationRequest, OnOutput, RequestFeed, SamplingParams
 from gymv.backends.generation.decode_attention import available as split_available
 from gymv.backends.generation.decode_attention import split_attention
-from gymv.backends.generation.hf import HFGenerationBackend, distinct_prompts, image_keys
+from gymv.backends.generation.hf import HFGenerationBackend, _forward_kwargs, distinct_prompts, image_keys
 from gymv.backends.hf_forward import forward_logits
 from gymv.backends.sampling import forbidden_mask, policy_logits
 from gymv.errors import GymvError
@@ -55,20 +59,46 @@ SUPPORTED_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "
 
 @dataclass
 class TextModel:
-    """The parts of a decoder-only text model that one decode step uses."""
+    """The parts of a decoder-only text model that one decode step uses.
+
+    `kinds` names each layer's step: `decoder` (a Llama-family layer: attention then gated MLP) or, for a
+    Nemotron-H hybrid, `attention`, `mamba`, `moe` or `mlp` (one mixer each, see `static_hybrid`)."""
 
     embed: torch.nn.Module
     layers: Any
     norm: torch.nn.Module
-    rotary: torch.nn.Module
+    rotary: torch.nn.Module | None
     lm_head: torch.nn.Module
     kv_heads: int
     heads: int
     head_dim: int
+    eps: float
+    scale: float
+    kinds: tuple[str, ...]
+    mamba: hybrid.MambaShape | None = None
+    moe: hybrid.MoeShape | None = None
+
+    @property
+    def hybrid(self) -> bool:
+        return self.rotary is None
+
+    def has_kv(self, i: int) -> bool:
+        return self.kinds[i] in ("decoder", "attention")
+
+    def row_bytes(self, S: int, size: int) -> int:
+        """Bytes of one row's cache of S columns: keys and values of the attention layers, both Mamba states."""
+        kv = sum(map(self.has_kv, range(len(self.kinds)))) * 2 * self.kv_heads * self.head_dim * S * size
+        m = self.mamba
+        states = 0 if m is None else self.kinds.count("mamba") * (m.conv_dim * m.kernel * size
+                                                                  + m.heads * m.head_dim * m.state * 4)
+        return kv + states
 
 
 def text_model(model) -> TextModel | str:
     """The text model's parts, or why the static decoder cannot run this model."""
+    lm = hybrid.decoder(model)
+    if lm is not None:
+        return _hybrid_text_model(model, lm)
     inner = getattr(model, "model", None)
     lm = next((m for m in (getattr(inner, "language_model", None), inner) if m is not None
                and all(hasattr(m, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))), None)
@@ -89,10 +119,26 @@ def text_model(model) -> TextModel | str:
     cfg = attn.config
     if getattr(cfg, "rope_scaling", None) and (cfg.rope_scaling or {}).get("mrope_section"):
         return "multimodal (3-D) rotary positions"
-    heads = cfg.num_attention_heads
     return TextModel(embed=lm.embed_tokens, layers=lm.layers, norm=lm.norm, rotary=lm.rotary_emb,
-                     lm_head=head, kv_heads=cfg.num_key_value_heads, heads=heads,
-                     head_dim=attn.head_dim)
+                     lm_head=head, kv_heads=cfg.num_key_value_heads, heads=cfg.num_attention_heads,
+                     head_dim=attn.head_dim, eps=float(lm.layers[0].input_layernorm.variance_epsilon),
+                     scale=float(attn.scaling), kinds=("decoder",) * len(lm.layers))
+
+
+def _hybrid_text_model(model, lm) -> TextModel | str:
+    why = hybrid.unsupported(lm)
+    if why:
+        return why
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "bias", None) is not None:
+        return "no bias-free LM head"
+    cfg = lm.config
+    kinds, mamba, moe = hybrid.shapes(lm)
+    attn = next((layer.mixer for layer, kind in zip(lm.layers, kinds) if kind == "attention"), None)
+    return TextModel(embed=lm.embeddings, layers=lm.layers, norm=lm.norm_f, rotary=None, lm_head=head,
+                     kv_heads=cfg.num_key_value_heads, heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+                     eps=float(lm.norm_f.variance_epsilon), scale=float(attn.scaling) if attn else 1.0, kinds=kinds,
+                     mamba=mamba if "mamba" in kinds else None, moe=moe if "moe" in kinds else None)
 
 
 def _mix32(h: torch.Tensor) -> torch.Tensor:
@@ -136,8 +182,16 @@ class _State:
     def __init__(self, tm: TextModel, B: int, S: int, T: int, vocab: int, dtype, device):
         z = dict(device=device)
         self.B, self.S, self.T = B, S, T
-        self.k = [torch.zeros(B, tm.kv_heads, S, tm.head_dim, dtype=dtype, **z) for _ in tm.layers]
-        self.v = [torch.zeros(B, tm.kv_heads, S, tm.head_dim, dtype=dtype, **z) for _ in tm.layers]
+        kv = [tm.has_kv(i) for i in range(len(tm.kinds))]
+        self.k = [torch.zeros(B, tm.kv_heads, S, tm.head_dim, dtype=dtype, **z) if a else None for a in kv]
+        self.v = [torch.zeros(B, tm.kv_heads, S, tm.head_dim, dtype=dtype, **z) if a else None for a in kv]
+        m, mamba = tm.mamba, [kind == "mamba" for kind in tm.kinds]
+        # a Mamba layer's states: its convolution's last inputs, and the SSM state (float32, as transformers keeps it)
+        self.conv = [torch.zeros(B, m.conv_dim, m.kernel, dtype=dtype, **z) if a else None for a in mamba]
+        self.ssm = [torch.zeros(B, m.heads, m.head_dim, m.state, dtype=torch.float32, **z) if a else None
+                    for a in mamba]
+        self.x = torch.zeros(B, 1, tm.embed.weight.shape[1], dtype=dtype, **z)  # hidden state between graph runs
+        self.live = torch.zeros(B, dtype=torch.long, **z)  # rows generating this step, between graph runs
         self.valid = torch.zeros(B, S, dtype=torch.bool, **z)
         self.logits = torch.zeros(B, vocab, dtype=torch.float32, **z)
         self.pos = torch.zeros(B, dtype=torch.long, **z)  # rotary position of the row's next token
@@ -153,7 +207,7 @@ class _State:
         self.stop_ids = torch.full((8,), -1, dtype=torch.long, **z)
         self.vocab = torch.arange(vocab, dtype=torch.long, **z)
         self.pad = 0
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # attention window -> the step that attends over it
+        self.graphs: dict[int, _Replay] = {}  # attention window -> the step that attends over it
         self.pool = None  # the graphs' memory pool: shared by this state's graphs only, freed with them
 
     def take_rows(self, src: _State, rows: list[int], pad: int) -> None:
@@ -167,13 +221,34 @@ class _State:
             return
         idx = torch.tensor(rows, device=self.done.device)
         for i in range(len(src.k)):
-            self.k[i][:n, :, :src.S] = src.k[i][idx]
-            self.v[i][:n, :, :src.S] = src.v[i][idx]
+            if src.k[i] is not None:
+                self.k[i][:n, :, :src.S] = src.k[i][idx]
+                self.v[i][:n, :, :src.S] = src.v[i][idx]
+            if src.conv[i] is not None:
+                self.conv[i][:n] = src.conv[i][idx]
+                self.ssm[i][:n] = src.ssm[i][idx]
         self.valid[:n, :src.S] = src.valid[idx]
         for name in ("logits", "pos", "col", "step", "cap", "seeds", "done"):
             getattr(self, name)[:n] = getattr(src, name)[idx]
         self.tokens[:n, :src.T] = src.tokens[idx, :src.T]
         self.logprobs[:n, :src.T] = src.logprobs[idx, :src.T]
+
+    def written(self) -> list[torch.Tensor]:
+        """The buffers a decode step writes, besides the KV cache column it rewrites (what capturing restores)."""
+        states = [t for t in (*self.conv, *self.ssm) if t is not None]
+        return [self.logits, self.pos, self.col, self.step, self.done, self.valid, self.tokens, self.logprobs,
+                self.x, self.live, *states]
+
+
+class _Replay:
+    """One decode step as a sequence of captured graphs and the eager runs between them."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    def replay(self) -> None:
+        for part in self.parts:
+            part()
 
 
 class StaticDecodeBackend(HFGenerationBackend):
@@ -197,6 +272,14 @@ class StaticDecodeBackend(HFGenerationBackend):
     token (one graph per such window), not over the whole preallocated length. `attention` picks the kernel:
     `split` (gymv.backends.generation.decode_attention, triton), `sdpa` (PyTorch's), `auto` (split on CUDA
     where triton is present, else sdpa).
+
+    Nemotron-H hybrids (`static_hybrid`) keep, per row, each Mamba layer's convolution and SSM states beside
+    the attention layers' KV cache; a slot that takes a new request gets its prefill's states, so nothing
+    carries over from the slot's last request. `moe` runs their experts `grouped` (one grouped matrix
+    product over the chosen experts), `dense` (every expert, weighted) or `auto` (grouped on CUDA in
+    bfloat16, else dense). `eager_layers` names layer kinds (`decoder`, `attention`, `mamba`, `moe`, `mlp`)
+    that run outside the captured graphs, between their replays; a kind whose capture fails is added to them
+    (with a warning that names it), so one uncapturable layer type does not cost the whole step its graphs.
     """
 
     BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -207,7 +290,7 @@ class StaticDecodeBackend(HFGenerationBackend):
                  cuda_graphs: bool | None = None, sync_every: int = 16, max_states: int = 4,
                  compile: bool | None = None, fuse_weights: bool = True, chat_template: str | None = None,
                  attention: str = "auto", max_batch: int = 256, max_cache_fraction: float | None = 0.4,
-                 join_every: int | None = None):
+                 join_every: int | None = None, moe: str = "auto", eager_layers: tuple[str, ...] = ()):
         super().__init__(model, tokenizer, adapter, seed=seed, max_cached_images=max_cached_images,
                          chat_template=chat_template)
         tm = text_model(model)
@@ -220,10 +303,7 @@ class StaticDecodeBackend(HFGenerationBackend):
         self.max_states = max_states
         self._states: OrderedDict[tuple, _State] = OrderedDict()
         self._forbidden = None
-        layer = tm.layers[0]
-        self._eps = float(layer.input_layernorm.variance_epsilon)
-        self._scale = float(layer.self_attn.scaling)
-        self._act = layer.mlp.act_fn
+        self._rms = hybrid.rms if tm.hybrid else _rms
         self.compile = (self.device.type == "cuda") if compile is None else compile
         self._set_functions(self.compile)
         self._fused: list[tuple] = []
@@ -244,72 +324,151 @@ class StaticDecodeBackend(HFGenerationBackend):
         self._split_attention = attention == "split" or (attention == "auto"
                                                          and split_available(self.device, tm.head_dim)
                                                          and self.device.type == "cuda")
+        if moe not in hybrid.MOE_KERNELS:
+            raise GymvError(f"decode experts must be one of {', '.join(hybrid.MOE_KERNELS)}, got {moe!r}",
+                            where="StaticDecodeBackend(moe=...)", fix="use auto, grouped or dense")
+        self._grouped_moe = moe == "grouped" or (moe == "auto"
+                                                 and hybrid.grouped_available(self.device, tm.embed.weight.dtype))
+        odd = sorted(set(eager_layers) - set(tm.kinds))
+        if odd:
+            raise GymvError(f"eager_layers names layer kinds this model does not have: {', '.join(odd)}",
+                            where="StaticDecodeBackend(eager_layers=...)",
+                            fix=f"use some of: {', '.join(sorted(set(tm.kinds)))}")
+        self.eager_layers = set(eager_layers)
 
     COMPILED_VARIANTS = len(BATCH_BUCKETS) * 3  # per function: a graph per batch bucket and sampling mode
 
     def _set_functions(self, compiled: bool) -> None:
-        fns = (_layer_pre, _layer_post, _lm_head, _draw)
+        fns = (_layer_pre, _layer_post, _lm_head, _draw, _attn_out, hybrid.mamba_step, hybrid.moe_step, hybrid.mlp_step)
         if compiled:
             from gymv.backends.compile_limits import lift_recompile_limit
 
             lift_recompile_limit(self.COMPILED_VARIANTS)
             fns = tuple(torch.compile(f, dynamic=False) for f in fns)
-        self._pre, self._post, self._head, self._draw = fns
+        self._pre, self._post, self._head, self._draw, self._attn_out, self._mamba, self._moe, self._mlp = fns
 
     # -- the decode step -----------------------------------------------------------------------------
-    def _forward_token(self, st: _State, tok: torch.Tensor, window: int) -> torch.Tensor:
-        """Logits [B, V] (float32) after feeding one token per row at that row's column `st.col` (< `window`),
-        positions `st.pos`; attention reads the cache's first `window` columns."""
-        tm = self.tm
-        x = tm.embed(tok[:, None])
-        cos, sin = tm.rotary(x, st.pos[:, None])
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, head_dim]
-        st.valid.scatter_(1, st.col[:, None], True)
-        B, S, D = st.valid.shape[0], st.S, tm.head_dim
-        # each (row, kv head)'s new key lands in row (b * heads + h) * S + col of the cache seen as [B*H*S, D]
-        at = ((torch.arange(B * tm.kv_heads, device=tok.device).view(B, -1) * S) + st.col[:, None]).view(-1)
-        split = self._split_attention
-        if not split:
-            bias = torch.zeros(st.valid.shape[0], 1, 1, window, dtype=x.dtype, device=x.device)
-            bias = bias.masked_fill(~st.valid[:, None, None, :window], float("-inf"))
-        for i, w in enumerate(self._fused):
-            w = tuple(torch.cat(t) if isinstance(t, list) else t for t in w)
-            q, k, v = self._pre(x, cos, sin, *w[:5], heads=tm.heads, kv_heads=tm.kv_heads, head_dim=tm.head_dim,
-                                eps=self._eps)
-            st.k[i].view(-1, D).index_copy_(0, at, k.reshape(-1, D))
-            st.v[i].view(-1, D).index_copy_(0, at, v.reshape(-1, D))
-            if split:
-                o = split_attention(q.contiguous(), st.k[i], st.v[i], st.valid, window, self._scale)
+    def _runs(self) -> list[tuple[int, int, bool]]:
+        """The step's parts (0: sampling and embedding, 1..n: the layers, n + 1: the LM head and counters) in
+        runs [lo, hi) that are captured together or, for layers of a kind in `eager_layers`, run eagerly."""
+        runs: list[tuple[int, int, bool]] = []
+        for i, captured in enumerate([True, *(kind not in self.eager_layers for kind in self.tm.kinds), True]):
+            if runs and runs[-1][2] == captured:
+                runs[-1] = (runs[-1][0], i + 1, captured)
             else:
-                o = F.scaled_dot_product_attention(q, st.k[i][:, :, :window], st.v[i][:, :, :window],
-                                                   attn_mask=bias, scale=self._scale)
-            x = self._post(x, o, *w[5:], act=self._act, eps=self._eps)
-        return self._head(x, tm.norm.weight, tm.lm_head.weight, eps=self._eps)
+                runs.append((i, i + 1, captured))
+        return runs
+
+    def _decode_step(self, st: _State, greedy: bool, nucleus: bool, window: int) -> None:
+        """Sample one token per row and feed it; a finished row stays where it is (it writes a pad to column T
+        of its tokens, or past its last one, and rewrites one unused cache column)."""
+        for lo, hi, _ in self._runs():
+            self._run(st, lo, hi, greedy, nucleus, window)
+
+    def _run(self, st: _State, lo: int, hi: int, greedy: bool, nucleus: bool, window: int) -> None:
+        """Parts [lo, hi) of one decode step (see `_runs`); between runs, the hidden state and the rows still
+        generating wait in `st.x` and `st.live`. Attention reads the cache's first `window` columns."""
+        n = len(self._fused)
+        if lo == 0:
+            tok, live = self._sample(st, greedy, nucleus)
+            x = self.tm.embed(tok[:, None])
+            st.valid.scatter_(1, st.col[:, None], True)
+            if hi < n + 2:
+                st.live.copy_(live)
+        else:
+            x, live = st.x, st.live
+        layers = range(max(lo, 1) - 1, min(hi, n + 1) - 1)
+        if len(layers):
+            x = self._layers(st, x, layers, window)
+        if hi < n + 2:
+            st.x.copy_(x)
+            return
+        st.logits.copy_(self._head(x, self.tm.norm.weight, self.tm.lm_head.weight, eps=self.tm.eps, rms=self._rms))
+        live = live.long()
+        st.step += live
+        st.col += live
+        st.pos += live
+
+    def _layers(self, st: _State, x: torch.Tensor, layers: range, window: int) -> torch.Tensor:
+        """The hidden state [B, 1, D] after `layers`, each feeding one token per row at that row's column
+        `st.col` (< `window`), rotary positions `st.pos`."""
+        tm = self.tm
+        ctx = self._attention_inputs(st, x, window) if any(map(tm.has_kv, layers)) else None
+        for i in layers:
+            kind, w, act = self._fused[i]
+            w = tuple(torch.cat(t) if isinstance(t, list) else t for t in w)
+            if kind == "mamba":
+                x = self._mamba(x, st.conv[i], st.ssm[i], *w, shape=tm.mamba, eps=tm.eps)
+            elif kind == "moe":
+                x = self._moe(x, *w, shape=tm.moe, act=act, grouped=self._grouped_moe, eps=tm.eps)
+            elif kind == "mlp":
+                x = self._mlp(x, *w, act=act, eps=tm.eps)
+            else:
+                x = self._attend(st, i, x, kind, w, act, ctx, window)
+        return x
+
+    def _attention_inputs(self, st: _State, x: torch.Tensor, window: int) -> tuple:
+        """(cos, sin) of the rows' rotary positions (None without rotary), where each row's new key and value
+        go, and the mask bias over the window (None for the split kernel, which reads `st.valid`)."""
+        tm = self.tm
+        cos = sin = None
+        if tm.rotary is not None:
+            cos, sin = tm.rotary(x, st.pos[:, None])
+            cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, head_dim]
+        B, S = st.valid.shape[0], st.S
+        # each (row, kv head)'s new key lands in row (b * heads + h) * S + col of the cache seen as [B*H*S, D]
+        at = ((torch.arange(B * tm.kv_heads, device=x.device).view(B, -1) * S) + st.col[:, None]).view(-1)
+        bias = None
+        if not self._split_attention:
+            bias = torch.zeros(B, 1, 1, window, dtype=x.dtype, device=x.device)
+            bias = bias.masked_fill(~st.valid[:, None, None, :window], float("-inf"))
+        return cos, sin, at, bias
+
+    def _attend(self, st: _State, i: int, x: torch.Tensor, kind: str, w: tuple, act, ctx: tuple,
+                window: int) -> torch.Tensor:
+        """One attention layer (a Llama-family `decoder` layer: with its MLP) over the static cache."""
+        tm, (cos, sin, at, bias), D = self.tm, ctx, self.tm.head_dim
+        q, k, v = self._pre(x, cos, sin, *w[:5], heads=tm.heads, kv_heads=tm.kv_heads, head_dim=D, eps=tm.eps,
+                            rms=self._rms)
+        st.k[i].view(-1, D).index_copy_(0, at, k.reshape(-1, D))
+        st.v[i].view(-1, D).index_copy_(0, at, v.reshape(-1, D))
+        if self._split_attention:
+            o = split_attention(q.contiguous(), st.k[i], st.v[i], st.valid, window, tm.scale)
+        else:
+            o = F.scaled_dot_product_attention(q, st.k[i][:, :, :window], st.v[i][:, :, :window], attn_mask=bias,
+                                               scale=tm.scale)
+        if kind == "decoder":
+            return self._post(x, o, *w[5:], act=act, eps=tm.eps)
+        return self._attn_out(x, o, *w[5:])
 
     def _fuse(self) -> None:
-        """Per layer, the tensors the step reads: the model's own parameters, q/k/v and gate/up as views of
-        one tensor each (`fuse_weights`) or as lists concatenated at each step. Redone, and the graphs that
-        read the old memory dropped, when a parameter no longer lies where it did (it was replaced)."""
+        """Per layer, its kind, the tensors the step reads and its activation: the model's own parameters,
+        q/k/v and gate/up as views of one tensor each (`fuse_weights`) or as lists concatenated at each step.
+        Redone, and the graphs that read the old memory dropped, when a parameter no longer lies where it did
+        (it was replaced)."""
         if self._fused and self._where() == self._fused_at:
             return
         self.drop_graphs()
         self._fused = []
         join = _fuse_params if self.fuse_weights else list
-        for layer in self.tm.layers:
+        for kind, layer in zip(self.tm.kinds, self.tm.layers):
+            if kind != "decoder":
+                self._fused.append((kind, hybrid.layer_tensors(kind, layer, join), hybrid.activation(kind, layer)))
+                continue
             a, m = layer.self_attn, layer.mlp
             qkv = (a.q_proj, a.k_proj, a.v_proj)
-            self._fused.append((layer.input_layernorm.weight, join([p.weight for p in qkv]),
-                                join([p.bias for p in qkv]) if a.q_proj.bias is not None else None,
-                                getattr(getattr(a, "q_norm", None), "weight", None),
-                                getattr(getattr(a, "k_norm", None), "weight", None),
-                                a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight,
-                                join([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight))
+            self._fused.append((kind, (layer.input_layernorm.weight, join([p.weight for p in qkv]),
+                                       join([p.bias for p in qkv]) if a.q_proj.bias is not None else None,
+                                       getattr(getattr(a, "q_norm", None), "weight", None),
+                                       getattr(getattr(a, "k_norm", None), "weight", None),
+                                       a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight,
+                                       join([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight), m.act_fn))
         self._fused_at = self._where()
 
     def _where(self) -> list[int]:
         """The address of every tensor of the text model a captured step reads."""
         mods = [self.tm.embed, self.tm.norm, self.tm.lm_head, self.tm.rotary, *self.tm.layers]
-        return [t.data_ptr() for m in mods for t in (*m.parameters(), *m.buffers())]
+        return [t.data_ptr() for m in mods if m is not None for t in (*m.parameters(), *m.buffers())]
 
     def _sample(self, st: _State, greedy: bool, nucleus: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Draw from `st.logits`, record token and logprob at each row's `st.step`, update the finished flags;
@@ -322,34 +481,31 @@ class StaticDecodeBackend(HFGenerationBackend):
         st.done.copy_(done | (st.step + 1 >= st.cap))
         return tok, live
 
-    def _decode_step(self, st: _State, greedy: bool, nucleus: bool, window: int) -> None:
-        """Sample one token per row and feed it; a finished row stays where it is (it writes a pad to column T
-        of its tokens, or past its last one, and rewrites one unused cache column)."""
-        tok, live = self._sample(st, greedy, nucleus)
-        st.logits.copy_(self._forward_token(st, tok, window))
-        live = live.long()
-        st.step += live
-        st.col += live
-        st.pos += live
-
     def _capture(self, st: _State, greedy: bool, nucleus: bool, window: int) -> None:
-        """Capture one decode step as a graph; buffers are saved and restored around the warm-up runs (which
-        also compile), so capturing changes nothing a later step reads."""
-        kept = (st.logits, st.pos, st.col, st.step, st.done, st.valid, st.tokens, st.logprobs)
+        """Capture one decode step: each captured run of `_runs` becomes a graph, the other runs go between
+        their replays. Buffers are saved and restored around the warm-up step (which also compiles), so
+        capturing changes nothing a later step reads."""
+        kept = st.written()
         saved = [t.clone() for t in kept]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # one warm-up step, at the column the first real step rewrites
             self._decode_step(st, greedy, nucleus, window)
         torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
         if st.pool is None:
             st.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(g, pool=st.pool, capture_error_mode="thread_local"):
-            self._decode_step(st, greedy, nucleus, window)
+        parts = []
+        for lo, hi, captured in self._runs():
+            part = partial(self._run, st, lo, hi, greedy, nucleus, window)
+            if captured:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=st.pool, capture_error_mode="thread_local"):
+                    part()
+                part = g.replay
+            parts.append(part)
         for t, s in zip(kept, saved):
             t.copy_(s)
-        st.graphs[window] = g
+        st.graphs[window] = _Replay(parts)
 
     def _state(self, B: int, S: int, T: int, vocab: int, greedy: bool, nucleus: bool) -> tuple[_State, bool]:
         """The buffers for B rows of up to S cache columns and T new tokens: a kept state of the same batch
@@ -363,7 +519,7 @@ class StaticDecodeBackend(HFGenerationBackend):
             return self._states[key], False
         while len(self._states) >= self.max_states:
             self._states.popitem(last=False)
-        dtype = next(self.model.parameters()).dtype
+        dtype = self.tm.embed.weight.dtype
         st = _State(self.tm, B, S, T, vocab, dtype, self.device)
         self._states[(B, S, T, vocab, greedy, nucleus)] = st
         return st, True
@@ -375,8 +531,7 @@ class StaticDecodeBackend(HFGenerationBackend):
     # -- generation ----------------------------------------------------------------------------------
     def _prefill(self, requests: list[GenerationRequest]) -> tuple[list, torch.Tensor, torch.Tensor, list[int], int]:
         """One prefill pass over the distinct (prompt, images) of `requests`, left-padded to their longest:
-        (per-layer (keys, values) [U, kv heads, L, head dim], last logits [U, V], mask [U, L], each request's
-        prefill row, L)."""
+        (per-layer states (`_cache_states`), last logits [U, V], mask [U, L], each request's prefill row, L)."""
         from transformers import DynamicCache
 
         model, dev = self.model, self.device
@@ -401,20 +556,26 @@ class StaticDecodeBackend(HFGenerationBackend):
         cache = DynamicCache(config=model.config)
         logits = forward_logits(model, input_ids=input_ids, attention_mask=mask, position_ids=positions,
                                 image_token_id=self.adapter.image_token_id, features=feats, cache=cache,
-                                logits_to_keep=1)[:, -1]
-        return _cache_tensors(cache, len(self.tm.layers)), logits, mask, row_slot, L
+                                logits_to_keep=1, extra=_forward_kwargs(self.adapter, input_ids),
+                                adapter=self.adapter)[:, -1]
+        return _cache_states(cache, self.tm), logits, mask, row_slot, L
 
     def _fill(self, st: _State, slots: list[int], requests: list[GenerationRequest], seeds: torch.Tensor,
               caps: list[int]) -> int:
-        """Prefill `requests` into rows `slots` of the static cache (columns 0..L-1, L their longest prompt):
-        each row starts its own count, seed and token cap. Returns L."""
+        """Prefill `requests` into rows `slots` of the static cache (columns 0..L-1, L their longest prompt) and
+        Mamba states: each row starts its own count, seed and token cap. Returns L."""
         dev, t0, enc = self.device, time.perf_counter(), self._times["encode_s"]
         kv, logits, mask, row_slot, L = self._prefill(requests)
+        # a slot's Mamba states are overwritten, not continued: each request starts from its own prefill
         rows = torch.tensor(row_slot, device=dev)
         at = torch.tensor(slots, device=dev)
-        for i, (k, v) in enumerate(kv):
-            st.k[i][:, :, :L].index_copy_(0, at, k[rows].to(st.k[i].dtype))
-            st.v[i][:, :, :L].index_copy_(0, at, v[rows].to(st.v[i].dtype))
+        for i, (k, v) in enumerate(kv):  # keys and values, or a Mamba layer's convolution and SSM states
+            if st.k[i] is not None:
+                st.k[i][:, :, :L].index_copy_(0, at, k[rows].to(st.k[i].dtype))
+                st.v[i][:, :, :L].index_copy_(0, at, v[rows].to(st.v[i].dtype))
+            elif st.conv[i] is not None:
+                st.conv[i].index_copy_(0, at, k[rows].to(st.conv[i].dtype))
+                st.ssm[i].index_copy_(0, at, v[rows].to(st.ssm[i].dtype))
         valid = torch.zeros(len(slots), st.S, dtype=torch.bool, device=dev)
         valid[:, :L] = mask[rows].bool()
         st.valid.index_copy_(0, at, valid)
@@ -461,8 +622,7 @@ class StaticDecodeBackend(HFGenerationBackend):
         if self.device.type != "cuda" or not self.max_cache_fraction:
             return n
         free, _ = torch.cuda.mem_get_info(self.device)
-        tm, size = self.tm, next(self.model.parameters()).element_size()
-        per_row = 2 * len(tm.layers) * tm.kv_heads * tm.head_dim * S * size
+        per_row = self.tm.row_bytes(S, self.tm.embed.weight.element_size())
         return rows_that_fit(n, per_row, free * self.max_cache_fraction, self.BATCH_BUCKETS)
 
     def _admit(self, key, r: GenerationRequest, S: int, T: int) -> int:
@@ -508,25 +668,44 @@ class StaticDecodeBackend(HFGenerationBackend):
         self.last_timing = session.timing(t0)
 
     def _capture_or_uncompile(self, st: _State, greedy: bool, nucleus: bool, window: int) -> None:
-        """Capture; if that fails, capture again with the split attention kernel off (SDPA), then uncompiled."""
+        """Capture; if that fails, capture again with the split attention kernel off (SDPA), then uncompiled,
+        then with the layer kinds that cannot be captured on their own left to run eagerly."""
         try:
             self._capture(st, greedy, nucleus, window)
         except Exception as e:  # noqa: BLE001 - a kernel or compiler failing must not stop generation
-            if not (self._split_attention or self.compile):
-                raise
             import warnings
 
             if self._split_attention:
                 what = "the split decode-attention kernel failed; decoding with SDPA"
                 self._split_attention = False
-            else:
+            elif self.compile:
                 what = "torch.compile of the decode step failed; decoding uncompiled"
                 self.compile = False
                 self._set_functions(False)
+            else:
+                failing = self._uncapturable(st, greedy, nucleus, window)
+                if not failing:
+                    raise
+                what = f"{', '.join(sorted(failing))} layers cannot be captured in a CUDA graph; they run eagerly"
+                self.eager_layers |= failing
             warnings.warn(f"{what} ({type(e).__name__}: {e})", stacklevel=2)
             st.graphs.clear()
             st.pool = None
             self._capture_or_uncompile(st, greedy, nucleus, window)
+
+    def _uncapturable(self, st: _State, greedy: bool, nucleus: bool, window: int) -> set[str]:
+        """The layer kinds, of those still captured, whose capture fails with every other kind left eager."""
+        base, kinds = set(self.eager_layers), set(self.tm.kinds) - self.eager_layers
+        failing = set()
+        for kind in sorted(kinds):
+            self.eager_layers = base | (kinds - {kind})
+            try:
+                self._capture(st, greedy, nucleus, window)
+            except Exception:  # noqa: BLE001 - this kind is the one that fails
+                failing.add(kind)
+            st.graphs.clear()
+        self.eager_layers = base
+        return failing
 
     def _row_seeds(self, n: int, seed: int | None) -> torch.Tensor:
         if seed is None:
@@ -857,7 +1036,7 @@ class _Session:
                 "new_tokens": self.new_tokens, "decode_steps": self.steps, "batch": len(self.caps),
                 "batch_bucket": self.Bb, "slots": self.usable, "cache_len": self.st.S, "refills": self.refills,
                 "refill_calls": self.refill_calls, "joined": self.joined, "repacks": self.repacks,
-                "row_steps": self.row_steps}
+                "row_steps": self.row_steps, "eager_layers": sorted(self.backend.eager_layers)}
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -889,11 +1068,13 @@ def _fuse_params(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return fused
 
 
-def _layer_pre(x, cos, sin, ln, wqkv, bqkv, qn, kn, *, heads: int, kv_heads: int, head_dim: int, eps: float):
-    """Norm, projections and rotary of one token per row: q [B, kv heads, heads per kv head, d], k and v
-    [B, kv heads, 1, d]; the query heads that share a kv head attend as one short sequence against it."""
+def _layer_pre(x, cos, sin, ln, wqkv, bqkv, qn, kn, *, heads: int, kv_heads: int, head_dim: int, eps: float,
+               rms=_rms):
+    """Norm, projections and rotary (where `cos` is given) of one token per row: q [B, kv heads, heads per kv
+    head, d], k and v [B, kv heads, 1, d]; the query heads that share a kv head attend as one short sequence
+    against it."""
     B = x.shape[0]
-    h = _rms(x, ln, eps)
+    h = rms(x, ln, eps)
     qkv = F.linear(h, wqkv, bqkv)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q = q.view(B, 1, heads, head_dim)
@@ -902,9 +1083,15 @@ def _layer_pre(x, cos, sin, ln, wqkv, bqkv, qn, kn, *, heads: int, kv_heads: int
     if qn is not None:
         q, k = _rms(q, qn, eps), _rms(k, kn, eps)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    if cos is not None:
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
     return q.reshape(B, kv_heads, heads // kv_heads, head_dim), k, v
+
+
+def _attn_out(x, o, wo, bo):
+    """Output projection and residual."""
+    return x + F.linear(o.reshape(x.shape[0], 1, -1), wo, bo)
 
 
 def _layer_post(x, o, wo, bo, ln, wgu, wd, *, act, eps: float):
@@ -936,8 +1123,8 @@ def _draw(logits, forbidden, temperature, top_p, seeds, step, vocab, done, stop_
     return tok, lp, done | (tok.unsqueeze(-1) == stop_ids).any(-1)  # torch.isin cannot be captured in a CUDA graph
 
 
-def _lm_head(x, norm, head, *, eps: float):
-    return F.linear(_rms(x, norm, eps), head)[:, 0].float()
+def _lm_head(x, norm, head, *, eps: float, rms=_rms):
+    return F.linear(rms(x, norm, eps), head)[:, 0].float()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -945,11 +1132,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _cache_tensors(cache, n_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(keys, values) [B, kv heads, L, head dim] of every layer of a transformers DynamicCache (5.x layouts)."""
-    if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers[:n_layers]]
-    return list(zip(cache.key_cache[:n_layers], cache.value_cache[:n_layers]))
+def _cache_states(cache, tm: TextModel) -> list[tuple]:
+    """Per layer, what a prefill left in a transformers DynamicCache (5.x layouts): keys and values
+    [B, kv heads, L, head dim] of an attention layer, the convolution [B, channels, kernel] and SSM
+    [B, heads, head dim, state] states of a Mamba layer, (None, None) for the others."""
+    if not hasattr(cache, "layers"):
+        if tm.hybrid:
+            raise GymvError("this transformers keeps Nemotron-H states in a cache layout the static decoder "
+                            "does not read", where="generation.decode",
+                            fix="use generation.decode=eager, or a transformers whose DynamicCache has layers")
+        return list(zip(cache.key_cache[:len(tm.kinds)], cache.value_cache[:len(tm.kinds)]))
+    out = []
+    for i, layer in enumerate(cache.layers[:len(tm.kinds)]):
+        if tm.has_kv(i):
+            out.append((layer.keys, layer.values))
+        elif tm.kinds[i] == "mamba":
+            out.append((layer.conv_states[0], layer.recurrent_states[0]))
+        else:
+            out.append((None, None))
+    return out
 
 
 DECODE_MODES = ("auto", "eager", "static")

@@ -1,0 +1,200 @@
+"""The static-cache decoder on a Nemotron-H hybrid (Mamba-2, attention and mixture-of-experts layers): the HF
+loop's tokens and logprobs, per-row Mamba states that a slot resets when it takes a new request.
+
+The model is the real transformers class built from a small config (every layer kind, routed and shared
+experts, group-limited top-k routing), paired with a tiny tokenizer; on CPU the step runs eagerly on the
+buffers a CUDA graph captures on a GPU (the GPU test at the end checks the capture).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+
+from gymv.backends.generation.base import GenerationRequest, RequestFeed, SamplingParams
+from gymv.backends.generation.hf import HFGenerationBackend
+from gymv.backends.generation.static import StaticDecodeBackend, _State, text_model
+from gymv.backends.logprobs import right_pad, sequence_logprobs
+from gymv.errors import GymvError
+from tests.tiny_models import shared_policy
+
+PATTERN = ["linear_attention", "moe", "full_attention", "moe", "linear_attention", "mlp"]
+
+
+def hybrid_policy(device: str = "cpu", dtype=torch.float32, seed: int = 0, **config):
+    """tiny-llama's tokenizer and text adapter around a Nemotron-H decoder built from its config."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    base = shared_policy("tiny-llama")
+    tok = base.tokenizer
+    cfg = NemotronHConfig(**{
+        "vocab_size": len(tok), "hidden_size": 64, "layers_block_type": PATTERN, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "mamba_num_heads": 4,
+        "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "conv_kernel": 4, "chunk_size": 8,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "moe_shared_expert_intermediate_size": 48, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+        "initializer_range": 0.15, "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
+        **config})
+    torch.manual_seed(seed)
+    model = NemotronHForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    with torch.no_grad():  # every layer matters to the next token, as in a trained model
+        for layer in model.model.layers:
+            if layer.block_type == "moe":
+                layer.mixer.gate.e_score_correction_bias.normal_(0, 0.05)
+            if layer.block_type == "linear_attention":
+                layer.mixer.dt_bias.fill_(0.5)  # steps of about one and a slow decay: the SSM state
+                layer.mixer.A_log.fill_(-3.0)  # carries the prompt for many tokens
+    return replace(base, model=model)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return hybrid_policy()
+
+
+def prompts(n: int, start: int = 5) -> list[GenerationRequest]:
+    """Prompts of different lengths (the batch is left-padded, so Mamba layers see padding)."""
+    lengths = (3, 9, 5, 14, 2, 7, 11)
+    return [GenerationRequest(list(range(start + i, start + i + lengths[i % len(lengths)])), where=f"row {i}")
+            for i in range(n)]
+
+
+def stops(policy) -> tuple[int, ...]:
+    """A third of the vocabulary: greedy rows end after different numbers of tokens."""
+    return tuple(i for i in range(len(policy.tokenizer)) if i % 3 == 0)
+
+
+def same_outputs(got, want) -> None:
+    for a, b in zip(got, want, strict=True):
+        assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_the_layer_pattern_is_read_from_the_model(policy):
+    tm = text_model(policy.model)
+    assert tm.kinds == ("mamba", "moe", "attention", "moe", "mamba", "mlp")
+    assert (tm.mamba.conv_dim, tm.moe.top_k, tm.rotary) == (64 + 2 * 2 * 16, 2, None)
+
+
+def test_greedy_tokens_and_logprobs_equal_the_hf_loop_across_attention_windows_with_either_experts_kernel(policy):
+    reqs = prompts(3)
+    params = SamplingParams(temperature=0, max_new_tokens=34, ignore_eos=True)  # crosses a 32-column window
+    want = HFGenerationBackend.from_policy(policy).generate(reqs, params)
+    for moe in ("dense", "grouped"):
+        same_outputs(StaticDecodeBackend.from_policy(policy, moe=moe).generate(reqs, params), want)
+
+
+def test_sampled_logprobs_equal_the_models_own_logprobs_of_the_drawn_tokens(policy):
+    reqs = prompts(4)
+    outs = StaticDecodeBackend.from_policy(policy).generate(
+        reqs, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=12, seed=3))
+    batch = right_pad([r.prompt_token_ids + o.token_ids for r, o in zip(reqs, outs)], [[] for _ in reqs],
+                      policy.tokenizer.pad_token_id)
+    with torch.no_grad():
+        train = sequence_logprobs(policy.model, policy.adapter, batch, temperature=0.7)
+    for b, (r, o) in enumerate(zip(reqs, outs)):
+        n = len(r.prompt_token_ids)
+        assert train[b, n:n + len(o.token_ids)].tolist() == pytest.approx(o.logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_slot_that_takes_a_new_request_starts_from_that_requests_own_mamba_state(policy, greedy):
+    reqs = prompts(7)
+    params = SamplingParams(temperature=0 if greedy else 1.0, max_new_tokens=10, stop_token_ids=stops(policy),
+                            seed=None if greedy else 4)
+    want = StaticDecodeBackend.from_policy(policy).generate(reqs, params)
+    slotted = StaticDecodeBackend.from_policy(policy, max_batch=2, sync_every=1)
+    got = slotted.generate(reqs, params)
+    assert slotted.last_timing["refills"] == 5 and len({len(o.token_ids) for o in want}) > 1
+    same_outputs(got, want)
+
+
+def test_a_session_that_shrinks_its_batch_moves_the_mamba_states_with_the_rows(policy):
+    reqs = prompts(4)
+    params = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=stops(policy))
+    want = StaticDecodeBackend.from_policy(policy).generate(reqs, params)
+    backend = StaticDecodeBackend.from_policy(policy, sync_every=1)
+    feed, got = RequestFeed(enumerate(reqs)), {}
+
+    def on_output(key, out):
+        got[key] = out
+        feed.open_keys = len(reqs) - len(got)  # the finished episodes will not come back
+        if len(got) == len(reqs):
+            feed.close()
+
+    backend.serve(feed, params, on_output, max_seq_len=64)
+    assert backend.last_timing["repacks"] >= 1
+    same_outputs([got[i] for i in range(len(reqs))], want)
+
+
+def test_layer_kinds_left_out_of_the_graphs_decode_the_same(policy):
+    reqs = prompts(3)
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    whole = StaticDecodeBackend.from_policy(policy).generate(reqs, params)
+    backend = StaticDecodeBackend.from_policy(policy, eager_layers=("moe",))
+    assert [captured for *_, captured in backend._runs()] == [True, False, True, False, True]  # mamba M attn M ...
+    same_outputs(backend.generate(reqs, params), whole)
+    assert backend.last_timing["eager_layers"] == ["moe"]
+    with pytest.raises(GymvError, match="decoder"):
+        StaticDecodeBackend.from_policy(policy, eager_layers=("decoder",))
+
+
+def test_a_kind_whose_capture_fails_runs_eagerly_and_the_rest_stays_captured(policy):
+    class MoeFailsCapture(StaticDecodeBackend):
+        """A capture that fails wherever an MoE layer is in a captured run (CUDA graphs do not run here)."""
+
+        def _capture(self, st, greedy, nucleus, window):
+            moe = [i for i, kind in enumerate(self.tm.kinds) if kind == "moe"]
+            if any(lo <= i + 1 < hi for lo, hi, captured in self._runs() if captured for i in moe):
+                raise RuntimeError("operation not permitted when stream is capturing")
+            st.graphs[window] = "captured"
+
+    backend = MoeFailsCapture.from_policy(policy, compile=False)
+    backend._fuse()
+    st, _ = backend._state(2, 64, 64, len(policy.tokenizer), True, False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backend._capture_or_uncompile(st, True, False, 32)
+    assert backend.eager_layers == {"moe"} and st.graphs == {32: "captured"}
+    assert "moe layers cannot be captured" in str(caught[-1].message)
+
+
+def test_the_cache_size_estimate_counts_every_buffer_of_a_row(policy):
+    tm = text_model(policy.model)
+    one, two = (_State(tm, B, 64, 8, 16, torch.float32, torch.device("cpu")) for B in (1, 2))
+
+    def cache_bytes(st):
+        return sum(t.numel() * t.element_size() for t in (*st.k, *st.v, *st.conv, *st.ssm) if t is not None)
+
+    assert tm.row_bytes(64, 4) == cache_bytes(two) - cache_bytes(one) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [(), ("moe",)])
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_graph_decoding_of_a_hybrid_in_float32_equals_the_hf_loop(compile, eager):
+    policy = hybrid_policy("cuda")
+    reqs = prompts(3)
+    params = SamplingParams(temperature=0, max_new_tokens=34, ignore_eos=True)
+    graphs = StaticDecodeBackend.from_policy(policy, cuda_graphs=True, compile=compile, eager_layers=eager)
+    new = graphs.generate(reqs, params)
+    assert graphs.last_timing["capture_s"] > 0 and graphs.last_timing["eager_layers"] == list(eager)
+    for a, b in zip(new, HFGenerationBackend.from_policy(policy).generate(reqs, params)):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [(), ("mamba",)])
+def test_grouped_experts_in_bfloat16_replay_exactly_what_they_compute_eagerly(eager):
+    policy = hybrid_policy("cuda", torch.bfloat16, moe_intermediate_size=64, moe_shared_expert_intermediate_size=64)
+    reqs = prompts(3)
+    params = SamplingParams(temperature=0.8, max_new_tokens=34, ignore_eos=True, seed=2)
+    kw = dict(compile=False, moe="grouped")
+    graphs = StaticDecodeBackend.from_policy(policy, cuda_graphs=True, eager_layers=eager, **kw)
+    new = graphs.generate(reqs, params)
+    assert graphs.last_timing["capture_s"] > 0
+    same_outputs(new, StaticDecodeBackend.from_policy(policy, cuda_graphs=False, **kw).generate(reqs, params))
