@@ -1,65 +1,70 @@
-"""The static-cache decoder on a Nemotron-H hybrid (Mamba-2, attention and mixture-of-experts layers): the HF
-loop's tokens and logprobs, per-row Mamba states that a slot resets when it takes a new request.
+"""The static-cache decoder on the tiny Nemotron 3 Omni (its language model: Mamba-2, attention, mixture-of-experts
+and MLP layers): the HF loop's tokens and logprobs, per-row Mamba states that a slot resets when it takes a new
+request and that move with the rows when a batch shrinks.
 
-The model is the real transformers class built from a small config (every layer kind, routed and shared
-experts, group-limited top-k routing), paired with a tiny tokenizer; on CPU the step runs eagerly on the
-buffers a CUDA graph captures on a GPU (the GPU test at the end checks the capture).
+The checkpoint is `gymv model init tiny-nemotron-omni` with every layer kind, its decoder weights redrawn at
+the scale of a standard initialisation and its SSM decay slowed, so that every layer and the Mamba state
+carried from the prompt change the next tokens (at the checkpoint's 0.02 the residual stream is mostly the
+token embedding). On CPU the step runs eagerly on the buffers a CUDA graph captures on a GPU (the GPU tests at
+the end check the capture).
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import replace
 
 import pytest
 import torch
 
+from gymv.backends.generation import static_hybrid as hybrid
 from gymv.backends.generation.base import GenerationRequest, RequestFeed, SamplingParams
 from gymv.backends.generation.hf import HFGenerationBackend
 from gymv.backends.generation.static import StaticDecodeBackend, _State, text_model
 from gymv.backends.logprobs import right_pad, sequence_logprobs
+from gymv.backends.policy import load_policy
 from gymv.errors import GymvError
-from tests.tiny_models import shared_policy
+from gymv.models.tiny import init_tiny
+from tests.test_generation_hf import requests
 
-PATTERN = ["linear_attention", "moe", "full_attention", "moe", "linear_attention", "mlp"]
-
-
-def hybrid_policy(device: str = "cpu", dtype=torch.float32, seed: int = 0, **config):
-    """tiny-llama's tokenizer and text adapter around a Nemotron-H decoder built from its config."""
-    from transformers import NemotronHConfig, NemotronHForCausalLM
-
-    base = shared_policy("tiny-llama")
-    tok = base.tokenizer
-    cfg = NemotronHConfig(**{
-        "vocab_size": len(tok), "hidden_size": 64, "layers_block_type": PATTERN, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "mamba_num_heads": 4,
-        "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "conv_kernel": 4, "chunk_size": 8,
-        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-        "moe_shared_expert_intermediate_size": 48, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
-        "initializer_range": 0.15, "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
-        **config})
-    torch.manual_seed(seed)
-    model = NemotronHForCausalLM(cfg).to(device=device, dtype=dtype).eval()
-    with torch.no_grad():  # every layer matters to the next token, as in a trained model
-        for layer in model.model.layers:
-            if layer.block_type == "moe":
-                layer.mixer.gate.e_score_correction_bias.normal_(0, 0.05)
-            if layer.block_type == "linear_attention":
-                layer.mixer.dt_bias.fill_(0.5)  # steps of about one and a slow decay: the SSM state
-                layer.mixer.A_log.fill_(-3.0)  # carries the prompt for many tokens
-    return replace(base, model=model)
+PATTERN = "ME*E-M"  # Mamba, MoE, attention, MoE, MLP, Mamba
 
 
 @pytest.fixture(scope="module")
-def policy():
-    return hybrid_policy()
+def checkpoint(tmp_path_factory):
+    return init_tiny("tiny-nemotron-omni", tmp_path_factory.mktemp("omni") / "model", layer_pattern=PATTERN,
+                     experts=8, hidden=64, intermediate=128, vision_layers=1)
 
 
-def prompts(n: int, start: int = 5) -> list[GenerationRequest]:
-    """Prompts of different lengths (the batch is left-padded, so Mamba layers see padding)."""
-    lengths = (3, 9, 5, 14, 2, 7, 11)
-    return [GenerationRequest(list(range(start + i, start + i + lengths[i % len(lengths)])), where=f"row {i}")
-            for i in range(n)]
+def hybrid_policy(path, device: str = "cpu", dtype=torch.float32):
+    """The checkpoint with every layer mattering (module docstring)."""
+    policy = load_policy(path, device=device, dtype=dtype)
+    lm = hybrid.decoder(policy.model)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in lm.layers.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+            elif name.endswith("e_score_correction_bias"):  # a router whose correction bias matters
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        for layer in lm.layers:
+            if layer.block_type == "linear_attention":
+                layer.mixer.dt_bias.fill_(0.5)
+                layer.mixer.A_log.fill_(-3.0)
+    return policy
+
+
+@pytest.fixture(scope="module")
+def policy(checkpoint):
+    return hybrid_policy(checkpoint)
+
+
+TEXTS = ("How many red circles?", "Click the blue one, please.", "Hi", "Count the squares in the picture.",
+         "What is it?", "Name the shape at the top left corner")
+
+
+def prompts(policy, n: int) -> list[GenerationRequest]:
+    """Prompts with an image and texts of different lengths (the batch is left-padded: Mamba layers see pads)."""
+    return requests(policy, n=n, texts=TEXTS)
 
 
 def stops(policy) -> tuple[int, ...]:
@@ -75,12 +80,32 @@ def same_outputs(got, want) -> None:
 
 def test_the_layer_pattern_is_read_from_the_model(policy):
     tm = text_model(policy.model)
-    assert tm.kinds == ("mamba", "moe", "attention", "moe", "mamba", "mlp")
-    assert (tm.mamba.conv_dim, tm.moe.top_k, tm.rotary) == (64 + 2 * 2 * 16, 2, None)
+    assert tm.kinds == ("mamba", "moe", "attention", "moe", "mlp", "mamba")
+    assert (tm.mamba.conv_dim, tm.moe.experts, tm.moe.top_k, tm.rotary) == (64 + 2 * 2 * 16, 8, 2, None)
+
+
+def test_the_router_picks_the_experts_and_weights_transformers_picks_with_grouped_top_k():
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
+
+    cfg = NemotronHConfig(hidden_size=32, n_routed_experts=16, num_experts_per_tok=3, n_group=4, topk_group=2,
+                          routed_scaling_factor=2.5, norm_topk_prob=True)
+    router = NemotronHTopkRouter(cfg)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.3)
+        router.e_score_correction_bias.normal_(0, 0.1)
+    h = torch.randn(64, 32)
+    _, want_w, want_ids = router(h)
+    shape = hybrid.MoeShape(experts=16, top_k=3, n_group=4, topk_group=2, norm_topk=True, scale=2.5)
+    ids, w = hybrid.route(h, router.weight, router.e_score_correction_bias, shape)
+    order, want_order = ids.argsort(-1), want_ids.argsort(-1)
+    assert torch.equal(ids.gather(1, order), want_ids.gather(1, want_order))
+    assert torch.allclose(w.gather(1, order), want_w.gather(1, want_order))
+    assert max(len(set(row)) for row in (ids // 4).tolist()) == 2  # experts of topk_group groups per row
 
 
 def test_greedy_tokens_and_logprobs_equal_the_hf_loop_across_attention_windows_with_either_experts_kernel(policy):
-    reqs = prompts(3)
+    reqs = prompts(policy, 3)
     params = SamplingParams(temperature=0, max_new_tokens=34, ignore_eos=True)  # crosses a 32-column window
     want = HFGenerationBackend.from_policy(policy).generate(reqs, params)
     for moe in ("dense", "grouped"):
@@ -88,10 +113,10 @@ def test_greedy_tokens_and_logprobs_equal_the_hf_loop_across_attention_windows_w
 
 
 def test_sampled_logprobs_equal_the_models_own_logprobs_of_the_drawn_tokens(policy):
-    reqs = prompts(4)
+    reqs = prompts(policy, 4)
     outs = StaticDecodeBackend.from_policy(policy).generate(
         reqs, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=12, seed=3))
-    batch = right_pad([r.prompt_token_ids + o.token_ids for r, o in zip(reqs, outs)], [[] for _ in reqs],
+    batch = right_pad([r.prompt_token_ids + o.token_ids for r, o in zip(reqs, outs)], [r.images for r in reqs],
                       policy.tokenizer.pad_token_id)
     with torch.no_grad():
         train = sequence_logprobs(policy.model, policy.adapter, batch, temperature=0.7)
@@ -102,7 +127,7 @@ def test_sampled_logprobs_equal_the_models_own_logprobs_of_the_drawn_tokens(poli
 
 @pytest.mark.parametrize("greedy", [True, False])
 def test_a_slot_that_takes_a_new_request_starts_from_that_requests_own_mamba_state(policy, greedy):
-    reqs = prompts(7)
+    reqs = prompts(policy, 7)
     params = SamplingParams(temperature=0 if greedy else 1.0, max_new_tokens=10, stop_token_ids=stops(policy),
                             seed=None if greedy else 4)
     want = StaticDecodeBackend.from_policy(policy).generate(reqs, params)
@@ -110,10 +135,12 @@ def test_a_slot_that_takes_a_new_request_starts_from_that_requests_own_mamba_sta
     got = slotted.generate(reqs, params)
     assert slotted.last_timing["refills"] == 5 and len({len(o.token_ids) for o in want}) > 1
     same_outputs(got, want)
+    if greedy:  # and the eager loop, whose finished rows leave its batch
+        same_outputs(got, HFGenerationBackend.from_policy(policy).generate(reqs, params))
 
 
 def test_a_session_that_shrinks_its_batch_moves_the_mamba_states_with_the_rows(policy):
-    reqs = prompts(4)
+    reqs = prompts(policy, 4)
     params = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=stops(policy))
     want = StaticDecodeBackend.from_policy(policy).generate(reqs, params)
     backend = StaticDecodeBackend.from_policy(policy, sync_every=1)
@@ -125,17 +152,17 @@ def test_a_session_that_shrinks_its_batch_moves_the_mamba_states_with_the_rows(p
         if len(got) == len(reqs):
             feed.close()
 
-    backend.serve(feed, params, on_output, max_seq_len=64)
+    backend.serve(feed, params, on_output, max_seq_len=256)
     assert backend.last_timing["repacks"] >= 1
     same_outputs([got[i] for i in range(len(reqs))], want)
 
 
 def test_layer_kinds_left_out_of_the_graphs_decode_the_same(policy):
-    reqs = prompts(3)
+    reqs = prompts(policy, 3)
     params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
     whole = StaticDecodeBackend.from_policy(policy).generate(reqs, params)
     backend = StaticDecodeBackend.from_policy(policy, eager_layers=("moe",))
-    assert [captured for *_, captured in backend._runs()] == [True, False, True, False, True]  # mamba M attn M ...
+    assert [captured for *_, captured in backend._runs()] == [True, False, True, False, True]  # M E * E - M
     same_outputs(backend.generate(reqs, params), whole)
     assert backend.last_timing["eager_layers"] == ["moe"]
     with pytest.raises(GymvError, match="decoder"):
@@ -175,9 +202,9 @@ def test_the_cache_size_estimate_counts_every_buffer_of_a_row(policy):
 @pytest.mark.gpu
 @pytest.mark.parametrize("eager", [(), ("moe",)])
 @pytest.mark.parametrize("compile", [False, True])
-def test_cuda_graph_decoding_of_a_hybrid_in_float32_equals_the_hf_loop(compile, eager):
-    policy = hybrid_policy("cuda")
-    reqs = prompts(3)
+def test_cuda_graph_decoding_of_a_hybrid_in_float32_equals_the_hf_loop(checkpoint, compile, eager):
+    policy = hybrid_policy(checkpoint, "cuda")
+    reqs = prompts(policy, 3)
     params = SamplingParams(temperature=0, max_new_tokens=34, ignore_eos=True)
     graphs = StaticDecodeBackend.from_policy(policy, cuda_graphs=True, compile=compile, eager_layers=eager)
     new = graphs.generate(reqs, params)
@@ -189,9 +216,9 @@ def test_cuda_graph_decoding_of_a_hybrid_in_float32_equals_the_hf_loop(compile, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("eager", [(), ("mamba",)])
-def test_grouped_experts_in_bfloat16_replay_exactly_what_they_compute_eagerly(eager):
-    policy = hybrid_policy("cuda", torch.bfloat16, moe_intermediate_size=64, moe_shared_expert_intermediate_size=64)
-    reqs = prompts(3)
+def test_grouped_experts_in_bfloat16_replay_exactly_what_they_compute_eagerly(checkpoint, eager):
+    policy = hybrid_policy(checkpoint, "cuda", torch.bfloat16)
+    reqs = prompts(policy, 3)
     params = SamplingParams(temperature=0.8, max_new_tokens=34, ignore_eos=True, seed=2)
     kw = dict(compile=False, moe="grouped")
     graphs = StaticDecodeBackend.from_policy(policy, cuda_graphs=True, eager_layers=eager, **kw)

@@ -48,7 +48,7 @@ from gymv.backends.generation.base import GenerationOutput, GenerationRequest, O
 from gymv.backends.generation.decode_attention import available as split_available
 from gymv.backends.generation.decode_attention import split_attention
 from gymv.backends.generation.hf import HFGenerationBackend, _forward_kwargs, distinct_prompts, image_keys
-from gymv.backends.hf_forward import forward_logits
+from gymv.backends.hf_forward import forward_logits, output_head
 from gymv.backends.sampling import forbidden_mask, policy_logits
 from gymv.errors import GymvError
 
@@ -129,7 +129,7 @@ def _hybrid_text_model(model, lm) -> TextModel | str:
     why = hybrid.unsupported(lm)
     if why:
         return why
-    head = model.get_output_embeddings()
+    head = output_head(model)
     if head is None or getattr(head, "bias", None) is not None:
         return "no bias-free LM head"
     cfg = lm.config
