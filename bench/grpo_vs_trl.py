@@ -451,7 +451,7 @@ def prepare_cuda(work: Path) -> tuple[Path, Path]:
     rows = work / "train-cuda.jsonl"
     if not rows.exists():
         env = get_env("circle-count")
-        write_dataset(rows, env, resolve_knobs(env, None, []), n=256, seed=SEED)
+        write_dataset(rows, env, resolve_knobs(env, "default", []), n=256, seed=SEED)
     model = init_tiny_llava(work / "model-cuda", reuse=True, **CUDA_MODEL)
     return model, rows
 
