@@ -90,6 +90,11 @@ def smoke_overrides(tree: ConfigTree) -> list[Override]:
 
 
 def _fail_missing(tree: ConfigTree, o: Override) -> GymvError:
+    from gymv.config.nemo_rl import override_hint
+
+    nemo = override_hint(o.key, tree.get("algorithm"))
+    if nemo:
+        return GymvError(f"unknown key {o.key!r}", where=o.where, fix=nemo)
     near = suggest(o.key, tree.keys())
     hint = f"did you mean {near}?" if near else "check the key against the recipe"
     if o.op == "set":

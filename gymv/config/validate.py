@@ -11,7 +11,8 @@ from pydantic import BaseModel, ValidationError
 
 from gymv.findings import Finding, raise_first_error
 from gymv.config.schema import ALGORITHM_SECTIONS, ALGORITHMS, MODELS, RecipeBase, base_algorithm, is_vlm
-from gymv.config.tree import dotted, suggest
+from gymv.config.nemo_rl import nemo_rl_names
+from gymv.config.tree import dotted, get_path, suggest
 from gymv.yamlfile import KeyPath, Origin
 
 Locate = Callable[[KeyPath], "Origin | str | None"]
@@ -121,6 +122,11 @@ def _errors_to_findings(model: type[BaseModel], data: dict, err: ValidationError
         e = errs[0]
         if extra:
             section, name = path[:-1], path[-1]
+            nemo = nemo_rl_names(path, get_path(data, path, None), base_algorithm(str(data.get("algorithm"))))
+            if nemo:
+                findings += [Finding("schema.unknown-key", f"unknown key `{dotted(p)}`", dotted(p),
+                                     _where(locate, p, fallback), fix) for p, fix in nemo]
+                continue
             if not section and name in ALGORITHM_SECTIONS:
                 findings.append(Finding("schema.section", f"section `{name}` does not belong to algorithm "
                                         f"{data.get('algorithm')}", key, where,

@@ -1,0 +1,93 @@
+"""A recipe ported from NeMo RL: each NeMo RL key the loader or `gymv lint` meets is refused with gymv's name
+for it, at its line; the key table names only keys gymv has, and docs/nemo-rl.md lists every entry."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from gymv.config import load_recipe
+from gymv.config.lint import lint_paths
+from gymv.config.nemo_rl import KEYS, SECTIONS
+from gymv.config.schema import MODELS
+from gymv.config.validate import schema_keys
+from gymv.errors import GymvError
+from conftest import REPO
+
+GRPO = textwrap.dedent(f"""\
+    defaults: {REPO / "recipes" / "grpo.yaml"}
+    grpo:
+      num_prompts_per_step: 4
+    loss_fn:
+      ratio_clip_min: 0.2
+      use_cispo: false
+    policy:
+      model_name: Qwen/Qwen3-1.7B
+    """)
+
+
+def fixes(path) -> dict[str, tuple[int, str]]:
+    return {f.message.split("`")[1]: (f.line, f.fix) for f in lint_paths([str(path)]).findings}
+
+
+def test_lint_names_gymvs_key_for_each_nemo_rl_key_at_its_line(tmp_path):
+    recipe = tmp_path / "ported.yaml"
+    recipe.write_text(GRPO)
+    got = fixes(recipe)
+    assert got["grpo.num_prompts_per_step"] == (
+        3, "`grpo.num_prompts_per_step` is NeMo RL's name: gymv's is `grpo.prompts_per_step` (docs/nemo-rl.md)")
+    assert got["loss_fn.ratio_clip_min"][0] == 5 and "gymv's is `grpo.loss.clip_low`" in got["loss_fn.ratio_clip_min"][1]
+    assert got["policy.model_name"][0] == 8 and "gymv's is `model.path`" in got["policy.model_name"][1]
+    # a NeMo RL section also says where gymv keeps its settings (use_cispo has no counterpart: no line of its own)
+    assert "gymv keeps its settings in `grpo.loss` and `grpo.importance_sampling`" in got["loss_fn"][1]
+    assert "loss_fn.use_cispo" not in got
+
+
+def test_in_a_mopd_recipe_nemo_rls_grpo_keys_point_to_the_mopd_section(tmp_path):
+    recipe = tmp_path / "mopd.yaml"
+    recipe.write_text(textwrap.dedent(f"""\
+        defaults: {REPO / "recipes" / "mopd.yaml"}
+        grpo:
+          num_prompts_per_step: 4
+          seq_logprob_error_threshold: 2.0
+        on_policy_distillation:
+          strict_agent_name_match: true
+        """))
+    got = fixes(recipe)
+    assert "gymv's is `mopd.prompts_per_step`" in got["grpo.num_prompts_per_step"][1]
+    assert "gymv's is `mopd.seq_logprob_error_threshold`" in got["grpo.seq_logprob_error_threshold"][1]
+    assert "gymv's is `mopd.strict_agent_name_match`" in got["on_policy_distillation.strict_agent_name_match"][1]
+
+
+def test_loading_refuses_the_first_nemo_rl_key_with_gymvs_name(tmp_path):
+    recipe = tmp_path / "ported.yaml"
+    recipe.write_text(GRPO)
+    with pytest.raises(GymvError) as e:
+        load_recipe(recipe)
+    assert e.value.where.endswith("ported.yaml:3") and "gymv's is `grpo.prompts_per_step`" in e.value.fix
+
+
+def test_a_nemo_rl_key_on_the_command_line_is_refused_with_gymvs_name():
+    with pytest.raises(GymvError) as e:
+        load_recipe(REPO / "recipes" / "llm" / "grpo-tinyqwen3-1n0g-torch-arithmetic.yaml",
+                    ["loss_fn.reference_policy_kl_penalty=0.0"])
+    assert "gymv's is `grpo.loss.kl_coef`" in e.value.fix
+
+
+def test_every_gymv_key_the_table_names_exists():
+    known = set(schema_keys(MODELS["grpo"])) | set(schema_keys(MODELS["mopd"])) | {"algorithm"}
+    for nemo, hint in KEYS.items():
+        assert hint.split(" ")[0] in known, nemo
+
+
+def test_docs_nemo_rl_md_maps_every_key_of_the_table():
+    text = (REPO / "docs" / "nemo-rl.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    for nemo, hint in KEYS.items():
+        head, _, last = nemo.rpartition(".")
+        row = next((r for r in rows if f"`{nemo}`" in r.split(" | ")[0] or
+                    (f".{last}`" in r.split(" | ")[0] and head in r.split(" | ")[0])), None)
+        assert row is not None, nemo
+    for section in SECTIONS:
+        assert f"`{section}." in text, section
