@@ -9,8 +9,10 @@ registering its backend (gymv.backends.registry) or deleting its row in NOT_WIRE
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # key -> {value: why that value does not run}. A backend registered under the same name wins over its row.
@@ -25,6 +27,24 @@ FIXES: dict[str, str] = {
     "training.backend": "use training.backend: torch",
     "mopd.teachers.*.backend": "use backend: torch",
     "vision.dedup_payloads": "remove vision.dedup_payloads (it is always on)",
+}
+# model type (config.json) -> {(key, value): why a model of that family cannot run there}; checked by
+# `gymv train` once model.path is resolved, before Ray starts (`family_gaps`)
+FAMILY_LIMITS: dict[str, dict[tuple[str, Any], str]] = {
+    "nemotron_h_omni": {
+        ("training.backend", "megatron"): (
+            "Nemotron 3 Omni's Mamba-2 and MoE layers have no Megatron twin in gymv: megatron-core 0.16.1's hybrid "
+            "MambaModel builds its layers from Transformer Engine modules and runs the CUDA kernels of the "
+            "mamba-ssm and causal-conv1d packages (compiled against the CUDA toolkit; no CPU path), none of which "
+            "gymv installs"),
+        ("training.sequence_packing", True): (
+            "Nemotron 3 Omni's Mamba-2 layers would carry their state from one packed sequence into the next "
+            "(transformers takes no segment boundaries on its torch path)"),
+    },
+}
+FAMILY_FIXES: dict[str, str] = {
+    "training.backend": "use training.backend: torch or fsdp2",
+    "training.sequence_packing": "set training.sequence_packing: auto (padded micro-batches) or false",
 }
 # what the project's own generation backends can span: GPUs per engine
 MAX_GENERATION_TP: dict[str, int] = {"hf": 1}
@@ -106,6 +126,26 @@ def _gaps(cfg) -> Iterator[Gap]:
             yield gap
 
 
+def model_type(model_dir: str | Path) -> str | None:
+    """The `model_type` of a checkpoint folder's config.json (None where it has none or cannot be read)."""
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+def family_gaps(cfg, model_dir: str | Path) -> list[Gap]:
+    """What a validated recipe asks of its model's family that the family cannot do (FAMILY_LIMITS)."""
+    limits = FAMILY_LIMITS.get(model_type(model_dir) or "", {})
+    out = []
+    for (key, value), why in limits.items():
+        section, _, field = key.partition(".")
+        if getattr(getattr(cfg, section), field) == value and type(getattr(getattr(cfg, section), field)) is type(value):
+            out.append(Gap(key, f"{key} {str(value).lower() if isinstance(value, bool) else value}: {why}",
+                           FAMILY_FIXES[key]))
+    return out
+
+
 def table() -> dict[str, dict[str, str]]:
     """The capability table for people (docs, `gymv train --help` texts): key -> {value: 'runs' or why not}."""
     from gymv.backends.registry import GENERATION_BACKENDS, REFIT_TRANSPORTS, TEACHER_BACKENDS, TRAINING_BACKENDS
@@ -122,4 +162,8 @@ def table() -> dict[str, dict[str, str]]:
     for key, row in NOT_WIRED.items():
         for value, why in row.items():
             out.setdefault(key, {}).setdefault(str(value).lower() if isinstance(value, bool) else str(value), why)
+    for family, limits in FAMILY_LIMITS.items():
+        for (key, value), why in limits.items():
+            shown = str(value).lower() if isinstance(value, bool) else str(value)
+            out.setdefault(f"{key} [{family}]", {})[shown] = why
     return out

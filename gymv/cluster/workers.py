@@ -62,6 +62,7 @@ class WorkerSpec:
     generation_options: dict = field(default_factory=dict)  # the backend's own create() keywords (generation.vllm)
     training_backend: str = "torch"  # a name in TRAINING_BACKENDS, or its "module:Class" path
     sharding: dict = field(default_factory=dict)  # TrainingSetup.sharding
+    moe: dict = field(default_factory=dict)  # TrainingSetup.moe
 
     def located(self) -> WorkerSpec:
         """This spec with backend names turned into import paths that resolve in any process (a backend
@@ -78,7 +79,7 @@ class WorkerSpec:
                              min_lr_ratio=self.min_lr_ratio, total_steps=self.total_steps,
                              gradient_checkpointing=self.gradient_checkpointing, kl_reference=self.kl_reference,
                              sharding=dict(self.sharding), trust_remote_code=self.trust_remote_code,
-                             sequence_packing=self.sequence_packing, compile=self.compile)
+                             sequence_packing=self.sequence_packing, compile=self.compile, moe=dict(self.moe))
 
 
 def _set_threads(threads: int | None) -> None:

@@ -147,6 +147,13 @@ class FsdpSection(Section):
     defer_gradient_reduction: bool | Literal["auto"] = "auto"
 
 
+class MoeSection(Section):
+    """Mixture-of-experts routers (Nemotron 3 Omni): their load-balancing terms (gymv.backends.moe_router)."""
+
+    aux_loss_coef: NonNegFloat = 0.0  # weight of the load-balancing loss in the training loss (logged either way)
+    router_bias_update_rate: NonNegFloat = 0.0  # aux-loss-free expert-bias update per step (0: the bias is frozen)
+
+
 class TrainingSection(Section):
     backend: str = "torch"  # a registered training backend, or a planned one (gymv.capabilities)
     lr: PosFloat = 1e-6
@@ -167,6 +174,7 @@ class TrainingSection(Section):
     compile: bool = False  # torch.compile each decoder layer (torch and fsdp2 backends; docs/training.md)
     parallel: ParallelSection = ParallelSection()
     fsdp: FsdpSection = FsdpSection()
+    moe: MoeSection = MoeSection()
 
     @field_validator("backend")
     @classmethod

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from gymv.capabilities import gaps
+from gymv.capabilities import family_gaps, gaps
 from gymv.envs.routing import EnvRouter
 from gymv.errors import GymvError
 from gymv.loggers import build_loggers, logger_classes
@@ -112,6 +112,8 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
     cfg = rec.validated
     _check_supported(rec, cfg)
     model_path = resolve_init_path(cfg.model.path, where=_where(rec, "model.path"))
+    for gap in family_gaps(cfg, model_path):  # what the model's family cannot run, before Ray starts
+        raise GymvError(gap.message, where=_where(rec, gap.key), fix=gap.fix)
     router = EnvRouter(worker_spec(cfg, model_path).env)  # an unknown env.name fails before anything is written
 
     run, resume = open_run(cfg, cfg.to_dict(), resume_dir)

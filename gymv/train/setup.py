@@ -152,6 +152,7 @@ def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature
         generation_options=_vllm_options(cfg) if cfg.generation.backend == "vllm" else {},
         training_backend=t.backend,
         sharding=_sharding(t),
+        moe=t.moe.model_dump(),
         **_agent_driver(cfg),
     )
 

@@ -66,6 +66,7 @@ class TrainingSetup:
     # training.compile: torch.compile each decoder layer (gymv.backends.training.compile); a string names the
     # torch.compile backend (True: inductor)
     compile: bool | str = False
+    moe: dict = field(default_factory=dict)  # training.moe: MoE router terms (gymv.backends.moe_router.MoeSettings)
 
 
 class TrainingBackend(ABC):

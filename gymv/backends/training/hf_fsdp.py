@@ -30,7 +30,7 @@ class HFFSDPBackend(HFTorchBackend):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         layout = self.layout(model)
         self.compile_layers(model, frozen)
-        return FSDPTrainer(model, self.logprob_fn, self.config, collate_fn=layout.collate, device=device,
+        return FSDPTrainer(model, self.trainer_logprob_fn(frozen), self.config, collate_fn=layout.collate, device=device,
                            plan_fn=layout.plan, sharding=sharding, trainable=not frozen)
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gymv.backends.moe_router import MoeSettings, RouterTerms
 from gymv.backends.training.base import LossFn, Sample, TrainingBackend, TrainingSetup
 from gymv.backends.training.samples import NON_TENSOR_FIELDS, as_tensors
 
@@ -198,6 +199,7 @@ class HFTorchBackend(TrainingBackend):
             model.gradient_checkpointing_enable()
         self.pad_id = policy.tokenizer.pad_token_id or 0
         self.logprob_fn = logprob_fn(policy.adapter, setup.temperature)
+        self.router_terms = RouterTerms.attach(model, MoeSettings(**setup.moe))
         self.config = TrainerConfig(**setup.optimizer)
         self.trainer = self._make_trainer(model, device)
         self.reference = None
@@ -215,8 +217,14 @@ class HFTorchBackend(TrainingBackend):
             model.requires_grad_(True)  # TorchTrainer refuses a model without trainable parameters; never stepped
         layout = self.layout(model)
         self.compile_layers(model, frozen)
-        return TorchTrainer(model, self.logprob_fn, self.config, collate_fn=layout.collate, device=device,
-                            plan_fn=layout.plan)
+        return TorchTrainer(model, self.trainer_logprob_fn(frozen), self.config, collate_fn=layout.collate,
+                            device=device, plan_fn=layout.plan)
+
+    def trainer_logprob_fn(self, frozen: bool):
+        """The logprob function of a trainer; the policy's records its MoE routers (training.moe)."""
+        if frozen or self.router_terms is None:
+            return self.logprob_fn
+        return self.router_terms.wrap_logprob(self.logprob_fn)
 
     def compile_layers(self, model, frozen: bool) -> None:
         """training.compile: the policy's decoder layers compiled (after the layout switched its attention,
@@ -257,7 +265,10 @@ class HFTorchBackend(TrainingBackend):
         lr = self.learning_rate(self.trainer.steps + 1)
         for g in self.trainer.optimizer.param_groups:
             g["lr"] = lr
-        return self.trainer.train_step(samples, loss_fn)
+        if self.router_terms is None:
+            return self.trainer.train_step(samples, loss_fn)
+        out = self.trainer.train_step(samples, self.router_terms.wrap_loss(loss_fn))
+        return {**out, **self.router_terms.end_step(self.trainer.dp.sum_)}
 
     def compute_logprobs(self, samples: Sequence[Sample], *, reference: bool = False) -> list[Tensor]:
         trainer = self.reference if reference else self.trainer

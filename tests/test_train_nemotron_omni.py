@@ -1,0 +1,157 @@
+"""Training the tiny Nemotron 3 Omni on the torch and fsdp2 backends: its MoE routers' load-balancing terms
+(logged every step, `training.moe`), activation checkpointing, and one fsdp2 rank stepping like the torch
+backend. Packing is refused for the family (tests/test_model_nemotron_omni.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_sequence_packing import _group, _samples
+from tiny_models import fresh_policy, solid
+
+ARCH = "tiny-nemotron-omni"
+
+
+def _backend(cls=None, *, moe=None, checkpointing=False, lr=1e-2):
+    from gymv.backends.training.base import TrainingSetup
+    from gymv.backends.training.hf_torch import HFTorchBackend
+
+    setup = TrainingSetup(model_path="unused", gradient_checkpointing=checkpointing, moe=dict(moe or {}),
+                          optimizer={"lr": lr, "eps": 1e-3, "weight_decay": 0.0, "precision": "fp32",
+                                     "micro_batch_tokens": 4096})
+    return (cls or HFTorchBackend)(fresh_policy(ARCH), setup, device="cpu")
+
+
+def _samples_with(policy, advantages, *, shared_prompt=True):
+    """A GRPO group (one prompt), or as many distinct prompts (where a step routes every token of every
+    sample: a shared prompt runs, and is routed, once)."""
+    samples = (_group(policy, len(advantages), seed=5) if shared_prompt
+               else _samples(policy, [[solid(c)] for c in ("red", "blue", "green")][:len(advantages)], seed=5))
+    for s, a in zip(samples, advantages):
+        s["advantages"] = torch.tensor(float(a))
+    return samples
+
+
+def _routers(backend):
+    return backend.router_terms.routers
+
+
+def test_padding_is_not_routed_in_the_balancing_terms():
+    from gymv.backends.logprobs import right_pad, token_scores
+    from gymv.backends.moe_router import MoeSettings, RouterTerms
+
+    policy = fresh_policy(ARCH)
+    terms = RouterTerms.attach(policy.model, MoeSettings())
+    fn = terms.wrap_logprob(lambda model, batch: token_scores(model, policy.adapter, batch))
+    short = _samples(policy, [[solid("red")]], seed=1)[0]["input_ids"].tolist()
+    long = _samples(policy, [[solid("blue")]], seed=2)[0]["input_ids"].tolist() + [40] * 30
+    images = [[solid("red")], [solid("blue")]]
+    with torch.no_grad():
+        fn(policy.model, right_pad([short, long], images, 0))
+        together = [(i, layer.slots.clone(), layer.tokens) for i, layer in terms._take_layers()]
+        apart = []
+        for ids, ims in zip((short, long), images):
+            fn(policy.model, right_pad([ids], [ims], 0))
+            apart.append({i: (layer.slots, layer.tokens) for i, layer in terms._take_layers()})
+    for i, slots, tokens in together:
+        assert tokens == len(short) + len(long)
+        assert torch.equal(slots, apart[0][i][0] + apart[1][i][0])
+
+
+@pytest.mark.slow
+def test_aux_loss_coef_trains_the_routers_through_the_balancing_term_alone():
+    from gymv.algorithms.loss_fns import PolicyLoss
+
+    moved = []
+    for coef in (0.0, 1.0):
+        backend = _backend(moe={"aux_loss_coef": coef})
+        before = [r.weight.detach().clone() for r in _routers(backend)]
+        backend.train_step(_samples_with(backend.policy, [0, 0, 0]), PolicyLoss())  # no policy gradient at all
+        moved.append(any(not torch.equal(b, r.weight) for b, r in zip(before, _routers(backend))))
+    assert moved == [False, True]
+
+
+def test_a_step_logs_the_balancing_terms_and_the_bias_update_moves_each_expert_towards_the_mean_load():
+    from gymv.algorithms.loss_fns import PolicyLoss
+
+    backend = _backend(moe={"router_bias_update_rate": 0.01})
+    loads = []
+    terms = backend.router_terms
+    take = terms._take_layers
+
+    def spy():  # the loads the step saw, per MoE layer
+        layers = take()
+        loads.extend(layer.slots.clone() for _, layer in layers)
+        return layers
+
+    terms._take_layers = spy
+    metrics = backend.train_step(_samples_with(backend.policy, [1, -1, 0.5]), PolicyLoss())
+    assert len(loads) == len(_routers(backend)) == 2  # the two MoE layers of ME*E
+    for load, router in zip(loads, _routers(backend)):
+        want = 0.01 * torch.sign(load.mean() - load)
+        assert torch.equal(router.e_score_correction_bias, want)
+    assert metrics["train/moe_bias_absmax"] == pytest.approx(0.01)
+    assert 1.0 <= metrics["train/moe_aux_loss"] < 4.0  # 1.0 balanced, 4 (the expert count) all on one expert
+    assert 1.0 <= metrics["train/moe_load_max"] <= 4.0
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_steps_like_the_plain_backward_with_the_balancing_loss_on():
+    from gymv.algorithms.loss_fns import PolicyLoss
+
+    runs = []
+    for checkpointing in (False, True):
+        backend = _backend(moe={"aux_loss_coef": 0.1}, checkpointing=checkpointing)
+        samples = _samples_with(backend.policy, [1, -1, 0.5], shared_prompt=False)
+        metrics = backend.train_step(samples, PolicyLoss())
+        runs.append((metrics, dict(backend.named_weights())))
+    (m0, w0), (m1, w1) = runs
+    assert m1["train/loss"] == pytest.approx(m0["train/loss"], abs=1e-6)
+    assert m1["train/grad_norm"] == pytest.approx(m0["train/grad_norm"], rel=1e-5)
+    for k in w0:
+        torch.testing.assert_close(w1[k], w0[k], atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+def test_one_fsdp2_rank_steps_like_the_torch_backend():
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.backends.training.hf_fsdp import HFFSDPBackend
+
+    runs = []
+    for cls in (None, HFFSDPBackend):
+        backend = _backend(cls, moe={"aux_loss_coef": 0.1, "router_bias_update_rate": 0.01})
+        samples = _samples_with(backend.policy, [1, -1, 0.5], shared_prompt=False)  # fsdp2 runs no shared prompt
+        metrics = backend.train_step(samples, PolicyLoss())
+        runs.append((metrics, {k: v.clone() for k, v in backend.named_weights()}))
+    (m0, w0), (m1, w1) = runs
+    for key in ("train/loss", "train/moe_aux_loss", "train/moe_load_max"):
+        assert m1[key] == pytest.approx(m0[key], abs=1e-6)
+    assert m1["train/grad_norm"] == pytest.approx(m0["train/grad_norm"], rel=1e-5)
+    for k in w0:
+        torch.testing.assert_close(w1[k], w0[k], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("override,named,reason", [
+    ("training.backend=megatron", "training.backend megatron", "mamba-ssm and causal-conv1d"),
+    ("training.sequence_packing=true", "training.sequence_packing true", "carry their state"),
+])
+def test_gymv_train_refuses_what_the_family_cannot_run_before_ray_starts(tmp_path, override, named, reason):
+    import ray
+
+    from gymv.errors import GymvError
+    from gymv.train import train
+    from tiny_models import tiny_path
+
+    recipe = "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml"
+    with pytest.raises(GymvError) as err:
+        train(recipe, [f"model.path={tiny_path(ARCH)}", override, f"checkpoint.dir={tmp_path / 'runs'}"])
+    assert named in err.value.message and reason in err.value.message and "Nemotron 3 Omni" in err.value.message
+    assert err.value.where == f"<command line: {override}>"  # the line that set it
+    assert not ray.is_initialized() and not (tmp_path / "runs").exists()
+
+
+def test_the_capability_table_says_why_the_family_does_not_run_on_megatron():
+    from gymv.capabilities import table
+
+    assert "Transformer Engine" in table()["training.backend [nemotron_h_omni]"]["megatron"]
