@@ -304,8 +304,6 @@ class StaticDecodeBackend(HFGenerationBackend):
         self._states: OrderedDict[tuple, _State] = OrderedDict()
         self._forbidden = None
         self._rms = hybrid.rms if tm.hybrid else _rms
-        self.compile = (self.device.type == "cuda") if compile is None else compile
-        self._set_functions(self.compile)
         self._fused: list[tuple] = []
         self._fused_at: list[int] = []
         self.fuse_weights = fuse_weights
@@ -335,6 +333,8 @@ class StaticDecodeBackend(HFGenerationBackend):
                             where="StaticDecodeBackend(eager_layers=...)",
                             fix=f"use some of: {', '.join(sorted(set(tm.kinds)))}")
         self.eager_layers = set(eager_layers)
+        self.compile = (self.device.type == "cuda") if compile is None else compile
+        self._set_functions(self.compile)
 
     COMPILED_VARIANTS = len(BATCH_BUCKETS) * 3  # per function: a graph per batch bucket and sampling mode
 
@@ -344,7 +344,10 @@ class StaticDecodeBackend(HFGenerationBackend):
             from gymv.backends.compile_limits import lift_recompile_limit
 
             lift_recompile_limit(self.COMPILED_VARIANTS)
-            fns = tuple(torch.compile(f, dynamic=False) for f in fns)
+            # grouped experts stay uncompiled: two grouped matrix products and a few routing kernels, little to
+            # fuse, and inductor takes grouped_mm in bfloat16 only
+            fns = tuple(f if f is hybrid.moe_step and self._grouped_moe else torch.compile(f, dynamic=False)
+                        for f in fns)
         self._pre, self._post, self._head, self._draw, self._attn_out, self._mamba, self._moe, self._mlp = fns
 
     # -- the decode step -----------------------------------------------------------------------------
@@ -451,9 +454,11 @@ class StaticDecodeBackend(HFGenerationBackend):
         self.drop_graphs()
         self._fused = []
         join = _fuse_params if self.fuse_weights else list
+        acts: dict[str, Any] = {}  # one activation object per kind: a compiled step guards on its identity
         for kind, layer in zip(self.tm.kinds, self.tm.layers):
+            act = acts.setdefault(kind, layer.mlp.act_fn if kind == "decoder" else hybrid.activation(kind, layer))
             if kind != "decoder":
-                self._fused.append((kind, hybrid.layer_tensors(kind, layer, join), hybrid.activation(kind, layer)))
+                self._fused.append((kind, hybrid.layer_tensors(kind, layer, join), act))
                 continue
             a, m = layer.self_attn, layer.mlp
             qkv = (a.q_proj, a.k_proj, a.v_proj)
@@ -462,7 +467,7 @@ class StaticDecodeBackend(HFGenerationBackend):
                                        getattr(getattr(a, "q_norm", None), "weight", None),
                                        getattr(getattr(a, "k_norm", None), "weight", None),
                                        a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight,
-                                       join([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight), m.act_fn))
+                                       join([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight), act))
         self._fused_at = self._where()
 
     def _where(self) -> list[int]:

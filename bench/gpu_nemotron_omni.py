@@ -1,0 +1,460 @@
+"""Nemotron 3 Nano Omni on one GPU: a GRPO trainer step, and decode ms/step at batch 64 on gymv's static decoder
+against transformers' own `generate`, in one run.
+
+The model is `NemotronH_Omni_Reasoning_V3` built in memory (random init) with the widths of
+Nemotron-3-Nano-Omni-30B-A3B: its language model's hidden size 2688, 32 query / 2 KV heads of 128, Mamba-2
+layers of 64 heads of 64 with 8 groups and state 128, MoE layers of 128 routed experts (top 6, width 1856,
+sigmoid router, scaling 2.5) plus a shared expert of width 3712, vocabulary 131072; its RADIO-H tower (1280 wide,
+32 layers, 16 heads, patch 16) and projector (20480 wide). Only the depth is cut: the layers are the first
+ones of the 52-layer pattern `MEMEM*EMEMEM*...` (M Mamba-2, E MoE, * attention), as many as fit. Tokenizer,
+image processor and chat template are those of `gymv model init tiny-nemotron-omni` (so token ids stay below
+its vocabulary; the embedding and LM head still have the full 131072 rows).
+
+train   GRPO on synthetic rollouts: groups of G=8 samples sharing a prompt (one 512x512 image, 256 image
+        tokens, and chat text) with responses of log-normal length (median 300, 16..1536 tokens), random
+        advantages, the clipped policy loss; the fsdp2 backend on one rank (or --backend torch), fp32 master
+        weights, bf16 autocast, activation checkpointing, no sequence packing (this family is never packed).
+        After one warm-up step, the median of --steps timed `train_step` calls. Reported: tokens/s (every
+        token), unique tokens/s (each group's prompt once), MFU = (6 * N_active * D_unique + 6 * N_head *
+        D_generated) / time / 989e12, where N_active counts the decoder's parameters a token uses (the top 6
+        of the 128 routed experts, the shared expert, every Mamba, attention and norm weight; no embedding,
+        no LM head, no vision tower) and attention-score FLOPs are left out, as in gpu_train.py; the same
+        with every token (mfu_all_tokens); peak memory (max_memory_allocated). If a depth does not fit, the
+        next smaller one in --train-layers is tried.
+decode  batch 64 (8 prompts x 8 samples), text prompts of about 300 tokens, 128 new tokens, sampled at
+        temperature 1; ms/step = (t(128 tokens) - t(1 token)) / 127 after a warm-up call, so prefill falls
+        out. Paths: `static` (StaticDecodeBackend: per-row Mamba states, CUDA graphs, compiled step, grouped
+        experts), `static_eager` (the same, graphs of uncompiled kernels), `hf_generate`
+        (`model.generate`, its dynamic hybrid cache), `gymv_hf` (gymv's HF loop). Also, for the static
+        decoder: greedy agreement with gymv's HF loop (first divergence per row) and token_mult_prob_error
+        against the trainer's logprobs.
+
+Usage:
+  python bench/gpu_nemotron_omni.py --device cuda --out /tmp/omni_bench     # one H200: under 8 minutes
+  python bench/gpu_nemotron_omni.py --device cpu --out /tmp/omni_bench      # tiny widths: checks the script
+Results: --json (default bench/results/gpu_nemotron_omni_h200.json on CUDA, OUT/gpu_nemotron_omni.json on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PEAK_FLOPS = 989e12  # H200 bf16 dense
+PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"  # the 52 layers of the 30B-A3B model
+LETTERS = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+NANO_TEXT = dict(hidden_size=2688, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+                 intermediate_size=1856, mamba_num_heads=64, mamba_head_dim=64, n_groups=8, ssm_state_size=128,
+                 conv_kernel=4, chunk_size=128, n_routed_experts=128, num_experts_per_tok=6,
+                 moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712, routed_scaling_factor=2.5,
+                 n_group=1, topk_group=1, norm_topk_prob=True, vocab_size=131072, layer_norm_epsilon=1e-5)
+NANO_VISION = dict(hidden_size=1280, num_hidden_layers=32, num_attention_heads=16, mlp_ratio=4.0)
+NANO_OMNI = dict(vision_hidden_size=1280, projector_hidden_size=20480)
+TINY_TEXT = dict(NANO_TEXT, hidden_size=64, num_attention_heads=4, head_dim=16, intermediate_size=64,
+                 mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16, chunk_size=16,
+                 n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 moe_shared_expert_intermediate_size=64, vocab_size=2048)
+TINY_VISION = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, mlp_ratio=2.0)
+TINY_OMNI = dict(vision_hidden_size=32, projector_hidden_size=128)
+GROUP = 8
+DECODE_BATCH = 64
+
+
+@dataclasses.dataclass
+class Mode:
+    device: str
+    text: dict
+    vision: dict
+    omni: dict
+    image_side: int
+    patch: int
+    median_response: int
+    max_response: int
+    new_tokens: int
+    precision: str
+
+
+def mode_for(device: str) -> Mode:
+    if device == "cuda":
+        return Mode("cuda", NANO_TEXT, NANO_VISION, NANO_OMNI, 512, 16, 300, 1536, 128, "bf16")
+    return Mode("cpu", TINY_TEXT, TINY_VISION, TINY_OMNI, 64, 8, 20, 60, 8, "fp32")
+
+
+def sync(mode: Mode) -> None:
+    import torch
+
+    if mode.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(mode: Mode, fn) -> float:
+    sync(mode)
+    t0 = time.perf_counter()
+    fn()
+    sync(mode)
+    return time.perf_counter() - t0
+
+
+def base_policy(out: Path, mode: Mode):
+    """The tiny checkpoint whose tokenizer, processor and chat template every built model shares."""
+    import torch
+
+    from gymv.backends.policy import load_policy
+    from gymv.models.tiny import init_tiny
+
+    path = init_tiny("tiny-nemotron-omni", out / "base", force=True, hidden=64, layers=4, heads=4, kv_heads=2,
+                     intermediate=128, vision_hidden=32, vision_layers=1, vision_heads=4,
+                     image_size=mode.image_side, patch_size=mode.patch)
+    return load_policy(path, device="cpu", dtype=torch.float32)
+
+
+def build_policy(base, mode: Mode, layers: int, dtype):
+    """`base` with its model replaced by a random Nano-Omni-shaped one of the first `layers` layers of the
+    pattern, built on the device in `dtype`."""
+    import torch
+
+    config = copy.deepcopy(base.model.config)
+    text = dict(mode.text, layers_block_type=[LETTERS[c] for c in PATTERN[:layers]])
+    for k, v in text.items():
+        setattr(config.text_config, k, v)
+    for k, v in mode.vision.items():
+        setattr(config.vision_config, k, v)
+    for k, v in mode.omni.items():
+        setattr(config, k, v)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(mode.device):
+            model = type(base.model)(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+    return dataclasses.replace(base, model=model)
+
+
+def param_counts(model) -> dict:
+    """Parameters by part; `active_decoder`: the decoder's weights one token uses (top-k of the routed
+    experts, the shared expert, Mamba, attention and norms)."""
+    lm = model.language_model
+    text = lm.config
+    embed = lm.model.embeddings.weight.numel()
+    head = lm.lm_head.weight.numel()
+    decoder = sum(p.numel() for p in lm.model.layers.parameters()) + lm.model.norm_f.weight.numel()
+    routed = sum(p.numel() for layer in lm.model.layers if layer.block_type == "moe"
+                 for p in (layer.mixer.experts.up_proj, layer.mixer.experts.down_proj))
+    active = decoder - routed + routed * text.num_experts_per_tok // text.n_routed_experts
+    total = sum(p.numel() for p in model.parameters())
+    return {"total": total, "decoder": decoder, "active_decoder": active, "routed_experts": routed,
+            "embedding": embed, "head": head, "vision_and_projector": total - decoder - embed - head}
+
+
+def image(mode: Mode, seed: int):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (mode.image_side, mode.image_side, 3), dtype=np.uint8))
+
+
+def prompt_ids(policy, text: str, images) -> list[int]:
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    rendered = policy.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                    add_generation_prompt=True, chat_template=policy.chat_template)
+    return policy.adapter.encode_text(rendered, images)
+
+
+def rollouts(policy, mode: Mode, groups: int, seed: int) -> list[dict]:
+    """GRPO samples as gpu_train.py draws them: G per prompt (an image and chat text), log-normal responses."""
+    import numpy as np
+
+    from gymv.backends.training.samples import training_sample
+
+    rng = np.random.default_rng(seed)
+    forbidden = set(policy.adapter.vision_token_ids)
+    vocab = [t for t in range(3, len(policy.tokenizer)) if t not in forbidden]
+    out = []
+    for g in range(groups):
+        img = image(mode, seed * 1000 + g)
+        words = " ".join(f"w{int(x)}" for x in rng.integers(0, 500, int(rng.integers(20, 120))))
+        prompt = prompt_ids(policy, f"Count the circles. {words}", [img])
+        for _ in range(GROUP):
+            n = int(np.clip(rng.lognormal(math.log(mode.median_response), 0.6), 4, mode.max_response))
+            gen = [vocab[int(i)] for i in rng.integers(0, len(vocab), n)]
+            out.append(training_sample(prompt + gen, [0] * len(prompt) + [1] * n, images=[img], where=f"group {g}",
+                                       logp_behaviour=[0.0] * len(prompt) + list(-rng.exponential(1.0, n)),
+                                       advantage=float(rng.normal())))
+    return out
+
+
+def train(base, mode: Mode, layers: int, a) -> dict:
+    """One GRPO trainer configuration: warm-up step, then the median of `a.steps` timed steps."""
+    import torch
+
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.backends.training.base import TrainingSetup
+    from gymv.backends.training.hf_fsdp import HFFSDPBackend
+    from gymv.backends.training.hf_torch import HFTorchBackend
+    from gymv.backends.training.samples import as_tensors
+
+    policy = build_policy(base, mode, layers, torch.float32)
+    counts = param_counts(policy.model)
+    policy.model.gradient_checkpointing_enable()
+    setup = TrainingSetup(model_path=str(policy.path), device=mode.device, seed=0, gradient_checkpointing=True,
+                          optimizer={"lr": 1e-6, "precision": mode.precision, "micro_batch_tokens": a.micro_batch_tokens},
+                          sequence_packing=False)
+    cls = HFFSDPBackend if a.backend == "fsdp2" else HFTorchBackend
+    backend = cls(policy, setup, device=mode.device, rank=0, world_size=1)
+    samples = rollouts(policy, mode, a.groups, seed=0)
+    total = sum(len(s["input_ids"]) for s in samples)
+    generated = sum(sum(s["loss_mask"]) for s in samples)
+    unique = total - sum((GROUP - 1) * s["loss_mask"].index(True) for s in samples[::GROUP])
+    loss, times, metrics = PolicyLoss(), [], {}
+    if mode.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(a.steps + 1):
+        batch = [as_tensors(dict(s)) for s in samples]
+        t = timed(mode, lambda: metrics.update(backend.train_step(batch, loss)))
+        times.append(t)
+    t = statistics.median(times[1:])
+    flops = 6 * counts["active_decoder"] * unique + 6 * counts["head"] * generated
+    flops_all = 6 * counts["active_decoder"] * total + 6 * counts["head"] * generated
+    row = {"layers": layers, "pattern": PATTERN[:layers], "backend": a.backend, "params": counts,
+           "samples": len(samples), "tokens": total, "unique_tokens": unique, "generated_tokens": generated,
+           "first_step_s": times[0], "step_s": t, "step_s_all": times[1:], "tokens_per_s": total / t,
+           "unique_tokens_per_s": unique / t, "mfu": flops / t / PEAK_FLOPS,
+           "mfu_all_tokens": flops_all / t / PEAK_FLOPS, "loss": metrics.get("train/loss"),
+           "micro_batches": metrics.get("train/num_micro_batches")}
+    row.update({k: v for k, v in metrics.items() if "router" in k or "aux" in k})
+    if mode.device == "cuda":
+        row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        row["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
+    backend.close()
+    del backend, policy
+    free(mode)
+    return row
+
+
+def free(mode: Mode) -> None:
+    import torch
+
+    gc.collect()
+    if mode.device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def decode_requests(policy, n: int) -> list:
+    """n requests: n / G prompts of about 300 tokens (chat text, no image: decode speed does not depend on
+    where the prompt's tokens came from), each G times."""
+    from gymv.backends.generation.base import GenerationRequest
+
+    reqs = []
+    for g in range(-(-n // GROUP)):
+        words = " ".join(f"w{(g * 31 + i) % 500}" for i in range(150))
+        ids = prompt_ids(policy, f"Think step by step about case {g}. {words}", [])
+        reqs += [GenerationRequest(ids, [], where=f"prompt {g}")] * min(GROUP, n - g * GROUP)
+    return reqs
+
+
+def gymv_path(policy, mode: Mode, path: str, reqs) -> tuple[dict, object]:
+    from gymv.backends.generation.base import SamplingParams
+    from gymv.backends.generation.hf import HFGenerationBackend
+    from gymv.backends.generation.static import StaticDecodeBackend
+
+    if path == "gymv_hf":
+        backend = HFGenerationBackend.from_policy(policy)
+    else:
+        backend = StaticDecodeBackend.from_policy(policy, compile=None if path == "static" else False)
+
+    def run(n):
+        return lambda: backend.generate(reqs, SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True, seed=1))
+    first = timed(mode, run(mode.new_tokens))  # warm-up: compiles and captures this shape
+    timed(mode, run(1))
+    t1 = statistics.median(timed(mode, run(1)) for _ in range(3))
+    tn = statistics.median(timed(mode, run(mode.new_tokens)) for _ in range(2))
+    return {"first_call_s": first, "t1_s": t1, "tn_s": tn, "timing": dict(backend.last_timing)}, backend
+
+
+def hf_generate_path(policy, mode: Mode, reqs) -> dict:
+    import torch
+
+    pad = policy.tokenizer.pad_token_id or 0
+    L = max(len(r.prompt_token_ids) for r in reqs)
+    ids = torch.full((len(reqs), L), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, r in enumerate(reqs):
+        ids[b, L - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+        mask[b, L - len(r.prompt_token_ids):] = 1
+    ids, mask = ids.to(mode.device), mask.to(mode.device)
+
+    def run(n):
+        def go():
+            with torch.no_grad():
+                policy.model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=n,
+                                      min_new_tokens=n, pad_token_id=pad)
+        return go
+    first = timed(mode, run(mode.new_tokens))
+    timed(mode, run(1))
+    t1 = statistics.median(timed(mode, run(1)) for _ in range(3))
+    tn = statistics.median(timed(mode, run(mode.new_tokens)) for _ in range(2))
+    return {"first_call_s": first, "t1_s": t1, "tn_s": tn}
+
+
+def parity(policy, static, reqs) -> dict:
+    """The static decoder's greedy tokens against gymv's HF loop, and its sampled logprobs against the
+    trainer's (token_mult_prob_error); on the timed batch (its compiled shapes)."""
+    import torch
+
+    from gymv.backends.generation.base import SamplingParams
+    from gymv.backends.generation.hf import HFGenerationBackend
+    from gymv.backends.logprobs import right_pad, sequence_logprobs
+
+    greedy = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
+    new = static.generate(reqs, greedy)
+    old = HFGenerationBackend.from_policy(policy).generate(reqs, greedy)
+    first = [next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+             for a, b in zip(new, old)]
+    outs = static.generate(reqs, SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True, seed=2))
+    batch = right_pad([r.prompt_token_ids + o.token_ids for r, o in zip(reqs, outs)], [r.images for r in reqs],
+                      policy.tokenizer.pad_token_id)
+    with torch.no_grad():
+        train_lp = sequence_logprobs(policy.model, policy.adapter, batch, temperature=1.0).float().cpu()
+    deltas = [train_lp[b, len(r.prompt_token_ids):len(r.prompt_token_ids) + len(o.token_ids)] - torch.tensor(o.logprobs)
+              for b, (r, o) in enumerate(zip(reqs, outs))]
+    return {"greedy_first_divergence_per_prompt": first[::GROUP], "greedy_tokens": len(new[0].token_ids),
+            "token_mult_prob_error": torch.exp(torch.cat(deltas).abs()).mean().item()}
+
+
+def decode(base, mode: Mode, layers: int, a, result: dict, save) -> None:
+    import torch
+
+    dtype = torch.bfloat16 if mode.device == "cuda" else torch.float32
+    policy = build_policy(base, mode, layers, dtype)
+    reqs = decode_requests(policy, a.decode_batch)
+    result["decode"] = {"layers": layers, "pattern": PATTERN[:layers], "batch": a.decode_batch,
+                        "new_tokens": mode.new_tokens, "prompt_tokens": len(reqs[0].prompt_token_ids),
+                        "params": param_counts(policy.model), "rows": []}
+    for path in a.paths.split(","):
+        row = {"path": path}
+        if time.time() - a.t0 > a.budget_s:
+            row["error"] = "skipped: time budget"
+            result["decode"]["rows"].append(row)
+            continue
+        try:
+            if path == "hf_generate":
+                row.update(hf_generate_path(policy, mode, reqs))
+            else:
+                r, backend = gymv_path(policy, mode, path, reqs)
+                row.update(r)
+                if path == "static" and not a.no_parity:
+                    row["parity"] = parity(policy, backend, reqs)
+                if hasattr(backend, "drop_graphs"):
+                    backend.drop_graphs()
+                del backend
+            row["ms_per_step"] = (row["tn_s"] - row["t1_s"]) / (mode.new_tokens - 1) * 1e3
+            row["tokens_per_s"] = a.decode_batch / row["ms_per_step"] * 1e3
+        except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            traceback.print_exc()
+        free(mode)
+        result["decode"]["rows"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "timing"}), flush=True)
+        save()
+    del policy
+    free(mode)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="scratch directory (the base checkpoint)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--json", type=Path, help="results file (default: see the module docstring)")
+    ap.add_argument("--train-layers", default="", help="depths to try, largest first, until one fits "
+                                                       "(default 9,7,4 on CUDA, 6 on CPU; 0: no training)")
+    ap.add_argument("--decode-layers", type=int, help="depth of the decode model (default 52: all, on CUDA; 6 on CPU)")
+    ap.add_argument("--backend", choices=["fsdp2", "torch"], default="fsdp2")
+    ap.add_argument("--groups", type=int, help="GRPO groups of 8 samples per step (default 4 on CUDA, 2 on CPU)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384)
+    ap.add_argument("--decode-batch", type=int, default=DECODE_BATCH)
+    ap.add_argument("--paths", default="static,hf_generate,static_eager,gymv_hf")
+    ap.add_argument("--no-parity", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=400.0, help="start no decode path after this many seconds")
+    a = ap.parse_args()
+    import torch
+    import transformers
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --device cpu for the tiny check")
+    if not hasattr(transformers, "NemotronH_Omni_Reasoning_V3"):
+        sys.exit(f"transformers {transformers.__version__} has no NemotronH_Omni_Reasoning_V3: install 5.24 or later")
+    mode = mode_for(a.device)
+    cuda = a.device == "cuda"
+    train_layers = [int(x) for x in (a.train_layers or ("9,7,4" if cuda else "6")).split(",") if int(x) > 0]
+    a.groups = a.groups or (4 if cuda else 2)
+    decode_layers = a.decode_layers or (len(PATTERN) if cuda else 6)
+    a.out.mkdir(parents=True, exist_ok=True)
+    out_json = a.json or (Path(__file__).parent / "results" / "gpu_nemotron_omni_h200.json" if cuda
+                          else a.out / "gpu_nemotron_omni.json")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    t0 = a.t0 = time.time()
+    result = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+              "transformers": transformers.__version__, "peak_flops": PEAK_FLOPS, "text_config": mode.text,
+              "vision_config": mode.vision, "omni": mode.omni, "train": [], "decode": None}
+
+    def save():
+        result["wall_s"] = time.time() - t0
+        out_json.parent.mkdir(parents=True, exist_ok=True)
+        out_json.write_text(json.dumps(result, indent=2))
+
+    print(f"{result['device']}, torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
+    base = base_policy(a.out, mode)
+    for layers in train_layers:
+        try:
+            row = train(base, mode, layers, a)
+        except torch.OutOfMemoryError as e:
+            row = {"layers": layers, "error": f"out of memory: {str(e)[:200]}"}
+        except Exception as e:  # noqa: BLE001
+            row = {"layers": layers, "error": f"{type(e).__name__}: {str(e)[:400]}", "trace": traceback.format_exc()[-2000:]}
+        free(mode)
+        result["train"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("trace", "step_s_all", "params")}), flush=True)
+        save()
+        if "error" not in row or "out of memory" not in row["error"]:
+            break
+    decode(base, mode, decode_layers, a, result, save)
+    save()
+    report(result, out_json)
+
+
+def report(result: dict, out_json: Path) -> None:
+    for r in result["train"]:
+        if "error" in r:
+            print(f"train {r['layers']} layers: {r['error'][:100]}")
+            continue
+        mem = f"{r['peak_mem_gb']:.1f} GB" if "peak_mem_gb" in r else "-"
+        print(f"train {r['layers']} layers {r['pattern']}: {r['step_s']:.2f} s/step, {r['tokens_per_s']:.0f} tok/s, "
+              f"{r['unique_tokens_per_s']:.0f} unique tok/s, MFU {r['mfu']:.1%} (active params), peak {mem}")
+    d = result["decode"] or {"rows": []}
+    for r in d["rows"]:
+        if "error" in r:
+            print(f"decode {r['path']:<13} {r['error'][:100]}")
+        else:
+            print(f"decode {r['path']:<13} batch {d['batch']}: {r['ms_per_step']:.2f} ms/step, "
+                  f"{r['tokens_per_s']:.0f} tok/s (first call {r['first_call_s']:.1f} s)")
+    print(f"wrote {out_json} in {result['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
