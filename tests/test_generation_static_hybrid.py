@@ -84,6 +84,15 @@ def test_the_layer_pattern_is_read_from_the_model(policy):
     assert (tm.mamba.conv_dim, tm.moe.experts, tm.moe.top_k, tm.rotary) == (64 + 2 * 2 * 16, 8, 2, None)
 
 
+def test_every_layer_of_a_kind_hands_the_step_one_activation_object(policy):
+    backend = StaticDecodeBackend.from_policy(policy)
+    backend._fuse()
+    acts = {}
+    for kind, _, act in backend._fused:
+        acts.setdefault(kind, set()).add(id(act))
+    assert all(len(ids) == 1 for ids in acts.values())  # a compiled step guards on it: one compile, not one a layer
+
+
 def test_the_router_picks_the_experts_and_weights_transformers_picks_with_grouped_top_k():
     from transformers import NemotronHConfig
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
