@@ -236,7 +236,7 @@ def train(base, mode: Mode, layers: int, a) -> dict:
            "unique_tokens_per_s": unique / t, "mfu": flops / t / PEAK_FLOPS,
            "mfu_all_tokens": flops_all / t / PEAK_FLOPS, "loss": metrics.get("train/loss"),
            "micro_batches": metrics.get("train/num_micro_batches")}
-    row.update({k: v for k, v in metrics.items() if "router" in k or "aux" in k})
+    row.update({k: v for k, v in metrics.items() if "moe" in k})  # the routers' load-balancing terms
     if mode.device == "cuda":
         row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
         row["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
@@ -279,11 +279,17 @@ def gymv_path(policy, mode: Mode, path: str, reqs) -> tuple[dict, object]:
 
     def run(n):
         return lambda: backend.generate(reqs, SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True, seed=1))
+    return {**measure(mode, run), "timing": dict(backend.last_timing)}, backend
+
+
+def measure(mode: Mode, run) -> dict:
+    """Seconds to generate 1 and `mode.new_tokens` tokens (medians), after a warm-up call of each; `run(n)`
+    is the call that generates n."""
     first = timed(mode, run(mode.new_tokens))  # warm-up: compiles and captures this shape
     timed(mode, run(1))
     t1 = statistics.median(timed(mode, run(1)) for _ in range(3))
     tn = statistics.median(timed(mode, run(mode.new_tokens)) for _ in range(2))
-    return {"first_call_s": first, "t1_s": t1, "tn_s": tn, "timing": dict(backend.last_timing)}, backend
+    return {"first_call_s": first, "t1_s": t1, "tn_s": tn}
 
 
 def hf_generate_path(policy, mode: Mode, reqs) -> dict:
@@ -304,11 +310,7 @@ def hf_generate_path(policy, mode: Mode, reqs) -> dict:
                 policy.model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=n,
                                       min_new_tokens=n, pad_token_id=pad)
         return go
-    first = timed(mode, run(mode.new_tokens))
-    timed(mode, run(1))
-    t1 = statistics.median(timed(mode, run(1)) for _ in range(3))
-    tn = statistics.median(timed(mode, run(mode.new_tokens)) for _ in range(2))
-    return {"first_call_s": first, "t1_s": t1, "tn_s": tn}
+    return measure(mode, run)
 
 
 def parity(policy, static, reqs) -> dict:
