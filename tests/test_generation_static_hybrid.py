@@ -166,6 +166,25 @@ def test_a_session_that_shrinks_its_batch_moves_the_mamba_states_with_the_rows(p
     same_outputs([got[i] for i in range(len(reqs))], want)
 
 
+def test_a_refit_reaches_every_layer_kind(checkpoint):
+    policy = hybrid_policy(checkpoint)  # its own copy: the refit changes it
+    backend = StaticDecodeBackend.from_policy(policy)
+    reqs = prompts(policy, 2)
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    before = backend.generate(reqs, params)
+    own = policy.model.state_dict()
+    parts = ("layers.0.mixer.in_proj.weight", "layers.1.mixer.experts.up_proj", "layers.2.mixer.k_proj.weight",
+             "layers.3.mixer.gate.e_score_correction_bias", "layers.4.mixer.up_proj.weight")
+    g = torch.Generator().manual_seed(1)
+    new = {name: torch.randn(own[name].shape, generator=g) * own[name].std().clamp(min=0.05)
+           for name in own if name.endswith(parts)}
+    assert len(new) == len(parts)  # Mamba, experts, attention, router, MLP
+    backend.update_weights(new)
+    after = backend.generate(reqs, params)
+    assert any(a.token_ids != b.token_ids for a, b in zip(after, before))
+    same_outputs(after, HFGenerationBackend.from_policy(policy).generate(reqs, params))
+
+
 def test_layer_kinds_left_out_of_the_graphs_decode_the_same(policy):
     reqs = prompts(policy, 3)
     params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
