@@ -79,7 +79,7 @@ class TextModel:
     moe: hybrid.MoeShape | None = None
 
     @property
-    def hybrid(self) -> bool:
+    def is_hybrid(self) -> bool:
         return self.rotary is None
 
     def has_kv(self, i: int) -> bool:
@@ -303,7 +303,7 @@ class StaticDecodeBackend(HFGenerationBackend):
         self.max_states = max_states
         self._states: OrderedDict[tuple, _State] = OrderedDict()
         self._forbidden = None
-        self._rms = hybrid.rms if tm.hybrid else _rms
+        self._rms = hybrid.rms if tm.is_hybrid else _rms
         self._fused: list[tuple] = []
         self._fused_at: list[int] = []
         self.fuse_weights = fuse_weights
@@ -1142,7 +1142,7 @@ def _cache_states(cache, tm: TextModel) -> list[tuple]:
     [B, kv heads, L, head dim] of an attention layer, the convolution [B, channels, kernel] and SSM
     [B, heads, head dim, state] states of a Mamba layer, (None, None) for the others."""
     if not hasattr(cache, "layers"):
-        if tm.hybrid:
+        if tm.is_hybrid:
             raise GymvError("this transformers keeps Nemotron-H states in a cache layout the static decoder "
                             "does not read", where="generation.decode",
                             fix="use generation.decode=eager, or a transformers whose DynamicCache has layers")
