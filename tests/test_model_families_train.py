@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 # Every family added by the model-family work runs `gymv train` end to end here, about 10-30 s each (tiny-llava
 # and tiny-qwen2vl, the first two, run it throughout the rest of the suite).
 FAMILIES = ["tiny-qwen2_5vl", "tiny-gemma3", "tiny-qwen3", "tiny-qwen3vl", "tiny-llava-next", "tiny-llava-onevision",
-            "tiny-smolvlm", "tiny-llama"]
+            "tiny-smolvlm", "tiny-llama", "tiny-nemotron-omni"]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -204,3 +204,30 @@ def test_rows_sharing_a_prompt_are_scored_as_if_alone_when_prompt_lengths_differ
         for i, r in enumerate(rows):
             alone = token_scores(policy.model, policy.adapter, right_pad([r], [im], 0)).logp[0]
             assert torch.allclose(together[i][score[i]], alone[score[i, :len(r)]], atol=1e-5)
+
+
+def test_a_second_turn_with_a_new_image_continues_the_first_with_the_trainers_logprobs():
+    """Turn 1 is sampled, a user turn with another image is appended in token space, turn 2 is sampled on the
+    whole history: the trainer's logprobs of the final sequence equal both turns' sampling logprobs."""
+    from gymv.backends.generation import GenerationRequest, SamplingParams
+    from gymv.backends.generation.hf import HFGenerationBackend
+    from gymv.backends.logprobs import right_pad, sequence_logprobs
+    from gymv.rollout.render import ChatRenderer
+
+    policy = shared_policy(ARCH)
+    backend = HFGenerationBackend.from_policy(policy, seed=1)
+    params = SamplingParams(max_new_tokens=5, temperature=1.0, stop_token_ids=[], ignore_eos=True)
+    first, second = solid("red", (64, 48)), solid("blue", (90, 30))
+    ids = chat_ids(policy, "How many?", [first])
+    turn1 = backend.generate([GenerationRequest(ids, [first])], params)[0]
+    text, _ = ChatRenderer(policy.tokenizer, policy.chat_template).addition(
+        [({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And now?"}]}, [second])],
+        turn_closed=False)
+    history = ids + turn1.token_ids + policy.adapter.encode_text(text, [second])
+    turn2 = backend.generate([GenerationRequest(history, [first, second])], params)[0]
+    full = history + turn2.token_ids
+    with torch.no_grad():
+        train = sequence_logprobs(policy.model, policy.adapter, right_pad([full], [[first, second]], 0))[0]
+    got = torch.cat([train[len(ids):len(ids) + 5], train[len(history):]])
+    want = torch.tensor(turn1.logprobs + turn2.logprobs)
+    assert float(torch.exp((got - want).abs()).mean()) < 1.0001

@@ -122,9 +122,19 @@ def _eval_model(auto_class, ckpt: Path, device, kwargs: dict, what: str, fix: st
         model = auto_class.from_pretrained(ckpt, **kwargs)
     except ValueError as e:
         raise GymvError(f"cannot load {what}: {str(e).splitlines()[0]}", where=str(ckpt), fix=fix) from None
+    _own_storage(model)
     model.to(device)
     model.eval()
     return model
+
+
+def _own_storage(model) -> None:
+    """Give each weight its own storage where loading left it a view into a larger one (transformers splits a
+    checkpoint's fused tensors, such as RADIO's qkv, into views of the one it read): safetensors refuses to
+    save such a view, and a trainer's checkpoints are written with it."""
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            t.data = t.detach().clone()
 
 
 def _load_text(ckpt: Path, device, dtype, attn_implementation, trust: bool) -> Policy:
