@@ -33,9 +33,9 @@ def test_yaml_syntax_error_names_line_and_column(tmp_path):
 
 
 def test_missing_parent_names_the_declaring_file_and_line(tmp_path):
-    p = write(tmp_path, "r.yaml", "# comment\ndefaults:\n  - ../nowhere.yaml\nalgorithm: grpo\n")
+    p = write(tmp_path, "r.yaml", "# comment\ndefaults:\n  - nowhere.yaml\nalgorithm: grpo\n")
     e = error(p)
-    assert e.where.endswith("r.yaml:3") and "'../nowhere.yaml' not found" in e.message
+    assert e.where.endswith("r.yaml:3") and "'nowhere.yaml' not found" in e.message
 
 
 def test_defaults_cycle_shows_the_whole_chain(tmp_path):
@@ -116,3 +116,36 @@ def test_a_compatibility_error_points_at_the_offending_key(tmp_path):
     p = write(tmp_path, "r.yaml", "algorithm: grpo\ngrpo:\n  async: {enabled: true}\n")
     e = error(p)
     assert "importance_sampling.kind is 'none'" in e.message and e.where.endswith("r.yaml:2")
+
+
+@pytest.mark.parametrize("entry", ["/etc/passwd", "../../../../../../../../etc/passwd"])
+def test_a_default_outside_the_recipe_tree_is_refused_naming_the_allowed_roots(tmp_path, entry):
+    p = write(tmp_path, "recipes/vlm/r.yaml", f"defaults: {entry}\n")
+    e = error(p)
+    assert e.where.endswith("r.yaml:1") and "outside the recipe tree" in e.message
+    assert str((tmp_path / "recipes").resolve()) in e.message and "GYMV_RECIPE_ROOTS" in e.fix
+
+
+@pytest.mark.parametrize("entry", ["gymv://../../../../../../etc/passwd", "gymv://../LICENSE"])
+def test_a_packaged_default_is_confined_to_the_shipped_recipes(tmp_path, entry):
+    e = error(write(tmp_path, "r.yaml", f"defaults: {entry}\n"))
+    assert "leaves gymv's shipped recipes" in e.message
+
+
+def test_an_absolute_packaged_default_is_looked_up_inside_the_shipped_recipes(tmp_path):
+    e = error(write(tmp_path, "r.yaml", "defaults: gymv:///etc/passwd\n"))
+    assert "not found" in e.message and "recipes/etc/passwd" in e.message
+
+
+def test_a_default_in_the_recipe_tree_may_climb_within_it(tmp_path):
+    write(tmp_path, "recipes/base.yaml", "algorithm: grpo\nseed: 3\n")
+    p = write(tmp_path, "recipes/vlm/deep/r.yaml", "defaults: ../../base.yaml\n")
+    assert load_recipe(p, validate=False).raw["seed"] == 3
+
+
+def test_a_folder_the_user_allows_may_hold_defaults(tmp_path, monkeypatch):
+    write(tmp_path, "shared/base.yaml", "algorithm: grpo\nseed: 4\n")
+    p = write(tmp_path, "recipes/r.yaml", "defaults: ../shared/base.yaml\n")
+    assert "outside the recipe tree" in error(p).message
+    monkeypatch.setenv("GYMV_RECIPE_ROOTS", str(tmp_path / "shared"))
+    assert load_recipe(p, validate=False).raw["seed"] == 4

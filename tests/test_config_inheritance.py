@@ -33,10 +33,10 @@ def test_a_list_of_defaults_applies_every_parent(tmp_path):
 
 
 def test_default_paths_are_relative_to_the_declaring_file_not_the_working_directory(tmp_path, monkeypatch):
-    write(tmp_path, "exemplar.yaml", "algorithm: grpo\n")
-    write(tmp_path, "vlm/mid.yaml", "defaults: ../exemplar.yaml\nseed: 1\n")
-    child = write(tmp_path, "vlm/deep/child.yaml", "defaults: ../mid.yaml\n")
-    monkeypatch.chdir(tmp_path / "vlm")
+    write(tmp_path, "recipes/exemplar.yaml", "algorithm: grpo\n")
+    write(tmp_path, "recipes/vlm/mid.yaml", "defaults: ../exemplar.yaml\nseed: 1\n")
+    child = write(tmp_path, "recipes/vlm/deep/child.yaml", "defaults: ../mid.yaml\n")
+    monkeypatch.chdir(tmp_path / "recipes" / "vlm")
     assert raw(child) == {"algorithm": "grpo", "seed": 1}
 
 

@@ -54,8 +54,7 @@ def resolve_parent(declaring: Path, text: str) -> Path:
     """The file a `defaults:` entry names: a path relative to the declaring file; `gymv://<file>` (a shipped
     recipe); or an exemplar's bare name (`vlm_grpo`, `grpo.yaml`) when no such file sits beside the recipe."""
     if text.startswith(PACKAGED_SCHEME):
-        rel = text[len(PACKAGED_SCHEME):]
-        return (default_recipes_root() / rel).resolve() if ".." not in Path(rel).parts else Path(rel)
+        return (default_recipes_root() / text[len(PACKAGED_SCHEME):].lstrip("/")).resolve()
     local = (declaring.parent / text).resolve()
     if local.exists() or "/" in text or os.sep in text:
         return local
@@ -63,6 +62,38 @@ def resolve_parent(declaring: Path, text: str) -> Path:
     if name in set(EXEMPLARS.values()):
         return (default_recipes_root() / name).resolve()
     return local
+
+
+RECIPE_ROOTS_ENV = "GYMV_RECIPE_ROOTS"  # more folders `defaults:` may name, os.pathsep-separated (the user's opt-in)
+
+
+PROJECT_MARKERS = (".git", "pyproject.toml")
+
+
+def recipe_tree(recipe: Path) -> Path:
+    """The tree a recipe's `defaults:` may reach into: its nearest enclosing recipes folder (one named
+    `recipes`, or holding suites, drivers or the exemplars), else its project (the nearest folder with a
+    .git or pyproject.toml), else the recipe's own folder."""
+    parents = recipe.resolve().parents
+    for d in parents:
+        if d.name == "recipes" or _looks_like_recipes(d):
+            return d
+    for d in parents:
+        if any((d / m).exists() for m in PROJECT_MARKERS):
+            return d
+    return recipe.resolve().parent
+
+
+def defaults_roots(recipe: Path) -> list[Path]:
+    """Where `defaults:` of `recipe` may point: its recipe tree, the shipped recipes, and the folders the user
+    named in $GYMV_RECIPE_ROOTS."""
+    extra = [Path(p).resolve() for p in os.environ.get(RECIPE_ROOTS_ENV, "").split(os.pathsep) if p.strip()]
+    roots = [recipe_tree(recipe), default_recipes_root().resolve(), packaged_recipes_root().resolve(), *extra]
+    return list(dict.fromkeys(roots))
+
+
+def inside(path: Path, roots: list[Path]) -> bool:
+    return any(path == r or path.is_relative_to(r) for r in roots)
 
 
 def find_recipes_root(start: str | os.PathLike) -> Path | None:

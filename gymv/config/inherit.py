@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gymv.config.exemplars import resolve_parent
+from gymv.config.exemplars import (PACKAGED_SCHEME, RECIPE_ROOTS_ENV, default_recipes_root, defaults_roots, inside,
+                                   resolve_parent)
 from gymv.config.tree import OVERRIDE_MARKER, ConfigTree, dotted, strip_markers
 from gymv.yamlfile import KeyPath, Origin, display_path, read_yaml_mapping
 from gymv.errors import GymvError
@@ -88,6 +89,23 @@ def _defaults_entries(path: Path, data: dict, lines: dict) -> list[tuple[Path, s
     return out
 
 
+def _check_confined(parent: Path, text: str, where: str, top: Path) -> None:
+    """A recipe names parents in its own tree or gymv's shipped recipes: another file of the machine is never
+    read on a recipe's word (a recipe may come from anyone), only where the user allowed its folder."""
+    if text.startswith(PACKAGED_SCHEME):
+        shipped = default_recipes_root().resolve()
+        if not inside(parent, [shipped]):
+            raise GymvError(f"`defaults` entry {text!r} leaves gymv's shipped recipes ({display_path(shipped)})",
+                            where=where, fix="name a file under the shipped recipes, e.g. gymv://vlm_grpo.yaml")
+        return
+    roots = defaults_roots(top)
+    if not inside(parent, roots):
+        allowed = ", ".join(display_path(r) for r in roots)
+        raise GymvError(f"`defaults` entry {text!r} ({display_path(parent)}) is outside the recipe tree; "
+                        f"allowed roots: {allowed}", where=where,
+                        fix=f"copy the file into the recipe tree, or allow its folder: {RECIPE_ROOTS_ENV}=DIR")
+
+
 def merge(base: ConfigTree, over: ConfigTree) -> ConfigTree:
     """Apply `over` on top of `base` (both unchanged); returns the merged tree."""
     if not base.data and not base.origins:  # the first parent: a copy of it, without markers
@@ -141,6 +159,7 @@ def compose(path: str | Path, _stack: tuple[Path, ...] = (), cache: dict[Path, C
             cycle = " -> ".join(display_path(p) for p in stack[stack.index(parent):] + (parent,))
             raise GymvError(f"`defaults` cycle: {cycle}", where=where,
                             fix="remove one of these `defaults` entries so the chain ends at an exemplar")
+        _check_confined(parent, text, where, stack[0])
         if not parent.exists():
             raise GymvError(f"parent recipe {text!r} not found (looked for {display_path(parent)})", where=where,
                             fix="paths in `defaults` are relative to the file that declares them")
