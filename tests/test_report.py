@@ -338,3 +338,49 @@ def test_cli_compares_and_smooths(run, tmp_path, gymv):
     assert "compared with other-run" in (tmp_path / "out" / "index.html").read_text()
     bad = gymv("report", run, "--out", tmp_path / "out2", "--smoothing", "1.5")
     assert bad.code == 2 and "Traceback" not in bad.stderr
+
+
+# -- damaged metrics ----------------------------------------------------------------------------------------
+
+
+def test_a_bad_line_in_the_middle_of_the_metrics_is_skipped_naming_its_line_and_the_rest_plotted(tmp_path):
+    run = make_run(tmp_path / "run", steps=4)
+    lines = (run / "metrics.jsonl").read_bytes().split(b"\n")
+    lines[2:2] = [b"{not json", b'{"step": 9, "train/loss": \xff\xfe}']  # malformed, and not UTF-8
+    (run / "metrics.jsonl").write_bytes(b"\n".join(lines))
+    result = build_report(run, tmp_path / "out")
+    assert result.last_step == 4 and len(result.plots) == 11
+    assert [p.split(": line skipped")[0].rsplit(":", 1)[1] for p in result.problems] == ["3", "4"]
+    assert "not UTF-8" in result.problems[1]
+
+
+def test_non_finite_values_are_gaps_with_a_marker_counted_in_the_header(tmp_path):
+    run = RunDir.create(tmp_path / "sft", {"name": "sft", "algorithm": "vlm_sft"})
+    with run.metrics_log() as log:
+        for step, loss in enumerate([2.0, float("nan"), 1.5, float("inf"), 1.0], 1):
+            log.log(step, {"train/loss": loss})
+    with open(run.metrics_path, "a") as f:  # as other tools write them
+        f.write('{"step": 6, "train/loss": "0.9"}\n{"step": 7, "train/loss": NaN}\n')
+    result = build_report(run.path, tmp_path / "out")
+    assert "4 metric values not finite numbers (null, NaN, inf or text; steps 2, 4, 6, 7)" in result.index.read_text()
+    assert [p.name for p in result.plots] == ["loss"]
+
+
+def test_a_series_is_broken_at_its_gaps_and_marked_there():
+    from matplotlib.figure import Figure
+
+    from gymv.report.plots import _draw
+
+    ax = Figure().add_subplot()
+    line = _draw(ax, [1, 3, 5], [2.0, 1.5, 1.0], "train/loss", 0.0, gaps=[2, 4])
+    assert list(line.get_xdata()) == [1, 2, 3, 4, 5]
+    assert [y != y for y in line.get_ydata()] == [False, True, False, True, False]  # NaN breaks the line
+    marks = [ln for ln in ax.get_lines() if ln.get_marker() == "x"]
+    assert len(marks) == 1 and list(marks[0].get_xdata()) == [2, 4]
+
+
+def test_a_missing_metrics_file_is_said(tmp_path):
+    run = RunDir.create(tmp_path / "run", {"name": "run", "algorithm": "vlm_grpo"})
+    run.metrics_path.unlink(missing_ok=True)
+    result = build_report(run.path, tmp_path / "out")
+    assert any("metrics.jsonl: not found" in p for p in result.problems)

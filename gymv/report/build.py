@@ -15,7 +15,7 @@ from pathlib import Path
 from gymv.errors import GymvError
 from gymv.io import atomic_write_text
 from gymv.report.page import render_data, render_index
-from gymv.report.plots import DEFAULT_SMOOTHING, Plot, write_plots
+from gymv.report.plots import DEFAULT_SMOOTHING, Plot, non_finite_values, write_plots
 from gymv.report.run import RunData, read_run
 from gymv.report.viewer import groups, rollout_views
 
@@ -113,6 +113,11 @@ def build_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
             f"{progress} ({status})", f"{len(views)} rollouts", f"generated {time.strftime('%Y-%m-%d %H:%M:%S')}"]
     if others:
         meta.insert(0, "compared with " + ", ".join(names[1:]) + " (dashed)")
+    broken = non_finite_values(run.rows)
+    if broken:
+        steps = sorted({s for s, _ in broken if isinstance(s, int)})
+        meta.append(f"{len(broken)} metric values not finite numbers (null, NaN, inf or text; steps "
+                    f"{', '.join(map(str, steps[:5]))}{' …' if len(steps) > 5 else ''}): gaps marked × in the plots")
     meta = [m for m in meta if m]
     atomic_write_text(out / "data.js", render_data({"run": run.name, "rollouts": views, "groups": groups(views)}))
     index = out / "index.html"

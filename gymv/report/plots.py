@@ -64,14 +64,40 @@ class Plot:
     metrics: tuple[str, ...]  # those actually drawn
 
 
+def _finite(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _broken(v: object) -> bool:
+    """A value logged where a number belongs that is not one: null (gymv's logger writes NaN and infinities
+    so, strict JSON having neither), NaN or an infinity written by another tool, a string."""
+    return v is None or isinstance(v, str) or (isinstance(v, float) and not math.isfinite(v))
+
+
 def _series(rows: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for r in rows:
         v, s = r.get(key), r.get("step")
-        if isinstance(s, int) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+        if isinstance(s, int) and _finite(v):
             xs.append(s)
             ys.append(float(v))
     return xs, ys
+
+
+def _gaps(rows: Sequence[dict], key: str) -> list[int]:
+    """Steps whose value of `key` is not a finite number: drawn as breaks in the line, with a marker."""
+    return [r["step"] for r in rows if isinstance(r.get("step"), int) and _broken(r.get(key))]
+
+
+def non_finite_values(rows: Sequence[dict]) -> list[tuple[int, str]]:
+    """(step, metric) of every value that is not a finite number (the report counts them in its header)."""
+    return [(r.get("step"), k) for r in rows for k, v in r.items() if _broken(v)]
+
+
+def _with_gaps(xs: list[int], ys: list[float], gaps: list[int]) -> tuple[list[int], list[float]]:
+    """The series with NaN at each gap step, so that the line breaks there instead of bridging it."""
+    points = sorted([*zip(xs, ys), *((g, math.nan) for g in gaps)], key=lambda p: p[0])
+    return [p[0] for p in points], [p[1] for p in points]
 
 
 def smooth(ys: Sequence[float], weight: float) -> list[float]:
@@ -136,15 +162,22 @@ def band_edges(means: Sequence[float], stds: Sequence[float],
     return [max(lo, m - s) for m, s in zip(means, stds)], [min(hi, m + s) for m, s in zip(means, stds)]
 
 
-def _draw(ax, xs: list[int], ys: list[float], label: str, smoothing: float, *, dashed: bool = False, color=None):
-    """The series as logged (faint, when smoothed) and smoothed (bold); returns the bold line."""
+def _draw(ax, xs: list[int], ys: list[float], label: str, smoothing: float, *, dashed: bool = False, color=None,
+          gaps: Sequence[int] = ()):
+    """The series as logged (faint, when smoothed) and smoothed (bold), broken at `gaps` (steps whose value is
+    not a finite number) with an x on the axis there; returns the bold line."""
     style = "--" if dashed else "-"
     if smoothing > 0 and len(xs) > 2 and not label.startswith("val/"):
-        (raw,) = ax.plot(xs, ys, linestyle=style, linewidth=1, alpha=0.3, color=color)
-        (line,) = ax.plot(xs, smooth(ys, smoothing), linestyle=style, linewidth=1.8, label=label, color=raw.get_color())
-        return line
-    marker = "o" if len(xs) < 30 or label.startswith("val/") else None
-    (line,) = ax.plot(xs, ys, linestyle=style, marker=marker, markersize=3, linewidth=1.5, label=label, color=color)
+        (raw,) = ax.plot(*_with_gaps(xs, ys, list(gaps)), linestyle=style, linewidth=1, alpha=0.3, color=color)
+        (line,) = ax.plot(*_with_gaps(xs, smooth(ys, smoothing), list(gaps)), linestyle=style, linewidth=1.8,
+                          label=label, color=raw.get_color())
+    else:
+        marker = "o" if len(xs) < 30 or label.startswith("val/") else None
+        (line,) = ax.plot(*_with_gaps(xs, ys, list(gaps)), linestyle=style, marker=marker, markersize=3,
+                          linewidth=1.5, label=label, color=color)
+    if gaps:
+        ax.plot(list(gaps), [0.0] * len(gaps), linestyle="none", marker="x", markersize=7, color=line.get_color(),
+                transform=ax.get_xaxis_transform(), clip_on=False)
     return line
 
 
@@ -158,7 +191,7 @@ def line_plot(rows: Sequence[dict], spec: PlotSpec, out: Path, *, smoothing: flo
         xs, ys = _series(rows, key)
         if not xs:
             continue
-        line = _draw(ax, xs, ys, key + suffix, smoothing)
+        line = _draw(ax, xs, ys, key + suffix, smoothing, gaps=_gaps(rows, key))
         colors[key] = line.get_color()
         drawn.append(key)
         _band(ax, rows, spec, key, xs, ys, line.get_color())
@@ -171,7 +204,8 @@ def line_plot(rows: Sequence[dict], spec: PlotSpec, out: Path, *, smoothing: flo
         for key in spec.metrics:
             xs, ys = _series(other_rows, key)
             if xs:
-                _draw(ax, xs, ys, f"{key} ({other_name})", smoothing, dashed=True, color=colors.get(key))
+                _draw(ax, xs, ys, f"{key} ({other_name})", smoothing, dashed=True, color=colors.get(key),
+                      gaps=_gaps(other_rows, key))
                 if key not in drawn:
                     drawn.append(key)
     if not drawn:

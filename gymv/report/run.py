@@ -1,7 +1,8 @@
 """What a report reads from a run directory, finished or still being written.
 
-metrics.jsonl may end in a half-written line (skipped); rollout files are written atomically, so each one
-present is complete; a file that cannot be read is noted, and the report goes on without it.
+metrics.jsonl may end in a half-written line (skipped); any other bad line is skipped and noted with its line
+number, the good rows all shown; rollout files are written atomically, so each one present is complete; a
+file that cannot be read, or is missing, is noted, and the report goes on without it.
 """
 
 from __future__ import annotations
@@ -72,11 +73,17 @@ def read_run(path: str | os.PathLike) -> RunData:
             run.problems.append(f"{cfg_path}: {e}")
         if not isinstance(run.config, dict):
             run.config = {}
-    if (path / METRICS_FILE).is_file():
+    metrics = path / METRICS_FILE
+    if metrics.is_file():
+        skipped: list[tuple[int, str]] = []
         try:
-            run.rows = read_metrics(path / METRICS_FILE)
+            run.rows = read_metrics(metrics, skipped)
         except GymvError as e:
             run.problems.append(e.one_line())
+        run.problems.extend(f"{metrics}:{n}: line skipped, the other lines are shown ({why})" for n, why in skipped)
+    else:
+        run.problems.append(f"{metrics}: not found, so no metric is plotted (no step has finished yet, or the "
+                            "file was removed)")
     for split in SPLITS:
         for step, f in rollout_files(path, split):
             try:

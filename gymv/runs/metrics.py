@@ -103,8 +103,10 @@ class MetricsLog:
         self.close()
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """All step rows in file order. A truncated last line is skipped; a broken line elsewhere is an error."""
+def read_metrics(path: str | os.PathLike, skipped: list[tuple[int, str]] | None = None) -> list[dict]:
+    """All step rows in file order. A truncated last line is skipped; a broken line elsewhere is an error,
+    or, given `skipped`, is left out and noted there as (line number, what is wrong) (the report: one bad
+    line must not hide every good one)."""
     path = Path(path)
     try:
         text = path.read_bytes()
@@ -123,6 +125,9 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
         except ValueError as e:
             if n == len(lines) and not complete:
                 break
+            if skipped is not None:
+                skipped.append((n, str(e)))
+                continue
             raise GymvError(f"malformed metrics line: {e}", where=f"{path}:{n}", fix="delete or repair that line") from None
         rows.append(row)
     return rows
