@@ -94,3 +94,35 @@ def test_a_defaults_diamond_resolves_each_file_once(tmp_path):
 def test_a_defaults_chain_deeper_than_the_cap_is_an_error(tmp_path):
     with pytest.raises(GymvError, match=r"`defaults` chain deeper than \d+ files"):
         load_recipe(_diamond(tmp_path, 80), validate=False)
+
+
+def _flat_recipe(root, n: int):
+    path = root / "recipes" / "llm" / f"grpo-keys{n}-1n0g-torch.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("defaults: grpo\n" + "".join(f"k{i}: {i}\n" for i in range(n)) + "grpo:\n"
+                    + "".join(f"  g{i}: {i}\n" for i in range(n)))
+    return path
+
+
+@pytest.mark.slow
+def test_lint_time_grows_linearly_with_the_number_of_keys(tmp_path):
+    """CPU seconds at 8x the keys, against 1x, in one run: ~8 when linear, ~64 when quadratic (as merging was:
+    every key scanned every origin)."""
+    from gymv.config.lint import lint_paths
+
+    small, large = _flat_recipe(tmp_path, 250), _flat_recipe(tmp_path, 2000)
+    lint_paths([small])  # imports and the exemplar's own load, out of the timings
+
+    def cpu(path) -> float:
+        t0 = time.process_time()
+        report = lint_paths([path])
+        assert report.errors >= 2  # the unknown keys are reported: the whole file was read
+        return time.process_time() - t0
+
+    times = {small: [], large: []}
+    for _ in range(3):
+        for p in (small, large):
+            times[p].append(cpu(p))
+    ratio = min(times[large]) / min(times[small])
+    assert ratio < 24, f"8x the keys took {ratio:.0f}x the CPU time"
+

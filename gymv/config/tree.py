@@ -12,6 +12,7 @@ from gymv.yamlfile import KeyPath, Origin
 
 OVERRIDE_MARKER = "_override_"
 _MISSING = object()
+_ABSENT = object()
 
 
 def dotted(path: KeyPath) -> str:
@@ -139,11 +140,22 @@ class ConfigTree:
     def keys(self) -> list[str]:
         return [dotted(p) for p in iter_keys(self.data)]
 
+    def _paths_under(self, path: KeyPath) -> Iterator[KeyPath]:
+        """`path` and every key path below it in the data: what origins it can hold, found by walking the
+        value rather than scanning every origin (a merge asks once per key: scanning made it quadratic)."""
+        value = get_path(self.data, path, _ABSENT)
+        return iter(()) if value is _ABSENT else _walk(value, path)  # origins exist only for keys in the data
+
     def drop_origins_under(self, path: KeyPath) -> None:
-        n = len(path)
-        for p in [p for p in self.origins if p[:n] == path]:
-            del self.origins[p]
+        for p in list(self._paths_under(path)):
+            self.origins.pop(p, None)
 
     def origins_under(self, path: KeyPath) -> dict:
-        n = len(path)
-        return {p: o for p, o in self.origins.items() if p[:n] == path and OVERRIDE_MARKER not in p}
+        return {p: self.origins[p] for p in self._paths_under(path) if p in self.origins and OVERRIDE_MARKER not in p}
+
+
+def _walk(value: Any, path: KeyPath) -> Iterator[KeyPath]:
+    yield path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        yield from _walk(v, path + (k,))
