@@ -178,8 +178,8 @@ def train(
     resume: Path = typer.Option(None, "--resume", help="Continue this run directory from its newest checkpoint, with its recorded config (overrides given are recorded in config_changes.jsonl)."),
     ray_address: str = typer.Option(None, "--ray-address", help="Join this Ray cluster (HOST:PORT or auto) instead of starting one."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout instead of the table."),
-    async_grpo: bool = typer.Option(False, "--async", help="GRPO with generation running ahead of training "
-                                    "(grpo.async.enabled; needs grpo.importance_sampling)."),
+    async_grpo: bool = typer.Option(False, "--async", help="GRPO or MOPD with generation running ahead of training "
+                                    "(grpo.async.enabled or mopd.async.enabled; needs importance_sampling)."),
 ) -> None:
     from gymv.train import train as run_training
 

@@ -227,6 +227,18 @@ def test_a_default_teacher_under_strict_matching_is_an_error_naming_both_keys_an
     assert "strict_agent_name_match: false" in f.fix and "remove mopd.default_teacher_alias" in f.fix
 
 
+def test_async_mopd_follows_async_grpos_rules_naming_its_own_keys():
+    [f] = check_compatibility(mopd(**{"async": {"enabled": True}}))
+    assert (f.rule, f.key) == ("async.importance-sampling", "mopd.importance_sampling.kind")
+    icepop = {"importance_sampling": {"kind": "icepop"}}
+    assert rules_hit(mopd(**{"async": {"enabled": True}}, **icepop)) == set()
+    in_flight = deep({"teachers": {"a": {"path": "x"}}, "async": {"enabled": True, "in_flight_weight_updates": True}},
+                     icepop)
+    [f] = check_compatibility(cfg(algorithm="mopd", mopd=in_flight,
+                                  generation={"reset_encoder_cache_after_weight_update": True}))
+    assert (f.rule, f.key) == ("async.in-flight-encoder-cache", "mopd.async.in_flight_weight_updates")
+
+
 def test_mopd_default_teacher_must_exist():
     assert rules_hit(mopd(default_teacher_alias="zzz")) == {"mopd.routing"}
 

@@ -51,12 +51,15 @@ def test_in_a_mopd_recipe_nemo_rls_grpo_keys_point_to_the_mopd_section(tmp_path)
         grpo:
           num_prompts_per_step: 4
           seq_logprob_error_threshold: 2.0
+          async_grpo:
+            max_trajectory_age_steps: 1
         on_policy_distillation:
           strict_agent_name_match: true
         """))
     got = fixes(recipe)
     assert "gymv's is `mopd.prompts_per_step`" in got["grpo.num_prompts_per_step"][1]
     assert "gymv's is `mopd.seq_logprob_error_threshold`" in got["grpo.seq_logprob_error_threshold"][1]
+    assert "gymv's is `mopd.async.max_trajectory_age_steps`" in got["grpo.async_grpo.max_trajectory_age_steps"][1]
     assert "gymv's is `mopd.strict_agent_name_match`" in got["on_policy_distillation.strict_agent_name_match"][1]
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from gymv.envs.mix import MixPart, write_mixed_dataset
 from gymv.errors import GymvError
+from gymv.runs.rollout_log import model_calls
 from gymv.train import Reporter, train
 from tiny_models import tiny_path
 from train_helpers import ray_session, write_recipe
@@ -146,6 +147,42 @@ def test_later_batches_are_sampled_by_refitted_weights(mopd_run):
 def test_the_student_generator_resets_its_encoder_cache_after_each_refit(mopd_run):
     _, rec, _, _ = mopd_run
     assert [s for s, _ in rec.refits] == [1, 2, 3]
+    for step, stats in rec.refits:
+        assert all(g["encoder_cache_resets"] == step == g["weights_version"] for g in stats)
+
+
+def test_async_mopd_with_age_zero_reproduces_the_synchronous_run(mopd_run, data):
+    _, _, sync_run, tmp = mopd_run
+    settings = _settings(tmp, data, **{"mopd.seq_logprob_error_threshold": 2.0, "mopd.async.enabled": True,
+                                       "mopd.async.max_trajectory_age_steps": 0})
+    train(write_recipe(tmp, "mopd-async0", "vlm/vlm_mopd-tinyllava-1n0g-torch.yaml", settings))
+    async_run = tmp / "runs" / "mopd-async0"
+    for a, b in zip(_metrics(sync_run), _metrics(async_run), strict=True):
+        for key in ("train/loss", "train/grad_norm", "train/reward_mean", "train/teacher_advantage",
+                    "train/kl_teacher/counting", "train/kl_teacher/arith", "train/num_teacher_batches",
+                    "train/max_seq_mult_prob_error"):
+            assert a.get(key) == b.get(key), (a["step"], key)
+        assert b["async/age_max"] == 0.0
+    for step in (1, 2, 3):
+        assert [_scored(r) for r in _rollouts(sync_run, step)] == [_scored(r) for r in _rollouts(async_run, step)]
+
+
+def _scored(record) -> tuple:
+    """A rollout as trained: its teacher, and each model call's tokens and sampling logprobs."""
+    calls = [(c["prompt_token_ids"], c["generation_token_ids"], c["generation_log_probs"]) for c in model_calls(record)]
+    return record["_gymv"]["teacher"], calls
+
+
+def test_one_off_async_mopd_scores_the_rows_it_trains_with_weights_at_most_a_step_old(mopd_run, data):
+    _, _, _, tmp = mopd_run
+    rec = Recorder()
+    settings = _settings(tmp, data, **{"mopd.async.enabled": True, "mopd.max_steps": 4})
+    train(write_recipe(tmp, "mopd-async1", "vlm/vlm_mopd-tinyllava-1n0g-torch.yaml", settings), reporter=rec)
+    rows = _metrics(tmp / "runs" / "mopd-async1")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and max(r["async/age_max"] for r in rows) == 1.0
+    for r in rows:  # every trained episode was scored by its teacher: 3 prompts x 1 generation a step
+        assert sum(r.get(f"train/num_sequences/{a}", 0) for a in ("counting", "arith")) == 3 == r["train/num_sequences"]
+    # refits are quiesced: each lands between rollouts and resets the encoder cache before the next image
     for step, stats in rec.refits:
         assert all(g["encoder_cache_resets"] == step == g["weights_version"] for g in stats)
 

@@ -75,6 +75,14 @@ def _mopd(cfg: RecipeBase) -> MopdSection | None:
     return s if isinstance(s, MopdSection) else None
 
 
+def _async(cfg: RecipeBase) -> tuple[str, GrpoSection | MopdSection] | None:
+    """(section name, section) of a GRPO or MOPD recipe whose generation runs asynchronously."""
+    s = cfg.algo_section
+    if isinstance(s, (GrpoSection, MopdSection)) and s.async_.enabled:
+        return cfg.base_algorithm, s
+    return None
+
+
 def _err(rule_id: str, key: str, message: str, fix: str, severity: str = "error") -> Finding:
     return Finding(rule_id, message, key, None, fix, severity)  # type: ignore[arg-type]
 
@@ -120,44 +128,44 @@ def _transport_workers_per_gpu(cfg: RecipeBase) -> Iterator[Finding]:
 
 # ---- async -----------------------------------------------------------------------------------------------
 
-@rule("async.importance-sampling", "async GRPO trains on stale samples and must correct with importance sampling")
+@rule("async.importance-sampling", "async GRPO and MOPD train on stale samples and must correct with importance sampling")
 def _async_is(cfg: RecipeBase) -> Iterator[Finding]:
-    g = _grpo(cfg)
-    if g and g.async_.enabled and g.importance_sampling.kind == "none":
-        yield _err("async.importance-sampling", "grpo.importance_sampling.kind",
-                   "grpo.async.enabled trains on off-policy samples but importance_sampling.kind is 'none'",
-                   "set grpo.importance_sampling.kind: truncated (or icepop)")
+    a = _async(cfg)
+    if a and a[1].importance_sampling.kind == "none":
+        yield _err("async.importance-sampling", f"{a[0]}.importance_sampling.kind",
+                   f"{a[0]}.async.enabled trains on off-policy samples but importance_sampling.kind is 'none'",
+                   f"set {a[0]}.importance_sampling.kind: truncated (or icepop)")
 
 
-@rule("async.separate-gpus", "async GRPO on GPUs needs generation and training on separate GPUs")
+@rule("async.separate-gpus", "async GRPO and MOPD on GPUs need generation and training on separate GPUs")
 def _async_gpus(cfg: RecipeBase) -> Iterator[Finding]:
-    g = _grpo(cfg)
-    if g and g.async_.enabled and total_gpus(cfg) > 0 and cfg.cluster.colocated:
+    a = _async(cfg)
+    if a and total_gpus(cfg) > 0 and cfg.cluster.colocated:
         yield _err("async.separate-gpus", "cluster.colocated",
-                   "grpo.async.enabled runs generation while training, which needs cluster.colocated: false on GPUs",
+                   f"{a[0]}.async.enabled runs generation while training, which needs cluster.colocated: false on GPUs",
                    "set cluster.colocated: false with cluster.generation_gpus and cluster.training_gpus")
 
 
 @rule("async.in-flight-encoder-cache", "in-flight weight updates cannot honour an encoder-cache reset")
 def _async_in_flight(cfg: RecipeBase) -> Iterator[Finding]:
-    g = _grpo(cfg)
-    if g and g.async_.enabled and g.async_.in_flight_weight_updates and cfg.generation.reset_encoder_cache_after_weight_update:
-        yield _err("async.in-flight-encoder-cache", "grpo.async.in_flight_weight_updates",
+    a = _async(cfg)
+    if a and a[1].async_.in_flight_weight_updates and cfg.generation.reset_encoder_cache_after_weight_update:
+        yield _err("async.in-flight-encoder-cache", f"{a[0]}.async.in_flight_weight_updates",
                    "in-flight weight updates land in the middle of a rollout, whose later turns would mix image features "
                    "of two weight versions, so they cannot be combined with reset_encoder_cache_after_weight_update",
-                   "set grpo.async.in_flight_weight_updates: false (updates then land between rollouts)")
+                   f"set {a[0]}.async.in_flight_weight_updates: false (updates then land between rollouts)")
 
 
-@rule("async.refit-transport", "async GRPO needs a refit transport that a lagging generator can read safely")
+@rule("async.refit-transport", "async GRPO and MOPD need a refit transport that a lagging generator can read safely")
 def _async_transport(cfg: RecipeBase) -> Iterator[Finding]:
-    g = _grpo(cfg)
+    a = _async(cfg)
     t = REFIT_TRANSPORTS.get(cfg.refit.transport)
-    if g and g.async_.enabled and t is not None and not t.lag_safe:
+    if a and t is not None and not t.lag_safe:
         able = sorted(n for n, x in REFIT_TRANSPORTS.items() if x.lag_safe)
         yield _err("async.refit-transport", "refit.transport",
                    f"refit transport {t.name!r} reuses one buffer, which the next publish overwrites while a generator "
                    "that is still busy with a rollout has not read it yet",
-                   f"use refit.transport {' / '.join(able)} with grpo.async.enabled")
+                   f"use refit.transport {' / '.join(able)} with {a[0]}.async.enabled")
 
 
 # ---- GPUs and parallelism --------------------------------------------------------------------------------

@@ -107,7 +107,8 @@ def _in_section(hint: str, section: str) -> str:
     from gymv.config.schema import MopdSection
 
     name, _, note = hint.partition(" ")
-    if section == "mopd" and name.startswith("grpo.") and name.split(".")[1] in MopdSection.model_fields:
+    mopd_keys = {f.alias or n for n, f in MopdSection.model_fields.items()}
+    if section == "mopd" and name.startswith("grpo.") and name.split(".")[1] in mopd_keys:
         name = "mopd." + name[len("grpo."):]
     return f"`{name}`" + (f" {note}" if note else "")
 

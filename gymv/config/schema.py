@@ -302,6 +302,7 @@ class MopdSection(Section):
     # 0: per-token advantage log pi_teacher - log pi_student on the sampled token; k > 0: distil the
     # teacher's k most likely tokens at every position of the student's samples (cross-entropy to them)
     top_k: NonNegInt = 0
+    async_: AsyncSection = Field(AsyncSection(), alias="async")
     importance_sampling: ImportanceSampling = ImportanceSampling()
     seq_logprob_error_threshold: SeqErrorThreshold = None
 

@@ -32,15 +32,18 @@ def load_training_recipe(recipe: str | os.PathLike | None, overrides: Sequence[s
                          smoke: bool = False, async_grpo: bool = False):
     """The recipe to run: RECIPE with overrides, or (with only --resume) the run's own config.yaml.
 
-    `async_grpo` (`gymv train --async`) sets grpo.async.enabled, after checking that the recipe is GRPO."""
+    `async_grpo` (`gymv train --async`) sets grpo.async.enabled (mopd.async.enabled), after checking that the
+    recipe is GRPO or MOPD."""
     from gymv.config import load_recipe
 
     if async_grpo:
         base = load_training_recipe(recipe, overrides, resume_dir=resume_dir, smoke=smoke)
-        if base.validated.base_algorithm != "grpo":
-            raise GymvError(f"--async runs GRPO asynchronously, but this recipe's algorithm is {base.validated.algorithm!r}",
-                            where=_where(base, "algorithm"), fix="drop --async, or pass a (vlm_)grpo recipe")
-        overrides = [*overrides, "grpo.async.enabled=true"]
+        family = base.validated.base_algorithm
+        if family not in ("grpo", "mopd"):
+            raise GymvError(f"--async runs GRPO or MOPD asynchronously, but this recipe's algorithm is "
+                            f"{base.validated.algorithm!r}", where=_where(base, "algorithm"),
+                            fix="drop --async, or pass a (vlm_)grpo or (vlm_)mopd recipe")
+        overrides = [*overrides, f"{family}.async.enabled=true"]
 
     if recipe is None:
         if resume_dir is None:
@@ -101,7 +104,7 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
     """Run one recipe to `max_steps` (or `checkpoint.steps_per_run` steps); returns a summary.
 
     `smoke` applies the recipe's `smoke:` overrides first (what `gymv smoke` runs); `async_grpo` is
-    `gymv train --async` (grpo.async.enabled). Metrics are in
+    `gymv train --async` (grpo.async.enabled or mopd.async.enabled). Metrics are in
     `<summary["run_dir"]>/metrics.jsonl`.
     """
     from gymv.cluster.ray_cluster import start_ray, stop_ray

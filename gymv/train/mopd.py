@@ -11,6 +11,9 @@ One step:
    REINFORCE at the sampling policy, the IS weights / gate of `mopd.importance_sampling`;
 5. refit the generation workers (and reset their encoder cache, if configured);
 6. validate, log one metrics row (with the reverse KL to each teacher), write the rollouts, checkpoint.
+With `mopd.async.enabled` (`gymv train --async`) generation runs ahead of training as in async GRPO
+(gymv/train/grpo_async.py): each step takes finished episodes at most `max_trajectory_age_steps` old, the
+teachers score exactly those (step 3, when the step trains on them), and the IS correction is required.
 
 The setup, data stream, rollouts, refit, validation and checkpoints are GRPO's (gymv.train, gymv.cluster.group);
 only routing, teacher scoring and the loss (gymv.algorithms.mopd) are MOPD's own.
@@ -27,6 +30,7 @@ from gymv.algorithms.mopd_routing import TeacherRouter
 from gymv.cluster.group import Placement, PolicyCluster
 from gymv.rollout import to_rollout_record
 from gymv.train.failures import FailureGuard
+from gymv.train.grpo_async import run_async
 from gymv.train.setup import (
     Checkpointer,
     RunContext,
@@ -36,7 +40,7 @@ from gymv.train.setup import (
     step_seed,
     worker_spec,
 )
-from gymv.train.stats import is_usable, policy_update, rollout_metrics
+from gymv.train.stats import TrainBatch, is_usable, policy_update, rollout_metrics
 from gymv.train.validation import validate
 
 COLOCATED_POLICY_SHARE = 0.35  # of a GPU, for each of generation and training when a teacher shares it
@@ -69,12 +73,31 @@ def teacher_scores(pool, router: TeacherRouter, usable: Sequence) -> TeacherScor
     return TeacherScores(logprobs, aliases, time.perf_counter() - t0, batches)
 
 
+def distill_batch(pool, router: TeacherRouter, trajectories: Sequence, group_size: int) -> TrainBatch:
+    """Route the usable episodes, have their teachers score them (each row with its own images) and make the
+    distillation samples; with the reward advantages of all episodes (the env_reward_coef term)."""
+    advantages = env_advantages(trajectories, group_size)
+    keep = [i for i, t in enumerate(trajectories) if is_usable(t)]
+    usable = [trajectories[i] for i in keep]
+    scores = teacher_scores(pool, router, usable)
+
+    def records() -> list[dict]:
+        out = [to_rollout_record(t) for t in trajectories]
+        for i, alias in zip(keep, scores.aliases):
+            out[i].setdefault("_gymv", {})["teacher"] = alias
+        return out
+
+    metrics = {**rollout_metrics(trajectories, "train"), **teacher_metrics(usable, scores.logprobs, scores.aliases),
+               "train/num_teacher_batches": float(scores.batches), "timing/teacher_s": scores.seconds}
+    return TrainBatch(distillation_samples(usable, scores.logprobs, [advantages[i] for i in keep]),
+                      [t.reward for t in usable], metrics, records)
+
+
 def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
     from gymv.cluster.teachers import TeacherPool, teacher_specs
     from gymv.envs import get_env
 
-    cfg, mopd, run, report = ctx.cfg, ctx.cfg.mopd, ctx.run, ctx.reporter
-    G = mopd.generations_per_prompt
+    cfg, mopd, report = ctx.cfg, ctx.cfg.mopd, ctx.reporter
 
     # ---- setup: route the whole training set before anything starts ------------------------------------
     router = TeacherRouter.from_config(mopd)
@@ -85,81 +108,87 @@ def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
         t.placement == "colocated" for t in mopd.teachers.values())
     report.on_message("starting workers")
     cluster_kwargs = {"gpu_share": COLOCATED_POLICY_SHARE} if shares_gpu else {}
-    cluster = PolicyCluster(worker_spec(cfg, ctx.model_path), Placement.from_config(cfg), **cluster_kwargs)
+    cluster = PolicyCluster(worker_spec(cfg, ctx.model_path), Placement.from_config(cfg),
+                            in_flight_refit=mopd.async_.enabled and mopd.async_.in_flight_weight_updates,
+                            **cluster_kwargs)
     pool = None
     try:
         report.on_message(f"starting teachers: {', '.join(mopd.teachers)}")
         pool = TeacherPool(cfg, specs, policy_pg=cluster.placement_group)
-        checkpoints = Checkpointer(ctx, cluster)
-        restored, step, data = checkpoints.start(resume, cluster)
-        loss_fn = mopd_loss(mopd)
-        params = sampling_params(cfg)
-        limits = rollout_kwargs(cfg)
-        metrics_log = run.metrics_log()
-        guard = FailureGuard.from_config(cfg, ctx.train_source)
-        report.on_start({"algorithm": cfg.algorithm, "run_dir": str(run.path), "start_step": step,
-                         "max_steps": mopd.max_steps, "resumed_from": str(restored.path) if restored else None,
-                         "teachers": pool.info})
 
-        if step == 0 and mopd.val_at_start:
-            row = validate(ctx, cluster, 0, mopd.val_prompts)
-            metrics_log.log(0, row)
-            report.on_step(0, row)
+        def make_batch(trajectories) -> TrainBatch:
+            return distill_batch(pool, router, trajectories, mopd.generations_per_prompt)
 
-        final_metrics: dict = {}
-        while step < mopd.max_steps:
-            step += 1
-            t_step = time.perf_counter()
-
-            # 1. the student's rollouts
-            batch = data.next_batch(mopd.prompts_per_step)
-            trajectories, timing = cluster.rollouts([(r.index, r.data) for r in batch], group_size=G, params=params,
-                                                    seed=step_seed(cfg.seed, step), source=ctx.train_source, **limits)
-            guard.check(step, trajectories)  # before training: a step that trips it is not trained nor counted
-
-            # 2-3. routing and teacher scores of the usable episodes
-            advantages = env_advantages(trajectories, G)
-            keep = [i for i, t in enumerate(trajectories) if is_usable(t)]
-            usable = [trajectories[i] for i in keep]
-            scores = teacher_scores(pool, router, usable)
-            samples = distillation_samples(usable, scores.logprobs, [advantages[i] for i in keep])
-
-            # 4. optimizer step(s)
-            train_metrics = policy_update(cluster, cfg, samples, [t.reward for t in usable], loss_fn,
-                                          mopd.seq_logprob_error_threshold)
-
-            # 5. refit (the generation workers reset their encoder cache after it, when configured)
-            refit_s = cluster.refit(step)
-            report.on_refit(step, cluster)
-
-            # 6. validation, logs, checkpoint
-            metrics = {**rollout_metrics(trajectories, "train"),
-                       **teacher_metrics(usable, scores.logprobs, scores.aliases),
-                       "train/num_teacher_batches": float(scores.batches), **train_metrics}
-            if should_validate(step, mopd.val_period, mopd.max_steps):
-                metrics.update(validate(ctx, cluster, step, mopd.val_prompts))
-            step_s = time.perf_counter() - t_step
-            generated = sum(sum(t.loss_mask) for t in trajectories)
-            metrics.update({
-                "timing/step_s": step_s, "timing/generation_s": timing["generation_s"], "timing/env_s": timing["env_s"],
-                "timing/teacher_s": scores.seconds, "timing/refit_s": refit_s,
-                "timing/generation_tokens_per_s": generated / max(timing["generation_s"], 1e-9),
-                "timing/tokens_per_s": sum(len(t.token_ids) for t in trajectories) / max(step_s, 1e-9),
-            })
-            if cfg.logger.log_rollouts:
-                records = [to_rollout_record(t) for t in trajectories]
-                for i, alias in zip(keep, scores.aliases):
-                    records[i].setdefault("_gymv", {})["teacher"] = alias
-                run.write_rollouts(step, records)
-            metrics_log.log(step, metrics)
-            report.on_step(step, metrics)
-            final_metrics = metrics
-
-            if checkpoints.end_step(step, mopd.max_steps, data.position):
-                break
-
-        return checkpoints.finish(cluster, step, mopd.max_steps, metrics_log, final_metrics)
+        if mopd.async_.enabled:
+            return run_async(ctx, cluster, mopd, mopd_loss(mopd), make_batch, resume=resume,
+                             start_info={"teachers": pool.info})
+        return _run_sync(ctx, cluster, make_batch, {"teachers": pool.info}, resume=resume)
     finally:
         if pool is not None:
             pool.shutdown()
         cluster.shutdown()
+
+
+def _run_sync(ctx: RunContext, cluster, make_batch, start_info: dict, *, resume: bool) -> dict:
+    cfg, mopd, run, report = ctx.cfg, ctx.cfg.mopd, ctx.run, ctx.reporter
+    checkpoints = Checkpointer(ctx, cluster)
+    restored, step, data = checkpoints.start(resume, cluster)
+    loss_fn = mopd_loss(mopd)
+    params = sampling_params(cfg)
+    limits = rollout_kwargs(cfg)
+    metrics_log = run.metrics_log()
+    guard = FailureGuard.from_config(cfg, ctx.train_source)
+    report.on_start({"algorithm": cfg.algorithm, "run_dir": str(run.path), "start_step": step,
+                     "max_steps": mopd.max_steps, "resumed_from": str(restored.path) if restored else None,
+                     **start_info})
+
+    if step == 0 and mopd.val_at_start:
+        row = validate(ctx, cluster, 0, mopd.val_prompts)
+        metrics_log.log(0, row)
+        report.on_step(0, row)
+
+    final_metrics: dict = {}
+    while step < mopd.max_steps:
+        step += 1
+        t_step = time.perf_counter()
+
+        # 1. the student's rollouts
+        rows = data.next_batch(mopd.prompts_per_step)
+        trajectories, timing = cluster.rollouts([(r.index, r.data) for r in rows], group_size=mopd.generations_per_prompt,
+                                                params=params, seed=step_seed(cfg.seed, step), source=ctx.train_source,
+                                                **limits)
+        guard.check(step, trajectories)  # before training: a step that trips it is not trained nor counted
+
+        # 2-3. routing and teacher scores of the usable episodes
+        batch = make_batch(trajectories)
+
+        # 4. optimizer step(s)
+        train_metrics = policy_update(cluster, cfg, batch.samples, batch.rewards, loss_fn,
+                                      mopd.seq_logprob_error_threshold)
+
+        # 5. refit (the generation workers reset their encoder cache after it, when configured)
+        refit_s = cluster.refit(step)
+        report.on_refit(step, cluster)
+
+        # 6. validation, logs, checkpoint
+        metrics = {**batch.metrics, **train_metrics}
+        if should_validate(step, mopd.val_period, mopd.max_steps):
+            metrics.update(validate(ctx, cluster, step, mopd.val_prompts))
+        step_s = time.perf_counter() - t_step
+        generated = sum(sum(t.loss_mask) for t in trajectories)
+        metrics.update({
+            "timing/step_s": step_s, "timing/generation_s": timing["generation_s"], "timing/env_s": timing["env_s"],
+            "timing/refit_s": refit_s,
+            "timing/generation_tokens_per_s": generated / max(timing["generation_s"], 1e-9),
+            "timing/tokens_per_s": sum(len(t.token_ids) for t in trajectories) / max(step_s, 1e-9),
+        })
+        if cfg.logger.log_rollouts:
+            run.write_rollouts(step, batch.records())
+        metrics_log.log(step, metrics)
+        report.on_step(step, metrics)
+        final_metrics = metrics
+
+        if checkpoints.end_step(step, mopd.max_steps, data.position):
+            break
+
+    return checkpoints.finish(cluster, step, mopd.max_steps, metrics_log, final_metrics)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -95,6 +96,17 @@ def policy_samples(trajectories: Sequence[Any], advantages: Sequence[float]) -> 
     return [training_sample(t.token_ids, t.loss_mask, images=t.images, where=f"row {t.task_index} sample {t.sample_index}",
                             logp_behaviour=t.logprobs, advantage=a)
             for t, a in zip(trajectories, advantages) if is_usable(t)]
+
+
+@dataclass
+class TrainBatch:
+    """What an algorithm makes of one step's trajectories: its training samples (with their episodes' rewards,
+    for the sequence-level figures), its metrics and, when asked, the rollout records."""
+
+    samples: list
+    rewards: list[float]
+    metrics: dict[str, float]
+    records: Callable[[], list[dict]]
 
 
 def policy_update(cluster, cfg, samples: list, rewards: Sequence[float], loss_fn,
