@@ -258,6 +258,32 @@ def test_a_separate_teacher_on_gpus_needs_gpus_divisible_by_its_replicas():
     assert rules_hit(ok) == set() and rules_hit(bad) == {"mopd.teacher-gpus", "cluster.gpu-split"}
 
 
+def _split_teacher(**teacher):
+    base = {"cluster": {"gpus_per_node": 8, "colocated": False, "generation_gpus": 2, "training_gpus": 4},
+            "refit": {"transport": "nccl"}}
+    return cfg(algorithm="mopd", mopd={"teachers": {"a": {"path": "x", "placement": "separate", **teacher}}}, **base)
+
+
+def test_a_vllm_teacher_spans_tensor_parallel_gpus_with_its_experts_split_over_them():
+    assert rules_hit(_split_teacher(backend="vllm", gpus=2, tensor_parallel_size=2, expert_parallel_size=2)) == set()
+    assert rules_hit(_split_teacher(backend="vllm", gpus=2, tensor_parallel_size=2)) == set()
+
+
+@pytest.mark.parametrize("teacher,key", [
+    ({"backend": "torch", "gpus": 2, "tensor_parallel_size": 2}, "tensor_parallel_size"),  # one device a replica
+    ({"backend": "vllm", "gpus": 2, "tensor_parallel_size": 2, "expert_parallel_size": 4}, "expert_parallel_size"),
+    ({"backend": "vllm", "gpus": 1, "data_parallel_size": 1, "tensor_parallel_size": 2}, "gpus"),  # dp x tp GPUs
+])
+def test_teacher_parallel_sizes_that_do_not_fit_are_refused_naming_the_key(teacher, key):
+    found = [f for f in check_compatibility(_split_teacher(**teacher)) if f.rule == "teacher.parallel"]
+    assert found and found[0].key == f"mopd.teachers.a.{key}"
+
+
+def test_a_colocated_teacher_cannot_span_gpus():
+    c = cfg(algorithm="mopd", mopd={"teachers": {"a": {"path": "x", "backend": "vllm", "tensor_parallel_size": 2}}})
+    assert "teacher.parallel" in rules_hit(c)
+
+
 def test_every_rule_has_a_unique_id_and_a_summary():
     ids = [r.id for r in RULES]
     assert len(ids) == len(set(ids)) and all(r.summary for r in RULES)

@@ -180,6 +180,8 @@ def test_tiny_keeps_what_the_smoke_run_is_meant_to_exercise(tmp_path):
     ("llm/mopd-qwen3-1.7b-1n8g-megatron.yaml", "tiny-qwen3"),
     ("llm/sft-llama3.1-8b-1n8g-torch.yaml", "tiny-llama"),
     ("vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", "tiny-llava"),
+    ("vlm/vlm_grpo-nemotron3-nano-omni-30b-a3b-2n8g-fsdp2.yaml", "tiny-nemotron-omni"),
+    ("vlm/vlm_mopd-nemotron3-super-omni-10n8g-fsdp2-noncolocated.yaml", "tiny-nemotron-omni"),
 ])
 def test_tiny_stands_in_a_model_of_the_recipes_own_family_for_the_student_and_its_teachers(tmp_path, recipe, stand_in):
     after = run_config(prepared(tmp_path, REPO / "recipes" / recipe, tiny=True))

@@ -59,6 +59,8 @@ class VllmTeacher:
         self.engine = VllmGenerationBackend.create(
             path, device=spec.device, dtype=spec.dtype, seed=spec.seed,
             trust_remote_code=getattr(spec, "trust_remote_code", False),
+            tensor_parallel_size=getattr(spec, "tensor_parallel_size", 1),
+            enable_expert_parallel=getattr(spec, "expert_parallel_size", 1) > 1,
             logprobs_mode="raw_logprobs" if self.direct else "raw_logits",
             max_logprobs=max(spec.top_k, 1) if self.direct else -1)
         self.tokenizer = self.engine.tokenizer

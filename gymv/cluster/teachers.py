@@ -45,6 +45,8 @@ class TeacherSpec:
     top_k: int = 0  # > 0: also the teacher's k most likely tokens per position (top-k distillation)
     trust_remote_code: bool = False  # the recipe's model.trust_remote_code, for teachers too
     backend: str = "torch"  # a name in TEACHER_BACKENDS
+    tensor_parallel_size: int = 1  # GPUs one replica's engine spans (vllm)
+    expert_parallel_size: int = 1  # > 1: its MoE experts split over those GPUs (vllm's expert parallelism)
 
 
 class TeacherWorker:
@@ -102,7 +104,9 @@ def teacher_specs(cfg, student_path: str) -> dict[str, TeacherSpec]:
                                  device="cuda" if gpu else "cpu",
                                  dtype=dtype, temperature=cfg.generation.temperature,
                                  max_tokens=cfg.training.micro_batch_tokens, seed=cfg.seed, top_k=cfg.mopd.top_k,
-                                 backend=t.backend, trust_remote_code=cfg.model.trust_remote_code)
+                                 backend=t.backend, trust_remote_code=cfg.model.trust_remote_code,
+                                 tensor_parallel_size=t.tensor_parallel_size,
+                                 expert_parallel_size=t.expert_parallel_size)
     return out
 
 

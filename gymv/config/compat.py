@@ -233,6 +233,31 @@ def _compile_backend(cfg: RecipeBase) -> Iterator[Finding]:
                    "set training.compile: false, or training.backend: torch or fsdp2")
 
 
+@rule("teacher.parallel", "a teacher's tensor and expert parallel sizes fit its backend, placement and GPUs")
+def _teacher_parallel(cfg: RecipeBase) -> Iterator[Finding]:
+    m = _mopd(cfg)
+    for alias, t in (m.teachers.items() if m else ()):
+        key = f"mopd.teachers.{alias}"
+        tp, ep = t.tensor_parallel_size, t.expert_parallel_size
+        if (tp > 1 or ep > 1) and t.backend == "torch":
+            yield _err("teacher.parallel", f"{key}.tensor_parallel_size" if tp > 1 else f"{key}.expert_parallel_size",
+                       f"teacher {alias!r} uses backend torch, whose replicas run on one device each",
+                       "use backend: vllm (or megatron) for a teacher split over GPUs, or sizes of 1")
+        if ep > 1 and ep != tp:
+            yield _err("teacher.parallel", f"{key}.expert_parallel_size",
+                       f"teacher {alias!r}: expert_parallel_size {ep} differs from tensor_parallel_size {tp} (a "
+                       "replica's experts are split over the GPUs it spans)",
+                       f"set expert_parallel_size to {tp} (experts split over the replica's GPUs) or 1")
+        if tp > 1 and t.placement == "colocated":
+            yield _err("teacher.parallel", f"{key}.tensor_parallel_size",
+                       f"teacher {alias!r} spans {tp} GPUs per replica but is colocated (a share of one policy GPU)",
+                       "use placement: separate with gpus = data_parallel_size x tensor_parallel_size")
+        elif tp > 1 and t.placement == "separate" and t.gpus is not None and t.gpus != t.data_parallel_size * tp:
+            yield _err("teacher.parallel", f"{key}.gpus",
+                       f"teacher {alias!r}: gpus {t.gpus} is not data_parallel_size {t.data_parallel_size} x "
+                       f"tensor_parallel_size {tp}", f"set gpus: {t.data_parallel_size * tp}")
+
+
 @rule("backend.needs-gpu", "Megatron teachers run on GPUs only (the megatron training backend, vLLM generation and "
                            "vLLM teachers also run on CPU)")
 def _backend_gpu(cfg: RecipeBase) -> Iterator[Finding]:

@@ -283,6 +283,9 @@ class TeacherSection(Section):
     path: str
     backend: Literal["torch", "megatron", "vllm"] = "torch"
     data_parallel_size: PosInt = 1
+    # GPUs one replica spans (vllm, megatron), and how its MoE experts are split over them (rule teacher.parallel)
+    tensor_parallel_size: PosInt = 1
+    expert_parallel_size: PosInt = 1
     placement: Literal["colocated", "separate"] = "colocated"
     gpus: NonNegInt | None = None
 

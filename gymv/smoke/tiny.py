@@ -171,6 +171,9 @@ def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
         _set(ch, d, f"mopd.teachers.{alias}.backend", "vllm" if t.get("backend") == "vllm" and keep_vllm else "torch")
         _set(ch, d, f"mopd.teachers.{alias}.placement", "colocated")
         _set(ch, d, f"mopd.teachers.{alias}.gpus", None)
+        for size in ("tensor_parallel_size", "expert_parallel_size"):  # one CPU replica spans nothing
+            if size in t:
+                _set(ch, d, f"mopd.teachers.{alias}.{size}", 1)
         _cap(ch, d, f"mopd.teachers.{alias}.data_parallel_size", MAX_TEACHER_REPLICAS)
 
     _set(ch, d, "logger.wandb", False)  # no network in a smoke run

@@ -101,7 +101,7 @@ class VllmGenerationBackend(GenerationBackend):
                gpu_memory_utilization: float = 0.6, tensor_parallel_size: int = 1, enforce_eager: bool = False,
                max_model_len: int | None = None, max_images_per_prompt: int = 16,
                trust_remote_code: bool = False, full_logits: bool = False, logprobs_mode: str | None = None,
-               max_logprobs: int | None = None) -> VllmGenerationBackend:
+               max_logprobs: int | None = None, enable_expert_parallel: bool = False) -> VllmGenerationBackend:
         """`full_logits`: every logit of every sampled position comes back and gymv computes the logprobs
         (what top_p < 1 needs: vLLM's processed logprobs are the renormalised nucleus's, its raw ones lack the
         temperature and the vision-token mask). `logprobs_mode`/`max_logprobs` are vLLM's, for callers that
@@ -123,6 +123,8 @@ class VllmGenerationBackend(GenerationBackend):
         )
         if own_load:
             kwargs["load_format"] = "dummy"
+        if enable_expert_parallel:  # MoE experts split over the engine's tensor-parallel GPUs
+            kwargs["enable_expert_parallel"] = True
         if full_logits or max_logprobs is not None:
             kwargs["max_logprobs"] = -1 if max_logprobs is None else max_logprobs
         if adapter is not None and adapter.style != "text":

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# GRPO of the embedded tiny Nemotron 3 Omni on polygon-naming (tiny preset; images in two turns), CPU only.
+# Each launch runs at most STEPS_PER_RUN steps (checkpointing at the end) and resumes from the newest
+# checkpoint; NUM_RUNS launches of NUM_MINUTES each reach MAX_STEPS. Extra arguments are recipe overrides.
+set -euo pipefail
+
+# ===== BEGIN CONFIG =====
+NUM_NODES=1
+GPUS_PER_NODE=0
+STEPS_PER_RUN=100
+MAX_STEPS=100
+NUM_RUNS=$(( (MAX_STEPS + STEPS_PER_RUN - 1) / STEPS_PER_RUN ))
+NUM_MINUTES=45
+# ===== END CONFIG =====
+
+cd "$(dirname "$0")/../../.."
+exec gymv train recipes/vlm/vlm_grpo-tinyomni-1n0g-torch-polygon.yaml \
+  grpo.max_steps="$MAX_STEPS" \
+  checkpoint.steps_per_run="$STEPS_PER_RUN" \
+  checkpoint.dir="${CHECKPOINT_DIR:-runs}" \
+  "$@"
