@@ -19,6 +19,7 @@ def dry_run(
     recipes_dir: Path = typer.Option(None, "--recipes-dir", file_okay=False, help="The recipes directory (holds suites/ and drivers/). Default: the project's recipes/, found from any sub-folder, else the recipes gymv ships."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (drivers, per-suite subtotals and budgets, total) instead of tables."),
     fail_over_budget: bool = typer.Option(False, "--fail-over-budget", help="Exit 1 when a suite's GPU-hours exceed its budget."),
+    keep_going: bool = typer.Option(False, "--keep-going", help="Cost every driver that can be costed, name those that cannot, print the total of the rest (exit 1 if any was left out)."),
 ) -> None:
     """Count the GPU-hours of test-suite drivers without running them.
 
@@ -26,20 +27,30 @@ def dry_run(
 
     Rounding: each driver's GPU-hours are kept exact (as whole GPU-minutes) and summed exactly; only printed figures are rounded, half up, to 2 decimals. The last line printed is always 'Total GPU hours: N'.
 
-    Example: gymv dry-run nightly   (or: gymv dry-run recipes/drivers/vlm --json)
+    The first line says which recipes directory was read: the project's (found from the working directory),
+    the one given with --recipes-dir, or the one gymv ships.
+
+    Example: gymv dry-run nightly   (or: gymv dry-run recipes/drivers/vlm --json;
+             gymv dry-run tests/test_suites/nightly.txt --keep-going   for a tree with broken drivers)
     """
-    from gymv.config.exemplars import project_recipes_dir
+    from gymv.config.exemplars import default_recipes_root, project_recipes_dir
     from gymv.recipes.gpu_hours import plan
 
+    source = "given with --recipes-dir" if recipes_dir else None
     recipes_dir = recipes_dir or project_recipes_dir()
-    result = plan(targets or (), recipes_dir)
+    if source is None:
+        shipped = recipes_dir.resolve() == default_recipes_root().resolve()
+        source = "the recipes shipped with gymv: no project recipes/ here" if shipped else "this project's"
+    result = plan(targets or (), recipes_dir, keep_going=keep_going)
+    if not json_out:
+        print(f"recipes: {recipes_dir} ({source})", flush=True)
     for w in result.warnings():
         err_console.print(f"warning: {w}", markup=False, highlight=False, soft_wrap=True)
     if json_out:
-        print_json(result.to_dict())
+        print_json({"recipes_dir": str(recipes_dir), "recipes_source": source, **result.to_dict()})
     else:
         _render(result, recipes_dir)
-    if fail_over_budget and any(g.over_budget for g in result.groups):
+    if result.skipped or (fail_over_budget and any(g.over_budget for g in result.groups)):
         raise typer.Exit(1)
 
 
@@ -87,4 +98,8 @@ def _render(result, recipes_dir: Path) -> None:
             t.add_row(label, "", "", "", "", format_hours(g.budget), style=style)
         console.print(t)
     console.file.flush()
+    if result.skipped:
+        print(f"Not costed ({len(result.skipped)}; the total leaves them out):")
+        for k in result.skipped:
+            print(f"  {k.error}")
     print(f"Total GPU hours: {format_gpu_hours(result.total_gpu_minutes)}", flush=True)

@@ -15,7 +15,7 @@ _gymv_options() {
     case "$1" in
         '') echo '--version --debug --help -h' ;;
         'completion') echo '--write --check --help -h' ;;
-        'dry-run') echo '--recipes-dir --json --fail-over-budget --help -h' ;;
+        'dry-run') echo '--recipes-dir --json --fail-over-budget --keep-going --help -h' ;;
         'lint') echo '--format -f --json --fix --list-rules --help -h' ;;
         'prepare') echo '--n --out --seed --split --preset --workers --preview --preview-count --list-knobs --json --help -h' ;;
         'report') echo '--out --serve --port --compare --smoothing --json --help -h' ;;

@@ -81,6 +81,7 @@ complete -c gymv -n '__gymv_at \'completion\'; and __gymv_argpos \'0\'' -a 'bash
 complete -c gymv -n '__gymv_at \'dry-run\'' -l recipes-dir -r -a '(__fish_complete_directories (commandline -ct))' -d 'The recipes directory (holds suites/ and drivers/)'
 complete -c gymv -n '__gymv_at \'dry-run\'' -l json -d 'Print one JSON object (drivers, per-suite subtotals and budgets, tota...'
 complete -c gymv -n '__gymv_at \'dry-run\'' -l fail-over-budget -d 'Exit 1 when a suite\'s GPU-hours exceed its budget'
+complete -c gymv -n '__gymv_at \'dry-run\'' -l keep-going -d 'Cost every driver that can be costed, name those that cannot, print t...'
 complete -c gymv -n '__gymv_at \'dry-run\'' -l help -s h -d 'Show this message and exit'
 complete -c gymv -n '__gymv_at \'dry-run\'; and __gymv_argpos \'*\'' -F -a '(__gymv_suites)'
 complete -c gymv -n '__gymv_at \'lint\'' -l format -s f -r -a 'auto table text json github' -d 'table, text (one `path:line: ID message (fix: ...)` per line), json,...'

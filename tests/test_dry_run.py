@@ -205,7 +205,9 @@ def test_cli_json_shape(gymv, repo):
     r = gymv("dry-run", "--json", cwd=repo)
     assert r.code == 0, r.stderr
     data = json.loads(r.stdout)
-    assert set(data) == {"rounding", "suites", "total_gpu_minutes", "total_gpu_hours", "warnings"}
+    assert set(data) == {"recipes_dir", "recipes_source", "rounding", "suites", "total_gpu_minutes", "total_gpu_hours",
+                         "not_costed", "warnings"}
+    assert (data["recipes_dir"], data["recipes_source"], data["not_costed"]) == ("recipes", "this project's", [])
     nightly = data["suites"][0]
     assert (nightly["suite"], nightly["budget_gpu_hours"], nightly["gpu_hours"], nightly["over_budget"]) == ("nightly", 20.0, 24.0, True)
     d = nightly["drivers"][0]
@@ -373,3 +375,23 @@ def test_a_missing_driver_in_a_nemo_rl_list_names_its_line(nemo_rl):
     with pytest.raises(GymvError) as e:
         plan([suite])
     assert e.value.where == f"{suite}:6" and "gone.sh not found" in e.value.message
+
+
+def test_cli_first_line_names_the_recipes_it_read(gymv, repo, tmp_path_factory):
+    assert gymv("dry-run", "release", cwd=repo).stdout.splitlines()[0] == "recipes: recipes (this project's)"
+    elsewhere = gymv("dry-run", "release", cwd=tmp_path_factory.mktemp("no-project")).stdout.splitlines()[0]
+    assert elsewhere.startswith("recipes: ") and "(the recipes shipped with gymv: no project recipes/ here)" in elsewhere
+
+
+def test_keep_going_totals_what_it_could_cost_and_names_the_rest(gymv, repo):
+    broken = repo / "recipes/drivers/llm/a-1n8g.sh"
+    broken.write_text(broken.read_text().replace("STEPS_PER_RUN=10\n", ""))
+    stopped = gymv("dry-run", "nightly", cwd=repo)
+    assert stopped.code != 0 and "Total GPU hours" not in stopped.stdout
+    r = gymv("dry-run", "nightly", "--keep-going", cwd=repo)
+    assert r.code == 1
+    lines = r.stdout.rstrip("\n").splitlines()
+    assert lines[-1] == "Total GPU hours: 16.00"  # b-2n8g alone
+    assert lines[-3] == "Not costed (1; the total leaves them out):" and "a-1n8g.sh" in lines[-2] and "STEPS_PER_RUN" in lines[-2]
+    data = json.loads(gymv("dry-run", "nightly", "--keep-going", "--json", cwd=repo).stdout)
+    assert data["total_gpu_hours"] == 16.0 and "a-1n8g.sh" in data["not_costed"][0]["error"]

@@ -8,7 +8,7 @@ exactly. Only the figures shown are rounded: GPU-hours = GPU-minutes / 60, half 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -94,8 +94,17 @@ class Group:
 
 
 @dataclass(frozen=True)
+class Skipped:
+    """A driver or suite line that could not be costed (with --keep-going): where, and the error."""
+
+    where: str
+    error: str
+
+
+@dataclass(frozen=True)
 class DryRun:
     groups: tuple[Group, ...]
+    skipped: tuple[Skipped, ...] = ()
 
     @property
     def total_gpu_minutes(self) -> int:
@@ -124,6 +133,7 @@ class DryRun:
             "suites": [_group_dict(g) for g in self.groups],
             "total_gpu_minutes": self.total_gpu_minutes,
             "total_gpu_hours": _json_hours(self.total_gpu_hours),
+            "not_costed": [{"where": k.where, "error": k.error} for k in self.skipped],
             "warnings": self.warnings(),
         }
 
@@ -163,16 +173,28 @@ def _driver_dict(d: DriverCost) -> dict:
 
 
 class _Planner:
-    def __init__(self, recipes_dir: Path):
+    def __init__(self, recipes_dir: Path, keep_going: bool = False):
         self.recipes_dir = recipes_dir
         self.recipes_abs = Path(os.path.abspath(recipes_dir))
         self.cache: dict[Path, DriverConfig] = {}
+        self.keep_going = keep_going
+        self.skipped: list[Skipped] = []
 
     def driver(self, path: Path) -> DriverConfig:
         key = Path(os.path.abspath(path))
         if key not in self.cache:
             self.cache[key] = parse_driver(path)
         return self.cache[key]
+
+    def cost(self, where: str, make: Callable[[], DriverCost]) -> list[DriverCost]:
+        """[the cost], or, keeping going, [] with the error noted (the others are still costed)."""
+        try:
+            return [make()]
+        except GymvError as e:
+            if not self.keep_going:
+                raise
+            self.skipped.append(Skipped(where, e.one_line()))
+            return []
 
     def suite_group(self, suite: Suite, budgets: dict[str, Fraction]) -> Group:
         dups = duplicate_entries(suite)
@@ -182,14 +204,17 @@ class _Planner:
                             where=repeat.where, fix="remove the repeated line")
         costs = []
         for e in suite.entries:
-            if not recipe_path(self.recipes_dir, e.recipe).is_file():
-                raise GymvError(f"recipe {e.recipe} does not exist under {self.recipes_dir}", where=e.where,
-                                fix="fix the path or remove the line")
-            driver = driver_for_recipe(self.recipes_dir, e.recipe)
-            if not driver.is_file():
-                raise GymvError(f"recipe {e.recipe} has no driver", where=e.where, fix=f"create {driver}")
-            costs.append(DriverCost(self.driver(driver), e.recipe, e))
+            costs += self.cost(e.where, lambda e=e: self.entry_cost(e))
         return Group(suite.name, suite.path, budgets.get(suite.name), tuple(costs))
+
+    def entry_cost(self, e: SuiteEntry) -> DriverCost:
+        if not recipe_path(self.recipes_dir, e.recipe).is_file():
+            raise GymvError(f"recipe {e.recipe} does not exist under {self.recipes_dir}", where=e.where,
+                            fix="fix the path or remove the line")
+        driver = driver_for_recipe(self.recipes_dir, e.recipe)
+        if not driver.is_file():
+            raise GymvError(f"recipe {e.recipe} has no driver", where=e.where, fix=f"create {driver}")
+        return DriverCost(self.driver(driver), e.recipe, e)
 
     def driver_suite_group(self, path: Path, budgets: dict[str, Fraction]) -> Group:
         """A suite list of driver scripts (NeMo RL's format): each driver costed from its own CONFIG block."""
@@ -201,7 +226,7 @@ class _Planner:
                 raise GymvError(f"{e.written} is listed twice in suite {path.stem!r} (first on line {seen[key]})",
                                 where=e.where, fix="remove the repeated line")
             seen[key] = e.line
-        costs = tuple(DriverCost(self.driver(e.driver), None) for e in entries)
+        costs = tuple(c for e in entries for c in self.cost(str(e.driver), lambda e=e: DriverCost(self.driver(e.driver), None)))
         ours = path.resolve().parent == (self.recipes_abs / SUITES_DIR).resolve()  # budgets.yaml speaks of our suites
         return Group(path.stem, path, budgets.get(path.stem) if ours else None, costs)
 
@@ -251,14 +276,15 @@ class _Planner:
         return driver if driver.is_file() else None
 
 
-def plan(targets: Sequence[str | Path] = (), recipes_dir: str | Path = "recipes") -> DryRun:
+def plan(targets: Sequence[str | Path] = (), recipes_dir: str | Path = "recipes", *, keep_going: bool = False) -> DryRun:
     """Resolve targets (suite names, suite files, drivers, recipes, directories) and cost every driver.
 
     With no targets: every suite under `<recipes_dir>/suites/` except `disabled`. Suites are costed one
-    group each; everything named by a path is one group with suite None.
+    group each; everything named by a path is one group with suite None. `keep_going`: a driver that cannot
+    be costed is left out and named in `DryRun.skipped` instead of stopping everything.
     """
     recipes_dir = Path(recipes_dir)
-    planner = _Planner(recipes_dir)
+    planner = _Planner(recipes_dir, keep_going)
     budgets = load_budgets(recipes_dir)
     groups: list[Group] = []
     if not targets:
@@ -269,7 +295,8 @@ def plan(targets: Sequence[str | Path] = (), recipes_dir: str | Path = "recipes"
         if not suites:
             raise GymvError("no suite files", where=str(recipes_dir / SUITES_DIR),
                             fix="add suites/<name>.txt or pass drivers, recipes or directories")
-        return DryRun(tuple(planner.suite_group(s, budgets) for s in suites))
+        groups = [planner.suite_group(s, budgets) for s in suites]
+        return DryRun(tuple(groups), tuple(planner.skipped))
     seen_suites: set[Path] = set()
     path_drivers: list[Path] = []
     for t in targets:
@@ -297,6 +324,7 @@ def plan(targets: Sequence[str | Path] = (), recipes_dir: str | Path = "recipes"
         unique: dict[Path, Path] = {}
         for p in path_drivers:
             unique.setdefault(Path(os.path.abspath(p)), p)
-        costs = [DriverCost(planner.driver(p), recipe_for_driver(recipes_dir, p)) for p in unique.values()]
+        costs = [c for p in unique.values()
+                 for c in planner.cost(str(p), lambda p=p: DriverCost(planner.driver(p), recipe_for_driver(recipes_dir, p)))]
         groups.append(Group(None, None, None, tuple(costs)))
-    return DryRun(tuple(groups))
+    return DryRun(tuple(groups), tuple(planner.skipped))
