@@ -136,3 +136,29 @@ def test_embedding_a_mapping_in_text_is_an_error(tmp_path):
 def test_a_non_number_fed_to_arithmetic_by_an_override_is_blamed_on_the_override(tmp_path):
     with pytest.raises(GymvError, match=r"the value of \$\{a\}, written at <command line: a=abc>"):
         resolved(tmp_path, "a: 1\nb: ${mul:${a},2}\n", overrides=["a=abc"])
+
+
+def test_relative_references_resolve_as_omegaconf_reads_them(tmp_path):
+    r = resolved(tmp_path, """
+        policy:
+          model_name: m
+          generation: {temperature: 0.7, val_temperature: "${.temperature}"}
+          tokenizer: {name: "${..model_name}"}
+          max_len: 64
+          gen_len: "${.max_len}"
+        """)
+    assert r["policy"]["generation"]["val_temperature"] == 0.7
+    assert (r["policy"]["tokenizer"]["name"], r["policy"]["gen_len"]) == ("m", 64)
+
+
+def test_a_relative_reference_above_the_top_is_an_error_naming_the_key(tmp_path):
+    with pytest.raises(GymvError, match="`a.b` references \\$\\{...x\\}, which climbs above the top"):
+        resolved(tmp_path, "a: {b: '${...x}'}\n")
+
+
+def test_lint_reports_every_broken_interpolation_of_a_file(tmp_path):
+    from gymv.config.lint import lint_paths
+
+    p = write(tmp_path, "r.yaml", "algorithm: grpo\na: ${nope}\nb: ${nada.x}\nc: ${add:1,x}\nd: ${.ok}\nok: 1\n")
+    found = [f for f in lint_paths([p]).findings if "interpolation" in f.check]
+    assert sorted(f.line for f in found) == [2, 3, 4]

@@ -1,7 +1,8 @@
 """`${...}` interpolation, resolved once on the fully merged tree (so a child's value feeds a parent's reference).
 
 `${a.b}` alone as a value keeps the referenced value's type; inside a longer string it is substituted as
-text. `${name:arg,...}` calls a resolver; arguments may themselves be `${...}`. `\\${` writes a literal `${`.
+text. `${.b}` and `${..b}` are relative, as in OmegaConf: `b` in the mapping that holds the value, and in the
+one above it. `${name:arg,...}` calls a resolver; arguments may themselves be `${...}`. `\\${` writes a literal `${`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class Call:
 Part = str | Ref | Call
 
 _CALL = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*:(.*)$", re.S)
-_REF = re.compile(r"^[\w-]+(?:\.[\w-]+)*$")
+_REF = re.compile(r"^\.*[\w-]+(?:\.[\w-]+)*$")  # leading dots: OmegaConf's relative form, ${.sibling}, ${..uncle}
 
 
 class InterpolationSyntaxError(ValueError):
@@ -250,9 +251,22 @@ class _Resolution:
                     raise self.fail(path, f"`{dotted(path)}`: {e}", f"reference a scalar, or make {_show(p)} the whole value") from None
         return "".join(out)
 
+    def target(self, path: KeyPath, key: str) -> KeyPath | None:
+        """The key path `key` names from the value at `path`: absolute, or relative as OmegaConf reads it (one
+        leading dot is the node holding the value, each further dot one node up)."""
+        dots = len(key) - len(key.lstrip("."))
+        if not dots:
+            return split_key(self.tree.data, key)
+        if dots > len(path):
+            raise self.fail(path, f"`{dotted(path)}` references ${{{key}}}, which climbs above the top of the config",
+                            "use fewer leading dots, or the key's full dotted path")
+        base = path[:len(path) - dots]
+        rest = split_key(self.tree.get(base) if base else self.tree.data, key[dots:])
+        return None if rest is None else base + rest
+
     def expr(self, path: KeyPath, e: Part) -> Any:
         if isinstance(e, Ref):
-            target = split_key(self.tree.data, e.key)
+            target = self.target(path, e.key)
             if target is None:
                 near = suggest(e.key, self.tree.keys())
                 fix = f"did you mean ${{{near}}}?" if near else "reference an existing key with its full dotted path"
@@ -301,3 +315,20 @@ def _show(e: Part) -> str:
 def resolve(tree: ConfigTree) -> dict:
     """The tree's data with every `${...}` replaced; raises GymvError at the key's file:line on failure."""
     return _Resolution(tree).node((), tree.data)
+
+
+def interpolation_errors(tree: ConfigTree) -> list[GymvError]:
+    """Every value whose `${...}` fails, one error each (`resolve` stops at the first), for `gymv lint`."""
+    res, errors, seen = _Resolution(tree), [], set()
+    for path, value in tree.leaves():
+        if not has_interpolation(value):
+            continue
+        try:
+            res.string(path, value)
+        except GymvError as e:
+            res.active.clear()
+            res.trail.clear()
+            if str(e) not in seen:
+                seen.add(str(e))
+                errors.append(e)
+    return errors

@@ -16,7 +16,7 @@ from typing import Any
 from gymv.config.compat import check_compatibility
 from gymv.findings import Finding, raise_first_error
 from gymv.config.inherit import Composed, compose
-from gymv.config.interpolate import resolve
+from gymv.config.interpolate import interpolation_errors, resolve
 from gymv.config.overrides import Override, apply_overrides, as_overrides, smoke_overrides
 from gymv.config.schema import RecipeBase
 from gymv.config.tree import ConfigTree
@@ -91,7 +91,8 @@ class LoadedRecipe:
         try:
             data = self.resolved
         except GymvError as e:
-            return None, [Finding("interpolation", e.message, None, e.where, e.fix)]
+            errors = interpolation_errors(self.tree) or [e]
+            return None, [Finding("interpolation", x.message, None, x.where, x.fix) for x in errors]
         cfg, found = schema_findings(data, self.locate, self.where)
         if cfg is not None:
             found += check_compatibility(cfg, self.locate)
