@@ -104,3 +104,31 @@ def test_debug_after_a_double_dash_is_left_to_the_command():
 
     assert split_debug(["train", "r.yaml", "--debug", "--", "--debug"]) == (["train", "r.yaml", "--", "--debug"], True)
     assert split_debug(["train", "--", "--debug"]) == (["train", "--", "--debug"], False)
+
+
+HEAVY = ("torch", "transformers", "ray")
+
+
+@pytest.mark.parametrize("args", [
+    ["lint", "recipes/grpo.yaml"],
+    ["dry-run", "nightly"],
+    ["train", "missing.yaml"],
+    ["train", "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", "grpo.max_stepz=3"],
+    ["smoke", "missing.yaml"],
+    ["env", "verify", "missing.jsonl"],
+], ids=lambda a: " ".join(a))
+def test_commands_that_only_read_yaml_or_fail_on_it_never_import_torch(args):
+    """torch takes 5-15 s to import on a loaded machine: a typo or a missing file must not wait for it."""
+    code = textwrap.dedent(f"""
+        import sys
+        from gymv_cli.main import main
+        sys.argv = ["gymv", *{args!r}]
+        try:
+            main()
+        except SystemExit:
+            pass
+        print("HEAVY", sorted(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr)
+        """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert p.stderr.strip().splitlines()[-1] == "HEAVY []", p.stderr[-2000:]

@@ -23,9 +23,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-import torch
-
 from gymv.errors import GymvError
 from gymv.io import atomic_write_text, follow_umask
 
@@ -60,6 +57,9 @@ class CheckpointState:
 
 
 def capture_rng_state() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
@@ -74,6 +74,9 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
     py = state["python"]
     random.setstate((py["version"], tuple(py["internal"]), py["gauss"]))
     npst = state["numpy"]
@@ -165,6 +168,7 @@ def unusable_checkpoints(directory: str | os.PathLike) -> list[tuple[Path, str]]
 def check_finite_weights(directory: Path, step: int) -> None:
     """Refuse to commit a checkpoint whose weights hold NaN or inf (a diverged run): it would be the
     "newest complete checkpoint" every later resume starts from. Read tensor by tensor (memory-mapped)."""
+    import torch
     from safetensors import safe_open
 
     for f in sorted(directory.rglob("*.safetensors")):
@@ -216,6 +220,8 @@ class CheckpointManager:
         try:
             trainer.save(tmp)
             check_finite_weights(tmp, step)
+            import torch  # here, not at the top: what only reads YAML never pays its seconds of import
+
             torch.save(capture_rng_state(), tmp / RNG_FILE)
             state = {"format_version": FORMAT_VERSION, "step": int(step), "data_position": asdict(data_position), "extra": extra or {}}
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
@@ -250,6 +256,8 @@ class CheckpointManager:
         rng_file = path / RNG_FILE
         if not rng_file.exists():
             raise GymvError("checkpoint has no RNG state", where=str(path), fix="resume from a checkpoint written by gymv")
+        import torch
+
         restore_rng_state(torch.load(rng_file, weights_only=True))
         return state
 
