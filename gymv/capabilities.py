@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gymv.backends.generation.vllm_models import MOE_ON_CPU, SWIGLU_RADIO, VISION_DTYPE
+
 # key -> {value: why that value does not run}. A backend registered under the same name wins over its row.
 NOT_WIRED: dict[str, dict[Any, str]] = {
     "mopd.teachers.*.backend": {
@@ -45,6 +47,15 @@ FAMILY_LIMITS: dict[str, dict[tuple[str, Any], str]] = {
 FAMILY_FIXES: dict[str, str] = {
     "training.backend": "use training.backend: torch or fsdp2",
     "training.sequence_packing": "set training.sequence_packing: auto (padded micro-batches) or false",
+}
+# model type -> {where: why vLLM cannot run a model of that family there}; these depend on the device, the
+# dtype and the layers, so `gymv train` checks them against each vLLM engine's checkpoint before Ray starts
+# (gymv.backends.generation.vllm_models.refusal, which words the same reasons)
+VLLM_FAMILY_LIMITS: dict[str, dict[str, str]] = {
+    "nemotron_h": {"on CPU, with mixture-of-experts layers": MOE_ON_CPU},
+    "nemotron_h_omni": {"on CPU, with mixture-of-experts layers": MOE_ON_CPU,
+                        "in float32 or float16": VISION_DTYPE.format(dtype="float32 or float16"),
+                        "with a SwiGLU RADIO tower": SWIGLU_RADIO},
 }
 # what the project's own generation backends can span: GPUs per engine
 MAX_GENERATION_TP: dict[str, int] = {"hf": 1}
@@ -166,4 +177,8 @@ def table() -> dict[str, dict[str, str]]:
         for (key, value), why in limits.items():
             shown = str(value).lower() if isinstance(value, bool) else str(value)
             out.setdefault(f"{key} [{family}]", {})[shown] = why
+    for family, rows in VLLM_FAMILY_LIMITS.items():
+        for key in ("generation.backend", "mopd.teachers.*.backend"):
+            for where, why in rows.items():
+                out.setdefault(f"{key} [{family}]", {})[f"vllm {where}"] = why
     return out

@@ -82,6 +82,14 @@ def test_the_table_lists_what_runs_and_why_the_rest_does_not():
     assert t["logger.tensorboard"]["true"].startswith("runs")
 
 
+def test_the_table_names_where_vllm_cannot_run_nemotron_and_why():
+    from gymv.backends.generation.vllm_models import MOE_ON_CPU
+
+    for key in ("generation.backend", "mopd.teachers.*.backend"):
+        for family in ("nemotron_h", "nemotron_h_omni"):
+            assert table()[f"{key} [{family}]"]["vllm on CPU, with mixture-of-experts layers"] == MOE_ON_CPU
+
+
 def test_gymv_train_refuses_a_gap_at_the_line_that_wrote_it(tmp_path, planned_trainer):
     from gymv.train import train
 

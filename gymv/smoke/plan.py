@@ -150,6 +150,7 @@ def stand_in_notes(cfg, tiny: dict) -> list[str]:
     """What a --tiny run says about itself: it checks the plumbing with stand-ins, and which of the recipe's
     own settings gymv train could not run here at all (gymv.capabilities), so a pass is not read as more."""
     from gymv.capabilities import gaps
+    from gymv.smoke.tiny import VLLM_CPU_REFUSED, vllm_runs_here
 
     generation = tiny["generation"]["backend"]
     engine = ("vLLM's CPU build as the vllm generation backend" if generation == "vllm"
@@ -157,6 +158,12 @@ def stand_in_notes(cfg, tiny: dict) -> list[str]:
     notes = [f"--tiny checks the plumbing with stand-ins ({tiny['model']['path']} on a CPU, {engine} and the "
              f"{tiny['training']['backend']} training backend, small sizes), not that the recipe itself runs"]
     notes += [f"stand-in for what gymv train cannot run here: {g}" for g in gaps(cfg)]
+    arch = str(tiny["model"]["path"]).removeprefix("embedded:")
+    mopd = getattr(cfg, "mopd", None)
+    asked = cfg.generation.backend == "vllm" or any(t.backend == "vllm" for t in (mopd.teachers.values() if mopd else ()))
+    if asked and arch in VLLM_CPU_REFUSED and vllm_runs_here():
+        notes.append(f"vLLM's CPU build cannot run {arch} ({VLLM_CPU_REFUSED[arch]}): hf generates and torch "
+                     "teachers score in its place")
     return notes
 
 

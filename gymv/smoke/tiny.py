@@ -7,8 +7,9 @@ environment and its turns and tools, async generation and importance sampling, M
 padding), validation, checkpointing and the checks. What changes is everything that needs the cluster:
 model and teacher weights, GPUs and parallel sizes, Megatron, GPU-only refit transports, remote environments
 and data files, and the sizes (sequence length, batch, data) shrink to seconds of CPU work. vLLM (generation
-and teachers) stays where it imports in the running interpreter (its CPU build runs the tiny models) and
-becomes hf/torch elsewhere.
+and teachers) stays where it imports in the running interpreter and its CPU build runs the stand-in, and
+becomes hf/torch elsewhere (and for Nemotron 3 Omni, whose mixture-of-experts layers vLLM's CPU build cannot
+run).
 """
 
 from __future__ import annotations
@@ -76,6 +77,17 @@ def vllm_runs_here() -> bool:
     return vllm_available()
 
 
+VLLM_CPU_REFUSED = {"tiny-nemotron-omni": "its mixture-of-experts layers"}
+"""Tiny stand-ins vLLM's CPU build cannot run (gymv.capabilities.family_limits; a test checks this table
+against the backend's own refusal): a --tiny run of such a recipe generates with hf (and scores with torch
+teachers) instead."""
+
+
+def vllm_runs_stand_in(tiny_model: str) -> bool:
+    """vLLM imports here and its CPU build runs the tiny stand-in, so --tiny keeps the recipe's vllm backends."""
+    return vllm_runs_here() and tiny_model.removeprefix("embedded:") not in VLLM_CPU_REFUSED
+
+
 def megatron_runs_here() -> bool:
     """megatron-core imports in this interpreter (the dev extra installs it), so --tiny keeps that backend."""
     import importlib.util
@@ -132,7 +144,7 @@ def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
         "seed": prepare.get("seed", d.get("seed", 0)),
     })
 
-    keep_vllm = vllm_runs_here()
+    keep_vllm = vllm_runs_stand_in(tiny_model)
     gen = d.get("generation", {}).get("backend")
     _set(ch, d, "generation.backend", "vllm" if gen == "vllm" and keep_vllm else "hf")
     _cap(ch, d, "generation.max_new_tokens", MAX_NEW_TOKENS)

@@ -98,6 +98,29 @@ def _check_supported(rec, cfg) -> None:
                             f"({sys.prefix}) lacks", where=_where(rec, "training.backend"), fix=MEGATRON_FIX)
 
 
+def _check_vllm_models(rec, cfg, model_path: str) -> None:
+    """A model family vLLM cannot run where the recipe puts it (gymv.capabilities.family_limits) is refused
+    here, from the checkpoints' configs, before the run directory is written and Ray starts."""
+    from gymv.backends.generation.vllm_models import refusal
+    from gymv.train.setup import generation_dtype
+
+    checks = []
+    if cfg.generation.backend == "vllm":
+        device = "cuda" if cfg.cluster.gpus_per_node > 0 else "cpu"
+        checks.append(("generation.backend", model_path, device, generation_dtype(cfg, model_path), False))
+    mopd = getattr(cfg, "mopd", None)
+    if mopd is not None and any(t.backend == "vllm" for t in mopd.teachers.values()):
+        from gymv.cluster.teachers import teacher_specs
+
+        for alias, spec in teacher_specs(cfg, model_path).items():
+            if mopd.teachers[alias].backend == "vllm":
+                checks.append((f"mopd.teachers.{alias}.backend", spec.path, spec.device, spec.dtype, spec.text_of))
+    for key, path, device, dtype, text_only in checks:
+        refused = refusal(path, device, dtype, text_only=text_only)
+        if refused:
+            raise GymvError(f"{key} vllm cannot run {path}: {refused[0]}", where=_where(rec, key), fix=refused[1])
+
+
 def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, resume_dir: str | None = None,
           ray_address: str | None = None, reporter: Reporter | None = None, smoke: bool = False,
           async_grpo: bool = False) -> dict:
@@ -117,6 +140,7 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
     model_path = resolve_init_path(cfg.model.path, where=_where(rec, "model.path"))
     for gap in family_gaps(cfg, model_path):  # what the model's family cannot run, before Ray starts
         raise GymvError(gap.message, where=_where(rec, gap.key), fix=gap.fix)
+    _check_vllm_models(rec, cfg, model_path)
     router = EnvRouter(worker_spec(cfg, model_path).env)  # an unknown env.name fails before anything is written
 
     run, resume = open_run(cfg, cfg.to_dict(), resume_dir)

@@ -74,7 +74,7 @@ class VllmGenerationBackend(GenerationBackend):
 
     def __init__(self, llm, tokenizer, adapter, *, param_shapes: dict[str, tuple[int, ...]], vocab_size: int,
                  eos_token_ids: Sequence[int], seed: int = 0, chat_template: str | None = None,
-                 model_path: str | None = None, dtype: str = "float32", rename=None):
+                 model_path: str | None = None, dtype: str = "float32", family=None):
         self.llm = llm
         self.tokenizer = tokenizer
         self.adapter = adapter
@@ -82,7 +82,7 @@ class VllmGenerationBackend(GenerationBackend):
         self.model_path = model_path
         self.dtype = dtype
         self.param_shapes = param_shapes
-        self.rename = rename or (lambda name: name)
+        self.family = family  # gymv.backends.generation.vllm_models: the family's names and engine settings
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
         self.vocab_size = vocab_size
         forbidden = set(adapter.vision_token_ids) if adapter is not None else set()
@@ -106,15 +106,19 @@ class VllmGenerationBackend(GenerationBackend):
         (what top_p < 1 needs: vLLM's processed logprobs are the renormalised nucleus's, its raw ones lack the
         temperature and the vision-token mask). `logprobs_mode`/`max_logprobs` are vLLM's, for callers that
         read vLLM's outputs themselves (the vllm teacher)."""
+        from gymv.backends.generation.vllm_models import refusal, vllm_model
         from gymv.models.load import resolve_model_path
 
-        vllm = import_vllm()
         path = resolve_model_path(model_path, seed=seed)
+        refused = refusal(path, "cpu" if device == "cpu" else "cuda", dtype)
+        if refused:
+            raise GymvError(refused[0], where="generation.backend", fix=refused[1])
+        vllm = import_vllm()
         tokenizer, adapter, template, config, shapes = load_processing(path, trust_remote_code=trust_remote_code)
-        rename = vllm_names(config)
-        # a checkpoint vLLM's loader cannot name (transformers 5 writes LLaVA's CLIP tower without the
-        # `vision_model.` level vLLM's has) starts from dummy weights and gets its own through the refit path
-        own_load = any(rename(k) != k for k in checkpoint_names(path))
+        family = vllm_model(config, path)
+        # a checkpoint vLLM's loader cannot read as saved (LLaVA's CLIP tower under transformers 5's names)
+        # starts from dummy weights and gets its own through the refit path
+        own_load = family.own_load(checkpoint_names(path))
         kwargs: dict[str, Any] = dict(trust_remote_code=trust_remote_code,
             model=str(path), tokenizer=str(path), dtype=dtype, seed=seed, enable_prefix_caching=True,
             logprobs_mode=logprobs_mode or ("raw_logits" if full_logits else "processed_logprobs"),
@@ -138,6 +142,8 @@ class VllmGenerationBackend(GenerationBackend):
                           max_num_batched_tokens=max(longest, 8192))
         else:
             kwargs.update(enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization)
+        kwargs.update(family.engine_kwargs(device=device, dtype=dtype,
+                                           chunked_prefill=kwargs.get("enable_chunked_prefill", True)))
         from gymv.models.quiet import quiet_transformers
 
         with quiet_transformers():
@@ -157,30 +163,31 @@ class VllmGenerationBackend(GenerationBackend):
         text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
         backend = cls(llm, tokenizer, adapter, param_shapes=shapes, vocab_size=int(text_cfg.vocab_size),
                       eos_token_ids=[i for i in eos if i is not None], seed=seed, chat_template=template,
-                      model_path=str(path), dtype=dtype, rename=rename)
+                      model_path=str(path), dtype=dtype, family=family)
         backend.full_logits = full_logits
         if own_load:
-            backend._load(read_checkpoint(path))
+            backend._load(family.checkpoint_to_engine(read_checkpoint(path)))
             llm.reset_prefix_cache()
         return backend
 
     # -- prompts -------------------------------------------------------------------------------------
     def _collapse(self, ids: list[int], images: Sequence[Any]) -> list[int]:
-        """`ids` with each image's span of placeholder tokens reduced to the one token vLLM expands."""
+        """`ids` with each image's expansion (the adapter's `image_token_ids`: its placeholder run, with the
+        markers around it where the family has them) reduced to the one token vLLM expands."""
         if not images:
             return list(ids)
-        pad = self.adapter.image_token_id
-        need = iter([self.adapter.tokens_per_image(im) for im in images])
+        spans = [self.adapter.image_token_ids(im) for im in images]
         out: list[int] = []
-        i = 0
+        i = k = 0
         while i < len(ids):
-            if ids[i] != pad:
+            span = spans[k] if k < len(spans) else None
+            if span and ids[i] == span[0] and ids[i:i + len(span)] == span:
+                out.append(self.adapter.image_token_id)
+                i += len(span)
+                k += 1
+            else:
                 out.append(ids[i])
                 i += 1
-                continue
-            n = next(need)
-            out.append(pad)
-            i += n
         return out
 
     def _prompt(self, r: GenerationRequest) -> dict:
@@ -279,7 +286,7 @@ class VllmGenerationBackend(GenerationBackend):
                 raise GymvError(f"refit sent {name} with shape {tuple(value.shape)}; the model's has shape "
                                 f"{self.param_shapes[name]}", where="refit",
                                 fix="training and generation must load the same architecture (model.path)")
-        self._load(incoming)
+        self._load(self.family.to_engine(incoming) if self.family is not None else incoming)
         self.llm.reset_prefix_cache()
         self._stats["prefix_cache_resets"] += 1
         # vLLM's reload drops the model runner's image features whatever gymv's policy says, so the
@@ -294,8 +301,8 @@ class VllmGenerationBackend(GenerationBackend):
             self._weights_hash = None
 
     def _load(self, weights: dict) -> None:
-        """In-process: the tensors themselves; across processes: one safetensors file in shared memory."""
-        weights = {self.rename(k): v for k, v in weights.items()}
+        """Weights under the names vLLM's loader takes. In-process: the tensors themselves; across processes:
+        one safetensors file in shared memory."""
         if self.weight_transfer == "auto" and _in_process():
             self.llm.collective_rpc("gymv_load_weights", kwargs={"weights": list(weights.items())})
             return
@@ -368,18 +375,6 @@ def _torch_dtype(name: str):
     import torch
 
     return getattr(torch, name) if name != "auto" else None
-
-
-def vllm_names(config):
-    """name -> the name vLLM's weight loader takes, for a transformers model's own weight names (what the
-    trainer sends) and for its checkpoint's. vLLM maps most names itself; LLaVA's vision tower needs the
-    `vision_model.` level that transformers 5 no longer has."""
-    import re
-
-    if getattr(config, "model_type", "") == "llava":
-        pattern = re.compile(r"^((?:model\.)?vision_tower\.)(?!vision_model\.)")
-        return lambda name: pattern.sub(r"\1vision_model.", name)
-    return lambda name: name
 
 
 def checkpoint_names(path: Path) -> list[str]:
