@@ -76,6 +76,17 @@ def image_processor(k) -> OmniImageProcessor:
                               max_num_patches=side * side, max_model_len=4096)
 
 
+def _audio_features() -> dict | None:
+    """The audio feature extractor's config the family's processor loads with, or None where transformers
+    builds it only with librosa (5.19: the vLLM venv); gymv loads the images without the processor then."""
+    from transformers import ParakeetFeatureExtractor
+
+    try:
+        return ParakeetFeatureExtractor().to_dict()
+    except ImportError:
+        return None
+
+
 def init_tiny_nemotron_omni(out_dir: str | os.PathLike, *, force: bool = False, reuse: bool = False,
                             **knobs) -> Path:
     """Write the tiny Nemotron 3 Omni (module docstring); `mtp_layers` sets `num_nextn_predict_layers` (the
@@ -92,8 +103,6 @@ def init_tiny_nemotron_omni(out_dir: str | os.PathLike, *, force: bool = False, 
     def build(tmp: Path) -> None:
         from transformers import NemotronH_Omni_Reasoning_V3 as Model
         from transformers import NemotronH_Omni_Reasoning_V3_Config as Config
-        from transformers import ParakeetFeatureExtractor
-
         from gymv.models.chat_template import chat_template
         from gymv.models.tokenizer import hf_tokenizer, train_bpe
 
@@ -120,8 +129,10 @@ def init_tiny_nemotron_omni(out_dir: str | os.PathLike, *, force: bool = False, 
                  "downsample_ratio": 0.5, "video_target_num_patches": images.max_num_patches,
                  "temporal_patch_size": 2, "norm_mean": images.image_mean, "norm_std": images.image_std}
         processor = {"processor_class": PROCESSOR_CLASS, "video_temporal_patch_dim": 2,
-                     "image_processor": images.to_dict(), "video_processor": video,
-                     "feature_extractor": ParakeetFeatureExtractor().to_dict()}
+                     "image_processor": images.to_dict(), "video_processor": video}
+        audio = _audio_features()
+        if audio is not None:
+            processor["feature_extractor"] = audio
         (tmp / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
 
     return _write(Path(out_dir), ARCH, k, build, force, reuse)
