@@ -152,13 +152,13 @@ def _load_text(ckpt: Path, device, dtype, attn_implementation, trust: bool) -> P
                   chat_template=getattr(tokenizer, "chat_template", None), info=info)
 
 
-def _load(ckpt: Path, device, dtype, attn_implementation, trust: bool = False) -> Policy:
-    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+def load_processors(ckpt: Path, trust: bool = False):
+    """(processor class name, transformers processor or None, tokenizer, image processor, why the processor
+    did not load or None) of a vision-language checkpoint: what the policy and the vLLM backend render with."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
-    from gymv.backends.multimodal import SUPPORTED_PROCESSORS, make_adapter, supported_text
+    from gymv.backends.multimodal import SUPPORTED_PROCESSORS, supported_text
 
-    if is_text_only(ckpt):
-        return _load_text(ckpt, device, dtype, attn_implementation, trust)
     processor_class = _processor_class(ckpt)
     hf_processor, why = None, None
     # where gymv brings the image processor, transformers' needs torchvision and says so in a ValueError
@@ -178,6 +178,17 @@ def _load(ckpt: Path, device, dtype, attn_implementation, trust: bool = False) -
     if processor_class not in SUPPORTED_PROCESSORS:
         raise GymvError(f"unsupported processor {processor_class or '(none found)'!r}", where=str(ckpt),
                         fix=f"gymv supports: {supported_text()}")
+    return processor_class, hf_processor, tokenizer, image_processor, why
+
+
+def _load(ckpt: Path, device, dtype, attn_implementation, trust: bool = False) -> Policy:
+    from transformers import AutoModelForImageTextToText
+
+    from gymv.backends.multimodal import make_adapter
+
+    if is_text_only(ckpt):
+        return _load_text(ckpt, device, dtype, attn_implementation, trust)
+    processor_class, hf_processor, tokenizer, image_processor, why = load_processors(ckpt, trust)
     model = _eval_model(AutoModelForImageTextToText, ckpt, device, _model_kwargs(dtype, attn_implementation, trust),
                         "an image-text-to-text model",
                         "gymv trains vision-language models loadable with AutoModelForImageTextToText")

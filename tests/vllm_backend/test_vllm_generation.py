@@ -12,14 +12,14 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
-from gymv.backends.generation.base import GenerationOutput, GenerationRequest, SamplingParams  # noqa: E402
+from gymv.backends.generation.base import GenerationRequest, SamplingParams  # noqa: E402
 from gymv.backends.generation.hf import HFGenerationBackend  # noqa: E402
 from gymv.backends.generation.vllm import VllmGenerationBackend  # noqa: E402
 from gymv.errors import GymvError  # noqa: E402
 from gymv.rollout import run_rollouts  # noqa: E402
-from rollout_helpers import LOOK, PictureEnv, RecordingBackend, picture_row, turn_of  # noqa: E402
+from rollout_helpers import PictureEnv, picture_row  # noqa: E402
 from tiny_models import chat_ids, noise, shared_policy, solid, tiny_path  # noqa: E402
-from vllm_helpers import max_logprob_gap, mult_prob_error, tiny_text_llama, vllm_backend  # noqa: E402
+from vllm_helpers import ToolFirst, max_logprob_gap, mult_prob_error, tiny_text_llama, vllm_backend  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ARCHES = ["tiny-llava", "tiny-qwen2vl"]
@@ -113,26 +113,6 @@ def test_an_image_placeholder_mismatch_is_refused_before_vllm_sees_it(engines):
         engines["tiny-llava"].generate([GenerationRequest(req.prompt_token_ids[:-40] + req.prompt_token_ids[-30:],
                                                           req.images, where="row 7 turn 2")], GREEDY)
     assert e.value.where == "row 7 turn 2"
-
-
-class ToolFirst(RecordingBackend):
-    """The real backend answers every turn (recorded); the episode itself says the scripted tool call on
-    turn 0 and 'Red.' on turn 1 (a random tiny model never calls a tool), then the real answer on turn 2."""
-
-    SCRIPT = {0: LOOK, 1: "Red.<|im_end|>"}
-
-    def __init__(self, inner, tokenizer):
-        super().__init__(inner)
-        self.tokenizer = tokenizer
-
-    def generate(self, requests, params):
-        outs = super().generate(requests, params)
-        for i, r in enumerate(requests):
-            line = self.SCRIPT.get(turn_of(r.where))
-            if line is not None:
-                ids = self.tokenizer.encode(line, add_special_tokens=False)
-                outs[i] = GenerationOutput(ids, [0.0] * len(ids), line, "stop", ids[-1])
-        return outs
 
 
 @pytest.mark.parametrize("arch", ARCHES)

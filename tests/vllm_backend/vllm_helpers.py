@@ -9,6 +9,7 @@ import torch
 
 from gymv.backends.generation.base import GenerationOutput, GenerationRequest
 from gymv.backends.logprobs import right_pad, sequence_logprobs
+from rollout_helpers import LOOK, RecordingBackend, turn_of
 
 
 def vllm_backend(path):
@@ -40,6 +41,26 @@ def tiny_text_llama(out: Path) -> Path:
     return out
 
 
+class ToolFirst(RecordingBackend):
+    """The real backend answers every turn (recorded); the episode itself says the scripted tool call on
+    turn 0 and 'Red.' on turn 1 (a random tiny model never calls a tool), then the real answer on turn 2."""
+
+    SCRIPT = {0: LOOK, 1: "Red.<|im_end|>"}
+
+    def __init__(self, inner, tokenizer):
+        super().__init__(inner)
+        self.tokenizer = tokenizer
+
+    def generate(self, requests, params):
+        outs = super().generate(requests, params)
+        for i, r in enumerate(requests):
+            line = self.SCRIPT.get(turn_of(r.where))
+            if line is not None:
+                ids = self.tokenizer.encode(line, add_special_tokens=False)
+                outs[i] = GenerationOutput(ids, [0.0] * len(ids), line, "stop", ids[-1])
+        return outs
+
+
 def mult_prob_error(policy, requests: list[GenerationRequest], outputs: list[GenerationOutput],
                     temperature: float = 1.0) -> float:
     """`token_mult_prob_error` of `outputs` against the trainer's logprobs of the same tokens."""
@@ -56,3 +77,37 @@ def mult_prob_error(policy, requests: list[GenerationRequest], outputs: list[Gen
 
 def max_logprob_gap(a: list[GenerationOutput], b: list[GenerationOutput]) -> float:
     return max(abs(x - y) for oa, ob in zip(a, b) for x, y in zip(oa.logprobs, ob.logprobs))
+
+
+def dense_omni_twin(out: Path) -> Path:
+    """The tiny Nemotron 3 Omni with each mixture-of-experts layer a dense MLP (seeded), every other weight and
+    file the tiny model's own: vLLM's CPU build cannot run the family's MoE layers
+    (gymv.backends.generation.vllm_models.MOE_ON_CPU), and everything else of the family runs on it."""
+    if (out / "config.json").exists():
+        return out
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from tiny_models import tiny_path
+
+    src = tiny_path("tiny-nemotron-omni")
+    config = AutoConfig.from_pretrained(src)
+    kinds = config.text_config.layers_block_type
+    config.text_config.layers_block_type = ["mlp" if k == "moe" else k for k in kinds]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(2)
+        model = AutoModelForImageTextToText.from_config(config)
+    tiny = AutoModelForImageTextToText.from_pretrained(src)
+    moe = {i for i, kind in enumerate(kinds) if kind == "moe"}
+    model.load_state_dict({k: v for k, v in tiny.state_dict().items() if _layer(k) not in moe}, strict=False)
+    model.generation_config = tiny.generation_config
+    model.save_pretrained(out)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name not in ("config.json", "generation_config.json"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def _layer(name: str) -> int:
+    return int(name.split(".layers.")[1].split(".")[0]) if ".layers." in name else -1

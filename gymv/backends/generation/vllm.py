@@ -303,8 +303,9 @@ class VllmGenerationBackend(GenerationBackend):
     def _load(self, weights: dict) -> None:
         """Weights under the names vLLM's loader takes. In-process: the tensors themselves; across processes:
         one safetensors file in shared memory."""
+        direct = self.family.direct_params(weights) if self.family is not None else {}
         if self.weight_transfer == "auto" and _in_process():
-            self.llm.collective_rpc("gymv_load_weights", kwargs={"weights": list(weights.items())})
+            self.llm.collective_rpc("gymv_load_weights", kwargs={"weights": list(weights.items()), "direct": direct})
             return
         from safetensors.torch import save_file
 
@@ -313,7 +314,7 @@ class VllmGenerationBackend(GenerationBackend):
         os.close(fd)
         try:
             save_file({k: v.detach().to("cpu", copy=False).contiguous() for k, v in weights.items()}, path)
-            self.llm.collective_rpc("gymv_load_weights_file", kwargs={"path": path})
+            self.llm.collective_rpc("gymv_load_weights_file", kwargs={"path": path, "direct": direct})
         finally:
             os.unlink(path)
 
@@ -401,36 +402,25 @@ def load_processing(path: Path, *, trust_remote_code: bool = False):
     without loading weights: vLLM loads the weights; gymv needs what renders prompts and what refits are
     checked against."""
     import torch
-    from transformers import AutoConfig, AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from gymv.backends.multimodal import SUPPORTED_PROCESSORS, make_adapter, supported_text
-    from gymv.backends.policy import _processor_class
+    from gymv.backends.multimodal import make_adapter
+    from gymv.backends.policy import load_processors
     from gymv.models.quiet import quiet_transformers
 
     with quiet_transformers():
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        processor_class = _processor_class(path)
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         vision = hasattr(config, "vision_config")
         if vision:
-            hf_processor = None
-            try:
-                from transformers import AutoProcessor
-
-                hf_processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-                processor_class = type(hf_processor).__name__
-                tokenizer = hf_processor.tokenizer
-                image_processor = hf_processor.image_processor
-            except ImportError:
-                image_processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-            if processor_class not in SUPPORTED_PROCESSORS:
-                raise GymvError(f"unsupported processor {processor_class or '(none found)'!r}", where=str(path),
-                                fix=f"gymv supports: {supported_text()}")
+            processor_class, hf_processor, tokenizer, image_processor, _ = load_processors(path, trust_remote_code)
             adapter = make_adapter(processor_class, tokenizer, image_processor, config, hf_processor)
             template = getattr(hf_processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
         else:  # the rollout renders a text model's turns through the text adapter, as with the hf backend
+            from transformers import AutoTokenizer
+
             from gymv.backends.multimodal import TextAdapter
 
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
             adapter, template = TextAdapter(tokenizer, config=config), getattr(tokenizer, "chat_template", None)
         auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         with torch.device("meta"):

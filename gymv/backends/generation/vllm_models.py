@@ -98,6 +98,11 @@ class VllmModel:
         and gets the checkpoint's through the refit path."""
         return False
 
+    def direct_params(self, weights: dict) -> dict[str, str]:
+        """Engine-named weights the worker copies into the model's parameters itself after vLLM's reload
+        (gymv.backends.generation.vllm_worker): {name: the model's parameter}."""
+        return {}
+
 
 class LlavaModel(VllmModel):
     """transformers 5 saves LLaVA's CLIP tower without the `vision_model.` level vLLM's module has."""
@@ -131,6 +136,13 @@ class NemotronOmniModel(VllmModel):
 
     def checkpoint_to_engine(self, weights: dict) -> dict:
         return fold_layer_scales(dict(weights))
+
+    def direct_params(self, weights: dict) -> dict[str, str]:
+        """The projector (`mlp1`) and the MTP vision norm: vLLM's loader writes them with
+        `default_weight_loader` past the parameters' own loaders, so its in-place reload keeps their old
+        values (vllm 0.32, NemotronH_Nano_VL_V2.load_weights); they are plain torch layers."""
+        return {k: k.removeprefix("vision_projector.") for k in weights
+                if k.startswith(("mlp1.", "vision_projector.vision_final_layernorm."))}
 
     def own_load(self, checkpoint_names: list[str]) -> bool:
         """vLLM's RADIO ignores the layer scales, so a checkpoint whose scales moved off 1 loads through the

@@ -22,16 +22,29 @@ from typing import Any
 class GymvWeightSync:
     """Mixed into vLLM's worker class: `self` is the worker (`self.device`, `self.model_runner`)."""
 
-    def _gymv_reload(self, pairs) -> None:
-        self.reload_weights(weights_iterator=iter(list(pairs)))  # type: ignore[attr-defined]
+    def _gymv_reload(self, pairs, direct: dict[str, str] | None = None) -> None:
+        """`direct`: checkpoint name -> the model's parameter, for weights a model's own loader writes past
+        the parameters' weight loaders, which vLLM's in-place reload then restores to their old values (plain
+        torch layers, which vLLM does not repack, so a copy is the load)."""
+        import torch
 
-    def gymv_load_weights(self, weights: list[tuple[str, Any]]) -> None:
-        self._gymv_reload(weights)
+        pairs = list(pairs)
+        self.reload_weights(weights_iterator=iter(pairs))  # type: ignore[attr-defined]
+        if direct:
+            model = self.model_runner.get_model()  # type: ignore[attr-defined]
+            with torch.no_grad():
+                for name, tensor in pairs:
+                    if name in direct:
+                        param = model.get_parameter(direct[name])
+                        param.copy_(tensor.to(device=param.device, dtype=param.dtype))
 
-    def gymv_load_weights_file(self, path: str) -> None:
+    def gymv_load_weights(self, weights: list[tuple[str, Any]], direct: dict[str, str] | None = None) -> None:
+        self._gymv_reload(weights, direct)
+
+    def gymv_load_weights_file(self, path: str, direct: dict[str, str] | None = None) -> None:
         from safetensors.torch import load_file
 
-        self._gymv_reload(load_file(path).items())
+        self._gymv_reload(load_file(path).items(), direct)
 
     def gymv_load_weights_ipc(self, handles: dict, layout) -> None:
         """Rebuild the trainer's flat CUDA buffer from its IPC handle (keyed by GPU uuid) and load views of it."""
