@@ -160,7 +160,8 @@ def stand_in_notes(cfg, tiny: dict) -> list[str]:
     notes += [f"stand-in for what gymv train cannot run here: {g}" for g in gaps(cfg)]
     arch = str(tiny["model"]["path"]).removeprefix("embedded:")
     mopd = getattr(cfg, "mopd", None)
-    asked = cfg.generation.backend == "vllm" or any(t.backend == "vllm" for t in (mopd.teachers.values() if mopd else ()))
+    teachers = mopd.teachers.values() if mopd is not None else ()
+    asked = cfg.generation.backend == "vllm" or any(t.backend == "vllm" for t in teachers)
     if asked and arch in VLLM_CPU_REFUSED and vllm_runs_here():
         notes.append(f"vLLM's CPU build cannot run {arch} ({VLLM_CPU_REFUSED[arch]}): hf generates and torch "
                      "teachers score in its place")

