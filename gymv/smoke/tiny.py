@@ -78,7 +78,7 @@ def vllm_runs_here() -> bool:
 
 
 VLLM_CPU_REFUSED = {"tiny-nemotron-omni": "its mixture-of-experts layers"}
-"""Tiny stand-ins vLLM's CPU build cannot run (gymv.capabilities.family_limits; a test checks this table
+"""Tiny stand-ins vLLM's CPU build cannot run (gymv.capabilities.VLLM_FAMILY_LIMITS; a test checks this table
 against the backend's own refusal): a --tiny run of such a recipe generates with hf (and scores with torch
 teachers) instead."""
 
