@@ -99,8 +99,8 @@ def _check_supported(rec, cfg) -> None:
 
 
 def _check_vllm_models(rec, cfg, model_path: str) -> None:
-    """A model family vLLM cannot run where the recipe puts it (gymv.capabilities.VLLM_FAMILY_LIMITS) is refused
-    here, from the checkpoints' configs, before the run directory is written and Ray starts."""
+    """A model family vLLM cannot run where the recipe puts it (gymv.capabilities.VLLM_FAMILY_LIMITS) is
+    refused here, from the checkpoints' configs, before the run directory is written and Ray starts."""
     from gymv.backends.generation.vllm_models import refusal
     from gymv.train.setup import generation_dtype
 
