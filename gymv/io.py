@@ -131,11 +131,13 @@ def parse_json_line(line: bytes | str) -> dict:
     return row
 
 
-def iter_jsonl(path: str | os.PathLike, *, on_error: str = "fail", errors: list | None = None) -> Iterator[tuple[int, dict]]:
+def iter_jsonl(path: str | os.PathLike, *, on_error: str = "fail", errors: list | None = None,
+               skip_option: str | None = None) -> Iterator[tuple[int, dict]]:
     """Yield (line_number, row) for each non-blank line.
 
     A malformed line raises a GymvError naming the file and line (on_error="fail"), or is skipped and
-    recorded in `errors` as (line_number, message) (on_error="skip").
+    recorded in `errors` as (line_number, message) (on_error="skip"). `skip_option` is the caller's own way
+    to skip bad lines (a command's `--on-error skip`), offered in the error; without one, none is offered.
     """
     if on_error not in ("fail", "skip"):
         raise GymvError(f"unknown on_error mode {on_error!r}", fix="use 'skip' or 'fail'")
@@ -145,7 +147,9 @@ def iter_jsonl(path: str | os.PathLike, *, on_error: str = "fail", errors: list 
     except FileNotFoundError:
         raise GymvError("file not found", where=str(path), fix="check the path") from None
     except OSError as e:
-        raise GymvError(f"cannot read: {e.strerror}", where=str(path)) from None
+        raise GymvError(f"cannot read: {e.strerror}", where=str(path), fix="check the file's permissions") from None
+    except ValueError:  # a NUL byte in the path
+        raise GymvError("the path holds a NUL byte (\\0)", where=repr(str(path)), fix="remove the \\0 from the path") from None
     with f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -155,7 +159,8 @@ def iter_jsonl(path: str | os.PathLike, *, on_error: str = "fail", errors: list 
             except ValueError as e:
                 msg = f"malformed JSON line: {e}"
                 if on_error == "fail":
-                    raise GymvError(msg, where=f"{path}:{lineno}", fix="repair the line or pass --on-error skip") from None
+                    fix = "repair or delete the line" + (f", or pass {skip_option}" if skip_option else "")
+                    raise GymvError(msg, where=f"{path}:{lineno}", fix=fix) from None
                 if errors is not None:
                     errors.append((lineno, msg))
                 continue

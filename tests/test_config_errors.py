@@ -149,3 +149,16 @@ def test_a_folder_the_user_allows_may_hold_defaults(tmp_path, monkeypatch):
     assert "outside the recipe tree" in error(p).message
     monkeypatch.setenv("GYMV_RECIPE_ROOTS", str(tmp_path / "shared"))
     assert load_recipe(p, validate=False).raw["seed"] == 4
+
+
+def test_a_nul_byte_in_a_value_is_an_error_naming_the_key(tmp_path):
+    p = write(tmp_path, "r.yaml", 'defaults: gymv://vlm/vlm_grpo-tinyllava-1n0g-torch.yaml\ndata:\n  train: "a\\0b.jsonl"\n')
+    e = error(p)
+    assert e.where.endswith("r.yaml:3") and "`data.train` holds a NUL byte" in e.message
+
+
+def test_an_override_that_is_not_utf8_is_an_error_not_a_traceback(tmp_path):
+    p = write(tmp_path, "r.yaml", "defaults: gymv://vlm/vlm_grpo-tinyllava-1n0g-torch.yaml\n")
+    bad = b"data.train=\xff.jsonl".decode("utf-8", "surrogateescape")  # what argv holds for those bytes
+    e = error(p, bad)
+    assert "override is not UTF-8 text" in e.message and "LANG" in e.fix

@@ -79,3 +79,19 @@ def test_a_report_notes_a_non_utf8_rollout_file_and_goes_on(tmp_path):
     result = build_report(run)
     assert any("not UTF-8" in p and rollouts.name in p for p in result.problems)
     assert result.index.exists()
+
+
+def test_a_malformed_line_offers_only_a_skip_option_the_caller_has(tmp_path):
+    p = tmp_path / "rows.jsonl"
+    p.write_text('{"a": 1}\n{oops\n')
+    with pytest.raises(GymvError) as plain:
+        list(iter_jsonl(p))
+    with pytest.raises(GymvError) as offered:
+        list(iter_jsonl(p, skip_option="--on-error skip"))
+    assert plain.value.where.endswith("rows.jsonl:2") and "--on-error" not in plain.value.fix
+    assert offered.value.fix.endswith("or pass --on-error skip")
+
+
+def test_a_path_with_a_nul_byte_is_an_error_not_a_traceback(tmp_path):
+    with pytest.raises(GymvError, match="NUL byte"):
+        list(iter_jsonl(tmp_path / "a\0b.jsonl"))

@@ -42,6 +42,11 @@ def parse_override(text: str, origin: Origin = Origin(COMMAND_LINE, None)) -> Ov
     """Parse `a.b=v`, `+a.b=v`, `++a.b=v` or `~a.b`."""
     where = f"override {text!r}" if _from_cli(origin) else str(origin)
     fix = "write key=value, +new.key=value, ++key=value or ~key"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the terminal's locale could not decode arrive as lone surrogates
+        raise GymvError("override is not UTF-8 text", where=where.encode("utf-8", "backslashreplace").decode(),
+                        fix="write the override in UTF-8 (check the terminal's locale, e.g. LANG=C.UTF-8)") from None
     op: Op
     if text.startswith("~"):
         op, body = "delete", text[1:]

@@ -152,6 +152,18 @@ def _errors_to_findings(model: type[BaseModel], data: dict, err: ValidationError
     return findings
 
 
+def _nul_findings(data: Any, path: tuple, locate: Locate | None, fallback_where: str | None) -> list[Finding]:
+    """Text holding a NUL byte: no file can be named by it (the OS refuses it deep in an open() call)."""
+    if isinstance(data, str):
+        if "\x00" not in data:
+            return []
+        key = ".".join(map(str, path))
+        return [Finding("schema.type", f"`{key}` holds a NUL byte (\\0), which no path or name may contain", key,
+                        _where(locate, path, fallback_where), f"remove the \\0 from `{key}`")]
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    return [f for k, v in items for f in _nul_findings(v, (*path, k), locate, fallback_where)]
+
+
 def schema_findings(data: Any, locate: Locate | None = None, fallback_where: str | None = None
                     ) -> tuple[RecipeBase | None, list[Finding]]:
     """Validate resolved recipe data; returns (model or None, findings). Never raises for bad input."""
@@ -177,6 +189,7 @@ def schema_findings(data: Any, locate: Locate | None = None, fallback_where: str
                                 _where(locate, ("algorithm",), fallback_where),
                                 "add `vision:` (max_image_pixels, max_images_per_sample, dedup_payloads)"))
         return None, findings
+    findings += _nul_findings(data, (), locate, fallback_where)
     model = MODELS[algo]
     try:
         cfg = model.model_validate(data)

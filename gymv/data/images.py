@@ -107,7 +107,8 @@ def decode_image_bytes(
             if width * height > max_pixels:
                 raise ImageError(
                     f"image is {width}x{height} = {width * height} pixels, over the {max_pixels} pixel limit "
-                    "(possible decompression bomb)", where=where, fix="use a smaller image or raise max_pixels")
+                    "(possible decompression bomb)", where=where,
+                    fix="use a smaller image (training takes up to vision.max_image_pixels, which a recipe may raise)")
             img.load()
     except ImageError:
         raise

@@ -156,7 +156,7 @@ def verify_rollouts(
     report = VerifyReport(path=str(rollouts))
     parse_errors: list = []
     scored_rows: list[dict] = []
-    for lineno, rollout in iter_jsonl(rollouts, on_error=on_error, errors=parse_errors):
+    for lineno, rollout in iter_jsonl(rollouts, on_error=on_error, errors=parse_errors, skip_option="--on-error skip"):
         report.lines += 1
         where = f"{rollouts}:{lineno}"
         try:
