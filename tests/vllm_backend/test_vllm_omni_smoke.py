@@ -8,6 +8,8 @@ Runs in the vLLM venv (`bash scripts/install.sh vllm`; `scripts/test.sh` runs it
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -18,31 +20,15 @@ from gymv.smoke.plan import SmokeTarget, prepare_run  # noqa: E402
 from gymv.smoke.tiny import VLLM_CPU_REFUSED  # noqa: E402
 from tiny_models import tiny_path  # noqa: E402
 
-RECIPE = """algorithm: vlm_mopd
-model:
-  path: nvidia/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16
-generation:
-  backend: vllm
-env:
-  name: circle-count
-vision: {}
-cluster:
-  gpus_per_node: 8
-mopd:
-  teachers:
-    omni:
-      path: nvidia/Nemotron-3-Super-Omni-Reasoning-BF16
-      backend: vllm
-"""
+REPO = Path(__file__).parent.parent.parent
+RECIPE = REPO / "recipes/vlm/vlm_mopd-nemotron3-super-omni-10n8g-fsdp2-noncolocated.yaml"  # vllm everywhere
 
 
 def test_tiny_generates_an_omni_vllm_recipe_with_hf_and_says_why(tmp_path):
-    recipe = tmp_path / "omni.yaml"
-    recipe.write_text(RECIPE)
-    p = prepare_run(SmokeTarget(recipe), out_dir=tmp_path / "out", name="r", steps=1, tiny=True)
+    p = prepare_run(SmokeTarget(RECIPE), out_dir=tmp_path / "out", name="r", steps=1, tiny=True)
     cfg = load_recipe(p.config_file).validated
     assert cfg.model.path == "embedded:tiny-nemotron-omni"
-    assert cfg.generation.backend == "hf" and cfg.mopd.teachers["omni"].backend == "torch"
+    assert cfg.generation.backend == "hf" and {t.backend for t in cfg.mopd.teachers.values()} == {"torch"}
     assert "generation.backend: 'vllm' -> 'hf'" in p.tiny_changes
     assert any("cannot run tiny-nemotron-omni (its mixture-of-experts layers)" in n for n in p.notes)
 
