@@ -28,16 +28,24 @@ METRIC_NAMES: tuple[str, ...] = (
     "min_seq_mult_prob_error_after_mask", "num_masked_seqs_by_logprob_error", "masked_correct_pct")
 
 
-def sequence_mult_prob_error(logp_behaviour: Tensor, logp_old: Tensor, mask: Tensor) -> float | None:
-    """e_s of one sequence ([L] tensors); None when it has no generated token (it is then never masked)."""
-    from gymv.algorithms.masked import as_bool
+def _terms(logp_behaviour: Tensor, logp_old: Tensor, mask: Tensor) -> Tensor:
+    """[sum over the generated tokens of exp(|gap|), their number], on the sequence's device."""
+    import torch
+
+    from gymv.algorithms.masked import as_bool, masked_fill_zero
 
     m = as_bool(mask)
-    n = int(m.sum())
-    if n == 0:
-        return None
-    diff = (logp_behaviour.detach().double() - logp_old.detach().double())[m]
-    return float(diff.abs().exp().sum()) / n
+    gap = masked_fill_zero((logp_behaviour.detach().double() - logp_old.detach().double()).abs(), m)
+    return torch.stack([masked_fill_zero(gap.exp(), m).sum(), m.sum().double()])
+
+
+def _error(num: float, n: float) -> float | None:
+    return num / n if n else None
+
+
+def sequence_mult_prob_error(logp_behaviour: Tensor, logp_old: Tensor, mask: Tensor) -> float | None:
+    """e_s of one sequence ([L] tensors); None when it has no generated token (it is then never masked)."""
+    return _error(*_terms(logp_behaviour, logp_old, mask).tolist())
 
 
 def is_masked(error: float | None, threshold: float | None) -> bool:
@@ -73,18 +81,15 @@ def drop_masked_samples(minibatches: Sequence[Sequence[dict]], threshold: float)
 
     Samples carry `logp_behaviour`, `logp_old` and `loss_mask` as tensors (the training worker's). Dropping a
     sample is masking it: the loss and the counts of its minibatch are sums over the samples that remain."""
-    errors: list[float | None] = []
-    kept: list[list[dict]] = []
-    for mb in minibatches:
-        mine = []
-        for s in mb:
-            if "logp_behaviour" not in s:
-                raise GymvError(f"{s.get('where') or 'a sample'} has no generator logprobs to compare",
-                                where="seq_logprob_error_threshold",
-                                fix="use a generation backend that returns logprobs, or set the threshold to null")
-            e = sequence_mult_prob_error(s["logp_behaviour"], s["logp_old"], s["loss_mask"])
-            errors.append(e)
-            if not is_masked(e, threshold):
-                mine.append(s)
-        kept.append(mine)
-    return kept, errors
+    import torch
+
+    flat = [s for mb in minibatches for s in mb]
+    for s in flat:
+        if "logp_behaviour" not in s:
+            raise GymvError(f"{s.get('where') or 'a sample'} has no generator logprobs to compare",
+                            where="seq_logprob_error_threshold",
+                            fix="use a generation backend that returns logprobs, or set the threshold to null")
+    terms = [_terms(s["logp_behaviour"], s["logp_old"], s["loss_mask"]) for s in flat]
+    errors = [_error(num, n) for num, n in (torch.stack(terms).tolist() if terms else [])]  # one host read
+    masked = {id(s) for s, e in zip(flat, errors) if is_masked(e, threshold)}
+    return [[s for s in mb if id(s) not in masked] for mb in minibatches], errors
