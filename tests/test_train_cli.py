@@ -76,3 +76,21 @@ def ray_is_up() -> bool:
     import ray
 
     return ray.is_initialized()
+
+
+@pytest.mark.slow
+def test_a_launch_that_stopped_before_its_first_step_is_started_afresh_by_the_next(recipe, tmp_path):
+    """A typo that fails after the run directory is written (a data path) must not become the run's config,
+    nor make the corrected launch a 'config change'."""
+    path = recipe()
+    for typo in ("missing-1.jsonl", "missing-2.jsonl"):
+        with pytest.raises(GymvError, match="file not found"):
+            train(path, [f"data.train={tmp_path / typo}", "grpo.val_period=0"])
+    run = tmp_path / "runs" / "cli"
+    assert "missing-2.jsonl" in (run / "config.yaml").read_text()
+    assert not (run / "config_changes.jsonl").exists()
+    stale = run / "data" / "eval.jsonl"
+    stale.write_text("rows prepared by the broken launch\n")
+    with pytest.raises(GymvError, match="file not found"):  # rows prepared by an earlier launch are not reused
+        train(path, [f"data.train={tmp_path / 'missing-3.jsonl'}", "data.prepare.n_eval=3"])
+    assert not (run / "config_changes.jsonl").exists() and len(stale.read_text().splitlines()) == 3

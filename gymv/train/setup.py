@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from gymv.errors import GymvError
 from gymv.models.init_path import FINAL_DIR, resolve_init_path  # noqa: F401  (train and tests import it here)
 from gymv.runs.checkpoint import CheckpointState, DataPosition, find_latest, unusable_checkpoints
 from gymv.runs.run_dir import RunDir, run_path
-from gymv.train.data import EnvSpec, Row, RowStream
+from gymv.train.data import DATA_DIR, EnvSpec, Row, RowStream
 
 
 class Reporter:
@@ -81,9 +82,23 @@ def open_run(cfg, config_dict: dict, resume_dir: str | None) -> tuple[RunDir, bo
                             fix="pass the runs/<name> folder of an earlier `gymv train`")
         return RunDir.create(path, config_dict, resume=True), True
     path = run_path(cfg.checkpoint.dir, cfg.name).absolute()  # workers write checkpoints into it, from anywhere
-    if cfg.checkpoint.resume and (path / "config.yaml").exists() and _has_trained(RunDir(path)):
-        refuse_changed_config(RunDir(path), config_dict)
+    if (path / "config.yaml").exists():
+        if not _has_trained(RunDir(path)):
+            _forget_unstarted(path)
+        elif cfg.checkpoint.resume:
+            refuse_changed_config(RunDir(path), config_dict)
     return RunDir.create(path, config_dict, resume=cfg.checkpoint.resume), cfg.checkpoint.resume
+
+
+def _forget_unstarted(path: Path) -> None:
+    """A launch that stopped before its first step (a typo in a data path, a row too long) left a config and
+    maybe prepared rows, and no weights: the next launch starts afresh there, its config recorded as the
+    run's own (not as a change of the broken one), its rows prepared from its own config."""
+    from gymv.runs.config_history import CHANGES_FILE
+
+    for name in ("config.yaml", CHANGES_FILE, "metrics.jsonl"):
+        (path / name).unlink(missing_ok=True)
+    shutil.rmtree(path / DATA_DIR, ignore_errors=True)
 
 
 def _has_trained(run: RunDir) -> bool:
