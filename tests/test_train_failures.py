@@ -59,6 +59,15 @@ def test_failures_that_stop_within_the_window_are_forgiven():
         guard.check(step, batch(4, 0))
 
 
+def test_every_failure_under_the_limits_is_a_warning_naming_its_cause_and_row():
+    said: list[str] = []
+    guard = FailureGuard(max_step_fraction=0.5, source="data/train.jsonl", warn=said.append)
+    guard.check(1, batch(4, 0))
+    guard.check(2, batch(7, 1, "the prompt has 1000 images, over the limit of 8 (vision.max_images_per_sample)"))
+    assert len(said) == 1 and said[0].startswith("warning: 1 of 8 rollouts of step 2 failed and are left out")
+    assert "1000 images" in said[0] and "data/train.jsonl line 8" in said[0]
+
+
 class _StallServerAfter(Reporter):
     """SIGSTOPs the environment server once step `step` is logged (a hung, not a dead, server)."""
 

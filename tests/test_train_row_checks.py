@@ -81,6 +81,33 @@ def test_a_prompt_image_over_the_pixel_limit_is_refused_without_decoding_it(tmp_
     assert "line 2" in e.value.one_line()
 
 
+def _with_images(row: dict, n: int) -> dict:
+    row = json.loads(json.dumps(row))
+    msg = next(m for m in row["responses_create_params"]["input"] if isinstance(m["content"], list))
+    image = next(p for p in msg["content"] if p.get("type") == "input_image")
+    msg["content"] = [dict(image) for _ in range(n)] + [p for p in msg["content"] if p is not image]
+    return row
+
+
+def test_a_prompt_with_more_images_than_a_sample_may_hold_names_its_row_and_the_key(tmp_path, good):
+    rows = read_rows(str(_rows_file(tmp_path, good, _with_images(good, 1000))))
+    with pytest.raises(RowError, match="1000 images, over vision.max_images_per_sample 8") as e:
+        check_training_rows(rows, model_path=str(tiny_path("tiny-llava")), max_seq_len=256, max_images=8)
+    assert "line 2" in e.value.one_line()
+    check_training_rows(rows[:1], model_path=str(tiny_path("tiny-llava")), max_seq_len=256, max_images=8)
+
+
+def test_train_refuses_a_row_with_too_many_images_before_starting_ray(tmp_path, good):
+    import ray
+
+    data = _rows_file(tmp_path, good, _with_images(good, 9))
+    settings = tiny_grpo_settings(tmp_path, tiny_path("tiny-llava"), **{
+        "env.name": "circle-count", "data.train": str(data), "data.prepare": None})
+    with pytest.raises(RowError, match="9 images, over vision.max_images_per_sample 8"):
+        train(write_recipe(tmp_path, "many-images", "vlm_grpo.yaml", settings))
+    assert not ray.is_initialized()
+
+
 def test_a_prompt_longer_than_max_seq_len_names_its_row_and_the_limit(tmp_path, good):
     rows = read_rows(str(_rows_file(tmp_path, good, _with_text(good, "count the circles " * 200))))
     with pytest.raises(RowError, match=r"tokens, leaving no room to generate within model.max_seq_len 256") as e:

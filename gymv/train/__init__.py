@@ -156,7 +156,8 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
     router.check(eval_rows)
     vision = getattr(cfg, "vision", None)
     check_training_rows([*train_rows, *eval_rows], model_path=model_path, max_seq_len=cfg.model.max_seq_len,
-                        max_pixels=vision.max_image_pixels if vision is not None else None)
+                        max_pixels=vision.max_image_pixels if vision is not None else None,
+                        max_images=vision.max_images_per_sample if vision is not None else None)
 
     run.loggers = build_loggers(cfg, cfg.to_dict(), run.path)
     try:

@@ -12,7 +12,7 @@ and a flaky one over time.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gymv.errors import GymvError
@@ -26,16 +26,18 @@ def _cause(failed: Sequence[Any]) -> tuple[str, int, Any]:
 
 
 class FailureGuard:
+    """`warn` hears of every failure below the thresholds: a prompt left out of training is never silent."""
+
     def __init__(self, max_step_fraction: float = 0.5, window_steps: int = 10, max_window_fraction: float = 0.25,
-                 source: str | None = None):
+                 source: str | None = None, warn: Callable[[str], None] | None = None):
         self.max_step_fraction, self.max_window_fraction = max_step_fraction, max_window_fraction
-        self.source = source
+        self.source, self.warn = source, warn
         self._window: deque[tuple[int, int]] = deque(maxlen=max(1, window_steps))
 
     @classmethod
-    def from_config(cls, cfg, source: str | None = None) -> FailureGuard:
+    def from_config(cls, cfg, source: str | None = None, warn: Callable[[str], None] | None = None) -> FailureGuard:
         env = cfg.env
-        return cls(env.max_failed_fraction, env.failed_window_steps, env.max_failed_fraction_window, source)
+        return cls(env.max_failed_fraction, env.failed_window_steps, env.max_failed_fraction_window, source, warn)
 
     def _where(self, t: Any) -> str:
         row = f"{self.source} line {t.task_index + 1}" if self.source else f"row {t.task_index}"
@@ -53,12 +55,15 @@ class FailureGuard:
         if failed and len(failed) / total > self.max_step_fraction:
             self._stop(f"{len(failed)} of {total} rollouts of {what} {step} failed", failed,
                        "env.max_failed_fraction", self.max_step_fraction)
-        if what != "step" or len(self._window) < self._window.maxlen:
-            return
-        n_failed, n_total = (sum(x) for x in zip(*self._window))
-        if n_failed and n_failed / max(n_total, 1) > self.max_window_fraction:
-            summary = f"{n_failed} of {n_total} rollouts of the last {len(self._window)} steps (to step {step}) failed"
-            self._stop(summary, failed, "env.max_failed_fraction_window", self.max_window_fraction)
+        if what == "step" and len(self._window) == self._window.maxlen:
+            n_failed, n_total = (sum(x) for x in zip(*self._window))
+            if n_failed and n_failed / max(n_total, 1) > self.max_window_fraction:
+                summary = f"{n_failed} of {n_total} rollouts of the last {len(self._window)} steps (to step {step}) failed"
+                self._stop(summary, failed, "env.max_failed_fraction_window", self.max_window_fraction)
+        if failed and self.warn is not None:
+            message, n, first = _cause(failed)
+            self.warn(f"warning: {len(failed)} of {total} rollouts of {what} {step} failed and are left out of "
+                      f"training (failed_fraction); {n} of them: {message} (first at {self._where(first)})")
 
     def _stop(self, summary: str, failed: Sequence[Any], key: str, limit: float) -> None:
         if failed:

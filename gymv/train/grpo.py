@@ -46,7 +46,7 @@ def train_grpo(ctx: RunContext, *, resume: bool) -> dict:
         params = sampling_params(cfg)
         limits = rollout_kwargs(cfg)
         metrics_log = run.metrics_log()
-        guard = FailureGuard.from_config(cfg, ctx.train_source)
+        guard = FailureGuard.from_config(cfg, ctx.train_source, warn=report.on_message)
         report.on_start({"algorithm": cfg.algorithm, "run_dir": str(run.path), "start_step": step,
                          "max_steps": grpo.max_steps, "resumed_from": str(restored.path) if restored else None})
 

@@ -74,7 +74,7 @@ def run_async(ctx: RunContext, cluster, section, loss_fn, make_batch: Callable[[
                                rollout_kwargs={"params": sampling_params(cfg), "source": ctx.train_source,
                                                **rollout_kwargs(cfg)})
     metrics_log = run.metrics_log()
-    guard = FailureGuard.from_config(cfg, ctx.train_source)
+    guard = FailureGuard.from_config(cfg, ctx.train_source, warn=report.on_message)
     report.on_start({"algorithm": cfg.algorithm, "run_dir": str(run.path), "start_step": step,
                      "max_steps": section.max_steps, "resumed_from": str(restored.path) if restored else None,
                      "async": True, "max_trajectory_age_steps": max_age, **(start_info or {})})

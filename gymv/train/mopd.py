@@ -137,7 +137,7 @@ def _run_sync(ctx: RunContext, cluster, make_batch, start_info: dict, *, resume:
     params = sampling_params(cfg)
     limits = rollout_kwargs(cfg)
     metrics_log = run.metrics_log()
-    guard = FailureGuard.from_config(cfg, ctx.train_source)
+    guard = FailureGuard.from_config(cfg, ctx.train_source, warn=report.on_message)
     report.on_start({"algorithm": cfg.algorithm, "run_dir": str(run.path), "start_step": step,
                      "max_steps": mopd.max_steps, "resumed_from": str(restored.path) if restored else None,
                      **start_info})

@@ -3,6 +3,7 @@
 A row the workers cannot use would otherwise surface 30-60 s later (after Ray and the models start), or
 worse, be counted as an environment failure and silently left out. Each check names the file and line.
 
+- a prompt holds at most `vision.max_images_per_sample` images;
 - every prompt image is an image data URL (no http://, file://, text/html, non-string image_url) that
   decodes within the recipe's pixel limit;
 - the prompt's text alone, tokenized with the model's tokenizer, leaves room to generate within
@@ -17,7 +18,7 @@ from typing import Any
 
 from gymv.data.images import DEFAULT_MAX_PIXELS, ImageError
 from gymv.envs.rows import check_images, input_messages
-from gymv.envs.protocol import RowError, Text
+from gymv.envs.protocol import Image, RowError, Text
 from gymv.errors import GymvError
 
 MAX_BYTES_PER_TOKEN = 256  # no tokenizer averages more bytes per token over a whole prompt
@@ -35,6 +36,17 @@ def check_prompt_images(rows: Sequence[Any], *, max_pixels: int | None = None) -
             raise RowError(e.message, where=e.where or r.where, fix=e.fix) from None
 
 
+def check_prompt_image_counts(rows: Sequence[Any], max_images: int) -> None:
+    """The agent loop fails a prompt with more images than vision.max_images_per_sample in every step it is
+    drawn: refused here instead, once, naming the row."""
+    for r in rows:
+        n = sum(isinstance(p, Image) for m in input_messages(r.data, where=r.where) for p in m.content)
+        if n > max_images:
+            raise RowError(f"the prompt has {n} images, over vision.max_images_per_sample {max_images}: every "
+                           "rollout of it would fail", where=r.where,
+                           fix="drop the row or some of its images, or raise vision.max_images_per_sample")
+
+
 def check_prompt_lengths(rows: Sequence[Any], tokenizer, max_seq_len: int) -> None:
     for r in rows:
         text = prompt_text(r.data, where=r.where)
@@ -50,10 +62,13 @@ def check_prompt_lengths(rows: Sequence[Any], tokenizer, max_seq_len: int) -> No
 
 
 def check_training_rows(rows: Sequence[Any], *, model_path: str, max_seq_len: int,
-                        max_pixels: int | None = None) -> None:
-    """Every row's prompt images and length; the first bad row raises a RowError naming it."""
+                        max_pixels: int | None = None, max_images: int | None = None) -> None:
+    """Every row's prompt images (count and pixels) and length, with the limits the rollouts apply; the first
+    bad row raises a RowError naming it."""
     if not rows:
         return
+    if max_images is not None:
+        check_prompt_image_counts(rows, max_images)
     check_prompt_images(rows, max_pixels=max_pixels)
     from transformers import AutoTokenizer
 

@@ -23,7 +23,7 @@ def validate(ctx: RunContext, cluster, step: int, val_prompts: int) -> dict[str,
                                        params=sampling_params(ctx.cfg, greedy=True),
                                        seed=step_seed(ctx.cfg.seed, step, "val"), source=ctx.eval_source,
                                        **rollout_kwargs(ctx.cfg))
-    FailureGuard.from_config(ctx.cfg, ctx.eval_source).check(step, trajectories, what="validation at step")
+    FailureGuard.from_config(ctx.cfg, ctx.eval_source, warn=ctx.reporter.on_message).check(step, trajectories, what="validation at step")
     metrics = rollout_metrics(trajectories, "val")
     metrics = {k: v for k, v in metrics.items() if not k.endswith(("_std", "_max", "num_rollouts"))}
     if ctx.cfg.logger.log_rollouts:
