@@ -22,3 +22,8 @@ class GymvError(Exception):
         if self.fix:
             text += f" (fix: {self.fix})"
         return text
+
+
+class WriteError(GymvError):
+    """A file could not be written (a full disk, a read-only folder, no permission): the work that was to be
+    saved is intact, the disk is not, so a caller may retry or stop saying how to continue."""

@@ -5,13 +5,14 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from gymv.errors import GymvError
+from gymv.errors import GymvError, WriteError
 
 
 def current_umask() -> int:
@@ -62,7 +63,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iter
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:200]}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
-        raise _write_error(path, e) from None
+        raise write_error(path, e) from None
     try:
         os.fchmod(fd, file_mode())  # mkstemp makes 0600; the finished file follows the umask like any other
         with os.fdopen(fd, mode, **kwargs) as f:
@@ -76,7 +77,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iter
         except FileNotFoundError:
             pass
         if isinstance(e, OSError) and e.errno in _FILE_ERRNOS:
-            raise _write_error(path, e) from None
+            raise write_error(path, e) from None
         raise
 
 
@@ -87,10 +88,40 @@ _FIXES = {errno.ENOSPC: "free disk space", errno.EDQUOT: "free disk space (quota
           errno.ENAMETOOLONG: "use a shorter path", errno.EROFS: "write to a writable disk"}
 
 
-def _write_error(path: Path, e: OSError) -> GymvError:
+def as_write_failure(e: BaseException, path: str | os.PathLike) -> OSError | None:
+    """The disk's refusal behind `e`, as an OSError, or None when `e` is something else. Writers report it
+    their own ways: an OSError; safetensors as text ending "(os error 28)"; torch.save as "file write failed",
+    with no errno at all (then the disk holding `path` is asked: read-only, or no space left)."""
+    if isinstance(e, OSError):
+        return e if is_write_failure(e) else None
+    text = str(e)
+    m = re.search(r"\(os error (\d+)\)", text)
+    code = int(m.group(1)) if m else None
+    if code is None and ("file write failed" in text or "failed writing" in text):
+        folder = Path(path)
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        try:
+            st = os.statvfs(folder)
+        except OSError:
+            return None
+        code = errno.EROFS if st.f_flag & os.ST_RDONLY else errno.ENOSPC if st.f_bavail == 0 else None
+    if code is None:
+        return None
+    err = OSError(code, os.strerror(code), str(path))
+    return err if is_write_failure(err) else None
+
+
+def is_write_failure(e: BaseException) -> bool:
+    """An OSError that says the disk or folder refused the write (not a bug of the writer)."""
+    return isinstance(e, OSError) and e.errno in _FILE_ERRNOS
+
+
+def write_error(path: Path | str, e: OSError) -> WriteError:
     """One line naming the file being written (never its temporary name) and what to do."""
-    return GymvError(f"cannot write: {e.strerror or e}", where=str(path),
-                     fix=_FIXES.get(e.errno, "check the path and its folder's permissions"))
+    return WriteError(f"cannot write: {e.strerror or e}", where=str(path),
+                      fix=_FIXES.get(e.errno, "check the path and its folder's permissions"))
+
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

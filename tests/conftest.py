@@ -37,6 +37,26 @@ def gymv():
 
 
 @pytest.fixture
+def tmpfs(tmp_path):
+    """tmpfs(size) -> the folder of a real tmpfs of that size ("4m"): a disk that fills up or turns read-only
+    for real. Mounting needs root; elsewhere the test is skipped. Unmounted after the test."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        mnt = tmp_path / f"disk{len(mounted)}"
+        mnt.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                          capture_output=True).returncode:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.fixture
 def vectors() -> Path:
     if not VECTORS.exists():
         pytest.skip(f"shared vectors not found at {VECTORS}")

@@ -200,3 +200,80 @@ def test_keep_below_one_is_a_config_error(tmp_path):
 def test_read_state_of_an_incomplete_dir_is_an_error(tmp_path):
     with pytest.raises(GymvError, match="not a complete checkpoint"):
         read_state(tmp_path)
+
+
+# -- a disk that refuses the checkpoint ----------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmpfs):
+    return tmpfs("4m")
+
+
+def fill(disk: Path) -> Path:
+    """Take every free byte of the disk; returns the filler file."""
+    filler = disk / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    return filler
+
+
+def test_a_full_disk_is_a_write_error_naming_the_cause_and_the_earlier_checkpoint_survives(small_disk):
+    from gymv.errors import WriteError
+
+    mgr, t = CheckpointManager(small_disk / "run" / "checkpoints"), new_trainer()
+    first = mgr.save(1, t, DataPosition())
+    fill(small_disk)
+    with pytest.raises(WriteError) as e:
+        mgr.save(2, t, DataPosition())
+    assert "No space left on device" in e.value.message and "free disk space" in e.value.fix
+    assert "learning rate" not in e.value.one_line()
+    assert list_checkpoints(mgr.directory) == [(1, first)] and find_latest(mgr.directory) == first
+    assert not [p for p in mgr.directory.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_refused_checkpoint_is_tried_again_and_saved_once_space_is_freed(small_disk):
+    mgr, t = CheckpointManager(small_disk / "run" / "checkpoints"), new_trainer()
+    filler = fill(small_disk)
+    said: list[str] = []
+
+    def free_space(text: str) -> None:  # the user clears the disk while gymv waits
+        said.append(text)
+        filler.unlink()
+
+    path = mgr.save_retrying(5, t, DataPosition(), wait_s=0.0, say=free_space)
+    assert path.name == "step_5" and read_state(path).step == 5
+    assert len(said) == 1 and "kept in memory, trying again" in said[0]
+
+
+def test_a_checkpoint_refused_twice_stops_with_the_cause_and_the_resume_command(small_disk):
+    from gymv.errors import WriteError
+
+    mgr, t = CheckpointManager(small_disk / "run" / "checkpoints"), new_trainer()
+    mgr.save(1, t, DataPosition())
+    fill(small_disk)
+    with pytest.raises(WriteError) as e:
+        mgr.save_retrying(2, t, DataPosition(), wait_s=0.0)
+    assert "could not be written, twice: " in e.value.message and "No space left" in e.value.message
+    assert f"from step_1, the newest complete checkpoint: gymv train --resume {small_disk / 'run'}" in e.value.fix
+    assert e.value.exit_code == 1
+
+
+def test_a_read_only_checkpoint_folder_is_a_write_error_naming_it(small_disk):
+    from gymv.errors import WriteError
+
+    mgr, t = CheckpointManager(small_disk / "run" / "checkpoints"), new_trainer()
+    mgr.save(1, t, DataPosition())
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    try:
+        with pytest.raises(WriteError) as e:
+            mgr.save(2, t, DataPosition())
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=True)
+    assert "Read-only file system" in e.value.message and str(mgr.directory) in e.value.where
+    assert "writable" in e.value.fix

@@ -16,7 +16,7 @@ from gymv.rollout.types import Trajectory
 from gymv.train import Reporter, train
 from gymv.train.failures import FailureGuard
 from tiny_models import tiny_path
-from train_helpers import tiny_grpo_settings, write_recipe
+from train_helpers import plugin_on_path, tiny_grpo_settings, write_recipe
 
 
 def batch(n_ok: int, n_failed: int, error: str = "environment start failed: server down") -> list[Trajectory]:
@@ -101,3 +101,29 @@ def test_a_server_that_stalls_mid_run_stops_it_untrained_with_the_servers_url(tm
     assert steps == [1]  # step 2 was neither logged nor checkpointed: a resume redoes it
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_1"]
     assert not (run / "final").exists()
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_up_at_a_checkpoint_stops_the_run_with_the_cause_and_how_to_resume(tmp_path, tmpfs,
+                                                                                           monkeypatch):
+    from gymv.train.setup import Checkpointer
+
+    monkeypatch.setattr(Checkpointer, "retry_wait_s", 0.0)
+    disk = tmpfs("1m")  # the run's config, rows and metrics fit; its first checkpoint does not
+    settings = tiny_grpo_settings(tmp_path, tiny_path("tiny-llava"), **{"checkpoint.dir": str(disk / "runs"),
+                                                                         "grpo.max_steps": 2})
+    said: list[str] = []
+
+    class Listen(Reporter):
+        def on_message(self, text):
+            said.append(text)
+
+    with plugin_on_path(), pytest.raises(GymvError) as e:
+        train(write_recipe(tmp_path, "full", "vlm_grpo.yaml", settings), reporter=Listen())
+    text = e.value.one_line()
+    assert "checkpoint of step 1 could not be written, twice" in text and "No space left on device" in text
+    assert f"gymv train --resume {disk / 'runs' / 'full'}" in text and "learning rate" not in text
+    assert e.value.exit_code == 1
+    assert any("kept in memory, trying again" in m for m in said)
+    rows = [json.loads(x) for x in (disk / "runs" / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]  # the step ran; resuming redoes it alone

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from gymv.cluster.placement import Placement
 from gymv.cluster.workers import SEQ_ERRORS_KEY, GenerationWorker, TrainingWorker, WorkerSpec
-from gymv.errors import GymvError
+from gymv.errors import GymvError, WriteError
+from gymv.io import is_write_failure, write_error
 
 
 def ray_get(refs, phase: str):
@@ -42,7 +43,11 @@ def ray_get(refs, phase: str):
             print(str(e), file=sys.stderr)  # the worker's own traceback
         cause = getattr(e, "cause", None)
         if isinstance(cause, GymvError):
-            raise GymvError(cause.message, where=cause.where, fix=cause.fix, exit_code=cause.exit_code) from None
+            raise type(cause)(cause.message, where=cause.where, fix=cause.fix, exit_code=cause.exit_code) from None
+        if is_write_failure(cause):  # a full or read-only disk, not a training problem
+            err = write_error(cause.filename or phase, cause)
+            raise WriteError(f"{phase} failed in a worker: {err.message}", where=err.where, fix=err.fix,
+                             exit_code=1) from None
         text = str(cause) if cause is not None else str(e)
         lines = [ln for ln in text.strip().splitlines() if ln.strip()]
         raise GymvError(f"{phase} failed in a worker: {type(cause).__name__ if cause else 'error'}: "

@@ -417,9 +417,17 @@ class TrainingWorker:
 
         from gymv.runs.checkpoint import capture_rng_state
 
+        from gymv.io import as_write_failure
+
         path_ = Path(path)
-        self.backend.save(path_)
-        torch.save(capture_rng_state(), path_ / f"rng_rank{self.rank}.pt")
+        try:
+            self.backend.save(path_)
+            torch.save(capture_rng_state(), path_ / f"rng_rank{self.rank}.pt")
+        except Exception as e:  # a full or read-only disk, however the writer words it: an OSError for the driver
+            refused = as_write_failure(e, path_)
+            if refused is None:
+                raise
+            raise refused from None
 
     def load(self, path: str) -> int:
         import torch

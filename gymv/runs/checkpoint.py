@@ -17,14 +17,16 @@ import random
 import re
 import shutil
 import struct
+import time
 import uuid
 import zipfile
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from gymv.errors import GymvError
-from gymv.io import atomic_write_text, follow_umask
+from gymv.errors import GymvError, WriteError
+from gymv.io import as_write_failure, atomic_write_text, follow_umask, write_error
 
 STATE_FILE = "state.json"
 RNG_FILE = "rng.pt"
@@ -212,6 +214,40 @@ class CheckpointManager:
         return find_latest(self.directory)
 
     def save(self, step: int, trainer: Checkpointable, data_position: DataPosition, extra: dict[str, Any] | None = None) -> Path:
+        """Write step_<step> whole or not at all; a disk that refuses it (full, read-only) is a WriteError
+        naming the checkpoint, and the checkpoints already there are untouched."""
+        try:
+            return self._save(step, trainer, data_position, extra)
+        except WriteError:
+            raise
+        except Exception as e:
+            refused = as_write_failure(e, self.directory)
+            if refused is None:
+                raise
+            raise write_error(refused.filename or self.directory, refused) from None
+
+    def save_retrying(self, step: int, trainer: Checkpointable, data_position: DataPosition,
+                      extra: dict[str, Any] | None = None, *, wait_s: float = 10.0,
+                      say: Callable[[str], None] = lambda text: None) -> Path:
+        """`save`, tried a second time after `wait_s` when the disk refused it (the trained state is still in
+        the trainers' memory: space freed meanwhile saves it); a second refusal is a WriteError saying how
+        the run continues from its newest complete checkpoint."""
+        try:
+            return self.save(step, trainer, data_position, extra)
+        except WriteError as e:
+            say(f"warning: the checkpoint of step {step} was not written: {e.one_line()}; the step's state is "
+                f"kept in memory, trying again in {wait_s:g} s")
+        time.sleep(wait_s)
+        try:
+            return self.save(step, trainer, data_position, extra)
+        except WriteError as e:
+            latest = self.latest()
+            since = f"from {latest.name}, the newest complete checkpoint" if latest else "from the start (no checkpoint yet)"
+            raise WriteError(f"the checkpoint of step {step} could not be written, twice: {e.message}", where=e.where,
+                             fix=f"{e.fix}, then continue {since}: gymv train --resume {self.directory.parent}",
+                             exit_code=1) from None
+
+    def _save(self, step: int, trainer: Checkpointable, data_position: DataPosition, extra: dict[str, Any] | None) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._remove_stale_temps()
         final = self.directory / f"step_{int(step)}"

@@ -252,9 +252,12 @@ class Checkpointer:
             say(f"no checkpoint in {run.checkpoints_dir}: starting again at step 1 ({logged} logged steps dropped)")
         return state
 
+    retry_wait_s = 10.0  # before the one retry of a checkpoint the disk refused: time to free some space
+
     def save(self, step: int, position: DataPosition) -> Path:
         t0 = time.perf_counter()
-        path = self.manager.save(step, self.handle, position, extra={"algorithm": self.ctx.cfg.algorithm})
+        path = self.manager.save_retrying(step, self.handle, position, extra={"algorithm": self.ctx.cfg.algorithm},
+                                          wait_s=self.retry_wait_s, say=self.ctx.reporter.on_message)
         self.seconds += time.perf_counter() - t0
         self.ctx.reporter.on_checkpoint(step, path)
         return path
