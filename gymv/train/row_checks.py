@@ -40,7 +40,10 @@ def check_prompt_image_counts(rows: Sequence[Any], max_images: int) -> None:
     """The agent loop fails a prompt with more images than vision.max_images_per_sample in every step it is
     drawn: refused here instead, once, naming the row."""
     for r in rows:
-        n = sum(isinstance(p, Image) for m in input_messages(r.data, where=r.where) for p in m.content)
+        try:
+            n = sum(isinstance(p, Image) for m in input_messages(r.data, where=r.where) for p in m.content)
+        except ImageError as e:
+            raise RowError(e.message, where=e.where or r.where, fix=e.fix) from None
         if n > max_images:
             raise RowError(f"the prompt has {n} images, over vision.max_images_per_sample {max_images}: every "
                            "rollout of it would fail", where=r.where,
