@@ -275,5 +275,5 @@ def test_a_read_only_checkpoint_folder_is_a_write_error_naming_it(small_disk):
             mgr.save(2, t, DataPosition())
     finally:
         subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=True)
-    assert "Read-only file system" in e.value.message and str(mgr.directory) in e.value.where
+    assert "Read-only file system" in e.value.message and e.value.where == str(mgr.directory / "step_2")
     assert "writable" in e.value.fix

@@ -216,15 +216,16 @@ class CheckpointManager:
     def save(self, step: int, trainer: Checkpointable, data_position: DataPosition, extra: dict[str, Any] | None = None) -> Path:
         """Write step_<step> whole or not at all; a disk that refuses it (full, read-only) is a WriteError
         naming the checkpoint, and the checkpoints already there are untouched."""
+        final = self.directory / f"step_{int(step)}"  # named in errors, never the temporary folder written
         try:
             return self._save(step, trainer, data_position, extra)
-        except WriteError:
-            raise
+        except WriteError as e:
+            raise WriteError(e.message, where=str(final), fix=e.fix, exit_code=e.exit_code) from None
         except Exception as e:
             refused = as_write_failure(e, self.directory)
             if refused is None:
                 raise
-            raise write_error(refused.filename or self.directory, refused) from None
+            raise write_error(final, refused) from None
 
     def save_retrying(self, step: int, trainer: Checkpointable, data_position: DataPosition,
                       extra: dict[str, Any] | None = None, *, wait_s: float = 10.0,
