@@ -29,6 +29,12 @@ Examples:
   gymv train --resume runs/vlm_grpo-tinyllava-1n0g-torch grpo.max_steps=80
 
   gymv train recipes/vlm/vlm_grpo-tinyllava-1n0g-torch-async-1off.yaml     (or: RECIPE --async)
+
+  gymv train --ray-address 10.0.0.5:6379 --max-restarts 3 recipes/llm/grpo-qwen3-8b-2n8g-megatron-tp2.yaml
+
+Before Ray starts (or right after joining --ray-address), the recipe's nodes, GPUs and role placement are
+checked against the machine or the cluster; where each worker landed is printed and written to
+placement.json (docs/cluster.md).
 """
 
 
@@ -180,6 +186,8 @@ def train(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout instead of the table."),
     async_grpo: bool = typer.Option(False, "--async", help="GRPO or MOPD with generation running ahead of training "
                                     "(grpo.async.enabled or mopd.async.enabled; needs importance_sampling)."),
+    max_restarts: int = typer.Option(None, "--max-restarts", min=0, help="After a lost node or worker, resume from "
+                                     "the newest complete checkpoint, at most N times (cluster.max_restarts)."),
 ) -> None:
     from gymv.train import train as run_training
 
@@ -190,7 +198,8 @@ def train(
     display = _display()
     try:
         summary = run_training(recipe, overrides, resume_dir=str(resume) if resume else None,
-                               ray_address=ray_address, reporter=display, async_grpo=async_grpo)
+                               ray_address=ray_address, reporter=display, async_grpo=async_grpo,
+                               max_restarts=max_restarts)
     except KeyboardInterrupt:
         display.stop()
         err_console.print(_interrupted_hint(display.run_dir), markup=False, highlight=False, soft_wrap=True)

@@ -165,7 +165,7 @@ def table() -> dict[str, dict[str, str]]:
         "generation.backend": {n: "runs" for n in GENERATION_BACKENDS.available()},
         "training.backend": {n: "runs" for n in TRAINING_BACKENDS.available()},
         "mopd.teachers.*.backend": {n: "runs" for n in TEACHER_BACKENDS.available()},
-        "refit.transport": {n: "runs" for n in REFIT_TRANSPORTS.available()},
+        "refit.transport": {**{n: "runs" for n in REFIT_TRANSPORTS.available()}, "auto": "runs"},
     }
     # loggers (gymv.loggers) are wired; each needs its optional library, checked by `gymv train` before it starts
     out["logger.tensorboard"] = {"true": "runs (needs the tensorboard package)"}

@@ -198,3 +198,45 @@ def test_two_training_ranks_take_the_same_step_as_one(tmp_path):
     reference = single.weights()
     # same update up to float noise (Adam amplifies noise in gradients near eps): well under lr per weight
     assert max(float((weights[k] - reference[k]).abs().max()) for k in reference) < 0.05 * 1e-3
+
+
+class KillTrainer(Recorder):
+    """Kills the training worker's process at one refit (a crash, an OOM kill), once."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at, self.killed, self.messages = at, None, []
+
+    def on_refit(self, step, cluster):
+        import signal
+
+        import ray
+
+        if step == self.at and self.killed is None:
+            self.killed = ray.get(cluster.trainers[0].where.remote())["pid"]
+            os.kill(self.killed, signal.SIGKILL)
+
+    def on_message(self, text):
+        self.messages.append(text)
+
+
+def test_a_killed_training_worker_is_named_and_max_restarts_resumes_the_run_from_its_checkpoint(tmp_path):
+    recipe = write_recipe(tmp_path, "killed", "vlm_grpo.yaml", tiny_grpo_settings(tmp_path, tiny_path("tiny-llava")))
+    killer = KillTrainer(at=2)
+    summary = train(recipe, reporter=killer, max_restarts=1)
+    restart = next(m for m in killer.messages if m.startswith("restart 1/1 after: "))
+    assert "training rank 0 on node 127.0.0.1" in restart and "its process ended" in restart, restart
+    assert "out of memory" not in restart and "checkpoints/step_1" in restart
+    assert summary["complete"] and [r["step"] for r in _metrics(tmp_path / "runs" / "killed")] == [1, 2, 3]
+    placed = json.loads((tmp_path / "runs" / "killed" / "placement.json").read_text())
+    assert placed["refit_transport"] == "object_store" and len(placed["roles"]["training"]["workers"]) == 1
+
+
+def test_without_restarts_a_killed_training_worker_stops_the_run_naming_it(tmp_path):
+    from gymv.errors import GymvError
+
+    recipe = write_recipe(tmp_path, "stops", "vlm_grpo.yaml", tiny_grpo_settings(tmp_path, tiny_path("tiny-llava")))
+    with pytest.raises(GymvError, match=r"training rank 0 on node 127\.0\.0\.1 \(\w{8}\) died during .*its newest "
+                                        r"complete checkpoint is .*step_1") as e:
+        train(recipe, reporter=KillTrainer(at=2))
+    assert e.value.exit_code == 75 and "--max-restarts" in e.value.fix

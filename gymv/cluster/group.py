@@ -1,18 +1,21 @@
 """Driver side of the workers: place the actors (`cluster.*`), fan each phase out in one Ray round trip,
 and turn a worker's failure into one clear error.
 
-Placement:
+Placement (gymv.cluster.roles plans it, gymv.cluster.ray_placement asks Ray for it):
 - CPU (`gpus_per_node: 0`): one generation worker and one training worker (or `num_training` ranks),
   reserving no CPUs, since the phases of a synchronous step alternate and each takes every thread; with
   `nodes` > 1 the ranks sit in a SPREAD placement group of one CPU bundle each (one rank per node where
-  there are as many nodes). Their
-  OpenMP threads wait passively (OMP_WAIT_POLICY=PASSIVE unless set): spinning threads of an idle actor,
-  or of any other process on a busy machine, made steps 5-10x slower on 2 cores.
+  there are as many nodes). Their OpenMP threads wait passively (OMP_WAIT_POLICY=PASSIVE unless set):
+  spinning threads of an idle actor, or of any other process on a busy machine, made steps 5-10x slower
+  on 2 cores.
 - GPUs, colocated: one bundle per GPU; training rank i and generation worker i share bundle i
   (`self.placement_group`, which other actors such as MOPD teachers may join).
-- GPUs, separate: `training_gpus` training ranks and `generation_gpus` generation workers, one GPU each.
+- GPUs, separate: a placement group per role, a bundle per engine (its tensor-parallel GPUs) and per
+  tensor-parallel group of training ranks, so neither spans nodes.
 - `generation_workers_per_gpu` k > 1: k generation workers share each generation GPU (on a CPU: k in all);
   a batch is split by prompt across all of them.
+- `cluster.placement.<role>` sets a role's strategy and pins it to nodes by label or custom resource.
+Every wait on Ray has a deadline (`cluster.*_timeout_s`); a lost worker is named with its node.
 The arithmetic of engines spanning several GPUs and of trainer meshes is gymv.cluster.placement.
 """
 
@@ -26,18 +29,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gymv.cluster.placement import Placement
+from gymv.cluster.ray_placement import ROSTER, actor_options, lost_worker_error, place
+from gymv.cluster.roles import policy_plans
 from gymv.cluster.workers import SEQ_ERRORS_KEY, GenerationWorker, TrainingWorker, WorkerSpec
 from gymv.errors import GymvError, WriteError
 from gymv.io import is_write_failure, write_error
 
 
-def ray_get(refs, phase: str):
-    """ray.get that re-raises a worker's GymvError as itself and anything else as one GymvError line."""
+def ray_get(refs, phase: str, timeout_s: float | None = None, *, key: str = "cluster.phase_timeout_s"):
+    """ray.get that re-raises a worker's GymvError as itself and anything else as one GymvError line; a
+    lost worker is named with its role, rank and node (gymv.cluster.ray_placement); past `timeout_s` the
+    wait stops with the phase and the key that sets its deadline."""
     import ray
-    from ray.exceptions import RayActorError, RayTaskError
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
     try:
-        return ray.get(refs)
+        return ray.get(refs, timeout=timeout_s)
+    except GetTimeoutError:
+        raise GymvError(f"{phase} did not finish within {timeout_s:g} s", where=phase, exit_code=1,
+                        fix=f"see the workers' logs for a hang; a slower phase needs a larger {key}") from None
     except RayTaskError as e:
         if os.environ.get("GYMV_DEBUG"):
             print(str(e), file=sys.stderr)  # the worker's own traceback
@@ -48,14 +58,17 @@ def ray_get(refs, phase: str):
             err = write_error(cause.filename or phase, cause)
             raise WriteError(f"{phase} failed in a worker: {err.message}", where=err.where, fix=err.fix,
                              exit_code=1) from None
+        if isinstance(cause, RayActorError):  # an actor this task waited on died
+            raise lost_worker_error(cause, phase) from None
         text = str(cause) if cause is not None else str(e)
         lines = [ln for ln in text.strip().splitlines() if ln.strip()]
         raise GymvError(f"{phase} failed in a worker: {type(cause).__name__ if cause else 'error'}: "
                         f"{lines[-1] if lines else ''}", where=phase, exit_code=1,
                         fix="run with --debug for the worker traceback; non-finite weights usually mean the learning rate is too high") from None
     except RayActorError as e:
-        raise GymvError(f"a worker died during {phase}: {str(e).splitlines()[0]}", where=phase, exit_code=1,
-                        fix="the process may have run out of memory; lower the batch sizes or micro_batch_tokens") from None
+        if os.environ.get("GYMV_DEBUG"):
+            print(str(e), file=sys.stderr)
+        raise lost_worker_error(e, phase) from None
 
 
 REFIT_GROUP = "refit"
@@ -105,57 +118,100 @@ class PolicyCluster:
     """The generation workers and training ranks of one run, driven phase by phase."""
 
     def __init__(self, spec: WorkerSpec, placement: Placement, *, generation: bool = True, gpu_share: float = 0.5,
-                 in_flight_refit: bool = False):
+                 in_flight_refit: bool = False, lagging_receivers: bool = False):
+        """`lagging_receivers`: generators may read a refit after the next one is published (async GRPO),
+        which `refit.transport: auto` must allow for."""
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         spec = spec.located()  # backends registered in this process load in the workers too
-        self.spec, self.placement = spec, placement
-        self._pg = None
-        gen_opts: list[dict] = []
-        train_opts: list[dict] = []
-        n_gen = placement.num_generation if generation else 0
-        if placement.gpus == 0:
-            cpu = {"num_cpus": 0, "runtime_env": {"env_vars": cpu_env()}}
-            gen_opts = [cpu] * n_gen
-            train_opts = [cpu] * placement.num_training
-            if placement.nodes > 1 and placement.num_training > 1:  # one CPU bundle per rank, spread over nodes
-                self._pg = placement_group([{"CPU": 1}] * placement.num_training, strategy="SPREAD")
-                ray_get(self._pg.ready(), "placing the training ranks")
-                train_opts = [{**cpu, "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    self._pg, placement_group_bundle_index=i)} for i in range(placement.num_training)]
-        elif placement.colocated:
-            self._pg = placement_group([{"GPU": 1, "CPU": 1}] * placement.gpus, strategy="PACK")
-            ray_get(self._pg.ready(), "placing workers on GPUs")
-            at = lambda i, share=gpu_share: {  # noqa: E731  (less than 0.5 leaves room for a colocated MOPD teacher)
-                "num_cpus": 0, "num_gpus": share,
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i)}
-            gen_opts = [at(i % placement.gpus, gpu_share / placement.generation_per_gpu) for i in range(n_gen)]
-            train_opts = [at(i % placement.gpus) for i in range(placement.num_training)]
-        else:
-            gen_opts = [{"num_cpus": 0, "num_gpus": 1 / placement.generation_per_gpu}] * n_gen
-            train_opts = [{"num_cpus": 0, "num_gpus": 1}] * placement.num_training
+        self.spec, self.placement, self.deadlines = spec, placement, placement.deadlines
+        self.plans = policy_plans(placement, generation=generation, gpu_share=gpu_share)
+        self._pgs: dict[str, object] = {}
+        opts: dict[str, list[dict]] = {"training": [], "generation": []}
+        base = {} if placement.gpus else {"runtime_env": {"env_vars": cpu_env()}}
+        try:
+            for plan in self.plans:
+                pg = place(plan, self.deadlines.placement_s)
+                if pg is not None:
+                    self._pgs[plan.role] = pg
+                for kind, slots in plan.workers.items():
+                    opts[kind] = [actor_options(plan, s, pg, base) for s in slots]
+            self._check_tensor_groups()
+        except BaseException:
+            self._remove_groups()
+            raise
         Train = ray.remote(TrainingWorker)
         # in-flight refits run in their own concurrency group, beside a rollout in progress
         self._Gen = ray.remote(GenerationWorker)
         if in_flight_refit:
             self._Gen = ray.remote(concurrency_groups={REFIT_GROUP: 1})(GenerationWorker)
         self.in_flight_refit = in_flight_refit
-        self._gen_opts = gen_opts
+        self._gen_opts = opts["generation"]
         world = placement.num_training
-        self.trainers = [Train.options(**o).remote(spec, r, world) for r, o in enumerate(train_opts)]
-        self.generators = [self._Gen.options(**o).remote(spec, i) for i, o in enumerate(gen_opts)]
-        master = ray_get(self.trainers[0].address.remote(), "starting the training workers") if world > 1 else None
+        self.trainers = [Train.options(**o).remote(spec, r, world) for r, o in enumerate(opts["training"])]
+        self.generators = [self._Gen.options(**o).remote(spec, i) for i, o in enumerate(opts["generation"])]
+        for r, a in enumerate(self.trainers):
+            ROSTER.add(a, "training", r)
+        for i, a in enumerate(self.generators):
+            ROSTER.add(a, "generation", i)
+        self._refit_ready = False
+        try:
+            self._start(lagging_receivers)
+        except BaseException:  # nothing of a cluster that failed to start outlives it
+            self.shutdown()
+            raise
+
+    def _start(self, lagging_receivers: bool) -> None:
+        start = dict(timeout_s=self.deadlines.start_s, key="cluster.start_timeout_s")
+        everyone = self.trainers + self.generators
+        ROSTER.locate(everyone, ray_get([a.where.remote() for a in everyone], "starting the workers", **start))
+        world = len(self.trainers)
+        master = ray_get(self.trainers[0].address.remote(), "starting the training workers", **start) if world > 1 else None
         refs = [t.setup.remote(master) for t in self.trainers]
         refs += [g.stats.remote() for g in self.generators]  # waits for the generation workers to load
-        self.info = ray_get(refs, "starting the workers")[0]
-        self._refit_ready = False
+        self.info = ray_get(refs, "starting the workers", **start)[0]
+        self.transport = self._choose_transport(lagging_receivers)
+
+    def _check_tensor_groups(self) -> None:
+        """Colocated, a tensor-parallel group of training ranks spans bundles of one GPU each: they must
+        have landed on one node (separate GPUs give each group one bundle, which cannot be split)."""
+        pg, tp = self._pgs.get("policy"), self.placement.trainer_mesh.tensor
+        if pg is None or tp == 1:
+            return
+        from ray.util import placement_group_table
+
+        on = placement_group_table(pg)["bundles_to_node_id"]
+        for first in range(0, self.placement.num_training, tp):
+            nodes = {on[r % self.placement.gpus] for r in range(first, first + tp)}
+            if len(nodes) > 1:
+                raise GymvError(f"training ranks {first}-{first + tp - 1} (one tensor-parallel group) landed on "
+                                f"{len(nodes)} nodes", where="cluster.placement.training", exit_code=1,
+                                fix="use strategy STRICT_PACK per node, or cluster.colocated: false (one bundle per group)")
+
+    def _remove_groups(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for pg in self._pgs.values():
+            remove_placement_group(pg)
+        self._pgs = {}
 
     @property
     def placement_group(self):
         """The policy's placement group on GPUs when colocated (one bundle per GPU), else None."""
-        return self._pg if self.placement.gpus else None
+        return self._pgs.get("policy")
+
+    def where(self) -> dict[str, list[dict]]:
+        """Where each worker runs: role -> [{rank, node_id, address, gpus}] (the run's placement.json)."""
+        out: dict[str, list[dict]] = {}
+        for a in self.trainers + self.generators:
+            seat = ROSTER.seats.get(a._actor_id.hex())
+            if seat is not None:
+                out.setdefault(seat.role, []).append({"rank": seat.rank, "node_id": seat.node_id,
+                                                      "address": seat.address, "gpus": seat.gpus})
+        return out
+
+    def _get(self, refs, phase: str):
+        return ray_get(refs, phase, self.deadlines.phase_s)
 
     # -- generation ----------------------------------------------------------------------------------
     def submit_rollouts(self, rows: Sequence[tuple[int, dict]], *, seed: int, **kwargs) -> list[RolloutCall]:
@@ -180,7 +236,7 @@ class PolicyCluster:
         """Rollouts of every row, split by prompt across generation workers, in row order; also timings."""
         t0 = time.perf_counter()
         calls = self.submit_rollouts(rows, seed=seed, **kwargs)
-        out = ray_get([c.ref for c in calls], "generation")
+        out = self._get([c.ref for c in calls], "generation")
         timing = {"generation_s": time.perf_counter() - t0,
                   "env_s": max(o["stats"].get("env_s", 0.0) for o in out)}
         for key in {k for o in out for k in o["stats"] if k.startswith("breakdown/")}:  # the slowest worker's
@@ -195,7 +251,7 @@ class PolicyCluster:
         """One algorithm step's updates. With `seq_error_threshold`, the metrics carry every sample's
         sequence-level logprob error under SEQ_ERRORS_KEY, in the order of `minibatches`."""
         shards = self._shard(minibatches)
-        out = ray_get([t.grpo_step.remote(s, loss_fn, seq_error_threshold) for t, s in zip(self.trainers, shards)],
+        out = self._get([t.grpo_step.remote(s, loss_fn, seq_error_threshold) for t, s in zip(self.trainers, shards)],
                       "training")
         metrics = out[0]
         if seq_error_threshold is not None:  # each rank scored its own shard of every minibatch
@@ -204,21 +260,48 @@ class PolicyCluster:
 
     def sft_step(self, rows: list[tuple[int, dict, str]], loss_fn) -> dict:
         shards = self._shard([rows])
-        return ray_get([t.sft_step.remote(s[0], loss_fn) for t, s in zip(self.trainers, shards)], "training")[0]
+        return self._get([t.sft_step.remote(s[0], loss_fn) for t, s in zip(self.trainers, shards)], "training")[0]
 
     # -- refit ---------------------------------------------------------------------------------------
     def _followers(self) -> list:
         """Ranks other than 0 joining rank 0's read of the weights (a sharded trainer gathers them)."""
         return [t.follow_weights.remote() for t in self.trainers[1:]]
 
+    def _choose_transport(self, lagging: bool) -> str:
+        """`refit.transport` checked against (or, for auto, chosen from) where the workers landed."""
+        from gymv.cluster.refit import shares_sending
+        from gymv.cluster.transport_choice import Layout, choose_transport
+
+        seats = [ROSTER.seats[a._actor_id.hex()] for a in self.trainers + self.generators]
+        p = self.placement
+        layout = Layout(gpus=p.gpus > 0, colocated=p.colocated, workers_per_gpu=p.generation_per_gpu, lag_safe=lagging)
+        chosen = choose_transport(self.spec.refit_transport, seats[:1], seats[len(self.trainers):], layout)
+        self._senders = self.trainers if len(self.trainers) > 1 and shares_sending(chosen) else self.trainers[:1]
+        return chosen
+
+    def _publish(self) -> tuple[list, list]:
+        """(each sending rank's publish ref, the other ranks' follow refs): with a transport that shares
+        sending, every rank ships its share of the buckets, so no rank carries the whole model's traffic."""
+        return [t.publish.remote() for t in self._senders], [t.follow_weights.remote() for t in self.trainers[len(self._senders):]]
+
     def _connect_refit(self) -> None:
-        opened = ray_get([self.trainers[0].refit_open.remote(len(self.generators))] + self._followers(),
-                         "refit setup")[0]
+        n, senders = len(self.generators), len(self._senders)
+        opened = self._get([t.refit_open.remote(n, self.transport, senders) for t in self._senders]
+                           + [t.follow_weights.remote() for t in self.trainers[senders:]], "refit setup")[0]
         self._in_band = opened["in_band"]
         refs = [self.trainers[0].refit_connect.remote()]
-        refs += [g.refit_connect.remote(opened["info"], 1 + i) for i, g in enumerate(self.generators)]
-        ray_get(refs, "refit setup")  # collective transports rendezvous here, all sides at once
+        refs += [g.refit_connect.remote(opened["info"], 1 + i, self.transport) for i, g in enumerate(self.generators)]
+        self._get(refs, "refit setup")  # collective transports rendezvous here, all sides at once
         self._refit_ready = True
+
+    def _receive_calls(self, version: int, parts: list, *, in_flight: bool = False) -> list:
+        # in-band: each receiver waits for the published objects; otherwise they meet inside the broadcast
+        handed = parts if self._in_band else [None]
+        out = []
+        for g in self.generators:
+            receive = g.receive.options(concurrency_group=REFIT_GROUP) if in_flight else g.receive
+            out.append(receive.remote(handed[0], version, *handed[1:]))
+        return out
 
     def refit(self, version: int) -> float:
         """Send the trainer's weights to every generation worker; seconds, as the driver saw them."""
@@ -227,11 +310,8 @@ class PolicyCluster:
         t0 = time.perf_counter()
         if not self._refit_ready:
             self._connect_refit()
-        payload = self.trainers[0].publish.remote()
-        followers = self._followers()
-        # in-band: each receiver waits for the published object; otherwise they meet inside the broadcast
-        handed = payload if self._in_band else None
-        ray_get([payload] + [g.receive.remote(handed, version) for g in self.generators] + followers, "refit")
+        parts, followers = self._publish()
+        self._get(parts + self._receive_calls(version, parts) + followers, "refit")
         return time.perf_counter() - t0
 
     def refit_async(self, version: int) -> list:
@@ -242,48 +322,51 @@ class PolicyCluster:
             return []
         if not self._refit_ready:
             self._connect_refit()
-        payload = self.trainers[0].publish.remote()
-        followers = self._followers()
-        handed = payload if self._in_band else None
-        receive = [g.receive.options(concurrency_group=REFIT_GROUP) if self.in_flight_refit else g.receive
-                   for g in self.generators]
-        return [payload] + [r.remote(handed, version) for r in receive] + followers
+        parts, followers = self._publish()
+        return parts + self._receive_calls(version, parts, in_flight=self.in_flight_refit) + followers
 
     def replace_generator(self, index: int, version: int) -> None:
         """Start a new generation worker in place of a dead one, with the trainer's current weights."""
         import ray
 
         if self._refit_ready and not self._in_band:
-            raise GymvError(f"generation worker {index} died, and refit transport {self.spec.refit_transport!r} "
+            raise GymvError(f"generation worker {index} died, and refit transport {self.transport!r} "
                             "cannot take a new member into its group", where="refit.transport",
                             fix="use refit.transport: object_store to survive generation worker failures", exit_code=1)
         try:
             ray.kill(self.generators[index])
         except Exception:
             pass
+        ROSTER.drop(self.generators[index])
         fresh = self._Gen.options(**self._gen_opts[index]).remote(self.spec, index)
+        ROSTER.add(fresh, "generation", index)
         weights = self.trainers[0].weights.remote()
-        ray_get([fresh.restore.remote(weights, version)] + self._followers(), "restarting a generation worker")
+        refs = [fresh.where.remote(), fresh.restore.remote(weights, version)]
+        if self._refit_ready:  # an in-band transport: the newcomer reads the next refit like the others
+            refs.append(fresh.refit_connect.remote(None, 1 + index, self.transport))
+        got = ray_get(refs + self._followers(), "restarting a generation worker", self.deadlines.start_s,
+                      key="cluster.start_timeout_s")
+        ROSTER.locate([fresh], got[:1])
         self.generators[index] = fresh
 
     def weight_hashes(self) -> tuple[str, list[str]]:
         """(trainer hash in the generation dtype, each generation worker's hash): equal after a refit."""
         refs = [self.trainers[0].weights_hash.remote()] + [g.weights_hash.remote() for g in self.generators]
-        got = ray_get(refs + self._followers(), "weight hashes")
+        got = self._get(refs + self._followers(), "weight hashes")
         return got[0], got[1:len(refs)]
 
     def generation_stats(self) -> list[dict]:
-        return ray_get([g.stats.remote() for g in self.generators], "generation stats")
+        return self._get([g.stats.remote() for g in self.generators], "generation stats")
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def save(self, path) -> None:
-        ray_get([t.save.remote(str(path)) for t in self.trainers], "saving a checkpoint")
+        self._get([t.save.remote(str(path)) for t in self.trainers], "saving a checkpoint")
 
     def load(self, path) -> int:
-        return ray_get([t.load.remote(str(path)) for t in self.trainers], "loading a checkpoint")[0]
+        return self._get([t.load.remote(str(path)) for t in self.trainers], "loading a checkpoint")[0]
 
     def export(self, path) -> str:
-        return ray_get([t.export.remote(str(path)) for t in self.trainers], "exporting the final model")[0]
+        return self._get([t.export.remote(str(path)) for t in self.trainers], "exporting the final model")[0]
 
     def shutdown(self) -> None:
         import ray
@@ -294,12 +377,9 @@ class PolicyCluster:
             except Exception:
                 pass
             ray.kill(a)
+            ROSTER.drop(a)
         self.trainers, self.generators = [], []
-        if self._pg is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(self._pg)
-            self._pg = None
+        self._remove_groups()
 
 
 class TrainerHandle:

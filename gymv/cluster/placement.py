@@ -39,6 +39,36 @@ class TrainerMesh:
 
 
 @dataclass(frozen=True)
+class Pin:
+    """Where one role's workers may go (`cluster.placement.<role>`): a placement-group strategy (None: the
+    role's default) and the node labels and custom resources each worker (or bundle) asks for."""
+
+    strategy: str | None = None
+    labels: tuple[tuple[str, str], ...] = ()
+    resources: tuple[tuple[str, float], ...] = ()
+
+    @classmethod
+    def from_section(cls, s) -> Pin:
+        return cls(s.strategy, tuple(sorted(s.labels.items())), tuple(sorted(s.resources.items())))
+
+    def __bool__(self) -> bool:
+        return bool(self.strategy or self.labels or self.resources)
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds a wait on Ray may take before gymv stops it with an error naming what it waited for."""
+
+    placement_s: float = 300.0  # placement groups ready (and a launcher's nodes joined)
+    start_s: float = 1800.0  # workers built (models loaded)
+    phase_s: float = 3600.0  # one phase of a step (rollouts, training, refit, checkpoint)
+
+    @classmethod
+    def from_config(cls, c) -> Deadlines:
+        return cls(c.placement_timeout_s, c.start_timeout_s, c.phase_timeout_s)
+
+
+@dataclass(frozen=True)
 class Placement:
     num_generation: int = 1  # generation engines
     num_training: int = 1  # training ranks
@@ -48,6 +78,9 @@ class Placement:
     generation_tp: int = 1  # GPUs each generation engine spans (tensor parallel)
     mesh: TrainerMesh | None = None  # the training ranks' layout (None: all data parallel)
     nodes: int = 1  # on a CPU: Ray nodes the training ranks spread over (GPU runs place by their GPUs)
+    generation_pin: Pin = Pin()
+    training_pin: Pin = Pin()
+    deadlines: Deadlines = Deadlines()
 
     def __post_init__(self):
         if self.generation_tp > 1 and self.generation_per_gpu > 1:
@@ -61,15 +94,17 @@ class Placement:
         k = c.generation_workers_per_gpu
         total = c.num_nodes * c.gpus_per_node
         tp = _generation_tp(cfg) if total else 1
+        where = dict(generation_pin=Pin.from_section(c.placement.generation),
+                     training_pin=Pin.from_section(c.placement.training), deadlines=Deadlines.from_config(c))
         if total == 0:
             ranks = num_training or c.cpu_training_ranks
-            return cls(k, ranks, 0, True, k, nodes=c.num_nodes if ranks > 1 else 1)
+            return cls(k, ranks, 0, True, k, nodes=c.num_nodes if ranks > 1 else 1, **where)
         if c.colocated:
             gen_gpus, train = total, num_training or total
         else:
             gen_gpus, train = c.generation_gpus or 1, num_training or c.training_gpus or 1
         engines = gen_gpus // tp * k if tp > 1 else gen_gpus * k
-        return cls(engines, train, total, c.colocated, k, tp, _mesh(cfg, train))
+        return cls(engines, train, total, c.colocated, k, tp, _mesh(cfg, train), **where)
 
     @property
     def trainer_mesh(self) -> TrainerMesh:

@@ -58,8 +58,11 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None, num_gp
     if not address:
         loopback_only(ray)
         kwargs["dashboard_host"] = LOOPBACK
+    elif address.rpartition(":")[0] in (LOOPBACK, "localhost"):
+        loopback_only(ray)  # a cluster on the loopback address: Ray would otherwise dial the host's network address
     if address and address != "auto":
         _check_reachable(address)
+        authenticate(address)
     try:
         if address:
             ray.init(address=address, **kwargs)
@@ -85,6 +88,63 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None, num_gp
         ) from None
     res = ray.cluster_resources()
     return ClusterInfo(ray.get_runtime_context().gcs_address, res.get("CPU", 0), res.get("GPU", 0), started)
+
+
+AUTH_MODE, AUTH_TOKEN, AUTH_TOKEN_PATH = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
+TOKEN_FIX = ("export RAY_AUTH_TOKEN=<the cluster's token> (print it on the head with `ray get-auth-token`), or "
+             "RAY_AUTH_TOKEN_PATH=<a file holding it>")
+
+
+def token_source() -> str | None:
+    """Where Ray reads a token from, in its own order: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token."""
+    if os.environ.get(AUTH_TOKEN):
+        return AUTH_TOKEN
+    path = os.environ.get(AUTH_TOKEN_PATH)
+    if path:
+        return f"{AUTH_TOKEN_PATH} ({path})" if os.path.isfile(path) else None
+    default = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    return default if os.path.isfile(default) else None
+
+
+def authenticate(address: str) -> None:
+    """Join a cluster that uses Ray's token authentication: one GCS handshake says in a second what ray.init
+    would only report after half a minute as "Failed to connect". A cluster that asks for a token gets the
+    one this process was given (gymv turns on Ray's token mode for it); none, or a refused one, is an error
+    naming the cause."""
+    try:
+        from ray._raylet import GcsClient
+        from ray.exceptions import AuthenticationError
+    except ImportError:  # a Ray without token authentication
+        return
+    try:
+        GcsClient(address=address)
+        return
+    except AuthenticationError:
+        pass
+    except Exception:
+        return  # not an authentication matter: ray.init reports it
+    source = token_source()
+    if source is None:
+        raise GymvError(f"the Ray cluster at {address} requires token authentication and no token was given",
+                        where="--ray-address", fix=TOKEN_FIX)
+    if os.environ.get(AUTH_MODE, "").lower() != "token":
+        use_token_auth()
+        try:
+            GcsClient(address=address)
+            return
+        except AuthenticationError:
+            pass
+    raise GymvError(f"the Ray cluster at {address} refused the token from {source}", where="--ray-address",
+                    fix=TOKEN_FIX)
+
+
+def use_token_auth() -> None:
+    """Ray's token mode for this process and the Ray processes it starts (Ray caches its config: reload it)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    os.environ[AUTH_MODE] = "token"
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 LOOPBACK = "127.0.0.1"

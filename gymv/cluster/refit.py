@@ -12,6 +12,10 @@ sender casts to the generation dtype while flattening (bf16 generation gets half
 | cuda_ipc | flat CUDA buffer, shared by a CUDA IPC handle (same GPU, no copy through the host) | views of it |
 | nccl | CUDA buckets broadcast over a dedicated NCCL group (trainer rank 0 + receivers) | its own flat buffer |
 
+With several training ranks, object_store ships from all of them (`shares_sending`): bucket k goes out from
+rank k mod R, into the object store of that rank's node, and each receiver joins the ranks' shares
+(`merge_shares`); the other transports send from rank 0.
+
 The `collective` implementation behind `nccl` also runs on gloo (CPU), which is how it is tested here.
 Encoder-cache resets are the receiver's caller's job (GenerationWorker), after a refit that succeeded.
 
@@ -31,7 +35,7 @@ import os
 import uuid
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -167,14 +171,16 @@ class _LayoutOrder:
 
 
 def pack_buckets(pairs: Iterable, layout: WeightLayout, spans: list[tuple[int, int]],
-                 buffer: Callable[[int, int], torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+                 buffer: Callable[[int, int], torch.Tensor], owned: Callable[[int], bool] = lambda k: True,
+                 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Copy (and cast) the streamed tensors into bucket buffers, in layout order, yielding (bucket index,
     filled buffer) as soon as each bucket is full. `buffer(k, numel)` hands out bucket k's buffer (the
     sender reuses a buffer once its earlier bucket has been sent). A tensor larger than the room left in
-    a bucket continues in the next one; no gathered tensor is held past its copy."""
+    a bucket continues in the next one; no gathered tensor is held past its copy. Buckets that `owned`
+    refuses (another rank ships them) are skipped: nothing is copied for them."""
     order = _LayoutOrder(layout)
     k, (start, stop) = 0, spans[0]
-    buf, pos = buffer(0, stop - start), start
+    buf, pos = buffer(0, stop - start) if owned(0) else None, start
     with torch.no_grad():
         for name, t in pairs:
             if not order.takes(name, t):
@@ -184,18 +190,20 @@ def pack_buckets(pairs: Iterable, layout: WeightLayout, spans: list[tuple[int, i
             i, n = 0, t.numel()
             while i < n:
                 take = min(n - i, stop - pos)
-                buf[pos - start:pos - start + take].copy_(t[i:i + take])
+                if buf is not None:
+                    buf[pos - start:pos - start + take].copy_(t[i:i + take])
                 i, pos = i + take, pos + take
                 if pos == stop:
-                    yield k, buf
+                    if buf is not None:
+                        yield k, buf
                     k += 1
                     if k == len(spans):
                         break
                     start, stop = spans[k]
-                    buf, pos = buffer(k, stop - start), start
+                    buf, pos = buffer(k, stop - start) if owned(k) else None, start
             del t
     order.done()
-    if k < len(spans):  # only an empty layout has a bucket left, itself empty
+    if k < len(spans) and buf is not None:  # only an empty layout has a bucket left, itself empty
         yield k, buf
 
 
@@ -241,10 +249,13 @@ class RefitSender(ABC):
     in_band = True  # False: receivers get the weights through the transport itself, not the returned payload
     bucketed = False  # True: ships in buckets of `bucket_mb` (`_bucket_buffer`, `_send_bucket`, `_finish`)
 
+    shares_sending = False  # True: every training rank may ship its share of the buckets (`rank`, `senders`)
+
     def __init__(self, dtype: torch.dtype, device: torch.device, num_receivers: int = 1,
-                 bucket_mb: float = DEFAULT_BUCKET_MB):
+                 bucket_mb: float = DEFAULT_BUCKET_MB, *, rank: int = 0, senders: int = 1):
         self.dtype, self.device, self.num_receivers = dtype, torch.device(device), num_receivers
         self.bucket_mb = bucket_mb
+        self.rank, self.senders = rank, senders
         self.layout: WeightLayout | None = None
 
     def _layout(self, state_dict) -> WeightLayout:
@@ -285,13 +296,17 @@ class RefitSender(ABC):
         spans = self.spans(layout)
         sent = 0
         try:
-            for k, filled in pack_buckets(pairs, layout, spans, self._bucket_buffer):
+            for k, filled in pack_buckets(pairs, layout, spans, self._bucket_buffer, self.owns):
                 self._send_bucket(k, filled)
                 sent = k + 1
         except BaseException:
             self._abort(spans, sent)
             raise
         return self._finish(layout, spans)
+
+    def owns(self, k: int) -> bool:
+        """Whether this rank ships bucket k: bucket k goes out from rank k mod `senders`."""
+        return k % self.senders == self.rank
 
     def _buffer(self, layout: WeightLayout) -> torch.Tensor:
         """The flat buffer the weights are copied into (reused across refits where the transport allows)."""
@@ -372,6 +387,7 @@ class ObjectStoreSender(RefitSender):
 
     name = "object_store"
     bucketed = True
+    shares_sending = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -392,6 +408,8 @@ class ObjectStoreSender(RefitSender):
     def _finish(self, layout, spans):
         self.staging.wait_all()
         buckets, self._sent = [f.result() for f in self._sent], []
+        if self.senders > 1:  # this rank's share: bucket k of every `senders` from `rank` on
+            return {"layout": layout, "spans": spans, "buckets": buckets, "owned": [k for k in range(len(spans)) if self.owns(k)]}
         return {"layout": layout, "spans": spans, "buckets": buckets}
 
     def _abort(self, spans, sent):
@@ -418,11 +436,32 @@ def _put(bucket: torch.Tensor):
     return bucket.numpy().copy()
 
 
+def merge_shares(parts: Sequence[dict]) -> dict:
+    """One object_store payload from the shares every sending rank published (each names its buckets)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    buckets: list = [None] * len(first["spans"])
+    for part in parts:
+        if part["layout"] != first["layout"]:
+            raise GymvError("refit: the training ranks sent different weight layouts; none were loaded",
+                            where="refit (object_store)", fix="every rank must hold the same model")
+        for k, ref in zip(part["owned"], part["buckets"]):
+            buckets[k] = ref
+    if any(b is None for b in buckets):
+        raise GymvError(f"refit: {sum(b is None for b in buckets)} buckets had no sender; none were loaded",
+                        where="refit (object_store)", fix="see the training workers' errors")
+    return {"layout": first["layout"], "spans": first["spans"], "buckets": buckets}
+
+
 class ObjectStoreReceiver(RefitReceiver):
     name = "object_store"
 
     def receive(self, payload):
         import ray
+
+        if isinstance(payload, (list, tuple)):  # shares of several sending ranks
+            payload = merge_shares(payload)
 
         layout: WeightLayout = payload["layout"]
         spans = payload["spans"]
@@ -751,10 +790,16 @@ def _sender_class(name: str) -> type[RefitSender]:
 
 
 def make_sender(name: str, dtype: torch.dtype, device, num_receivers: int = 1,
-                bucket_mb: float = DEFAULT_BUCKET_MB) -> RefitSender:
+                bucket_mb: float = DEFAULT_BUCKET_MB, *, rank: int = 0, senders: int = 1) -> RefitSender:
     """The sender of the transport registered as `name` (gymv.backends.registry.REFIT_TRANSPORTS);
-    `bucket_mb` is the bucket size of transports that ship in buckets (0: the whole buffer at once)."""
-    return _sender_class(name)(dtype, device, num_receivers, bucket_mb)
+    `bucket_mb` is the bucket size of transports that ship in buckets (0: the whole buffer at once).
+    With `senders` > 1 (a transport that `shares_sending`), this is rank `rank`'s sender of its share."""
+    return _sender_class(name)(dtype, device, num_receivers, bucket_mb, rank=rank, senders=senders)
+
+
+def shares_sending(name: str) -> bool:
+    """Whether every training rank can ship its share of a refit over transport `name`."""
+    return _sender_class(name).shares_sending
 
 
 def make_receiver(name: str, device, info: dict | None = None, rank: int = 1) -> RefitReceiver:

@@ -12,12 +12,11 @@ Placement:
 - GPUs, `placement: colocated`: replica r shares bundle r of the policy's placement group (a third of the
   GPU beside the generation and training workers).
 - GPUs, `placement: separate`: a placement group of its own with `gpus` GPUs, `gpus / data_parallel_size`
-  per replica.
+  per replica, pinned by `cluster.placement.teachers` (gymv.cluster.roles).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -72,6 +71,11 @@ class TeacherWorker:
         scores = self.teacher.score(rows)
         return {"logprobs": scores, "seconds": time.perf_counter() - t0}
 
+    def where(self) -> dict:
+        from gymv.cluster.ray_placement import here
+
+        return here()
+
     def close(self) -> None:
         close = getattr(self.teacher, "close", None)
         if close is not None:
@@ -111,29 +115,30 @@ def teacher_specs(cfg, student_path: str) -> dict[str, TeacherSpec]:
 
 
 def replica_options(cfg, alias: str, *, policy_pg=None) -> tuple[list[dict], object | None]:
-    """(Ray actor options of each replica of `alias`, a placement group created for it or None)."""
+    """(Ray actor options of each replica of `alias`, a placement group created for it or None); the group
+    is asked for here and waited on by the caller."""
+    from gymv.cluster.group import cpu_env
+    from gymv.cluster.placement import Pin
+    from gymv.cluster.ray_placement import actor_options, group_for
+    from gymv.cluster.roles import teacher_plan
+
     t = cfg.mopd.teachers[alias]
-    dp = t.data_parallel_size
-    if cfg.cluster.gpus_per_node == 0:  # idle OpenMP threads must not spin on a shared CPU
-        env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-        return [{"num_cpus": 0, "runtime_env": {"env_vars": env}}] * dp, None
-    from ray.util.placement_group import placement_group
+    plan = teacher_plan(alias, t, Pin.from_section(cfg.cluster.placement.teachers),
+                        gpus_per_node=cfg.cluster.gpus_per_node)
+    if plan is not None:
+        pg = group_for(plan)
+        base = {} if pg is not None else {"runtime_env": {"env_vars": cpu_env()}}
+        return [actor_options(plan, s, pg, base) for s in plan.workers["teacher"]], pg
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    if t.placement == "colocated":
-        if policy_pg is None:
-            raise GymvError(f"teacher {alias!r} is colocated, but generation and training do not share GPUs here "
-                            f"(cluster.colocated: false)", where=f"mopd.teachers.{alias}.placement",
-                            fix="use placement: separate with gpus, or cluster.colocated: true")
-        bundles = policy_pg.bundle_count
-        return [{"num_cpus": 0, "num_gpus": COLOCATED_SHARE,
-                 "scheduling_strategy": PlacementGroupSchedulingStrategy(policy_pg, placement_group_bundle_index=r % bundles)}
-                for r in range(dp)], None
-    per = (t.gpus or dp) // dp
-    pg = placement_group([{"GPU": per, "CPU": 1}] * dp, strategy="PACK")
-    return [{"num_cpus": 0, "num_gpus": per,
-             "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)}
-            for r in range(dp)], pg
+    if policy_pg is None:
+        raise GymvError(f"teacher {alias!r} is colocated, but generation and training do not share GPUs here "
+                        f"(cluster.colocated: false)", where=f"mopd.teachers.{alias}.placement",
+                        fix="use placement: separate with gpus, or cluster.colocated: true")
+    bundles = policy_pg.bundle_count
+    return [{"num_cpus": 0, "num_gpus": COLOCATED_SHARE,
+             "scheduling_strategy": PlacementGroupSchedulingStrategy(policy_pg, placement_group_bundle_index=r % bundles)}
+            for r in range(t.data_parallel_size)], None
 
 
 COLOCATED_SHARE = 0.3  # of a policy bundle's GPU; generation and training take the rest
@@ -146,8 +151,12 @@ class TeacherPool:
         import ray
 
         from gymv.cluster.group import ray_get
+        from gymv.cluster.placement import Deadlines
+        from gymv.cluster.ray_placement import ROSTER, wait_placed
+        from gymv.cluster.roles import RolePlan
 
         self.specs = specs
+        self.deadlines = Deadlines.from_config(cfg.cluster)
         self.dp = {a: cfg.mopd.teachers[a].data_parallel_size for a in self.specs}
         self.replicas: dict[str, list] = {}
         self._pgs = []
@@ -156,9 +165,14 @@ class TeacherPool:
             opts, pg = replica_options(cfg, alias, policy_pg=policy_pg)
             if pg is not None:
                 self._pgs.append(pg)
-                ray_get(pg.ready(), f"placing teacher {alias!r}")
+                wait_placed(pg, RolePlan(f"teacher {alias}", tuple(pg.bundle_specs), "PACK"), self.deadlines.placement_s)
             self.replicas[alias] = [Worker.options(**o).remote(spec, r) for r, o in enumerate(opts)]
-        infos = ray_get([w.info.remote() for ws in self.replicas.values() for w in ws], "starting the teachers")
+            for r, w in enumerate(self.replicas[alias]):
+                ROSTER.add(w, f"teacher {alias}", r)
+        workers = [w for ws in self.replicas.values() for w in ws]
+        start = dict(timeout_s=self.deadlines.start_s, key="cluster.start_timeout_s")
+        ROSTER.locate(workers, ray_get([w.where.remote() for w in workers], "starting the teachers", **start))
+        infos = ray_get([w.info.remote() for w in workers], "starting the teachers", **start)
         self.info = {i["alias"]: i for i in infos}
 
     def score(self, rows_by_alias: dict[str, Sequence]) -> tuple[dict[str, list], int]:
@@ -178,12 +192,14 @@ class TeacherPool:
             pending[alias] = (n, [w.score.remote(s) for w, s in zip(self.replicas[alias], shards)])
         out = {}
         for alias, (n, refs) in pending.items():
-            parts = ray_get(refs, f"teacher {alias!r} scoring")
+            parts = ray_get(refs, f"teacher {alias!r} scoring", self.deadlines.phase_s)
             out[alias] = trim([lp for p in parts for lp in p["logprobs"]], n)
         return out, sum(len(refs) for _, refs in pending.values())
 
     def shutdown(self) -> None:
         import ray
+
+        from gymv.cluster.ray_placement import ROSTER
 
         for ws in self.replicas.values():
             for w in ws:
@@ -191,6 +207,7 @@ class TeacherPool:
                     ray.kill(w)
                 except Exception:
                     pass
+                ROSTER.drop(w)
         self.replicas = {}
         if self._pgs:
             from ray.util.placement_group import remove_placement_group

@@ -181,19 +181,26 @@ class GenerationWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def where(self) -> dict:
+        from gymv.cluster.ray_placement import here
+
+        return here()
+
     # -- refit ---------------------------------------------------------------------------------------
-    def refit_connect(self, info: dict | None, rank: int) -> None:
+    def refit_connect(self, info: dict | None, rank: int, transport: str) -> None:
+        """Receive refits over `transport` (the run's, chosen from the placement by the driver)."""
         from gymv.cluster.refit import make_receiver
 
-        self.receiver = make_receiver(self.spec.refit_transport, self.device, info, rank)
+        self.receiver = make_receiver(transport, self.device, info, rank)
         self.receiver.connect()
 
-    def receive(self, payload, version: int) -> dict:
-        """Load the published weights; reset the encoder cache only after they loaded (when configured)."""
+    def receive(self, payload, version: int, *shares) -> dict:
+        """Load the published weights (`payload`, with the `shares` of other sending ranks where several
+        send); reset the encoder cache only after they loaded (when configured)."""
         t0 = time.perf_counter()
-        if self.receiver is None:
-            self.refit_connect(None, 1 + self.index)
-        weights = self.receiver.receive(payload)
+        if self.receiver is None:  # a worker used without a driver (the recipe's transport, in-band)
+            self.refit_connect(None, 1 + self.index, self.spec.refit_transport)
+        weights = self.receiver.receive([payload, *shares] if shares else payload)
         self._load(weights, version)
         return {"seconds": time.perf_counter() - t0}
 
@@ -274,6 +281,11 @@ class TrainingWorker:
         self.device = _device(spec)
         self.backend = None
         self.sender = None
+
+    def where(self) -> dict:
+        from gymv.cluster.ray_placement import here
+
+        return here()
 
     def address(self) -> tuple[str, int]:
         """(host, port) of the rank group's rendezvous store, which rank 0 (asked this) serves on the node's
@@ -374,11 +386,12 @@ class TrainingWorker:
 
         return getattr(torch, self.spec.generation_dtype)
 
-    def refit_open(self, num_receivers: int) -> dict | None:
+    def refit_open(self, num_receivers: int, transport: str, senders: int = 1) -> dict | None:
+        """Send refits over `transport`; with `senders` > 1 this rank ships its share of the buckets."""
         from gymv.cluster.refit import make_sender
 
-        self.sender = make_sender(self.spec.refit_transport, self._generation_dtype(), self.device, num_receivers,
-                                  self.spec.refit_bucket_mb)
+        self.sender = make_sender(transport, self._generation_dtype(), self.device, num_receivers,
+                                  self.spec.refit_bucket_mb, rank=self.rank, senders=senders)
         return {"info": self.sender.rendezvous(self._weights_to_send()), "in_band": self.sender.in_band}
 
     def refit_connect(self) -> None:

@@ -91,8 +91,8 @@ def _err(rule_id: str, key: str, message: str, fix: str, severity: str = "error"
 
 @rule("refit.encoder-cache-reset", "reset_encoder_cache_after_weight_update needs a transport that implements the reset")
 def _cache_reset(cfg: RecipeBase) -> Iterator[Finding]:
-    t = REFIT_TRANSPORTS[cfg.refit.transport]
-    if cfg.generation.reset_encoder_cache_after_weight_update and not t.resets_encoder_cache:
+    t = REFIT_TRANSPORTS.get(cfg.refit.transport)  # auto picks among transports that all reset it
+    if cfg.generation.reset_encoder_cache_after_weight_update and t is not None and not t.resets_encoder_cache:
         able = sorted(n for n, x in REFIT_TRANSPORTS.items() if x.resets_encoder_cache)
         yield _err("refit.encoder-cache-reset", "generation.reset_encoder_cache_after_weight_update",
                    f"refit transport {t.name!r} does not reset the vision encoder cache, so "
@@ -102,7 +102,9 @@ def _cache_reset(cfg: RecipeBase) -> Iterator[Finding]:
 
 @rule("refit.transport-placement", "the refit transport must work with the cluster layout")
 def _transport_layout(cfg: RecipeBase) -> Iterator[Finding]:
-    t = REFIT_TRANSPORTS[cfg.refit.transport]
+    t = REFIT_TRANSPORTS.get(cfg.refit.transport)
+    if t is None:  # auto: chosen from the placement at start
+        return
     if t.needs_gpu and total_gpus(cfg) == 0:
         yield _err("refit.transport-placement", "refit.transport", f"refit transport {t.name!r} needs GPUs, the cluster has none",
                    "use refit.transport: object_store on CPU")
@@ -118,8 +120,8 @@ def _transport_layout(cfg: RecipeBase) -> Iterator[Finding]:
 
 @rule("refit.transport-workers-per-gpu", "several generation workers on one GPU need a refit transport that allows it")
 def _transport_workers_per_gpu(cfg: RecipeBase) -> Iterator[Finding]:
-    t, k = REFIT_TRANSPORTS[cfg.refit.transport], cfg.cluster.generation_workers_per_gpu
-    if k > 1 and total_gpus(cfg) > 0 and not t.shares_gpus:
+    t, k = REFIT_TRANSPORTS.get(cfg.refit.transport), cfg.cluster.generation_workers_per_gpu
+    if k > 1 and total_gpus(cfg) > 0 and t is not None and not t.shares_gpus:
         yield _err("refit.transport-workers-per-gpu", "cluster.generation_workers_per_gpu",
                    f"cluster.generation_workers_per_gpu is {k}, but refit transport {t.name!r} takes one receiver per GPU"
                    + (" (NCCL refuses two ranks on one device)" if t.name == "nccl" else ""),

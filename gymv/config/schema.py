@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from gymv.config.transports import REFIT_TRANSPORTS
+from gymv.config.transports import AUTO_TRANSPORT, REFIT_TRANSPORTS
 
 PosInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -190,9 +190,27 @@ class RefitSection(Section):
     @field_validator("transport")
     @classmethod
     def _known(cls, v: str) -> str:
-        if v not in REFIT_TRANSPORTS:
-            raise ValueError(f"unknown refit transport {v!r}; registered: {', '.join(sorted(REFIT_TRANSPORTS))}")
+        if v not in REFIT_TRANSPORTS and v != AUTO_TRANSPORT:
+            raise ValueError(f"unknown refit transport {v!r}; registered: {', '.join(sorted(REFIT_TRANSPORTS))} "
+                             f"(or {AUTO_TRANSPORT}: chosen from the placement)")
         return v
+
+
+RayStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
+
+class RolePlacement(Section):
+    """Where one role's workers may go (docs/cluster.md): a Ray placement-group strategy and node pins."""
+
+    strategy: RayStrategy | None = None  # None: PACK on GPUs, SPREAD for a CPU run's training ranks
+    labels: dict[str, str] = {}  # Ray node labels every worker's node must carry ("v", "!v", "in(a,b)", "!in(a,b)")
+    resources: dict[str, PosFloat] = {}  # custom Ray resources each worker (on GPUs: each bundle) reserves
+
+
+class PlacementSection(Section):
+    generation: RolePlacement = RolePlacement()
+    training: RolePlacement = RolePlacement()
+    teachers: RolePlacement = RolePlacement()  # MOPD teachers with placement: separate
 
 
 class ClusterSection(Section):
@@ -207,6 +225,12 @@ class ClusterSection(Section):
     # training ranks of a CPU run (gpus_per_node: 0), one Ray actor each, spread over num_nodes Ray nodes
     cpu_training_ranks: PosInt = 1
     ray_address: str | None = None
+    placement: PlacementSection = PlacementSection()
+    # deadlines of the waits on Ray: placement groups (and a launcher's nodes joining), workers starting, one phase
+    placement_timeout_s: PosFloat = 300.0
+    start_timeout_s: PosFloat = 1800.0
+    phase_timeout_s: PosFloat = 3600.0
+    max_restarts: NonNegInt = 0  # resumes from the newest complete checkpoint after a lost node or worker
 
 
 class CheckpointSection(Section):

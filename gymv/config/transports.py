@@ -24,6 +24,7 @@ class RefitTransport:
 
 
 REFIT_TRANSPORTS: dict[str, RefitTransport] = {}
+AUTO_TRANSPORT = "auto"  # refit.transport: chosen at start from where the workers are (gymv.cluster.transport_choice)
 
 
 def register_refit_transport(transport: RefitTransport, *, replace: bool = False) -> RefitTransport:

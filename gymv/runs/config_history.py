@@ -15,7 +15,11 @@ from typing import Any
 CHANGES_FILE = "config_changes.jsonl"
 ABSENT = "<absent>"
 # how a launch runs, not what it trains: these may differ between launches of one run without a refusal
-LAUNCH_KEYS = ("checkpoint.steps_per_run", "checkpoint.resume", "cluster.ray_address")
+# where and how a launch runs, not what it trains: a run continues under new values of these (a prefix
+# ending in "." covers every key below it, e.g. a role's node pins on a new allocation)
+LAUNCH_KEYS = ("checkpoint.steps_per_run", "checkpoint.resume", "cluster.ray_address", "cluster.placement.",
+               "cluster.placement_timeout_s", "cluster.start_timeout_s", "cluster.phase_timeout_s",
+               "cluster.max_restarts")
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -35,7 +39,7 @@ def diff(old: Mapping[str, Any], new: Mapping[str, Any], ignore: tuple[str, ...]
     a, b = flatten(old), flatten(new)
     out = []
     for key in sorted(set(a) | set(b)):
-        if key in ignore:
+        if key in ignore or any(k.endswith(".") and key.startswith(k) for k in ignore):
             continue
         va, vb = a.get(key, ABSENT), b.get(key, ABSENT)
         if va != vb:

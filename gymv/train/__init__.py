@@ -21,7 +21,7 @@ from gymv.errors import GymvError
 from gymv.loggers import build_loggers, logger_classes
 from gymv.train.data import training_rows
 from gymv.train.row_checks import check_training_rows
-from gymv.train.setup import Reporter, RunContext, open_run, resolve_init_path, worker_spec
+from gymv.train.setup import Reporter, RunContext, shown_path, open_run, resolve_init_path, worker_spec
 
 __all__ = ["Reporter", "load_training_recipe", "train"]
 
@@ -123,20 +123,52 @@ def _check_vllm_models(rec, cfg, model_path: str) -> None:
 
 def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, resume_dir: str | None = None,
           ray_address: str | None = None, reporter: Reporter | None = None, smoke: bool = False,
-          async_grpo: bool = False) -> dict:
+          async_grpo: bool = False, max_restarts: int | None = None) -> dict:
     """Run one recipe to `max_steps` (or `checkpoint.steps_per_run` steps); returns a summary.
 
     `smoke` applies the recipe's `smoke:` overrides first (what `gymv smoke` runs); `async_grpo` is
-    `gymv train --async` (grpo.async.enabled or mopd.async.enabled). Metrics are in
+    `gymv train --async` (grpo.async.enabled or mopd.async.enabled). After a lost node or worker the run
+    resumes from its newest complete checkpoint, at most `max_restarts` times (None: `cluster.max_restarts`).
+    Metrics are in
     `<summary["run_dir"]>/metrics.jsonl`.
     """
+    from gymv.train.launch import ray_running, wait_for_nodes, with_restarts
+
+    reporter = reporter or Reporter()
+    overrides = list(overrides)
+    if max_restarts is not None:
+        overrides.append(f"cluster.max_restarts={max_restarts}")
+    first = load_training_recipe(recipe, overrides, resume_dir=resume_dir, smoke=smoke, async_grpo=async_grpo)
+    c = first.validated.cluster
+
+    def run_once(restart_dir: str | None) -> dict:
+        if restart_dir is None:
+            return _train_once(first, resume_dir, ray_address, reporter)
+        if ray_running():  # a joined cluster: its scheduler may be bringing a replacement node
+            wait_for_nodes(c.num_nodes, c.placement_timeout_s, reporter.on_message)
+        return _train_once(load_training_recipe(None, resume_dir=restart_dir), restart_dir, ray_address, reporter)
+
+    return with_restarts(run_once, max_restarts=c.max_restarts, say=reporter.on_message)
+
+
+def _train_once(rec, resume_dir: str | None, ray_address: str | None, reporter: Reporter) -> dict:
+    """One launch of the loaded recipe `rec`: checks, run directory, data, Ray, the loop."""
     from gymv.cluster.ray_cluster import start_ray, stop_ray
+    from gymv.train.launch import check_joined, check_machine, ray_running
 
     t0 = time.time()
-    reporter = reporter or Reporter()
-    rec = load_training_recipe(recipe, overrides, resume_dir=resume_dir, smoke=smoke, async_grpo=async_grpo)
     cfg = rec.validated
     _check_supported(rec, cfg)
+    address = ray_address or cfg.cluster.ray_address
+    where = lambda key: _where(rec, key)  # noqa: E731
+    local = not address and not ray_running()
+    if local:
+        checked, gpus = check_machine(cfg, where, str(shown_path(rec.path)))
+    else:  # join first: the cluster is checked before anything is written
+        if not ray_running():
+            reporter.on_message(f"joining Ray at {address}")
+        info = start_ray(address)
+        checked = check_joined(cfg, info.address, where, str(shown_path(rec.path)))
     model_path = resolve_init_path(cfg.model.path, where=_where(rec, "model.path"))
     for gap in family_gaps(cfg, model_path):  # what the model's family cannot run, before Ray starts
         raise GymvError(gap.message, where=_where(rec, gap.key), fix=gap.fix)
@@ -160,42 +192,47 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
                         max_images=vision.max_images_per_sample if vision is not None else None)
 
     run.loggers = build_loggers(cfg, cfg.to_dict(), run.path)
-    try:
-        address = ray_address or cfg.cluster.ray_address
-        reporter.on_message(f"joining Ray at {address}" if address else "starting a local Ray cluster")
-        info = start_ray(address)
-    except BaseException:
-        _close_loggers(run)
-        raise
+    if local:
+        try:
+            reporter.on_message("starting a local Ray cluster")
+            info = start_ray(num_gpus=gpus)
+        except BaseException:
+            _close_loggers(run)
+            raise
     ctx = RunContext(cfg=cfg, run=run, model_path=model_path, train_rows=train_rows, eval_rows=eval_rows,
                      ray_address=info.address, reporter=reporter, train_source=_source(train_rows),
-                     eval_source=_source(eval_rows))
+                     eval_source=_source(eval_rows), checked=checked)
     try:
-        if cfg.base_algorithm == "sft":
-            from gymv.train.sft import train_sft
-
-            result = train_sft(ctx, resume=resume)
-        elif cfg.base_algorithm == "mopd":
-            from gymv.train.mopd import train_mopd
-
-            result = train_mopd(ctx, resume=resume)
-        elif cfg.grpo.async_.enabled:
-            from gymv.train.grpo_async import train_grpo_async
-
-            result = train_grpo_async(ctx, resume=resume)
-        else:
-            from gymv.train.grpo import train_grpo
-
-            result = train_grpo(ctx, resume=resume)
+        result = _run_loop(ctx, cfg, resume)
     except GymvError as e:
         latest = run.checkpoints().latest()
         note = f"; the run stopped, its newest complete checkpoint is {latest}" if latest else "; the run stopped before its first checkpoint"
-        raise GymvError(e.message + note, where=e.where, fix=e.fix, exit_code=e.exit_code) from None
+        stopped = GymvError(e.message + note, where=e.where, fix=e.fix, exit_code=e.exit_code)
+        stopped.run_dir = str(run.path)  # where an automatic restart resumes (gymv.train.launch)
+        raise stopped from None
     finally:
         _close_loggers(run)
         if info.started_here:
             stop_ray()
     return summarize(cfg, run, result, time.time() - t0)
+
+
+def _run_loop(ctx: RunContext, cfg, resume: bool) -> dict:
+    if cfg.base_algorithm == "sft":
+        from gymv.train.sft import train_sft
+
+        return train_sft(ctx, resume=resume)
+    if cfg.base_algorithm == "mopd":
+        from gymv.train.mopd import train_mopd
+
+        return train_mopd(ctx, resume=resume)
+    if cfg.grpo.async_.enabled:
+        from gymv.train.grpo_async import train_grpo_async
+
+        return train_grpo_async(ctx, resume=resume)
+    from gymv.train.grpo import train_grpo
+
+    return train_grpo(ctx, resume=resume)
 
 
 def _close_loggers(run) -> None:

@@ -52,7 +52,8 @@ def train_grpo_async(ctx: RunContext, *, resume: bool) -> dict:
 
     ctx.reporter.on_message("starting workers")
     cluster = PolicyCluster(worker_spec(cfg, ctx.model_path, kl_reference=grpo.loss.kl_coef > 0),
-                            Placement.from_config(cfg), in_flight_refit=grpo.async_.in_flight_weight_updates)
+                            Placement.from_config(cfg), in_flight_refit=grpo.async_.in_flight_weight_updates,
+                            lagging_receivers=True)
     try:
         return run_async(ctx, cluster, grpo, policy_loss(grpo), batch, resume=resume)
     finally:

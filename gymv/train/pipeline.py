@@ -106,9 +106,19 @@ class RolloutPipeline:
 
         if not self._refits:
             return
-        ready, self._refits = ray.wait(self._refits, num_returns=len(self._refits), timeout=None if block else 0)
+        n = len(self._refits)
+        ready, self._refits = ray.wait(self._refits, num_returns=n, timeout=self._deadline() if block else 0)
+        if block and len(ready) < n:
+            self._late("refit")
         for ref in ready:
             _result(ref, "refit")
+
+    def _deadline(self) -> float:
+        return self.cluster.deadlines.phase_s
+
+    def _late(self, phase: str) -> None:
+        raise GymvError(f"{phase} did not finish within {self._deadline():g} s", where=phase, exit_code=1,
+                        fix="see the workers' logs for a hang; a slower phase needs a larger cluster.phase_timeout_s")
 
     # -- consuming -----------------------------------------------------------------------------------
     def take(self, step: int) -> tuple[list[Group], int, float]:
@@ -144,7 +154,9 @@ class RolloutPipeline:
         if not self._inflight:
             return
         refs = [c.ref for _, c in self._inflight]
-        ready, _ = ray.wait(refs, num_returns=1, timeout=None if block else 0)
+        ready, _ = ray.wait(refs, num_returns=1, timeout=self._deadline() if block else 0)
+        if block and not ready:
+            self._late("generation")
         if ready:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         done = set(ready)

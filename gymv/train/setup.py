@@ -49,6 +49,7 @@ class RunContext:
     reporter: Reporter = field(default_factory=Reporter)
     train_source: str | None = None  # the rows' file, when there is one, for "FILE line N" in errors
     eval_source: str | None = None
+    checked: Any = None  # what the pre-flight checked the recipe against (gymv.cluster.preflight.Checked)
 
 
 # ------------------------------------------------------------------------------------------ model path
@@ -114,13 +115,13 @@ def refuse_changed_config(run: RunDir, config_dict: dict) -> None:
 
     changes = diff(run.read_config(), config_dict, ignore=LAUNCH_KEYS)
     if changes:
-        shown = _shown_path(run.path)
+        shown = shown_path(run.path)
         raise GymvError(f"{shown} holds a run with another config: {describe(changes)}", where=str(shown / "config.yaml"),
                         fix=f"continue it as recorded: gymv train --resume {shown} (overrides after it are recorded "
                             f"in config_changes.jsonl), or start a new run: add name=<new-name>")
 
 
-def _shown_path(path: Path) -> Path:
+def shown_path(path: Path) -> Path:
     try:
         return path.relative_to(Path.cwd())
     except ValueError:
@@ -266,6 +267,7 @@ class Checkpointer:
     def start(self, resume: bool, cluster) -> tuple[CheckpointState | None, int, RowStream]:
         """(the restored checkpoint or None, the step to continue from, the training rows' stream at its
         position); a restored policy's weights also go to the generation workers."""
+        record_placement(self.ctx, cluster)
         restored = self.resume(resume)
         step = restored.step if restored else 0
         cfg = self.ctx.cfg
@@ -291,6 +293,17 @@ class Checkpointer:
         metrics_log.close()
         return {"step": step, "steps_run": self.steps_run, "max_steps": max_steps, "final_dir": final_dir,
                 "last_metrics": last_metrics, "checkpoint_s": self.seconds}
+
+
+def record_placement(ctx: RunContext, cluster) -> None:
+    """Print where every worker landed (and the refit transport) and write it to placement.json."""
+    from gymv.cluster.placement_record import placement_lines, placement_record, write_placement
+    from gymv.cluster.ray_placement import ROSTER
+
+    record = placement_record(ctx.checked, ROSTER, getattr(cluster, "transport", None) if cluster.generators else None)
+    for line in placement_lines(record):
+        ctx.reporter.on_message(line)
+    write_placement(ctx.run.path, record)
 
 
 def should_validate(step: int, period: int, max_steps: int) -> bool:

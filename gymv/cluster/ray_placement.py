@@ -1,0 +1,164 @@
+"""A role's plan (gymv.cluster.roles) turned into Ray: its placement group, each worker's actor options, and
+a roster of where every actor landed, which names the node, role and rank of a worker that is lost."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from gymv.cluster.roles import RolePlan, Slot
+from gymv.errors import GymvError
+
+
+def place(plan: RolePlan, deadline_s: float):
+    """The role's placement group, ready (None for a role without bundles)."""
+    pg = group_for(plan)
+    if pg is not None:
+        wait_placed(pg, plan, deadline_s)
+    return pg
+
+
+def group_for(plan: RolePlan):
+    """The role's placement group, asked for and not yet waited on (None for a role without bundles)."""
+    if not plan.bundles:
+        return None
+    from ray.util.placement_group import placement_group
+
+    selector = [dict(plan.pin.labels)] * len(plan.bundles) if plan.pin.labels else None
+    return placement_group([dict(b) for b in plan.bundles], strategy=plan.strategy, bundle_label_selector=selector)
+
+
+def wait_placed(pg, plan: RolePlan, deadline_s: float) -> None:
+    """Wait at most `deadline_s` for `pg`: an unmet request is an error naming the role and what it asked
+    (the group is removed), never a silent wait."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        ray.get(pg.ready(), timeout=deadline_s)
+    except GetTimeoutError:
+        remove_placement_group(pg)
+        raise GymvError(f"Ray could not place {plan.role} ({plan.describe()}) within {deadline_s:g} s: the cluster "
+                        "has too few free resources on nodes that qualify (`ray status` shows what is in use)",
+                        where=plan.key, exit_code=1,
+                        fix="free the resources, ask for fewer (cluster.*), or raise cluster.placement_timeout_s") from None
+
+
+def actor_options(plan: RolePlan, slot: Slot, pg, base: dict | None = None) -> dict:
+    """Ray actor options of the worker at `slot`: its bundle of `pg`, or (no group) the role's node pins."""
+    opts = {"num_cpus": 0, **(base or {})}
+    if pg is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=slot.bundle)
+        if slot.gpus:
+            opts["num_gpus"] = slot.gpus
+        return opts
+    if plan.pin.labels:
+        opts["label_selector"] = dict(plan.pin.labels)
+    if plan.pin.resources:
+        opts["resources"] = dict(plan.pin.resources)
+    return opts
+
+
+def here() -> dict:
+    """Where the calling actor runs: its Ray node, that node's address, its GPUs."""
+    import ray
+
+    ctx = ray.get_runtime_context()
+    try:
+        address = ray.util.get_node_ip_address()
+    except Exception:
+        address = "127.0.0.1"
+    return {"node_id": ctx.get_node_id(), "address": address, "pid": os.getpid(),
+            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+
+
+@dataclass
+class Seat:
+    """One actor of the run: its role and rank, and where it runs once known."""
+
+    role: str
+    rank: int
+    node_id: str = ""
+    address: str = ""
+    pid: int = 0
+    gpus: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} {'rank' if self.role == 'training' else 'worker'} {self.rank}"
+
+    @property
+    def node(self) -> str:
+        return f"{self.address} ({self.node_id[:8]})" if self.node_id else "an unknown node"
+
+
+@dataclass
+class Roster:
+    """actor id -> Seat, for every actor a cluster started."""
+
+    seats: dict[str, Seat] = field(default_factory=dict)
+
+    def add(self, actor, role: str, rank: int) -> None:
+        self.seats[actor._actor_id.hex()] = Seat(role, rank)
+
+    def locate(self, actors, wheres: list[dict]) -> None:
+        for a, w in zip(actors, wheres):
+            seat = self.seats.get(a._actor_id.hex())
+            if seat is not None:
+                seat.node_id, seat.address, seat.pid, seat.gpus = w["node_id"], w["address"], w["pid"], w["gpus"]
+
+    def drop(self, actor) -> None:
+        self.seats.pop(actor._actor_id.hex(), None)
+
+    def by_node(self) -> dict[str, list[Seat]]:
+        out: dict[str, list[Seat]] = {}
+        for s in self.seats.values():
+            out.setdefault(s.node, []).append(s)
+        return out
+
+
+ROSTER = Roster()  # every actor of this driver's run, whichever cluster object started it
+
+
+def lost_worker_error(e, phase: str) -> GymvError:
+    """What a RayActorError means for the run: which worker, on which node, whether the node itself is gone,
+    and a memory hint only when Ray says the process was killed for memory."""
+    seat = ROSTER.seats.get(getattr(e, "actor_id", None) or "")
+    text = str(e)
+    who = f"{seat.name} on node {seat.node}" if seat else "a worker"
+    if seat and seat.node_id and ("node has died" in text or "node died" in text or not _node_alive(seat.node_id)):
+        cause = f"node {seat.node} was lost"
+        fix = "the run resumes from its newest complete checkpoint with --max-restarts N (cluster.max_restarts)"
+    elif "out of memory" in text.lower() or "OUT_OF_MEMORY" in text:
+        cause = "Ray killed it for running out of memory"
+        fix = "lower the batch sizes or training.micro_batch_tokens, or give the node more memory"
+    else:
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("\t")]
+        cause = f"its process ended ({lines[-1] if lines else 'no reason given'})"
+        fix = "run with --debug for Ray's message; --max-restarts N resumes from the newest complete checkpoint"
+    return GymvError(f"{who} died during {phase}: {cause}", where=phase, fix=fix, exit_code=LOST_EXIT)
+
+
+LOST_EXIT = 75  # a worker or node was lost (EX_TEMPFAIL): a restart may succeed where the run stopped
+
+
+def _node_alive(node_id: str) -> bool:
+    """Whether the node still runs: the head says so and its raylet still answers on its port (the head
+    itself notices a dead node only after several missed health checks)."""
+    import socket
+
+    import ray
+
+    for n in ray.nodes():
+        if n["NodeID"] == node_id:
+            if not n["Alive"]:
+                return False
+            try:
+                with socket.create_connection((n["NodeManagerAddress"], int(n["NodeManagerPort"])), timeout=3):
+                    return True
+            except (OSError, KeyError, ValueError):
+                return False
+    return False

@@ -1,0 +1,51 @@
+"""`with_restarts`: which failures start the run again, from where, and how many times."""
+
+from __future__ import annotations
+
+import pytest
+
+from gymv.cluster.ray_placement import LOST_EXIT
+from gymv.errors import GymvError
+from gymv.train.launch import with_restarts
+
+
+def lost(run_dir: str | None = "runs/x", code: int = LOST_EXIT) -> GymvError:
+    e = GymvError("training rank 0 on node n died during training: node n was lost", exit_code=code)
+    if run_dir is not None:
+        e.run_dir = run_dir
+    return e
+
+
+def test_a_lost_worker_restarts_the_run_from_its_run_directory_until_it_finishes():
+    calls, said = [], []
+
+    def run_once(resume_dir):
+        calls.append(resume_dir)
+        if len(calls) < 3:
+            raise lost()
+        return {"complete": True}
+
+    assert with_restarts(run_once, max_restarts=2, say=said.append) == {"complete": True}
+    assert calls == [None, "runs/x", "runs/x"]
+    assert [s.split(" after:")[0] for s in said] == ["restart 1/2", "restart 2/2"]
+
+
+def test_restarts_stop_at_the_limit_with_the_count_in_the_error():
+    def run_once(resume_dir):
+        raise lost()
+
+    with pytest.raises(GymvError, match=r"was lost \(after 1 restart\)"):
+        with_restarts(run_once, max_restarts=1, say=lambda s: None)
+
+
+@pytest.mark.parametrize("error", [lost(code=1), lost(run_dir=None)], ids=["not a loss", "before the run directory"])
+def test_other_failures_are_never_restarted(error):
+    calls = []
+
+    def run_once(resume_dir):
+        calls.append(resume_dir)
+        raise error
+
+    with pytest.raises(GymvError):
+        with_restarts(run_once, max_restarts=3, say=lambda s: None)
+    assert calls == [None]
