@@ -5,7 +5,8 @@
 
 _gymv_subcommands() {
     case "$1" in
-        '') echo 'completion dry-run lint prepare report smoke train env model' ;;
+        '') echo 'completion dry-run lint prepare report smoke train cluster env model' ;;
+        'cluster') echo 'up sbatch' ;;
         'env') echo 'list serve verify' ;;
         'model') echo 'init info' ;;
     esac
@@ -20,7 +21,10 @@ _gymv_options() {
         'prepare') echo '--n --out --seed --split --preset --workers --preview --preview-count --list-knobs --json --help -h' ;;
         'report') echo '--out --serve --port --compare --smoothing --json --help -h' ;;
         'smoke') echo '--steps --tiny --junit --out --timeout --ray-address --recipes-dir --json --help -h' ;;
-        'train') echo '--resume --ray-address --json --async --help -h' ;;
+        'train') echo '--resume --ray-address --json --async --max-restarts --help -h' ;;
+        'cluster') echo '--help -h' ;;
+        'cluster up') echo '--port --timeout --num-cpus --num-gpus --gpus-per-node --help -h' ;;
+        'cluster sbatch') echo '--time --account --partition --output --write --port --help -h' ;;
         'env') echo '--help -h' ;;
         'env list') echo '--json --help -h' ;;
         'env serve') echo '--host --port --max-body-mb --max-session-mb --log-requests --max-turns --latency-ms --read-deadline --help -h' ;;
@@ -58,6 +62,18 @@ _gymv_value_kind() {
         'smoke|--recipes-dir') echo 'dirs' ;;
         'train|--resume') echo 'files' ;;
         'train|--ray-address') echo 'files' ;;
+        'train|--max-restarts') echo 'none' ;;
+        'cluster up|--port') echo 'none' ;;
+        'cluster up|--timeout') echo 'none' ;;
+        'cluster up|--num-cpus') echo 'none' ;;
+        'cluster up|--num-gpus') echo 'none' ;;
+        'cluster up|--gpus-per-node') echo 'none' ;;
+        'cluster sbatch|--time') echo 'files' ;;
+        'cluster sbatch|--account') echo 'files' ;;
+        'cluster sbatch|--partition') echo 'files' ;;
+        'cluster sbatch|--output') echo 'files' ;;
+        'cluster sbatch|--write') echo 'files' ;;
+        'cluster sbatch|--port') echo 'none' ;;
         'env serve|--host') echo 'files' ;;
         'env serve|--port') echo 'none' ;;
         'env serve|--max-body-mb') echo 'none' ;;
@@ -95,6 +111,8 @@ _gymv_arg_kind() {
         'smoke|'*) echo 'suites' ;;
         'train|''0') echo 'files' ;;
         'train|'*) echo 'keys' ;;
+        'cluster sbatch|''0') echo 'files' ;;
+        'cluster sbatch|'*) echo 'keys' ;;
         'env serve|''0') echo 'choice:arithmetic circle-click circle-count doorkey example-multi-turn-gymnasium polygon-naming scripted tangram' ;;
         'env verify|''0') echo 'files' ;;
         'model init|''0') echo 'choice:tiny-gemma3 tiny-llama tiny-llava tiny-llava-next tiny-llava-onevision tiny-nemotron-omni tiny-qwen2_5vl tiny-qwen2vl tiny-qwen3 tiny-qwen3vl tiny-smolvlm' ;;
@@ -105,7 +123,7 @@ _gymv_arg_kind() {
 
 # Recipe keys, offered as `key=` for overrides.
 _gymv_keys() {
-    echo 'algorithm= checkpoint.dir= checkpoint.keep= checkpoint.period= checkpoint.resume= checkpoint.steps_per_run= checks= cluster.colocated= cluster.cpu_training_ranks= cluster.generation_gpus= cluster.generation_workers_per_gpu= cluster.gpus_per_node= cluster.num_nodes= cluster.ray_address= cluster.training_gpus= data.eval= data.prepare= data.shuffle= data.train= env.failed_window_steps= env.kwargs= env.max_failed_fraction= env.max_failed_fraction_window= env.max_rollout_tokens= env.max_turns= env.name= env.preset= env.retries= env.timeout_s= env.url= generation.backend= generation.chat_template_kwargs= generation.decode= generation.max_batch= generation.max_new_tokens= generation.reset_encoder_cache_after_weight_update= generation.stop_strings= generation.temperature= generation.top_p= generation.vllm.enforce_eager= generation.vllm.gpu_memory_utilization= generation.vllm.tensor_parallel_size= grpo.advantage.baseline= grpo.advantage.eps= grpo.advantage.normalize_std= grpo.advantage.std= grpo.async.enabled= grpo.async.in_flight_weight_updates= grpo.async.max_trajectory_age_steps= grpo.generations_per_prompt= grpo.importance_sampling.gate_high= grpo.importance_sampling.gate_low= grpo.importance_sampling.kind= grpo.importance_sampling.truncate_max= grpo.loss.aggregation= grpo.loss.clip_high= grpo.loss.clip_low= grpo.loss.kl_coef= grpo.loss.kl_estimator= grpo.max_steps= grpo.prompts_per_step= grpo.seq_logprob_error_threshold= grpo.val_at_start= grpo.val_period= grpo.val_prompts= logger.log_rollouts= logger.plugins= logger.tensorboard= logger.wandb= logger.wandb_project= model.dtype= model.max_seq_len= model.path= model.trust_remote_code= mopd.agent_to_teacher= mopd.async.enabled= mopd.async.in_flight_weight_updates= mopd.async.max_trajectory_age_steps= mopd.default_teacher_alias= mopd.env_reward_coef= mopd.generations_per_prompt= mopd.importance_sampling.gate_high= mopd.importance_sampling.gate_low= mopd.importance_sampling.kind= mopd.importance_sampling.truncate_max= mopd.max_steps= mopd.prompts_per_step= mopd.seq_logprob_error_threshold= mopd.strict_agent_name_match= mopd.teachers= mopd.top_k= mopd.val_at_start= mopd.val_period= mopd.val_prompts= name= refit.bucket_mb= refit.transport= rollout.agent_timeout_s= rollout.agents= rollout.driver= rollout.model_server_host= rollout.model_server_port= rollout.tool_call_format= rollout.turns= seed= sft.aggregation= sft.batch_size= sft.max_steps= sft.val_at_start= sft.val_period= sft.val_prompts= smoke= training.backend= training.betas= training.compile= training.dtype= training.eps= training.fsdp.cpu_offload= training.fsdp.defer_gradient_reduction= training.fsdp.reshard_after_forward= training.global_batch_size= training.gradient_checkpointing= training.lr= training.lr_schedule= training.max_grad_norm= training.micro_batch_tokens= training.min_lr_ratio= training.moe.aux_loss_coef= training.moe.router_bias_update_rate= training.optimizer_state_dtype= training.parallel.context= training.parallel.expert= training.parallel.pipeline= training.parallel.tensor= training.sequence_packing= training.warmup_steps= training.weight_decay= vision.dedup_payloads= vision.max_image_pixels= vision.max_images_per_sample='
+    echo 'algorithm= checkpoint.dir= checkpoint.keep= checkpoint.period= checkpoint.resume= checkpoint.steps_per_run= checks= cluster.colocated= cluster.cpu_training_ranks= cluster.generation_gpus= cluster.generation_workers_per_gpu= cluster.gpus_per_node= cluster.max_restarts= cluster.num_nodes= cluster.phase_timeout_s= cluster.placement.generation.labels= cluster.placement.generation.resources= cluster.placement.generation.strategy= cluster.placement.teachers.labels= cluster.placement.teachers.resources= cluster.placement.teachers.strategy= cluster.placement.training.labels= cluster.placement.training.resources= cluster.placement.training.strategy= cluster.placement_timeout_s= cluster.ray_address= cluster.start_timeout_s= cluster.training_gpus= data.eval= data.prepare= data.shuffle= data.train= env.failed_window_steps= env.kwargs= env.max_failed_fraction= env.max_failed_fraction_window= env.max_rollout_tokens= env.max_turns= env.name= env.preset= env.retries= env.timeout_s= env.url= generation.backend= generation.chat_template_kwargs= generation.decode= generation.max_batch= generation.max_new_tokens= generation.reset_encoder_cache_after_weight_update= generation.stop_strings= generation.temperature= generation.top_p= generation.vllm.enforce_eager= generation.vllm.gpu_memory_utilization= generation.vllm.tensor_parallel_size= grpo.advantage.baseline= grpo.advantage.eps= grpo.advantage.normalize_std= grpo.advantage.std= grpo.async.enabled= grpo.async.in_flight_weight_updates= grpo.async.max_trajectory_age_steps= grpo.generations_per_prompt= grpo.importance_sampling.gate_high= grpo.importance_sampling.gate_low= grpo.importance_sampling.kind= grpo.importance_sampling.truncate_max= grpo.loss.aggregation= grpo.loss.clip_high= grpo.loss.clip_low= grpo.loss.kl_coef= grpo.loss.kl_estimator= grpo.max_steps= grpo.prompts_per_step= grpo.seq_logprob_error_threshold= grpo.val_at_start= grpo.val_period= grpo.val_prompts= logger.log_rollouts= logger.plugins= logger.tensorboard= logger.wandb= logger.wandb_project= model.dtype= model.max_seq_len= model.path= model.trust_remote_code= mopd.agent_to_teacher= mopd.async.enabled= mopd.async.in_flight_weight_updates= mopd.async.max_trajectory_age_steps= mopd.default_teacher_alias= mopd.env_reward_coef= mopd.generations_per_prompt= mopd.importance_sampling.gate_high= mopd.importance_sampling.gate_low= mopd.importance_sampling.kind= mopd.importance_sampling.truncate_max= mopd.max_steps= mopd.prompts_per_step= mopd.seq_logprob_error_threshold= mopd.strict_agent_name_match= mopd.teachers= mopd.top_k= mopd.val_at_start= mopd.val_period= mopd.val_prompts= name= refit.bucket_mb= refit.transport= rollout.agent_timeout_s= rollout.agents= rollout.driver= rollout.model_server_host= rollout.model_server_port= rollout.tool_call_format= rollout.turns= seed= sft.aggregation= sft.batch_size= sft.max_steps= sft.val_at_start= sft.val_period= sft.val_prompts= smoke= training.backend= training.betas= training.compile= training.dtype= training.eps= training.fsdp.cpu_offload= training.fsdp.defer_gradient_reduction= training.fsdp.reshard_after_forward= training.global_batch_size= training.gradient_checkpointing= training.lr= training.lr_schedule= training.max_grad_norm= training.micro_batch_tokens= training.min_lr_ratio= training.moe.aux_loss_coef= training.moe.router_bias_update_rate= training.optimizer_state_dtype= training.parallel.context= training.parallel.expert= training.parallel.pipeline= training.parallel.tensor= training.sequence_packing= training.warmup_steps= training.weight_decay= vision.dedup_payloads= vision.max_image_pixels= vision.max_images_per_sample='
 }
 
 _gymv_complete_kind() {

@@ -14,7 +14,7 @@ NUM_MINUTES=45
 # ===== END CONFIG =====
 
 cd "$(dirname "$0")/../../.."
-exec gymv train recipes/llm/grpo-qwen3-1.7b-1n8g-megatron.yaml \
+exec gymv cluster up -- gymv train recipes/llm/grpo-qwen3-1.7b-1n8g-megatron.yaml \
   grpo.max_steps="$MAX_STEPS" \
   checkpoint.steps_per_run="$STEPS_PER_RUN" \
   checkpoint.dir="${CHECKPOINT_DIR:-runs}" \

@@ -14,7 +14,7 @@ NUM_MINUTES=180
 # ===== END CONFIG =====
 
 cd "$(dirname "$0")/../../.."
-exec gymv train recipes/llm/grpo-qwen3-8b-2n8g-megatron-tp2.yaml \
+exec gymv cluster up -- gymv train recipes/llm/grpo-qwen3-8b-2n8g-megatron-tp2.yaml \
   grpo.max_steps="$MAX_STEPS" \
   checkpoint.steps_per_run="$STEPS_PER_RUN" \
   checkpoint.dir="${CHECKPOINT_DIR:-runs}" \

@@ -14,7 +14,7 @@ NUM_MINUTES=120
 # ===== END CONFIG =====
 
 cd "$(dirname "$0")/../../.."
-exec gymv train recipes/llm/sft-llama3.1-8b-1n8g-torch.yaml \
+exec gymv cluster up -- gymv train recipes/llm/sft-llama3.1-8b-1n8g-torch.yaml \
   sft.max_steps="$MAX_STEPS" \
   checkpoint.steps_per_run="$STEPS_PER_RUN" \
   checkpoint.dir="${CHECKPOINT_DIR:-runs}" \

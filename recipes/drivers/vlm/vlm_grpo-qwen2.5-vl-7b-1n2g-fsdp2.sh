@@ -16,7 +16,7 @@ NUM_MINUTES="${NUM_MINUTES:-90}"
 
 RECIPE="${RECIPE:-recipes/vlm/vlm_grpo-qwen2.5-vl-7b-1n2g-fsdp2.yaml}"
 cd "$(dirname "$0")/../../.."
-exec gymv train "$RECIPE" \
+exec gymv cluster up -- gymv train "$RECIPE" \
   grpo.max_steps="$MAX_STEPS" \
   checkpoint.steps_per_run="$STEPS_PER_RUN" \
   checkpoint.dir="${CHECKPOINT_DIR:-runs}" \

@@ -14,7 +14,7 @@ NUM_MINUTES=240
 # ===== END CONFIG =====
 
 cd "$(dirname "$0")/../../.."
-exec gymv train recipes/vlm/vlm_mopd-qwen2.5-vl-3b-2n8g-megatron-noncolocated.yaml \
+exec gymv cluster up -- gymv train recipes/vlm/vlm_mopd-qwen2.5-vl-3b-2n8g-megatron-noncolocated.yaml \
   mopd.max_steps="$MAX_STEPS" \
   checkpoint.steps_per_run="$STEPS_PER_RUN" \
   checkpoint.dir="${CHECKPOINT_DIR:-runs}" \

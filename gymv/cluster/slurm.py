@@ -1,0 +1,268 @@
+"""A Ray cluster on a SLURM allocation, for the run of one command (`gymv cluster up -- gymv train ...`), and
+the batch script that asks SLURM for the recipe's nodes and GPUs (`gymv cluster sbatch RECIPE`).
+
+Inside an allocation: `scontrol show hostnames $SLURM_JOB_NODELIST` lists its nodes; the first is the head.
+One `srun --overlap` step per node runs `ray start --block` there (the head with `--head`, the others joining
+it), each node labelled `gymv-node: "<index>"` so that recipes can pin roles to nodes
+(`cluster.placement.<role>.labels`). Once every node has joined (a deadline, as every wait), the command
+runs with RAY_ADDRESS set; when it ends, the steps are stopped and its exit code is the launcher's. The
+cluster uses Ray's token authentication: a token is made for the job unless one is given (RAY_AUTH_TOKEN),
+and reaches the nodes and the command through the environment srun passes on. Node addresses come from
+the hostnames (resolved on the batch host); a node whose name resolves to 127.0.0.1 keeps Ray on the
+loopback interface, and several nodes on one host get ports of their own.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gymv.cluster.preflight import NODE_LABEL
+from gymv.errors import GymvError
+
+DEFAULT_PORT = 6379
+
+
+def in_allocation() -> bool:
+    return bool(os.environ.get("SLURM_JOB_NODELIST"))
+
+
+def allocation_hosts() -> list[str]:
+    """The allocation's node names, in SLURM's order."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True,
+                             timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise GymvError(f"cannot list the allocation's nodes with scontrol ({e})", where="SLURM_JOB_NODELIST",
+                        fix="run inside a SLURM allocation (sbatch or salloc) on a host with the SLURM tools") from None
+    hosts = [h for h in out.split() if h]
+    if not hosts:
+        raise GymvError(f"scontrol lists no node for SLURM_JOB_NODELIST={nodelist!r}", where="SLURM_JOB_NODELIST",
+                        fix="run inside a SLURM allocation (sbatch or salloc)")
+    return hosts
+
+
+def node_address(host: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError as e:
+        raise GymvError(f"cannot resolve node {host!r} ({e})", where="SLURM_JOB_NODELIST",
+                        fix="the allocation's host names must resolve on the batch host (DNS or /etc/hosts)") from None
+
+
+@dataclass(frozen=True)
+class RayNode:
+    index: int
+    host: str
+    address: str
+
+    def start_command(self, head: RayNode, port: int, *, shared_host: bool, num_cpus: int | None,
+                      num_gpus: int | None) -> list[str]:
+        """`ray start --block` for this node: the head opens the cluster at `port`, the others join it."""
+        argv = [str(Path(sys.executable).with_name("ray")), "start", "--block", f"--node-ip-address={self.address}",
+                f"--labels={NODE_LABEL}={self.index}", "--disable-usage-stats"]
+        if self.index == 0:
+            argv += ["--head", f"--port={port}", "--include-dashboard=false"]
+        else:
+            argv += [f"--address={head.address}:{port}"]
+        if num_cpus is not None:
+            argv.append(f"--num-cpus={num_cpus}")
+        if num_gpus is not None:
+            argv.append(f"--num-gpus={num_gpus}")
+        if shared_host:  # several nodes on one host: ports of their own
+            base = port + 100 + 20 * self.index
+            argv += [f"--node-manager-port={base}", f"--object-manager-port={base + 1}",
+                     f"--dashboard-agent-grpc-port={base + 2}", f"--dashboard-agent-listen-port={base + 3}",
+                     f"--metrics-export-port={base + 4}", f"--runtime-env-agent-port={base + 5}",
+                     f"--min-worker-port={20000 + 1000 * self.index}", f"--max-worker-port={20999 + 1000 * self.index}"]
+        return argv
+
+
+def srun(host: str, argv: Sequence[str], gpus_per_node: int = 0) -> list[str]:
+    """One task on `host`, beside the batch step (`--overlap`), holding the node's GPUs."""
+    gpus = [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
+    return ["srun", "--nodes=1", "--ntasks=1", "--overlap", f"--nodelist={host}", *gpus, *argv]
+
+
+def job_environment(nodes: Sequence[RayNode]) -> dict[str, str]:
+    """What the nodes and the command share: a token for Ray's authentication (the one given, or a new one
+    for this job), and the loopback switch where the head is 127.0.0.1."""
+    env = {"RAY_AUTH_MODE": "token"}
+    if not os.environ.get("RAY_AUTH_TOKEN") and not os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        env["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
+    if nodes[0].address.startswith("127."):
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    return env
+
+
+class RayOnSlurm:
+    """The Ray nodes of one allocation, started by `start` and stopped by `stop`."""
+
+    def __init__(self, hosts: Sequence[str], *, port: int = DEFAULT_PORT, num_cpus: int | None = None,
+                 num_gpus: int | None = None, gpus_per_node: int = 0, say: Callable[[str], None] = print):
+        self.nodes = [RayNode(i, h, node_address(h)) for i, h in enumerate(hosts)]
+        self.port, self.num_cpus, self.num_gpus, self.gpus_per_node = port, num_cpus, num_gpus, gpus_per_node
+        self.say = say
+        self.env = {**os.environ, **job_environment(self.nodes)}
+        self.steps: list[subprocess.Popen] = []
+
+    @property
+    def address(self) -> str:
+        return f"{self.nodes[0].address}:{self.port}"
+
+    def start(self, deadline_s: float) -> str:
+        """Start every node and wait (at most `deadline_s`) until all have joined; returns the address."""
+        shared = len({n.address for n in self.nodes}) < len(self.nodes)
+        head = self.nodes[0]
+        for node in self.nodes:
+            argv = node.start_command(head, self.port, shared_host=shared, num_cpus=self.num_cpus,
+                                      num_gpus=self.num_gpus)
+            self.say(f"starting Ray node {node.index} on {node.host} ({node.address})")
+            self.steps.append(subprocess.Popen(srun(node.host, argv, self.gpus_per_node), env=self.env,
+                                               stdin=subprocess.DEVNULL, start_new_session=True))
+            if node is head:
+                self._wait_for_head(deadline_s)
+        self._wait_for_nodes(deadline_s)
+        return self.address
+
+    def _wait_for_head(self, deadline_s: float) -> None:
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            self._check_steps()
+            try:
+                with socket.create_connection((self.nodes[0].address, self.port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.5)
+        raise GymvError(f"the Ray head on {self.nodes[0].host} did not open {self.address} within {deadline_s:g} s",
+                        where="gymv cluster up", exit_code=1, fix="see the head's log above; raise --timeout")
+
+    def _wait_for_nodes(self, deadline_s: float) -> None:
+        import ray
+
+        from gymv.cluster.ray_cluster import authenticate, loopback_only, use_token_auth
+
+        env = {k: v for k, v in self.env.items() if k.startswith("RAY_")}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            use_token_auth()
+            if self.nodes[0].address.startswith("127."):
+                loopback_only(ray)
+            authenticate(self.address)
+            ray.init(address=self.address, logging_level="ERROR", log_to_driver=False)
+            try:
+                end = time.monotonic() + deadline_s
+                while (alive := sum(1 for n in ray.nodes() if n.get("Alive"))) < len(self.nodes):
+                    self._check_steps()
+                    if time.monotonic() > end:
+                        raise GymvError(f"{alive} of {len(self.nodes)} Ray nodes joined within {deadline_s:g} s",
+                                        where="gymv cluster up", exit_code=1,
+                                        fix="see the nodes' logs above; raise --timeout")
+                    time.sleep(1.0)
+            finally:
+                ray.shutdown()
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        self.say(f"Ray cluster of {len(self.nodes)} nodes at {self.address}")
+
+    def _check_steps(self) -> None:
+        for node, step in zip(self.nodes, self.steps):
+            if step.poll() is not None:
+                raise GymvError(f"the Ray node on {node.host} exited with code {step.returncode} while starting",
+                                where="gymv cluster up", exit_code=1, fix="see its log above")
+
+    def run(self, command: Sequence[str]) -> int:
+        """Run `command` against the cluster (RAY_ADDRESS and the token in its environment)."""
+        env = {**self.env, "RAY_ADDRESS": self.address}
+        try:
+            return subprocess.run(list(command), env=env).returncode
+        except OSError as e:
+            raise GymvError(f"cannot run {shlex.join(command)} ({e})", where="gymv cluster up", fix="check the command") from None
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """End every node's step: SIGTERM (srun passes it to `ray start`, which stops its node), then SIGKILL."""
+        for step in self.steps:
+            if step.poll() is None:
+                _signal_group(step, signal.SIGTERM)
+        end = time.monotonic() + grace_s
+        for step in self.steps:
+            try:
+                step.wait(timeout=max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(step, signal.SIGKILL)
+                step.wait()
+        self.steps = []
+
+
+def _signal_group(step: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(step.pid, sig)  # the step's own session: srun and what it started on this host
+    except OSError:
+        pass
+
+
+def cluster_up(command: Sequence[str], *, port: int = DEFAULT_PORT, timeout_s: float = 300.0,
+               num_cpus: int | None = None, num_gpus: int | None = None, gpus_per_node: int = 0,
+               say: Callable[[str], None] = print) -> int:
+    """Start Ray on the allocation, run `command`, stop Ray; the command's exit code. Outside an allocation
+    the command runs as it is (a local cluster, or the --ray-address it names)."""
+    if not command:
+        raise GymvError("no command to run", where="gymv cluster up", fix="gymv cluster up -- gymv train RECIPE")
+    if not in_allocation():
+        say("not inside a SLURM allocation (no SLURM_JOB_NODELIST): running the command as it is")
+        return subprocess.run(list(command)).returncode
+    cluster = RayOnSlurm(allocation_hosts(), port=port, num_cpus=num_cpus, num_gpus=num_gpus,
+                         gpus_per_node=gpus_per_node, say=say)
+    try:
+        cluster.start(timeout_s)
+        return cluster.run(command)
+    finally:
+        cluster.stop()
+
+
+@dataclass(frozen=True)
+class BatchJob:
+    """What `gymv cluster sbatch` asks SLURM for: the recipe's nodes and GPUs, and the command to run."""
+
+    nodes: int
+    gpus_per_node: int
+    command: tuple[str, ...]
+    job_name: str
+    time: str | None = None
+    account: str | None = None
+    partition: str | None = None
+    output: str | None = None
+    workdir: str | None = None
+    port: int = DEFAULT_PORT
+
+    def script(self) -> str:
+        head = [f"#SBATCH --job-name={self.job_name}", f"#SBATCH --nodes={self.nodes}", "#SBATCH --ntasks-per-node=1",
+                "#SBATCH --exclusive"]
+        if self.gpus_per_node:
+            head.append(f"#SBATCH --gpus-per-node={self.gpus_per_node}")
+        for flag, value in (("time", self.time), ("account", self.account), ("partition", self.partition),
+                            ("output", self.output)):
+            if value:
+                head.append(f"#SBATCH --{flag}={value}")
+        gymv = shlex.join([sys.executable, "-m", "gymv_cli.main"])
+        up = ["cluster", "up", *([f"--port={self.port}"] if self.port != DEFAULT_PORT else []),
+              *([f"--gpus-per-node={self.gpus_per_node}"] if self.gpus_per_node else [])]
+        lines = ["#!/usr/bin/env bash", f"# written by `gymv cluster sbatch`: {self.nodes} node(s) x "
+                 f"{self.gpus_per_node} GPU(s); Ray starts on every node, then the command runs", *head, "",
+                 "set -euo pipefail"]
+        if self.workdir:
+            lines.append(f"cd {shlex.quote(self.workdir)}")
+        lines.append(f"exec {gymv} {shlex.join(up)} -- {shlex.join(self.command)}")
+        return "\n".join(lines) + "\n"
