@@ -1,16 +1,20 @@
 """`gymv cluster`: the batch script asks SLURM for the recipe's nodes and GPUs, and the launcher it runs starts
 a Ray head and a worker on the allocation's nodes, runs a short training on them, and stops them. SLURM
-itself is not here: `scontrol` and `srun` are replaced by a test harness that lists two nodes named
-localhost and runs each task on this host (127.0.0.1); everything else is gymv's own code and real Ray."""
+itself is not here: `scontrol` and `srun` are replaced by a test harness that lists two nodes named by
+loopback addresses (127.0.0.2 and 127.0.0.3: Ray dials the host's network address for 127.0.0.1 itself) and
+runs each task on this host; everything else is gymv's own code and real Ray."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -53,7 +57,7 @@ def _free_port() -> int:
 
 def _listening(port: int) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
+        with socket.create_connection(("127.0.0.2", port), timeout=1):
             return True
     except OSError:
         return False
@@ -76,15 +80,18 @@ def test_the_generated_job_starts_two_labelled_ray_nodes_trains_on_them_and_stop
     assert made.code == 0, made.stderr
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SLURM_"))}
     env.update(plugin_env(), PATH=f"{harness}{os.pathsep}{env['PATH']}", HOME=str(tmp_path),
-               SLURM_JOB_ID="1", SLURM_JOB_NODELIST="localhost,localhost")
-    job = subprocess.run(["bash", str(tmp_path / "job.sh")], env=env, capture_output=True, text=True, timeout=900)
+               SLURM_JOB_ID="1", SLURM_JOB_NODELIST="127.0.0.2,127.0.0.3")
+    try:
+        job = subprocess.run(["bash", str(tmp_path / "job.sh")], env=env, capture_output=True, text=True, timeout=900)
+    finally:  # the head's Ray temp dir (logs, sockets): short, under the system's temp dir
+        shutil.rmtree(Path(tempfile.gettempdir()) / f"gymv-ray-1-{port}", ignore_errors=True)
     assert job.returncode == 0, job.stderr[-3000:]
     placed = json.loads((tmp_path / "runs" / "slurm" / "placement.json").read_text())
     label = {n["node_id"]: n["labels"].get("gymv-node") for n in placed["nodes"]}
     assert sorted(label.values()) == ["0", "1"]
     assert [label[w["node_id"]] for w in placed["roles"]["training"]["workers"]] == ["1"]
     assert [label[w["node_id"]] for w in placed["roles"]["generation"]["workers"]] == ["0"]
-    assert "Ray cluster of 2 nodes at 127.0.0.1:" in job.stderr
+    assert "Ray cluster of 2 nodes at 127.0.0.2:" in job.stderr
     end = time.monotonic() + 30
     while _listening(port) and time.monotonic() < end:
         time.sleep(0.5)

@@ -36,7 +36,10 @@ def nodes():
     loopback_only(ray)
     local = {"num_cpus": 1, "node_ip_address": LOOPBACK, "include_dashboard": False}
     with plugin_on_path():
-        cluster = Cluster(initialize_head=True, head_node_args={**local, "labels": {"gymv-node": "0"}})
+        # the head notices a lost node within seconds (Ray's default: about half a minute of missed checks)
+        quick = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 2}
+        cluster = Cluster(initialize_head=True,
+                          head_node_args={**local, "labels": {"gymv-node": "0"}, "_system_config": quick})
         try:
             cluster.add_node(**local, labels={"gymv-node": "1"})
             start_ray(cluster.address)
@@ -143,10 +146,11 @@ def test_a_lost_node_is_named_and_the_run_resumes_from_its_newest_checkpoint(nod
     assert summary["complete"] and steps == [1, 2, 3]
 
 
-def test_joining_without_the_clusters_token_names_the_cause_and_the_fix(nodes, tmp_path, gymv):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-    r = gymv("train", REPO / "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", "--ray-address", nodes.address,
-             env={**env, "HOME": str(tmp_path)}, cwd=tmp_path)
+def test_joining_without_the_clusters_token_names_the_cause_and_the_fix(nodes, tmp_path, gymv, monkeypatch):
+    for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        monkeypatch.delenv(key)  # the subprocess inherits this process's environment
+    r = gymv("train", REPO / "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", "grpo.max_steps=1", "--ray-address",
+             nodes.address, env={"HOME": str(tmp_path)}, cwd=tmp_path)
     assert r.code == 2 and "requires token authentication and no token was given" in r.stderr
     assert not (tmp_path / "runs").exists()  # refused before the run directory was written
     assert "RAY_AUTH_TOKEN" in r.stderr and "Traceback" not in r.stderr

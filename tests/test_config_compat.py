@@ -292,3 +292,11 @@ def test_every_rule_has_a_unique_id_and_a_summary():
 def test_the_loader_raises_compatibility_errors_but_validate_config_alone_does_not():
     data = {"algorithm": "grpo", "generation": {"backend": "vllm"}}
     assert validate_config(data).generation.backend == "vllm"
+
+
+def test_colocated_gpus_take_their_placement_from_the_training_role():
+    pinned = {"placement": {"generation": {"labels": {"gymv-node": "0"}}}}
+    assert "cluster.placement-colocated" in rules_hit(cfg(cluster={"gpus_per_node": 8, **pinned}))
+    assert "cluster.placement-colocated" not in rules_hit(cfg(cluster={"gpus_per_node": 0, **pinned}))
+    assert "cluster.placement-colocated" not in rules_hit(
+        cfg(cluster={"gpus_per_node": 8, "colocated": False, "generation_gpus": 4, "training_gpus": 4, **pinned}))

@@ -20,22 +20,23 @@ def ray_cluster():
         yield
 
 
-def _cluster(transport: str):
+def _cluster(transport: str, *, ranks: int = 1, generators: int = 1, backend: str = "torch"):
     from gymv.cluster.group import Placement, PolicyCluster
     from gymv.cluster.workers import WorkerSpec
     from gymv.train.data import EnvSpec
 
     spec = WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSpec("circle_count"), generation_dtype="bfloat16",
-                      refit_transport=transport, refit_bucket_mb=BUCKET_MB, trainer={"precision": "fp32"})
-    return PolicyCluster(spec, Placement(num_generation=1, num_training=1))
+                      refit_transport=transport, refit_bucket_mb=BUCKET_MB, trainer={"precision": "fp32"},
+                      training_backend=backend)
+    return PolicyCluster(spec, Placement(num_generation=generators, num_training=ranks))
 
 
 def _scramble_generator(cluster, version: int) -> None:
     """Give the generator other weights, so only a refit that delivers everything makes the hashes equal."""
     import ray
 
-    weights = ray.get(cluster.trainers[0].weights.remote())
-    ray.get(cluster.generators[0].restore.remote({k: v * 0.5 + version for k, v in weights.items()}, version))
+    weights = ray.get([cluster.trainers[0].weights.remote()] + cluster._followers())[0]  # a sharded trainer gathers
+    ray.get([g.restore.remote({k: v * 0.5 + version for k, v in weights.items()}, version) for g in cluster.generators])
 
 
 def test_bucketed_collective_refits_give_the_generator_the_trainers_weights_exactly():
@@ -48,5 +49,18 @@ def test_bucketed_collective_refits_give_the_generator_the_trainers_weights_exac
             cluster.refit(version)
             trainer, generators = cluster.weight_hashes()
             assert generators == [trainer]
+    finally:
+        cluster.shutdown()
+
+
+def test_two_sharded_ranks_each_broadcast_their_share_and_both_generators_get_the_weights_exactly():
+    cluster = _cluster("collective", ranks=2, generators=2, backend="fsdp2")
+    try:
+        assert cluster._senders == cluster.trainers  # every rank sends: a group of its own with the receivers
+        for version in (1, 2):
+            _scramble_generator(cluster, version)
+            cluster.refit(version)
+            trainer, generators = cluster.weight_hashes()
+            assert generators == [trainer, trainer]
     finally:
         cluster.shutdown()

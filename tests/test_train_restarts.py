@@ -19,7 +19,7 @@ def lost(run_dir: str | None = "runs/x", code: int = LOST_EXIT) -> GymvError:
 def test_a_lost_worker_restarts_the_run_from_its_run_directory_until_it_finishes():
     calls, said = [], []
 
-    def run_once(resume_dir):
+    def run_once(resume_dir, after):
         calls.append(resume_dir)
         if len(calls) < 3:
             raise lost()
@@ -31,7 +31,7 @@ def test_a_lost_worker_restarts_the_run_from_its_run_directory_until_it_finishes
 
 
 def test_restarts_stop_at_the_limit_with_the_count_in_the_error():
-    def run_once(resume_dir):
+    def run_once(resume_dir, after):
         raise lost()
 
     with pytest.raises(GymvError, match=r"was lost \(after 1 restart\)"):
@@ -42,7 +42,7 @@ def test_restarts_stop_at_the_limit_with_the_count_in_the_error():
 def test_other_failures_are_never_restarted(error):
     calls = []
 
-    def run_once(resume_dir):
+    def run_once(resume_dir, after):
         calls.append(resume_dir)
         raise error
 

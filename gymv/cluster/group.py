@@ -287,10 +287,11 @@ class PolicyCluster:
     def _connect_refit(self) -> None:
         n, senders = len(self.generators), len(self._senders)
         opened = self._get([t.refit_open.remote(n, self.transport, senders) for t in self._senders]
-                           + [t.follow_weights.remote() for t in self.trainers[senders:]], "refit setup")[0]
-        self._in_band = opened["in_band"]
-        refs = [self.trainers[0].refit_connect.remote()]
-        refs += [g.refit_connect.remote(opened["info"], 1 + i, self.transport) for i, g in enumerate(self.generators)]
+                           + [t.follow_weights.remote() for t in self.trainers[senders:]], "refit setup")[:senders]
+        self._in_band = opened[0]["in_band"]
+        info = opened[0]["info"] if senders == 1 else [o["info"] for o in opened]  # a group per sending rank
+        refs = [t.refit_connect.remote() for t in self._senders]
+        refs += [g.refit_connect.remote(info, 1 + i, self.transport) for i, g in enumerate(self.generators)]
         self._get(refs, "refit setup")  # collective transports rendezvous here, all sides at once
         self._refit_ready = True
 

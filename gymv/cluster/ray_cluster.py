@@ -65,6 +65,8 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None, num_gp
         authenticate(address)
     try:
         if address:
+            if os.environ.get(DRIVER_NODE_IP):  # the node this driver runs on, as the launcher knows it
+                kwargs["_node_ip_address"] = os.environ[DRIVER_NODE_IP]
             ray.init(address=address, **kwargs)
             started = False
         else:
@@ -147,6 +149,7 @@ def use_token_auth() -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
+DRIVER_NODE_IP = "GYMV_DRIVER_NODE_IP"  # set by `gymv cluster up`: the head's address, where its command runs
 LOOPBACK = "127.0.0.1"
 _LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 

@@ -139,7 +139,9 @@ def lost_worker_error(e, phase: str) -> GymvError:
         lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("\t")]
         cause = f"its process ended ({lines[-1] if lines else 'no reason given'})"
         fix = "run with --debug for Ray's message; --max-restarts N resumes from the newest complete checkpoint"
-    return GymvError(f"{who} died during {phase}: {cause}", where=phase, fix=fix, exit_code=LOST_EXIT)
+    err = GymvError(f"{who} died during {phase}: {cause}", where=phase, fix=fix, exit_code=LOST_EXIT)
+    err.lost_node = seat.node_id if seat and cause.startswith("node") else None
+    return err
 
 
 LOST_EXIT = 75  # a worker or node was lost (EX_TEMPFAIL): a restart may succeed where the run stopped

@@ -12,9 +12,9 @@ sender casts to the generation dtype while flattening (bf16 generation gets half
 | cuda_ipc | flat CUDA buffer, shared by a CUDA IPC handle (same GPU, no copy through the host) | views of it |
 | nccl | CUDA buckets broadcast over a dedicated NCCL group (trainer rank 0 + receivers) | its own flat buffer |
 
-With several training ranks, object_store ships from all of them (`shares_sending`): bucket k goes out from
-rank k mod R, into the object store of that rank's node, and each receiver joins the ranks' shares
-(`merge_shares`); the other transports send from rank 0.
+With several training ranks, object_store and collective (nccl) ship from all of them (`shares_sending`):
+bucket k goes out from rank k mod R (into the object store of that rank's node; or broadcast in a group of
+that rank and the receivers), and each receiver joins the ranks' shares; shm and cuda_ipc send from rank 0.
 
 The `collective` implementation behind `nccl` also runs on gloo (CPU), which is how it is tested here.
 Encoder-cache resets are the receiver's caller's job (GenerationWorker), after a refit that succeeded.
@@ -638,12 +638,15 @@ class CudaIpcReceiver(RefitReceiver):
 class CollectiveSender(RefitSender):
     """Broadcast from a process group of its own: rank 0 = this trainer, ranks 1..R = the receivers. Each
     bucket is broadcast asynchronously (NCCL runs it on its own stream) while the next one fills; a status
-    broadcast ends every refit (1: load it, 0: the sender failed midway, load nothing)."""
+    broadcast ends every refit (1: load it, 0: the sender failed midway, load nothing). With several sending
+    ranks each has a group of its own with the receivers and broadcasts its share of the buckets there; the
+    receivers take the buckets in layout order, each from its sender's group."""
 
     name = "collective"
     backend = "gloo"
     in_band = False
     bucketed = True
+    shares_sending = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -657,7 +660,7 @@ class CollectiveSender(RefitSender):
         self._store, self._listener = master_store(host, self.num_receivers + 1)
         layout = self._layout(state_dict)
         return {"host": host, "port": self._store.port, "world_size": self.num_receivers + 1, "backend": self.backend,
-                "layout": layout, "spans": self.spans(layout)}
+                "layout": layout, "spans": self.spans(layout), "senders": self.senders}
 
     def connect(self) -> None:
         self._pg = _process_group(self.backend, self._store, 0, self.num_receivers + 1)
@@ -688,8 +691,9 @@ class CollectiveSender(RefitSender):
         try:
             self.staging.wait_all()
             for k in range(sent, len(spans)):
-                start, stop = spans[k]
-                self._pg.broadcast(self._bucket_buffer(k, stop - start), 0).wait()
+                if self.owns(k):
+                    start, stop = spans[k]
+                    self._pg.broadcast(self._bucket_buffer(k, stop - start), 0).wait()
             self._status(0)
         except Exception:  # the group itself failed: the receivers see that failure too
             pass
@@ -706,38 +710,44 @@ class CollectiveSender(RefitSender):
 
 
 class CollectiveReceiver(RefitReceiver):
-    """Receives every bucket into its own flat buffer, then loads it only if the sender's status says so."""
+    """Receives every bucket into its own flat buffer, then loads it only if every sender's status says so.
+    `info` is the sender's rendezvous, or a list of them (one per sending rank; bucket k comes from sender k
+    mod their number)."""
 
     name = "collective"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._pg = None
+        self._pgs: list = []
         self._flat: torch.Tensor | None = None
 
     def connect(self) -> None:
         from torch.distributed import TCPStore
 
-        info = self.info or {}
-        store = TCPStore(info["host"], info["port"], world_size=info["world_size"], is_master=False)
-        self._pg = _process_group(info["backend"], store, self.rank, info["world_size"])
+        infos = self.info if isinstance(self.info, list) else [self.info or {}]
+        for info in infos:
+            store = TCPStore(info["host"], info["port"], world_size=info["world_size"], is_master=False)
+            self._pgs.append(_process_group(info["backend"], store, self.rank, info["world_size"]))
 
     def receive(self, payload):
-        info = payload or self.info
+        info = payload or (self.info[0] if isinstance(self.info, list) else self.info)
         layout: WeightLayout = info["layout"]
         if self._flat is None or self._flat.numel() != layout.numel or self._flat.dtype != layout.torch_dtype:
             self._flat = torch.empty(layout.numel, dtype=layout.torch_dtype, device=self.device)
-        for start, stop in info.get("spans", [(0, layout.numel)]):
-            self._pg.broadcast(self._flat[start:stop], 0).wait()
-        status = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._pg.broadcast(status, 0).wait()
-        if int(status.item()) != 1:
+        for k, (start, stop) in enumerate(info.get("spans", [(0, layout.numel)])):
+            self._pgs[k % len(self._pgs)].broadcast(self._flat[start:stop], 0).wait()
+        ok = True
+        for pg in self._pgs:
+            status = torch.zeros(1, dtype=torch.int32, device=self.device)
+            pg.broadcast(status, 0).wait()
+            ok = ok and int(status.item()) == 1
+        if not ok:
             raise GymvError("refit: the trainer failed midway through sending the weights; none were loaded",
                             where="refit", fix="see the training worker's error")
         return unflatten(self._flat, layout)
 
     def close(self) -> None:
-        self._pg = self._flat = None
+        self._pgs, self._flat = [], None
 
 
 class NcclSender(CollectiveSender):

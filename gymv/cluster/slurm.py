@@ -5,11 +5,13 @@ Inside an allocation: `scontrol show hostnames $SLURM_JOB_NODELIST` lists its no
 One `srun --overlap` step per node runs `ray start --block` there (the head with `--head`, the others joining
 it), each node labelled `gymv-node: "<index>"` so that recipes can pin roles to nodes
 (`cluster.placement.<role>.labels`). Once every node has joined (a deadline, as every wait), the command
-runs with RAY_ADDRESS set; when it ends, the steps are stopped and its exit code is the launcher's. The
+runs on the head node (where the batch script runs) with RAY_ADDRESS set and the head's address as its
+driver's node address (GYMV_DRIVER_NODE_IP, so Ray need not guess the interface); when it ends, the steps are stopped and its exit code is the launcher's. The
 cluster uses Ray's token authentication: a token is made for the job unless one is given (RAY_AUTH_TOKEN),
 and reaches the nodes and the command through the environment srun passes on. Node addresses come from
-the hostnames (resolved on the batch host); a node whose name resolves to 127.0.0.1 keeps Ray on the
-loopback interface, and several nodes on one host get ports of their own.
+the hostnames (resolved on the batch host); several nodes on one host get ports of their own. The nodes
+listen on the node's network (as every node of a multi-node Ray cluster must): keep the allocation on a
+private network; the token guards Ray's own RPCs.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gymv.cluster.preflight import NODE_LABEL
+from gymv.cluster.ray_cluster import DRIVER_NODE_IP
 from gymv.errors import GymvError
 
 DEFAULT_PORT = 6379
@@ -71,8 +74,9 @@ class RayNode:
         """`ray start --block` for this node: the head opens the cluster at `port`, the others join it."""
         argv = [str(Path(sys.executable).with_name("ray")), "start", "--block", f"--node-ip-address={self.address}",
                 f"--labels={NODE_LABEL}={self.index}", "--disable-usage-stats"]
-        if self.index == 0:
-            argv += ["--head", f"--port={port}", "--include-dashboard=false"]
+        if self.index == 0:  # a temp dir of its own: Ray's default one would make this the machine's
+            argv += ["--head", f"--port={port}", "--include-dashboard=false",  # cluster for any local ray.init()
+                     f"--temp-dir={temp_dir(port)}"]
         else:
             argv += [f"--address={head.address}:{port}"]
         if num_cpus is not None:
@@ -88,6 +92,13 @@ class RayNode:
         return argv
 
 
+def temp_dir(port: int) -> str:
+    """The head's Ray temp dir, per job (Ray records the running cluster there for `ray.init()` to find)."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"gymv-ray-{os.environ.get('SLURM_JOB_ID', 'job')}-{port}")
+
+
 def srun(host: str, argv: Sequence[str], gpus_per_node: int = 0) -> list[str]:
     """One task on `host`, beside the batch step (`--overlap`), holding the node's GPUs."""
     gpus = [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
@@ -100,8 +111,6 @@ def job_environment(nodes: Sequence[RayNode]) -> dict[str, str]:
     env = {"RAY_AUTH_MODE": "token"}
     if not os.environ.get("RAY_AUTH_TOKEN") and not os.environ.get("RAY_AUTH_TOKEN_PATH"):
         env["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
-    if nodes[0].address.startswith("127."):
-        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     return env
 
 
@@ -122,13 +131,14 @@ class RayOnSlurm:
 
     def start(self, deadline_s: float) -> str:
         """Start every node and wait (at most `deadline_s`) until all have joined; returns the address."""
-        shared = len({n.address for n in self.nodes}) < len(self.nodes)
+        shared = _shared_host(self.nodes)
         head = self.nodes[0]
         for node in self.nodes:
             argv = node.start_command(head, self.port, shared_host=shared, num_cpus=self.num_cpus,
                                       num_gpus=self.num_gpus)
             self.say(f"starting Ray node {node.index} on {node.host} ({node.address})")
-            self.steps.append(subprocess.Popen(srun(node.host, argv, self.gpus_per_node), env=self.env,
+            self.steps.append(subprocess.Popen(srun(node.host, argv, self.gpus_per_node),
+                                               env=self.env,
                                                stdin=subprocess.DEVNULL, start_new_session=True))
             if node is head:
                 self._wait_for_head(deadline_s)
@@ -160,7 +170,8 @@ class RayOnSlurm:
             if self.nodes[0].address.startswith("127."):
                 loopback_only(ray)
             authenticate(self.address)
-            ray.init(address=self.address, logging_level="ERROR", log_to_driver=False)
+            ray.init(address=self.address, logging_level="ERROR", log_to_driver=False,
+                     _node_ip_address=self.nodes[0].address)  # this launcher runs on the head node
             try:
                 end = time.monotonic() + deadline_s
                 while (alive := sum(1 for n in ray.nodes() if n.get("Alive"))) < len(self.nodes):
@@ -185,13 +196,13 @@ class RayOnSlurm:
 
     def run(self, command: Sequence[str]) -> int:
         """Run `command` against the cluster (RAY_ADDRESS and the token in its environment)."""
-        env = {**self.env, "RAY_ADDRESS": self.address}
+        env = {**self.env, "RAY_ADDRESS": self.address, DRIVER_NODE_IP: self.nodes[0].address}
         try:
             return subprocess.run(list(command), env=env).returncode
         except OSError as e:
             raise GymvError(f"cannot run {shlex.join(command)} ({e})", where="gymv cluster up", fix="check the command") from None
 
-    def stop(self, grace_s: float = 30.0) -> None:
+    def stop(self, grace_s: float = 45.0) -> None:
         """End every node's step: SIGTERM (srun passes it to `ray start`, which stops its node), then SIGKILL."""
         for step in self.steps:
             if step.poll() is None:
@@ -204,6 +215,12 @@ class RayOnSlurm:
                 _signal_group(step, signal.SIGKILL)
                 step.wait()
         self.steps = []
+
+
+def _shared_host(nodes: Sequence[RayNode]) -> bool:
+    """Whether some nodes share a host (the same address, or loopback addresses), so need ports of their own."""
+    loopback = [n for n in nodes if n.address.startswith("127.")]
+    return len({n.address for n in nodes}) < len(nodes) or len(loopback) > 1
 
 
 def _signal_group(step: subprocess.Popen, sig: int) -> None:
@@ -225,6 +242,8 @@ def cluster_up(command: Sequence[str], *, port: int = DEFAULT_PORT, timeout_s: f
         return subprocess.run(list(command)).returncode
     cluster = RayOnSlurm(allocation_hosts(), port=port, num_cpus=num_cpus, num_gpus=num_gpus,
                          gpus_per_node=gpus_per_node, say=say)
+    # SLURM ends a job (time limit, scancel) with SIGTERM: stop the nodes on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         cluster.start(timeout_s)
         return cluster.run(command)

@@ -150,10 +150,7 @@ class TeacherPool:
     def __init__(self, cfg, specs: dict[str, TeacherSpec], *, policy_pg=None):
         import ray
 
-        from gymv.cluster.group import ray_get
         from gymv.cluster.placement import Deadlines
-        from gymv.cluster.ray_placement import ROSTER, wait_placed
-        from gymv.cluster.roles import RolePlan
 
         self.specs = specs
         self.deadlines = Deadlines.from_config(cfg.cluster)
@@ -161,11 +158,22 @@ class TeacherPool:
         self.replicas: dict[str, list] = {}
         self._pgs = []
         Worker = ray.remote(TeacherWorker)
+        try:
+            self._start(cfg, Worker, policy_pg)
+        except BaseException:  # nothing of a pool that failed to start outlives it
+            self.shutdown()
+            raise
+
+    def _start(self, cfg, Worker, policy_pg) -> None:
+        from gymv.cluster.group import ray_get
+        from gymv.cluster.ray_placement import ROSTER, wait_placed
+        from gymv.cluster.roles import RolePlan
+
         for alias, spec in self.specs.items():
             opts, pg = replica_options(cfg, alias, policy_pg=policy_pg)
-            if pg is not None:
-                self._pgs.append(pg)
+            if pg is not None:  # a group that is not placed in time is removed by wait_placed
                 wait_placed(pg, RolePlan(f"teacher {alias}", tuple(pg.bundle_specs), "PACK"), self.deadlines.placement_s)
+                self._pgs.append(pg)
             self.replicas[alias] = [Worker.options(**o).remote(spec, r) for r, o in enumerate(opts)]
             for r, w in enumerate(self.replicas[alias]):
                 ROSTER.add(w, f"teacher {alias}", r)

@@ -201,6 +201,16 @@ def _gpu_split(cfg: RecipeBase) -> Iterator[Finding]:
                    "give the idle GPUs to generation or training", "warning")
 
 
+@rule("cluster.placement-colocated", "colocated on GPUs, generation shares the training bundles and their placement")
+def _placement_colocated(cfg: RecipeBase) -> Iterator[Finding]:
+    c = cfg.cluster
+    if c.colocated and total_gpus(cfg) > 0 and c.placement.generation != type(c.placement.generation)():
+        yield _err("cluster.placement-colocated", "cluster.placement.generation",
+                   "cluster.placement.generation is set, but colocated generation workers sit in the training ranks' "
+                   "bundles, which cluster.placement.training places", "move the settings to cluster.placement.training, "
+                   "or set cluster.colocated: false")
+
+
 @rule("parallel.divides-gpus", "tensor*pipeline*context must divide the training GPUs")
 def _parallel_divides(cfg: RecipeBase) -> Iterator[Finding]:
     gpus, mp = training_gpus(cfg), model_parallel_size(cfg)

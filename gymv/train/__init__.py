@@ -141,11 +141,11 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
     first = load_training_recipe(recipe, overrides, resume_dir=resume_dir, smoke=smoke, async_grpo=async_grpo)
     c = first.validated.cluster
 
-    def run_once(restart_dir: str | None) -> dict:
+    def run_once(restart_dir: str | None, after: GymvError | None) -> dict:
         if restart_dir is None:
             return _train_once(first, resume_dir, ray_address, reporter)
         if ray_running():  # a joined cluster: its scheduler may be bringing a replacement node
-            wait_for_nodes(c.num_nodes, c.placement_timeout_s, reporter.on_message)
+            wait_for_nodes(c.num_nodes, c.placement_timeout_s, reporter.on_message, getattr(after, "lost_node", None))
         return _train_once(load_training_recipe(None, resume_dir=restart_dir), restart_dir, ray_address, reporter)
 
     return with_restarts(run_once, max_restarts=c.max_restarts, say=reporter.on_message)
@@ -209,6 +209,7 @@ def _train_once(rec, resume_dir: str | None, ray_address: str | None, reporter: 
         note = f"; the run stopped, its newest complete checkpoint is {latest}" if latest else "; the run stopped before its first checkpoint"
         stopped = GymvError(e.message + note, where=e.where, fix=e.fix, exit_code=e.exit_code)
         stopped.run_dir = str(run.path)  # where an automatic restart resumes (gymv.train.launch)
+        stopped.lost_node = getattr(e, "lost_node", None)  # which node it waits to see dropped
         raise stopped from None
     finally:
         _close_loggers(run)

@@ -42,30 +42,36 @@ def check_joined(cfg, address: str, where: Callable[[str], str], recipe: str | N
     return check(cfg, run_plans(cfg), ray_nodes(), cluster=f"the Ray cluster at {address}", where=where, recipe=recipe)
 
 
-def wait_for_nodes(count: int, deadline_s: float, say: Callable[[str], None]) -> None:
-    """After a lost node: wait (at most `deadline_s`) until the joined cluster has `count` alive nodes again
-    (a scheduler replacing the node), so the restart's pre-flight sees the cluster whole."""
+def wait_for_nodes(count: int, deadline_s: float, say: Callable[[str], None], lost: str | None = None) -> None:
+    """After a lost node: wait (at most `deadline_s`) until Ray has marked the `lost` node dead (so nothing is
+    placed on it again) and the joined cluster has `count` alive nodes (a scheduler replacing the node),
+    so the restart's pre-flight sees the cluster as it is."""
     import ray
 
-    alive = sum(1 for n in ray.nodes() if n.get("Alive"))
-    if alive >= count:
+    def ready() -> bool:
+        nodes = ray.nodes()
+        gone = lost is None or not any(n["NodeID"] == lost and n.get("Alive") for n in nodes)
+        return gone and sum(1 for n in nodes if n.get("Alive")) >= count
+
+    if ready():
         return
-    say(f"waiting up to {deadline_s:g} s for {count} alive Ray nodes ({alive} now)")
+    say(f"waiting up to {deadline_s:g} s for Ray to drop the lost node and have {count} alive nodes")
     end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
+    while time.monotonic() < end and not ready():
         time.sleep(1.0)
-        if sum(1 for n in ray.nodes() if n.get("Alive")) >= count:
-            return
 
 
-def with_restarts(run_once: Callable[[str | None], dict], *, max_restarts: int, say: Callable[[str], None]) -> dict:
-    """Run `run_once(resume_dir)`; after a lost node or worker (exit code LOST_EXIT) run it again on the run
-    directory it wrote, which resumes from its newest complete checkpoint, at most `max_restarts` times."""
+def with_restarts(run_once: Callable[[str | None, GymvError | None], dict], *, max_restarts: int,
+                  say: Callable[[str], None]) -> dict:
+    """Run `run_once(resume_dir, after)`; after a lost node or worker (exit code LOST_EXIT) run it again on the
+    run directory it wrote, which resumes from its newest complete checkpoint, at most `max_restarts` times
+    (`after` is the error that stopped the previous launch)."""
     resume_dir: str | None = None
+    after: GymvError | None = None
     restarts = 0
     while True:
         try:
-            return run_once(resume_dir)
+            return run_once(resume_dir, after)
         except GymvError as e:
             run_dir = getattr(e, "run_dir", None)
             if e.exit_code != LOST_EXIT or restarts >= max_restarts or run_dir is None:
@@ -74,6 +80,6 @@ def with_restarts(run_once: Callable[[str | None], dict], *, max_restarts: int, 
                                     fix=e.fix, exit_code=e.exit_code) from None
                 raise
             restarts += 1
-            resume_dir = run_dir
+            resume_dir, after = run_dir, e
             say(f"restart {restarts}/{max_restarts} after: {e.message}; resuming {run_dir} from its newest complete "
                 "checkpoint")

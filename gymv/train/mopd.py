@@ -110,7 +110,7 @@ def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
     cluster_kwargs = {"gpu_share": COLOCATED_POLICY_SHARE} if shares_gpu else {}
     cluster = PolicyCluster(worker_spec(cfg, ctx.model_path), Placement.from_config(cfg),
                             in_flight_refit=mopd.async_.enabled and mopd.async_.in_flight_weight_updates,
-                            **cluster_kwargs)
+                            lagging_receivers=mopd.async_.enabled, **cluster_kwargs)
     pool = None
     try:
         report.on_message(f"starting teachers: {', '.join(mopd.teachers)}")
