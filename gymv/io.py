@@ -55,8 +55,15 @@ def follow_umask(path: str | os.PathLike) -> None:
 
 @contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
-    """Write to a temporary file beside `path`, fsync, then rename over it; on error the target is untouched."""
+    """Write to a temporary file beside `path`, fsync, then rename over it; on error the target is untouched.
+
+    A target that exists and is neither a file nor a folder (a device such as /dev/null, a named pipe) is
+    written into, as a shell's `>` would: renaming over it would replace the device itself."""
     path = Path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():
+        with _straight_into(path, mode, **kwargs) as f:
+            yield f
+        return
     try:
         if path.is_dir():
             raise IsADirectoryError(errno.EISDIR, "is a directory")
@@ -122,6 +129,17 @@ def write_error(path: Path | str, e: OSError) -> WriteError:
     return WriteError(f"cannot write: {e.strerror or e}", where=str(path),
                       fix=_FIXES.get(e.errno, "check the path and its folder's permissions"))
 
+
+
+@contextmanager
+def _straight_into(path: Path, mode: str, **kwargs: Any) -> Iterator[IO]:
+    try:
+        with open(path, mode, **kwargs) as f:
+            yield f
+    except OSError as e:
+        if e.errno in _FILE_ERRNOS:
+            raise write_error(path, e) from None
+        raise
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

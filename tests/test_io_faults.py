@@ -100,3 +100,31 @@ def test_lint_calls_a_fifo_what_it_is_and_an_over_long_path_unreadable(tmp_path)
         lint_paths([tmp_path / "r.yaml"])
     with pytest.raises(GymvError, match="cannot read: File name too long"):
         lint_paths([tmp_path / ("a" * 400)])
+
+
+def test_a_device_as_the_output_is_written_into_never_replaced(tmp_path):
+    """`--out /dev/full` replaced the device with a regular file (as root); a device of our own here."""
+    import stat
+
+    full = tmp_path / "full"
+    try:
+        os.mknod(full, 0o666 | stat.S_IFCHR, os.makedev(1, 7))  # the kernel's /dev/full: every write is ENOSPC
+    except PermissionError:
+        pytest.skip("making a device needs root")
+    with pytest.raises(GymvError, match="No space left on device") as e:
+        atomic_write_text(full, "rows\n" * 10_000)
+    assert e.value.where == str(full) and stat.S_ISCHR(full.stat().st_mode)
+
+
+def test_a_named_pipe_as_the_output_gets_the_text_and_stays_a_pipe(tmp_path):
+    import stat
+    import threading
+
+    fifo = tmp_path / "out"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    atomic_write_text(fifo, "row 1\nrow 2\n")
+    reader.join(timeout=30)
+    assert got == ["row 1\nrow 2\n"] and stat.S_ISFIFO(fifo.stat().st_mode)
