@@ -67,9 +67,10 @@ def serve(
     from gymv.envs.server import EnvServer
 
     if max_body_mb <= 0 or max_session_mb <= 0:
-        raise GymvError("--max-body-mb and --max-session-mb must be positive")
+        raise GymvError("--max-body-mb and --max-session-mb must be positive",
+                        fix="give sizes in MiB above 0, e.g. --max-body-mb 64")
     if latency_ms < 0:
-        raise GymvError("--latency-ms must be >= 0")
+        raise GymvError("--latency-ms must be >= 0", fix="give 0 (no delay) or more milliseconds")
     if read_deadline <= 0:
         raise GymvError("--read-deadline must be positive", fix="give seconds, e.g. --read-deadline 60")
     env = get_env(name, **({"max_turns": max_turns} if max_turns is not None else {}))
@@ -109,7 +110,8 @@ def verify(
     from gymv_cli.output import console, print_json, table
 
     if on_error not in ("fail", "skip"):
-        raise GymvError(f"--on-error must be fail or skip, got {on_error!r}")
+        raise GymvError(f"--on-error must be fail or skip, got {on_error!r}",
+                        fix="pass --on-error fail or --on-error skip")
     report = verify_rollouts(rollouts, data=data, env=env, on_error=on_error, out=out)
     if json_out:
         print_json(report.as_dict())

@@ -61,9 +61,10 @@ def prepare(
                                 describe_knobs(resolved), justify_numbers=False))
         return
     if n is None or out is None:
-        raise GymvError("--n and --out are required", fix=f"e.g. gymv prepare {environment.name} --n 100 --out rows.jsonl")
+        raise GymvError("--n and --out are required",
+                        fix=f"e.g. gymv prepare {environment.name} --n 100 --out rows.jsonl")
     if preview_count < 1:
-        raise GymvError("--preview-count must be at least 1")
+        raise GymvError("--preview-count must be at least 1", fix="pass --preview-count 1 or more")
 
     sample: list[str] = []
     bar = progress()
@@ -114,7 +115,8 @@ def _prepare_mix(spec: list[str], *, out, seed: int, split: str, preset: str, wo
                         fix="give each part as ENV:PRESET:N, e.g. gymv prepare mix circle-count:tiny:200 arithmetic:tiny:200 --out mixed.jsonl")
     parts = parse_mix_spec(spec)
     if out is None:
-        raise GymvError("--out is required", fix="e.g. gymv prepare mix circle-count:tiny:200 arithmetic:tiny:200 --out mixed.jsonl")
+        raise GymvError("--out is required",
+                        fix="e.g. gymv prepare mix circle-count:tiny:200 arithmetic:tiny:200 --out mixed.jsonl")
     bar = progress()
     bar.live.auto_refresh = False  # no refresh thread: row workers are forked only from a single-threaded process
     task = bar.add_task(f"mix {split}", total=sum(p.n for p in parts))

@@ -128,7 +128,8 @@ def parse_yaml(text: str, where: str) -> YamlDoc:
     except RecursionError:
         raise GymvError("the YAML nests too deeply to read", where=where, fix="flatten the structure") from None
     except ValueError as e:  # e.g. an integer of more than 4300 digits
-        raise GymvError(f"a value cannot be read: {str(e).split(';')[0]}", where=where, fix="shorten that value") from None
+        raise GymvError(f"a value cannot be read: {str(e).split(';')[0]}", where=where,
+                        fix="shorten that value") from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         loc = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark else where
@@ -153,9 +154,11 @@ def read_yaml_mapping(path: str | os.PathLike) -> YamlDoc:
     except FileNotFoundError:
         raise GymvError("file not found", where=where, fix="check the path") from None
     except IsADirectoryError:
-        raise GymvError("is a directory, expected a YAML file", where=where) from None
+        raise GymvError("is a directory, expected a YAML file", where=where,
+                        fix="pass the path of a YAML file") from None
     except OSError as e:
-        raise GymvError(f"cannot read: {e.strerror}", where=where) from None
+        raise GymvError(f"cannot read: {e.strerror}", where=where,
+                        fix="check that the file exists and is readable") from None
     except UnicodeDecodeError:
         raise GymvError("not UTF-8 text", where=where, fix="save the file as UTF-8") from None
     doc = parse_yaml(text, where)

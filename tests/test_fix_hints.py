@@ -80,6 +80,22 @@ def _without_values(text: str) -> str:
     return re.sub(r"`(?!gymv )[a-z][\w.-]* [^`]*`", " ", text)
 
 
+ERRORS = ("GymvError", "RowError", "ImageError", "WriteError")
+
+
+def test_every_error_raised_says_how_to_fix_it():
+    """A one-line error without a fix leaves the user guessing; a fix that is only an f-string's value
+    (`fix=e.fix`, passed on) counts."""
+    bare = []
+    for path in SOURCES:
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ERRORS and \
+                    not any(k.arg in ("fix", None) for k in node.keywords):
+                bare.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not bare, "errors without fix=: " + ", ".join(bare)
+
+
 def test_the_source_has_fix_strings_to_check():
     assert len(fix_strings()) > 300
 

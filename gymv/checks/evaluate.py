@@ -223,5 +223,6 @@ def evaluate_checks(checks: Sequence[str | Check], metrics: MetricSeries | str |
         metrics = MetricSeries.from_run(metrics)
     wheres = list(wheres) if wheres is not None else [None] * len(checks)
     if len(wheres) != len(checks):
-        raise GymvError("one location per check is needed", where="evaluate_checks")
+        raise GymvError("one location per check is needed", where="evaluate_checks",
+                        fix="pass one location per check text")
     return [evaluate_check(c, metrics, where=w) for c, w in zip(checks, wheres)]

@@ -52,7 +52,8 @@ def driver_checks(path: str | os.PathLike) -> list[CheckSource]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
-        raise GymvError(f"cannot read driver: {e}", where=shown) from None
+        raise GymvError(f"cannot read driver: {e}", where=shown,
+                        fix="check that the driver file exists and is readable") from None
     begin = end = None
     for n, raw in enumerate(lines, 1):
         s = raw.strip()

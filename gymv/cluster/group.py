@@ -217,7 +217,8 @@ class PolicyCluster:
     def submit_rollouts(self, rows: Sequence[tuple[int, dict]], *, seed: int, **kwargs) -> list[RolloutCall]:
         """Start rollouts of every row, split by prompt across generation workers; returns at once."""
         if not self.generators:
-            raise GymvError("this run has no generation worker", where="cluster")
+            raise GymvError("this run has no generation worker", where="cluster",
+                            fix="give the recipe generation workers (cluster.*), or train with SFT, which needs none")
         calls = []
         for i, chunk in enumerate(_split(list(rows), len(self.generators))):
             if chunk:

@@ -366,7 +366,8 @@ class TrainingWorker:
                                     chat_template_kwargs=self.spec.chat_template_kwargs or None,
                                     tool_call_format=self.spec.tool_call_format)
             if getattr(traj, "error", None):
-                raise GymvError(f"cannot build an SFT sample: {traj.error}", where=where)
+                raise GymvError(f"cannot build an SFT sample: {traj.error}", where=where,
+                                fix="fix or drop that row (its rollout could not be built)")
             out.append(training_sample(traj.token_ids, traj.loss_mask, images=traj.images or (), where=where))
         return out
 

@@ -39,7 +39,7 @@ def row_seeds(split: str, seed: int, n: int) -> range:
     """The row seeds of `n` rows of `split` starting at offset `seed` within the split's own range."""
     own = split_range(split)
     if n < 1:
-        raise GymvError(f"--n must be at least 1, got {n}")
+        raise GymvError(f"--n must be at least 1, got {n}", fix="pass --n 1 or more")
     first, last = own.start + seed, own.start + seed + n - 1
     if first in own and last in own:
         return range(first, last + 1)

@@ -131,15 +131,18 @@ def image_size(url: object, *, where: str | None = None, max_bytes: int = DEFAUL
 
     _, payload = split_data_url(url, where=where)
     if len(payload) > (max_bytes * 4) // 3 + 4:
-        raise ImageError(f"image is larger than the {max_bytes} byte limit", where=where)
+        raise ImageError(f"image is larger than the {max_bytes} byte limit", where=where,
+                         fix="use a smaller image (compress it or lower its resolution)")
     try:
         raw = base64.b64decode(payload, validate=True)
         with Image.open(io.BytesIO(raw)) as img:
             return img.size
     except (binascii.Error, ValueError):
-        raise ImageError("image data URL has invalid base64", where=where) from None
+        raise ImageError("image data URL has invalid base64", where=where,
+                         fix="encode the image as standard base64 after 'data:image/png;base64,'") from None
     except (UnidentifiedImageError, OSError):
-        raise ImageError("data URL does not contain a readable image", where=where) from None
+        raise ImageError("data URL does not contain a readable image", where=where,
+                         fix="embed a PNG, JPEG, GIF, WebP or BMP image") from None
 
 
 # ---------------------------------------------------------------------------------------------- encoding

@@ -163,7 +163,8 @@ class CircleClick(Environment):
     def gold_turn(self, row: dict) -> ModelTurn:
         target = self.target_circle(row)
         if target is None:
-            raise GymvError(f"{self.name}: the row has no circle of its target color, so no gold click exists")
+            raise GymvError(f"{self.name}: the row has no circle of its target color, so no gold click exists",
+                            fix="give the row a circle of its target_color (gymv prepare circle-click makes such rows)")
         args = json.dumps({"x": int(target["x"]), "y": int(target["y"])})
         return ModelTurn(tool_calls=[ToolCall("click", args, call_id="call_gold")])
 

@@ -102,7 +102,8 @@ def check_geometry(knobs: Any, env: str) -> None:
     if rmin < 1:
         raise GymvError(f"{env}: radius must be at least 1 pixel", fix="e.g. radius=7")
     if knobs.edge_margin < 0 or knobs.max_tries < 1:
-        raise GymvError(f"{env}: edge_margin must be >= 0 and max_tries >= 1")
+        raise GymvError(f"{env}: edge_margin must be >= 0 and max_tries >= 1",
+                        fix="set edge_margin to 0 or more and max_tries to 1 or more")
     if 2 * (rmax + knobs.edge_margin) > smin:
         raise GymvError(
             f"{env}: a circle of radius {rmax} with edge_margin {knobs.edge_margin} does not fit in a "
@@ -113,24 +114,29 @@ def check_geometry(knobs: Any, env: str) -> None:
     if unknown:
         raise GymvError(f"{env}: unknown color {unknown[0]!r} in palette", fix=f"colors: {', '.join(COLORS)}")
     if len(set(knobs.palette)) != len(knobs.palette):
-        raise GymvError(f"{env}: palette lists a color twice")
+        raise GymvError(f"{env}: palette lists a color twice", fix="list each color once")
 
 
 def row_circles(row: dict, *, geometry: bool, where: str | None = None) -> tuple[list[dict], str]:
     """The row's `circles` and `target_color`, checked; RowError (the data's fault) when malformed."""
     circles, target = row.get("circles"), row.get("target_color")
     if not isinstance(circles, list):
-        raise RowError("verifier field 'circles' must be a list", where=where)
+        raise RowError("verifier field 'circles' must be a list", where=where,
+                       fix="write circles as a list of {x, y, radius, color} (gymv prepare makes such rows)")
     if not isinstance(target, str):
-        raise RowError("verifier field 'target_color' must be a string", where=where)
+        raise RowError("verifier field 'target_color' must be a string", where=where,
+                       fix='write target_color as a color name, e.g. "red"')
     keys = ("x", "y", "radius", "color") if geometry else ("color",)
     for i, c in enumerate(circles):
         if not isinstance(c, dict) or any(k not in c for k in keys):
-            raise RowError(f"circles[{i}] must be an object with {', '.join(keys)}", where=where)
+            raise RowError(f"circles[{i}] must be an object with {', '.join(keys)}", where=where,
+                           fix="write each circle as {x, y, radius, color}")
         if not isinstance(c["color"], str):
-            raise RowError(f"circles[{i}].color must be a string", where=where)
+            raise RowError(f"circles[{i}].color must be a string", where=where,
+                           fix='write the color as a name, e.g. "red"')
         if geometry and not all(isinstance(c[k], (int, float)) and not isinstance(c[k], bool) for k in ("x", "y", "radius")):
-            raise RowError(f"circles[{i}] x, y and radius must be numbers", where=where)
+            raise RowError(f"circles[{i}] x, y and radius must be numbers", where=where,
+                           fix="write x, y and radius as numbers")
     return circles, target
 
 

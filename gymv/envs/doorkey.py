@@ -115,7 +115,8 @@ class DoorKey(Environment):
         except GridError as e:
             raise RowError(str(e), where=where, fix="generate rows with `gymv prepare doorkey`") from None
         if world.shortest_path() is None:
-            raise RowError("the grid's goal cannot be reached", where=where)
+            raise RowError("the grid's goal cannot be reached", where=where,
+                           fix="make a grid whose goal is reachable (gymv prepare doorkey makes such rows)")
         return row
 
     # -- data ----------------------------------------------------------------------------------------
@@ -163,7 +164,7 @@ class DoorKey(Environment):
         try:
             world = World.parse(row.get("grid"))
         except GridError as e:
-            raise RowError(str(e)) from None
+            raise RowError(str(e), fix="write the grid as gymv prepare doorkey does") from None
         moves = _moves(output)
         for d in moves:
             world.move(d)
@@ -177,7 +178,8 @@ class DoorKey(Environment):
     def gold_turns(self, row: dict) -> list[ModelTurn]:
         path = World.parse(row["grid"]).shortest_path()
         if path is None:
-            raise GymvError(f"{self.name}: the row's goal cannot be reached, so it has no gold episode")
+            raise GymvError(f"{self.name}: the row's goal cannot be reached, so it has no gold episode",
+                            fix="make a grid whose goal is reachable (gymv prepare doorkey makes such rows)")
         return [ModelTurn(tool_calls=[ToolCall("move", json.dumps({"direction": d}), call_id=f"call_gold_{i}")])
                 for i, d in enumerate(path)]
 

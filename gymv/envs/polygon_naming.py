@@ -123,7 +123,8 @@ class PolygonNaming(Environment):
                             fix="add shapes or colors")
         (smin, smax), (rmin, rmax) = knobs.image_size, knobs.radius
         if smin < 16 or smax > 4096:
-            raise GymvError(f"{self.name}: image_size {smin}:{smax} must lie within 16:4096")
+            raise GymvError(f"{self.name}: image_size {smin}:{smax} must lie within 16:4096",
+                            fix="set image_size within 16:4096")
         if rmin < 3 or 2 * rmax + 2 > smin:
             raise GymvError(f"{self.name}: radius {rmin}:{rmax} must be at least 3 and fit a {smin}px picture",
                             fix=f"use radius up to {(smin - 2) // 2}")
@@ -165,18 +166,21 @@ class PolygonNaming(Environment):
         super().check_row(row, where=where)
         polygons = row["polygons"]
         if not isinstance(polygons, list) or len(polygons) != PICTURES:
-            raise RowError(f"verifier field 'polygons' must be a list of {PICTURES} objects", where=where)
+            raise RowError(f"verifier field 'polygons' must be a list of {PICTURES} objects", where=where,
+                           fix="write polygons as gymv prepare polygon-naming does")
         for i, p in enumerate(polygons):
             if not isinstance(p, dict) or not all(isinstance(p.get(k), str) for k in ("shape", "color")) \
                     or p["shape"] not in POLYGONS or p["color"] not in COLORS:
                 raise RowError(f"polygons[{i}] needs a known 'shape' ({', '.join(POLYGONS)}) and 'color' "
-                               f"({', '.join(COLORS)})", where=where)
+                               f"({', '.join(COLORS)})", where=where, fix="use a known shape and color name")
             if not all(isinstance(p.get(k), (int, float)) and not isinstance(p.get(k), bool)
                        for k in ("x", "y", "radius")):
-                raise RowError(f"polygons[{i}] x, y and radius must be numbers", where=where)
+                raise RowError(f"polygons[{i}] x, y and radius must be numbers", where=where,
+                               fix="write x, y and radius as numbers")
         size = row.get("image_size")
         if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= 4096:
-            raise RowError("field 'image_size' must be an integer from 1 to 4096", where=where)
+            raise RowError("field 'image_size' must be an integer from 1 to 4096", where=where,
+                           fix="set image_size to an integer from 1 to 4096")
         return row
 
     # -- scoring -------------------------------------------------------------------------------------

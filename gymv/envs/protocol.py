@@ -163,7 +163,7 @@ class Environment(ABC):
     def __init__(self, *, max_turns: int | None = None):
         if max_turns is not None:
             if max_turns < 1:
-                raise GymvError(f"max_turns must be at least 1, got {max_turns}")
+                raise GymvError(f"max_turns must be at least 1, got {max_turns}", fix="set max_turns to 1 or more")
             self.max_turns = max_turns
 
     # -- tools ---------------------------------------------------------------------------------------
@@ -211,7 +211,8 @@ class Environment(ABC):
     def check_row(self, row: object, *, where: str | None = None) -> dict:
         """Check the verifier fields of a row; raise RowError naming the field. Returns the row."""
         if not isinstance(row, dict):
-            raise RowError(f"a row must be a JSON object, got {type(row).__name__}", where=where)
+            raise RowError(f"a row must be a JSON object, got {type(row).__name__}", where=where,
+                           fix="write one JSON object per line")
         for key in self.verifier_fields:
             if key not in row:
                 raise RowError(f"row is missing the verifier field {key!r} that {self.name} needs", where=where,
@@ -282,7 +283,8 @@ class Environment(ABC):
 
     def make_row(self, rng: random.Random, knobs: Any, index: int) -> dict:
         """One data row from its own RNG; must depend on nothing else, so that generation parallelises."""
-        raise GymvError(f"environment {self.name!r} does not generate data")
+        raise GymvError(f"environment {self.name!r} does not generate data",
+                        fix="use an environment with a generator (see gymv prepare --help), or pass data.train rows")
 
     def matches(self, row: dict) -> bool:
         """Whether a row without agent_ref looks like this environment's (used to pick a verifier)."""

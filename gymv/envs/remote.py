@@ -83,7 +83,8 @@ class RemoteEnv(Environment):
         if protocol not in PROTOCOLS:
             raise GymvError(f"unknown remote protocol {protocol!r}", fix=f"use one of: {', '.join(PROTOCOLS)}")
         if retries < 0 or timeout_s <= 0 or backoff_s < 0:
-            raise GymvError("retries must be >= 0, timeout_s > 0 and backoff_s >= 0")
+            raise GymvError("retries must be >= 0, timeout_s > 0 and backoff_s >= 0",
+                            fix="set env.retries >= 0 and env.timeout_s > 0")
         self.url = url.rstrip("/")
         self.timeout_s, self.retries, self.backoff_s = float(timeout_s), int(retries), float(backoff_s)
         info = self._describe()
@@ -162,7 +163,8 @@ class RemoteEnv(Environment):
                 answer = self._call("POST /seed_session", lambda: client.seed_session(row))
         except EnvHTTPError as e:
             if e.status == 422:
-                raise RowError(f"the environment server refused the row: {e.detail}", where=where) from None
+                raise RowError(f"the environment server refused the row: {e.detail}", where=where,
+                               fix="fix the row as the server's message says, or drop it") from None
             other = "resources" if self.protocol == "gymnasium" else "gymnasium"
             raise RemoteEnvError(f"POST {endpoint} answered HTTP {e.status}: {e.detail}", where=self.url,
                                  fix=f"this server has no {endpoint}: set env.kwargs.protocol: {other} (or auto)"
@@ -261,7 +263,8 @@ class RemoteEnv(Environment):
             answer = self._call("POST /verify", lambda: self._client().verify(body))
         except EnvHTTPError as e:
             if e.status == 422:
-                raise RowError(f"the environment server cannot score the row: {e.detail}") from None
+                raise RowError(f"the environment server cannot score the row: {e.detail}",
+                               fix="fix the row as the server's message says, or drop it") from None
             raise RemoteEnvError(f"POST /verify answered HTTP {e.status}: {e.detail}", where=self.url,
                                  exit_code=1) from None
         reward = answer.get("reward") if isinstance(answer, dict) else None

@@ -29,18 +29,20 @@ def row_input(row: dict, *, where: str | None = None) -> list:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
-        raise RowError("'responses_create_params.input' must be a non-empty list of messages", where=where)
+        raise RowError("'responses_create_params.input' must be a non-empty list of messages", where=where,
+                       fix="give responses_create_params.input as a list of {role, content} messages")
     return items
 
 
 def _parse_part(part: object, path: str, where: str | None) -> Part:
     if not isinstance(part, dict):
-        raise RowError(f"{path} must be an object, got {type(part).__name__}", where=where)
+        raise RowError(f"{path} must be an object, got {type(part).__name__}", where=where,
+                       fix='write each content part as an object such as {"type": "input_text", "text": ...}')
     kind = part.get("type")
     if kind in ("input_text", "output_text", "text"):
         text = part.get("text")
         if not isinstance(text, str):
-            raise RowError(f"{path}.text must be a string", where=where)
+            raise RowError(f"{path}.text must be a string", where=where, fix="write the part's text as a string")
         return Text(text)
     if kind in ("input_image", "image_url"):
         url = part.get("image_url")
@@ -55,17 +57,21 @@ def _parse_part(part: object, path: str, where: str | None) -> Part:
 def parse_message(item: object, path: str = "message", *, where: str | None = None) -> Message:
     """A Responses-API message item (string or list content) as a Message."""
     if not isinstance(item, dict):
-        raise RowError(f"{path} must be an object, got {type(item).__name__}", where=where)
+        raise RowError(f"{path} must be an object, got {type(item).__name__}", where=where,
+                       fix='write each input item as an object such as {"role": "user", "content": ...}')
     if item.get("type", "message") != "message":
-        raise RowError(f"{path} is a {item.get('type')!r} item, not a message", where=where)
+        raise RowError(f"{path} is a {item.get('type')!r} item, not a message", where=where,
+                       fix="put only messages in responses_create_params.input")
     role = item.get("role")
     if role not in ROLES:
-        raise RowError(f"{path}.role must be one of {', '.join(ROLES)}, got {role!r}", where=where)
+        raise RowError(f"{path}.role must be one of {', '.join(ROLES)}, got {role!r}", where=where,
+                       fix="use one of those roles")
     content = item.get("content")
     if isinstance(content, str):
         return Message(role, [Text(content)])
     if not isinstance(content, list):
-        raise RowError(f"{path}.content must be a string or a list of parts", where=where)
+        raise RowError(f"{path}.content must be a string or a list of parts", where=where,
+                       fix="write content as text or a list of input_text and input_image parts")
     return Message(role, [_parse_part(p, f"{path}.content[{k}]", where) for k, p in enumerate(content)])
 
 
@@ -117,7 +123,8 @@ def response_output(rollout: dict, *, where: str | None = None) -> list[dict]:
                        fix="pass rollouts that include the model response (NeMo Gym rollout format)")
     output = response.get("output")
     if not isinstance(output, list):
-        raise RowError("'response.output' must be a list of output items", where=where)
+        raise RowError("'response.output' must be a list of output items", where=where,
+                       fix="write response.output as a list of Responses-API output items")
     return output
 
 

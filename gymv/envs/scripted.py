@@ -81,9 +81,11 @@ class Scripted(Environment):
         super().check_row(row, where=where)
         follow_ups = row["follow_ups"]
         if not isinstance(follow_ups, list) or not all(isinstance(f, str) for f in follow_ups):
-            raise RowError("verifier field 'follow_ups' must be a list of strings", where=where)
+            raise RowError("verifier field 'follow_ups' must be a list of strings", where=where,
+                           fix="write follow_ups as a list of strings")
         if not isinstance(row["expected_answer"], str) or not row["expected_answer"]:
-            raise RowError("verifier field 'expected_answer' must be a non-empty string", where=where)
+            raise RowError("verifier field 'expected_answer' must be a non-empty string", where=where,
+                           fix="write the expected answer as a non-empty string")
         return row
 
     # -- data ----------------------------------------------------------------------------------------
@@ -99,7 +101,7 @@ class Scripted(Environment):
             raise GymvError(f"{self.name}: {fhi} follow-ups walk {fhi // 2} polygons to the right, which a row of "
                             f"{slo} polygons cannot always do", fix=f"use follow_ups up to {2 * (slo - 1) + 1}")
         if knobs.image_size[0] < 16 or knobs.image_size[1] > 4096:
-            raise GymvError(f"{self.name}: image_size must lie within 16:4096")
+            raise GymvError(f"{self.name}: image_size must lie within 16:4096", fix="set image_size within 16:4096")
 
     def make_row(self, rng: random.Random, knobs: ScriptedKnobs, index: int) -> dict:
         width = sampling.randint(rng, *knobs.image_size)

@@ -124,7 +124,8 @@ class EnvServer:
                  max_session_bytes: int = DEFAULT_MAX_SESSION_BYTES, request_timeout: float = 60.0,
                  read_deadline: float = DEFAULT_READ_DEADLINE_S, log_requests: bool = False, step_latency_s: float = 0.0):
         if step_latency_s < 0:
-            raise GymvError(f"step latency must be >= 0 seconds, got {step_latency_s}")
+            raise GymvError(f"step latency must be >= 0 seconds, got {step_latency_s}",
+                            fix="give a latency of 0 or more seconds")
         clash = RESERVED.intersection(t.name for t in env.tool_specs())
         if clash:
             raise GymvError(f"environment {env.name!r} has a tool named like an endpoint: {sorted(clash)[0]}",

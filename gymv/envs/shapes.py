@@ -96,7 +96,7 @@ def check_names(env: str, knob: str, names: tuple[str, ...], known: dict | tuple
     if unknown:
         raise GymvError(f"{env}: unknown {knob} entry {unknown[0]!r}", fix=f"choose from: {', '.join(known)}")
     if len(set(names)) != len(names):
-        raise GymvError(f"{env}: {knob} lists a name twice")
+        raise GymvError(f"{env}: {knob} lists a name twice", fix="list each name once")
     if len(names) < at_least:
         raise GymvError(f"{env}: {knob} needs at least {at_least} names, got {len(names)}",
                         fix=f"add {knob} names")

@@ -158,9 +158,11 @@ class Tangram(Environment):
         check_names(self.name, "questions", knobs.questions, QUESTIONS)
         (smin, smax), (plo, phi), (clo, chi) = knobs.image_size, knobs.pieces, knobs.colors
         if smin < 16 or smax > 4096:
-            raise GymvError(f"{self.name}: image_size {smin}:{smax} must lie within 16:4096")
+            raise GymvError(f"{self.name}: image_size {smin}:{smax} must lie within 16:4096",
+                            fix="set image_size within 16:4096")
         if plo < 1 or phi > len(PIECES):
-            raise GymvError(f"{self.name}: pieces {plo}:{phi} must lie within 1:{len(PIECES)}")
+            raise GymvError(f"{self.name}: pieces {plo}:{phi} must lie within 1:{len(PIECES)}",
+                            fix="set pieces within that range")
         if clo < 1 or chi > len(knobs.palette):
             raise GymvError(f"{self.name}: colors {clo}:{chi} must lie within 1:{len(knobs.palette)} (the palette)",
                             fix="lower colors or add palette colors")
@@ -201,9 +203,11 @@ class Tangram(Environment):
     def check_row(self, row: object, *, where: str | None = None) -> dict:
         super().check_row(row, where=where)
         if not isinstance(row["expected_answer"], str) or not row["expected_answer"].strip():
-            raise RowError("verifier field 'expected_answer' must be a non-empty string", where=where)
+            raise RowError("verifier field 'expected_answer' must be a non-empty string", where=where,
+                           fix="write the expected answer as a non-empty string")
         if not isinstance(row["pieces"], list):
-            raise RowError("verifier field 'pieces' must be a list", where=where)
+            raise RowError("verifier field 'pieces' must be a list", where=where,
+                           fix="write pieces as gymv prepare tangram does")
         return row
 
     def score_output(self, row: dict, output: list[dict]) -> Score:

@@ -87,7 +87,8 @@ class _DataRows:
         except FileNotFoundError:
             raise GymvError("file not found", where=str(self.path), fix="check the --data path") from None
         except OSError as e:
-            raise GymvError(f"cannot read: {e.strerror}", where=str(self.path)) from None
+            raise GymvError(f"cannot read: {e.strerror}", where=str(self.path),
+                            fix="check that the file exists and is readable") from None
         for lineno, line in enumerate(text.split(b"\n"), 1):
             if not line.strip():
                 continue
@@ -96,7 +97,8 @@ class _DataRows:
             except ValueError as e:
                 msg = f"malformed JSON line: {e}"
                 if on_error == "fail":
-                    raise GymvError(msg, where=f"{self.path}:{lineno}", fix="repair the line or pass --on-error skip") from None
+                    raise GymvError(msg, where=f"{self.path}:{lineno}",
+                                    fix="repair the line or pass --on-error skip") from None
                 self.rows.append(f"{self.path}:{lineno}: {msg}")
                 continue
             self.rows.append(row)
@@ -107,7 +109,8 @@ class _DataRows:
                             fix="pass the dataset these rollouts were generated from")
         row = self.rows[index]
         if isinstance(row, str):
-            raise GymvError(f"its data row {index} is unusable ({row})", where=where)
+            raise GymvError(f"its data row {index} is unusable ({row})", where=where,
+                            fix="fix that data row, or pass --data rows that hold the verifier fields")
         return row
 
 
@@ -269,7 +272,7 @@ def aggregate_metrics(verify_responses: list[Any]) -> dict:
     `group_level_metrics` (one entry per `_ng_task_index`, sorted).
     """
     if not isinstance(verify_responses, list) or not all(isinstance(v, dict) for v in verify_responses):
-        raise GymvError("verify_responses must be a list of objects")
+        raise GymvError("verify_responses must be a list of objects", fix='send {"verify_responses": [{...}, ...]}')
     if not verify_responses:
         return {"group_level_metrics": [], "agent_metrics": {}, "key_metrics": {}}
     samples = [_numeric_fields(v) for v in verify_responses]

@@ -113,7 +113,8 @@ def _read(path: Path) -> list[str]:
     except UnicodeDecodeError:
         raise GymvError("driver is not UTF-8 text", where=str(path), fix="save the script as UTF-8") from None
     except OSError as e:
-        raise GymvError(f"cannot read driver: {e.strerror}", where=str(path)) from None
+        raise GymvError(f"cannot read driver: {e.strerror}", where=str(path),
+                        fix="check that the driver file exists and is readable") from None
 
 
 def find_block(path: str | Path) -> ConfigBlock:

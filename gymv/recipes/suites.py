@@ -115,7 +115,8 @@ def _entries(path: Path) -> list[tuple[int, str, str]]:
     except FileNotFoundError:
         raise GymvError("suite file not found", where=str(path), fix="check the suite name") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise GymvError(f"cannot read suite file: {e}", where=str(path)) from None
+        raise GymvError(f"cannot read suite file: {e}", where=str(path),
+                        fix="check that the suite file exists and is readable") from None
     out = []
     for lineno, raw in enumerate(text.splitlines(), 1):
         body, comment = _strip_comment(raw)
@@ -235,9 +236,11 @@ def load_gpus_per_node(recipes_dir: str | Path) -> dict[str, SuiteGpus]:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise GymvError(f"invalid YAML: {getattr(e, 'problem', None) or e}", where=where, fix="fix the YAML syntax") from None
+        raise GymvError(f"invalid YAML: {getattr(e, 'problem', None) or e}", where=where,
+                        fix="fix the YAML syntax") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise GymvError(f"cannot read: {e}", where=str(path)) from None
+        raise GymvError(f"cannot read: {e}", where=str(path),
+                        fix="check that the file exists and is readable") from None
     if root is None:
         return {}
     if not isinstance(root, yaml.MappingNode):

@@ -65,7 +65,7 @@ class ImageStore:
         try:
             _, payload = split_data_url(url)
             if len(payload) > (DEFAULT_MAX_BYTES * 4) // 3 + 4:
-                raise ImageError("too large")
+                raise ImageError("too large", fix="the image is left out of the viewer")
             raw = base64.b64decode(payload, validate=True)
         except (ImageError, binascii.Error, ValueError) as e:
             self.refused += 1

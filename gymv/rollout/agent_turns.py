@@ -113,7 +113,8 @@ class TurnRebuilder:
             item = items[k]
             turn = len(seq.model_calls)
             if not isinstance(item, dict):
-                raise RowError(f"item {k} of the conversation is not an object", where=where)
+                raise RowError(f"item {k} of the conversation is not an object", where=where,
+                               fix="check the agent server: every conversation item must be an object")
             if item.get("type") == "function_call":
                 names[str(item.get("call_id", ""))] = str(item.get("name", ""))
             if not is_model_item(item):
@@ -137,7 +138,8 @@ class TurnRebuilder:
                                fix="the agent changed the conversation between calls; such an episode cannot be "
                                    "trained token-in/token-out")
             if len(gen) != len(lps):
-                raise RowError(f"{len(gen)} generated tokens but {len(lps)} logprobs", where=f"{where}, turn {turn}")
+                raise RowError(f"{len(gen)} generated tokens but {len(lps)} logprobs", where=f"{where}, turn {turn}",
+                               fix="check the model server: each generated token needs one logprob")
             start = len(seq.ids)
             seq.ids.extend(gen)
             seq.mask.extend([1] * len(gen))
@@ -167,7 +169,8 @@ def trajectory_from_result(result: dict, row: dict, rebuilder: TurnRebuilder, *,
     """The training sample of one agent `/run` result: its tokens spliced call by call, its reward."""
     response = result.get("response")
     if not isinstance(response, dict) or not isinstance(response.get("output"), list):
-        raise RowError("the agent's result has no response.output", where=where)
+        raise RowError("the agent's result has no response.output", where=where,
+                       fix="check the agent server: its /run result must hold the response")
     params = row.get("responses_create_params") or {}
     prompt_items = params.get("input", [])
     if isinstance(prompt_items, str):
@@ -181,7 +184,8 @@ def trajectory_from_result(result: dict, row: dict, rebuilder: TurnRebuilder, *,
     calls = [dict(c, output_index=c["output_index"] - offset) for c in seq.model_calls]
     reward = result.get("reward")
     if not isinstance(reward, (int, float)) or isinstance(reward, bool):
-        raise RowError(f"the agent's result has no numeric reward ({reward!r})", where=where)
+        raise RowError(f"the agent's result has no numeric reward ({reward!r})", where=where,
+                       fix="check the agent server: its /run result must hold the reward its verifier gave")
     extras = {k: v for k, v in result.items() if k not in row and k not in ("response", "reward")}
     return Trajectory(row=row, task_index=task_index, sample_index=sample_index, agent_name=agent_name,
                       token_ids=seq.ids, loss_mask=seq.mask, logprobs=seq.logprobs, images=seq.images,

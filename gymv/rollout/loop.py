@@ -95,9 +95,10 @@ def _check_limits(group_size: int, max_turns: int, max_rollout_tokens: int, max_
     for name, value, low in (("group_size", group_size, 1), ("max_turns", max_turns, 1),
                              ("max_rollout_tokens", max_rollout_tokens, 1), ("max_seq_len", max_seq_len, 2)):
         if value < low:
-            raise GymvError(f"{name} must be at least {low}, got {value}")
+            raise GymvError(f"{name} must be at least {low}, got {value}", fix=f"set {name} to {low} or more")
     if max_images is not None and max_images < 0:
-        raise GymvError(f"max_images must be >= 0, got {max_images}")
+        raise GymvError(f"max_images must be >= 0, got {max_images}",
+                        fix="set vision.max_images_per_sample to 0 or more")
 
 
 def _open(ep: Episode) -> None:

@@ -106,7 +106,8 @@ class PolicyServer:
         room = self.max_seq_len - len(seq.ids)
         if room < 1:
             raise GymvError(f"the conversation has {len(seq.ids)} tokens, leaving no room within max_seq_len "
-                            f"{self.max_seq_len}", where=where)
+                            f"{self.max_seq_len}", where=where,
+                            fix="raise model.max_seq_len, or end the episode sooner (env.max_turns)")
         params = self._params(body, room)
         job = _Job(GenerationRequest(seq.ids, list(seq.images), where=where), params, Future())
         self._queue.put(job)

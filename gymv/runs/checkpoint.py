@@ -195,9 +195,11 @@ def read_state(path: str | os.PathLike) -> CheckpointState:
     try:
         raw = json.loads((path / STATE_FILE).read_text())
     except FileNotFoundError:
-        raise GymvError("not a complete checkpoint (no state.json)", where=str(path), fix="use find_latest() or pass a step_<N> directory") from None
+        raise GymvError("not a complete checkpoint (no state.json)", where=str(path),
+                        fix="use find_latest() or pass a step_<N> directory") from None
     except ValueError as e:
-        raise GymvError(f"unreadable state.json: {e}", where=str(path)) from None
+        raise GymvError(f"unreadable state.json: {e}", where=str(path),
+                        fix="resume from another checkpoint (this one is damaged): remove it and run again") from None
     return CheckpointState(step=int(raw["step"]), path=path, data_position=DataPosition(**raw["data_position"]), extra=raw.get("extra", {}))
 
 
@@ -206,7 +208,8 @@ class CheckpointManager:
 
     def __init__(self, directory: str | os.PathLike, keep: int | None = None):
         if keep is not None and keep < 1:
-            raise GymvError(f"checkpoint keep must be >= 1, got {keep}", where="checkpoint.keep", fix="set keep to 1 or more, or leave it unset to keep all")
+            raise GymvError(f"checkpoint keep must be >= 1, got {keep}", where="checkpoint.keep",
+                            fix="set keep to 1 or more, or leave it unset to keep all")
         self.directory = Path(directory)
         self.keep = keep
 
@@ -292,7 +295,8 @@ class CheckpointManager:
         trainer.load(path)
         rng_file = path / RNG_FILE
         if not rng_file.exists():
-            raise GymvError("checkpoint has no RNG state", where=str(path), fix="resume from a checkpoint written by gymv")
+            raise GymvError("checkpoint has no RNG state", where=str(path),
+                            fix="resume from a checkpoint written by gymv")
         import torch
 
         restore_rng_state(torch.load(rng_file, weights_only=True))

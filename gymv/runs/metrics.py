@@ -68,7 +68,8 @@ class MetricsLog:
         try:
             line = json.dumps(row, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
         except (TypeError, ValueError) as e:
-            raise GymvError(f"metrics of step {step} are not JSON-serialisable: {e}", where=str(self.path), fix="log numbers, strings or lists") from None
+            raise GymvError(f"metrics of step {step} are not JSON-serialisable: {e}", where=str(self.path),
+                            fix="log numbers, strings or lists") from None
         self._f.write(line + "\n")
         self._f.flush()
         os.fsync(self._f.fileno())
@@ -113,7 +114,7 @@ def read_metrics(path: str | os.PathLike, skipped: list[tuple[int, str]] | None 
     except FileNotFoundError:
         raise GymvError("metrics file not found", where=str(path), fix="check the run directory") from None
     except OSError as e:
-        raise GymvError(f"cannot read: {e.strerror}", where=str(path)) from None
+        raise GymvError(f"cannot read: {e.strerror}", where=str(path), fix="check that the file is readable") from None
     lines = text.split(b"\n")
     complete = text.endswith(b"\n")
     rows = []
@@ -128,7 +129,8 @@ def read_metrics(path: str | os.PathLike, skipped: list[tuple[int, str]] | None 
             if skipped is not None:
                 skipped.append((n, str(e)))
                 continue
-            raise GymvError(f"malformed metrics line: {e}", where=f"{path}:{n}", fix="delete or repair that line") from None
+            raise GymvError(f"malformed metrics line: {e}", where=f"{path}:{n}",
+                            fix="delete or repair that line") from None
         rows.append(row)
     return rows
 

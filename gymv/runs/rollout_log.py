@@ -33,7 +33,8 @@ def attach_model_call_tokens(
 ) -> list[dict]:
     """Put one model call's token record on the last of the output items that call produced (in place)."""
     if not call_items:
-        raise GymvError("a model call produced no output items", where="rollout log", fix="record at least the assistant message")
+        raise GymvError("a model call produced no output items", where="rollout log",
+                        fix="record at least the assistant message")
     if len(generation_token_ids) != len(generation_log_probs):
         raise GymvError(
             f"{len(generation_token_ids)} generated tokens but {len(generation_log_probs)} logprobs",
@@ -83,15 +84,19 @@ def validate_rollout(record: Mapping[str, Any], where: str) -> None:
         raise GymvError("rollout lacks response.output", where=where, fix="log the Responses-API response object")
     reward = record.get("reward")
     if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
-        raise GymvError(f"rollout reward must be a finite number, got {reward!r}", where=where, fix="score the rollout before logging it")
+        raise GymvError(f"rollout reward must be a finite number, got {reward!r}", where=where,
+                        fix="score the rollout before logging it")
     for n, item in enumerate(response["output"]):
         if not isinstance(item, Mapping) or "type" not in item:
-            raise GymvError(f"output item {n} has no 'type'", where=where)
+            raise GymvError(f"output item {n} has no 'type'", where=where,
+                            fix="give every output item a type (message, function_call, ...)")
         present = [k for k in TOKEN_FIELDS if k in item]
         if present and len(present) != len(TOKEN_FIELDS):
-            raise GymvError(f"output item {n} has only {present} of {list(TOKEN_FIELDS)}", where=where, fix="use attach_model_call_tokens")
+            raise GymvError(f"output item {n} has only {present} of {list(TOKEN_FIELDS)}", where=where,
+                            fix="use attach_model_call_tokens")
         if present and len(item["generation_token_ids"]) != len(item["generation_log_probs"]):
-            raise GymvError(f"output item {n}: token ids and logprobs differ in length", where=where)
+            raise GymvError(f"output item {n}: token ids and logprobs differ in length", where=where,
+                            fix="give one logprob per generated token")
 
 
 def rollout_path(run_dir: str | os.PathLike, step: int, split: str = "train") -> Path:
