@@ -231,3 +231,9 @@ def test_a_second_turn_with_a_new_image_continues_the_first_with_the_trainers_lo
     got = torch.cat([train[len(ids):len(ids) + 5], train[len(history):]])
     want = torch.tensor(turn1.logprobs + turn2.logprobs)
     assert float(torch.exp((got - want).abs()).mean()) < 1.0001
+
+
+def test_a_teacher_reads_an_omni_students_vision_tokens_without_torchvision():
+    from gymv.backends.teacher import student_vision_ids
+
+    assert student_vision_ids(tiny_path(ARCH)) == shared_policy(ARCH).adapter.vision_token_ids

@@ -34,26 +34,19 @@ def is_text_only(path: str | Path) -> bool:
 def student_vision_ids(student_path: str | Path) -> tuple[int, ...]:
     """The student's vision special-token ids (what it can never sample), from its tokenizer, config and
     image processor alone (no weights)."""
-    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+    from transformers import AutoConfig
 
     from gymv.backends.multimodal import make_adapter
+    from gymv.backends.policy import load_processors
     from gymv.models.quiet import quiet_transformers
 
     path = Path(student_path)
     if is_text_only(path):  # a text-only student samples every token
         return ()
-    cls = ""
-    for name in ("processor_config.json", "preprocessor_config.json"):
-        f = path / name
-        if f.exists():
-            cls = json.loads(f.read_text()).get("processor_class") or cls
-        if cls:
-            break
     with quiet_transformers():
-        tok = AutoTokenizer.from_pretrained(path)
+        cls, hf_processor, tok, improc, _ = load_processors(path)
         config = AutoConfig.from_pretrained(path)
-        improc = AutoImageProcessor.from_pretrained(path)
-    return make_adapter(cls, tok, improc, config).vision_token_ids
+    return make_adapter(cls, tok, improc, config, hf_processor).vision_token_ids
 
 
 def check_same_tokenizer(teacher_tok, student_tok, alias: str) -> None:
