@@ -3,6 +3,8 @@ stops the launch with what was asked and what is there; a layout Ray can place p
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from gymv.cluster.placement import Pin, Placement, TrainerMesh
@@ -118,3 +120,20 @@ def test_a_pinned_cpu_role_asks_for_its_labels_and_resources_on_each_worker():
     gen = policy_plans(p)[0]
     opts = actor_options(gen, gen.workers["generation"][0], None)
     assert opts == {"num_cpus": 0, "label_selector": {"gymv-node": "1"}, "resources": {"gen": 0.5}}
+
+
+
+def test_gymv_train_of_a_gpu_recipe_on_this_cpu_machine_stops_before_ray_and_writes_nothing(tmp_path):
+    import torch
+
+    from gymv.train import train
+    from gymv.train.launch import ray_running
+    from train_helpers import REPO
+
+    if torch.cuda.is_available() or ray_running():
+        pytest.skip("needs a machine without GPUs and no Ray session in this process")
+    recipe = REPO / "recipes/vlm/vlm_grpo-qwen2.5-vl-7b-1n2g-fsdp2.yaml"
+    with pytest.raises(GymvError, match="asks for 1 node x 2 GPUs and this machine has .* no GPU") as e:
+        train(recipe, [f"checkpoint.dir={tmp_path / 'runs'}"])
+    assert re.search(r"`gymv smoke --tiny \S*1n2g-fsdp2\.yaml`", e.value.fix) and e.value.where.endswith("1n2g-fsdp2.yaml:27")
+    assert not (tmp_path / "runs").exists()

@@ -30,6 +30,8 @@ def nodes():
 
     from ray._private.authentication_test_utils import reset_auth_token_state
 
+    if ray.is_initialized():  # this module's driver joins its own two nodes, not a session's local cluster
+        stop_ray()
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN)  # the nodes' processes inherit it
     reset_auth_token_state()  # and this process reads it again
@@ -77,7 +79,7 @@ def _labels_of(nodes_: list[dict]) -> dict[str, str]:
 
 def test_pinned_roles_land_on_their_labelled_nodes_and_auto_refits_through_the_object_store(nodes, tmp_path):
     said = Listener()
-    summary, run = _run(tmp_path, "pinned", reporter=said, **PINNED, **{"refit.transport": "auto"})
+    summary, run = _run(tmp_path, "pinned", reporter=said, **PINNED, **{"refit.transport": "auto", "grpo.max_steps": 1})
     placed = json.loads((run / "placement.json").read_text())
     label = _labels_of(placed["nodes"])
     assert [label[w["node_id"]] for w in placed["roles"]["generation"]["workers"]] == ["1"]
@@ -137,19 +139,21 @@ def test_a_lost_node_is_named_and_the_run_resumes_from_its_newest_checkpoint(nod
     third = nodes.add_node(num_cpus=1, node_ip_address="127.0.0.1", include_dashboard=False, labels={"gymv-node": "2"})
     nodes.wait_for_nodes()
     lose = LoseNode(nodes, third, at=2)
-    summary, run = _run(tmp_path, "lost", reporter=lose, **{"grpo.max_steps": 3, "cluster.max_restarts": 1,
+    summary, run = _run(tmp_path, "lost", reporter=lose, **{"grpo.max_steps": 2, "cluster.max_restarts": 1,
                                                              "cluster.placement.training.labels": {"gymv-node": "2"}})
     restart = next(m for m in lose.messages if m.startswith("restart 1/1"))
     assert "training rank 0 on node 127.0.0.1" in restart and "was lost" in restart, restart
     assert "newest complete checkpoint is" in restart and "step_1" in restart
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert summary["complete"] and steps == [1, 2, 3]
+    assert summary["complete"] and steps == [1, 2]  # step 2 was lost before its checkpoint: run again
 
 
-def test_joining_without_the_clusters_token_names_the_cause_and_the_fix(nodes, tmp_path, gymv, monkeypatch):
+def test_joining_without_the_clusters_token_names_the_cause_and_the_fix(nodes, tmp_path, monkeypatch):
+    from conftest import run_gymv  # a process of its own, as a user's gymv joining the cluster
+
     for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
         monkeypatch.delenv(key)  # the subprocess inherits this process's environment
-    r = gymv("train", REPO / "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", "grpo.max_steps=1", "--ray-address",
+    r = run_gymv("train", REPO / "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", "grpo.max_steps=1", "--ray-address",
              nodes.address, env={"HOME": str(tmp_path)}, cwd=tmp_path)
     assert r.code == 2 and "requires token authentication and no token was given" in r.stderr
     assert not (tmp_path / "runs").exists()  # refused before the run directory was written

@@ -123,6 +123,12 @@ def test_a_recipe_that_does_not_load_names_its_line(tmp_path):
 # -- --tiny ------------------------------------------------------------------------------------------------
 
 
+def test_tiny_drops_a_clusters_node_pins_which_a_laptop_has_none_of(tmp_path):
+    p = prepared(tmp_path, GPU_RECIPES[0], tiny=True, overrides=["cluster.placement.training.labels={gymv-node: '1'}"])
+    assert run_config(p)["cluster"]["placement"]["training"]["labels"] == {}
+    assert any(c.startswith("cluster.placement:") for c in p.tiny_changes)
+
+
 @pytest.mark.parametrize("recipe", GPU_RECIPES, ids=lambda p: p.name)
 def test_tiny_turns_every_gpu_recipe_into_a_valid_cpu_recipe(tmp_path, recipe):
     p = prepared(tmp_path, recipe, tiny=True)

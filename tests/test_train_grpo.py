@@ -221,13 +221,14 @@ class KillTrainer(Recorder):
 
 
 def test_a_killed_training_worker_is_named_and_max_restarts_resumes_the_run_from_its_checkpoint(tmp_path):
-    recipe = write_recipe(tmp_path, "killed", "vlm_grpo.yaml", tiny_grpo_settings(tmp_path, tiny_path("tiny-llava")))
+    recipe = write_recipe(tmp_path, "killed", "vlm_grpo.yaml",
+                          tiny_grpo_settings(tmp_path, tiny_path("tiny-llava"), **{"grpo.max_steps": 2}))
     killer = KillTrainer(at=2)
     summary = train(recipe, reporter=killer, max_restarts=1)
     restart = next(m for m in killer.messages if m.startswith("restart 1/1 after: "))
     assert "training rank 0 on node 127.0.0.1" in restart and "its process ended" in restart, restart
     assert "out of memory" not in restart and "checkpoints/step_1" in restart
-    assert summary["complete"] and [r["step"] for r in _metrics(tmp_path / "runs" / "killed")] == [1, 2, 3]
+    assert summary["complete"] and [r["step"] for r in _metrics(tmp_path / "runs" / "killed")] == [1, 2]
     placed = json.loads((tmp_path / "runs" / "killed" / "placement.json").read_text())
     assert placed["refit_transport"] == "object_store" and len(placed["roles"]["training"]["workers"]) == 1
 

@@ -170,6 +170,9 @@ def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
     for key, value in (("num_nodes", 1), ("gpus_per_node", 0), ("colocated", True), ("generation_gpus", None),
                        ("training_gpus", None), ("ray_address", None)):
         _set(ch, d, f"cluster.{key}", value)
+    from gymv.config.schema import PlacementSection
+
+    _set(ch, d, "cluster.placement", PlacementSection().model_dump())  # a laptop has none of a cluster's node pins
 
     base = algo.removeprefix("vlm_")
     for key, cap in (("prompts_per_step", MAX_PROMPTS), ("generations_per_prompt", MAX_GENERATIONS),
