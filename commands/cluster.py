@@ -43,9 +43,10 @@ def up(
 
 @app.command("sbatch")
 def sbatch(
-    recipe: Path = typer.Argument(..., help="Recipe YAML: its cluster.num_nodes and gpus_per_node size the job."),
-    overrides: list[str] = typer.Argument(None, metavar="[KEY=VALUE]...", help="Recipe overrides, passed to gymv train.",
-                                          show_default=False),
+    recipe: Path = typer.Argument(..., help="Recipe YAML (its cluster.num_nodes and gpus_per_node size the job), or "
+                                            "a test-suite driver .sh (its CONFIG block does)."),
+    overrides: list[str] = typer.Argument(None, metavar="[KEY=VALUE]...", help="Recipe overrides, passed to gymv train "
+                                          "(or to the driver).", show_default=False),
     time: str = typer.Option(None, "--time", help="SLURM time limit, e.g. 4:00:00."),
     account: str = typer.Option(None, "--account", help="SLURM account."),
     partition: str = typer.Option(None, "--partition", help="SLURM partition."),
@@ -55,20 +56,26 @@ def sbatch(
 ) -> None:
     """Print (or --write) a SLURM batch script that runs `gymv train RECIPE` on the nodes and GPUs the recipe asks for.
 
-    The script asks for cluster.num_nodes nodes with cluster.gpus_per_node GPUs each (what `gymv dry-run`
-    counts), then runs `gymv cluster up -- gymv train RECIPE [KEY=VALUE]...` in the allocation. Submit it with sbatch.
+    The script asks for cluster.num_nodes nodes with cluster.gpus_per_node GPUs each, then runs `gymv cluster
+    up -- gymv train RECIPE [KEY=VALUE]...` in the allocation. Given a driver (recipes/drivers/...sh), it asks
+    for the driver's NUM_NODES x GPUS_PER_NODE for NUM_MINUTES, what `gymv dry-run` counts for one of its
+    runs, and runs the driver (which goes through `gymv cluster up`). Submit it with sbatch.
 
     Example: gymv cluster sbatch recipes/llm/grpo-qwen3-8b-2n8g-megatron-tp2.yaml --time 4:00:00 --account me --write job.sh
     """
     from gymv.cluster.slurm import BatchJob
-    from gymv.config import load_recipe
     from gymv.io import atomic_write_text
 
     overrides = list(overrides or [])
-    cfg = load_recipe(recipe, overrides).validated
-    command = (sys.executable, "-m", "gymv_cli.main", "train", str(recipe.resolve()), *overrides)
-    job = BatchJob(cfg.cluster.num_nodes, cfg.cluster.gpus_per_node, command, cfg.name or recipe.stem, time=time,
-                   account=account, partition=partition, output=output, workdir=str(Path.cwd()), port=port)
+    where = dict(time=time, account=account, partition=partition, output=output, workdir=str(Path.cwd()), port=port)
+    if recipe.suffix == ".sh":
+        job = BatchJob.for_driver(recipe, overrides, **where)
+    else:
+        from gymv.config import load_recipe
+
+        cfg = load_recipe(recipe, overrides).validated
+        command = (sys.executable, "-m", "gymv_cli.main", "train", str(recipe.resolve()), *overrides)
+        job = BatchJob(cfg.cluster.num_nodes, cfg.cluster.gpus_per_node, command, cfg.name or recipe.stem, **where)
     if write is None:
         sys.stdout.write(job.script())
         return

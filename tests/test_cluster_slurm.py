@@ -20,7 +20,7 @@ import pytest
 
 from gymv.cluster.slurm import BatchJob
 from tiny_models import tiny_path
-from train_helpers import plugin_env, tiny_grpo_settings, write_recipe
+from train_helpers import REPO, plugin_env, tiny_grpo_settings, write_recipe
 
 SCONTROL = """#!/bin/sh
 # test harness for SLURM's scontrol: `scontrol show hostnames A,B` prints one name per line
@@ -96,3 +96,15 @@ def test_the_generated_job_starts_two_labelled_ray_nodes_trains_on_them_and_stop
     while _listening(port) and time.monotonic() < end:
         time.sleep(0.5)
     assert not _listening(port)  # the head is gone with the job
+
+
+def test_a_drivers_batch_script_asks_for_what_dry_run_counts_for_one_of_its_runs():
+    from gymv.recipes.drivers import parse_driver
+
+    driver = REPO / "recipes/drivers/vlm/vlm_mopd-qwen2.5-vl-3b-2n8g-megatron-noncolocated.sh"
+    counted = parse_driver(driver)
+    script = BatchJob.for_driver(driver, ["mopd.max_steps=10"]).script().splitlines()
+    assert {f"#SBATCH --nodes={counted.num_nodes}", f"#SBATCH --gpus-per-node={counted.gpus_per_node}",
+            f"#SBATCH --time={counted.num_minutes}"} <= set(script)
+    assert script[-1] == f"exec bash {driver} mopd.max_steps=10"  # the driver goes through `gymv cluster up`
+    assert "exec gymv cluster up -- gymv train" in driver.read_text()

@@ -265,6 +265,19 @@ class BatchJob:
     output: str | None = None
     workdir: str | None = None
     port: int = DEFAULT_PORT
+    launcher: bool = True  # run the command through `gymv cluster up` (a driver already does)
+
+    @classmethod
+    def for_driver(cls, path: Path, args: Sequence[str] = (), **kw) -> BatchJob:
+        """One launch of a test-suite driver, sized as its CONFIG block says (what `gymv dry-run` counts per
+        run: NUM_NODES x GPUS_PER_NODE for NUM_MINUTES); the driver itself goes through `gymv cluster up`."""
+        from gymv.recipes.drivers import parse_driver
+
+        d = parse_driver(path)
+        if kw.get("time") is None:
+            kw["time"] = str(d.allocation("NUM_MINUTES"))  # SLURM reads a bare number as minutes
+        return cls(d.allocation("NUM_NODES"), d.allocation("GPUS_PER_NODE"), ("bash", str(path.resolve()), *args),
+                   path.stem, launcher=False, **kw)
 
     def script(self) -> str:
         head = [f"#SBATCH --job-name={self.job_name}", f"#SBATCH --nodes={self.nodes}", "#SBATCH --ntasks-per-node=1",
@@ -283,5 +296,6 @@ class BatchJob:
                  "set -euo pipefail"]
         if self.workdir:
             lines.append(f"cd {shlex.quote(self.workdir)}")
-        lines.append(f"exec {gymv} {shlex.join(up)} -- {shlex.join(self.command)}")
+        run = f"{gymv} {shlex.join(up)} -- {shlex.join(self.command)}" if self.launcher else shlex.join(self.command)
+        lines.append(f"exec {run}")
         return "\n".join(lines) + "\n"
