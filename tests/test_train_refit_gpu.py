@@ -64,3 +64,36 @@ def test_nccl_broadcasts_the_weights_to_a_generator_on_another_gpu():
     got = out.get(timeout=120)
     p.join(timeout=60)
     assert got == weights_hash(sd, torch.bfloat16)
+
+
+def _nccl_sharing_sender(rank, infos, go):
+    """Training rank `rank` of two, both on GPU 0 (two processes; each group holds one device per rank)."""
+    torch.cuda.set_device(0)
+    sd = _state("cuda:0")
+    sender = make_sender("nccl", torch.bfloat16, "cuda:0", num_receivers=1, bucket_mb=0.002, rank=rank, senders=2)
+    infos.put((rank, sender.rendezvous(sd)))
+    go.get(timeout=120)
+    sender.connect()
+    sender.publish(iter(sd.items()))  # its share: buckets rank, rank + 2, ...
+    torch.cuda.synchronize()
+    sender.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_ranks_broadcast_their_shares_of_a_refit_over_nccl_to_a_generator_on_another_gpu():
+    ctx = mp.get_context("spawn")
+    infos, go = ctx.Queue(), ctx.Queue()
+    senders = [ctx.Process(target=_nccl_sharing_sender, args=(r, infos, go)) for r in range(2)]
+    for p in senders:
+        p.start()
+    got = dict(infos.get(timeout=120) for _ in senders)
+    assert len(got[0]["spans"]) > 2  # several buckets, so each rank sends some
+    for _ in senders:
+        go.put(True)
+    torch.cuda.set_device(1)
+    receiver = make_receiver("nccl", "cuda:1", [got[0], got[1]], rank=1)
+    receiver.connect()
+    received = weights_hash(receiver.receive(None))
+    for p in senders:
+        p.join(timeout=60)
+    assert received == weights_hash(_state("cuda:0"), torch.bfloat16)
