@@ -137,3 +137,12 @@ def test_gymv_train_of_a_gpu_recipe_on_this_cpu_machine_stops_before_ray_and_wri
         train(recipe, [f"checkpoint.dir={tmp_path / 'runs'}"])
     assert re.search(r"`gymv smoke --tiny \S*1n2g-fsdp2\.yaml`", e.value.fix) and e.value.where.endswith("1n2g-fsdp2.yaml:27")
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("labels", [{"gymv-node": "in(1,2"}, {"gymv-node": "a b"}, {"bad key!": "1"}])
+def test_a_label_selector_ray_would_refuse_is_refused_when_the_recipe_loads(labels):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="label"):
+        cfg(cluster={"placement": {"training": {"labels": labels}}})
+    cfg(cluster={"placement": {"training": {"labels": {"example.com/zone": "!in(a, b)", "gymv-node": "0"}}}})

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -199,12 +200,28 @@ class RefitSection(Section):
 RayStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 
+_LABEL = r"[a-zA-Z0-9](?:[a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?"  # Ray's label name and value syntax
+_LABEL_KEY = re.compile(rf"(?:{_LABEL}(?:\.{_LABEL})*/)?{_LABEL}")
+_LABEL_SELECTOR = re.compile(rf"!?(?:in\({_LABEL}(?:, ?{_LABEL})*\)|{_LABEL})")
+
+
 class RolePlacement(Section):
     """Where one role's workers may go (docs/cluster.md): a Ray placement-group strategy and node pins."""
 
     strategy: RayStrategy | None = None  # None: PACK on GPUs, SPREAD for a CPU run's training ranks
     labels: dict[str, str] = {}  # Ray node labels every worker's node must carry ("v", "!v", "in(a,b)", "!in(a,b)")
     resources: dict[str, PosFloat] = {}  # custom Ray resources each worker (on GPUs: each bundle) reserves
+
+    @field_validator("labels")
+    @classmethod
+    def _selectors(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, selector in v.items():
+            if not _LABEL_KEY.fullmatch(key):
+                raise ValueError(f"{key!r} is no Ray node label name (letters, digits, '-', '_', '.'; an optional "
+                                 "'prefix/')")
+            if not _LABEL_SELECTOR.fullmatch(selector):
+                raise ValueError(f"{selector!r} is no Ray label selector for {key!r}: write v, !v, in(a,b) or !in(a,b)")
+        return v
 
 
 class PlacementSection(Section):
