@@ -132,7 +132,7 @@ def lost_worker_error(e, phase: str) -> GymvError:
     if seat and seat.node_id and ("node has died" in text or "node died" in text or not _node_alive(seat.node_id)):
         cause = f"node {seat.node} was lost"
         fix = "the run resumes from its newest complete checkpoint with --max-restarts N (cluster.max_restarts)"
-    elif "out of memory" in text.lower() or "OUT_OF_MEMORY" in text:
+    elif any(m in text for m in _OOM_MARKS):
         cause = "Ray killed it for running out of memory"
         fix = "lower the batch sizes or training.micro_batch_tokens, or give the node more memory"
     else:
@@ -144,6 +144,8 @@ def lost_worker_error(e, phase: str) -> GymvError:
     return err
 
 
+# what Ray writes when its memory monitor killed the worker (not its generic "a process died" hints)
+_OOM_MARKS = ("NODE_OUT_OF_MEMORY", "killed due to memory pressure", "running low on memory", "OutOfMemoryError")
 LOST_EXIT = 75  # a worker or node was lost (EX_TEMPFAIL): a restart may succeed where the run stopped
 
 
