@@ -270,6 +270,7 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
     from gymv.backends.training.samples import as_tensors
     from gymv.backends.training.hf_fsdp import HFFSDPBackend
     from gymv.backends.training.hf_torch import HFTorchBackend
+    from gymv.config.schema import FsdpSection, TrainingSection
 
     shape_name, backend_name, packing, ckpt, groups = run
     groups = 2 if smoke else (groups_override or groups)
@@ -277,13 +278,13 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
     counts = param_counts(policy.model)
     if ckpt:
         policy.model.gradient_checkpointing_enable()
-    setup = TrainingSetup(model_path=str(policy.path), device=device, seed=seed, gradient_checkpointing=ckpt,
-                          optimizer={"lr": 1e-6, "precision": "fp32" if smoke else "bf16",
-                                     "micro_batch_tokens": micro_batch_tokens or (2048 if smoke else 16384),
-                                     "optimizer_state_dtype": "bfloat16" if "adam16" in options else "float32"},
-                          sequence_packing=packing, compile=compile_layers,
-                          sharding={"reshard_after_forward": not keep_gathered,
-                                    **({"defer_gradient_reduction": False} if "nodefer" in options else {})})
+    training = TrainingSection(lr=1e-6, weight_decay=0.01, dtype="float32" if smoke else "bfloat16",
+                               micro_batch_tokens=micro_batch_tokens or (2048 if smoke else 16384),
+                               optimizer_state_dtype="bfloat16" if "adam16" in options else "float32",
+                               gradient_checkpointing=ckpt, sequence_packing=packing, compile=compile_layers,
+                               fsdp=FsdpSection(reshard_after_forward=not keep_gathered,
+                                                **({"defer_gradient_reduction": False} if "nodefer" in options else {})))
+    setup = TrainingSetup(model_path=str(policy.path), training=training, device=device, seed=seed)
     cls = HFFSDPBackend if backend_name == "fsdp2" else HFTorchBackend
     backend = cls(policy, setup, device=device, rank=rank, world_size=world)
     all_samples = rollouts(policy, groups * world, seed, smoke)
@@ -341,8 +342,8 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
     flops = 6 * counts["decoder"] * unique + 6 * counts["head"] * generated
     flops_all = 6 * counts["decoder"] * total + 6 * counts["head"] * generated
     out = {"run": run_name(run), "compile": compile_layers, "first_step_s": first_step_s, "options": sorted(options),
-           "groups": groups, "optimizer_state_dtype": setup.optimizer["optimizer_state_dtype"],
-           "micro_batch_tokens": setup.optimizer["micro_batch_tokens"], "reshard_after_forward": not keep_gathered,
+           "groups": groups, "optimizer_state_dtype": training.optimizer_state_dtype,
+           "micro_batch_tokens": training.micro_batch_tokens, "reshard_after_forward": not keep_gathered,
            "shape": shape_name, "backend": backend_name, "sequence_packing": packing, "activation_checkpointing": ckpt,
            "ranks": world, "samples": len(all_samples), "tokens": total, "unique_tokens": unique,
            "computed_tokens_rank0": computed_tokens(backend, [as_tensors(dict(s)) for s in mine]),

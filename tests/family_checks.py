@@ -18,7 +18,7 @@ from gymv.backends.generation.hf import HFGenerationBackend
 from gymv.backends.logprobs import right_pad, sequence_logprobs
 from gymv.cluster.workers import TrainingWorker, WorkerSpec
 from gymv.rollout import check_trajectory_images, run_rollouts
-from gymv.train.data import EnvSpec
+from gymv.config.schema import EnvSection, TrainingSection
 from rollout_helpers import PictureEnv, ScriptedBackend, picture_row, script
 from tiny_models import noise, tiny_path
 
@@ -84,8 +84,8 @@ def favour_vision_tokens(policy):
 
 def grpo_step(arch: str, traj) -> tuple[dict, bool]:
     """One GRPO step on a training worker from two continuations of `traj` (advantages +1 / -1)."""
-    spec = WorkerSpec(model_path=str(tiny_path(arch)), env=EnvSpec("arithmetic"),
-                      trainer={"lr": 1e-2, "precision": "fp32", "micro_batch_tokens": 8192})
+    spec = WorkerSpec(model_path=str(tiny_path(arch)), env=EnvSection(name="arithmetic"),
+                      training=TrainingSection(lr=1e-2, weight_decay=0.01, dtype="float32", micro_batch_tokens=8192))
     w = TrainingWorker(spec)
     w.setup()
     policy = w.backend.policy

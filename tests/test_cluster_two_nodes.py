@@ -162,10 +162,11 @@ def test_joining_without_the_clusters_token_names_the_cause_and_the_fix(nodes, t
 
 def _spec(backend: str, **extra):
     from gymv.cluster.workers import WorkerSpec
-    from gymv.train.data import EnvSpec
+    from gymv.config.schema import EnvSection, TrainingSection
 
-    return WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSpec("circle_count"),
-                      trainer={"lr": 1e-3, "eps": 1e-3, "precision": "fp32"}, training_backend=backend, **extra)
+    return WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSection(name="circle_count"),
+                      training=TrainingSection(backend=backend, lr=1e-3, eps=1e-3, weight_decay=0.01, dtype="float32"),
+                      **extra)
 
 
 def _samples():
@@ -188,13 +189,14 @@ def test_fsdp2_ranks_on_two_nodes_take_one_ranks_step_and_each_sends_its_share_o
     from gymv.algorithms.loss_fns import PolicyLoss
     from gymv.cluster.group import Placement, PolicyCluster
     from gymv.cluster.workers import TrainingWorker
+    from gymv.config.schema import RefitSection
 
     samples = _samples()
     single = TrainingWorker(_spec("torch"))
     single.setup()
     one = single.grpo_step([[dict(s) for s in samples]], PolicyLoss())
 
-    spec = _spec("fsdp2", refit_bucket_mb=0.5)  # several buckets, shared between the two ranks
+    spec = _spec("fsdp2", refit=RefitSection(bucket_mb=0.5))  # several buckets, shared between the two ranks
     cluster = PolicyCluster(spec, Placement(num_generation=1, num_training=2, nodes=2))
     try:
         on = placement_group_table(cluster._pgs["training"])["bundles_to_node_id"]

@@ -12,12 +12,13 @@ from test_sequence_packing import _group
 def _two_steps(backend_cls):
     from gymv.algorithms.loss_fns import PolicyLoss
     from gymv.backends.training.base import TrainingSetup
+    from gymv.config.schema import TrainingSection
     from tiny_models import fresh_policy
 
     policy = fresh_policy("tiny-llava")
-    setup = TrainingSetup(model_path="unused", sequence_packing=True,
-                          optimizer={"lr": 1e-2, "eps": 1e-3, "precision": "fp32", "micro_batch_tokens": 100,
-                                     "max_grad_norm": 0.05})
+    setup = TrainingSetup(model_path="unused", training=TrainingSection(
+        lr=1e-2, eps=1e-3, weight_decay=0.01, dtype="float32", micro_batch_tokens=100, max_grad_norm=0.05,
+        sequence_packing=True))
     backend = backend_cls(policy, setup, device="cpu")
     samples = _group(policy, 4, seed=21) + _group(policy, 4, seed=22)
     for n, s in enumerate(samples):

@@ -214,9 +214,9 @@ def test_the_recipes_decode_mode_reaches_the_generation_worker_spec():
     from gymv.train.setup import worker_spec
 
     recipe = Path(__file__).resolve().parents[1] / "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml"
-    assert worker_spec(load_recipe(recipe).validated, "m").generation_decode == "auto"
+    assert worker_spec(load_recipe(recipe).validated, "m").generation.decode == "auto"
     cfg = load_recipe(recipe, overrides=["generation.decode=static"]).validated
-    assert worker_spec(cfg, "m").generation_decode == "static"
+    assert worker_spec(cfg, "m").generation.decode == "static"
     with pytest.raises(GymvError, match="decode"):
         load_recipe(recipe, overrides=["generation.decode=fast"]).validated
 
@@ -228,10 +228,10 @@ def test_the_recipes_max_batch_caps_the_static_decoders_slots():
     from gymv.train.setup import worker_spec
 
     recipe = Path(__file__).resolve().parents[1] / "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml"
-    assert worker_spec(load_recipe(recipe).validated, "m").generation_max_batch == 256
+    assert worker_spec(load_recipe(recipe).validated, "m").generation.max_batch == 256
     spec = worker_spec(load_recipe(recipe, overrides=["generation.max_batch=8"]).validated, "m")
     eager = HFGenerationBackend.from_policy(shared_policy("tiny-llava"))
-    assert with_decode(eager, "static", max_batch=spec.generation_max_batch).max_batch == 8
+    assert with_decode(eager, "static", max_batch=spec.generation.max_batch).max_batch == 8
     with pytest.raises(GymvError, match="max_batch"):
         load_recipe(recipe, overrides=["generation.max_batch=0"]).validated
 

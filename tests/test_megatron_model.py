@@ -12,6 +12,7 @@ from gymv.backends.training.process_group import leave_process_group
 from gymv.backends.training.megatron_model import MegatronCausalLM, build_gpt, init_parallel, release_parallel  # noqa: E402,E501
 from gymv.backends.training.megatron_weights import (  # noqa: E402
     DecoderShape, hf_to_megatron, megatron_to_hf, tp_partial_gradient)
+from gymv.config.schema import TrainingSection  # noqa: E402
 from megatron_helpers import batch, packed_token_logprobs, tiny_hf, token_logprobs  # noqa: E402
 
 
@@ -172,7 +173,7 @@ def test_a_backend_checkpoint_is_an_hf_folder_and_resumes_the_same_training(tmp_
     from tiny_lm import make_samples
     from tiny_models import tiny_path
 
-    setup = TrainingSetup(model_path=str(tiny_path("tiny-qwen3")), optimizer={"lr": 1e-3, "precision": "fp32"})
+    setup = TrainingSetup(model_path=str(tiny_path("tiny-qwen3")), training=TrainingSection(lr=1e-3, weight_decay=0.01, dtype="float32"))
     first = MegatronBackend.create(setup, device="cpu")
     first.train_step(make_samples(4, seed=1), PolicyLoss())
     first.save(tmp_path / "ckpt")
@@ -198,7 +199,7 @@ def test_a_cuda_backend_step_matches_the_torch_backends_in_bf16_autocast():
     from tiny_lm import make_samples
     from tiny_models import tiny_path
 
-    setup = TrainingSetup(model_path=str(tiny_path("tiny-qwen3")), optimizer={"lr": 1e-3, "precision": "bf16"})
+    setup = TrainingSetup(model_path=str(tiny_path("tiny-qwen3")), training=TrainingSection(lr=1e-3, weight_decay=0.01, dtype="bfloat16"))
     metrics = [cls.create(setup, device="cuda").train_step(make_samples(4, seed=1), PolicyLoss())
                for cls in (MegatronBackend, HFTorchBackend)]
     assert metrics[0]["train/grad_norm"] > 0
@@ -231,7 +232,7 @@ def test_a_vlm_trains_its_vision_tower_and_gptmodel_decoder_as_the_torch_backend
     from gymv.backends.training.megatron import MegatronBackend
     from tiny_models import tiny_path
 
-    setup = TrainingSetup(model_path=str(tiny_path(arch)), optimizer={"lr": 1e-3, "eps": 1e-3, "precision": "fp32"})
+    setup = TrainingSetup(model_path=str(tiny_path(arch)), training=TrainingSection(**BACKEND_OPTIMIZER))
     megatron, plain = MegatronBackend.create(setup, device="cpu"), HFTorchBackend.create(setup, device="cpu")
     samples = _image_samples(plain.policy)
     for got, want in zip(megatron.compute_logprobs(copy.deepcopy(samples)), plain.compute_logprobs(copy.deepcopy(samples))):
@@ -252,7 +253,7 @@ def test_a_vlm_whose_features_feed_several_layers_is_refused_naming_the_backends
     from tiny_models import tiny_path
 
     with pytest.raises(GymvError, match="feature_inputs") as e:
-        MegatronBackend.create(TrainingSetup(model_path=str(tiny_path("tiny-qwen3vl"))), device="cpu")
+        MegatronBackend.create(TrainingSetup(model_path=str(tiny_path("tiny-qwen3vl")), training=TrainingSection()), device="cpu")
     assert "training.backend: torch or fsdp2" in e.value.fix
 
 
@@ -271,7 +272,7 @@ def test_checkpointed_layers_give_the_same_gradients():
         torch.testing.assert_close(grads[1][name], g, rtol=0, atol=1e-6, msg=name)
 
 
-BACKEND_OPTIMIZER = {"lr": 1e-3, "eps": 1e-3, "precision": "fp32"}
+BACKEND_OPTIMIZER = {"lr": 1e-3, "eps": 1e-3, "weight_decay": 0.01, "dtype": "float32"}
 
 
 def test_a_backend_step_equals_the_torch_backends_and_never_trains_the_padding_row():
@@ -284,7 +285,7 @@ def test_a_backend_step_equals_the_torch_backends_and_never_trains_the_padding_r
     from tiny_lm import make_samples
     from tiny_models import tiny_path
 
-    setup = TrainingSetup(model_path=str(tiny_path("tiny-qwen3")), optimizer=BACKEND_OPTIMIZER)
+    setup = TrainingSetup(model_path=str(tiny_path("tiny-qwen3")), training=TrainingSection(**BACKEND_OPTIMIZER))
     backends = [cls.create(setup, device="cpu") for cls in (MegatronBackend, HFTorchBackend)]
     assert any(0 in s["input_ids"].tolist() for s in make_samples(6, seed=1))
     m, p = (b.train_step(make_samples(6, seed=1), PolicyLoss()) for b in backends)

@@ -18,13 +18,15 @@ from gymv.backends.training.samples import as_tensors, training_sample  # noqa: 
 from gymv.errors import GymvError  # noqa: E402
 from tiny_models import chat_ids, fresh_policy, noise, solid, tiny_path  # noqa: E402
 
-OPTIMIZER = {"lr": 1e-2, "eps": 1e-3, "precision": "fp32", "micro_batch_tokens": 10_000}
+OPTIMIZER = {"lr": 1e-2, "eps": 1e-3, "weight_decay": 0.01, "dtype": "float32", "micro_batch_tokens": 10_000}
 
 
-def _setup(arch: str, packing, **kw):
+def _setup(arch: str, packing, **training):
     from gymv.backends.training.base import TrainingSetup
+    from gymv.config.schema import TrainingSection
 
-    return TrainingSetup(model_path=str(tiny_path(arch)), optimizer=OPTIMIZER, sequence_packing=packing, **kw)
+    return TrainingSetup(model_path=str(tiny_path(arch)),
+                         training=TrainingSection(**OPTIMIZER, sequence_packing=packing, **training))
 
 
 def _samples(policy, images: list, seed: int) -> list[dict]:
@@ -135,13 +137,14 @@ def test_a_packed_bf16_step_on_cuda_matches_the_padded_one():
     from gymv.algorithms.loss_fns import PolicyLoss
     from gymv.backends.training.base import TrainingSetup
     from gymv.backends.training.megatron import MegatronBackend
+    from gymv.config.schema import TrainingSection
 
     from gymv.backends import packed_attention
 
     metrics = {}
     for packing in (False, True):
-        setup = TrainingSetup(model_path=str(tiny_path("tiny-qwen3")), sequence_packing=packing,
-                              optimizer={**OPTIMIZER, "precision": "bf16"})
+        setup = TrainingSetup(model_path=str(tiny_path("tiny-qwen3")),
+                              training=TrainingSection(**{**OPTIMIZER, "dtype": "bfloat16"}, sequence_packing=packing))
         backend = MegatronBackend.create(setup, device="cuda")
         before = packed_attention.varlen_calls
         metrics[packing] = backend.train_step(_samples(backend.policy, IMAGES["tiny-qwen3"], seed=9), PolicyLoss())

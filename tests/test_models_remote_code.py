@@ -54,11 +54,12 @@ def test_trust_remote_code_reaches_the_generation_and_training_backends(remote_c
     from gymv.backends.training.base import TrainingSetup
     from gymv.backends.training.hf_torch import HFTorchBackend
     from gymv.cluster.workers import WorkerSpec
-    from gymv.envs.routing import EnvSpec
+    from gymv.config.schema import EnvSection, ModelSection, TrainingSection
 
-    spec = WorkerSpec(model_path=str(remote_checkpoint), env=EnvSpec("arithmetic"), trust_remote_code=True)
+    spec = WorkerSpec(model_path=str(remote_checkpoint), env=EnvSection(name="arithmetic"),
+                      model=ModelSection(trust_remote_code=True))
     assert spec.training_setup().trust_remote_code
     generator = HFGenerationBackend.create(str(remote_checkpoint), trust_remote_code=True)
-    trainer = HFTorchBackend.create(TrainingSetup(model_path=str(remote_checkpoint), trust_remote_code=True),
-                                    device="cpu")
+    trainer = HFTorchBackend.create(TrainingSetup(model_path=str(remote_checkpoint), training=TrainingSection(),
+                                                  trust_remote_code=True), device="cpu")
     assert type(generator.model).__name__ == type(trainer.model).__name__ == "GymvRemoteLM"

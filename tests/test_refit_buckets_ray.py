@@ -23,11 +23,11 @@ def ray_cluster():
 def _cluster(transport: str, *, ranks: int = 1, generators: int = 1, backend: str = "torch"):
     from gymv.cluster.group import Placement, PolicyCluster
     from gymv.cluster.workers import WorkerSpec
-    from gymv.train.data import EnvSpec
+    from gymv.config.schema import EnvSection, RefitSection, TrainingSection
 
-    spec = WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSpec("circle_count"), generation_dtype="bfloat16",
-                      refit_transport=transport, refit_bucket_mb=BUCKET_MB, trainer={"precision": "fp32"},
-                      training_backend=backend)
+    spec = WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSection(name="circle_count"),
+                      generation_dtype="bfloat16", refit=RefitSection(transport=transport, bucket_mb=BUCKET_MB),
+                      training=TrainingSection(backend=backend, dtype="float32", weight_decay=0.01))
     return PolicyCluster(spec, Placement(num_generation=generators, num_training=ranks))
 
 

@@ -95,7 +95,7 @@ def test_the_recipe_keys_reach_the_workers_and_every_rollout():
     cfg = load_config(REPO_RECIPE, ["rollout.tool_call_format=llama3", "generation.chat_template_kwargs={enable_thinking: false}",
                                     "model.trust_remote_code=true"])
     spec = worker_spec(cfg, "some/folder")
-    assert (spec.tool_call_format, spec.chat_template_kwargs, spec.trust_remote_code) == (
+    assert (spec.rollout.tool_call_format, spec.generation.chat_template_kwargs, spec.model.trust_remote_code) == (
         "llama3", {"enable_thinking": False}, True)
     kw = rollout_kwargs(cfg)
     assert (kw["tool_call_format"], kw["chat_template_kwargs"]) == ("llama3", {"enable_thinking": False})

@@ -12,6 +12,7 @@ import torch
 from gymv.backends.logprobs import MultimodalBatch, packable, token_scores
 from gymv.backends.training.micro_batches import plan_packed_micro_batches, shared_prefix_cost
 from gymv.backends.training.samples import as_tensors, training_sample
+from gymv.config.schema import TrainingSection
 from gymv.errors import GymvError
 from tiny_models import chat_ids, fresh_policy, noise, solid
 
@@ -88,8 +89,8 @@ def _backend(arch, packing):
 
     policy = fresh_policy(arch)
     # Adam's eps is large so that float summation-order noise in a near-zero gradient cannot move the update
-    setup = TrainingSetup(model_path="unused", optimizer={"lr": 1e-2, "eps": 1e-3, "precision": "fp32", "micro_batch_tokens": 200},
-                          sequence_packing=packing)
+    setup = TrainingSetup(model_path="unused", training=TrainingSection(
+        lr=1e-2, eps=1e-3, weight_decay=0.01, dtype="float32", micro_batch_tokens=200, sequence_packing=packing))
     return HFTorchBackend(policy, setup, device="cpu")
 
 
@@ -322,8 +323,8 @@ def test_a_packed_torch_backend_step_on_cuda_runs_the_varlen_kernel_under_autoca
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     policy = fresh_policy("tiny-llava")
-    setup = TrainingSetup(model_path=str(policy.path), device="cuda", sequence_packing=True,
-                          optimizer={"lr": 1e-5, "precision": "bf16"})
+    setup = TrainingSetup(model_path=str(policy.path), device="cuda", training=TrainingSection(
+        lr=1e-5, weight_decay=0.01, dtype="bfloat16", sequence_packing=True))
     backend = HFTorchBackend(policy, setup, device="cuda")
     samples = _group(policy, 3, seed=31) + _group(policy, 2, seed=32)
     before, calls = packed_attention.varlen_calls, packed_attention.calls

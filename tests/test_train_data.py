@@ -11,7 +11,9 @@ import pytest
 
 from gymv.errors import GymvError
 from gymv.runs.checkpoint import DataPosition
-from gymv.train.data import EnvRouter, EnvSpec, Row, RowStream, epoch_order, read_rows, training_rows
+from gymv.config.schema import EnvSection
+from gymv.envs.routing import EnvRouter
+from gymv.train.data import Row, RowStream, epoch_order, read_rows, training_rows
 from gymv.train.setup import resolve_init_path, step_seed
 
 
@@ -84,12 +86,12 @@ def test_rows_naming_an_unknown_agent_fail_naming_the_line(tmp_path):
     bad = {**good, "agent_ref": {"type": "responses_api_agents", "name": "weather_agent"}}
     path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
     with pytest.raises(GymvError) as err:
-        EnvRouter(EnvSpec("circle-count")).check(read_rows(str(path)))
+        EnvRouter(EnvSection(name="circle-count")).check(read_rows(str(path)))
     assert "weather_agent" in str(err.value) and "line 2" in str(err.value)
 
 
 def test_rows_naming_another_installed_environment_go_there():
-    router = EnvRouter(EnvSpec("circle-count"))
+    router = EnvRouter(EnvSection(name="circle-count"))
     assert router({"agent_ref": {"name": "circle_click_simple_agent"}}).name == "circle-click"
     assert router({}).name == "circle-count"
 

@@ -25,12 +25,13 @@ def ray():
 
 def _spec(backend: str, generation_dtype: str = "float32"):
     from gymv.cluster.workers import WorkerSpec
-    from gymv.train.data import EnvSpec
+    from gymv.config.schema import EnvSection, TrainingSection
 
     # Adam's eps is large so float32 summation-order noise between 1 and 2 ranks cannot move the update.
-    return WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSpec("circle_count"), kl_reference=True,
-                      trainer={"lr": 1e-3, "eps": 1e-3, "precision": "fp32", "micro_batch_tokens": 512},
-                      training_backend=backend, generation_dtype=generation_dtype)
+    training = TrainingSection(backend=backend, lr=1e-3, eps=1e-3, weight_decay=0.01, dtype="float32",
+                               micro_batch_tokens=512)
+    return WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSection(name="circle_count"), kl_reference=True,
+                      training=training, generation_dtype=generation_dtype)
 
 
 @pytest.fixture(scope="module")

@@ -164,12 +164,12 @@ def test_two_training_ranks_take_the_same_step_as_one(tmp_path):
     from gymv.backends.generation import SamplingParams
     from gymv.cluster.group import Placement, PolicyCluster
     from gymv.cluster.workers import GenerationWorker, TrainingWorker, WorkerSpec
-    from gymv.train.data import EnvSpec
+    from gymv.config.schema import EnvSection, TrainingSection
     from gymv.train.stats import policy_samples
 
     # Adam's eps is large so float32 summation-order noise between 1 and 2 ranks cannot move the update.
-    spec = WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSpec("even-length"),
-                      trainer={"lr": 1e-3, "eps": 1e-3, "precision": "fp32"})
+    spec = WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSection(name="even-length"),
+                      training=TrainingSection(lr=1e-3, eps=1e-3, weight_decay=0.01, dtype="float32"))
     env = GenerationWorker(spec).router.default
     import random
 

@@ -11,13 +11,14 @@ import torch
 from gymv.algorithms.loss_fns import PolicyLoss
 from gymv.backends.logprobs import right_pad, sequence_logprobs
 from gymv.cluster.workers import SEQ_ERRORS_KEY, TrainingWorker, WorkerSpec
-from gymv.train.data import EnvSpec
+from gymv.config.schema import EnvSection, TrainingSection
 from tiny_models import chat_ids, noise, tiny_path
 
 
 def worker(micro_batch_tokens: int = 4096) -> TrainingWorker:
-    spec = WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSpec("circle-count"),
-                      trainer={"lr": 1e-2, "precision": "fp32", "micro_batch_tokens": micro_batch_tokens})
+    spec = WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSection(name="circle-count"),
+                      training=TrainingSection(lr=1e-2, weight_decay=0.01, dtype="float32",
+                                               micro_batch_tokens=micro_batch_tokens))
     w = TrainingWorker(spec)
     w.setup()
     return w

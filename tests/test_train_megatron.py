@@ -77,12 +77,13 @@ def test_two_tensor_parallel_ranks_on_ray_take_one_ranks_step_and_refit_the_gene
     from gymv.backends.generation import SamplingParams
     from gymv.cluster.group import Placement, PolicyCluster
     from gymv.cluster.workers import GenerationWorker, TrainingWorker, WorkerSpec
-    from gymv.train.data import EnvSpec
+    from gymv.config.schema import EnvSection, ParallelSection, TrainingSection
     from gymv.train.stats import policy_samples
 
-    def spec(**kw):
-        return WorkerSpec(model_path=str(tiny_path(ARCH)), env=EnvSpec("even-length-text"), training_backend="megatron",
-                          trainer={"lr": 1e-3, "eps": 1e-3, "precision": "fp32", "micro_batch_tokens": 512}, **kw)
+    def spec(tensor_parallel: int = 1):
+        training = TrainingSection(backend="megatron", lr=1e-3, eps=1e-3, weight_decay=0.01, dtype="float32",
+                                   micro_batch_tokens=512, parallel=ParallelSection(tensor=tensor_parallel))
+        return WorkerSpec(model_path=str(tiny_path(ARCH)), env=EnvSection(name="even-length-text"), training=training)
 
     gen = GenerationWorker(spec())
     env = gen.router.default
@@ -97,7 +98,7 @@ def test_two_tensor_parallel_ranks_on_ray_take_one_ranks_step_and_refit_the_gene
     want_weights = one.weights()
     one.close()
 
-    cluster = PolicyCluster(spec(sharding={"tensor_parallel": 2}), Placement(num_generation=1, num_training=2))
+    cluster = PolicyCluster(spec(tensor_parallel=2), Placement(num_generation=1, num_training=2))
     try:
         got = cluster.grpo_step([[dict(s) for s in samples]], PolicyLoss())
         weights, *_ = ray.get([cluster.trainers[0].weights.remote()] + cluster._followers())

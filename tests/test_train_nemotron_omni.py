@@ -16,10 +16,11 @@ ARCH = "tiny-nemotron-omni"
 def _backend(cls=None, *, moe=None, checkpointing=False, lr=1e-2):
     from gymv.backends.training.base import TrainingSetup
     from gymv.backends.training.hf_torch import HFTorchBackend
+    from gymv.config.schema import MoeSection, TrainingSection
 
-    setup = TrainingSetup(model_path=str(tiny_path(ARCH)), gradient_checkpointing=checkpointing, moe=dict(moe or {}),
-                          optimizer={"lr": lr, "eps": 1e-3, "weight_decay": 0.0, "precision": "fp32",
-                                     "micro_batch_tokens": 4096})
+    training = TrainingSection(lr=lr, eps=1e-3, weight_decay=0.0, dtype="float32", micro_batch_tokens=4096,
+                               gradient_checkpointing=checkpointing, moe=MoeSection(**(moe or {})))
+    setup = TrainingSetup(model_path=str(tiny_path(ARCH)), training=training)
     return (cls or HFTorchBackend)(fresh_policy(ARCH), setup, device="cpu")
 
 

@@ -257,11 +257,12 @@ def test_views_share_the_flat_buffer():
 
 def _generation_worker(reset: bool):
     from gymv.cluster.workers import GenerationWorker, WorkerSpec
-    from gymv.train.data import EnvSpec
+    from gymv.config.schema import EnvSection, GenerationSection
     from tiny_models import tiny_path
 
-    return GenerationWorker(WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSpec("circle-count"),
-                                       reset_encoder_cache=reset, threads=1))
+    return GenerationWorker(WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSection(name="circle-count"),
+                                       generation=GenerationSection(reset_encoder_cache_after_weight_update=reset),
+                                       threads=1))
 
 
 @pytest.fixture(scope="module")

@@ -36,12 +36,13 @@ def _steps(compile_backend, *, checkpointing: bool, micro_batch_tokens: int, ste
     from gymv.algorithms.loss_fns import PolicyLoss
     from gymv.backends.training.base import TrainingSetup
     from gymv.backends.training.hf_fsdp import HFFSDPBackend
+    from gymv.config.schema import TrainingSection
 
     policy = fresh_policy("tiny-llama")
     # Adam's eps is large so that float summation-order noise in a near-zero gradient cannot move the update
-    setup = TrainingSetup(model_path="unused", optimizer={"lr": 1e-2, "eps": 1e-3, "precision": "fp32",
-                                                          "micro_batch_tokens": micro_batch_tokens},
-                          sequence_packing=True, gradient_checkpointing=checkpointing, compile=compile_backend)
+    setup = TrainingSetup(model_path="unused", training=TrainingSection(
+        lr=1e-2, eps=1e-3, weight_decay=0.01, dtype="float32", micro_batch_tokens=micro_batch_tokens,
+        sequence_packing=True, gradient_checkpointing=checkpointing, compile=compile_backend))
     backend = HFFSDPBackend(policy, setup, device="cpu")
     samples = _text_groups(policy, groups=3, size=3, seed=4)
     metrics = [backend.train_step([dict(s) for s in samples], PolicyLoss()) for _ in range(steps)]
@@ -101,7 +102,7 @@ def test_the_recipe_key_is_a_bool_that_reaches_the_trainer_setup():
     with pytest.raises(ValidationError):
         TrainingSection(compile="fast")
     cfg = load_recipe(REPO / "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", ["training.compile=true"]).validated
-    assert worker_spec(cfg, "unused").training_setup().compile is True
+    assert worker_spec(cfg, "unused").training_setup().training.compile is True
 
 
 def test_compile_with_the_megatron_backend_is_a_lint_error():

@@ -276,7 +276,7 @@ class PolicyCluster:
         seats = [ROSTER.seats[a._actor_id.hex()] for a in self.trainers + self.generators]
         p = self.placement
         layout = Layout(gpus=p.gpus > 0, colocated=p.colocated, workers_per_gpu=p.generation_per_gpu, lag_safe=lagging)
-        chosen = choose_transport(self.spec.refit_transport, seats[:1], seats[len(self.trainers):], layout)
+        chosen = choose_transport(self.spec.refit.transport, seats[:1], seats[len(self.trainers):], layout)
         self._senders = self.trainers if len(self.trainers) > 1 and shares_sending(chosen) else self.trainers[:1]
         return chosen
 

@@ -20,66 +20,75 @@ from pathlib import Path
 
 from gymv.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
 from gymv.backends.training.base import TrainingSetup
-from gymv.io import follow_umask
-from gymv.envs.routing import EnvRouter, EnvSpec
+from gymv.config.schema import (
+    EnvSection,
+    GenerationSection,
+    ModelSection,
+    RefitSection,
+    RolloutSection,
+    TrainingSection,
+    VisionSection,
+)
+from gymv.envs.routing import EnvRouter
 from gymv.errors import GymvError
+from gymv.io import follow_umask
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker needs to build itself; plain data, pickled into each actor."""
+    """What a worker builds itself from, pickled into each actor: the recipe's sections as they are, and the
+    facts of this run around them (where the weights are, the device, which extras a loop asks for)."""
 
-    model_path: str
-    env: EnvSpec
+    model_path: str  # model.path, resolved to a local folder
+    env: EnvSection
+    model: ModelSection = field(default_factory=ModelSection)
+    generation: GenerationSection = field(default_factory=GenerationSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    refit: RefitSection = field(default_factory=RefitSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    vision: VisionSection | None = None
     seed: int = 0
     device: str = "cpu"
-    generation_dtype: str = "float32"
-    generation_decode: str = "auto"
-    generation_max_batch: int = 256
-    temperature: float = 1.0
-    threads: int | None = None
-    refit_transport: str = "object_store"
-    refit_bucket_mb: float = 256.0  # refit.bucket_mb: the size of each bucket a refit ships (0: one shot)
-    reset_encoder_cache: bool = False
-    trainer: dict = field(default_factory=dict)  # TrainerConfig fields
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"
-    min_lr_ratio: float = 0.0
+    generation_dtype: str = "float32"  # model.dtype, auto resolved (gymv.train.setup.generation_dtype)
+    logprob_temperature: float | None = None  # the trainer's logprobs' temperature; None: generation.temperature
     total_steps: int = 0  # optimizer steps of the whole run (the schedule's end)
-    gradient_checkpointing: bool = False
-    sequence_packing: bool | str = "auto"
-    compile: bool = False
     kl_reference: bool = False
-    max_seq_len: int = 2048
-    max_image_pixels: int | None = None
-    trust_remote_code: bool = False
-    chat_template_kwargs: dict = field(default_factory=dict)  # into every chat-template rendering
-    tool_call_format: str = "hermes"
-    agents: dict = field(default_factory=dict)  # rollout.driver nemo_gym_agents: agent name -> URL
-    model_server: tuple[str, int] | None = None  # where those agents call the policy
-    agent_timeout_s: float = 600.0
-    generation_backend: str = "hf"  # a name in GENERATION_BACKENDS, or its "module:Class" path
-    generation_options: dict = field(default_factory=dict)  # the backend's own create() keywords (generation.vllm)
-    training_backend: str = "torch"  # a name in TRAINING_BACKENDS, or its "module:Class" path
-    sharding: dict = field(default_factory=dict)  # TrainingSetup.sharding
-    moe: dict = field(default_factory=dict)  # TrainingSetup.moe
+    threads: int | None = None
 
     def located(self) -> WorkerSpec:
         """This spec with backend names turned into import paths that resolve in any process (a backend
         registered in the driver's process only is then found by its Ray workers too)."""
         from dataclasses import replace
 
-        return replace(self, generation_backend=GENERATION_BACKENDS.locate(self.generation_backend),
-                       training_backend=TRAINING_BACKENDS.locate(self.training_backend))
+        return replace(self, generation=self.generation.model_copy(
+                           update={"backend": GENERATION_BACKENDS.locate(self.generation.backend)}),
+                       training=self.training.model_copy(
+                           update={"backend": TRAINING_BACKENDS.locate(self.training.backend)}))
+
+    @property
+    def max_image_pixels(self) -> int | None:
+        return self.vision.max_image_pixels if self.vision is not None else None
+
+    @property
+    def agents(self) -> dict[str, str]:
+        """rollout.agents when NeMo Gym agent servers drive the episodes, else none (gymv's own loop)."""
+        return dict(self.rollout.agents) if self.rollout.driver == "nemo_gym_agents" else {}
 
     def training_setup(self) -> TrainingSetup:
-        return TrainingSetup(model_path=self.model_path, device=self.device, seed=self.seed,
-                             temperature=self.temperature, optimizer=dict(self.trainer),
-                             warmup_steps=self.warmup_steps, lr_schedule=self.lr_schedule,
-                             min_lr_ratio=self.min_lr_ratio, total_steps=self.total_steps,
-                             gradient_checkpointing=self.gradient_checkpointing, kl_reference=self.kl_reference,
-                             sharding=dict(self.sharding), trust_remote_code=self.trust_remote_code,
-                             sequence_packing=self.sequence_packing, compile=self.compile, moe=dict(self.moe))
+        g = self.generation
+        return TrainingSetup(model_path=self.model_path, training=self.training, device=self.device, seed=self.seed,
+                             temperature=g.temperature if self.logprob_temperature is None else self.logprob_temperature,
+                             total_steps=self.total_steps, kl_reference=self.kl_reference,
+                             trust_remote_code=self.model.trust_remote_code)
+
+    def generation_options(self) -> dict:
+        """The generation backend's own create() keywords: generation.vllm, plus full_logits where top_p < 1 (the
+        engine then returns every logit and gymv computes the logprobs before the nucleus cut, as the trainer
+        does); and trust_remote_code when the model asks for it."""
+        g = self.generation
+        vllm = GENERATION_BACKENDS.locate(g.backend) == GENERATION_BACKENDS.locate("vllm")  # a name, or located
+        out = {**g.vllm.model_dump(), "full_logits": g.top_p < 1.0} if vllm else {}
+        return {**out, **({"trust_remote_code": True} if self.model.trust_remote_code else {})}
 
 
 def _set_threads(threads: int | None) -> None:
@@ -121,12 +130,11 @@ class GenerationWorker:
         _set_threads(spec.threads)
         self.spec, self.index = spec, index
         self.device = _device(spec)
-        backend_cls = GENERATION_BACKENDS.load(spec.generation_backend)
+        g = spec.generation
+        backend_cls = GENERATION_BACKENDS.load(g.backend)
         self.backend = backend_cls.create(spec.model_path, device=str(self.device), dtype=spec.generation_dtype,
-                                          seed=spec.seed + 7919 * index, **spec.generation_options,
-                                          **({"trust_remote_code": True} if spec.trust_remote_code else {}))
-        self.backend = with_decode(self.backend, spec.generation_decode, seed=spec.seed + 7919 * index,
-                                   max_batch=spec.generation_max_batch)
+                                          seed=spec.seed + 7919 * index, **spec.generation_options())
+        self.backend = with_decode(self.backend, g.decode, seed=spec.seed + 7919 * index, max_batch=g.max_batch)
         self.router = EnvRouter(spec.env)
         self.receiver = None
         self.weights_version = 0
@@ -152,7 +160,7 @@ class GenerationWorker:
             trajectories = run_agent_rollouts(self._policy_server(params), self.spec.agents, list(rows),
                                               group_size=group_size, params=params, seed=seed,
                                               weights_version=version,
-                                              timeout_s=self.spec.agent_timeout_s, stats=stats)
+                                              timeout_s=self.spec.rollout.agent_timeout_s, stats=stats)
         else:
             trajectories = run_rollouts(_Locked(self.backend, self._weights_lock), b.adapter, b.tokenizer,
                                         b.chat_template, self.router, list(rows), group_size=group_size,
@@ -170,12 +178,12 @@ class GenerationWorker:
         if getattr(self, "_server", None) is None:
             from gymv.rollout.policy_server import PolicyServer
 
-            host, port = self.spec.model_server
+            spec = self.spec
             self._server = PolicyServer(_Locked(self.backend, self._weights_lock), params=params,
-                                        max_seq_len=self.spec.max_seq_len, host=host, port=port,
-                                        max_image_pixels=self.spec.max_image_pixels,
-                                        chat_template_kwargs=self.spec.chat_template_kwargs or None,
-                                        tool_call_format=self.spec.tool_call_format).start()
+                                        max_seq_len=spec.model.max_seq_len, host=spec.rollout.model_server_host,
+                                        port=spec.rollout.model_server_port, max_image_pixels=spec.max_image_pixels,
+                                        chat_template_kwargs=dict(spec.generation.chat_template_kwargs) or None,
+                                        tool_call_format=spec.rollout.tool_call_format).start()
         return self._server
 
     def pid(self) -> int:
@@ -199,7 +207,7 @@ class GenerationWorker:
         send); reset the encoder cache only after they loaded (when configured)."""
         t0 = time.perf_counter()
         if self.receiver is None:  # a worker used without a driver (the recipe's transport, in-band)
-            self.refit_connect(None, 1 + self.index, self.spec.refit_transport)
+            self.refit_connect(None, 1 + self.index, self.spec.refit.transport)
         weights = self.receiver.receive([payload, *shares] if shares else payload)
         self._load(weights, version)
         return {"seconds": time.perf_counter() - t0}
@@ -215,7 +223,7 @@ class GenerationWorker:
             self.backend.update_weights(weights)
             del weights
             self.weights_version = version
-            if self.spec.reset_encoder_cache:
+            if self.spec.generation.reset_encoder_cache_after_weight_update:
                 self.backend.reset_encoder_cache()
 
     def weights_hash(self) -> str:
@@ -312,7 +320,7 @@ class TrainingWorker:
             if store is None:
                 store = dist.TCPStore(host, port, world_size=self.world_size, is_master=False)
             dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size)
-        backend_cls = TRAINING_BACKENDS.load(self.spec.training_backend)
+        backend_cls = TRAINING_BACKENDS.load(self.spec.training.backend)
         self.backend = backend_cls.create(self.spec.training_setup(), device=self.device, rank=self.rank,
                                           world_size=self.world_size)
         self.router = EnvRouter(self.spec.env)
@@ -356,15 +364,15 @@ class TrainingWorker:
         from gymv.backends.training.samples import training_sample
         from gymv.rollout import ImageCache, build_sft_sample
 
-        b = self.backend
-        cache = ImageCache(max_pixels=self.spec.max_image_pixels)
+        b, spec = self.backend, self.spec
+        cache = ImageCache(max_pixels=spec.max_image_pixels)
         out = []
         for task_index, row, where in rows:
             traj = build_sft_sample(self.router(row, where), row, b.adapter, b.tokenizer, b.chat_template,
-                                    max_seq_len=self.spec.max_seq_len, task_index=task_index,
-                                    max_image_pixels=self.spec.max_image_pixels, image_cache=cache,
-                                    chat_template_kwargs=self.spec.chat_template_kwargs or None,
-                                    tool_call_format=self.spec.tool_call_format)
+                                    max_seq_len=spec.model.max_seq_len, task_index=task_index,
+                                    max_image_pixels=spec.max_image_pixels, image_cache=cache,
+                                    chat_template_kwargs=dict(spec.generation.chat_template_kwargs) or None,
+                                    tool_call_format=spec.rollout.tool_call_format)
             if getattr(traj, "error", None):
                 raise GymvError(f"cannot build an SFT sample: {traj.error}", where=where,
                                 fix="fix or drop that row (its rollout could not be built)")
@@ -392,7 +400,7 @@ class TrainingWorker:
         from gymv.cluster.refit import make_sender
 
         self.sender = make_sender(transport, self._generation_dtype(), self.device, num_receivers,
-                                  self.spec.refit_bucket_mb, rank=self.rank, senders=senders)
+                                  self.spec.refit.bucket_mb, rank=self.rank, senders=senders)
         return {"info": self.sender.rendezvous(self._weights_to_send()), "in_band": self.sender.in_band}
 
     def refit_connect(self) -> None:

@@ -139,7 +139,7 @@ class ParallelSection(Section):
 
 
 class FsdpSection(Section):
-    """Read by training.backend fsdp2 (gymv.backends.training.fsdp.ShardingConfig)."""
+    """Read by training.backend fsdp2 (gymv.backends.training.fsdp.ShardingConfig.of)."""
 
     cpu_offload: bool = False  # sharded weights, gradients and optimizer state in host memory (CUDA only)
     reshard_after_forward: bool = True  # free each layer's gathered weights after its forward
@@ -172,7 +172,9 @@ class TrainingSection(Section):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     gradient_checkpointing: bool = False
     sequence_packing: bool | Literal["auto"] = "auto"  # micro-batches as packed rows (docs/training.md)
-    compile: bool = False  # torch.compile each decoder layer (torch and fsdp2 backends; docs/training.md)
+    # torch.compile each decoder layer (torch and fsdp2 backends; docs/training.md); a name picks torch.compile's
+    # backend (true: inductor)
+    compile: bool | Literal["inductor", "aot_eager"] = False
     parallel: ParallelSection = ParallelSection()
     fsdp: FsdpSection = FsdpSection()
     moe: MoeSection = MoeSection()

@@ -1,29 +1,15 @@
 """Row -> environment: the environment a run's `env:` section describes (`make_env`: in-process, or remote
 when `env.url` is set) and, per row, the one its `agent_ref.name` names (EnvRouter, built once per process
-from plain data)."""
+from the section)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from gymv.envs.registry import available, env_for_agent, get_env, normalize
 from gymv.envs.rows import agent_name
 from gymv.errors import GymvError
-
-
-
-@dataclass(frozen=True)
-class EnvSpec:
-    """The configured environment, as every worker builds it (plain data, so it crosses process boundaries)."""
-
-    name: str
-    kwargs: dict = field(default_factory=dict)
-    max_turns: int | None = None
-    url: str | None = None  # a NeMo Gym / `gymv env serve` server; None = in-process
-    timeout_s: float = 30.0
-    retries: int = 2
 
 
 class EnvRouter:
@@ -33,11 +19,11 @@ class EnvRouter:
     their EpisodeState).
     """
 
-    def __init__(self, spec: EnvSpec):
+    def __init__(self, spec: Any):
+        """`spec`: the recipe's `env:` section (gymv.config.schema.EnvSection)."""
         self.spec = spec
         try:
-            self.default = make_env({"name": spec.name, "url": spec.url, "max_turns": spec.max_turns,
-                                     "timeout_s": spec.timeout_s, "retries": spec.retries, "kwargs": dict(spec.kwargs)})
+            self.default = make_env(spec)
         except GymvError as e:
             raise GymvError(e.message, where=e.where or ("env.url" if spec.url else "env.name"), fix=e.fix) from None
         self._by_agent: dict[str, Any] = {}

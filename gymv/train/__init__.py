@@ -21,7 +21,7 @@ from gymv.errors import GymvError
 from gymv.loggers import build_loggers, logger_classes
 from gymv.train.data import training_rows
 from gymv.train.row_checks import check_training_rows
-from gymv.train.setup import Reporter, RunContext, shown_path, open_run, resolve_init_path, worker_spec
+from gymv.train.setup import Reporter, RunContext, check_agent_driver, open_run, resolve_init_path, shown_path
 
 __all__ = ["Reporter", "load_training_recipe", "train"]
 
@@ -73,6 +73,7 @@ def _check_supported(rec, cfg) -> None:
                         fix="use cuda_ipc when colocated, or set cluster.colocated: false for nccl")
     for gap in gaps(cfg):
         raise GymvError(gap.message, where=_where(rec, gap.key), fix=gap.fix)
+    check_agent_driver(cfg)
     try:
         logger_classes(cfg)  # a missing TensorBoard/W&B library fails here, before the run directory is written
     except GymvError as e:
@@ -173,7 +174,7 @@ def _train_once(rec, resume_dir: str | None, ray_address: str | None, reporter: 
     for gap in family_gaps(cfg, model_path):  # what the model's family cannot run, before Ray starts
         raise GymvError(gap.message, where=_where(rec, gap.key), fix=gap.fix)
     _check_vllm_models(rec, cfg, model_path)
-    router = EnvRouter(worker_spec(cfg, model_path).env)  # an unknown env.name fails before anything is written
+    router = EnvRouter(cfg.env)  # an unknown env.name fails before anything is written
 
     run, resume = open_run(cfg, cfg.to_dict(), resume_dir)
     reporter.on_run(run.path)

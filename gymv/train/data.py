@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gymv.envs.routing import EnvRouter, EnvSpec  # noqa: F401  (run setup routes rows through them)
 from gymv.errors import GymvError
 from gymv.io import iter_jsonl
 from gymv.runs.checkpoint import DataPosition

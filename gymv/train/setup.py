@@ -16,7 +16,7 @@ from gymv.errors import GymvError
 from gymv.models.init_path import FINAL_DIR, resolve_init_path  # noqa: F401  (train and tests import it here)
 from gymv.runs.checkpoint import CheckpointState, DataPosition, find_latest, unusable_checkpoints
 from gymv.runs.run_dir import RunDir, run_path
-from gymv.train.data import DATA_DIR, EnvSpec, Row, RowStream
+from gymv.train.data import DATA_DIR, Row, RowStream
 
 
 class Reporter:
@@ -131,69 +131,26 @@ def shown_path(path: Path) -> Path:
 # ------------------------------------------------------------------------------------------ workers
 
 
-def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, temperature: float | None = None):
+def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, logprob_temperature: float | None = None):
+    """The workers' spec: the recipe's sections as they are, with this run's facts (resolved model path,
+    device, generation dtype, the schedule's length) and what the loop asks for (a KL reference; SFT's
+    logprobs at temperature 1)."""
     from gymv.cluster.workers import WorkerSpec
 
-    t = cfg.training
-    precision = {"auto": "auto", "float32": "fp32", "bfloat16": "bf16"}[t.dtype]
     return WorkerSpec(
-        model_path=model_path,
-        env=EnvSpec(cfg.env.name, dict(cfg.env.kwargs), cfg.env.max_turns, cfg.env.url, cfg.env.timeout_s, cfg.env.retries),
-        seed=cfg.seed,
-        device="cuda" if cfg.cluster.gpus_per_node > 0 else "cpu",
-        generation_dtype=generation_dtype(cfg, model_path),
-        generation_decode=cfg.generation.decode,
-        generation_max_batch=cfg.generation.max_batch,
-        temperature=cfg.generation.temperature if temperature is None else temperature,
-        refit_transport=cfg.refit.transport,
-        refit_bucket_mb=cfg.refit.bucket_mb,
-        reset_encoder_cache=cfg.generation.reset_encoder_cache_after_weight_update,
-        trainer={"lr": t.lr, "betas": tuple(t.betas), "eps": t.eps, "weight_decay": t.weight_decay,
-                 "max_grad_norm": t.max_grad_norm, "micro_batch_tokens": t.micro_batch_tokens, "precision": precision,
-                 "optimizer_state_dtype": t.optimizer_state_dtype},
-        warmup_steps=t.warmup_steps,
-        lr_schedule=t.lr_schedule,
-        min_lr_ratio=t.min_lr_ratio,
-        total_steps=cfg.optimizer_steps,
-        gradient_checkpointing=t.gradient_checkpointing,
-        sequence_packing=t.sequence_packing,
-        compile=t.compile,
-        kl_reference=kl_reference,
-        max_seq_len=cfg.model.max_seq_len,
-        max_image_pixels=cfg.vision.max_image_pixels if getattr(cfg, "vision", None) is not None else None,
-        trust_remote_code=cfg.model.trust_remote_code,
-        chat_template_kwargs=dict(cfg.generation.chat_template_kwargs),
-        tool_call_format=cfg.rollout.tool_call_format,
-        generation_backend=cfg.generation.backend,
-        generation_options=_vllm_options(cfg) if cfg.generation.backend == "vllm" else {},
-        training_backend=t.backend,
-        sharding=_sharding(t),
-        moe=t.moe.model_dump(),
-        **_agent_driver(cfg),
-    )
+        model_path=model_path, env=cfg.env, model=cfg.model, generation=cfg.generation, training=cfg.training,
+        refit=cfg.refit, rollout=cfg.rollout, vision=getattr(cfg, "vision", None), seed=cfg.seed,
+        device="cuda" if cfg.cluster.gpus_per_node > 0 else "cpu", generation_dtype=generation_dtype(cfg, model_path),
+        logprob_temperature=logprob_temperature, total_steps=cfg.optimizer_steps, kl_reference=kl_reference)
 
 
-def _sharding(t) -> dict:
-    """TrainingSetup.sharding: the fsdp2 options, or megatron's parallel sizes."""
-    if t.backend == "fsdp2":
-        return t.fsdp.model_dump()
-    if t.backend == "megatron":
-        p = t.parallel
-        return {"tensor_parallel": p.tensor, "pipeline_parallel": p.pipeline, "context_parallel": p.context,
-                "expert_parallel": p.expert}
-    return {}
-
-
-def _agent_driver(cfg) -> dict:
-    """WorkerSpec fields of `rollout.driver: nemo_gym_agents` (none for gymv's own loop)."""
-    r = getattr(cfg, "rollout", None)
-    if r is None or r.driver != "nemo_gym_agents":
-        return {}
+def check_agent_driver(cfg) -> None:
+    """`rollout.driver: nemo_gym_agents` runs one generation worker (the agents call one model server)."""
+    if cfg.rollout.driver != "nemo_gym_agents":
+        return
     if cfg.cluster.generation_workers_per_gpu != 1 or (cfg.cluster.generation_gpus or 0) > 1:
         raise GymvError("rollout.driver nemo_gym_agents runs one generation worker (the agents call one model "
                         "server)", where="cluster.generation_workers_per_gpu", fix="set it to 1")
-    return {"agents": dict(r.agents), "model_server": (r.model_server_host, r.model_server_port),
-            "agent_timeout_s": r.agent_timeout_s}
 
 
 def sampling_params(cfg, *, greedy: bool = False):
@@ -312,9 +269,3 @@ def should_validate(step: int, period: int, max_steps: int) -> bool:
 
 def should_checkpoint(step: int, period: int, max_steps: int, stopping: bool) -> bool:
     return stopping or step == max_steps or step % period == 0
-
-
-def _vllm_options(cfg) -> dict:
-    """generation.vllm, plus full_logits where top_p < 1 (the engine then returns every logit and gymv
-    computes the logprobs before the nucleus cut, as the trainer does)."""
-    return {**cfg.generation.vllm.model_dump(), "full_logits": cfg.generation.top_p < 1.0}

@@ -23,7 +23,7 @@ def train_sft(ctx: RunContext, *, resume: bool) -> dict:
 
     # ---- setup -----------------------------------------------------------------------------------
     report.on_message("starting workers")
-    cluster = PolicyCluster(worker_spec(cfg, ctx.model_path, temperature=1.0), Placement.from_config(cfg),
+    cluster = PolicyCluster(worker_spec(cfg, ctx.model_path, logprob_temperature=1.0), Placement.from_config(cfg),
                             generation=validates)
     try:
         checkpoints = Checkpointer(ctx, cluster)

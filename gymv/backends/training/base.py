@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from os import PathLike
 from typing import Any
 
@@ -47,26 +47,18 @@ PlanFn = Callable[[Sequence[Sample], int], "list[list[int]]"]
 
 @dataclass(frozen=True)
 class TrainingSetup:
-    """Everything a training backend needs to build one rank (plain data, pickled into each worker)."""
+    """Everything a training backend needs to build one rank, pickled into each worker: the recipe's
+    `training:` section as it is, and the run's facts around it. (The backends sit below the config package,
+    so the section's type, gymv.config.schema.TrainingSection, is not imported here.)"""
 
     model_path: str
+    training: Any  # the `training:` section: optimizer, schedule, precision, packing, compile, fsdp, parallel
     device: str = "cpu"
     seed: int = 0
     temperature: float = 1.0  # logprobs are of the sampling distribution at this temperature
-    optimizer: dict = field(default_factory=dict)  # lr, betas, eps, weight_decay, max_grad_norm, micro_batch_tokens, precision
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"
-    min_lr_ratio: float = 0.0
     total_steps: int = 0  # optimizer steps of the whole run (the schedule's end)
-    gradient_checkpointing: bool = False
     kl_reference: bool = False  # also hold a frozen copy of the initial policy for `reference=True` logprobs
-    sharding: dict = field(default_factory=dict)  # a sharded backend's options (fsdp2: ShardingConfig fields)
     trust_remote_code: bool = False  # model.trust_remote_code: the checkpoint's own modelling code may run
-    sequence_packing: bool | str = "auto"  # training.sequence_packing: True, False or "auto"
-    # training.compile: torch.compile each decoder layer (gymv.backends.training.compile); a string names the
-    # torch.compile backend (True: inductor)
-    compile: bool | str = False
-    moe: dict = field(default_factory=dict)  # training.moe: MoE router terms (gymv.backends.moe_router.MoeSettings)
 
 
 class TrainingBackend(ABC):

@@ -21,7 +21,7 @@ import datetime
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -47,6 +47,11 @@ class ShardingConfig:
     cpu_offload: bool = False
     reshard_after_forward: bool = True
     defer_gradient_reduction: bool | str = "auto"  # one rank: see FSDPTrainer._defers_reduction
+
+    @classmethod
+    def of(cls, fsdp) -> ShardingConfig:
+        """From a recipe's `training.fsdp` section (the same fields)."""
+        return cls(**{f.name: getattr(fsdp, f.name) for f in fields(cls)})
 
 
 _PRIVATE_STORE = None  # (store, listening socket) of a single rank's private group, kept open

@@ -1,7 +1,7 @@
 """The `fsdp2` training backend: the `torch` backend's model, losses and batching, with the policy (and the
 KL reference) sharded over the trainer's ranks by FSDP2 (gymv.backends.training.fsdp).
 
-Options come from `training.fsdp` (ShardingConfig fields). Checkpoints are sharded
+Options come from `training.fsdp` (ShardingConfig). Checkpoints are sharded
 (torch.distributed.checkpoint) and resume at another number of ranks; `export_hf` gathers one tensor at a
 time into rank 0's host memory and writes a Hugging Face folder.
 """
@@ -23,15 +23,14 @@ class HFFSDPBackend(HFTorchBackend):
     def _make_trainer(self, model, device, *, frozen: bool = False):
         from gymv.backends.training.fsdp import FSDPTrainer, ShardingConfig
 
-        sharding = ShardingConfig(**self.setup.sharding)
-        if self.setup.gradient_checkpointing and not frozen:
+        if self.setup.training.gradient_checkpointing and not frozen:
             # non-reentrant checkpointing: FSDP2's gathers re-run inside the recomputed forward
             model.gradient_checkpointing_disable()
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         layout = self.layout(model)
         self.compile_layers(model, frozen)
         return FSDPTrainer(model, self.trainer_logprob_fn(frozen), self.config, collate_fn=layout.collate, device=device,
-                           plan_fn=layout.plan, sharding=sharding, trainable=not frozen)
+                           plan_fn=layout.plan, sharding=ShardingConfig.of(self.setup.training.fsdp), trainable=not frozen)
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Each weight gathered in full, one at a time; a collective, so every rank iterates it."""

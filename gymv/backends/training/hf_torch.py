@@ -195,12 +195,12 @@ class HFTorchBackend(TrainingBackend):
         self.rank, self.world_size = rank, world_size
         self.tokenizer, self.adapter, self.chat_template = policy.tokenizer, policy.adapter, policy.chat_template
         model = policy.model
-        if setup.gradient_checkpointing:
+        if setup.training.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.pad_id = policy.tokenizer.pad_token_id or 0
         self.logprob_fn = logprob_fn(policy.adapter, setup.temperature)
-        self.router_terms = RouterTerms.attach(model, MoeSettings(**setup.moe))
-        self.config = TrainerConfig(**setup.optimizer)
+        self.router_terms = RouterTerms.attach(model, MoeSettings(**setup.training.moe.model_dump()))
+        self.config = TrainerConfig.of(setup.training)
         self.trainer = self._make_trainer(model, device)
         self.reference = None
         if setup.kl_reference:
@@ -229,13 +229,14 @@ class HFTorchBackend(TrainingBackend):
     def compile_layers(self, model, frozen: bool) -> None:
         """training.compile: the policy's decoder layers compiled (after the layout switched its attention,
         before sharding); the frozen reference stays eager."""
-        if self.setup.compile and not frozen:
+        compile_ = self.setup.training.compile
+        if compile_ and not frozen:
             from gymv.backends.training.compile import compile_layers
 
-            compile_layers(model, **({"backend": self.setup.compile} if isinstance(self.setup.compile, str) else {}))
+            compile_layers(model, **({"backend": compile_} if isinstance(compile_, str) else {}))
 
     def layout(self, model) -> BatchLayout:
-        return BatchLayout(self.adapter, model, self.pad_id, self.setup.sequence_packing)
+        return BatchLayout(self.adapter, model, self.pad_id, self.setup.training.sequence_packing)
 
     @classmethod
     def create(cls, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1) -> HFTorchBackend:
@@ -256,9 +257,9 @@ class HFTorchBackend(TrainingBackend):
     def learning_rate(self, step: int) -> float:
         from gymv.backends.training.lr_schedule import lr_factor
 
-        s = self.setup
-        return self.config.lr * lr_factor(step, warmup_steps=s.warmup_steps, total_steps=s.total_steps,
-                                          schedule=s.lr_schedule, min_ratio=s.min_lr_ratio)
+        t = self.setup.training
+        return self.config.lr * lr_factor(step, warmup_steps=t.warmup_steps, total_steps=self.setup.total_steps,
+                                          schedule=t.lr_schedule, min_ratio=t.min_lr_ratio)
 
     def train_step(self, samples: Sequence[Sample], loss_fn: LossFn) -> dict[str, float]:
         samples = [as_tensors(s) for s in samples]

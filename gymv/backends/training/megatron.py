@@ -30,14 +30,13 @@ from gymv.backends.training.base import TrainingSetup
 from gymv.backends.training.hf_torch import HFTorchBackend, copy_hf_files
 from gymv.errors import GymvError
 
-PARALLEL_KEYS = ("pipeline_parallel", "context_parallel", "expert_parallel")
+REFUSED_PARALLEL = ("pipeline", "context", "expert")
 
 
 def _check_setup(setup: TrainingSetup) -> None:
-    for key in PARALLEL_KEYS:
-        size = int(setup.sharding.get(key, 1))
+    for name in REFUSED_PARALLEL:
+        size = getattr(setup.training.parallel, name)
         if size > 1:
-            name = key.replace("_parallel", "")
             raise GymvError(f"training.backend megatron runs training.parallel.{name} 1 here, not {size}",
                             where=f"training.parallel.{name}",
                             fix="set it to 1 (data parallel over the training GPUs), or use training.backend: fsdp2")
@@ -89,7 +88,7 @@ class MegatronBackend(HFTorchBackend):
         # HF state dicts list a tied head under its own name too; the generator is sent what it holds
         self.sends_tied_head = self.shape.tied and self.shape.hf_head in policy.model.state_dict()
         self.device = torch.device(device)
-        self.tp = int(setup.sharding.get("tensor_parallel", 1))
+        self.tp = setup.training.parallel.tensor
         self.gathers_weights = self.tp > 1
         super().__init__(policy, setup, device=device, rank=rank, world_size=world_size)
         policy.model = self.trainer.model  # the HF copy is not kept
@@ -100,7 +99,7 @@ class MegatronBackend(HFTorchBackend):
         from gymv.backends.training.megatron_model import init_parallel
 
         _check_setup(setup)
-        init_parallel(int(setup.sharding.get("tensor_parallel", 1)), torch.device(device), seed=setup.seed)
+        init_parallel(setup.training.parallel.tensor, torch.device(device), seed=setup.seed)
         policy = load_policy(setup.model_path, device="cpu", dtype=torch.float32, seed=setup.seed,
                              trust_remote_code=setup.trust_remote_code)
         return cls(policy, setup, device=device, rank=rank, world_size=world_size)
@@ -121,7 +120,7 @@ class MegatronBackend(HFTorchBackend):
         return MegatronCausalLM(gpt, self.shape, self.hf_config, pad)
 
     def compile_layers(self, model, frozen: bool) -> None:
-        if self.setup.compile:
+        if self.setup.training.compile:
             raise GymvError("training.compile is not wired for training.backend megatron", where="training.compile",
                             fix="set training.compile: false (it compiles the torch and fsdp2 backends' layers)")
 
@@ -130,7 +129,7 @@ class MegatronBackend(HFTorchBackend):
 
         self.compile_layers(model, frozen)
         twin = self._twin(model)
-        if self.setup.gradient_checkpointing and not frozen:
+        if self.setup.training.gradient_checkpointing and not frozen:
             checkpoint_layers(twin.gpt)
         if self.tp == 1:
             return super()._make_trainer(twin, device, frozen=frozen)
@@ -152,7 +151,7 @@ class MegatronBackend(HFTorchBackend):
         from gymv.backends import packed_attention
         from gymv.backends.training.hf_torch import BatchLayout
 
-        packing = self.setup.sequence_packing
+        packing = self.setup.training.sequence_packing
         why_not = packed_attention.supports(model)
         if why_not is not None:
             if packing is True:

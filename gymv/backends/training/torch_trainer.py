@@ -13,7 +13,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
@@ -49,6 +49,13 @@ class TrainerConfig:
     micro_batch_tokens: int = 4096
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"  # AdamW's moments (adamw_bf16.py)
+
+    @classmethod
+    def of(cls, training) -> TrainerConfig:
+        """From a recipe's `training:` section: its fields of the same names, and its dtype as the precision."""
+        same = {f.name: getattr(training, f.name) for f in fields(cls) if hasattr(training, f.name)}
+        return cls(**{**same, "betas": tuple(training.betas),
+                      "precision": {"auto": "auto", "float32": "fp32", "bfloat16": "bf16"}[training.dtype]})
 
 
 def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
