@@ -106,7 +106,7 @@ def test_a_server_that_stalls_mid_run_stops_it_untrained_with_the_servers_url(tm
 @pytest.mark.slow
 def test_a_disk_that_fills_up_at_a_checkpoint_stops_the_run_with_the_cause_and_how_to_resume(tmp_path, tmpfs,
                                                                                            monkeypatch):
-    from gymv.train.setup import Checkpointer
+    from gymv.train.loop import Checkpointer
 
     monkeypatch.setattr(Checkpointer, "retry_wait_s", 0.0)
     disk = tmpfs("1m")  # the run's config, rows and metrics fit; its first checkpoint does not

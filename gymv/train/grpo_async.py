@@ -23,39 +23,23 @@ from collections.abc import Callable
 
 from gymv.algorithms.grpo import policy_loss
 from gymv.cluster.group import Placement, PolicyCluster
-from gymv.rollout import to_rollout_record
 from gymv.train.failures import FailureGuard
+from gymv.train.grpo import grpo_batch
+from gymv.train.loop import TrainingLoop, rollout_throughput
 from gymv.train.pipeline import RolloutPipeline
 from gymv.train.replay import ReplayBuffer
-from gymv.train.setup import (
-    Checkpointer,
-    RunContext,
-    rollout_kwargs,
-    sampling_params,
-    should_validate,
-    worker_spec,
-)
-from gymv.train.stats import (TrainBatch, group_advantages, is_usable, policy_samples, policy_update,
-                              rollout_metrics)
-from gymv.train.validation import validate
+from gymv.train.setup import RunContext, rollout_kwargs, sampling_params, worker_spec
+from gymv.train.stats import TrainBatch, policy_update
 
 
 def train_grpo_async(ctx: RunContext, *, resume: bool) -> dict:
     cfg, grpo = ctx.cfg, ctx.cfg.grpo
-    G = grpo.generations_per_prompt
-
-    def batch(trajectories) -> TrainBatch:
-        advantages, adv_stats = group_advantages(trajectories, G, grpo.advantage)
-        return TrainBatch(policy_samples(trajectories, advantages), [t.reward for t in trajectories if is_usable(t)],
-                          {**rollout_metrics(trajectories, "train"), **adv_stats},
-                          lambda: [to_rollout_record(t, advantage=a) for t, a in zip(trajectories, advantages)])
-
     ctx.reporter.on_message("starting workers")
     cluster = PolicyCluster(worker_spec(cfg, ctx.model_path, kl_reference=grpo.loss.kl_coef > 0),
                             Placement.from_config(cfg), in_flight_refit=grpo.async_.in_flight_weight_updates,
                             lagging_receivers=True)
     try:
-        return run_async(ctx, cluster, grpo, policy_loss(grpo), batch, resume=resume)
+        return run_async(ctx, cluster, grpo, policy_loss(grpo), grpo_batch(grpo), resume=resume)
     finally:
         cluster.shutdown()
 
@@ -64,33 +48,21 @@ def run_async(ctx: RunContext, cluster, section, loss_fn, make_batch: Callable[[
               start_info: dict | None = None) -> dict:
     """The asynchronous loop of an algorithm section (`grpo` or `mopd`: its sizes, async and validation keys),
     whose `make_batch` turns a step's trajectories into training samples and metrics."""
-    cfg, run, report = ctx.cfg, ctx.run, ctx.reporter
+    cfg, report = ctx.cfg, ctx.reporter
     G, P, max_age = section.generations_per_prompt, section.prompts_per_step, section.async_.max_trajectory_age_steps
 
     # ---- setup -----------------------------------------------------------------------------------
-    checkpoints = Checkpointer(ctx, cluster)
-    restored, step, data = checkpoints.start(resume, cluster)
-    pipeline = RolloutPipeline(cluster, data, ReplayBuffer.for_run(P, max_age), prompts_per_step=P, group_size=G,
-                               max_steps=section.max_steps, seed=cfg.seed, start_step=step,
+    loop = TrainingLoop(ctx, cluster, section, resume=resume)
+    pipeline = RolloutPipeline(cluster, loop.data, ReplayBuffer.for_run(P, max_age), prompts_per_step=P, group_size=G,
+                               max_steps=section.max_steps, seed=cfg.seed, start_step=loop.step,
                                rollout_kwargs={"params": sampling_params(cfg), "source": ctx.train_source,
                                                **rollout_kwargs(cfg)})
-    metrics_log = run.metrics_log()
     guard = FailureGuard.from_config(cfg, ctx.train_source, warn=report.on_message)
-    report.on_start({"algorithm": cfg.algorithm, "run_dir": str(run.path), "start_step": step,
-                     "max_steps": section.max_steps, "resumed_from": str(restored.path) if restored else None,
-                     "async": True, "max_trajectory_age_steps": max_age, **(start_info or {})})
-
-    if step == 0 and section.val_at_start:
-        row = validate(ctx, cluster, 0, section.val_prompts)
-        metrics_log.log(0, row)
-        report.on_step(0, row)
+    loop.start(**{"async": True, "max_trajectory_age_steps": max_age, **(start_info or {})})
     pipeline.fill()  # generation starts here and from now on runs beside training
 
-    final_metrics: dict = {}
     t_prev = time.time()
-    while step < section.max_steps:
-        step += 1
-
+    for step, timer in loop.steps():
         # 1. this step's groups
         groups, dropped, wait_s = pipeline.take(step)
         trajectories = [t for g in groups for t in g.trajectories]
@@ -105,47 +77,35 @@ def run_async(ctx: RunContext, cluster, section, loss_fn, make_batch: Callable[[
         t_trained = time.time()
 
         # 4. new weights to the generators (validation queues right behind them), then the batches they allow
-        t0 = time.perf_counter()
-        pipeline.refit(step)
-        refit_s = time.perf_counter() - t0
+        with timer.phase("refit"):
+            pipeline.refit(step)
         report.on_refit(step, cluster)
-        metrics = {**batch.metrics, **train_metrics}
-        if should_validate(step, section.val_period, section.max_steps):
-            metrics.update(validate(ctx, cluster, step, section.val_prompts))
+        metrics = {**batch.metrics, **train_metrics, **loop.validation_if_due(step)}
         pipeline.fill()
 
-        # 5. logs, checkpoint
+        # 5. logs, checkpoint; a step's wall time runs from the end of the step before (waits included)
         now = time.time()
         metrics.update(_async_metrics(pipeline, trajectories, ages, dropped, max_age, step_s=now - t_prev,
-                                      wait_s=wait_s, refit_s=refit_s, train_span=(t_train, t_trained)))
-        if cfg.logger.log_rollouts:
-            run.write_rollouts(step, batch.records())
-        metrics_log.log(step, metrics)
-        report.on_step(step, metrics)
-        final_metrics = metrics
+                                      wait_s=wait_s, refit_s=timer.metrics["timing/refit_s"],
+                                      train_span=(t_train, t_trained)))
+        loop.end_step(metrics, rollouts=batch.records, position=pipeline.positions.get(step, loop.data.position))
         t_prev = now
 
-        if checkpoints.end_step(step, section.max_steps, pipeline.positions.get(step, data.position)):
-            break
-
     pipeline.close()
-    return checkpoints.finish(cluster, step, section.max_steps, metrics_log, final_metrics)
+    return loop.finish()
 
 
 def _async_metrics(pipeline: RolloutPipeline, trajectories: list, ages: Counter, dropped: int, max_age: int, *,
                    step_s: float, wait_s: float, refit_s: float, train_span: tuple[float, float]) -> dict:
     """Timing, staleness, drops and faults of one asynchronous step (docs/async.md)."""
     overlap = pipeline.overlap_s(*train_span)
-    generated = sum(sum(t.loss_mask) for t in trajectories)
-    total_tokens = sum(len(t.token_ids) for t in trajectories)
     gen_s, env_s = pipeline.timings()
     n = max(sum(ages.values()), 1)
     return {
         "timing/step_s": step_s, "timing/wait_s": wait_s, "timing/refit_s": refit_s,
         "timing/generation_s": gen_s, "timing/env_s": env_s,
         "timing/overlap_s": overlap, "async/overlap_fraction": overlap / max(step_s, 1e-9),
-        "timing/generation_tokens_per_s": generated / max(gen_s, 1e-9),
-        "timing/tokens_per_s": total_tokens / max(step_s, 1e-9),
+        **rollout_throughput(trajectories, gen_s, step_s),
         "async/age_mean": sum(a * k for a, k in ages.items()) / n,
         "async/age_max": float(max(ages, default=0)),
         **{f"async/age_{a}_fraction": ages.get(a, 0) / n for a in range(max_age + 1)},

@@ -29,19 +29,10 @@ from gymv.algorithms.mopd import distillation_samples, env_advantages, mopd_loss
 from gymv.algorithms.mopd_routing import TeacherRouter
 from gymv.cluster.group import Placement, PolicyCluster
 from gymv.rollout import to_rollout_record
-from gymv.train.failures import FailureGuard
+from gymv.train.grpo import run_sync
 from gymv.train.grpo_async import run_async
-from gymv.train.setup import (
-    Checkpointer,
-    RunContext,
-    rollout_kwargs,
-    sampling_params,
-    should_validate,
-    step_seed,
-    worker_spec,
-)
-from gymv.train.stats import TrainBatch, is_usable, policy_update, rollout_metrics
-from gymv.train.validation import validate
+from gymv.train.setup import RunContext, worker_spec
+from gymv.train.stats import TrainBatch, is_usable, rollout_metrics
 
 COLOCATED_POLICY_SHARE = 0.35  # of a GPU, for each of generation and training when a teacher shares it
 
@@ -119,76 +110,9 @@ def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
         def make_batch(trajectories) -> TrainBatch:
             return distill_batch(pool, router, trajectories, mopd.generations_per_prompt)
 
-        if mopd.async_.enabled:
-            return run_async(ctx, cluster, mopd, mopd_loss(mopd), make_batch, resume=resume,
-                             start_info={"teachers": pool.info})
-        return _run_sync(ctx, cluster, make_batch, {"teachers": pool.info}, resume=resume)
+        run = run_async if mopd.async_.enabled else run_sync
+        return run(ctx, cluster, mopd, mopd_loss(mopd), make_batch, resume=resume, start_info={"teachers": pool.info})
     finally:
         if pool is not None:
             pool.shutdown()
         cluster.shutdown()
-
-
-def _run_sync(ctx: RunContext, cluster, make_batch, start_info: dict, *, resume: bool) -> dict:
-    cfg, mopd, run, report = ctx.cfg, ctx.cfg.mopd, ctx.run, ctx.reporter
-    checkpoints = Checkpointer(ctx, cluster)
-    restored, step, data = checkpoints.start(resume, cluster)
-    loss_fn = mopd_loss(mopd)
-    params = sampling_params(cfg)
-    limits = rollout_kwargs(cfg)
-    metrics_log = run.metrics_log()
-    guard = FailureGuard.from_config(cfg, ctx.train_source, warn=report.on_message)
-    report.on_start({"algorithm": cfg.algorithm, "run_dir": str(run.path), "start_step": step,
-                     "max_steps": mopd.max_steps, "resumed_from": str(restored.path) if restored else None,
-                     **start_info})
-
-    if step == 0 and mopd.val_at_start:
-        row = validate(ctx, cluster, 0, mopd.val_prompts)
-        metrics_log.log(0, row)
-        report.on_step(0, row)
-
-    final_metrics: dict = {}
-    while step < mopd.max_steps:
-        step += 1
-        t_step = time.perf_counter()
-
-        # 1. the student's rollouts
-        rows = data.next_batch(mopd.prompts_per_step)
-        trajectories, timing = cluster.rollouts([(r.index, r.data) for r in rows], group_size=mopd.generations_per_prompt,
-                                                params=params, seed=step_seed(cfg.seed, step), source=ctx.train_source,
-                                                **limits)
-        guard.check(step, trajectories)  # before training: a step that trips it is not trained nor counted
-
-        # 2-3. routing and teacher scores of the usable episodes
-        batch = make_batch(trajectories)
-
-        # 4. optimizer step(s)
-        train_metrics = policy_update(cluster, cfg, batch.samples, batch.rewards, loss_fn,
-                                      mopd.seq_logprob_error_threshold)
-
-        # 5. refit (the generation workers reset their encoder cache after it, when configured)
-        refit_s = cluster.refit(step)
-        report.on_refit(step, cluster)
-
-        # 6. validation, logs, checkpoint
-        metrics = {**batch.metrics, **train_metrics}
-        if should_validate(step, mopd.val_period, mopd.max_steps):
-            metrics.update(validate(ctx, cluster, step, mopd.val_prompts))
-        step_s = time.perf_counter() - t_step
-        generated = sum(sum(t.loss_mask) for t in trajectories)
-        metrics.update({
-            "timing/step_s": step_s, "timing/generation_s": timing["generation_s"], "timing/env_s": timing["env_s"],
-            "timing/refit_s": refit_s,
-            "timing/generation_tokens_per_s": generated / max(timing["generation_s"], 1e-9),
-            "timing/tokens_per_s": sum(len(t.token_ids) for t in trajectories) / max(step_s, 1e-9),
-        })
-        if cfg.logger.log_rollouts:
-            run.write_rollouts(step, batch.records())
-        metrics_log.log(step, metrics)
-        report.on_step(step, metrics)
-        final_metrics = metrics
-
-        if checkpoints.end_step(step, mopd.max_steps, data.position):
-            break
-
-    return checkpoints.finish(cluster, step, mopd.max_steps, metrics_log, final_metrics)

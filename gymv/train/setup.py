@@ -1,5 +1,5 @@
 """Small builders the training loops share: where the policy starts, the run directory, the worker spec,
-sampling parameters, per-step seeds and checkpointing.
+sampling parameters and per-step seeds.
 """
 
 from __future__ import annotations
@@ -7,16 +7,15 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gymv.errors import GymvError
-from gymv.models.init_path import FINAL_DIR, resolve_init_path  # noqa: F401  (train and tests import it here)
-from gymv.runs.checkpoint import CheckpointState, DataPosition, find_latest, unusable_checkpoints
+from gymv.models.init_path import resolve_init_path  # noqa: F401  (train and tests import it here)
+from gymv.runs.checkpoint import find_latest
 from gymv.runs.run_dir import RunDir, run_path
-from gymv.train.data import DATA_DIR, Row, RowStream
+from gymv.train.data import DATA_DIR, Row
 
 
 class Reporter:
@@ -179,79 +178,6 @@ def step_seed(seed: int, step: int, kind: str = "train") -> int:
     return int.from_bytes(digest, "little") % (2**31 - 1)
 
 
-# ------------------------------------------------------------------------------------------ checkpoints
-
-
-class Checkpointer:
-    """Saves and restores the whole training state through the training workers (rank 0 writes)."""
-
-    def __init__(self, ctx: RunContext, cluster):
-        from gymv.cluster.group import TrainerHandle
-
-        self.ctx = ctx
-        self.handle = TrainerHandle(cluster)
-        self.manager = ctx.run.checkpoints(ctx.cfg.checkpoint.keep)
-        self.seconds = 0.0
-        self.steps_run = 0  # steps taken by this process
-
-    def resume(self, resume: bool) -> CheckpointState | None:
-        """Restore the newest complete checkpoint (and rewind the logs to it), or start fresh."""
-        if not resume:
-            self.ctx.run.rewind(-1)
-            return None
-        run, say = self.ctx.run, self.ctx.reporter.on_message
-        logged = sum(1 for r in run.read_metrics() if r.get("step", 0) > 0)
-        skipped = unusable_checkpoints(run.checkpoints_dir)
-        state = run.resume(self.handle, keep=self.ctx.cfg.checkpoint.keep)
-        for path, why in skipped:
-            if state is not None and int(path.name.split("_")[1]) > state.step:
-                say(f"skipped {path.name}: {why}")
-        if state is None and logged:
-            say(f"no checkpoint in {run.checkpoints_dir}: starting again at step 1 ({logged} logged steps dropped)")
-        return state
-
-    retry_wait_s = 10.0  # before the one retry of a checkpoint the disk refused: time to free some space
-
-    def save(self, step: int, position: DataPosition) -> Path:
-        t0 = time.perf_counter()
-        path = self.manager.save_retrying(step, self.handle, position, extra={"algorithm": self.ctx.cfg.algorithm},
-                                          wait_s=self.retry_wait_s, say=self.ctx.reporter.on_message)
-        self.seconds += time.perf_counter() - t0
-        self.ctx.reporter.on_checkpoint(step, path)
-        return path
-
-
-    def start(self, resume: bool, cluster) -> tuple[CheckpointState | None, int, RowStream]:
-        """(the restored checkpoint or None, the step to continue from, the training rows' stream at its
-        position); a restored policy's weights also go to the generation workers."""
-        record_placement(self.ctx, cluster)
-        restored = self.resume(resume)
-        step = restored.step if restored else 0
-        cfg = self.ctx.cfg
-        data = RowStream(self.ctx.train_rows, seed=cfg.seed, shuffle=cfg.data.shuffle,
-                         position=restored.data_position if restored else None)
-        if restored and cluster.generators:
-            cluster.refit(step)
-        return restored, step, data
-
-    def end_step(self, step: int, max_steps: int, position: DataPosition) -> bool:
-        """Count a finished step and checkpoint when due; True when this process should stop here
-        (`checkpoint.steps_per_run`)."""
-        self.steps_run += 1
-        limit = self.ctx.cfg.checkpoint.steps_per_run
-        stopping = limit is not None and self.steps_run >= limit
-        if should_checkpoint(step, self.ctx.cfg.checkpoint.period, max_steps, stopping):
-            self.save(step, position)
-        return stopping
-
-    def finish(self, cluster, step: int, max_steps: int, metrics_log, last_metrics: dict) -> dict:
-        """Export the final model when the run is complete, close the log; the loop's result."""
-        final_dir = cluster.export(self.ctx.run.path / FINAL_DIR) if step >= max_steps else None
-        metrics_log.close()
-        return {"step": step, "steps_run": self.steps_run, "max_steps": max_steps, "final_dir": final_dir,
-                "last_metrics": last_metrics, "checkpoint_s": self.seconds}
-
-
 def record_placement(ctx: RunContext, cluster) -> None:
     """Print where every worker landed (and the refit transport) and write it to placement.json."""
     from gymv.cluster.placement_record import placement_lines, placement_record, write_placement
@@ -261,11 +187,3 @@ def record_placement(ctx: RunContext, cluster) -> None:
     for line in placement_lines(record):
         ctx.reporter.on_message(line)
     write_placement(ctx.run.path, record)
-
-
-def should_validate(step: int, period: int, max_steps: int) -> bool:
-    return period > 0 and (step % period == 0 or step == max_steps)
-
-
-def should_checkpoint(step: int, period: int, max_steps: int, stopping: bool) -> bool:
-    return stopping or step == max_steps or step % period == 0

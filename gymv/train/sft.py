@@ -9,16 +9,15 @@ reports the number GRPO starts from.
 
 from __future__ import annotations
 
-import time
-
 from gymv.algorithms.loss_fns import SFTLoss
 from gymv.cluster.group import Placement, PolicyCluster
-from gymv.train.setup import Checkpointer, RunContext, should_validate, worker_spec
+from gymv.train.loop import PhaseTimer, TrainingLoop
+from gymv.train.setup import RunContext, worker_spec
 from gymv.train.validation import validate
 
 
 def train_sft(ctx: RunContext, *, resume: bool) -> dict:
-    cfg, sft, run, report = ctx.cfg, ctx.cfg.sft, ctx.run, ctx.reporter
+    cfg, sft, report = ctx.cfg, ctx.cfg.sft, ctx.reporter
     validates = bool(ctx.eval_rows) and sft.val_prompts > 0 and (sft.val_period > 0 or sft.val_at_start)
 
     # ---- setup -----------------------------------------------------------------------------------
@@ -26,43 +25,28 @@ def train_sft(ctx: RunContext, *, resume: bool) -> dict:
     cluster = PolicyCluster(worker_spec(cfg, ctx.model_path, logprob_temperature=1.0), Placement.from_config(cfg),
                             generation=validates)
     try:
-        checkpoints = Checkpointer(ctx, cluster)
-        restored, step, data = checkpoints.start(resume, cluster)
-        loss_fn = SFTLoss(aggregation=sft.aggregation)
-        metrics_log = run.metrics_log()
-        report.on_start({"algorithm": cfg.algorithm, "run_dir": str(run.path), "start_step": step,
-                         "max_steps": sft.max_steps, "resumed_from": str(restored.path) if restored else None})
-
         def validation(at: int) -> dict:
-            refit_s = cluster.refit(at)
+            """The generators hold the starting weights until a validation refits them."""
+            timer = PhaseTimer()
+            with timer.phase("refit"):
+                cluster.refit(at)
             report.on_refit(at, cluster)
-            return {**validate(ctx, cluster, at, sft.val_prompts), "timing/refit_s": refit_s}
+            return {**validate(ctx, cluster, at, sft.val_prompts), **timer.metrics}
 
-        if step == 0 and sft.val_at_start and validates:
-            row = validation(0)
-            metrics_log.log(0, row)
-            report.on_step(0, row)
+        loop = TrainingLoop(ctx, cluster, sft, resume=resume, validation=validation, validates=validates)
+        loss_fn = SFTLoss(aggregation=sft.aggregation)
+        loop.start()
 
-        final_metrics: dict = {}
-        while step < sft.max_steps:
-            step += 1
-            t_step = time.perf_counter()
-
-            batch = data.next_batch(sft.batch_size)
+        for step, timer in loop.steps():
+            batch = loop.data.next_batch(sft.batch_size)
             metrics = cluster.sft_step([(r.index, r.data, r.where) for r in batch], loss_fn)
 
-            if validates and should_validate(step, sft.val_period, sft.max_steps):
-                metrics.update(validation(step))
-            step_s = time.perf_counter() - t_step
+            metrics.update(loop.validation_if_due(step))
+            step_s = timer.step_s()
             metrics["timing/step_s"] = step_s
             metrics["timing/tokens_per_s"] = metrics.get("train/num_input_tokens", 0.0) / max(metrics.get("timing/training_s", step_s), 1e-9)
-            metrics_log.log(step, metrics)
-            report.on_step(step, metrics)
-            final_metrics = metrics
+            loop.end_step(metrics)
 
-            if checkpoints.end_step(step, sft.max_steps, data.position):
-                break
-
-        return checkpoints.finish(cluster, step, sft.max_steps, metrics_log, final_metrics)
+        return loop.finish()
     finally:
         cluster.shutdown()

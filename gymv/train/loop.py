@@ -1,0 +1,193 @@
+"""The loop every algorithm runs (SFT, GRPO, async GRPO, MOPD); its step's own work stays in the algorithm's file.
+
+    loop = TrainingLoop(ctx, cluster, cfg.grpo, resume=resume)
+    loop.start()                                   # restored checkpoint, on_start, validation at step 0
+    for step, timer in loop.steps():               # from the step after the restored one
+        ...                                        # the algorithm's step; `with timer.phase("refit"):` times a phase
+        metrics.update(loop.validation_if_due(step))
+        loop.end_step(metrics, rollouts=records)   # the rollouts, one metrics row, a checkpoint when due
+    return loop.finish()                           # the final export when complete; the loop's result
+
+The loop owns what the algorithms share: where the run continues from (checkpoint, data position), when to
+validate, the metrics log, the rollout log, checkpoints and `checkpoint.steps_per_run`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from gymv.cluster.group import TrainerHandle
+from gymv.models.init_path import FINAL_DIR
+from gymv.runs.checkpoint import CheckpointState, DataPosition, unusable_checkpoints
+from gymv.train.data import RowStream
+from gymv.train.setup import RunContext, record_placement
+from gymv.train.validation import validate
+
+
+class PhaseTimer:
+    """Seconds of one step and of its named phases, in the manner of verl's `marked_timer`:
+    `with timer.phase("refit"):` adds the block's seconds to `timing/refit_s` in `timer.metrics`."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.metrics: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"timing/{name}_s"
+            self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - t0
+
+    def step_s(self) -> float:
+        """Seconds since the step began (`timing/step_s`, once the step's work and validation are done)."""
+        return time.perf_counter() - self.started
+
+
+def rollout_throughput(trajectories: Sequence[Any], generation_s: float, step_s: float) -> dict[str, float]:
+    """Generated tokens per generation second, and all tokens of the step's episodes per step second."""
+    generated = sum(sum(t.loss_mask) for t in trajectories)
+    total = sum(len(t.token_ids) for t in trajectories)
+    return {"timing/generation_tokens_per_s": generated / max(generation_s, 1e-9),
+            "timing/tokens_per_s": total / max(step_s, 1e-9)}
+
+
+class TrainingLoop:
+    """`section` is the algorithm's recipe section (max_steps, val_period, val_at_start, val_prompts).
+
+    `validation(step)` is how this algorithm validates (default: greedy rollouts with the generators' current
+    weights); `validates` False leaves validation out altogether (an SFT run without eval rows)."""
+
+    def __init__(self, ctx: RunContext, cluster, section, *, resume: bool,
+                 validation: Callable[[int], dict] | None = None, validates: bool = True):
+        self.ctx, self.cluster, self.section = ctx, cluster, section
+        self.max_steps = section.max_steps
+        self.validates = validates
+        self._validation = validation or (lambda at: validate(ctx, cluster, at, section.val_prompts))
+        self.checkpoints = Checkpointer(ctx, cluster)
+        self.restored, self.step, self.data = self.checkpoints.start(resume, cluster)
+        self.metrics_log = ctx.run.metrics_log()
+        self.last_metrics: dict = {}
+        self._stopping = False
+
+    def start(self, **info) -> None:
+        """Tell the reporter where the run starts (`info`: the algorithm's own keys), then validate at step 0
+        when asked."""
+        ctx = self.ctx
+        ctx.reporter.on_start({"algorithm": ctx.cfg.algorithm, "run_dir": str(ctx.run.path), "start_step": self.step,
+                               "max_steps": self.max_steps,
+                               "resumed_from": str(self.restored.path) if self.restored else None, **info})
+        if self.step == 0 and self.section.val_at_start and self.validates:
+            row = self._validation(0)
+            self.metrics_log.log(0, row)
+            ctx.reporter.on_step(0, row)
+
+    def steps(self) -> Iterator[tuple[int, PhaseTimer]]:
+        """(step, its timer) for each step to run; stops at max_steps or after `checkpoint.steps_per_run`."""
+        while self.step < self.max_steps and not self._stopping:
+            self.step += 1
+            yield self.step, PhaseTimer()
+
+    def validation_if_due(self, step: int) -> dict:
+        """The validation metrics of this step when `val_period` (or the last step) asks for them, else none."""
+        if self.validates and should_validate(step, self.section.val_period, self.max_steps):
+            return self._validation(step)
+        return {}
+
+    def end_step(self, metrics: dict, *, rollouts: Callable[[], list[dict]] | None = None,
+                 position: DataPosition | None = None) -> None:
+        """Write the step's rollouts (`rollouts()`, called when `logger.log_rollouts`) and metrics row, then
+        checkpoint when due. `position`: where the data stream stands after this step's rows (default: the
+        stream's own position)."""
+        step, ctx = self.step, self.ctx
+        if rollouts is not None and ctx.cfg.logger.log_rollouts:
+            ctx.run.write_rollouts(step, rollouts())
+        self.metrics_log.log(step, metrics)
+        ctx.reporter.on_step(step, metrics)
+        self.last_metrics = metrics
+        self._stopping = self.checkpoints.end_step(step, self.max_steps, position or self.data.position)
+
+    def finish(self) -> dict:
+        """Export the final model when the run is complete, close the log; the loop's result."""
+        return self.checkpoints.finish(self.cluster, self.step, self.max_steps, self.metrics_log, self.last_metrics)
+
+
+class Checkpointer:
+    """Saves and restores the whole training state through the training workers (rank 0 writes)."""
+
+    def __init__(self, ctx: RunContext, cluster):
+        self.ctx = ctx
+        self.handle = TrainerHandle(cluster)
+        self.manager = ctx.run.checkpoints(ctx.cfg.checkpoint.keep)
+        self.seconds = 0.0
+        self.steps_run = 0  # steps taken by this process
+
+    def resume(self, resume: bool) -> CheckpointState | None:
+        """Restore the newest complete checkpoint (and rewind the logs to it), or start fresh."""
+        if not resume:
+            self.ctx.run.rewind(-1)
+            return None
+        run, say = self.ctx.run, self.ctx.reporter.on_message
+        logged = sum(1 for r in run.read_metrics() if r.get("step", 0) > 0)
+        skipped = unusable_checkpoints(run.checkpoints_dir)
+        state = run.resume(self.handle, keep=self.ctx.cfg.checkpoint.keep)
+        for path, why in skipped:
+            if state is not None and int(path.name.split("_")[1]) > state.step:
+                say(f"skipped {path.name}: {why}")
+        if state is None and logged:
+            say(f"no checkpoint in {run.checkpoints_dir}: starting again at step 1 ({logged} logged steps dropped)")
+        return state
+
+    retry_wait_s = 10.0  # before the one retry of a checkpoint the disk refused: time to free some space
+
+    def save(self, step: int, position: DataPosition) -> Path:
+        t0 = time.perf_counter()
+        path = self.manager.save_retrying(step, self.handle, position, extra={"algorithm": self.ctx.cfg.algorithm},
+                                          wait_s=self.retry_wait_s, say=self.ctx.reporter.on_message)
+        self.seconds += time.perf_counter() - t0
+        self.ctx.reporter.on_checkpoint(step, path)
+        return path
+
+    def start(self, resume: bool, cluster) -> tuple[CheckpointState | None, int, RowStream]:
+        """(the restored checkpoint or None, the step to continue from, the training rows' stream at its
+        position); a restored policy's weights also go to the generation workers."""
+        record_placement(self.ctx, cluster)
+        restored = self.resume(resume)
+        step = restored.step if restored else 0
+        cfg = self.ctx.cfg
+        data = RowStream(self.ctx.train_rows, seed=cfg.seed, shuffle=cfg.data.shuffle,
+                         position=restored.data_position if restored else None)
+        if restored and cluster.generators:
+            cluster.refit(step)
+        return restored, step, data
+
+    def end_step(self, step: int, max_steps: int, position: DataPosition) -> bool:
+        """Count a finished step and checkpoint when due; True when this process should stop here
+        (`checkpoint.steps_per_run`)."""
+        self.steps_run += 1
+        limit = self.ctx.cfg.checkpoint.steps_per_run
+        stopping = limit is not None and self.steps_run >= limit
+        if should_checkpoint(step, self.ctx.cfg.checkpoint.period, max_steps, stopping):
+            self.save(step, position)
+        return stopping
+
+    def finish(self, cluster, step: int, max_steps: int, metrics_log, last_metrics: dict) -> dict:
+        """Export the final model when the run is complete, close the log; the loop's result."""
+        final_dir = cluster.export(self.ctx.run.path / FINAL_DIR) if step >= max_steps else None
+        metrics_log.close()
+        return {"step": step, "steps_run": self.steps_run, "max_steps": max_steps, "final_dir": final_dir,
+                "last_metrics": last_metrics, "checkpoint_s": self.seconds}
+
+
+def should_validate(step: int, period: int, max_steps: int) -> bool:
+    return period > 0 and (step % period == 0 or step == max_steps)
+
+
+def should_checkpoint(step: int, period: int, max_steps: int, stopping: bool) -> bool:
+    return stopping or step == max_steps or step % period == 0
