@@ -23,15 +23,15 @@ def ray():
         yield
 
 
-def _spec(backend: str, generation_dtype: str = "float32"):
+def _spec(backend: str, generation_dtype: str = "float32", *, kl_reference: bool = True, **training):
     from gymv.cluster.workers import WorkerSpec
     from gymv.config.schema import EnvSection, TrainingSection
 
     # Adam's eps is large so float32 summation-order noise between 1 and 2 ranks cannot move the update.
     training = TrainingSection(backend=backend, lr=1e-3, eps=1e-3, weight_decay=0.01, dtype="float32",
-                               micro_batch_tokens=512)
-    return WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSection(name="circle_count"), kl_reference=True,
-                      training=training, generation_dtype=generation_dtype)
+                               micro_batch_tokens=512, **training)
+    return WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSection(name="circle_count"),
+                      kl_reference=kl_reference, training=training, generation_dtype=generation_dtype)
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +77,12 @@ def fsdp_cluster(image_samples, tmp_path_factory):
 
     from gymv.algorithms.loss_fns import PolicyLoss
     from gymv.cluster.group import Placement, PolicyCluster
+    from gymv.config.schema import RefitSection
 
     tmp = tmp_path_factory.mktemp("fsdp")
     # a bf16 generator: the gathered weights are cast one by one on their way to it, in buckets smaller
     # than the largest tensor
-    spec = replace(_spec("fsdp2", "bfloat16"), refit_bucket_mb=BUCKET_MB)
+    spec = replace(_spec("fsdp2", "bfloat16"), refit=RefitSection(bucket_mb=BUCKET_MB))
     cluster = PolicyCluster(spec, Placement(num_generation=1, num_training=2))
     try:
         metrics = cluster.grpo_step([image_samples], PolicyLoss())
@@ -126,7 +127,7 @@ def test_two_fsdp_ranks_with_activation_checkpointing_take_the_same_step(image_s
     from gymv.cluster.group import Placement, PolicyCluster
 
     one, _ = single_step
-    spec = replace(_spec("fsdp2"), gradient_checkpointing=True, kl_reference=False)
+    spec = _spec("fsdp2", kl_reference=False, gradient_checkpointing=True)
     cluster = PolicyCluster(spec, Placement(num_generation=0, num_training=2), generation=False)
     try:
         two = cluster.grpo_step([image_samples], PolicyLoss())

@@ -44,5 +44,6 @@ for _t in (
     RefitTransport("cuda_ipc", True, needs_gpu=True, colocated_only=True, lag_safe=False, shares_gpus=False,
                    description="CUDA IPC handles: zero-copy when training and generation share the GPUs"),
     RefitTransport("nccl", True, needs_gpu=True, shares_gpus=False, description="NCCL broadcast from trainer ranks to generation workers"),
+    RefitTransport("collective", True, description="broadcast over a gloo process group of its own (the nccl transport on CPUs)"),
 ):
     register_refit_transport(_t)
