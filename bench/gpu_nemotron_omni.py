@@ -207,13 +207,15 @@ def train(base, mode: Mode, layers: int, a) -> dict:
     from gymv.backends.training.hf_fsdp import HFFSDPBackend
     from gymv.backends.training.hf_torch import HFTorchBackend
     from gymv.backends.training.samples import as_tensors
+    from gymv.config.schema import TrainingSection
 
     policy = build_policy(base, mode, layers, torch.float32)
     counts = param_counts(policy.model)
     policy.model.gradient_checkpointing_enable()
-    setup = TrainingSetup(model_path=str(policy.path), device=mode.device, seed=0, gradient_checkpointing=True,
-                          optimizer={"lr": 1e-6, "precision": mode.precision, "micro_batch_tokens": a.micro_batch_tokens},
-                          sequence_packing=False)
+    training = TrainingSection(lr=1e-6, weight_decay=0.01, dtype={"fp32": "float32", "bf16": "bfloat16"}[mode.precision],
+                               micro_batch_tokens=a.micro_batch_tokens, gradient_checkpointing=True,
+                               sequence_packing=False)
+    setup = TrainingSetup(model_path=str(policy.path), training=training, device=mode.device, seed=0)
     cls = HFFSDPBackend if a.backend == "fsdp2" else HFTorchBackend
     backend = cls(policy, setup, device=mode.device, rank=0, world_size=1)
     samples = rollouts(policy, mode, a.groups, seed=0)

@@ -121,8 +121,6 @@ def test_two_fsdp_ranks_take_the_step_of_one_plain_rank(fsdp_cluster, single_ste
 
 
 def test_two_fsdp_ranks_with_activation_checkpointing_take_the_same_step(image_samples, single_step):
-    from dataclasses import replace
-
     from gymv.algorithms.loss_fns import PolicyLoss
     from gymv.cluster.group import Placement, PolicyCluster
 
