@@ -1,10 +1,14 @@
-"""Shared fixtures: run the real `gymv` CLI in a subprocess, and find the shared NeMo Gym vectors."""
+"""Shared fixtures: the `gymv` CLI in this process (argument-level tests) or in a subprocess (where the process
+boundary is the point: exit on a signal, import time, a fresh interpreter's environment), and the shared
+NeMo Gym vectors."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +16,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 VECTORS = REPO.parent / "shared" / "vectors"
+CLI_ENV = {"COLUMNS": "200", "NO_COLOR": "1"}
+os.environ.update(CLI_ENV)  # before rich's consoles are made: in-process output is laid out as a subprocess's
 
 
 @dataclass
@@ -31,9 +37,46 @@ def run_gymv(*args: str, cwd: str | os.PathLike | None = None, env: dict | None 
     return CliResult(p.returncode, p.stdout, p.stderr)
 
 
+@contextlib.contextmanager
+def _cwd(path: str | os.PathLike | None):
+    old = os.getcwd()
+    if path is not None:
+        os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+def invoke_gymv(*args: str, cwd: str | os.PathLike | None = None, env: dict | None = None,
+                timeout: float | None = None) -> CliResult:
+    """The CLI in this process, through typer's CliRunner (its stdout, stderr and environment isolation): what
+    `run_gymv` gives, without a fresh interpreter's import time. `--debug` lets a traceback through, which is
+    printed to stderr with exit code 1 as the interpreter would."""
+    from typer.testing import CliRunner
+
+    from gymv_cli.main import main
+
+    isolated_env = {**CLI_ENV, "GYMV_DEBUG": None, **(env or {})}  # every key given is restored afterwards
+    with _cwd(cwd), CliRunner().isolation(env=isolated_env) as (out, err, _):
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except Exception:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    return CliResult(code, stdout, stderr)
+
+
 @pytest.fixture
 def gymv():
-    return run_gymv
+    """The CLI for argument-level tests (in this process); tests about the process itself use `run_gymv`."""
+    return invoke_gymv
 
 
 @pytest.fixture

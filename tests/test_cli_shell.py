@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 
 import gymv
-from conftest import run_gymv
+from conftest import invoke_gymv, run_gymv
 
 
 def test_version_flag_prints_package_version():
-    r = run_gymv("--version")
+    r = invoke_gymv("--version")
     assert r.code == 0
     assert r.stdout.strip() == f"gymv {gymv.__version__}"
 
 
 def test_help_lists_builtin_commands():
-    r = run_gymv("--help")
+    r = invoke_gymv("--help")
     assert r.code == 0
     for name in ("prepare", "env", "lint", "dry-run", "model"):
         assert name in r.stdout
@@ -80,20 +80,20 @@ def test_plugin_that_fails_to_import_warns_once_and_cli_still_works(tmp_path):
 
 
 def test_unknown_command_is_a_usage_error_without_traceback():
-    r = run_gymv("no-such-command")
+    r = invoke_gymv("no-such-command")
     assert r.code == 2
     assert "Traceback" not in r.stderr
 
 
 def test_debug_after_the_subcommand_is_accepted_and_shows_the_traceback():
-    r = run_gymv("prepare", "circle-count", "--debug")
+    r = invoke_gymv("prepare", "circle-count", "--debug")
     assert "No such option" not in r.stderr
     assert r.code != 0
     assert "Traceback" in r.stderr and "--n and --out are required" in r.stderr
 
 
 def test_without_debug_the_same_error_is_one_line():
-    r = run_gymv("prepare", "circle-count")
+    r = invoke_gymv("prepare", "circle-count")
     assert r.code != 0
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().count("\n") == 0 and "--n and --out are required" in r.stderr

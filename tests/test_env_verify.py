@@ -9,7 +9,7 @@ import pytest
 
 from gymv.envs.verify import verify_rollouts
 from gymv.errors import GymvError
-from conftest import run_gymv
+from conftest import invoke_gymv
 
 EXTRAS = {"circle_count": ("predicted_count", "expected_count", "correct"),
           "circle_click": ("clicked_x", "clicked_y", "hit")}
@@ -33,7 +33,7 @@ def test_rescoring_nemo_gym_rollouts_reproduces_every_recorded_reward_and_extra(
 
 def test_cli_json_report_has_means_counts_and_failures_by_reason(vectors):
     rollouts, data = nemo(vectors, "circle_click")
-    r = run_gymv("env", "verify", rollouts, "--data", data, "--json", "--fail-on-mismatch")
+    r = invoke_gymv("env", "verify", rollouts, "--data", data, "--json", "--fail-on-mismatch")
     assert r.code == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["by_env"]["circle-click"] == {"rollouts": 5, "mean_reward": 0.4, "recorded_mean_reward": 0.4,
@@ -43,13 +43,13 @@ def test_cli_json_report_has_means_counts_and_failures_by_reason(vectors):
 
 def test_cli_table_summarises_the_file(vectors):
     rollouts, data = nemo(vectors, "circle_count")
-    r = run_gymv("env", "verify", rollouts, "--data", data)
+    r = invoke_gymv("env", "verify", rollouts, "--data", data)
     assert r.code == 0 and "circle-count" in r.stdout and "wrong_count" in r.stdout
 
 
 def test_rollouts_without_verifier_fields_need_the_data_rows(vectors):
     rollouts, _ = nemo(vectors, "circle_count")
-    r = run_gymv("env", "verify", rollouts)
+    r = invoke_gymv("env", "verify", rollouts)
     assert r.code == 2 and ":1: rollout has no verifier fields" in r.stderr and "--data" in r.stderr
 
 
@@ -67,7 +67,7 @@ def _rollout(text: str, **row) -> str:
 
 def test_malformed_line_fails_naming_its_line_number(tmp_path):
     path = _write(tmp_path / "r.jsonl", [_rollout("\\boxed{1}"), "{not json", _rollout("\\boxed{1}")])
-    r = run_gymv("env", "verify", path, "--env", "circle-count")
+    r = invoke_gymv("env", "verify", path, "--env", "circle-count")
     assert r.code == 2 and f"{path}:2: malformed JSON line" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -113,10 +113,10 @@ def test_rollout_of_an_unknown_environment_asks_for_env(tmp_path):
 
 def test_recorded_reward_that_gymv_disagrees_with_is_reported_as_a_mismatch(tmp_path):
     path = _write(tmp_path / "r.jsonl", [_rollout("\\boxed{1}", reward=0.0)])
-    r = run_gymv("env", "verify", path, "--env", "circle-count", "--fail-on-mismatch")
+    r = invoke_gymv("env", "verify", path, "--env", "circle-count", "--fail-on-mismatch")
     assert r.code == 1 and "line 1: recorded reward 0.0, gymv 1.0" in r.stdout
 
 
 def test_missing_rollout_file_is_a_one_line_error(tmp_path):
-    r = run_gymv("env", "verify", tmp_path / "nope.jsonl")
+    r = invoke_gymv("env", "verify", tmp_path / "nope.jsonl")
     assert r.code == 2 and "file not found" in r.stderr

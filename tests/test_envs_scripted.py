@@ -12,7 +12,7 @@ from gymv.data.images import decode_data_url
 from gymv.envs import ModelTurn, RowError, env_for_row, get_env
 from gymv.envs.verify import verify_rollouts
 from gymv.errors import GymvError
-from conftest import run_gymv
+from conftest import invoke_gymv
 
 NEMO = "nemo_gym/example_multi_turn_gymnasium"
 
@@ -38,7 +38,7 @@ def test_rescoring_nemo_gyms_rollouts_reproduces_every_recorded_reward(vectors):
 
 
 def test_gymv_env_verify_cli_reproduces_the_recorded_rewards(vectors):
-    res = run_gymv("env", "verify", vectors / NEMO / "example_rollouts.jsonl", "--data", vectors / NEMO / "example.jsonl",
+    res = invoke_gymv("env", "verify", vectors / NEMO / "example_rollouts.jsonl", "--data", vectors / NEMO / "example.jsonl",
                    "--json", "--fail-on-mismatch")
     assert res.code == 0, res.stderr
     out = json.loads(res.stdout)
@@ -131,7 +131,7 @@ def test_prepare_is_byte_identical_across_worker_counts_and_splits_share_no_row(
 
 
 def test_recipes_environment_name_prepares_scripted_rows(tmp_path):
-    res = run_gymv("prepare", "example-multi-turn-gymnasium", "--preset", "tiny", "--n", "3", "--out",
+    res = invoke_gymv("prepare", "example-multi-turn-gymnasium", "--preset", "tiny", "--n", "3", "--out",
                    tmp_path / "rows.jsonl", "--json")
     assert res.code == 0, res.stderr
     assert json.loads(res.stdout)["env"] == "scripted" and len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3

@@ -12,7 +12,7 @@ from gymv.errors import GymvError
 from gymv.io import iter_jsonl
 from gymv.report import build_report
 from gymv.runs.metrics import read_metrics
-from conftest import run_gymv
+from conftest import invoke_gymv
 from report_run import make_run
 
 GOOD = {"circles": [{"x": 5, "y": 5, "radius": 3, "color": "red"}], "target_color": "red",
@@ -53,7 +53,7 @@ def test_env_verify_skips_a_non_utf8_line_with_on_error_skip(tmp_path):
 
 def test_env_verify_cli_names_the_non_utf8_line(tmp_path):
     path = _file(tmp_path / "r.jsonl", _good(), b'{"x": "\xff"}')
-    r = run_gymv("env", "verify", str(path), "--env", "circle-count")
+    r = invoke_gymv("env", "verify", str(path), "--env", "circle-count")
     assert r.code == 2 and f"{path}:2: malformed JSON line: not UTF-8" in r.stderr and "Traceback" not in r.stderr
 
 

@@ -158,13 +158,13 @@ def test_a_grpo_step_trains_a_vlm_family_on_a_three_image_episode(arch):
 
 @pytest.mark.slow
 def test_model_init_and_info_build_and_describe_a_text_only_model(tmp_path):
-    from tests.conftest import run_gymv
+    from conftest import invoke_gymv
 
     out = tmp_path / "q3"
-    made = run_gymv("model", "init", "tiny-qwen3", str(out), "--layers", "1", "--json")
+    made = invoke_gymv("model", "init", "tiny-qwen3", str(out), "--layers", "1", "--json")
     assert made.code == 0, made.stderr
     assert json.loads(made.stdout)["arch"] == "tiny-qwen3"
-    shown = run_gymv("model", "info", str(out), "--json")
+    shown = invoke_gymv("model", "info", str(out), "--json")
     assert shown.code == 0, shown.stderr
     info = json.loads(shown.stdout)
     assert (info["style"], info["model_class"], info["vision_token_ids"]) == ("text", "Qwen3ForCausalLM", [])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gymv.errors import GymvError
-from conftest import run_gymv
+from conftest import invoke_gymv
 from tiny_models import chat_ids, shared_policy, solid, tiny_path
 
 
@@ -150,7 +150,7 @@ def test_unsupported_processor_fails_at_load_listing_the_supported_ones(tmp_path
 
 @pytest.mark.slow
 def test_cli_model_init_writes_a_checkpoint_and_reports_json(tmp_path):
-    r = run_gymv("model", "init", "tiny-llava", tmp_path / "m", "--hidden", "32", "--layers", "1", "--json")
+    r = invoke_gymv("model", "init", "tiny-llava", tmp_path / "m", "--hidden", "32", "--layers", "1", "--json")
     assert r.code == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["arch"] == "tiny-llava" and out["hidden"] == 32 and out["parameters"] > 0
@@ -158,6 +158,6 @@ def test_cli_model_init_writes_a_checkpoint_and_reports_json(tmp_path):
 
 
 def test_cli_model_init_unknown_arch_is_a_one_line_error(tmp_path):
-    r = run_gymv("model", "init", "tiny-gpt", tmp_path / "m")
+    r = invoke_gymv("model", "init", "tiny-gpt", tmp_path / "m")
     assert r.code == 2
     assert "error: unknown tiny architecture 'tiny-gpt'" in r.stderr and "Traceback" not in r.stderr

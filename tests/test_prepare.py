@@ -16,7 +16,7 @@ from gymv.data.generate import SPLIT_SPAN, RowGenerator, default_workers, row_se
 from gymv.envs import Environment, ModelTurn, Score, get_env
 from gymv.envs.knobs import resolve_knobs
 from gymv.errors import GymvError
-from conftest import run_gymv
+from conftest import invoke_gymv
 
 
 def _structure(value):
@@ -40,8 +40,8 @@ def _rows(path: Path) -> list[dict]:
 def test_same_arguments_give_a_byte_identical_file(tmp_path):
     args = ["prepare", "circle-count", "--preset", "tiny", "--n", "40", "--seed", "7"]
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    assert run_gymv(*args, "--out", a).code == 0
-    assert run_gymv(*args, "--out", b).code == 0
+    assert invoke_gymv(*args, "--out", a).code == 0
+    assert invoke_gymv(*args, "--out", b).code == 0
     assert a.read_bytes() == b.read_bytes()
 
 
@@ -97,7 +97,7 @@ def test_a_row_depends_only_on_its_own_seed(tmp_path):
 def test_rows_have_the_structure_of_nemo_gym_example_rows(tmp_path, vectors, env):
     theirs = _rows(vectors / "nemo_gym" / env / "example.jsonl")
     out = tmp_path / "rows.jsonl"
-    assert run_gymv("prepare", env, "--n", "5", "--out", out).code == 0
+    assert invoke_gymv("prepare", env, "--n", "5", "--out", out).code == 0
     ours = _rows(out)
     ours_shape = _structure(ours)
     for row in theirs:  # NeMo Gym's circle_click example rows carry no agent_ref; gymv's always do
@@ -121,7 +121,7 @@ def _tool_signatures(row: dict) -> list:
 
 def test_images_are_png_data_urls_in_input_image_parts_with_detail_auto(tmp_path):
     out = tmp_path / "rows.jsonl"
-    run_gymv("prepare", "circle-click", "--preset", "tiny", "--n", "3", "--out", out)
+    invoke_gymv("prepare", "circle-click", "--preset", "tiny", "--n", "3", "--out", out)
     part = _rows(out)[0]["responses_create_params"]["input"][0]["content"][0]
     assert part["type"] == "input_image" and part["detail"] == "auto"
     assert part["image_url"].startswith("data:image/png;base64,iVBORw0KGgo")
@@ -135,13 +135,13 @@ def test_train_and_eval_row_seeds_are_disjoint_by_construction():
 
 def test_train_and_eval_files_with_the_same_seed_differ(tmp_path):
     for split in ("train", "eval"):
-        assert run_gymv("prepare", "circle-count", "--preset", "tiny", "--n", "5", "--split", split,
+        assert invoke_gymv("prepare", "circle-count", "--preset", "tiny", "--n", "5", "--split", split,
                         "--out", tmp_path / f"{split}.jsonl").code == 0
     assert (tmp_path / "train.jsonl").read_bytes() != (tmp_path / "eval.jsonl").read_bytes()
 
 
 def test_a_train_seed_range_reaching_into_eval_is_refused(tmp_path):
-    r = run_gymv("prepare", "circle-count", "--n", "10", "--seed", str(SPLIT_SPAN - 5), "--out", tmp_path / "x.jsonl")
+    r = invoke_gymv("prepare", "circle-count", "--n", "10", "--seed", str(SPLIT_SPAN - 5), "--out", tmp_path / "x.jsonl")
     assert r.code == 2
     assert "overlap the eval split" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "x.jsonl").exists()
@@ -185,7 +185,7 @@ def test_a_failure_mid_way_leaves_the_previous_file_untouched(tmp_path):
 
 
 def test_preview_writes_a_contact_sheet_of_the_first_rows(tmp_path):
-    r = run_gymv("prepare", "circle-count", "--preset", "tiny", "--n", "30", "--out", tmp_path / "r.jsonl",
+    r = invoke_gymv("prepare", "circle-count", "--preset", "tiny", "--n", "30", "--out", tmp_path / "r.jsonl",
                  "--preview", tmp_path / "p.png", "--preview-count", "6")
     assert r.code == 0, r.stderr
     with Image.open(tmp_path / "p.png") as sheet:
@@ -194,19 +194,19 @@ def test_preview_writes_a_contact_sheet_of_the_first_rows(tmp_path):
 
 def test_knob_overrides_reach_the_rows(tmp_path):
     out = tmp_path / "r.jsonl"
-    r = run_gymv("prepare", "circle-count", "--preset", "tiny", "--n", "20", "--out", out, "circles=3", "radius=5")
+    r = invoke_gymv("prepare", "circle-count", "--preset", "tiny", "--n", "20", "--out", out, "circles=3", "radius=5")
     assert r.code == 0, r.stderr
     assert all(len(row["circles"]) == 3 and row["circles"][0]["radius"] == 5 for row in _rows(out))
 
 
 def test_bad_knob_is_a_one_line_error(tmp_path):
-    r = run_gymv("prepare", "circle-count", "--n", "2", "--out", tmp_path / "r.jsonl", "circles=lots")
+    r = invoke_gymv("prepare", "circle-count", "--n", "2", "--out", tmp_path / "r.jsonl", "circles=lots")
     last = r.stderr.strip().splitlines()[-1]
     assert r.code == 2 and last.startswith("error: knob circles='lots'") and "circles=LO:HI" in last
 
 
 def test_json_summary_reports_rows_seeds_and_rate(tmp_path):
-    r = run_gymv("prepare", "circle-click", "--preset", "tiny", "--n", "12", "--split", "eval", "--seed", "3",
+    r = invoke_gymv("prepare", "circle-click", "--preset", "tiny", "--n", "12", "--split", "eval", "--seed", "3",
                  "--out", tmp_path / "r.jsonl", "--json")
     summary = json.loads(r.stdout)
     assert (summary["rows"], summary["split"], summary["seeds"]) == (12, "eval", [3, 14])
@@ -214,18 +214,18 @@ def test_json_summary_reports_rows_seeds_and_rate(tmp_path):
 
 
 def test_list_knobs_shows_the_preset_values():
-    r = run_gymv("prepare", "circle-count", "--preset", "tiny", "--list-knobs", "--json")
+    r = invoke_gymv("prepare", "circle-count", "--preset", "tiny", "--list-knobs", "--json")
     knobs = json.loads(r.stdout)["knobs"]
     assert (knobs["image_size"], knobs["circles"], knobs["colors"]) == ([56, 56], [1, 3], [1, 1])
 
 
 def test_missing_n_or_out_is_a_usage_error():
-    r = run_gymv("prepare", "circle-count")
+    r = invoke_gymv("prepare", "circle-count")
     assert r.code == 2 and "--n and --out are required" in r.stderr
 
 
 def test_progress_bar_goes_to_stderr_and_stdout_stays_clean_for_json(tmp_path):
-    r = run_gymv("prepare", "circle-count", "--preset", "tiny", "--n", "50", "--out", tmp_path / "r.jsonl", "--json")
+    r = invoke_gymv("prepare", "circle-count", "--preset", "tiny", "--n", "50", "--out", tmp_path / "r.jsonl", "--json")
     assert "circle-count train" in r.stderr
     json.loads(r.stdout)
 

@@ -12,7 +12,7 @@ from gymv.envs.mix import MixPart, interleave_order, parse_mix_spec, write_mixed
 from gymv.envs import get_env
 from gymv.envs.knobs import resolve_knobs
 from gymv.errors import GymvError
-from conftest import run_gymv
+from conftest import invoke_gymv
 
 SPEC = [MixPart("circle-count", "tiny", 6), MixPart("arithmetic", "tiny", 3)]
 
@@ -27,8 +27,8 @@ def _agent(line: str) -> str:
 
 def test_the_same_spec_gives_a_byte_identical_file(tmp_path):
     args = ["prepare", "mix", "circle-count:tiny:20", "arithmetic:tiny:20", "--seed", "3"]
-    assert run_gymv(*args, "--out", tmp_path / "a.jsonl").code == 0
-    assert run_gymv(*args, "--out", tmp_path / "b.jsonl").code == 0
+    assert invoke_gymv(*args, "--out", tmp_path / "a.jsonl").code == 0
+    assert invoke_gymv(*args, "--out", tmp_path / "b.jsonl").code == 0
     assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
 
 
@@ -72,12 +72,12 @@ def test_a_bad_spec_is_refused_with_the_format(spec, message):
 
 
 def test_cli_reports_parts_as_json(tmp_path):
-    r = run_gymv("prepare", "mix", "circle-count:tiny:4", "arithmetic:tiny:2", "--out", tmp_path / "m.jsonl", "--json")
+    r = invoke_gymv("prepare", "mix", "circle-count:tiny:4", "arithmetic:tiny:2", "--out", tmp_path / "m.jsonl", "--json")
     assert r.code == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["rows"] == 6 and [p["env"] for p in got["parts"]] == ["circle-count", "arithmetic"]
 
 
 def test_cli_refuses_options_a_mix_does_not_take(tmp_path):
-    r = run_gymv("prepare", "mix", "circle-count:tiny:4", "arithmetic:tiny:2", "--n", "3", "--out", tmp_path / "m.jsonl")
+    r = invoke_gymv("prepare", "mix", "circle-count:tiny:4", "arithmetic:tiny:2", "--n", "3", "--out", tmp_path / "m.jsonl")
     assert r.code != 0 and "does not take --n" in r.stderr
