@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from gymv.train import train
+from learning import assert_learns
 from nemo_gym_peer.harness import AGENTS, RESOURCES, NemoGymProcess, free_port, nemo_gym_python, start_all
 from train_helpers import write_recipe
 
@@ -76,9 +77,8 @@ def test_grpo_through_nemo_gym_agents_learns_circle_count(nemo_gym, tmp_path):
     metrics = _metrics(run)
     val = [m["val/accuracy"] for m in metrics if "val/accuracy" in m]
     reward = [m["train/reward_mean"] for m in metrics if "train/reward_mean" in m]
-    first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
-    print(f"held-out accuracy {val[0]:.3f} -> {val[-1]:.3f}; train reward {first:.3f} -> {last:.3f}")
-    assert len(val) == 2 and val[-1] > val[0] + 0.1, val  # measured: 55.5% -> 87.5%
-    assert last > first + 0.1, (first, last)
+    print(f"held-out accuracy {val[0]:.3f} -> {val[-1]:.3f}")
+    assert len(val) == 2, val
+    assert_learns(reward, val, window=10)  # measured: 55.5% -> 87.5%
     records = [json.loads(x) for x in (run / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert all(r["response"]["output"][-1]["generation_token_ids"] for r in records)

@@ -21,6 +21,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from gymv.train import train  # noqa: E402
+from learning import assert_learns  # noqa: E402
 from train_helpers import ray_module, write_recipe  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -56,10 +57,9 @@ def test_the_quickstart_recipe_learns_with_vllm_generation(tmp_path):
     val = [m["val/accuracy"] for m in metrics if "val/accuracy" in m]
     reward = [m["train/reward_mean"] for m in metrics if "train/reward_mean" in m]
     err = max(m["train/token_mult_prob_error"] for m in metrics if "train/token_mult_prob_error" in m)
-    first, last, later_val = mean(reward[:20]), mean(reward[-20:]), mean(val[2:])
     print(f"held-out accuracy {val[0]:.3f} -> {' '.join(f'{v:.3f}' for v in val[1:])} (steps 25-100); train "
-          f"reward {first:.3f} -> {last:.3f} (first and last 20 steps); max token_mult_prob_error {err:.5f}")
+          f"reward {mean(reward[:20]):.3f} -> {mean(reward[-20:]):.3f} (first and last 20 steps); "
+          f"max token_mult_prob_error {err:.5f}")
     assert len(val) == 5 and len(reward) == 100, (val, len(reward))
-    assert last > first + 0.1, (first, last)
-    assert later_val > val[0] + 0.1, val
+    assert_learns(reward, val, window=20, later_from=2)  # validations at steps 50-100 against the start
     assert err < 1.05  # every step on-policy: the engine's logprobs are the trainer's after each refit
