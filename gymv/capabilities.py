@@ -39,14 +39,10 @@ FAMILY_LIMITS: dict[str, dict[tuple[str, Any], str]] = {
             "MambaModel builds its layers from Transformer Engine modules and runs the CUDA kernels of the "
             "mamba-ssm and causal-conv1d packages (compiled against the CUDA toolkit; no CPU path), none of which "
             "gymv installs"),
-        ("training.sequence_packing", True): (
-            "Nemotron 3 Omni's Mamba-2 layers would carry their state from one packed sequence into the next "
-            "(transformers takes no segment boundaries on its torch path)"),
     },
 }
 FAMILY_FIXES: dict[str, str] = {
     "training.backend": "use training.backend: torch or fsdp2",
-    "training.sequence_packing": "set training.sequence_packing: auto (padded micro-batches) or false",
 }
 # model type -> {where: why vLLM cannot run a model of that family there}; these depend on the device, the
 # dtype and the layers, so `gymv train` checks them against each vLLM engine's checkpoint before Ray starts

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gymv.errors import GymvError
-from tiny_models import chat_ids, shared_policy, solid, tiny_path
+from tiny_models import chat_ids, fresh_policy, shared_policy, solid, tiny_path
 
 ARCH = "tiny-nemotron-omni"
 
@@ -166,25 +166,42 @@ def test_generation_keeps_the_mamba_state_beside_the_kv_cache_and_continues_a_lo
         assert logprob_error(policy, [prompt + out.token_ids], [images], [out], len(prompt)) < 1.0001
 
 
-def test_packing_would_carry_mamba_state_across_sequences_so_the_trainer_never_packs_this_family():
+def test_a_packed_row_restarts_the_mamba_state_at_each_sequence():
+    """Unwrapped, the Mamba-2 layer carries the first sequence's state into the second; with
+    gymv.backends.packed_mamba each sequence of the row scores as it does alone."""
+    from gymv.backends import packed_attention, packed_mamba
     from gymv.backends.logprobs import MultimodalBatch, right_pad, token_scores
+
+    policy = fresh_policy(ARCH)
+    images = [[solid("red", (64, 48))], [solid("blue", (30, 90))], []]
+    rows = [chat_ids(policy, "How many?", images[0]) + [40, 41, 42],
+            chat_ids(policy, "Which colour is it?", images[1]) + [43, 44],
+            chat_ids(policy, "No picture", images[2]) + [45, 46, 47, 48]]
+    batch = right_pad(rows, images, 0)
+
+    def packed():
+        return token_scores(policy.model, policy.adapter, MultimodalBatch(batch.input_ids, batch.attention_mask, images),
+                            packed=True).logp
+
+    assert packed_attention.install(policy.model)
+    with torch.no_grad():
+        apart = [token_scores(policy.model, policy.adapter, right_pad([r], [im], 0)).logp[0] for r, im in zip(rows, images)]
+        leaky = packed()
+        assert packed_mamba.install(policy.model)
+        restarted = packed()
+    assert torch.allclose(leaky[0, :len(rows[0])], apart[0], atol=1e-5)  # the first sequence starts clean
+    assert not torch.allclose(leaky[1, :len(rows[1])], apart[1], atol=1e-3)  # unwrapped, the second inherits
+    for b, r in enumerate(rows):
+        assert torch.allclose(restarted[b, :len(r)], apart[b], atol=1e-5)
+
+
+def test_the_trainer_packs_this_family_without_sharing_prompts_in_the_row():
     from gymv.backends.training.hf_torch import BatchLayout
 
-    policy = shared_policy(ARCH)
-    images = [[solid("red", (64, 48))], [solid("blue", (30, 90))]]
-    rows = [chat_ids(policy, "How many?", images[0]) + [40, 41, 42],
-            chat_ids(policy, "Which colour is it?", images[1]) + [43, 44]]
-    batch = right_pad(rows, images, 0)
-    with torch.no_grad():
-        apart = [token_scores(policy.model, policy.adapter, right_pad([r], [im], 0)).logp[0]
-                 for r, im in zip(rows, images)]
-        packed = token_scores(policy.model, policy.adapter, MultimodalBatch(batch.input_ids, batch.attention_mask,
-                                                                            images), packed=True).logp
-    assert torch.allclose(packed[0, :len(rows[0])], apart[0], atol=1e-5)  # the first sequence starts clean
-    assert not torch.allclose(packed[1, :len(rows[1])], apart[1], atol=1e-3)  # the second inherits its state
-    with pytest.raises(GymvError, match="Mamba-2 layers"):
-        BatchLayout(policy.adapter, policy.model, 0, packing=True)
-    assert BatchLayout(policy.adapter, policy.model, 0, packing="auto").packing is False
+    policy = fresh_policy(ARCH)
+    layout = BatchLayout(policy.adapter, policy.model, 0, packing=True)
+    assert layout.packing is True and not layout.shares_in_row
+    assert all(getattr(m, "gymv_packed", False) for m in policy.model.modules() if type(m).__name__ == "NemotronHMamba2Mixer")
 
 
 def test_rows_sharing_a_prompt_are_scored_as_if_alone_when_prompt_lengths_differ():

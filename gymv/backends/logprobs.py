@@ -90,11 +90,17 @@ def _forward_kwargs(adapter, input_ids) -> dict:
 def packable(adapter: MultimodalAdapter, packed_attention: bool = False, model=None) -> str | None:
     """None when the adapter's rows can be packed into one row (no extra model inputs; positions of its own,
     such as 3-D rotary ones, only with gymv's packed attention, which confines attention to each sequence
-    without reading positions) and `model` has no recurrent layers; else why not, for the error that
-    refuses packing."""
+    without reading positions); else why not, for the error that
+    refuses packing. A model with Mamba-2 layers packs through gymv.backends.packed_mamba (with packed attention,
+    which carries the row's segments to every layer)."""
     if model is not None and has_recurrent_layers(model):
-        return ("the decoder's Mamba-2 layers run through a row's tokens in order, so each sequence of a packed row "
-                "would start from the state the previous one left behind")
+        from gymv.backends.packed_mamba import mixers
+
+        if not mixers(model):
+            return ("the decoder's recurrent layers run through a row's tokens in order, and gymv cannot restart "
+                    "them at each packed sequence")
+        if not packed_attention:
+            return "its Mamba-2 layers find a packed row's sequences through gymv's packed attention, which it cannot use"
     cls = type(adapter)
     if cls.position_ids is not MultimodalAdapter.position_ids and not packed_attention:
         return (f"the {adapter.style} processor style computes its own (multi-dimensional) positions, which "

@@ -15,8 +15,8 @@ computes neither that update nor an auxiliary loss, so gymv does both here:
   optimizer step, from the step's loads summed over data-parallel ranks (every rank applies the same
   update; `train/moe_bias_absmax` is logged). 0, the default, keeps the bias frozen, as RL recipes do.
 
-The terms cover the tokens the forward pass routes: a GRPO group's shared prompt, run once on the padded
-shared-prompt path, counts once (run without it, under activation checkpointing, once per sample).
+The terms cover the tokens the forward pass routes: a GRPO group's shared prompt counts once per sample in
+packed rows and unshared padded rows, once on the padded shared-prompt path.
 Routers are recorded by forward hooks while the training forward runs (not during the recomputation of
 activation checkpointing, nor in logprob-only passes); the padding of each call is read from the 2-D
 attention mask its decoder receives.

@@ -58,10 +58,10 @@ class BatchLayout:
     """
 
     def __init__(self, adapter, model, pad_id: int, packing: bool | str = "auto"):
+        from gymv.backends import packed_attention, packed_mamba
+        from gymv.backends.hf_forward import has_recurrent_layers
         from gymv.backends.logprobs import packable
         from gymv.errors import GymvError
-
-        from gymv.backends import packed_attention
 
         # where packed attention is unsupported, transformers' dense packed mask confines attention instead
         # (1-D positions only), and prompts are not shared in a row
@@ -72,7 +72,13 @@ class BatchLayout:
                             where="training.sequence_packing", fix="set training.sequence_packing: auto or false")
         self.adapter, self.model, self.pad_id = adapter, model, pad_id
         self.packing: bool | str = False if why_not else packing
-        self.shares_in_row = self.packing is not False and packed_attention.install(model)
+        # a Mamba-2 layer restarts at each packed sequence (packed_mamba) but cannot continue a shared prompt's
+        # state, so such a model packs every sequence whole; padded, it shares prompts of equal length only
+        self.recurrent = has_recurrent_layers(model)
+        installed = self.packing is not False and packed_attention.install(model)
+        self.shares_in_row = installed and not self.recurrent
+        if installed and self.recurrent:
+            packed_mamba.install(model)
         self.packed = False
         self._planned: dict[int, tuple] = {}  # id(sample) -> (sample, prefix key) of the last plan
         self._hashes: dict[int, str] = {}  # id(picture) -> content hash, of the last plan's pictures
@@ -127,7 +133,7 @@ class BatchLayout:
         if self.packing is not False and self.shares_in_row:
             self.packed = True
             return plan_packed_shared_micro_batches(self._keys(samples, hashes), lengths, max_tokens)
-        shares = not recomputes_activations(self.model)
+        shares = not recomputes_activations(self.model) and not self.recurrent
         if self.packing is True or (self.packing == "auto" and not shares):
             self.packed = True
             return plan_packed_micro_batches(lengths, max_tokens)
