@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gymv.backends.generation.vllm_models import MOE_ON_CPU, SWIGLU_RADIO, VISION_DTYPE
+from gymv.backends.registry import GENERATION_BACKENDS, REFIT_TRANSPORTS, TEACHER_BACKENDS, TRAINING_BACKENDS
 
 # key -> {value: why that value does not run}. A backend registered under the same name wins over its row.
 NOT_WIRED: dict[str, dict[Any, str]] = {
@@ -71,15 +72,11 @@ class Gap:
 
 def backend_names(key: str) -> list[str]:
     """Every value the schema accepts for a backend key: registered backends and planned ones."""
-    from gymv.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
-
     registry = {"generation.backend": GENERATION_BACKENDS, "training.backend": TRAINING_BACKENDS}[key]
     return sorted({*registry.available(), *NOT_WIRED.get(key, {})})
 
 
 def _registered(key: str, name: str) -> bool:
-    from gymv.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
-
     registry = {"generation.backend": GENERATION_BACKENDS, "training.backend": TRAINING_BACKENDS}[key]
     return name in registry
 
@@ -118,7 +115,6 @@ def _gaps(cfg) -> Iterator[Gap]:
     if tp > MAX_GENERATION_TP.get(g.backend, tp):
         yield Gap("generation.vllm.tensor_parallel_size", f"generation backend {g.backend} runs an engine on one GPU",
                   "set the tensor parallel size to 1")
-    from gymv.backends.registry import TEACHER_BACKENDS
 
     mopd = getattr(cfg, "mopd", None)
     for alias, t in (mopd.teachers.items() if mopd is not None else ()):
@@ -155,8 +151,6 @@ def family_gaps(cfg, model_dir: str | Path) -> list[Gap]:
 
 def table() -> dict[str, dict[str, str]]:
     """The capability table for people (docs, `gymv train --help` texts): key -> {value: 'runs' or why not}."""
-    from gymv.backends.registry import GENERATION_BACKENDS, REFIT_TRANSPORTS, TEACHER_BACKENDS, TRAINING_BACKENDS
-
     out: dict[str, dict[str, str]] = {
         "generation.backend": {n: "runs" for n in GENERATION_BACKENDS.available()},
         "training.backend": {n: "runs" for n in TRAINING_BACKENDS.available()},

@@ -8,8 +8,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gymv.algorithms.advantages import grpo_advantages
 from gymv.algorithms.grpo import importance_config
 from gymv.algorithms.loss_fns import DistillationLoss, PolicyLoss
+from gymv.backends.training.samples import training_sample
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,6 @@ def env_advantages(trajectories: Sequence, group_size: int) -> list[float]:
     minus the mean reward of the step's usable episodes (never divided by a std). Failed episodes get 0."""
     import torch
 
-    from gymv.algorithms.advantages import grpo_advantages
-
     n = len(trajectories)
     valid = torch.tensor([t.error is None for t in trajectories], dtype=torch.bool)
     rewards = torch.tensor([float(t.reward) if t.error is None else 0.0 for t in trajectories], dtype=torch.float64)
@@ -67,8 +67,6 @@ def _own_logp(scored):
 
 def distillation_samples(usable: Sequence, teacher_logprobs: Sequence, advantages: Sequence[float]) -> list[dict]:
     """Training samples of the usable episodes with their teacher's scores (gymv.backends.training.samples)."""
-    from gymv.backends.training.samples import training_sample
-
     return [training_sample(t.token_ids, t.loss_mask, images=t.images, where=sample_where(t),
                             logp_behaviour=t.logprobs, advantage=a, logp_teacher=_own_logp(lp),
                             teacher_topk=(lp["topk_ids"], lp["topk_logp"]) if isinstance(lp, dict) else None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from gymv.envs.rows import agent_name
 from gymv.errors import GymvError
 
 
@@ -77,6 +78,4 @@ class TeacherRouter:
 
 
 def row_agent(row: dict) -> str | None:
-    from gymv.envs.rows import agent_name
-
     return agent_name(row)

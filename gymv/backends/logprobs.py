@@ -23,12 +23,13 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
+from gymv.backends import packed_attention
 from gymv.backends.chunked_scores import chunked_scores
 from gymv.backends.hf_forward import forward_logits, has_recurrent_layers, select_cache_rows
 from gymv.backends.host_copy import to_device, to_device_many
 from gymv.backends.multimodal import MultimodalAdapter, image_hash
-from gymv.backends.pixel_cache import pixel_cache
 from gymv.backends.packing import PackedRow, pack
+from gymv.backends.pixel_cache import pixel_cache
 from gymv.backends.sampling import forbidden_mask, policy_logits
 
 
@@ -125,8 +126,6 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
     with record_function("gymv/check_batch"):
         adapter.check_batch(batch.input_ids, batch.images, batch.where, batch.attention_mask)
     if packed is not None:
-        from gymv.backends import packed_attention
-
         packed = packed.to(dev)  # every index tensor of the row in one copy
         packed_attention.prepare(dev)
         if type(adapter).position_ids is MultimodalAdapter.position_ids:
@@ -403,8 +402,6 @@ def token_scores(model, adapter: MultimodalAdapter, batch: MultimodalBatch, temp
     dev = next(model.parameters()).device
     scored = None if packed else _shared_prefix_logits(model, adapter, batch, wanted)
     if packed:
-        from gymv.backends import packed_attention
-
         share = prefixes if prefixes is not None and packed_attention.active(model) else None
         with record_function("gymv/pack"):
             row = pack(ids_cpu, mask_cpu, batch.images, share)

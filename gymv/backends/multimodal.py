@@ -28,6 +28,8 @@ from typing import Any, ClassVar
 
 from gymv.backends.host_copy import to_device
 from gymv.errors import GymvError
+from gymv.models.nemotron_omni import IMAGE_END, IMAGE_START, VIDEO_TOKEN
+# torch loads on first use: the agent loop's image handling (gymv.rollout.images) imports the adapters' tables
 
 SUPPORTED_PROCESSORS = {
     "LlavaProcessor": "placeholder", "Qwen2VLProcessor": "grid", "Qwen2_5_VLProcessor": "grid",
@@ -623,7 +625,6 @@ class PatchGridAdapter(MultimodalAdapter):
 
     def __init__(self, tokenizer, image_processor, config, processor_class: str, hf_processor=None):
         super().__init__(tokenizer, image_processor, config, processor_class, hf_processor)
-        from gymv.models.nemotron_omni import IMAGE_END, IMAGE_START, VIDEO_TOKEN
 
         image_processor.check_budget(processor_class)
         named = lambda attr, default: tokenizer.convert_tokens_to_ids(getattr(tokenizer, attr, None) or default)  # noqa: E731

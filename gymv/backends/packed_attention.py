@@ -22,6 +22,8 @@ from functools import lru_cache
 import torch
 
 from gymv.backends.packed_gather import gather
+from gymv.backends.packing import PackedAttentionArgs
+from gymv.errors import GymvError
 
 NAME = "gymv_packed"
 KEYWORD = "gymv_packing"  # a gymv.backends.packing.PackedAttentionArgs
@@ -164,8 +166,6 @@ def _varlen_checks(device, dtype) -> tuple[bool, bool]:
     """(the kernel runs forward and backward and matches SDPA on two causal sequences, and it lets query i of
     a segment with more keys than queries see the keys up to i + keys - queries), each compared once with
     SDPA on small random inputs (3 queries over 7 keys for the second)."""
-    from gymv.backends.packing import PackedAttentionArgs
-
     def close(got, want) -> bool:
         return got is not None and bool(torch.allclose(got.float(), want.float(), atol=2e-2))
 
@@ -199,8 +199,6 @@ def _varlen_inputs(device, dtype) -> tuple[bool, bool]:
     """(the kernel takes grouped-query keys and values with their own, fewer heads; it takes [N, H, D] views of
     [1, H, N, D] tensors without a copy): each compared once, output and gradients, with the path that widens
     the heads and copies (both copies cost about 1 ms per layer and micro-batch at 65K tokens on an H200)."""
-    from gymv.backends.packing import PackedAttentionArgs
-
     g = torch.Generator(device="cpu").manual_seed(1)
     q, k, v = (torch.randn(1, h, 9, 64, generator=g).to(device, dtype) for h in (4, 2, 2))
     weight = torch.randn(1, 9, 4, 64, generator=g).to(device, torch.float32)
@@ -275,8 +273,6 @@ def check_reached(before: int) -> None:
     """Refuse a packed forward whose attention layers never got the packing keyword (a model that does not
     pass keywords through to attention would otherwise attend across the packed sequences, silently)."""
     if calls == before:
-        from gymv.errors import GymvError
-
         raise GymvError("this model's attention layers did not receive gymv's packing arguments, so its "
                         "sequences cannot be packed safely", where="training.sequence_packing",
                         fix="set training.sequence_packing: false")

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
+from gymv.backends.host_copy import to_device
+
 
 @dataclass
 class KeyGather:
@@ -55,8 +57,6 @@ class KeyGather:
         return cls(index, torch.from_numpy(order[starts]), torch.from_numpy(repeated), tables)
 
     def to(self, device) -> KeyGather:
-        from gymv.backends.host_copy import to_device
-
         move = lambda t: to_device(t, device)  # noqa: E731
         return KeyGather(move(self.index), move(self.first), move(self.repeated), [move(t) for t in self.tables])
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gymv.backends.host_copy import to_device, to_device_many
 from gymv.backends.packed_gather import KeyGather
 
 
@@ -40,8 +41,6 @@ class PackedRow:
 
     def to(self, device) -> PackedRow:
         """The row with its tensors on `device`, moved in one copy (host lists stay)."""
-        from gymv.backends.host_copy import to_device_many
-
         keys = self.keys
         tensors = [self.input_ids, self.positions, self.source_rows, self.cu_q, self.cu_k]
         if keys is not None:
@@ -62,8 +61,6 @@ class PackedRow:
         return starts[rows] + columns - offsets[rows]
 
     def attention_args(self, device) -> PackedAttentionArgs:
-        from gymv.backends.host_copy import to_device
-
         return PackedAttentionArgs(to_device(self.cu_q, device), None if self.keys is None else self.keys.to(device),
                                    to_device(self.cu_k, device), self.max_q, self.max_k, self.host_bounds())
 

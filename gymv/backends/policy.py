@@ -12,8 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gymv.backends.multimodal import SUPPORTED_PROCESSORS, TextAdapter, make_adapter, supported_text
 from gymv.errors import GymvError
 from gymv.models.load import resolve_model_path
+from gymv.models.nemotron_omni import OmniImageProcessor
+from gymv.models.quiet import quiet_transformers
 
 
 @dataclass
@@ -41,8 +44,6 @@ def _processor_class(path: Path) -> str:
 
 
 def _omni_image_processor(ckpt: Path):
-    from gymv.models.nemotron_omni import OmniImageProcessor
-
     f = ckpt / "preprocessor_config.json"
     if not f.exists():
         raise GymvError("the checkpoint has no preprocessor_config.json", where=str(ckpt),
@@ -70,8 +71,6 @@ def load_policy(path: str | os.PathLike, device: str = "cpu", dtype: Any = None,
     run modelling code shipped inside the checkpoint; a checkpoint that needs it fails here in one line.
     """
     import torch
-
-    from gymv.models.quiet import quiet_transformers
 
     ckpt = resolve_model_path(path, cache_dir=cache_dir, seed=seed)
     dtype = dtype if dtype is not None else torch.float32
@@ -141,8 +140,6 @@ def _load_text(ckpt: Path, device, dtype, attn_implementation, trust: bool) -> P
     """A text-only causal LM: tokenizer and AutoModelForCausalLM, no processor looked for."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gymv.backends.multimodal import TextAdapter
-
     tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
     model = _eval_model(AutoModelForCausalLM, ckpt, device, _model_kwargs(dtype, attn_implementation, trust),
                         "a causal language model", "a text-only checkpoint must load with AutoModelForCausalLM")
@@ -156,8 +153,6 @@ def load_processors(ckpt: Path, trust: bool = False):
     """(processor class name, transformers processor or None, tokenizer, image processor, why the processor
     did not load or None) of a vision-language checkpoint: what the policy and the vLLM backend render with."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
-
-    from gymv.backends.multimodal import SUPPORTED_PROCESSORS, supported_text
 
     processor_class = _processor_class(ckpt)
     hf_processor, why = None, None
@@ -183,8 +178,6 @@ def load_processors(ckpt: Path, trust: bool = False):
 
 def _load(ckpt: Path, device, dtype, attn_implementation, trust: bool = False) -> Policy:
     from transformers import AutoModelForImageTextToText
-
-    from gymv.backends.multimodal import make_adapter
 
     if is_text_only(ckpt):
         return _load_text(ckpt, device, dtype, attn_implementation, trust)

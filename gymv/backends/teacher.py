@@ -18,7 +18,12 @@ from typing import Any
 
 import torch
 
+from gymv.backends.logprobs import right_pad, sequence_logprobs, sequence_topk
+from gymv.backends.multimodal import make_adapter
+from gymv.backends.policy import check_remote_code, load_policy, load_processors
+from gymv.backends.training.micro_batches import plan_micro_batches
 from gymv.errors import GymvError
+from gymv.models.quiet import quiet_transformers
 
 
 def is_text_only(path: str | Path) -> bool:
@@ -35,10 +40,6 @@ def student_vision_ids(student_path: str | Path) -> tuple[int, ...]:
     """The student's vision special-token ids (what it can never sample), from its tokenizer, config and
     image processor alone (no weights)."""
     from transformers import AutoConfig
-
-    from gymv.backends.multimodal import make_adapter
-    from gymv.backends.policy import load_processors
-    from gymv.models.quiet import quiet_transformers
 
     path = Path(student_path)
     if is_text_only(path):  # a text-only student samples every token
@@ -64,8 +65,6 @@ class TeacherModel:
     def __init__(self, spec: Any):  # a gymv.cluster.teachers.TeacherSpec
         from transformers import AutoTokenizer
 
-        from gymv.models.quiet import quiet_transformers
-
         self.spec = spec
         dtype = getattr(torch, spec.dtype)
         self.text_only = spec.text_of or is_text_only(spec.path)
@@ -74,8 +73,6 @@ class TeacherModel:
         self.forbidden_ids = student_vision_ids(spec.student_path)
         if self.text_only:
             from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-            from gymv.backends.policy import check_remote_code
 
             trust = getattr(spec, "trust_remote_code", False)
             check_remote_code(Path(spec.path), trust)
@@ -89,8 +86,6 @@ class TeacherModel:
                     self.model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, trust_remote_code=trust)
             self.adapter = TextOnlyAdapter(self.forbidden_ids, spec.alias)
         else:
-            from gymv.backends.policy import load_policy
-
             policy = load_policy(spec.path, device="cpu", dtype=dtype, seed=spec.seed,
                                  trust_remote_code=getattr(spec, "trust_remote_code", False))
             self.model, self.tokenizer, self.adapter = policy.model, policy.tokenizer, policy.adapter
@@ -126,8 +121,6 @@ def save_text_model(vlm_path: str | Path, out_dir: str | Path) -> Path:
     """Write the language model of a LLaVA-style checkpoint as a text-only causal LM folder (same tokenizer
     and chat template): a text-only teacher with the weights a VLM learned."""
     from transformers import AutoModelForImageTextToText, AutoTokenizer
-
-    from gymv.models.quiet import quiet_transformers
 
     src, out = Path(vlm_path), Path(out_dir)
     with quiet_transformers():
@@ -181,9 +174,6 @@ def teacher_logprobs(model, adapter, rows: Sequence, *, pad_id: int, temperature
     Rows are packed into micro-batches by padded token count (`max_tokens`); each micro-batch is one
     right-padded batch of whole rows, so images always travel with their row.
     """
-    from gymv.backends.logprobs import right_pad, sequence_logprobs, sequence_topk
-    from gymv.backends.training.micro_batches import plan_micro_batches
-
     out: list[torch.Tensor | None] = [None] * len(rows)
     plan = plan_micro_batches([len(r.input_ids) for r in rows], max_tokens)
     with torch.no_grad():

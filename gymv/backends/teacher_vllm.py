@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-from gymv.backends.generation.vllm import flat_to_dense
+from gymv.backends.generation.base import GenerationRequest
+from gymv.backends.generation.vllm import VllmGenerationBackend, flat_to_dense
+from gymv.backends.sampling import forbidden_mask, policy_logits
 from gymv.backends.teacher import (
     TextOnlyAdapter,
     check_same_tokenizer,
@@ -30,6 +32,7 @@ from gymv.backends.teacher import (
     student_vision_ids,
 )
 from gymv.errors import GymvError
+from gymv.models.quiet import quiet_transformers
 
 
 class VllmTeacher:
@@ -37,9 +40,6 @@ class VllmTeacher:
 
     def __init__(self, spec: Any):
         from transformers import AutoTokenizer
-
-        from gymv.backends.generation.vllm import VllmGenerationBackend
-        from gymv.models.quiet import quiet_transformers
 
         self.spec = spec
         self.text_only = spec.text_of or is_text_only(spec.path)
@@ -74,8 +74,6 @@ class VllmTeacher:
 
     def score(self, rows: Sequence) -> list:
         from vllm import SamplingParams as VllmParams
-
-        from gymv.backends.generation.base import GenerationRequest
 
         if not rows:
             return []
@@ -117,8 +115,6 @@ class VllmTeacher:
         return {"logp": lp, "topk_ids": pad(top_ids), "topk_logp": pad(top_lp)}
 
     def _from_logits(self, logits: torch.Tensor, target: torch.Tensor, k: int):
-        from gymv.backends.sampling import forbidden_mask, policy_logits
-
         forbidden = forbidden_mask(logits.shape[-1], self.forbidden_ids, logits.device)
         lsm = torch.log_softmax(policy_logits(logits, self.spec.temperature, forbidden), dim=-1)
         own = lsm.gather(-1, target.unsqueeze(-1)).squeeze(-1)

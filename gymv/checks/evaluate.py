@@ -29,6 +29,7 @@ from gymv.checks.syntax import (
     parse_check,
 )
 from gymv.errors import GymvError
+from gymv.runs.metrics import read_metrics
 
 MAX_MAGNITUDE = 1e100
 
@@ -60,8 +61,6 @@ class MetricSeries:
     @classmethod
     def from_run(cls, run_dir: str | os.PathLike) -> MetricSeries:
         """The metrics of a run directory (or a metrics.jsonl path); a run still writing is fine."""
-        from gymv.runs.metrics import read_metrics
-
         p = Path(run_dir)
         path = p if p.is_file() else p / "metrics.jsonl"
         if not path.exists():

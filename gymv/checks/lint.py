@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gymv.checks.registry import closest_metric, is_known_metric
-from gymv.checks.sources import CheckSource
+from gymv.checks.sources import CheckSource, driver_checks, recipe_checks
 from gymv.checks.syntax import CheckSyntaxError, parse_check
+from gymv.errors import GymvError
 from gymv.findings import Finding
 
 
@@ -34,8 +35,6 @@ def check_findings(sources: Iterable[CheckSource], key: str | None = "checks") -
 
 def recipe_check_findings(rec) -> list[Finding]:
     """Findings for the `checks:` of a loaded recipe (only its text entries: the schema reports the rest)."""
-    from gymv.checks.sources import recipe_checks
-
     checks = rec.raw.get("checks")
     if not isinstance(checks, list):
         return []
@@ -45,9 +44,6 @@ def recipe_check_findings(rec) -> list[Finding]:
 
 def driver_check_findings(path) -> list[Finding]:
     """Findings for a driver's CHECKS block; a malformed block is one `check.syntax` finding at its line."""
-    from gymv.checks.sources import driver_checks
-    from gymv.errors import GymvError
-
     try:
         sources = driver_checks(path)
     except GymvError as e:

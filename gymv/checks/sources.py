@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gymv.errors import GymvError
+from gymv.yamlfile import display_path
 
 BEGIN_CHECKS = "# ===== BEGIN CHECKS ====="
 END_CHECKS = "# ===== END CHECKS ====="
@@ -45,8 +46,6 @@ def recipe_checks(rec) -> list[CheckSource]:
 
 def driver_checks(path: str | os.PathLike) -> list[CheckSource]:
     """The checks in a driver's CHECKS block ([] without one); a malformed block is a GymvError at its line."""
-    from gymv.yamlfile import display_path
-
     path = Path(path)
     shown = display_path(path)
     try:

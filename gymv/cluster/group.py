@@ -30,7 +30,9 @@ from dataclasses import dataclass
 
 from gymv.cluster.placement import Placement
 from gymv.cluster.ray_placement import ROSTER, actor_options, lost_worker_error, place
+from gymv.cluster.refit import shares_sending
 from gymv.cluster.roles import policy_plans
+from gymv.cluster.transport_choice import Layout, choose_transport
 from gymv.cluster.workers import SEQ_ERRORS_KEY, GenerationWorker, TrainingWorker, WorkerSpec
 from gymv.errors import GymvError, WriteError
 from gymv.io import is_write_failure, write_error
@@ -270,9 +272,6 @@ class PolicyCluster:
 
     def _choose_transport(self, lagging: bool) -> str:
         """`refit.transport` checked against (or, for auto, chosen from) where the workers landed."""
-        from gymv.cluster.refit import shares_sending
-        from gymv.cluster.transport_choice import Layout, choose_transport
-
         seats = [ROSTER.seats[a._actor_id.hex()] for a in self.trainers + self.generators]
         p = self.placement
         layout = Layout(gpus=p.gpus > 0, colocated=p.colocated, workers_per_gpu=p.generation_per_gpu, lag_safe=lagging)

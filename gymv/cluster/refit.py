@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from gymv.backends.generation.base import Weights, named
+from gymv.backends.registry import REFIT_TRANSPORTS
 from gymv.backends.weights import weights_hash  # noqa: F401  (its old home)
 from gymv.errors import GymvError
 from gymv.net import master_store
@@ -791,8 +792,6 @@ NcclSender.receiver = NcclReceiver
 
 
 def _sender_class(name: str) -> type[RefitSender]:
-    from gymv.backends.registry import REFIT_TRANSPORTS
-
     if name not in REFIT_TRANSPORTS:
         raise GymvError(f"refit transport {name!r} has no implementation here", where="refit.transport",
                         fix=f"use one of: {', '.join(REFIT_TRANSPORTS.available())}")

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gymv.cluster.preflight import NODE_LABEL
-from gymv.cluster.ray_cluster import DRIVER_NODE_IP
+from gymv.cluster.ray_cluster import DRIVER_NODE_IP, authenticate, loopback_only, use_token_auth
 from gymv.errors import GymvError
+from gymv.recipes.drivers import parse_driver
 
 DEFAULT_PORT = 6379
 
@@ -160,8 +161,6 @@ class RayOnSlurm:
     def _wait_for_nodes(self, deadline_s: float) -> None:
         import ray
 
-        from gymv.cluster.ray_cluster import authenticate, loopback_only, use_token_auth
-
         env = {k: v for k, v in self.env.items() if k.startswith("RAY_")}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
@@ -271,8 +270,6 @@ class BatchJob:
     def for_driver(cls, path: Path, args: Sequence[str] = (), **kw) -> BatchJob:
         """One launch of a test-suite driver, sized as its CONFIG block says (what `gymv dry-run` counts per
         run: NUM_NODES x GPUS_PER_NODE for NUM_MINUTES); the driver itself goes through `gymv cluster up`."""
-        from gymv.recipes.drivers import parse_driver
-
         d = parse_driver(path)
         if kw.get("time") is None:
             kw["time"] = str(d.allocation("NUM_MINUTES"))  # SLURM reads a bare number as minutes

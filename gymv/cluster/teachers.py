@@ -21,8 +21,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gymv.algorithms.teacher_batch import pad_rows, shard_rows, trim
 from gymv.backends.registry import TEACHER_BACKENDS
+from gymv.cluster.placement import Deadlines, Pin
+from gymv.cluster.ray_placement import ROSTER, actor_options, group_for, here, wait_placed
+from gymv.cluster.roles import RolePlan, teacher_plan
 from gymv.errors import GymvError
+from gymv.models.init_path import resolve_init_path
+# the workers (torch) load in the teacher actors only: `gymv train` resolves teacher_specs here before Ray starts
 
 TEXT_PREFIX = "text:"  # a teacher path `text:<checkpoint>` scores with that VLM's language model alone
 
@@ -72,8 +78,6 @@ class TeacherWorker:
         return {"logprobs": scores, "seconds": time.perf_counter() - t0}
 
     def where(self) -> dict:
-        from gymv.cluster.ray_placement import here
-
         return here()
 
     def close(self) -> None:
@@ -93,8 +97,6 @@ def _with_device(spec: TeacherSpec, device: str) -> TeacherSpec:
 
 def teacher_specs(cfg, student_path: str) -> dict[str, TeacherSpec]:
     """One spec per alias from a validated MOPD config; a backend not wired here is an error naming it."""
-    from gymv.models.init_path import resolve_init_path
-
     gpu = cfg.cluster.gpus_per_node > 0
     out = {}
     for alias, t in cfg.mopd.teachers.items():
@@ -118,9 +120,6 @@ def replica_options(cfg, alias: str, *, policy_pg=None) -> tuple[list[dict], obj
     """(Ray actor options of each replica of `alias`, a placement group created for it or None); the group
     is asked for here and waited on by the caller."""
     from gymv.cluster.group import cpu_env
-    from gymv.cluster.placement import Pin
-    from gymv.cluster.ray_placement import actor_options, group_for
-    from gymv.cluster.roles import teacher_plan
 
     t = cfg.mopd.teachers[alias]
     plan = teacher_plan(alias, t, Pin.from_section(cfg.cluster.placement.teachers),
@@ -150,8 +149,6 @@ class TeacherPool:
     def __init__(self, cfg, specs: dict[str, TeacherSpec], *, policy_pg=None):
         import ray
 
-        from gymv.cluster.placement import Deadlines
-
         self.specs = specs
         self.deadlines = Deadlines.from_config(cfg.cluster)
         self.dp = {a: cfg.mopd.teachers[a].data_parallel_size for a in self.specs}
@@ -166,8 +163,6 @@ class TeacherPool:
 
     def _start(self, cfg, Worker, policy_pg) -> None:
         from gymv.cluster.group import ray_get
-        from gymv.cluster.ray_placement import ROSTER, wait_placed
-        from gymv.cluster.roles import RolePlan
 
         for alias, spec in self.specs.items():
             opts, pg = replica_options(cfg, alias, policy_pg=policy_pg)
@@ -186,7 +181,6 @@ class TeacherPool:
     def score(self, rows_by_alias: dict[str, Sequence]) -> tuple[dict[str, list], int]:
         """(logprobs per alias, one `[len]` tensor per real row in row order; the teacher batches scored: one
         per replica given rows)."""
-        from gymv.algorithms.teacher_batch import pad_rows, shard_rows, trim
         from gymv.cluster.group import ray_get
 
         pending = {}
@@ -206,8 +200,6 @@ class TeacherPool:
 
     def shutdown(self) -> None:
         import ray
-
-        from gymv.cluster.ray_placement import ROSTER
 
         for ws in self.replicas.values():
             for w in ws:

@@ -18,8 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gymv.algorithms.seq_error import drop_masked_samples
 from gymv.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
 from gymv.backends.training.base import TrainingSetup
+from gymv.backends.training.process_group import leave_process_group
+from gymv.backends.training.samples import as_tensors, training_sample
+from gymv.cluster.ray_placement import here
+from gymv.cluster.refit import make_receiver, make_sender
 from gymv.config.schema import (
     EnvSection,
     GenerationSection,
@@ -31,7 +36,13 @@ from gymv.config.schema import (
 )
 from gymv.envs.routing import EnvRouter
 from gymv.errors import GymvError
-from gymv.io import follow_umask
+from gymv.io import as_write_failure, follow_umask
+from gymv.net import master_store
+from gymv.rollout import ImageCache, build_sft_sample, run_rollouts
+from gymv.rollout.agent_driver import run_agent_rollouts
+from gymv.rollout.policy_server import PolicyServer
+from gymv.runs.checkpoint import capture_rng_state, restore_rng_state
+# the static decoder (and its Triton kernels) loads in generation workers that decode with it only
 
 
 @dataclass(frozen=True)
@@ -147,16 +158,12 @@ class GenerationWorker:
     def rollouts(self, rows: Sequence[tuple[int, dict]], *, group_size: int, params, seed: int | None,
                  **limits) -> dict:
         """Run the agent loop on `rows` (G episodes each); `limits` are run_rollouts' budget keywords."""
-        from gymv.rollout import run_rollouts
-
         t0, started = time.perf_counter(), time.time()
         b = self.backend
         stats: dict = {}
         version = self.weights_version
         cache_before = self.backend.stats()
         if self.spec.agents:
-            from gymv.rollout.agent_driver import run_agent_rollouts
-
             trajectories = run_agent_rollouts(self._policy_server(params), self.spec.agents, list(rows),
                                               group_size=group_size, params=params, seed=seed,
                                               weights_version=version,
@@ -176,8 +183,6 @@ class GenerationWorker:
     def _policy_server(self, params):
         """The model server the NeMo Gym agents call, started on first use and kept for the run."""
         if getattr(self, "_server", None) is None:
-            from gymv.rollout.policy_server import PolicyServer
-
             spec = self.spec
             self._server = PolicyServer(_Locked(self.backend, self._weights_lock), params=params,
                                         max_seq_len=spec.model.max_seq_len, host=spec.rollout.model_server_host,
@@ -190,15 +195,11 @@ class GenerationWorker:
         return os.getpid()
 
     def where(self) -> dict:
-        from gymv.cluster.ray_placement import here
-
         return here()
 
     # -- refit ---------------------------------------------------------------------------------------
     def refit_connect(self, info: dict | None, rank: int, transport: str) -> None:
         """Receive refits over `transport` (the run's, chosen from the placement by the driver)."""
-        from gymv.cluster.refit import make_receiver
-
         self.receiver = make_receiver(transport, self.device, info, rank)
         self.receiver.connect()
 
@@ -291,16 +292,12 @@ class TrainingWorker:
         self.sender = None
 
     def where(self) -> dict:
-        from gymv.cluster.ray_placement import here
-
         return here()
 
     def address(self) -> tuple[str, int]:
         """(host, port) of the rank group's rendezvous store, which rank 0 (asked this) serves on the node's
         address only (torch's own store would listen on every interface)."""
         import ray.util
-
-        from gymv.net import master_store
 
         try:
             host = ray.util.get_node_ip_address()
@@ -336,9 +333,6 @@ class TrainingWorker:
         With `seq_error_threshold`, samples whose sequence-level logprob error exceeds it are left out
         (gymv.algorithms.seq_error) and the metrics carry every sample's error under SEQ_ERRORS_KEY, in
         the order of `minibatches`."""
-        from gymv.algorithms.seq_error import drop_masked_samples
-        from gymv.backends.training.samples import as_tensors
-
         t0 = time.perf_counter()
         flat = [as_tensors(s) for mb in minibatches for s in mb]
         if self.spec.kl_reference and flat:
@@ -361,9 +355,6 @@ class TrainingWorker:
 
     def sft_samples(self, rows: Sequence[tuple[int, dict, str]]) -> list[dict]:
         """Training samples of the rows' gold answers (tokens exactly as the agent loop would lay them out)."""
-        from gymv.backends.training.samples import training_sample
-        from gymv.rollout import ImageCache, build_sft_sample
-
         b, spec = self.backend, self.spec
         cache = ImageCache(max_pixels=spec.max_image_pixels)
         out = []
@@ -397,8 +388,6 @@ class TrainingWorker:
 
     def refit_open(self, num_receivers: int, transport: str, senders: int = 1) -> dict | None:
         """Send refits over `transport`; with `senders` > 1 this rank ships its share of the buckets."""
-        from gymv.cluster.refit import make_sender
-
         self.sender = make_sender(transport, self._generation_dtype(), self.device, num_receivers,
                                   self.spec.refit.bucket_mb, rank=self.rank, senders=senders)
         return {"info": self.sender.rendezvous(self._weights_to_send()), "in_band": self.sender.in_band}
@@ -437,10 +426,6 @@ class TrainingWorker:
         """The backend writes its state (rank 0 the weights and optimizer); every rank writes its RNG state."""
         import torch
 
-        from gymv.runs.checkpoint import capture_rng_state
-
-        from gymv.io import as_write_failure
-
         path_ = Path(path)
         try:
             self.backend.save(path_)
@@ -453,8 +438,6 @@ class TrainingWorker:
 
     def load(self, path: str) -> int:
         import torch
-
-        from gymv.runs.checkpoint import restore_rng_state
 
         self.backend.load(path)
         rng = Path(path) / f"rng_rank{self.rank}.pt"
@@ -489,6 +472,4 @@ class TrainingWorker:
         if self.backend is not None:
             self.backend.close()
         if self.world_size > 1:
-            from gymv.backends.training.process_group import leave_process_group
-
             leave_process_group()

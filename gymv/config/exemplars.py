@@ -6,6 +6,9 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
+from gymv.findings import Finding
+from gymv.yamlfile import display_path
+
 EXEMPLARS: dict[str, str] = {
     "sft": "sft.yaml",
     "vlm_sft": "sft.yaml",
@@ -135,9 +138,6 @@ def check_inherits_exemplar(loaded, root: str | os.PathLike | None = None) -> li
 
     `loaded` is a LoadedRecipe (typed loosely to keep this module free of the loader).
     """
-    from gymv.findings import Finding
-    from gymv.yamlfile import display_path
-
     r = Path(root) if root else (find_recipes_root(loaded.path) or default_recipes_root())
     where = f"{display_path(loaded.path)}:1"
     if not loaded.parents and not is_exemplar(loaded.path, r):

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from gymv.config.schema import MopdSection, base_algorithm
+
 KEYS: dict[str, str] = {
     # grpo
     "grpo.num_prompts_per_step": "grpo.prompts_per_step",
@@ -104,8 +106,6 @@ def _leaves(path: tuple, value: Any) -> Iterator[tuple]:
 def _in_section(hint: str, section: str) -> str:
     """The hint with gymv's key quoted; gymv's `grpo.` keys are `mopd.` keys in a MOPD recipe (where gymv
     has the key there)."""
-    from gymv.config.schema import MopdSection
-
     name, _, note = hint.partition(" ")
     mopd_keys = {f.alias or n for n, f in MopdSection.model_fields.items()}
     if section == "mopd" and name.startswith("grpo.") and name.split(".")[1] in mopd_keys:
@@ -131,8 +131,6 @@ def nemo_rl_names(path: tuple, value: Any, section: str = "grpo") -> list[tuple[
 
 def override_hint(key: str, algorithm: str | None) -> str | None:
     """The fix for a command-line override of NeMo RL's key `key`, or None when it is not one."""
-    from gymv.config.schema import base_algorithm
-
     if key not in KEYS:
         return None
     return nemo_rl_names(tuple(key.split(".")), None, base_algorithm(str(algorithm or "grpo")))[0][1]

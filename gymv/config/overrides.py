@@ -12,9 +12,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from gymv.config.nemo_rl import override_hint
 from gymv.config.tree import OVERRIDE_MARKER, ConfigTree, dotted, get_path, iter_keys, split_key, suggest
-from gymv.yamlfile import KeyPath, Origin, parse_scalar
 from gymv.errors import GymvError
+from gymv.yamlfile import KeyPath, Origin, parse_scalar
 
 Op = Literal["set", "add", "upsert", "delete"]
 _KEY = re.compile(r"^[\w-]+(?:\.[\w-]+)*$")
@@ -95,8 +96,6 @@ def smoke_overrides(tree: ConfigTree) -> list[Override]:
 
 
 def _fail_missing(tree: ConfigTree, o: Override) -> GymvError:
-    from gymv.config.nemo_rl import override_hint
-
     nemo = override_hint(o.key, tree.get("algorithm"))
     if nemo:
         return GymvError(f"unknown key {o.key!r}", where=o.where, fix=nemo)

@@ -12,7 +12,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from gymv.capabilities import backend_names
 from gymv.config.transports import AUTO_TRANSPORT, REFIT_TRANSPORTS
+from gymv.rollout.tool_formats import available
 
 PosInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -83,8 +85,6 @@ class RolloutSection(Section):
     @field_validator("tool_call_format")
     @classmethod
     def _known_format(cls, v: str) -> str:
-        from gymv.rollout.tool_formats import available
-
         if v not in available():
             raise ValueError(f"unknown tool-call format {v!r}; registered: {', '.join(available())}")
         return v
@@ -104,8 +104,6 @@ class VllmSection(Section):
 
 
 def _known_backend(key: str, name: str) -> str:
-    from gymv.capabilities import backend_names
-
     known = backend_names(key)
     if name not in known:  # reported like a bad Literal choice (gymv.config.validate)
         raise PydanticCustomError("choice", "unknown {what} backend '{name}'; known: {known}",

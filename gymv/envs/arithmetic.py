@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from gymv.envs import sampling
 from gymv.envs.knobs import knob
 from gymv.envs.protocol import Environment, ModelTurn, RowError, Score
+from gymv.envs.rows import answer_int, output_text
 from gymv.errors import GymvError
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -103,8 +104,6 @@ class Arithmetic(Environment):
         return row  # type: ignore[return-value]
 
     def score_output(self, row: dict, output: list[dict]) -> Score:
-        from gymv.envs.rows import answer_int, output_text
-
         self.check_row(row)
         expected = row["expected_answer"]
         match = BOXED.search(output_text(output))

@@ -19,6 +19,7 @@ from gymv.envs import circles as C
 from gymv.envs import sampling
 from gymv.envs.knobs import knob
 from gymv.envs.protocol import Environment, EpisodeState, ModelTurn, Score, Tool, ToolCall, ToolOutput
+from gymv.envs.rows import function_calls, row_tools
 from gymv.errors import GymvError
 
 # gymv's own wording; the tool's name and argument schema, and the reward rule, are NeMo Gym's.
@@ -67,8 +68,6 @@ def _shows(others: list[str], target: str) -> str:
 
 def parse_click(output: list[dict]) -> tuple[int | None, int | None, bool]:
     """(x, y, found) of the first `click` call, read as NeMo Gym reads it: int() of each JSON argument."""
-    from gymv.envs.rows import function_calls
-
     calls = function_calls(output, "click")
     if not calls:
         return None, None, False
@@ -169,6 +168,4 @@ class CircleClick(Environment):
         return ModelTurn(tool_calls=[ToolCall("click", args, call_id="call_gold")])
 
     def matches(self, row: dict) -> bool:
-        from gymv.envs.rows import row_tools
-
         return super().matches(row) and any(t.get("name") == "click" for t in row_tools(row) if isinstance(t, dict))

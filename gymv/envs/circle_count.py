@@ -15,6 +15,7 @@ from gymv.envs import circles as C
 from gymv.envs import sampling
 from gymv.envs.knobs import knob
 from gymv.envs.protocol import Environment, ModelTurn, Score
+from gymv.envs.rows import answer_int, output_text, row_tools
 from gymv.errors import GymvError
 
 # gymv's own wording; the task, the answer format and the reward rule are NeMo Gym's.
@@ -95,8 +96,6 @@ class CircleCount(Environment):
         return row
 
     def score_output(self, row: dict, output: list[dict]) -> Score:
-        from gymv.envs.rows import answer_int, output_text
-
         expected = self.expected_count(row)
         match = BOXED.search(output_text(output))
         predicted = answer_int(match.group(1)) if match else None  # None: too long to be any count
@@ -109,6 +108,4 @@ class CircleCount(Environment):
         return ModelTurn(text=f"\\boxed{{{self.expected_count(row)}}}")
 
     def matches(self, row: dict) -> bool:
-        from gymv.envs.rows import row_tools
-
         return super().matches(row) and not any(t.get("name") == "click" for t in row_tools(row) if isinstance(t, dict))

@@ -9,8 +9,10 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Any
 
+from gymv.data.images import encode_png_indexed, image_size, to_data_url
 from gymv.envs import sampling
 from gymv.envs.protocol import RowError
+from gymv.envs.rows import input_messages
 from gymv.errors import GymvError
 
 if TYPE_CHECKING:
@@ -74,8 +76,6 @@ def render(size: int, circles: list[dict]) -> str:
     pixels equal drawing the ellipses one by one while skipping a full-image copy out of PIL.
     """
     import numpy as np
-
-    from gymv.data.images import encode_png_indexed, to_data_url
 
     palette = [WHITE]
     index: dict[str, int] = {}
@@ -142,9 +142,6 @@ def row_circles(row: dict, *, geometry: bool, where: str | None = None) -> tuple
 
 def image_size_of(row: dict) -> int | None:
     """Side of the row's (square) image from its PNG header, without decoding pixels."""
-    from gymv.data.images import image_size
-    from gymv.envs.rows import input_messages
-
     for msg in input_messages(row):
         for img in msg.images:
             return image_size(img.url)[0]

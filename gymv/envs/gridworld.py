@@ -12,6 +12,8 @@ import copy
 from collections import deque
 from dataclasses import dataclass
 
+from gymv.envs.shapes import Canvas
+
 WALL, FLOOR, AGENT, KEY, DOOR, GOAL = "#", ".", "A", "K", "D", "G"
 DIRECTIONS: dict[str, tuple[int, int]] = {"up": (0, -1), "down": (0, 1), "left": (-1, 0), "right": (1, 0)}
 
@@ -129,8 +131,6 @@ class World:
 
     def render(self, size: int) -> str:
         """A PNG data URL of the world, `size` pixels square (cells are size // side pixels)."""
-        from gymv.envs.shapes import Canvas
-
         side = max(self.width, self.height)
         cell = size // side
         ox, oy = (size - cell * self.width) // 2, (size - cell * self.height) // 2

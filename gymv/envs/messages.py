@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gymv.data import images
+from gymv.data.images import png_data_url
 from gymv.errors import GymvError
 
 if TYPE_CHECKING:
@@ -34,13 +36,9 @@ class Image:
 
     @classmethod
     def from_pil(cls, img: "PILImage.Image") -> "Image":
-        from gymv.data.images import png_data_url
-
         return cls(png_data_url(img))
 
     def pil(self, *, max_pixels: int | None = None, max_bytes: int | None = None, where: str | None = None) -> "PILImage.Image":
-        from gymv.data import images
-
         return images.decode_data_url(
             self.url,
             max_pixels=max_pixels or images.DEFAULT_MAX_PIXELS,

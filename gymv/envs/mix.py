@@ -15,6 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gymv.data.generate import RowGenerator, row_seeds
+from gymv.envs import get_env
+from gymv.envs.knobs import resolve_knobs
 from gymv.errors import GymvError
 from gymv.io import atomic_open
 
@@ -86,10 +89,6 @@ def write_mixed_dataset(path: str | os.PathLike, parts: Sequence[MixPart], *, sp
                         workers: int | None = None, on_row: Callable[[], None] | None = None) -> MixSummary:
     """Generate every part (each as `gymv prepare` would) and write them interleaved, atomically;
     `on_row` is called once per generated row (progress)."""
-    from gymv.data.generate import RowGenerator, row_seeds
-    from gymv.envs import get_env
-    from gymv.envs.knobs import resolve_knobs
-
     t0 = time.perf_counter()
     lines: list[list[str]] = []
     names: list[tuple[str, str, int]] = []

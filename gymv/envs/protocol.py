@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from gymv.envs.messages import Image, Message, Part, RowError, Text, parts_to_items  # noqa: F401  (part of the protocol)
+from gymv.envs.rows import input_messages, response_output
 from gymv.envs.schema import SchemaError, validate_arguments
 from gymv.errors import GymvError
 
@@ -220,8 +221,6 @@ class Environment(ABC):
         return row
 
     def initial_messages(self, row: dict, *, where: str | None = None) -> list[Message]:
-        from gymv.envs.rows import input_messages
-
         return input_messages(row, where=where)
 
     def start(self, row: dict, *, where: str | None = None) -> EpisodeState:
@@ -258,8 +257,6 @@ class Environment(ABC):
 
     def verify(self, body: object, *, where: str | None = None) -> dict:
         """NeMo Gym's /verify: a row plus `response` in; the same with `reward` and the verifier extras out."""
-        from gymv.envs.rows import response_output
-
         row = self.check_row(body, where=where)
         output = response_output(row, where=where)
         s = self.score_output(row, output)

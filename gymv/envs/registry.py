@@ -18,6 +18,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from gymv.envs.protocol import Environment
+from gymv.envs.rows import agent_name
 from gymv.errors import GymvError
 
 GROUP = "gymv.envs"
@@ -146,8 +147,6 @@ def env_for_agent(agent: str) -> Environment | None:
 
 def env_for_row(row: dict) -> Environment | None:
     """The environment that should score a row: by `agent_ref.name`, else the first whose `matches` holds."""
-    from gymv.envs.rows import agent_name
-
     agent = agent_name(row)
     env = env_for_agent(agent) if agent is not None else None
     if env is not None:

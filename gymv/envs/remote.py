@@ -34,10 +34,11 @@ from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from gymv.envs.client import EnvClient, EnvConnectionError, EnvHTTPError
-from gymv.envs.retry import Backoff
 from gymv.envs.protocol import (Environment, EpisodeState, Image, Message, ModelTurn, RowError, Score, StepResult,
                                 Text, ToolResult)
+from gymv.envs.registry import get_env
 from gymv.envs.responses import decode_parts, request_body
+from gymv.envs.retry import Backoff
 from gymv.errors import GymvError
 
 T = TypeVar("T")
@@ -291,7 +292,6 @@ def _local_env(name: str | None) -> Environment | None:
     """The installed environment of that name (for agent name, tools and gold answers), if there is one."""
     if not name:
         return None
-    from gymv.envs.registry import get_env
 
     try:
         return get_env(name)

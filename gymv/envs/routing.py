@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gymv.envs.registry import available, env_for_agent, get_env, normalize
+from gymv.envs.remote import RemoteEnv
 from gymv.envs.rows import agent_name
 from gymv.errors import GymvError
 
@@ -70,8 +71,6 @@ def make_env(cfg: Any, **overrides: Any) -> Environment:
         kwargs.setdefault("max_turns", get("max_turns"))
     url = get("url")
     if url:
-        from gymv.envs.remote import RemoteEnv
-
         for key, value in (("timeout_s", get("timeout_s")), ("retries", get("retries"))):
             if value is not None:
                 kwargs.setdefault(key, value)

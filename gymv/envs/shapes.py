@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from gymv.data.images import encode_png_indexed, to_data_url
 from gymv.envs.circles import COLORS, WHITE
 from gymv.errors import GymvError
 
@@ -76,8 +77,6 @@ class Canvas:
 
     def data_url(self) -> str:
         import numpy as np
-
-        from gymv.data.images import encode_png_indexed, to_data_url
 
         return to_data_url(encode_png_indexed(np.asarray(self._img, dtype=np.uint8), self.palette))
 

@@ -25,7 +25,7 @@ from gymv.envs import sampling
 from gymv.envs.circles import COLORS
 from gymv.envs.knobs import knob
 from gymv.envs.protocol import Environment, ModelTurn, RowError, Score
-from gymv.envs.rows import answer_int
+from gymv.envs.rows import answer_int, output_text
 from gymv.envs.shapes import Canvas, centroid, check_names, transform
 from gymv.errors import GymvError
 
@@ -211,8 +211,6 @@ class Tangram(Environment):
         return row
 
     def score_output(self, row: dict, output: list[dict]) -> Score:
-        from gymv.envs.rows import output_text
-
         self.check_row(row)
         expected = normalize_answer(row["expected_answer"])
         match = BOXED.search(output_text(output))

@@ -19,7 +19,7 @@ from typing import Any
 from gymv.envs.protocol import Environment
 from gymv.envs.registry import env_for_row, get_env
 from gymv.errors import GymvError
-from gymv.io import iter_jsonl, parse_json_line
+from gymv.io import iter_jsonl, parse_json_line, write_jsonl
 
 TASK_INDEX = "_ng_task_index"
 ROLLOUT_INDEX = "_ng_rollout_index"
@@ -152,8 +152,6 @@ def verify_rollouts(
     out: str | os.PathLike | None = None,
 ) -> VerifyReport:
     """Re-score every rollout in a JSONL file; with `out`, also write the scored rollouts there (atomically)."""
-    from gymv.io import write_jsonl
-
     fixed = get_env(env) if env else None
     rows = _DataRows(data, on_error) if data is not None else None
     report = VerifyReport(path=str(rollouts))

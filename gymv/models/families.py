@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+from gymv.models.tiny import TEXT_ONLY_ARCHES
+
 # (pattern on the lower-cased path, tiny arch)
 STAND_INS: tuple[tuple[str, str], ...] = (
     (r"qwen3[-_]?vl", "tiny-qwen3vl"),
@@ -32,8 +34,6 @@ def tiny_stand_in(path: str, *, vlm: bool) -> str:
     """The embedded tiny model (`embedded:<arch>`) standing in for `path` in a recipe of that kind.
 
     A text recipe never gets a vision-language stand-in, nor a VLM recipe a text-only one."""
-    from gymv.models.tiny import TEXT_ONLY_ARCHES
-
     name = str(path).lower()
     for pattern, arch in STAND_INS:
         if re.search(pattern, name) and (arch in TEXT_ONLY_ARCHES) != vlm:

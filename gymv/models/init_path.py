@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from gymv.errors import GymvError
+from gymv.models.hub import is_hub_id
+from gymv.models.load import EMBEDDED_PREFIX, resolve_model_path
 from gymv.runs.checkpoint import LATEST, find_latest
 
 FINAL_DIR = "final"  # a finished run's Hugging Face export, under its run directory
@@ -17,9 +19,6 @@ def resolve_init_path(text: str, *, where: str | None = None) -> str:
     another gymv run: `runs/<name>` (its `final/` export, else its newest checkpoint),
     `runs/<name>/checkpoints` (newest), `runs/<name>/checkpoints/latest` (the pointer) or `.../step_<N>`.
     """
-    from gymv.models.hub import is_hub_id
-    from gymv.models.load import EMBEDDED_PREFIX, resolve_model_path
-
     if text.startswith(EMBEDDED_PREFIX) or is_hub_id(text):
         try:
             return str(resolve_model_path(text))

@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 
 from gymv.errors import GymvError
+from gymv.models.hub import is_hub_id, resolve_hub_id
+from gymv.models.tiny import ARCHES, BUILDER_VERSION, MARKER_FILE, init_tiny
 
 EMBEDDED_PREFIX = "embedded:"
 
@@ -27,8 +29,6 @@ def default_cache_dir() -> Path:
 
 def resolve_model_path(path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None, seed: int = 0) -> Path:
     """Turn a model path into a checkpoint folder, building `embedded:<arch>` defaults on first use."""
-    from gymv.models.tiny import ARCHES, BUILDER_VERSION, MARKER_FILE, init_tiny
-
     text = str(path)
     if text.startswith(EMBEDDED_PREFIX):
         arch = text[len(EMBEDDED_PREFIX):]
@@ -39,7 +39,6 @@ def resolve_model_path(path: str | os.PathLike, *, cache_dir: str | os.PathLike 
         if not (target / MARKER_FILE).exists():
             init_tiny(arch, target, reuse=True, seed=seed)
         return target
-    from gymv.models.hub import is_hub_id, resolve_hub_id
 
     if is_hub_id(text):
         return resolve_hub_id(text)

@@ -16,6 +16,10 @@ from pathlib import Path
 
 from gymv.errors import GymvError
 from gymv.io import follow_umask
+from gymv.models.chat_template import chat_template
+from gymv.models.quiet import quiet_transformers
+# tokenizers loads where a tokenizer is trained (`gymv model list` reads the architectures only); tiny_omni builds
+# on this module's helpers, so it is imported where a Nemotron 3 Omni is built
 
 BUILDER_VERSION = 1
 MARKER_FILE = "gymv_model.json"
@@ -116,8 +120,6 @@ def _write(out_dir: Path, arch: str, knobs: TinyKnobs, build, force: bool, reuse
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
-        from gymv.models.quiet import quiet_transformers
-
         with quiet_transformers():
             build(tmp)
         (tmp / MARKER_FILE).write_text(json.dumps(
@@ -158,7 +160,6 @@ def init_tiny_llava(out_dir: str | os.PathLike, *, force: bool = False, reuse: b
         from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-        from gymv.models.chat_template import chat_template
         from gymv.models.tokenizer import hf_tokenizer, train_bpe
 
         tok = hf_tokenizer(train_bpe(k.seed, k.vocab_size, ["<image>"]), image_token="<image>")
@@ -211,7 +212,6 @@ def init_tiny_anyres(arch: str, out_dir: str | os.PathLike, *, force: bool = Fal
         import transformers
         from transformers import LlamaConfig
 
-        from gymv.models.chat_template import chat_template
         from gymv.models.tokenizer import hf_tokenizer, train_bpe
 
         specials = ["<image>", "<video>"] if onevision else ["<image>"]
@@ -285,7 +285,6 @@ def init_tiny_gemma3(out_dir: str | os.PathLike, *, force: bool = False, reuse: 
         from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor, SiglipVisionConfig
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-        from gymv.models.chat_template import chat_template
         from gymv.models.tokenizer import hf_tokenizer, train_bpe
 
         boi, eoi, soft = GEMMA3_VISION_TOKENS
@@ -347,7 +346,6 @@ def init_tiny_smolvlm(out_dir: str | os.PathLike, *, force: bool = False, reuse:
         from transformers.models.smolvlm.configuration_smolvlm import SmolVLMVisionConfig
         from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
 
-        from gymv.models.chat_template import chat_template
         from gymv.models.tokenizer import hf_tokenizer, train_bpe
 
         tok = hf_tokenizer(train_bpe(k.seed, k.vocab_size, smolvlm_vision_tokens()), image_token="<image>",
@@ -405,7 +403,6 @@ def init_tiny_qwen2vl(out_dir: str | os.PathLike, *, force: bool = False, reuse:
         import transformers
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        from gymv.models.chat_template import chat_template
         from gymv.models.tokenizer import hf_tokenizer, train_bpe
 
         tok = hf_tokenizer(
@@ -484,7 +481,6 @@ def init_tiny_text(arch: str, out_dir: str | os.PathLike, *, force: bool = False
     k.validate(arch)
 
     def build(tmp: Path) -> None:
-        from gymv.models.chat_template import chat_template
         from gymv.models.tokenizer import hf_tokenizer, train_bpe
 
         tok = hf_tokenizer(train_bpe(k.seed, k.vocab_size, []), image_token=None)

@@ -16,8 +16,11 @@ import os
 from pathlib import Path
 
 from gymv.errors import GymvError
+from gymv.models.chat_template import chat_template
 from gymv.models.nemotron_omni import (IMAGE_END, IMAGE_START, IMAGE_TOKEN, PROCESSOR_CLASS, VIDEO_TOKEN,
                                        VISION_TOKENS, OmniImageProcessor)
+from gymv.models.tiny import _seeded_model, _set_generation_defaults, _write, knobs_for
+# tokenizers loads where a tokenizer is trained
 
 ARCH = "tiny-nemotron-omni"
 DEFAULT_PATTERN = "ME*E"  # Mamba, MoE, attention, MoE: the reference model's layer kinds, once each
@@ -91,8 +94,6 @@ def init_tiny_nemotron_omni(out_dir: str | os.PathLike, *, force: bool = False, 
                             **knobs) -> Path:
     """Write the tiny Nemotron 3 Omni (module docstring); `mtp_layers` sets `num_nextn_predict_layers` (the
     MTP switch: transformers builds no MTP head, only the vision norm such checkpoints carry)."""
-    from gymv.models.tiny import _seeded_model, _set_generation_defaults, _write, knobs_for
-
     k = knobs_for(ARCH, **knobs)
     k.validate(ARCH)
     k = resolve_pattern(k, knobs.get("layers") is not None)
@@ -103,7 +104,6 @@ def init_tiny_nemotron_omni(out_dir: str | os.PathLike, *, force: bool = False, 
     def build(tmp: Path) -> None:
         from transformers import NemotronH_Omni_Reasoning_V3 as Model
         from transformers import NemotronH_Omni_Reasoning_V3_Config as Config
-        from gymv.models.chat_template import chat_template
         from gymv.models.tokenizer import hf_tokenizer, train_bpe
 
         tok = hf_tokenizer(train_bpe(k.seed, k.vocab_size, VISION_TOKENS), image_token=IMAGE_TOKEN,

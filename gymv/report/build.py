@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gymv.checks import MetricSeries, evaluate_checks
 from gymv.errors import GymvError
 from gymv.io import atomic_write_text
 from gymv.report.page import render_data, render_index
@@ -72,8 +73,6 @@ def _latest_compared(runs: Sequence[RunData]) -> list[tuple[str, list]]:
 
 
 def _checks(run: RunData) -> list:
-    from gymv.checks import MetricSeries, evaluate_checks
-
     texts = [c for c in run.config.get("checks") or [] if isinstance(c, str)]
     return evaluate_checks(texts, MetricSeries(run.rows)) if texts else []
 

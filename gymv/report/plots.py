@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gymv.io import atomic_open
+
 TIMING_PHASES = ("generation_s", "logprobs_s", "teacher_s", "samples_s", "training_s", "refit_s", "validation_s", "checkpoint_s")
 
 
@@ -133,8 +135,6 @@ def _figure(title: str, ylabel: str):
 
 
 def _save(fig, path: Path) -> None:
-    from gymv.io import atomic_open
-
     with atomic_open(path, "wb") as f:
         fig.savefig(f, format="png")
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from gymv.data.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, ImageError, split_data_url
 from gymv.envs.responses import decode_parts
+from gymv.io import atomic_write_bytes
 
 _MAGIC = ((b"\x89PNG\r\n\x1a\n", "png"), (b"\xff\xd8\xff", "jpg"), (b"GIF87a", "gif"), (b"GIF89a", "gif"), (b"BM", "bmp"))
 _MODEL_TYPES = ("reasoning", "function_call")
@@ -86,8 +87,6 @@ class ImageStore:
             rel = f"images/{digest[:20]}.{ext}"
             path = self.root / rel
             if not path.exists():
-                from gymv.io import atomic_write_bytes
-
                 path.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_bytes(path, raw)
             self.written[digest] = rel

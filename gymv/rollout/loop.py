@@ -26,8 +26,8 @@ from dataclasses import dataclass, replace
 
 from gymv.backends.generation.base import GenerationBackend, GenerationRequest, RequestFeed, SamplingParams
 from gymv.data.images import ImageError
-from gymv.envs.rows import row_tools, to_chat_tool
 from gymv.envs.protocol import Environment, ModelTurn, RowError, StepResult
+from gymv.envs.rows import agent_name, row_tools, to_chat_tool
 from gymv.errors import GymvError
 from gymv.rollout.episode import Episode
 from gymv.rollout.images import ImageCache
@@ -57,8 +57,6 @@ def _where(source: str | None, task_index: int, sample_index: int | None = None)
 
 
 def _agent_name(row: dict, env: Environment) -> str:
-    from gymv.envs.rows import agent_name
-
     return agent_name(row) or env.agent_name
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from gymv.envs.protocol import Image, Message, ModelTurn, Part, Text, ToolResult
 from gymv.errors import GymvError
+from gymv.rollout.tool_formats import get_tool_call_format
 
 _SENTINEL = "@@gymv-assistant-turn@@"
 _STAND_IN = [{"role": "user", "content": "."}, {"role": "assistant", "content": _SENTINEL}]
@@ -76,8 +77,6 @@ class ChatRenderer:
 
     def __init__(self, tokenizer, chat_template: str | None, template_kwargs: dict | None = None, *,
                  tool_call_format=None):
-        from gymv.rollout.tool_formats import get_tool_call_format
-
         self.tool_call_format = get_tool_call_format(tool_call_format)
         self.tokenizer = tokenizer
         self.chat_template = chat_template

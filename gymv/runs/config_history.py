@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from gymv.io import file_mode
+
 CHANGES_FILE = "config_changes.jsonl"
 ABSENT = "<absent>"
 # how a launch runs, not what it trains: these may differ between launches of one run without a refusal
@@ -95,8 +97,6 @@ def change_overrides(entries: list[dict]) -> list[str]:
 def append_changes(run_dir: str | Path, changes: list[tuple[str, Any, Any]]) -> None:
     """Record one launch's changes (one JSON line, appended and fsynced)."""
     import os
-
-    from gymv.io import file_mode
 
     path = Path(run_dir) / CHANGES_FILE
     line = json.dumps({"time": time.time(), "changes": {k: [a, b] for k, a, b in changes}}, separators=(",", ":"))

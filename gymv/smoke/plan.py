@@ -15,8 +15,16 @@ from pathlib import Path
 
 import yaml
 
+from gymv.capabilities import gaps
 from gymv.checks.sources import CheckSource, driver_checks, recipe_checks
+from gymv.config import load_recipe
+from gymv.config.exemplars import find_recipes_root
 from gymv.errors import GymvError
+from gymv.io import atomic_write_text
+from gymv.recipes.drivers import parse_driver
+from gymv.recipes.suites import SUITES_DIR, driver_for_recipe, load_suite
+from gymv.smoke.tiny import VLLM_CPU_REFUSED, tiny_config, vllm_runs_here
+from gymv.yamlfile import display_path, parse_yaml
 
 DEFAULT_STEPS = 2  # when neither --steps nor the recipe's smoke: section says how many
 
@@ -29,15 +37,10 @@ class SmokeTarget:
 
     @property
     def shown(self) -> str:
-        from gymv.yamlfile import display_path
-
         return display_path(self.recipe)
 
 
 def _driver_for(recipe: Path) -> Path | None:
-    from gymv.config.exemplars import find_recipes_root
-    from gymv.recipes.suites import driver_for_recipe
-
     root = find_recipes_root(recipe.resolve().parent)
     if root is None:
         return None
@@ -51,8 +54,6 @@ def _driver_for(recipe: Path) -> Path | None:
 
 def resolve_targets(targets: list[str], recipes_dir: str | os.PathLike = "recipes") -> list[SmokeTarget]:
     """Recipes (.yaml), suite files (.txt) and suite names (recipes/suites/<name>.txt), in order, each once."""
-    from gymv.recipes.suites import SUITES_DIR, load_suite
-
     recipes_dir = Path(recipes_dir)
     if not targets:
         raise GymvError("nothing to run", fix="name a recipe (.yaml) or a suite (nightly, release, a suites/*.txt file)")
@@ -133,8 +134,6 @@ def run_name(target: SmokeTarget, taken: set[str]) -> str:
 
 
 def _origins(rec, text: str, where: str) -> dict[int, str]:
-    from gymv.yamlfile import parse_yaml
-
     out = {}
     for path, line in parse_yaml(text, where).lines.items():
         try:
@@ -149,9 +148,6 @@ def _origins(rec, text: str, where: str) -> dict[int, str]:
 def stand_in_notes(cfg, tiny: dict) -> list[str]:
     """What a --tiny run says about itself: it checks the plumbing with stand-ins, and which of the recipe's
     own settings gymv train could not run here at all (gymv.capabilities), so a pass is not read as more."""
-    from gymv.capabilities import gaps
-    from gymv.smoke.tiny import VLLM_CPU_REFUSED, vllm_runs_here
-
     generation = tiny["generation"]["backend"]
     engine = ("vLLM's CPU build as the vllm generation backend" if generation == "vllm"
               else f"the {generation} generation")
@@ -171,10 +167,6 @@ def stand_in_notes(cfg, tiny: dict) -> list[str]:
 def prepare_run(target: SmokeTarget, *, out_dir: str | os.PathLike, name: str, overrides: list[str] = (),
                 steps: int | None = None, tiny: bool = False) -> PreparedRun:
     """Load, shrink and validate one recipe; a problem is a GymvError naming the recipe's file and line."""
-    from gymv.config import load_recipe
-    from gymv.io import atomic_write_text
-    from gymv.smoke.tiny import tiny_config
-
     out_dir = Path(out_dir)
     rec = load_recipe(target.recipe, list(overrides), smoke=True)
     cfg = rec.validated
@@ -213,8 +205,6 @@ def prepare_run(target: SmokeTarget, *, out_dir: str | os.PathLike, name: str, o
         prepared.notes.extend(stand_in_notes(cfg, d))
     if target.driver is not None:
         try:
-            from gymv.recipes.drivers import parse_driver
-
             prepared.driver_checks = driver_checks(target.driver)
             if prepared.driver_checks:
                 prepared.driver_max_steps = parse_driver(target.driver).max_steps

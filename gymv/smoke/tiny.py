@@ -17,6 +17,12 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from gymv.backends.generation.vllm import vllm_available
+from gymv.config.schema import PlacementSection, VllmSection
+from gymv.config.transports import REFIT_TRANSPORTS
+from gymv.envs import get_env
+from gymv.models.families import tiny_stand_in
+
 TINY_MODEL = "embedded:tiny-llava"  # the stand-in of a VLM recipe whose model family gymv has no tiny twin of
 MAX_SEQ_LEN = 512
 MAX_NEW_TOKENS = 16
@@ -57,23 +63,17 @@ def _cap(changes: list[str], d: dict, path: str, cap: int) -> None:
 
 def _tiny_preset(env_name: str) -> str | None:
     try:
-        from gymv.envs import get_env
-
         return "tiny" if "tiny" in getattr(get_env(env_name), "presets", {}) else None
     except Exception:  # an environment this machine cannot build keeps its own preset; the run will say why
         return None
 
 
 def _gpu_transports() -> set[str]:
-    from gymv.config.transports import REFIT_TRANSPORTS
-
     return {name for name, t in REFIT_TRANSPORTS.items() if t.needs_gpu}
 
 
 def vllm_runs_here() -> bool:
     """vLLM imports in this interpreter (its own venv: scripts/install.sh vllm), so --tiny keeps it."""
-    from gymv.backends.generation.vllm import vllm_available
-
     return vllm_available()
 
 
@@ -115,8 +115,6 @@ def _tiny_training_backend(backend: str | None, tiny_model: str) -> str:
 
 def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
     """A copy of a resolved recipe with the tiny CPU settings, and the changes made (`key: old -> new`)."""
-    from gymv.models.families import tiny_stand_in
-
     d = copy.deepcopy(config)
     ch: list[str] = []
     tiny_model = tiny_stand_in(str((d.get("model") or {}).get("path") or ""), vlm=algo.startswith("vlm_"))
@@ -149,7 +147,6 @@ def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
     _set(ch, d, "generation.backend", "vllm" if gen == "vllm" and keep_vllm else "hf")
     _cap(ch, d, "generation.max_new_tokens", MAX_NEW_TOKENS)
     if d.get("generation", {}).get("vllm") is not None:  # read by the vllm backend only
-        from gymv.config.schema import VllmSection
 
         _set(ch, d, "generation.vllm", VllmSection().model_dump())
     if isinstance(d.get("vision"), dict):
@@ -170,7 +167,6 @@ def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
     for key, value in (("num_nodes", 1), ("gpus_per_node", 0), ("colocated", True), ("generation_gpus", None),
                        ("training_gpus", None), ("ray_address", None)):
         _set(ch, d, f"cluster.{key}", value)
-    from gymv.config.schema import PlacementSection
 
     _set(ch, d, "cluster.placement", PlacementSection().model_dump())  # a laptop has none of a cluster's node pins
 

@@ -15,13 +15,29 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from gymv.backends.generation.vllm import INSTALL_FIX, VENV_FIX, vllm_available
+from gymv.backends.generation.vllm_models import refusal
 from gymv.capabilities import family_gaps, gaps
+from gymv.cluster.ray_cluster import start_ray, stop_ray
+from gymv.cluster.teachers import teacher_specs
+from gymv.config import load_recipe
 from gymv.envs.routing import EnvRouter
 from gymv.errors import GymvError
 from gymv.loggers import build_loggers, logger_classes
+from gymv.runs.config_history import change_overrides, describe, read_changes
 from gymv.train.data import training_rows
+from gymv.train.launch import check_joined, check_machine, ray_running, wait_for_nodes, with_restarts
 from gymv.train.row_checks import check_training_rows
-from gymv.train.setup import Reporter, RunContext, check_agent_driver, open_run, resolve_init_path, shown_path
+from gymv.train.setup import (
+    Reporter,
+    RunContext,
+    check_agent_driver,
+    generation_dtype,
+    open_run,
+    resolve_init_path,
+    shown_path,
+)
+# the loops (torch, the workers) load once the run starts: a bad recipe is refused without them
 
 __all__ = ["Reporter", "load_training_recipe", "train"]
 
@@ -34,8 +50,6 @@ def load_training_recipe(recipe: str | os.PathLike | None, overrides: Sequence[s
 
     `async_grpo` (`gymv train --async`) sets grpo.async.enabled (mopd.async.enabled), after checking that the
     recipe is GRPO or MOPD."""
-    from gymv.config import load_recipe
-
     if async_grpo:
         base = load_training_recipe(recipe, overrides, resume_dir=resume_dir, smoke=smoke)
         family = base.validated.base_algorithm
@@ -52,7 +66,6 @@ def load_training_recipe(recipe: str | os.PathLike | None, overrides: Sequence[s
         if not recipe.exists():
             raise GymvError("not a gymv run directory (no config.yaml)", where=str(resume_dir),
                             fix="pass the runs/<name> folder of an earlier `gymv train`")
-        from gymv.runs.config_history import change_overrides, read_changes
 
         overrides = [*change_overrides(read_changes(resume_dir)), *overrides]  # the run's current config
     return load_recipe(recipe, list(overrides), smoke=smoke)
@@ -83,8 +96,6 @@ def _check_supported(rec, cfg) -> None:
         f"mopd.teachers.{alias}.backend" for alias, t in (mopd.teachers.items() if mopd is not None else ())
         if t.backend == "vllm"]
     if keys:
-        from gymv.backends.generation.vllm import INSTALL_FIX, VENV_FIX, vllm_available
-
         if not vllm_available():
             raise GymvError(f"{keys[0]} vllm needs the vllm package, which this Python ({sys.prefix}) lacks",
                             where=_where(rec, keys[0]),
@@ -102,17 +113,12 @@ def _check_supported(rec, cfg) -> None:
 def _check_vllm_models(rec, cfg, model_path: str) -> None:
     """A model family vLLM cannot run where the recipe puts it (gymv.capabilities.VLLM_FAMILY_LIMITS) is
     refused here, from the checkpoints' configs, before the run directory is written and Ray starts."""
-    from gymv.backends.generation.vllm_models import refusal
-    from gymv.train.setup import generation_dtype
-
     checks = []
     if cfg.generation.backend == "vllm":
         device = "cuda" if cfg.cluster.gpus_per_node > 0 else "cpu"
         checks.append(("generation.backend", model_path, device, generation_dtype(cfg, model_path), False))
     mopd = getattr(cfg, "mopd", None)
     if mopd is not None and any(t.backend == "vllm" for t in mopd.teachers.values()):
-        from gymv.cluster.teachers import teacher_specs
-
         for alias, spec in teacher_specs(cfg, model_path).items():
             if mopd.teachers[alias].backend == "vllm":
                 checks.append((f"mopd.teachers.{alias}.backend", spec.path, spec.device, spec.dtype, spec.text_of))
@@ -133,8 +139,6 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
     Metrics are in
     `<summary["run_dir"]>/metrics.jsonl`.
     """
-    from gymv.train.launch import ray_running, wait_for_nodes, with_restarts
-
     reporter = reporter or Reporter()
     overrides = list(overrides)
     if max_restarts is not None:
@@ -154,9 +158,6 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
 
 def _train_once(rec, resume_dir: str | None, ray_address: str | None, reporter: Reporter) -> dict:
     """One launch of the loaded recipe `rec`: checks, run directory, data, Ray, the loop."""
-    from gymv.cluster.ray_cluster import start_ray, stop_ray
-    from gymv.train.launch import check_joined, check_machine, ray_running
-
     t0 = time.time()
     cfg = rec.validated
     _check_supported(rec, cfg)
@@ -180,8 +181,6 @@ def _train_once(rec, resume_dir: str | None, ray_address: str | None, reporter: 
     reporter.on_run(run.path)
     reporter.on_message(f"run directory {run.path}")
     if run.changes:
-        from gymv.runs.config_history import describe
-
         reporter.on_message(f"config changed for this launch: {describe(run.changes, limit=6)} "
                             "(recorded in config_changes.jsonl; config.yaml keeps the original)")
     train_rows, eval_rows = training_rows(cfg, run.path)

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gymv.data.generate import write_dataset
+from gymv.envs import get_env
+from gymv.envs.knobs import resolve_knobs
 from gymv.errors import GymvError
 from gymv.io import iter_jsonl
 from gymv.runs.checkpoint import DataPosition
@@ -67,10 +70,6 @@ def prepare_split(run_path: Path, cfg, split: str, n: int) -> Path:
     Train and eval rows come from disjoint seed ranges (gymv.data.generate). An existing file from an
     earlier launch of the same run is reused: generation is deterministic, so it holds the same rows.
     """
-    from gymv.data.generate import write_dataset
-    from gymv.envs import get_env
-    from gymv.envs.knobs import resolve_knobs
-
     path = run_path / DATA_DIR / f"{split}.jsonl"
     if path.exists():
         return path

@@ -27,7 +27,10 @@ from dataclasses import dataclass
 
 from gymv.algorithms.mopd import distillation_samples, env_advantages, mopd_loss, sample_where, teacher_metrics
 from gymv.algorithms.mopd_routing import TeacherRouter
+from gymv.algorithms.teacher_batch import TeacherRow
 from gymv.cluster.group import Placement, PolicyCluster
+from gymv.cluster.teachers import TeacherPool, teacher_specs
+from gymv.envs import get_env
 from gymv.rollout import to_rollout_record
 from gymv.train.grpo import run_sync
 from gymv.train.grpo_async import run_async
@@ -47,8 +50,6 @@ class TeacherScores:
 
 def teacher_scores(pool, router: TeacherRouter, usable: Sequence) -> TeacherScores:
     """Route each usable episode to its teacher, score per alias, reassemble in episode order."""
-    from gymv.algorithms.teacher_batch import TeacherRow
-
     t0 = time.perf_counter()
     if not usable:
         return TeacherScores([], [], 0.0, 0)
@@ -85,9 +86,6 @@ def distill_batch(pool, router: TeacherRouter, trajectories: Sequence, group_siz
 
 
 def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
-    from gymv.cluster.teachers import TeacherPool, teacher_specs
-    from gymv.envs import get_env
-
     cfg, mopd, report = ctx.cfg, ctx.cfg.mopd, ctx.reporter
 
     # ---- setup: route the whole training set before anything starts ------------------------------------

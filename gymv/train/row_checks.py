@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from gymv.data.images import DEFAULT_MAX_PIXELS, ImageError
-from gymv.envs.rows import check_images, input_messages
 from gymv.envs.protocol import Image, RowError, Text
+from gymv.envs.rows import check_images, input_messages
 from gymv.errors import GymvError
+from gymv.models.quiet import quiet_transformers
 
 MAX_BYTES_PER_TOKEN = 256  # no tokenizer averages more bytes per token over a whole prompt
 
@@ -74,8 +75,6 @@ def check_training_rows(rows: Sequence[Any], *, model_path: str, max_seq_len: in
         check_prompt_image_counts(rows, max_images)
     check_prompt_images(rows, max_pixels=max_pixels)
     from transformers import AutoTokenizer
-
-    from gymv.models.quiet import quiet_transformers
 
     try:
         with quiet_transformers():

@@ -11,11 +11,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gymv.backends.generation import SamplingParams
+from gymv.cluster.placement_record import placement_lines, placement_record, write_placement
+from gymv.cluster.ray_placement import ROSTER
 from gymv.errors import GymvError
 from gymv.models.init_path import resolve_init_path  # noqa: F401  (train and tests import it here)
 from gymv.runs.checkpoint import find_latest
+from gymv.runs.config_history import CHANGES_FILE, LAUNCH_KEYS, describe, diff
 from gymv.runs.run_dir import RunDir, run_path
 from gymv.train.data import DATA_DIR, Row
+# the workers (torch) load where the spec is built: gymv.train's pre-flight imports this module first
 
 
 class Reporter:
@@ -94,8 +99,6 @@ def _forget_unstarted(path: Path) -> None:
     """A launch that stopped before its first step (a typo in a data path, a row too long) left a config and
     maybe prepared rows, and no weights: the next launch starts afresh there, its config recorded as the
     run's own (not as a change of the broken one), its rows prepared from its own config."""
-    from gymv.runs.config_history import CHANGES_FILE
-
     for name in ("config.yaml", CHANGES_FILE, "metrics.jsonl"):
         (path / name).unlink(missing_ok=True)
     shutil.rmtree(path / DATA_DIR, ignore_errors=True)
@@ -110,8 +113,6 @@ def _has_trained(run: RunDir) -> bool:
 def refuse_changed_config(run: RunDir, config_dict: dict) -> None:
     """Running a recipe onto an existing run continues it only when the config is the run's own: weights
     trained at one learning rate must never be recorded under another."""
-    from gymv.runs.config_history import LAUNCH_KEYS, describe, diff
-
     changes = diff(run.read_config(), config_dict, ignore=LAUNCH_KEYS)
     if changes:
         shown = shown_path(run.path)
@@ -153,8 +154,6 @@ def check_agent_driver(cfg) -> None:
 
 
 def sampling_params(cfg, *, greedy: bool = False):
-    from gymv.backends.generation import SamplingParams
-
     g = cfg.generation
     return SamplingParams(temperature=0.0 if greedy else g.temperature, top_p=1.0 if greedy else g.top_p,
                           max_new_tokens=g.max_new_tokens, stop_strings=tuple(g.stop_strings))
@@ -180,9 +179,6 @@ def step_seed(seed: int, step: int, kind: str = "train") -> int:
 
 def record_placement(ctx: RunContext, cluster) -> None:
     """Print where every worker landed (and the refit transport) and write it to placement.json."""
-    from gymv.cluster.placement_record import placement_lines, placement_record, write_placement
-    from gymv.cluster.ray_placement import ROSTER
-
     record = placement_record(ctx.checked, ROSTER, getattr(cluster, "transport", None) if cluster.generators else None)
     for line in placement_lines(record):
         ctx.reporter.on_message(line)

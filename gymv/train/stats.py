@@ -7,6 +7,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gymv.algorithms.seq_error import seq_error_metrics
+from gymv.backends.training.samples import training_sample
+# torch (advantages) and the workers load on first use: gymv.train's pre-flight imports this module first
+
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -91,8 +95,6 @@ def is_usable(t: Any) -> bool:
 def policy_samples(trajectories: Sequence[Any], advantages: Sequence[float]) -> list[dict]:
     """Training samples of the usable trajectories: tokens, loss mask, behaviour logprobs, advantage, images
     (gymv.backends.training.samples)."""
-    from gymv.backends.training.samples import training_sample
-
     return [training_sample(t.token_ids, t.loss_mask, images=t.images, where=f"row {t.task_index} sample {t.sample_index}",
                             logp_behaviour=t.logprobs, advantage=a)
             for t, a in zip(trajectories, advantages) if is_usable(t)]
@@ -113,7 +115,6 @@ def policy_update(cluster, cfg, samples: list, rewards: Sequence[float], loss_fn
                   seq_error_threshold: float | None) -> dict[str, float]:
     """The optimizer step(s) of one algorithm step on `samples` (their episodes' `rewards` beside them), and
     with a `seq_logprob_error_threshold` the sequence-level logprob-error figures (gymv.algorithms.seq_error)."""
-    from gymv.algorithms.seq_error import seq_error_metrics
     from gymv.cluster.workers import SEQ_ERRORS_KEY
 
     metrics = cluster.grpo_step(minibatches(samples, cfg.training.global_batch_size, cfg.samples_per_step), loss_fn,

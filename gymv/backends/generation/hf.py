@@ -28,7 +28,9 @@ from gymv.backends.generation.base import (
 )
 from gymv.backends.hf_forward import forward_logits, select_cache_rows
 from gymv.backends.multimodal import MultimodalAdapter, image_hash, preprocess_threaded
+from gymv.backends.policy import load_policy
 from gymv.backends.sampling import forbidden_mask, policy_logits, sample
+from gymv.backends.weights import weights_hash
 from gymv.errors import GymvError
 
 
@@ -57,8 +59,6 @@ class HFGenerationBackend(GenerationBackend):
     @classmethod
     def create(cls, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0,
                trust_remote_code: bool = False) -> HFGenerationBackend:
-        from gymv.backends.policy import load_policy
-
         policy = load_policy(model_path, device=device, dtype=getattr(torch, dtype), seed=seed,
                              trust_remote_code=trust_remote_code)
         return cls.from_policy(policy, seed=seed)
@@ -126,8 +126,6 @@ class HFGenerationBackend(GenerationBackend):
         self._stats["weight_updates"] += 1
 
     def weights_hash(self) -> str:
-        from gymv.backends.weights import weights_hash
-
         return weights_hash(self.model.state_dict())
 
     # -- generation ----------------------------------------------------------------------------------

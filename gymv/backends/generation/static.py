@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gymv.backends.compile_limits import lift_recompile_limit
 from gymv.backends.generation import static_hybrid as hybrid
 from gymv.backends.generation.base import GenerationOutput, GenerationRequest, OnOutput, RequestFeed, SamplingParams
 from gymv.backends.generation.decode_attention import available as split_available
@@ -341,8 +342,6 @@ class StaticDecodeBackend(HFGenerationBackend):
     def _set_functions(self, compiled: bool) -> None:
         fns = (_layer_pre, _layer_post, _lm_head, _draw, _attn_out, hybrid.mamba_step, hybrid.moe_step, hybrid.mlp_step)
         if compiled:
-            from gymv.backends.compile_limits import lift_recompile_limit
-
             lift_recompile_limit(self.COMPILED_VARIANTS)
             # grouped experts stay uncompiled: two grouped matrix products and a few routing kernels, little to
             # fuse, and inductor takes grouped_mm in bfloat16 only

@@ -40,7 +40,14 @@ from gymv.backends.generation.base import (
     Weights,
     named,
 )
+from gymv.backends.generation.vllm_models import VllmModel, refusal, vllm_model
+from gymv.backends.multimodal import TextAdapter, make_adapter
+from gymv.backends.policy import load_policy, load_processors
 from gymv.errors import GymvError
+from gymv.models.load import resolve_model_path
+from gymv.models.quiet import quiet_transformers
+# torch loads on first use: `gymv train`'s pre-flight and `smoke --tiny` import this module to ask whether
+# vLLM is installed
 
 VENV_FIX = ("install vLLM's venv with `bash scripts/install.sh vllm` and run gymv from it "
             "(\"$(bash scripts/install_vllm.sh --path)/bin/gymv\")")
@@ -82,7 +89,6 @@ class VllmGenerationBackend(GenerationBackend):
         self.model_path = model_path
         self.dtype = dtype
         self.param_shapes = param_shapes
-        from gymv.backends.generation.vllm_models import VllmModel
 
         # gymv.backends.generation.vllm_models: the family's weight names and engine settings
         self.family = family if family is not None else VllmModel(None, Path(model_path or "."))
@@ -109,9 +115,6 @@ class VllmGenerationBackend(GenerationBackend):
         (what top_p < 1 needs: vLLM's processed logprobs are the renormalised nucleus's, its raw ones lack the
         temperature and the vision-token mask). `logprobs_mode`/`max_logprobs` are vLLM's, for callers that
         read vLLM's outputs themselves (the vllm teacher)."""
-        from gymv.backends.generation.vllm_models import refusal, vllm_model
-        from gymv.models.load import resolve_model_path
-
         path = resolve_model_path(model_path, seed=seed)
         refused = refusal(path, "cpu" if device == "cpu" else "cuda", dtype)
         if refused:
@@ -147,7 +150,6 @@ class VllmGenerationBackend(GenerationBackend):
             kwargs.update(enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization)
         kwargs.update(family.engine_kwargs(device=device, dtype=dtype,
                                            chunked_prefill=kwargs.get("enable_chunked_prefill", True)))
-        from gymv.models.quiet import quiet_transformers
 
         with quiet_transformers():
             llm = vllm.LLM(**kwargs)
@@ -334,7 +336,6 @@ class VllmGenerationBackend(GenerationBackend):
                 raise GymvError("the latest refit sent only some weights, so no full hash is known here",
                                 where="refit", fix="send every weight, or compare hashes on the trainer side")
             from gymv.backends.weights import weights_hash
-            from gymv.backends.policy import load_policy
 
             policy = load_policy(self.model_path, dtype=_torch_dtype(self.dtype))
             self._weights_hash = weights_hash(policy.model.state_dict())
@@ -407,10 +408,6 @@ def load_processing(path: Path, *, trust_remote_code: bool = False):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from gymv.backends.multimodal import make_adapter
-    from gymv.backends.policy import load_processors
-    from gymv.models.quiet import quiet_transformers
-
     with quiet_transformers():
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         vision = hasattr(config, "vision_config")
@@ -420,8 +417,6 @@ def load_processing(path: Path, *, trust_remote_code: bool = False):
             template = getattr(hf_processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
         else:  # the rollout renders a text model's turns through the text adapter, as with the hf backend
             from transformers import AutoTokenizer
-
-            from gymv.backends.multimodal import TextAdapter
 
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
             adapter, template = TextAdapter(tokenizer, config=config), getattr(tokenizer, "chat_template", None)

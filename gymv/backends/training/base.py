@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gymv.backends.weights import weights_hash
+
 
 @dataclass(frozen=True)
 class GlobalCounts:
@@ -112,8 +114,6 @@ class TrainingBackend(ABC):
 
     def weights_hash(self, dtype: Any = None) -> str:
         """Content hash of `named_weights` cast to `dtype` (the generator's): equal to its hash after a refit."""
-        from gymv.backends.weights import weights_hash
-
         return weights_hash(dict(self.named_weights()), dtype)
 
     @abstractmethod

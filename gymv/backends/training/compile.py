@@ -15,13 +15,12 @@ from __future__ import annotations
 import torch
 
 from gymv.backends.compile_limits import lift_recompile_limit
+from gymv.backends.training.fsdp import shard_units
 from gymv.errors import GymvError
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The language side's decoder layers (the units FSDP2 shards, gymv.backends.training.fsdp)."""
-    from gymv.backends.training.fsdp import shard_units
-
     return [m for _, m in shard_units(model)]
 
 

@@ -28,10 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gymv.backends.hf_forward import output_head
+from gymv.backends.training.data_parallel import DataParallel
 from gymv.backends.training.guarded_step import finite_or
 from gymv.backends.training.micro_batches import pad_collate
 from gymv.backends.training.torch_trainer import TRAINER_FILE, TorchTrainer, _fsync_replace
 from gymv.errors import GymvError
+from gymv.net import master_store
 
 DCP_FOLDER = "dcp"
 # module names (path components) of the vision side of a VLM: kept replicated
@@ -62,7 +65,6 @@ def ensure_process_group(device: torch.device) -> None:
     global _PRIVATE_STORE
     if dist.is_initialized():
         return
-    from gymv.net import master_store
 
     _PRIVATE_STORE = master_store("127.0.0.1", 1)  # torch's own store would listen on every interface
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -93,7 +95,6 @@ def _separate_embedding(model: torch.nn.Module) -> torch.nn.Module | None:
     embed = get() if get is not None else None
     if embed is None:
         return None
-    from gymv.backends.hf_forward import output_head
 
     head = output_head(model)
     if head is not None and head.weight is embed.weight:
@@ -194,8 +195,6 @@ class FSDPTrainer(TorchTrainer):
         super().__init__(model, logprob_fn, config, **kwargs)
 
     def _init_frozen(self, model, logprob_fn, config, *, collate_fn=pad_collate, device=None, plan_fn=None) -> None:
-        from gymv.backends.training.data_parallel import DataParallel
-
         self.config, self.logprob_fn, self.collate_fn, self.plan_fn = config, logprob_fn, collate_fn, plan_fn
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.autocast_dtype = self._resolve_precision(config.precision)
@@ -206,8 +205,6 @@ class FSDPTrainer(TorchTrainer):
         self.params, self.optimizer, self.steps = [], None, 0
 
     def _place(self, model: torch.nn.Module) -> torch.nn.Module:
-        from gymv.backends.training.data_parallel import DataParallel
-
         if self.device.type == "cpu" and self.sharding.cpu_offload:
             raise GymvError("training.fsdp.cpu_offload needs a CUDA device", where="training.fsdp.cpu_offload",
                             fix="set cpu_offload: false on a CPU (the weights are already in host memory)")

@@ -14,15 +14,15 @@ from typing import Any
 
 from torch import Tensor
 
+from gymv.backends.training.fsdp import FSDPTrainer, ShardingConfig
 from gymv.backends.training.hf_torch import HFTorchBackend, copy_hf_files
+from gymv.models.quiet import quiet_transformers
 
 
 class HFFSDPBackend(HFTorchBackend):
     gathers_weights = True
 
     def _make_trainer(self, model, device, *, frozen: bool = False):
-        from gymv.backends.training.fsdp import FSDPTrainer, ShardingConfig
-
         if self.setup.training.gradient_checkpointing and not frozen:
             # non-reentrant checkpointing: FSDP2's gathers re-run inside the recomputed forward
             model.gradient_checkpointing_disable()
@@ -46,8 +46,6 @@ class HFFSDPBackend(HFTorchBackend):
             copy_hf_files(self.setup.model_path, path)
 
     def export_hf(self, path: str | os.PathLike) -> None:
-        from gymv.models.quiet import quiet_transformers
-
         full: dict[str, Any] = {}
         for name, t in self.trainer.named_full_weights():
             if self.rank == 0:

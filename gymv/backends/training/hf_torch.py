@@ -14,9 +14,36 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gymv.backends import packed_attention, packed_mamba
+from gymv.backends.hf_forward import has_recurrent_layers
+from gymv.backends.logprobs import (
+    MultimodalBatch,
+    group_prefixes,
+    packable,
+    packed_prefixes,
+    prefix_key,
+    recomputes_activations,
+    token_scores,
+)
 from gymv.backends.moe_router import MoeSettings, RouterTerms
+from gymv.backends.multimodal import image_hash
+from gymv.backends.pixel_cache import pixel_cache
+from gymv.backends.policy import load_policy
 from gymv.backends.training.base import LossFn, Sample, TrainingBackend, TrainingSetup
+from gymv.backends.training.compile import compile_layers
+from gymv.backends.training.lr_schedule import lr_factor
+from gymv.backends.training.micro_batches import (
+    pad_collate,
+    plan_micro_batches,
+    plan_packed_micro_batches,
+    plan_packed_shared_micro_batches,
+    plan_shared_prefix_micro_batches,
+    shared_prefix_cost,
+)
 from gymv.backends.training.samples import NON_TENSOR_FIELDS, as_tensors
+from gymv.backends.training.torch_trainer import TorchTrainer, TrainerConfig
+from gymv.errors import GymvError
+from gymv.models.quiet import quiet_transformers
 
 @dataclass(frozen=True)
 class HostView:
@@ -58,11 +85,6 @@ class BatchLayout:
     """
 
     def __init__(self, adapter, model, pad_id: int, packing: bool | str = "auto"):
-        from gymv.backends import packed_attention, packed_mamba
-        from gymv.backends.hf_forward import has_recurrent_layers
-        from gymv.backends.logprobs import packable
-        from gymv.errors import GymvError
-
         # where packed attention is unsupported, transformers' dense packed mask confines attention instead
         # (1-D positions only), and prompts are not shared in a row
         installable = packed_attention.supports(model) is None
@@ -86,9 +108,6 @@ class BatchLayout:
     def _prefetch_pixels(self, samples) -> dict[int, str]:
         """Start preprocessing the step's pictures in the background (gymv.backends.pixel_cache); returns the
         pictures' content hashes by id, for the prefix keys."""
-        from gymv.backends.multimodal import image_hash
-        from gymv.backends.pixel_cache import pixel_cache
-
         hashes: dict[int, str] = {}
         pictures = []
         for s in samples:
@@ -103,8 +122,6 @@ class BatchLayout:
     def _keys(self, samples, hashes: dict[int, str]) -> list:
         """Each sample's prefix key, remembered (with the sample) until the next plan, so that collating the
         planned micro-batches does not compute them again."""
-        from gymv.backends.logprobs import prefix_key
-
         keys = [prefix_key(s["input_ids"], s["loss_mask"], s.get("images") or (), self.adapter.image_token_id, hashes)
                 for s in samples]
         self._planned = {id(s): (s, k) for s, k in zip(samples, keys)}
@@ -122,11 +139,6 @@ class BatchLayout:
         return None if any(k is None for k in keys) else keys
 
     def plan(self, samples, max_tokens: int) -> list[list[int]]:
-        from gymv.backends.logprobs import recomputes_activations
-        from gymv.backends.training.micro_batches import (plan_micro_batches, plan_packed_micro_batches,
-                                                          plan_packed_shared_micro_batches,
-                                                          plan_shared_prefix_micro_batches, shared_prefix_cost)
-
         hashes = self._hashes = self._prefetch_pixels(samples)
         self._planned = {id(s): (s, None) for s in samples}  # `_keys` adds the prefix keys where computed
         lengths = [int(s["input_ids"].shape[0]) for s in samples]
@@ -148,9 +160,6 @@ class BatchLayout:
         return plan
 
     def collate(self, samples):
-        from gymv.backends.logprobs import group_prefixes, packed_prefixes
-        from gymv.backends.training.micro_batches import pad_collate
-
         tensors = [{k: v for k, v in s.items() if k not in NON_TENSOR_FIELDS} for s in samples]
         mb = pad_collate(tensors, pad_values={"input_ids": self.pad_id})
         mb["images"] = [list(s.get("images") or ()) for s in samples]
@@ -171,8 +180,6 @@ class BatchLayout:
 
 
 def logprob_fn(adapter, temperature: float):
-    from gymv.backends.logprobs import MultimodalBatch, token_scores
-
     def fn(model, mb):
         """Scores the loss-masked tokens only (every loss reads logprobs there alone); other entries are 0.
         With a teacher's top-k candidates in the batch, also the student's logprobs of them."""
@@ -195,8 +202,6 @@ class HFTorchBackend(TrainingBackend):
     """One data-parallel rank: the policy under training and, for a KL penalty, a frozen reference."""
 
     def __init__(self, policy, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1):
-        from gymv.backends.training.torch_trainer import TrainerConfig
-
         self.setup, self.policy = setup, policy
         self.rank, self.world_size = rank, world_size
         self.tokenizer, self.adapter, self.chat_template = policy.tokenizer, policy.adapter, policy.chat_template
@@ -210,15 +215,11 @@ class HFTorchBackend(TrainingBackend):
         self.trainer = self._make_trainer(model, device)
         self.reference = None
         if setup.kl_reference:
-            from gymv.backends.policy import load_policy
-
             ref = load_policy(setup.model_path, device=str(device), dtype=torch.float32, seed=setup.seed,
                              trust_remote_code=setup.trust_remote_code).model
             self.reference = self._make_trainer(ref, device, frozen=True)
 
     def _make_trainer(self, model, device, *, frozen: bool = False):
-        from gymv.backends.training.torch_trainer import TorchTrainer
-
         if frozen:
             model.requires_grad_(True)  # TorchTrainer refuses a model without trainable parameters; never stepped
         layout = self.layout(model)
@@ -237,8 +238,6 @@ class HFTorchBackend(TrainingBackend):
         before sharding); the frozen reference stays eager."""
         compile_ = self.setup.training.compile
         if compile_ and not frozen:
-            from gymv.backends.training.compile import compile_layers
-
             compile_layers(model, **({"backend": compile_} if isinstance(compile_, str) else {}))
 
     def layout(self, model) -> BatchLayout:
@@ -246,8 +245,6 @@ class HFTorchBackend(TrainingBackend):
 
     @classmethod
     def create(cls, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1) -> HFTorchBackend:
-        from gymv.backends.policy import load_policy
-
         policy = load_policy(setup.model_path, device=str(device), dtype=torch.float32, seed=setup.seed,
                              trust_remote_code=setup.trust_remote_code)
         return cls(policy, setup, device=device, rank=rank, world_size=world_size)
@@ -261,8 +258,6 @@ class HFTorchBackend(TrainingBackend):
         return self.trainer.steps
 
     def learning_rate(self, step: int) -> float:
-        from gymv.backends.training.lr_schedule import lr_factor
-
         t = self.setup.training
         return self.config.lr * lr_factor(step, warmup_steps=t.warmup_steps, total_steps=self.setup.total_steps,
                                           schedule=t.lr_schedule, min_ratio=t.min_lr_ratio)
@@ -306,8 +301,6 @@ class HFTorchBackend(TrainingBackend):
         self.trainer.load(path)
 
     def export_hf(self, path: str | os.PathLike) -> None:
-        from gymv.models.quiet import quiet_transformers
-
         if self.rank != 0:
             return
         with quiet_transformers():

@@ -26,8 +26,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gymv.backends import packed_attention
+from gymv.backends.multimodal import GridAdapter, MultimodalAdapter
+from gymv.backends.policy import load_policy
 from gymv.backends.training.base import TrainingSetup
-from gymv.backends.training.hf_torch import HFTorchBackend, copy_hf_files
+from gymv.backends.training.hf_torch import BatchLayout, HFTorchBackend, copy_hf_files
+from gymv.backends.training.megatron_model import (
+    MegatronCausalLM,
+    MegatronVLM,
+    build_gpt,
+    checkpoint_layers,
+    init_parallel,
+    strip_language_model,
+)
+from gymv.backends.training.megatron_tp import TensorParallelTrainer, gather_state, union_over_tp
+from gymv.backends.training.megatron_weights import DecoderShape, hf_to_megatron, megatron_to_hf
+from gymv.backends.training.torch_trainer import MODEL_SAFETENSORS, OPTIMIZER_FILE, TRAINER_FILE, _fsync_replace
 from gymv.errors import GymvError
 
 REFUSED_PARALLEL = ("pipeline", "context", "expert")
@@ -58,8 +72,6 @@ def _check_vlm(adapter) -> None:
     """A VLM runs here when its decoder takes image features in its input embeddings alone, with plain or
     3-D rotary positions (LLaVA-style, Qwen2-VL, Qwen2.5-VL); features fed to several layers (Qwen3-VL) or
     extra model inputs (Gemma 3) are not mapped."""
-    from gymv.backends.multimodal import GridAdapter, MultimodalAdapter
-
     for hook in ("position_ids", "feature_inputs", "forward_kwargs"):
         mine = getattr(type(adapter), hook)
         if mine is not getattr(MultimodalAdapter, hook) and mine is not getattr(GridAdapter, hook):
@@ -71,8 +83,6 @@ def _check_vlm(adapter) -> None:
 def check_maps(policy):
     """The decoder's `DecoderShape`; GymvError (naming model.path) unless gymv's Megatron twin maps this model's
     decoder and, for a VLM, how its image features reach the decoder."""
-    from gymv.backends.training.megatron_weights import DecoderShape
-
     if getattr(policy.model.config, "vision_config", None) is not None:
         _check_vlm(policy.adapter)
     return DecoderShape.of(policy.model.config, **_hf_names(policy.model))
@@ -95,9 +105,6 @@ class MegatronBackend(HFTorchBackend):
 
     @classmethod
     def create(cls, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1) -> MegatronBackend:
-        from gymv.backends.policy import load_policy
-        from gymv.backends.training.megatron_model import init_parallel
-
         _check_setup(setup)
         init_parallel(setup.training.parallel.tensor, torch.device(device), seed=setup.seed)
         policy = load_policy(setup.model_path, device="cpu", dtype=torch.float32, seed=setup.seed,
@@ -105,9 +112,6 @@ class MegatronBackend(HFTorchBackend):
         return cls(policy, setup, device=device, rank=rank, world_size=world_size)
 
     def _twin(self, hf_model) -> torch.nn.Module:
-        from gymv.backends.training.megatron_model import MegatronCausalLM, MegatronVLM, build_gpt, strip_language_model
-        from gymv.backends.training.megatron_weights import hf_to_megatron
-
         from megatron.core import parallel_state
 
         gpt = build_gpt(self.hf_config, self.shape, tensor_parallel=self.tp, device=self.device)
@@ -125,8 +129,6 @@ class MegatronBackend(HFTorchBackend):
                             fix="set training.compile: false (it compiles the torch and fsdp2 backends' layers)")
 
     def _make_trainer(self, model, device, *, frozen: bool = False):
-        from gymv.backends.training.megatron_model import checkpoint_layers
-
         self.compile_layers(model, frozen)
         twin = self._twin(model)
         if self.setup.training.gradient_checkpointing and not frozen:
@@ -134,8 +136,6 @@ class MegatronBackend(HFTorchBackend):
         if self.tp == 1:
             return super()._make_trainer(twin, device, frozen=frozen)
         from megatron.core import parallel_state
-
-        from gymv.backends.training.megatron_tp import TensorParallelTrainer
 
         if frozen:
             twin.requires_grad_(True)  # TorchTrainer refuses a model without trainable parameters; never stepped
@@ -148,9 +148,6 @@ class MegatronBackend(HFTorchBackend):
         attention in GPTModel's attention slot (SdpaCoreAttention): without it, attention over the row would
         cross its sequences, so a model that cannot use it (sliding windows, soft-capping) runs padded rows
         under `auto` and is refused under `true`."""
-        from gymv.backends import packed_attention
-        from gymv.backends.training.hf_torch import BatchLayout
-
         packing = self.setup.training.sequence_packing
         why_not = packed_attention.supports(model)
         if why_not is not None:
@@ -163,7 +160,6 @@ class MegatronBackend(HFTorchBackend):
 
     def train_step(self, samples, loss_fn):
         if self.tp > 1:  # a replica's TP ranks run the same samples: all of theirs
-            from gymv.backends.training.megatron_tp import union_over_tp
 
             samples = union_over_tp(samples)[0]
         return super().train_step(samples, loss_fn)
@@ -171,7 +167,6 @@ class MegatronBackend(HFTorchBackend):
     def compute_logprobs(self, samples, *, reference: bool = False):
         if self.tp == 1:
             return super().compute_logprobs(samples, reference=reference)
-        from gymv.backends.training.megatron_tp import union_over_tp
 
         everyone, mine = union_over_tp(samples)
         return super().compute_logprobs(everyone, reference=reference)[mine]
@@ -186,8 +181,6 @@ class MegatronBackend(HFTorchBackend):
         return float(t)
 
     def _hf_weights(self, *, include_tied_head: bool) -> Iterator[tuple[str, Tensor]]:
-        from gymv.backends.training.megatron_weights import megatron_to_hf
-
         model = self.trainer.model
         if self.vision:
             yield from ((k, v.detach()) for k, v in model.vision_model.state_dict().items())
@@ -195,7 +188,6 @@ class MegatronBackend(HFTorchBackend):
         if self.tp == 1:
             yield from megatron_to_hf([state], self.shape, include_tied_head=include_tied_head)
             return
-        from gymv.backends.training.megatron_tp import gather_state
 
         yield from megatron_to_hf(gather_state(state), self.shape, include_tied_head=include_tied_head)
 
@@ -212,8 +204,6 @@ class MegatronBackend(HFTorchBackend):
     def _write_hf_weights(path: Path, state: dict[str, Tensor]) -> None:
         from safetensors.torch import save_file
 
-        from gymv.backends.training.torch_trainer import MODEL_SAFETENSORS, _fsync_replace
-
         tmp = path / f".{MODEL_SAFETENSORS}.tmp"
         save_file(state, str(tmp), metadata={"format": "pt"})
         _fsync_replace(tmp, path / MODEL_SAFETENSORS)
@@ -221,8 +211,6 @@ class MegatronBackend(HFTorchBackend):
     def _optimizer_file(self) -> str:
         """Optimizer state is per TP shard: one file per TP rank of the first data-parallel replica."""
         from megatron.core import parallel_state
-
-        from gymv.backends.training.torch_trainer import OPTIMIZER_FILE
 
         return OPTIMIZER_FILE if self.tp == 1 else f"optimizer_tp{parallel_state.get_tensor_model_parallel_rank()}.pt"
 
@@ -232,8 +220,6 @@ class MegatronBackend(HFTorchBackend):
         from dataclasses import asdict
 
         from megatron.core import parallel_state
-
-        from gymv.backends.training.torch_trainer import TRAINER_FILE, _fsync_replace
 
         path = Path(path)
         state = self._hf_state_for_files()
@@ -255,9 +241,6 @@ class MegatronBackend(HFTorchBackend):
     def load(self, path: str | os.PathLike) -> None:
         from megatron.core import parallel_state
         from safetensors.torch import load_file
-
-        from gymv.backends.training.megatron_weights import hf_to_megatron
-        from gymv.backends.training.torch_trainer import MODEL_SAFETENSORS, TRAINER_FILE
 
         path = Path(path)
         for name in (MODEL_SAFETENSORS, self._optimizer_file()):

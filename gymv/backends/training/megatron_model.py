@@ -20,8 +20,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gymv.backends import packed_attention
+from gymv.backends.packing import PackedAttentionArgs
 from gymv.backends.training.megatron_weights import DecoderShape
 from gymv.errors import GymvError
+from gymv.net import master_store
 
 INSTALL_FIX = ("pip install 'gymv[megatron]' (megatron-core 0.16.1 on Python 3.11, 0.19.2 on 3.12+; on a GPU machine "
                "pip install --no-deps megatron-core keeps the installed torch)")
@@ -145,8 +148,6 @@ def init_parallel(tensor_parallel: int, device: torch.device, seed: int = 0) -> 
                             fix="use one device type per trainer process")
         release_parallel()
     if not dist.is_initialized():
-        from gymv.net import master_store
-
         _PRIVATE_STORE = master_store("127.0.0.1", 1)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=_PRIVATE_STORE[0], rank=0,
                                 world_size=1, timeout=datetime.timedelta(minutes=30))
@@ -197,9 +198,6 @@ class SdpaCoreAttention(torch.nn.Module):
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask=None, **_: Any) -> Tensor:
         import torch.nn.functional as F
-
-        from gymv.backends import packed_attention
-        from gymv.backends.packing import PackedAttentionArgs
 
         sq, b = query.shape[:2]  # [sq, b, heads, dim]; key and value [sk, b, groups, dim]
         # one dtype for the fused kernel: the value's (the QKV projection's output, bf16 under autocast)
@@ -378,8 +376,6 @@ class MegatronCausalLM(torch.nn.Module):
         gymv.backends.packed_attention.KEYWORD (its segments), its positions (restarting per sequence, or
         3-D ones) and no attention mask. `logits_to_keep` as in HF models: logits [B, K, V] at those
         positions only."""
-        from gymv.backends import packed_attention
-
         ref = input_ids if input_ids is not None else inputs_embeds
         b, t = ref.shape[:2]
         packing = kwargs.get(packed_attention.KEYWORD)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gymv.backends.training.megatron_weights import tp_partial_gradient, tp_sharded
 from gymv.backends.training.torch_trainer import TorchTrainer
 
 
@@ -60,16 +61,12 @@ class TensorParallelTrainer(TorchTrainer):
     ranks of a replica hold the same samples, hence the same micro-batch plan: their collectives pair up."""
 
     def _sync_grads(self) -> None:
-        from gymv.backends.training.megatron_weights import tp_partial_gradient
-
         super()._sync_grads()
         for name, p in self.model.named_parameters():
             if p.grad is not None and tp_partial_gradient(name):
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=tp_group())
 
     def _grad_norm(self) -> Tensor:
-        from gymv.backends.training.megatron_weights import tp_sharded
-
         sharded = torch.zeros((), device=self.device, dtype=torch.float32)
         replicated = torch.zeros((), device=self.device, dtype=torch.float32)
         for name, p in self.model.named_parameters():

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
+from gymv.backends.training.adamw_bf16 import AdamWBf16State
 from gymv.backends.training.base import CollateFn, GlobalCounts, LogprobFn, LossFn, MicroBatch, PlanFn, Sample
 from gymv.backends.training.data_parallel import DataParallel
 from gymv.backends.training.guarded_step import drop_fresh_state, finite_or, skips_on_device, step_unless
@@ -108,8 +109,6 @@ class TorchTrainer:
     def _make_optimizer(self, config: TrainerConfig) -> torch.optim.Optimizer:
         common = dict(lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay)
         if config.optimizer_state_dtype == "bfloat16":
-            from gymv.backends.training.adamw_bf16 import AdamWBf16State
-
             return AdamWBf16State(self._param_groups(), **common)
         fused = self.fused if self.fused is not None else self.device.type == "cuda"
         kernel = {"fused": True} if fused else {"foreach": self.foreach}
