@@ -22,6 +22,8 @@ KNOWN_METRICS: frozenset[str] = frozenset(
         "pg_loss", "clip_fraction", "kl_ref", "token_mult_prob_error", "is_weight_mean", "is_weight_max",
         "is_gated_fraction", "entropy", "nll", "teacher_advantage", "teacher_advantage_min", "teacher_advantage_max",
         "kl_teacher", "env_pg_loss", "topk_kl", "num_teacher_batches")]
+    # a mixture-of-experts router's health (gymv.backends.moe_router)
+    + [f"train/{n}" for n in ("moe_aux_loss", "moe_load_max", "moe_bias_absmax")]
     # rollout statistics of the training batch, GRPO advantages, async
     + [f"train/{n}" for n in _TRAIN_ROLLOUT]
     + [f"train/{n}" for n in ("advantage_mean", "advantage_std", "advantage_min", "advantage_max",

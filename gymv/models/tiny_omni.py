@@ -19,7 +19,7 @@ from gymv.errors import GymvError
 from gymv.models.chat_template import chat_template
 from gymv.models.nemotron_omni import (IMAGE_END, IMAGE_START, IMAGE_TOKEN, PROCESSOR_CLASS, VIDEO_TOKEN,
                                        VISION_TOKENS, OmniImageProcessor)
-from gymv.models.tiny import _seeded_model, _set_generation_defaults, _write, knobs_for
+from gymv.models.tiny_build import _seeded_model, _set_generation_defaults, _write, knobs_for
 # tokenizers loads where a tokenizer is trained
 
 ARCH = "tiny-nemotron-omni"
