@@ -4,6 +4,11 @@ registrations and one entry-point group, in that order; a built-in name cannot b
 Ray workers run in other processes, where an in-process registration does not exist: `locate` turns a
 name into an importable "module:attribute" path that a worker resolves on its own side (`load` accepts
 such a path in place of a name).
+
+An entry may declare what it can do (its `capabilities`: a frozen dataclass of the registry's own kind), which
+the checks that run before anything starts read instead of naming entries. A built-in declares them beside
+its import path, so reading them imports nothing; a registered class or an entry point's class declares them
+as its `capabilities` attribute; an entry that declares none gets the registry's `default`.
 """
 
 from __future__ import annotations
@@ -33,23 +38,46 @@ def import_object(path: str) -> Any:
 
 
 class Registry:
-    """One kind of extension (`what`, for messages), its config key (`where`) and its entry-point group."""
+    """One kind of extension (`what`, for messages), its config key (`where`) and its entry-point group.
 
-    def __init__(self, what: str, group: str, builtins: dict[str, str], *, where: str):
-        self.what, self.group, self.where = what, group, where
-        self.builtins = {normalize(k): v for k, v in builtins.items()}
+    `builtins` maps a name to its import path, or to (import path, capabilities)."""
+
+    def __init__(self, what: str, group: str, builtins: dict[str, str | tuple[str, Any]], *, where: str,
+                 default: Any = None):
+        self.what, self.group, self.where, self.default = what, group, where, default
+        self.builtins: dict[str, str] = {}
+        self._declared: dict[str, Any] = {}
+        for name, entry in builtins.items():
+            path, caps = entry if isinstance(entry, tuple) else (entry, default)
+            self.builtins[normalize(name)], self._declared[normalize(name)] = path, caps
         self._registered: dict[str, Any] = {}
 
-    def register(self, name: str, obj: Any) -> None:
-        """Add a class in this process (tests, notebooks, embedding); a built-in name stays the built-in."""
+    def register(self, name: str, obj: Any, *, capabilities: Any = None) -> None:
+        """Add a class in this process (tests, notebooks, embedding); a built-in name stays the built-in.
+        `capabilities` (else the class's own `capabilities` attribute) says what it can do."""
         key = normalize(name)
         if key in self.builtins:
             raise GymvError(f"{self.what} {name!r} is built in and cannot be replaced", where=self.where,
                             fix="register it under another name")
         self._registered[key] = obj
+        self._declared[key] = capabilities if capabilities is not None else getattr(obj, "capabilities", self.default)
 
     def unregister(self, name: str) -> None:
-        self._registered.pop(normalize(name), None)
+        key = normalize(name)
+        if key not in self.builtins:
+            self._registered.pop(key, None)
+            self._declared.pop(key, None)
+
+    def capabilities(self, name: str) -> Any:
+        """What the entry `name` declares it can do (an entry point's class is imported to read them)."""
+        key = normalize(name)
+        if key in self._declared:
+            return self._declared[key]
+        return getattr(self.load(name), "capabilities", self.default)
+
+    def declared(self) -> dict[str, Any]:
+        """Every available name and its capabilities."""
+        return {name: self.capabilities(name) for name in self.available()}
 
     def _plugins(self) -> dict[str, Any]:
         found: dict[str, Any] = {}

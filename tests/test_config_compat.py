@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from gymv.backends.registry import REFIT_TRANSPORTS, TransportCapabilities
 from gymv.config import RULES, check_compatibility, validate_config
 from gymv.config.schema import RecipeBase
-from gymv.config.transports import RefitTransport, register_refit_transport, unregister_refit_transport
 
 GPU = {"cluster": {"gpus_per_node": 8}}
 
@@ -35,11 +35,17 @@ def test_the_defaults_break_no_rule():
     assert check_compatibility(cfg()) == []
 
 
+class CarrierPigeonSender:
+    """A plugin transport that declares it leaves the vision encoder's cache alone."""
+
+    capabilities = TransportCapabilities(resets_encoder_cache=False, lag_safe=True)
+
+
 @pytest.fixture
 def no_reset_transport():
-    register_refit_transport(RefitTransport("carrier_pigeon", resets_encoder_cache=False))
+    REFIT_TRANSPORTS.register("carrier_pigeon", CarrierPigeonSender)
     yield "carrier_pigeon"
-    unregister_refit_transport("carrier_pigeon")
+    REFIT_TRANSPORTS.unregister("carrier_pigeon")
 
 
 def test_encoder_cache_reset_with_a_transport_that_cannot_reset_is_an_error(no_reset_transport):

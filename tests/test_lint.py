@@ -6,9 +6,9 @@ import re
 
 import pytest
 
+from gymv.backends.registry import REFIT_TRANSPORTS, TransportCapabilities
 from gymv.config.compat import RULES as COMPAT_RULES
 from gymv.config.lint import RULES, LintFinding, lint_paths, rule_id
-from gymv.config.transports import RefitTransport, register_refit_transport, unregister_refit_transport
 from conftest import REPO
 from lint_tree import Tree, block
 
@@ -165,11 +165,17 @@ def test_an_error_in_a_parent_recipe_is_reported_once_at_the_parent(tree):
 # -- GV007: compatibility ---------------------------------------------------------------------------
 
 
+class CarrierPigeonSender:
+    """A plugin transport that declares it leaves the vision encoder's cache alone."""
+
+    capabilities = TransportCapabilities(resets_encoder_cache=False, lag_safe=True)
+
+
 @pytest.fixture
 def no_reset_transport():
-    register_refit_transport(RefitTransport("carrier_pigeon", resets_encoder_cache=False))
+    REFIT_TRANSPORTS.register("carrier_pigeon", CarrierPigeonSender)
     yield "carrier_pigeon"
-    unregister_refit_transport("carrier_pigeon")
+    REFIT_TRANSPORTS.unregister("carrier_pigeon")
 
 
 def test_encoder_cache_reset_with_a_transport_that_cannot_is_gv007(tree, no_reset_transport):

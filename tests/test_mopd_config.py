@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from gymv.algorithms.mopd_routing import TeacherRouter
+from gymv.backends.registry import REFIT_TRANSPORTS, TransportCapabilities
 from gymv.config import load_recipe
-from gymv.config.transports import RefitTransport, register_refit_transport, unregister_refit_transport
 from gymv.errors import GymvError
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -29,10 +29,10 @@ def test_the_mixed_recipe_routes_images_and_text_to_their_own_teachers():
 
 
 def test_the_encoder_cache_flag_with_a_transport_that_cannot_reset_is_a_load_time_error():
-    register_refit_transport(RefitTransport("mopd_no_reset", resets_encoder_cache=False))
+    REFIT_TRANSPORTS.register("mopd_no_reset", object, capabilities=TransportCapabilities(resets_encoder_cache=False))
     try:
         with pytest.raises(GymvError, match="reset_encoder_cache_after_weight_update") as e:
             load_recipe(RECIPES / "vlm/vlm_mopd-tinyllava-1n0g-torch-smoke.yaml", ["refit.transport=mopd_no_reset"])
         assert "mopd.yaml" in str(e.value.where)  # the line that turned the flag on (the exemplar's default)
     finally:
-        unregister_refit_transport("mopd_no_reset")
+        REFIT_TRANSPORTS.unregister("mopd_no_reset")

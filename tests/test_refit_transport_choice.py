@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from gymv.backends.registry import REFIT_TRANSPORTS, TransportCapabilities
 from gymv.cluster.ray_placement import Seat
 from gymv.cluster.transport_choice import Layout, choose_transport
 from gymv.errors import GymvError
@@ -45,3 +46,20 @@ def test_shm_across_two_nodes_is_refused_naming_both():
 def test_an_explicit_transport_that_works_across_nodes_is_kept():
     assert choose_transport("object_store", TRAINER_A, [seat("generation", 0, "b")],
                             Layout(gpus=False, colocated=True)) == "object_store"
+
+
+class PipeSender:
+    """A plugin transport that declares it needs one host."""
+
+    capabilities = TransportCapabilities(single_node_only=True)
+
+
+def test_a_plugin_transport_declared_same_host_only_is_refused_across_nodes():
+    REFIT_TRANSPORTS.register("named_pipe", PipeSender)
+    try:
+        with pytest.raises(GymvError, match="'named_pipe' works within one host"):
+            choose_transport("named_pipe", TRAINER_A, [seat("generation", 0, "b")], Layout(gpus=False, colocated=True))
+        assert choose_transport("named_pipe", TRAINER_A, [seat("generation", 0, "a")],
+                                Layout(gpus=False, colocated=True)) == "named_pipe"
+    finally:
+        REFIT_TRANSPORTS.unregister("named_pipe")

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gymv.backends.registry import AUTO_TRANSPORT, REFIT_TRANSPORTS
 from gymv.cluster.ray_placement import Seat
-from gymv.config.transports import AUTO_TRANSPORT, REFIT_TRANSPORTS
 from gymv.errors import GymvError
 
 
@@ -33,8 +33,8 @@ def choose_transport(asked: str, senders: Sequence[Seat], receivers: Sequence[Se
     nodes = {s.node_id for s in (*senders, *receivers) if s.node_id}
     one_node = len(nodes) <= 1
     if asked != AUTO_TRANSPORT:
-        t = REFIT_TRANSPORTS.get(asked)
-        if t is not None and (t.single_node_only or t.colocated_only) and not one_node:
+        t = REFIT_TRANSPORTS.capabilities(asked)
+        if (t.single_node_only or t.colocated_only) and not one_node:
             a, b = _apart(senders, receivers)
             raise GymvError(f"refit transport {asked!r} works within one host, but {a.name} is on node {a.node} and "
                             f"{b.name} on node {b.node}", where="refit.transport", exit_code=1,

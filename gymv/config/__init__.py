@@ -25,18 +25,16 @@ from gymv.config.naming import RecipeName, check_recipe_name, parse_recipe_name
 from gymv.config.overrides import Override, apply_overrides, parse_override, smoke_overrides
 from gymv.config.schema import ALGORITHMS, MODELS, RecipeBase, RecipeConfig, base_algorithm, is_vlm
 from gymv.config.suites import suite_accounting
-from gymv.config.transports import REFIT_TRANSPORTS, RefitTransport, register_refit_transport
 from gymv.config.tree import ConfigTree
 from gymv.config.validate import schema_findings, schema_keys, validate_config
 from gymv.yamlfile import Origin
 
 __all__ = [
-    "ALGORITHMS", "EXEMPLARS", "MODELS", "REFIT_TRANSPORTS", "RESOLVERS", "RULES",
+    "ALGORITHMS", "EXEMPLARS", "MODELS", "RESOLVERS", "RULES",
     "ConfigTree", "Finding", "LoadedRecipe", "Origin", "Override", "RecipeBase", "RecipeConfig", "RecipeName",
-    "RefitTransport",
     "apply_overrides", "base_algorithm", "check_compatibility", "check_inherits_exemplar", "check_minimal", "check_recipe_name", "compose",
     "default_recipes_root", "exemplar_path", "exemplar_paths", "find_recipes_root", "is_exemplar",
     "is_vlm", "load_config", "load_recipe", "merge", "parse_override", "parse_recipe_name", 
-    "recipe_files", "redundant_leaves", "register_refit_transport", "resolve",
+    "recipe_files", "redundant_leaves", "resolve",
     "resolved_dict", "schema_findings", "schema_keys", "smoke_overrides", "suite_accounting", "validate_config",
 ]

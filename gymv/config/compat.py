@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from gymv.backends.registry import AUTO_TRANSPORT, REFIT_TRANSPORTS, TransportCapabilities
 from gymv.findings import Finding
 from gymv.config.schema import GrpoSection, MopdSection, RecipeBase
-from gymv.config.transports import REFIT_TRANSPORTS
 from gymv.config.tree import split_key
 from gymv.yamlfile import KeyPath, Origin
 
@@ -89,42 +89,48 @@ def _err(rule_id: str, key: str, message: str, fix: str, severity: str = "error"
 
 # ---- refit -----------------------------------------------------------------------------------------------
 
+def _transport(cfg: RecipeBase) -> tuple[str, TransportCapabilities | None]:
+    """refit.transport and what its registry entry declares (None for auto, chosen at start)."""
+    name = cfg.refit.transport
+    return name, REFIT_TRANSPORTS.capabilities(name) if name != AUTO_TRANSPORT else None
+
+
 @rule("refit.encoder-cache-reset", "reset_encoder_cache_after_weight_update needs a transport that implements the reset")
 def _cache_reset(cfg: RecipeBase) -> Iterator[Finding]:
-    t = REFIT_TRANSPORTS.get(cfg.refit.transport)  # auto picks among transports that all reset it
+    name, t = _transport(cfg)  # auto picks among transports that all reset it
     if cfg.generation.reset_encoder_cache_after_weight_update and t is not None and not t.resets_encoder_cache:
-        able = sorted(n for n, x in REFIT_TRANSPORTS.items() if x.resets_encoder_cache)
+        able = sorted(n for n, x in REFIT_TRANSPORTS.declared().items() if x.resets_encoder_cache)
         yield _err("refit.encoder-cache-reset", "generation.reset_encoder_cache_after_weight_update",
-                   f"refit transport {t.name!r} does not reset the vision encoder cache, so "
+                   f"refit transport {name!r} does not reset the vision encoder cache, so "
                    "reset_encoder_cache_after_weight_update would silently do nothing",
                    f"use refit.transport {' / '.join(able)}, or turn the flag off")
 
 
 @rule("refit.transport-placement", "the refit transport must work with the cluster layout")
 def _transport_layout(cfg: RecipeBase) -> Iterator[Finding]:
-    t = REFIT_TRANSPORTS.get(cfg.refit.transport)
+    name, t = _transport(cfg)
     if t is None:  # auto: chosen from the placement at start
         return
     if t.needs_gpu and total_gpus(cfg) == 0:
-        yield _err("refit.transport-placement", "refit.transport", f"refit transport {t.name!r} needs GPUs, the cluster has none",
+        yield _err("refit.transport-placement", "refit.transport", f"refit transport {name!r} needs GPUs, the cluster has none",
                    "use refit.transport: object_store on CPU")
     if t.colocated_only and not cfg.cluster.colocated:
         yield _err("refit.transport-placement", "refit.transport",
-                   f"refit transport {t.name!r} needs training and generation on the same GPUs (cluster.colocated: false)",
+                   f"refit transport {name!r} needs training and generation on the same GPUs (cluster.colocated: false)",
                    "use refit.transport: nccl for separate GPUs")
     if t.single_node_only and cfg.cluster.num_nodes > 1:
         yield _err("refit.transport-placement", "refit.transport",
-                   f"refit transport {t.name!r} works within one host, the cluster has {cfg.cluster.num_nodes} nodes",
+                   f"refit transport {name!r} works within one host, the cluster has {cfg.cluster.num_nodes} nodes",
                    "use refit.transport: nccl or object_store across nodes")
 
 
 @rule("refit.transport-workers-per-gpu", "several generation workers on one GPU need a refit transport that allows it")
 def _transport_workers_per_gpu(cfg: RecipeBase) -> Iterator[Finding]:
-    t, k = REFIT_TRANSPORTS.get(cfg.refit.transport), cfg.cluster.generation_workers_per_gpu
+    (name, t), k = _transport(cfg), cfg.cluster.generation_workers_per_gpu
     if k > 1 and total_gpus(cfg) > 0 and t is not None and not t.shares_gpus:
         yield _err("refit.transport-workers-per-gpu", "cluster.generation_workers_per_gpu",
-                   f"cluster.generation_workers_per_gpu is {k}, but refit transport {t.name!r} takes one receiver per GPU"
-                   + (" (NCCL refuses two ranks on one device)" if t.name == "nccl" else ""),
+                   f"cluster.generation_workers_per_gpu is {k}, but refit transport {name!r} takes one receiver per GPU"
+                   + (" (NCCL refuses two ranks on one device)" if name == "nccl" else ""),
                    "use refit.transport: object_store, or one generation worker per GPU")
 
 
@@ -161,11 +167,11 @@ def _async_in_flight(cfg: RecipeBase) -> Iterator[Finding]:
 @rule("async.refit-transport", "async GRPO and MOPD need a refit transport that a lagging generator can read safely")
 def _async_transport(cfg: RecipeBase) -> Iterator[Finding]:
     a = _async(cfg)
-    t = REFIT_TRANSPORTS.get(cfg.refit.transport)
+    name, t = _transport(cfg)
     if a and t is not None and not t.lag_safe:
-        able = sorted(n for n, x in REFIT_TRANSPORTS.items() if x.lag_safe)
+        able = sorted(n for n, x in REFIT_TRANSPORTS.declared().items() if x.lag_safe)
         yield _err("async.refit-transport", "refit.transport",
-                   f"refit transport {t.name!r} reuses one buffer, which the next publish overwrites while a generator "
+                   f"refit transport {name!r} reuses one buffer, which the next publish overwrites while a generator "
                    "that is still busy with a rollout has not read it yet",
                    f"use refit.transport {' / '.join(able)} with {a[0]}.async.enabled")
 

@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from gymv.backends.registry import AUTO_TRANSPORT, REFIT_TRANSPORTS
 from gymv.capabilities import backend_names
-from gymv.config.transports import AUTO_TRANSPORT, REFIT_TRANSPORTS
 from gymv.rollout.tool_formats import available
 
 PosInt = Annotated[int, Field(ge=1)]
@@ -192,7 +192,7 @@ class RefitSection(Section):
     @classmethod
     def _known(cls, v: str) -> str:
         if v not in REFIT_TRANSPORTS and v != AUTO_TRANSPORT:
-            raise ValueError(f"unknown refit transport {v!r}; registered: {', '.join(sorted(REFIT_TRANSPORTS))} "
+            raise ValueError(f"unknown refit transport {v!r}; registered: {', '.join(REFIT_TRANSPORTS.available())} "
                              f"(or {AUTO_TRANSPORT}: chosen from the placement)")
         return v
 

@@ -18,8 +18,8 @@ import copy
 from typing import Any
 
 from gymv.backends.generation.vllm import vllm_available
+from gymv.backends.registry import REFIT_TRANSPORTS
 from gymv.config.schema import PlacementSection, VllmSection
-from gymv.config.transports import REFIT_TRANSPORTS
 from gymv.envs import get_env
 from gymv.models.families import tiny_stand_in
 
@@ -69,7 +69,7 @@ def _tiny_preset(env_name: str) -> str | None:
 
 
 def _gpu_transports() -> set[str]:
-    return {name for name, t in REFIT_TRANSPORTS.items() if t.needs_gpu}
+    return {name for name, t in REFIT_TRANSPORTS.declared().items() if t.needs_gpu}
 
 
 def vllm_runs_here() -> bool:
