@@ -1,15 +1,19 @@
-"""What `gymv train` can run with what is installed: the one table that says which config values are wired.
+"""What `gymv train` can run with what is installed: the one reader of what the registries' entries declare.
 
-The schema accepts values for things that are planned but not built here (a vLLM generation backend, a
-Megatron-core trainer...). A recipe that uses one must be refused before anything starts, by
-`gymv train` (config loading), flagged by `gymv lint` when a nightly or release suite lists it, and named by
-`gymv smoke --tiny` when its stand-ins replace it. All three read `gaps(cfg)`; wiring a feature means
-registering its backend (gymv.backends.registry) or deleting its row in NOT_WIRED below, nothing else.
+Each backend's registry entry (gymv.backends.registry) declares what it can do: the optional package it needs
+and how to install it, the model parallelism it runs, the model families it cannot run. The schema also
+accepts a few values nothing implements yet (a Megatron-core teacher), listed in NOT_WIRED below. A recipe
+that asks for what cannot run is refused before anything starts by `gymv train` (config loading), flagged by
+`gymv lint` when a nightly or release suite lists it, and named by `gymv smoke --tiny` when its stand-ins
+replace it. All three read `gaps(cfg)`; `gymv train` adds `missing_packages(cfg)` and `family_gaps(cfg, ...)`
+(what this Python lacks, what the checkpoint's family cannot do). Wiring a feature means registering its
+backend with its capabilities, or deleting its row in NOT_WIRED, nothing else.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +21,7 @@ from typing import Any
 
 from gymv.backends.generation.vllm_models import MOE_ON_CPU, SWIGLU_RADIO, VISION_DTYPE
 from gymv.backends.registry import GENERATION_BACKENDS, REFIT_TRANSPORTS, TEACHER_BACKENDS, TRAINING_BACKENDS
+from gymv.registry import Registry
 
 # key -> {value: why that value does not run}. A backend registered under the same name wins over its row.
 NOT_WIRED: dict[str, dict[Any, str]] = {
@@ -31,20 +36,7 @@ FIXES: dict[str, str] = {
     "mopd.teachers.*.backend": "use backend: torch",
     "vision.dedup_payloads": "remove vision.dedup_payloads (it is always on)",
 }
-# model type (config.json) -> {(key, value): why a model of that family cannot run there}; checked by
-# `gymv train` once model.path is resolved, before Ray starts (`family_gaps`)
-FAMILY_LIMITS: dict[str, dict[tuple[str, Any], str]] = {
-    "nemotron_h_omni": {
-        ("training.backend", "megatron"): (
-            "Nemotron 3 Omni's Mamba-2 and MoE layers have no Megatron twin in gymv: megatron-core 0.16.1's hybrid "
-            "MambaModel builds its layers from Transformer Engine modules and runs the CUDA kernels of the "
-            "mamba-ssm and causal-conv1d packages (compiled against the CUDA toolkit; no CPU path), none of which "
-            "gymv installs"),
-    },
-}
-FAMILY_FIXES: dict[str, str] = {
-    "training.backend": "use training.backend: torch or fsdp2",
-}
+BACKEND_KEYS: dict[str, Registry] = {"generation.backend": GENERATION_BACKENDS, "training.backend": TRAINING_BACKENDS}
 # model type -> {where: why vLLM cannot run a model of that family there}; these depend on the device, the
 # dtype and the layers, so `gymv train` checks them against each vLLM engine's checkpoint before Ray starts
 # (gymv.backends.generation.vllm_models.refusal, which words the same reasons)
@@ -54,8 +46,6 @@ VLLM_FAMILY_LIMITS: dict[str, dict[str, str]] = {
                         "in float32 or float16": VISION_DTYPE.format(dtype="float32 or float16"),
                         "with a SwiGLU RADIO tower": SWIGLU_RADIO},
 }
-# what the project's own generation backends can span: GPUs per engine
-MAX_GENERATION_TP: dict[str, int] = {"hf": 1}
 
 
 @dataclass(frozen=True)
@@ -72,13 +62,12 @@ class Gap:
 
 def backend_names(key: str) -> list[str]:
     """Every value the schema accepts for a backend key: registered backends and planned ones."""
-    registry = {"generation.backend": GENERATION_BACKENDS, "training.backend": TRAINING_BACKENDS}[key]
-    return sorted({*registry.available(), *NOT_WIRED.get(key, {})})
+    return sorted({*BACKEND_KEYS[key].available(), *NOT_WIRED.get(key, {})})
 
 
-def _registered(key: str, name: str) -> bool:
-    registry = {"generation.backend": GENERATION_BACKENDS, "training.backend": TRAINING_BACKENDS}[key]
-    return name in registry
+def _those(registry: Registry, declares) -> str:
+    """The names of `registry`'s entries whose capabilities satisfy `declares`, for a message: "a or b"."""
+    return " or ".join(n for n, caps in registry.declared().items() if declares(caps))
 
 
 def _not_wired(key: str, value: Any, table_key: str | None = None) -> Gap | None:
@@ -96,25 +85,22 @@ def _gaps(cfg) -> Iterator[Gap]:
     for key in ("generation.backend", "training.backend"):
         section, _, field = key.partition(".")
         name = getattr(getattr(cfg, section), field)
-        if not _registered(key, name):
+        if name not in BACKEND_KEYS[key]:
             yield _not_wired(key, name) or Gap(key, f"no {section} backend {name!r} is installed",
                                                f"use one of: {', '.join(backend_names(key))}")
-    if cfg.training.backend == "megatron":
-        p = cfg.training.parallel
-        for size in ("pipeline", "context", "expert"):
-            if getattr(p, size) > 1:
-                yield Gap(f"training.parallel.{size}",
-                          f"training.backend megatron trains with training.parallel.{size} 1 here (only tensor "
-                          "parallelism is wired)", f"set training.parallel.{size} to 1")
-                break
+    training = cfg.training
+    wired = TRAINING_BACKENDS.capabilities(training.backend).model_parallel
+    for size in ("tensor", "pipeline", "context", "expert"):
+        if wired and size not in wired and getattr(training.parallel, size) > 1:  # none wired: lint's parallel.backend
+            yield Gap(f"training.parallel.{size}",
+                      f"training.backend {training.backend} trains with training.parallel.{size} 1 here (only "
+                      f"{' and '.join(wired)} parallelism is wired)", f"set training.parallel.{size} to 1")
+            break
     g = cfg.generation
-    if g.backend != "vllm" and g.vllm != type(g.vllm)():
-        yield Gap("generation.vllm", f"generation.vllm is read only by generation.backend vllm, this recipe uses {g.backend}",
-                  "remove generation.vllm, or use generation.backend: vllm")
-    tp = g.vllm.tensor_parallel_size if g.backend == "vllm" else 1
-    if tp > MAX_GENERATION_TP.get(g.backend, tp):
-        yield Gap("generation.vllm.tensor_parallel_size", f"generation backend {g.backend} runs an engine on one GPU",
-                  "set the tensor parallel size to 1")
+    if not GENERATION_BACKENDS.capabilities(g.backend).reads_vllm_section and g.vllm != type(g.vllm)():
+        readers = _those(GENERATION_BACKENDS, lambda c: c.reads_vllm_section)
+        yield Gap("generation.vllm", f"generation.vllm is read only by generation.backend {readers}, this recipe uses "
+                  f"{g.backend}", f"remove generation.vllm, or use generation.backend: {readers}")
 
     mopd = getattr(cfg, "mopd", None)
     for alias, t in (mopd.teachers.items() if mopd is not None else ()):
@@ -138,14 +124,31 @@ def model_type(model_dir: str | Path) -> str | None:
 
 
 def family_gaps(cfg, model_dir: str | Path) -> list[Gap]:
-    """What a validated recipe asks of its model's family that the family cannot do (FAMILY_LIMITS)."""
-    limits = FAMILY_LIMITS.get(model_type(model_dir) or "", {})
+    """The recipe's backends that declare they cannot run its model's family (`refused_families`)."""
+    family = model_type(model_dir)
     out = []
-    for (key, value), why in limits.items():
+    for key, registry in BACKEND_KEYS.items():
         section, _, field = key.partition(".")
-        if getattr(getattr(cfg, section), field) == value and type(getattr(getattr(cfg, section), field)) is type(value):
-            out.append(Gap(key, f"{key} {str(value).lower() if isinstance(value, bool) else value}: {why}",
-                           FAMILY_FIXES[key]))
+        name = getattr(getattr(cfg, section), field)
+        why = registry.capabilities(name).refused_families.get(family) if family else None
+        if why:
+            able = _those(registry, lambda c: family not in c.refused_families)
+            out.append(Gap(key, f"{key} {name}: {why}", f"use {key}: {able}"))
+    return out
+
+
+def missing_packages(cfg) -> list[Gap]:
+    """The recipe's backends whose declared package this Python lacks, each with the fix its entry declares."""
+    mopd = getattr(cfg, "mopd", None)
+    asked = [(key, registry, getattr(getattr(cfg, key.split(".")[0]), "backend")) for key, registry in BACKEND_KEYS.items()]
+    asked += [(f"mopd.teachers.{alias}.backend", TEACHER_BACKENDS, t.backend)
+              for alias, t in (mopd.teachers.items() if mopd is not None else ())]
+    out = []
+    for key, registry, name in asked:
+        need = registry.capabilities(name).needs
+        if need is not None and not need.installed():
+            out.append(Gap(key, f"{key} {name} needs the {need.name} package, which this Python ({sys.prefix}) lacks",
+                           need.fix))
     return out
 
 
@@ -163,10 +166,10 @@ def table() -> dict[str, dict[str, str]]:
     for key, row in NOT_WIRED.items():
         for value, why in row.items():
             out.setdefault(key, {}).setdefault(str(value).lower() if isinstance(value, bool) else str(value), why)
-    for family, limits in FAMILY_LIMITS.items():
-        for (key, value), why in limits.items():
-            shown = str(value).lower() if isinstance(value, bool) else str(value)
-            out.setdefault(f"{key} [{family}]", {})[shown] = why
+    for key, registry in BACKEND_KEYS.items():
+        for name, caps in registry.declared().items():
+            for family, why in caps.refused_families.items():
+                out.setdefault(f"{key} [{family}]", {})[name] = why
     for family, rows in VLLM_FAMILY_LIMITS.items():
         for key in ("generation.backend", "mopd.teachers.*.backend"):
             for where, why in rows.items():

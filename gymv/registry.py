@@ -69,11 +69,17 @@ class Registry:
             self._declared.pop(key, None)
 
     def capabilities(self, name: str) -> Any:
-        """What the entry `name` declares it can do (an entry point's class is imported to read them)."""
+        """What the entry `name` (or its located path) declares it can do; an entry point's class is imported
+        to read them. A name nothing registers declares the defaults (its own check says it is unknown)."""
         key = normalize(name)
+        if ":" in key:  # located (a worker's spec): the entry whose path it is
+            key = next((n for n, path in self.builtins.items() if path == key), None) or next(
+                (n for n, obj in self._registered.items() if import_path(obj) == key), key)
         if key in self._declared:
             return self._declared[key]
-        return getattr(self.load(name), "capabilities", self.default)
+        if ":" not in key and key not in self._plugins():
+            return self.default
+        return getattr(self.load(key), "capabilities", self.default)
 
     def declared(self) -> dict[str, Any]:
         """Every available name and its capabilities."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gymv.backends.registry import GENERATION_BACKENDS
-from gymv.capabilities import NOT_WIRED, gaps, table
+from gymv.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS, BackendCapabilities, Package
+from gymv.capabilities import NOT_WIRED, family_gaps, gaps, table
 from gymv.config.schema import MODELS
 from gymv.errors import GymvError
 
@@ -101,11 +101,9 @@ def test_gymv_train_refuses_a_gap_at_the_line_that_wrote_it(tmp_path, planned_tr
 
 
 def test_gymv_train_names_the_megatron_extra_where_megatron_core_is_not_installed(tmp_path):
-    import importlib.util
-
     from gymv.train import train
 
-    if importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None:
+    if TRAINING_BACKENDS.capabilities("megatron").needs.installed():
         pytest.skip("megatron-core is installed in this Python")
     recipe = tmp_path / "r.yaml"
     recipe.write_text("algorithm: grpo\ntraining:\n  backend: megatron\n")
@@ -116,10 +114,9 @@ def test_gymv_train_names_the_megatron_extra_where_megatron_core_is_not_installe
 
 
 def test_gymv_train_names_the_vllm_venv_where_vllm_is_not_installed(tmp_path):
-    from gymv.backends.generation.vllm import vllm_available
     from gymv.train import train
 
-    if vllm_available():
+    if GENERATION_BACKENDS.capabilities("vllm").needs.installed():
         pytest.skip("vLLM is installed in this Python")
     recipe = tmp_path / "r.yaml"
     recipe.write_text("algorithm: grpo\ngeneration:\n  backend: vllm\n")
@@ -130,10 +127,9 @@ def test_gymv_train_names_the_vllm_venv_where_vllm_is_not_installed(tmp_path):
 
 
 def test_gymv_train_names_the_vllm_venv_for_a_vllm_teacher_where_vllm_is_not_installed(tmp_path):
-    from gymv.backends.generation.vllm import vllm_available
     from gymv.train import train
 
-    if vllm_available():
+    if GENERATION_BACKENDS.capabilities("vllm").needs.installed():
         pytest.skip("vLLM is installed in this Python")
     recipe = tmp_path / "r.yaml"
     recipe.write_text("algorithm: mopd\nmopd:\n  teachers:\n    a:\n      path: x\n      backend: vllm\n")
@@ -147,3 +143,52 @@ def test_megatron_tensor_parallel_is_wired_and_pipeline_parallel_is_a_gap():
     assert gaps(cfg(training={"backend": "megatron", "parallel": {"tensor": 2}}, cluster={"gpus_per_node": 2})) == []
     c = cfg(training={"backend": "megatron", "parallel": {"pipeline": 2}}, cluster={"gpus_per_node": 2})
     assert keys(c) == ["training.parallel.pipeline"]
+
+
+class NoSuchEngine:
+    """A plugin generation backend that declares the package it needs, which nobody installs."""
+
+    capabilities = BackendCapabilities(needs=Package("gymv-no-such-engine", "gymv_no_such_engine",
+                                                     "pip install gymv-no-such-engine"))
+
+
+def test_a_backend_whose_declared_package_is_missing_is_refused_before_ray_with_its_declared_fix(tmp_path):
+    from gymv.train import train
+
+    GENERATION_BACKENDS.register("no-such-engine", NoSuchEngine)
+    try:
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text("algorithm: grpo\ngeneration:\n  backend: no-such-engine\n")
+        with pytest.raises(GymvError) as e:
+            train(recipe)
+        assert e.value.where.endswith("r.yaml:3") and e.value.fix == "pip install gymv-no-such-engine"
+        assert e.value.message.startswith("generation.backend no-such-engine needs the gymv-no-such-engine package")
+    finally:
+        GENERATION_BACKENDS.unregister("no-such-engine")
+
+
+class LlamaShyTrainer:
+    """A plugin training backend that declares a model family it cannot train."""
+
+    capabilities = BackendCapabilities(refused_families={"llama": "no llama twin here"})
+
+
+def test_a_model_family_a_backend_declares_it_cannot_run_is_a_gap_naming_the_backends_that_can(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    TRAINING_BACKENDS.register("llama-shy", LlamaShyTrainer)
+    try:
+        [gap] = family_gaps(cfg(training={"backend": "llama-shy"}), tmp_path)
+        assert gap.key == "training.backend" and gap.message == "training.backend llama-shy: no llama twin here"
+        assert gap.fix == "use training.backend: fsdp2 or megatron or torch"
+        assert family_gaps(cfg(), tmp_path) == []
+    finally:
+        TRAINING_BACKENDS.unregister("llama-shy")
+
+
+def test_a_plugin_backend_that_declares_nothing_gets_the_defaults():
+    GENERATION_BACKENDS.register("plain-engine", type("PlainEngine", (), {}))
+    try:
+        assert GENERATION_BACKENDS.capabilities("plain-engine") == BackendCapabilities()
+        assert keys(cfg(generation={"backend": "plain-engine", "vllm": {"tensor_parallel_size": 2}})) == ["generation.vllm"]
+    finally:
+        GENERATION_BACKENDS.unregister("plain-engine")

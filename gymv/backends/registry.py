@@ -12,7 +12,9 @@ and its class may carry a `capabilities` attribute (else the registry's defaults
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib.util
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from gymv.registry import Registry
 
@@ -34,17 +36,64 @@ class TransportCapabilities:
     shares_gpus: bool = True  # several receivers may sit on one GPU (cluster.generation_workers_per_gpu > 1)
 
 
-GENERATION_BACKENDS = Registry("generation backend", "gymv.generation_backends",
-                               {"hf": "gymv.backends.generation.hf:HFGenerationBackend",
-                                "vllm": "gymv.backends.generation.vllm:VllmGenerationBackend"}, where="generation.backend")
-TRAINING_BACKENDS = Registry("training backend", "gymv.training_backends",
-                             {"torch": "gymv.backends.training.hf_torch:HFTorchBackend",
-                              "fsdp2": "gymv.backends.training.hf_fsdp:HFFSDPBackend",
-                              "megatron": "gymv.backends.training.megatron:MegatronBackend"}, where="training.backend")
+@dataclass(frozen=True)
+class Package:
+    """An optional distribution a backend needs: its pip name, a module that imports once it is installed, and
+    how to get it (the fix `gymv train` prints before anything starts)."""
+
+    name: str
+    module: str
+    fix: str
+
+    def installed(self) -> bool:
+        """`module` is found here (looked up, not imported; a bare folder of that name is not the package)."""
+        try:
+            spec = importlib.util.find_spec(self.module)
+        except (ImportError, ValueError):  # its parent package lacks it
+            return False
+        return spec is not None and spec.origin not in (None, "namespace")
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a generation, training or teacher backend can run. The defaults suit a plugin that declares nothing:
+    no optional package, no model parallelism, no training.compile, every model family."""
+
+    needs: Package | None = None
+    reads_vllm_section: bool = False  # takes generation.vllm, whose tensor_parallel_size spans GPUs per engine
+    model_parallel: tuple[str, ...] = ()  # training.parallel sizes (tensor, pipeline, context, expert) it runs > 1
+    compiles: bool = False  # training.compile compiles its decoder layers
+    refused_families: Mapping[str, str] = field(default_factory=dict)  # model type (config.json) -> why not
+
+
+VLLM_VENV_FIX = ("install vLLM's venv with `bash scripts/install.sh vllm` and run gymv from it "
+                 "(\"$(bash scripts/install_vllm.sh --path)/bin/gymv\")")
+MEGATRON = Package("megatron-core", "megatron.core",
+                   "pip install 'gymv[megatron]' (megatron-core 0.16.1 on Python 3.11, 0.19.2 on 3.12+; on a GPU "
+                   "machine pip install --no-deps megatron-core keeps the installed torch)")
+
+GENERATION_BACKENDS = Registry("generation backend", "gymv.generation_backends", {
+    "hf": "gymv.backends.generation.hf:HFGenerationBackend",
+    "vllm": ("gymv.backends.generation.vllm:VllmGenerationBackend", BackendCapabilities(
+        needs=Package("vllm", "vllm", VLLM_VENV_FIX + ", or use generation.backend: hf"), reads_vllm_section=True)),
+}, where="generation.backend", default=BackendCapabilities())
+TRAINING_BACKENDS = Registry("training backend", "gymv.training_backends", {
+    "torch": ("gymv.backends.training.hf_torch:HFTorchBackend", BackendCapabilities(compiles=True)),
+    "fsdp2": ("gymv.backends.training.hf_fsdp:HFFSDPBackend", BackendCapabilities(compiles=True)),
+    "megatron": ("gymv.backends.training.megatron:MegatronBackend", BackendCapabilities(
+        needs=MEGATRON, model_parallel=("tensor",), refused_families={
+            "nemotron_h_omni": (
+                "Nemotron 3 Omni's Mamba-2 and MoE layers have no Megatron twin in gymv: megatron-core 0.16.1's "
+                "hybrid MambaModel builds its layers from Transformer Engine modules and runs the CUDA kernels of "
+                "the mamba-ssm and causal-conv1d packages (compiled against the CUDA toolkit; no CPU path), none of "
+                "which gymv installs")})),
+}, where="training.backend", default=BackendCapabilities())
 # a MOPD teacher's scorer, built from a gymv.cluster.teachers.TeacherSpec
-TEACHER_BACKENDS = Registry("teacher backend", "gymv.teacher_backends",
-                            {"torch": "gymv.backends.teacher:TeacherModel",
-                             "vllm": "gymv.backends.teacher_vllm:VllmTeacher"}, where="mopd.teachers.*.backend")
+TEACHER_BACKENDS = Registry("teacher backend", "gymv.teacher_backends", {
+    "torch": "gymv.backends.teacher:TeacherModel",
+    "vllm": ("gymv.backends.teacher_vllm:VllmTeacher", BackendCapabilities(
+        needs=Package("vllm", "vllm", VLLM_VENV_FIX + ", or use backend: torch"))),
+}, where="mopd.teachers.*.backend", default=BackendCapabilities())
 # a transport's entry is its sender class; the sender names its receiver class (`receiver`)
 REFIT_TRANSPORTS = Registry("refit transport", "gymv.refit_transports", {
     # through the Ray object store: works anywhere, CPU included

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gymv.backends.registry import GENERATION_BACKENDS
+
 
 @dataclass(frozen=True)
 class TrainerMesh:
@@ -136,7 +138,7 @@ class Placement:
 
 def _generation_tp(cfg) -> int:
     g = cfg.generation
-    return g.vllm.tensor_parallel_size if g.backend == "vllm" else 1
+    return g.vllm.tensor_parallel_size if GENERATION_BACKENDS.capabilities(g.backend).reads_vllm_section else 1
 
 
 def _mesh(cfg, ranks: int) -> TrainerMesh | None:

@@ -97,8 +97,8 @@ class WorkerSpec:
         engine then returns every logit and gymv computes the logprobs before the nucleus cut, as the trainer
         does); and trust_remote_code when the model asks for it."""
         g = self.generation
-        vllm = GENERATION_BACKENDS.locate(g.backend) == GENERATION_BACKENDS.locate("vllm")  # a name, or located
-        out = {**g.vllm.model_dump(), "full_logits": g.top_p < 1.0} if vllm else {}
+        takes = GENERATION_BACKENDS.capabilities(g.backend).reads_vllm_section  # a name, or located
+        out = {**g.vllm.model_dump(), "full_logits": g.top_p < 1.0} if takes else {}
         return {**out, **({"trust_remote_code": True} if self.model.trust_remote_code else {})}
 
 

@@ -9,7 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from gymv.backends.registry import AUTO_TRANSPORT, REFIT_TRANSPORTS, TransportCapabilities
+from gymv.backends.registry import (
+    AUTO_TRANSPORT,
+    GENERATION_BACKENDS,
+    REFIT_TRANSPORTS,
+    TRAINING_BACKENDS,
+    TransportCapabilities,
+)
 from gymv.findings import Finding
 from gymv.config.schema import GrpoSection, MopdSection, RecipeBase
 from gymv.config.tree import split_key
@@ -233,22 +239,25 @@ def _parallel_backend(cfg: RecipeBase) -> Iterator[Finding]:
     used = [k for k in ("tensor", "pipeline", "context", "expert") if getattr(p, k) > 1]
     if not used:
         return
-    if cfg.training.backend != "megatron":
+    backend = cfg.training.backend
+    if not TRAINING_BACKENDS.capabilities(backend).model_parallel:
+        able = " or ".join(n for n, c in TRAINING_BACKENDS.declared().items() if c.model_parallel)
         yield _err("parallel.backend", f"training.parallel.{used[0]}",
-                   f"training.parallel.{used[0]} > 1 needs training.backend: megatron (torch is data-parallel only)",
-                   "set training.backend: megatron or the parallel sizes to 1")
+                   f"training.parallel.{used[0]} > 1 needs training.backend: {able} ({backend} is data-parallel only)",
+                   f"set training.backend: {able} or the parallel sizes to 1")
     if total_gpus(cfg) == 0:
         yield _err("parallel.backend", f"training.parallel.{used[0]}", f"training.parallel.{used[0]} > 1 needs GPUs",
                    "set cluster.gpus_per_node, or the parallel sizes to 1")
 
 
-@rule("training.compile-backend", "training.compile compiles the torch and fsdp2 backends' decoder layers")
+@rule("training.compile-backend", "training.compile needs a training backend that declares it compiles (torch, fsdp2)")
 def _compile_backend(cfg: RecipeBase) -> Iterator[Finding]:
     t = cfg.training
-    if t.compile and t.backend not in ("torch", "fsdp2"):
+    if t.compile and not TRAINING_BACKENDS.capabilities(t.backend).compiles:
+        able = " or ".join(n for n, c in TRAINING_BACKENDS.declared().items() if c.compiles)
         yield _err("training.compile-backend", "training.compile",
                    f"training.compile is not wired for training.backend {t.backend}",
-                   "set training.compile: false, or training.backend: torch or fsdp2")
+                   f"set training.compile: false, or training.backend: {able}")
 
 
 @rule("teacher.parallel", "a teacher's tensor and expert parallel sizes fit its backend, placement and GPUs")
@@ -291,7 +300,7 @@ def _backend_gpu(cfg: RecipeBase) -> Iterator[Finding]:
 @rule("vllm.tensor-parallel", "vllm.tensor_parallel_size must divide the generation GPUs")
 def _vllm_tp(cfg: RecipeBase) -> Iterator[Finding]:
     gpus, tp = generation_gpus(cfg), cfg.generation.vllm.tensor_parallel_size
-    if cfg.generation.backend == "vllm" and gpus > 0 and gpus % tp:
+    if GENERATION_BACKENDS.capabilities(cfg.generation.backend).reads_vllm_section and gpus > 0 and gpus % tp:
         yield _err("vllm.tensor-parallel", "generation.vllm.tensor_parallel_size",
                    f"generation.vllm.tensor_parallel_size {tp} does not divide the {gpus} generation GPUs",
                    "pick a size that divides the generation GPUs")

@@ -17,8 +17,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from gymv.backends.generation.vllm import vllm_available
-from gymv.backends.registry import REFIT_TRANSPORTS
+from gymv.backends.registry import GENERATION_BACKENDS, REFIT_TRANSPORTS, TRAINING_BACKENDS
 from gymv.config.schema import PlacementSection, VllmSection
 from gymv.envs import get_env
 from gymv.models.families import tiny_stand_in
@@ -74,7 +73,7 @@ def _gpu_transports() -> set[str]:
 
 def vllm_runs_here() -> bool:
     """vLLM imports in this interpreter (its own venv: scripts/install.sh vllm), so --tiny keeps it."""
-    return vllm_available()
+    return GENERATION_BACKENDS.capabilities("vllm").needs.installed()
 
 
 VLLM_CPU_REFUSED = {"tiny-nemotron-omni": "its mixture-of-experts layers"}
@@ -90,12 +89,7 @@ def vllm_runs_stand_in(tiny_model: str) -> bool:
 
 def megatron_runs_here() -> bool:
     """megatron-core imports in this interpreter (the dev extra installs it), so --tiny keeps that backend."""
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("megatron.core") is not None
-    except ImportError:  # a `megatron` namespace without `core`
-        return False
+    return TRAINING_BACKENDS.capabilities("megatron").needs.installed()
 
 
 MEGATRON_STAND_INS = ("tiny-llava", "tiny-llava-next", "tiny-llava-onevision", "tiny-qwen2vl", "tiny-qwen2_5vl",

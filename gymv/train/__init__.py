@@ -10,14 +10,12 @@ gymv.algorithms); the builders they share live here too (data, setup, stats, val
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from gymv.backends.generation.vllm import INSTALL_FIX, VENV_FIX, vllm_available
 from gymv.backends.generation.vllm_models import refusal
-from gymv.capabilities import family_gaps, gaps
+from gymv.capabilities import family_gaps, gaps, missing_packages
 from gymv.cluster.ray_cluster import start_ray, stop_ray
 from gymv.cluster.teachers import teacher_specs
 from gymv.config import load_recipe
@@ -91,23 +89,8 @@ def _check_supported(rec, cfg) -> None:
         logger_classes(cfg)  # a missing TensorBoard/W&B library fails here, before the run directory is written
     except GymvError as e:
         raise GymvError(e.message, where=_where(rec, e.where or "logger"), fix=e.fix) from None
-    mopd = getattr(cfg, "mopd", None)
-    keys = (["generation.backend"] if cfg.generation.backend == "vllm" else []) + [
-        f"mopd.teachers.{alias}.backend" for alias, t in (mopd.teachers.items() if mopd is not None else ())
-        if t.backend == "vllm"]
-    if keys:
-        if not vllm_available():
-            raise GymvError(f"{keys[0]} vllm needs the vllm package, which this Python ({sys.prefix}) lacks",
-                            where=_where(rec, keys[0]),
-                            fix=INSTALL_FIX if keys[0] == "generation.backend" else VENV_FIX + ", or use backend: torch")
-    if cfg.training.backend == "megatron":
-        import importlib.util
-
-        from gymv.backends.training.megatron_model import INSTALL_FIX as MEGATRON_FIX
-
-        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-            raise GymvError(f"training.backend megatron needs the megatron-core package, which this Python "
-                            f"({sys.prefix}) lacks", where=_where(rec, "training.backend"), fix=MEGATRON_FIX)
+    for gap in missing_packages(cfg):  # the package a backend's registry entry declares it needs
+        raise GymvError(gap.message, where=_where(rec, gap.key), fix=gap.fix)
 
 
 def _check_vllm_models(rec, cfg, model_path: str) -> None:

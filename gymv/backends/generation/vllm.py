@@ -42,24 +42,14 @@ from gymv.backends.generation.base import (
 )
 from gymv.backends.generation.vllm_models import VllmModel, refusal, vllm_model
 from gymv.backends.multimodal import TextAdapter, make_adapter
+from gymv.backends.registry import GENERATION_BACKENDS
 from gymv.backends.policy import load_policy, load_processors
 from gymv.errors import GymvError
 from gymv.models.load import resolve_model_path
 from gymv.models.quiet import quiet_transformers
-# torch loads on first use: `gymv train`'s pre-flight and `smoke --tiny` import this module to ask whether
-# vLLM is installed
+# torch loads on first use: a driver that only looks this backend up by name does not pay for it
 
-VENV_FIX = ("install vLLM's venv with `bash scripts/install.sh vllm` and run gymv from it "
-            "(\"$(bash scripts/install_vllm.sh --path)/bin/gymv\")")
-INSTALL_FIX = VENV_FIX + ", or use generation.backend: hf"
 WORKER_EXTENSION = "gymv.backends.generation.vllm_worker.GymvWeightSync"
-
-
-def vllm_available() -> bool:
-    import importlib.util
-
-    spec = importlib.util.find_spec("vllm")
-    return spec is not None and spec.origin not in (None, "namespace")  # a folder named vllm is not vLLM
 
 
 def import_vllm():
@@ -72,7 +62,7 @@ def import_vllm():
         import vllm
     except ImportError as e:
         raise GymvError(f"generation.backend vllm needs the vllm package, which does not import here ({e})",
-                        where="generation.backend", fix=INSTALL_FIX) from None
+                        where="generation.backend", fix=GENERATION_BACKENDS.capabilities("vllm").needs.fix) from None
     return vllm
 
 

@@ -22,12 +22,11 @@ from torch import Tensor
 
 from gymv.backends import packed_attention
 from gymv.backends.packing import PackedAttentionArgs
+from gymv.backends.registry import MEGATRON
 from gymv.backends.training.megatron_weights import DecoderShape
 from gymv.errors import GymvError
 from gymv.net import master_store
 
-INSTALL_FIX = ("pip install 'gymv[megatron]' (megatron-core 0.16.1 on Python 3.11, 0.19.2 on 3.12+; on a GPU machine "
-               "pip install --no-deps megatron-core keeps the installed torch)")
 _PRIVATE_STORE = None
 _CPU_ALLOWED = False
 _MODE: str | None = None  # the device type megatron's state in this process was built for
@@ -45,7 +44,7 @@ def require_megatron():
             import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
         except ImportError as e:
             raise GymvError("training.backend megatron needs megatron-core", where="training.backend",
-                            fix=INSTALL_FIX) from e
+                            fix=MEGATRON.fix) from e
     return megatron.core
 
 
