@@ -101,7 +101,13 @@ class Registry:
         return dict(sorted(out.items()))
 
     def __contains__(self, name: str) -> bool:
-        return normalize(name) in self.available()
+        key = normalize(name)  # built-ins first: the schema asks this of every recipe, entry points cost a scan
+        return key in self.builtins or key in self._registered or key in self._plugins()
+
+    def portable(self, name: str) -> str:
+        """`name` where every process knows it (a built-in, an entry point), else its import path."""
+        key = normalize(name)
+        return self.locate(key) if key in self._registered and key not in self.builtins else name
 
     def locate(self, name: str) -> str:
         """An import path for `name` that resolves in any process of the run."""

@@ -1,4 +1,5 @@
-"""Advantage estimators: GRPO's group baseline (leave-one-out or group mean) and MOPD's per-token teacher gap.
+"""Advantage estimators: GRPO's group baseline (leave-one-out or group mean, or one registered in
+gymv.algorithms.registry.BASELINES) and MOPD's per-token teacher gap.
 
 GRPO compares each generation with the other generations of the same prompt, so the baseline needs no value
 model. Samples that failed (environment error, truncated beyond repair) are excluded through `valid`: they
@@ -12,9 +13,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from gymv.algorithms.registry import BASELINES
 from gymv.errors import GymvError
 
-Baseline = Literal["leave_one_out", "mean"]
+Baseline = str  # a name in BASELINES
 StdKind = Literal["unbiased", "population"]
 SPREAD_TOLERANCE = 1e-6  # a reward std below this (relative to the baseline, at least 1) is rounding, not spread
 
@@ -32,25 +34,40 @@ def group_baseline_and_std(
     baseline: Baseline = "leave_one_out",
     std: StdKind = "unbiased",
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-sample (baseline, std, has_baseline) over the sample's reference set of k rewards.
+    """Per-sample (baseline, std, has_baseline) by the baseline registered as `baseline`.
 
-    leave_one_out: the reference set is the *other* valid samples of the group; mean: all valid samples of
-    the group, the sample itself included. The std divides the squared deviations by k - 1 (`unbiased`,
-    Bessel's correction, NeMo RL's choice; 0 where k = 1) or by k (`population`).
     `has_baseline` is False where the reference set is empty (G=1, or the only valid sample of its group)
     and for invalid samples; there baseline = reward and std = 0, so the advantage is 0.
     """
     if rewards.dim() != 1 or group_ids.shape != rewards.shape:
         raise ValueError(f"rewards and group_ids must be 1-D and the same length, got {tuple(rewards.shape)} and "
                          f"{tuple(group_ids.shape)}")
-    if baseline not in ("leave_one_out", "mean"):
-        raise ValueError(f"unknown baseline {baseline!r}: use 'leave_one_out' or 'mean'")
     if std not in ("unbiased", "population"):
         raise ValueError(f"unknown std {std!r}: use 'unbiased' or 'population'")
     r = rewards.detach().to(torch.float64)
     v = torch.ones_like(r, dtype=torch.bool) if valid is None else valid.to(torch.bool)
     if not bool(torch.isfinite(r[v]).all()):
         raise GymvError("a valid sample has a non-finite reward", where="grpo advantages", fix="mark it invalid or repair the reward")
+    base, sd, has = BASELINES.load(baseline)(r, group_ids, v, std=std)
+    dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    return base.to(dtype), sd.to(dtype), has
+
+
+def leave_one_out(rewards: Tensor, group_ids: Tensor, valid: Tensor, *, std: StdKind) -> tuple[Tensor, Tensor, Tensor]:
+    """The reference set of a sample is the *other* valid samples of its group."""
+    return _group_reference(rewards, group_ids, valid, std=std, leave_one_out=True)
+
+
+def group_mean(rewards: Tensor, group_ids: Tensor, valid: Tensor, *, std: StdKind) -> tuple[Tensor, Tensor, Tensor]:
+    """The reference set of a sample is every valid sample of its group, itself included."""
+    return _group_reference(rewards, group_ids, valid, std=std, leave_one_out=False)
+
+
+def _group_reference(r: Tensor, group_ids: Tensor, v: Tensor, *, std: StdKind,
+                     leave_one_out: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Mean and std of each sample's reference set of k rewards (float64). The std divides the squared
+    deviations by k - 1 (`unbiased`, Bessel's correction, NeMo RL's choice; 0 where k = 1) or by k
+    (`population`)."""
     _, gid = torch.unique(group_ids, return_inverse=True)
     num_groups = int(gid.max()) + 1 if gid.numel() else 0
     rv = torch.where(v, r, torch.zeros_like(r))
@@ -59,7 +76,7 @@ def group_baseline_and_std(
     g_s = torch.zeros_like(g_n).index_add_(0, gid, rv)
     g_ss = torch.zeros_like(g_n).index_add_(0, gid, rv * rv)
     n, s, ss = g_n[gid], g_s[gid], g_ss[gid]
-    if baseline == "leave_one_out":
+    if leave_one_out:
         n, s, ss = n - vf, s - rv, ss - rv * rv
     has = v & (n > 0)
     n_safe = n.clamp(min=1)
@@ -71,9 +88,7 @@ def group_baseline_and_std(
     # E[x^2] - E[x]^2 leaves ~1e-9 where the rewards are equal but not exact in binary (thirds): that is
     # no spread, and dividing by it would turn a 1/3 gap into an advantage of 3e5
     sd = var.sqrt()
-    sd = torch.where(has & (sd > SPREAD_TOLERANCE * base.abs().clamp(min=1.0)), sd, torch.zeros_like(sd))
-    dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
-    return base.to(dtype), sd.to(dtype), has
+    return base, torch.where(has & (sd > SPREAD_TOLERANCE * base.abs().clamp(min=1.0)), sd, torch.zeros_like(sd)), has
 
 
 def grpo_advantages(

@@ -35,6 +35,7 @@ from gymv.algorithms.losses import (
     reinforce_loss,
 )
 from gymv.algorithms.masked import as_bool, masked_extreme, masked_fill_zero, masked_max
+from gymv.algorithms.registry import KL_ESTIMATORS, LOSS_AGGREGATIONS
 
 Metrics = dict[str, Tensor]
 
@@ -43,6 +44,13 @@ def _require(batch: dict, key: str, who: str) -> Tensor:
     if key not in batch:
         raise RuntimeError(f"{who}: the micro-batch lacks {key!r} (the training samples were built without it)")
     return batch[key]
+
+
+def _portable(loss, **registries) -> None:
+    """Name each registered choice of `loss` so that the training workers find it: a function registered in
+    the driver's process alone travels as its import path."""
+    for name, registry in registries.items():
+        object.__setattr__(loss, name, registry.portable(getattr(loss, name)))
 
 
 def _token_share(x: Tensor, mask: Tensor, counts: GlobalCounts) -> Tensor:
@@ -109,6 +117,9 @@ class PolicyLoss:
     aggregation: Aggregation = "token_mean"
     importance: ISConfig = ISConfig()
 
+    def __post_init__(self) -> None:
+        _portable(self, kl_estimator=KL_ESTIMATORS, aggregation=LOSS_AGGREGATIONS)
+
     def __call__(self, batch: dict, logp: Tensor, entropy: Tensor | None, counts: GlobalCounts) -> tuple[Tensor, Metrics]:
         who = "policy loss"
         mask = as_bool(_require(batch, "loss_mask", who))
@@ -137,6 +148,9 @@ class SFTLoss:
 
     aggregation: Aggregation = "token_mean"
 
+    def __post_init__(self) -> None:
+        _portable(self, aggregation=LOSS_AGGREGATIONS)
+
     def __call__(self, batch: dict, logp: Tensor, entropy: Tensor | None, counts: GlobalCounts) -> tuple[Tensor, Metrics]:
         mask = as_bool(_require(batch, "loss_mask", "sft loss"))
         loss = aggregate(nll_loss(logp, mask), mask, self.aggregation, counts)
@@ -160,6 +174,9 @@ class DistillationLoss:
     aggregation: Aggregation = "token_mean"
     importance: ISConfig = ISConfig()
     top_k: bool = False
+
+    def __post_init__(self) -> None:
+        _portable(self, aggregation=LOSS_AGGREGATIONS)
 
     def __call__(self, batch: dict, logp: Tensor, entropy: Tensor | None, counts: GlobalCounts,
                  candidates: Tensor | None = None) -> tuple[Tensor, Metrics]:

@@ -7,38 +7,37 @@ over micro-batches and summing them over ranks reproduces one pass over the whol
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import Tensor
 
 from gymv.algorithms.masked import as_bool, masked_fill_zero
+from gymv.algorithms.registry import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from gymv.backends.training.base import GlobalCounts  # noqa: F401  (the losses take it; trainers count it)
 
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
-AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
-KLEstimator = Literal["k1", "k2", "k3"]
+Aggregation = str  # a name in gymv.algorithms.registry.LOSS_AGGREGATIONS
+KLEstimator = str  # a name in gymv.algorithms.registry.KL_ESTIMATORS
 
 
 def aggregate(per_token: Tensor, mask: Tensor, mode: Aggregation = "token_mean", counts: GlobalCounts | None = None) -> Tensor:
-    """Reduce a [B,T] per-token quantity to a scalar.
-
-    token_mean:          sum over all valid tokens / global valid tokens
-    seq_mean_token_mean: sum over sequences of (that sequence's token mean) / global sequences
-    seq_mean_token_sum:  sum over sequences of (that sequence's token sum) / global sequences
-    `counts` defaults to this batch's own counts (then it is a plain mean).
-    """
+    """Reduce a [B,T] per-token quantity to a scalar with the aggregation registered as `mode`.
+    `counts` defaults to this batch's own counts (then it is a plain mean)."""
     m = as_bool(mask)
-    counts = counts or GlobalCounts.of(m)
-    x = masked_fill_zero(per_token, m)
-    if mode == "token_mean":
-        return x.sum() / max(counts.tokens, 1.0)
-    seq_sum = x.sum(dim=-1)
-    if mode == "seq_mean_token_mean":
-        seq_sum = seq_sum / m.sum(dim=-1).clamp(min=1).to(x.dtype)
-    elif mode != "seq_mean_token_sum":
-        raise ValueError(f"unknown loss aggregation {mode!r}: use one of {', '.join(AGGREGATIONS)}")
-    return seq_sum.sum() / max(counts.sequences, 1.0)
+    return LOSS_AGGREGATIONS.load(mode)(masked_fill_zero(per_token, m), m, counts or GlobalCounts.of(m))
+
+
+def token_mean(x: Tensor, m: Tensor, counts: GlobalCounts) -> Tensor:
+    """Sum over all valid tokens / global valid tokens."""
+    return x.sum() / max(counts.tokens, 1.0)
+
+
+def seq_mean_token_mean(x: Tensor, m: Tensor, counts: GlobalCounts) -> Tensor:
+    """Sum over sequences of (that sequence's token mean) / global sequences."""
+    return (x.sum(dim=-1) / m.sum(dim=-1).clamp(min=1).to(x.dtype)).sum() / max(counts.sequences, 1.0)
+
+
+def seq_mean_token_sum(x: Tensor, m: Tensor, counts: GlobalCounts) -> Tensor:
+    """Sum over sequences of (that sequence's token sum) / global sequences."""
+    return x.sum(dim=-1).sum() / max(counts.sequences, 1.0)
 
 
 def _per_token(advantages: Tensor, like: Tensor) -> Tensor:
@@ -72,21 +71,26 @@ def clipped_policy_loss(
 
 
 def kl_penalty(logp: Tensor, logp_ref: Tensor, mask: Tensor, estimator: KLEstimator = "k3") -> Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from the sampled token's logprobs.
-
-    With d = logp_ref - logp: k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1 (unbiased, always >= 0).
-    """
+    """Per-token estimate of KL(pi || pi_ref) from the sampled token's logprobs, by the estimator registered
+    as `estimator`; both inputs are zeroed off the mask first (no -inf leaks)."""
     m = as_bool(mask)
-    d = masked_fill_zero(logp_ref.detach() - logp, m)
-    if estimator == "k1":
-        kl = -d
-    elif estimator == "k2":
-        kl = 0.5 * d * d
-    elif estimator == "k3":
-        kl = torch.exp(d) - d - 1.0
-    else:
-        raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3")
+    kl = KL_ESTIMATORS.load(estimator)(masked_fill_zero(logp, m), masked_fill_zero(logp_ref.detach(), m))
     return masked_fill_zero(kl, m)
+
+
+# With d = logp_ref - logp: k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1 (unbiased, always >= 0).
+def kl_k1(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    return -(logp_ref - logp)
+
+
+def kl_k2(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    d = logp_ref - logp
+    return 0.5 * d * d
+
+
+def kl_k3(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    d = logp_ref - logp
+    return torch.exp(d) - d - 1.0
 
 
 def reinforce_loss(logp: Tensor, advantages: Tensor, mask: Tensor, logp_old: Tensor | None = None) -> Tensor:

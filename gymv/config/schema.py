@@ -9,11 +9,13 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from gymv.algorithms.registry import BASELINES, KL_ESTIMATORS, LOSS_AGGREGATIONS
 from gymv.backends.registry import AUTO_TRANSPORT, REFIT_TRANSPORTS
 from gymv.capabilities import backend_names
+from gymv.registry import Registry
 from gymv.rollout.tool_formats import available
 
 PosInt = Annotated[int, Field(ge=1)]
@@ -105,10 +107,24 @@ class VllmSection(Section):
 
 def _known_backend(key: str, name: str) -> str:
     known = backend_names(key)
-    if name not in known:  # reported like a bad Literal choice (gymv.config.validate)
-        raise PydanticCustomError("choice", "unknown {what} backend '{name}'; known: {known}",
-                                  {"what": key.split(".")[0], "name": name, "known": ", ".join(known), "choices": known})
+    if name not in known:
+        raise _choice_error(f"{key.split('.')[0]} backend", name, known)
     return name
+
+
+def _choice_error(what: str, name: str, known: list[str]) -> PydanticCustomError:
+    """Reported like a bad Literal choice (gymv.config.validate)."""
+    return PydanticCustomError("choice", "unknown {what} '{name}'; known: {known}",
+                               {"what": what, "name": name, "known": ", ".join(known), "choices": known})
+
+
+def _registered(registry: Registry):
+    """A validator: the value is a name `registry` knows (a built-in, a registered one, an entry point)."""
+    def check(name: str) -> str:
+        if name not in registry:
+            raise _choice_error(registry.what, name, list(registry.available()))
+        return name
+    return check
 
 
 class GenerationSection(Section):
@@ -273,19 +289,19 @@ class ImportanceSampling(Section):
     gate_high: Annotated[float, Field(gt=1)] = 5.0
 
 
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+Aggregation = Annotated[str, AfterValidator(_registered(LOSS_AGGREGATIONS))]
 
 
 class GrpoLoss(Section):
     clip_low: NonNegFloat = 0.2
     clip_high: NonNegFloat = 0.2
     kl_coef: NonNegFloat = 0.01
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Annotated[str, AfterValidator(_registered(KL_ESTIMATORS))] = "k3"
     aggregation: Aggregation = "token_mean"
 
 
 class Advantage(Section):
-    baseline: Literal["leave_one_out", "mean"] = "leave_one_out"
+    baseline: Annotated[str, AfterValidator(_registered(BASELINES))] = "leave_one_out"
     normalize_std: bool = True
     std: Literal["unbiased", "population"] = "unbiased"
     eps: PosFloat = 1e-6
