@@ -61,7 +61,7 @@ class Gap:
 
 
 def backend_names(key: str) -> list[str]:
-    """Every value the schema accepts for a backend key: registered backends and planned ones."""
+    """Every value the schema accepts for a backend key: registered backends and those NOT_WIRED names."""
     return sorted({*BACKEND_KEYS[key].available(), *NOT_WIRED.get(key, {})})
 
 

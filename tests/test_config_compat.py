@@ -306,3 +306,9 @@ def test_colocated_gpus_take_their_placement_from_the_training_role():
     assert "cluster.placement-colocated" not in rules_hit(cfg(cluster={"gpus_per_node": 0, **pinned}))
     assert "cluster.placement-colocated" not in rules_hit(
         cfg(cluster={"gpus_per_node": 8, "colocated": False, "generation_gpus": 4, "training_gpus": 4, **pinned}))
+
+
+def test_static_decoding_with_a_backend_that_declares_no_decoder_is_an_error():
+    [f] = check_compatibility(cfg(generation={"backend": "vllm", "decode": "static"}))
+    assert (f.rule, f.key) == ("generation.decode-backend", "generation.decode") and "generation.backend hf" in f.message
+    assert check_compatibility(cfg(generation={"decode": "static"})) == []

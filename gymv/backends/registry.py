@@ -64,6 +64,9 @@ class BackendCapabilities:
     model_parallel: tuple[str, ...] = ()  # training.parallel sizes (tensor, pipeline, context, expert) it runs > 1
     compiles: bool = False  # training.compile compiles its decoder layers
     refused_families: Mapping[str, str] = field(default_factory=dict)  # model type (config.json) -> why not
+    # "module:function(engine, decode, *, seed, max_batch)" that puts a built engine in the decode loop
+    # generation.decode asks for (hf's static decoder); None: the engine decodes its own way (auto, eager)
+    decoder: str | None = None
 
 
 VLLM_VENV_FIX = ("install vLLM's venv with `bash scripts/install.sh vllm` and run gymv from it "
@@ -73,7 +76,8 @@ MEGATRON = Package("megatron-core", "megatron.core",
                    "machine pip install --no-deps megatron-core keeps the installed torch)")
 
 GENERATION_BACKENDS = Registry("generation backend", "gymv.generation_backends", {
-    "hf": "gymv.backends.generation.hf:HFGenerationBackend",
+    "hf": ("gymv.backends.generation.hf:HFGenerationBackend",
+           BackendCapabilities(decoder="gymv.backends.generation.static:with_decode")),
     "vllm": ("gymv.backends.generation.vllm:VllmGenerationBackend", BackendCapabilities(
         needs=Package("vllm", "vllm", VLLM_VENV_FIX + ", or use generation.backend: hf"), reads_vllm_section=True)),
 }, where="generation.backend", default=BackendCapabilities())

@@ -38,11 +38,11 @@ from gymv.envs.routing import EnvRouter
 from gymv.errors import GymvError
 from gymv.io import as_write_failure, follow_umask
 from gymv.net import master_store
+from gymv.registry import import_object
 from gymv.rollout import ImageCache, build_sft_sample, run_rollouts
 from gymv.rollout.agent_driver import run_agent_rollouts
 from gymv.rollout.policy_server import PolicyServer
 from gymv.runs.checkpoint import capture_rng_state, restore_rng_state
-# the static decoder (and its Triton kernels) loads in generation workers that decode with it only
 
 
 @dataclass(frozen=True)
@@ -136,8 +136,6 @@ class GenerationWorker:
     """Hosts a generation backend, the environments and the agent loop; receives refits."""
 
     def __init__(self, spec: WorkerSpec, index: int = 0):
-        from gymv.backends.generation.static import with_decode
-
         _set_threads(spec.threads)
         self.spec, self.index = spec, index
         self.device = _device(spec)
@@ -145,7 +143,10 @@ class GenerationWorker:
         backend_cls = GENERATION_BACKENDS.load(g.backend)
         self.backend = backend_cls.create(spec.model_path, device=str(self.device), dtype=spec.generation_dtype,
                                           seed=spec.seed + 7919 * index, **spec.generation_options())
-        self.backend = with_decode(self.backend, g.decode, seed=spec.seed + 7919 * index, max_batch=g.max_batch)
+        decoder = GENERATION_BACKENDS.capabilities(g.backend).decoder  # the decode loop its entry declares
+        if decoder:  # hf's static decoder (and its Triton kernels) loads in the workers that decode with it only
+            self.backend = import_object(decoder)(self.backend, g.decode, seed=spec.seed + 7919 * index,
+                                                  max_batch=g.max_batch)
         self.router = EnvRouter(spec.env)
         self.receiver = None
         self.weights_version = 0

@@ -297,6 +297,16 @@ def _backend_gpu(cfg: RecipeBase) -> Iterator[Finding]:
                        f"teacher {alias!r} uses backend {t.backend}, which needs GPUs", "use backend: torch on CPU")
 
 
+@rule("generation.decode-backend", "generation.decode static needs a generation backend that declares a decoder")
+def _decode_backend(cfg: RecipeBase) -> Iterator[Finding]:
+    g = cfg.generation
+    if g.decode == "static" and not GENERATION_BACKENDS.capabilities(g.backend).decoder:
+        able = " or ".join(n for n, c in GENERATION_BACKENDS.declared().items() if c.decoder)
+        yield _err("generation.decode-backend", "generation.decode",
+                   f"generation.decode static needs generation.backend {able}, this recipe uses {g.backend} (which "
+                   "decodes its own way)", "use generation.decode: auto with this backend")
+
+
 @rule("vllm.tensor-parallel", "vllm.tensor_parallel_size must divide the generation GPUs")
 def _vllm_tp(cfg: RecipeBase) -> Iterator[Finding]:
     gpus, tp = generation_gpus(cfg), cfg.generation.vllm.tensor_parallel_size

@@ -128,7 +128,7 @@ def _registered(registry: Registry):
 
 
 class GenerationSection(Section):
-    backend: str = "hf"  # a registered generation backend, or a planned one (gymv.capabilities)
+    backend: str = "hf"  # a registered generation backend (gymv.backends.registry)
     decode: Literal["auto", "eager", "static"] = "auto"  # the hf backend's decode loop
     max_batch: PosInt = 256  # sequences the static decoder runs at once; the rest wait for a free slot
     temperature: NonNegFloat = 1.0
@@ -170,7 +170,7 @@ class MoeSection(Section):
 
 
 class TrainingSection(Section):
-    backend: str = "torch"  # a registered training backend, or a planned one (gymv.capabilities)
+    backend: str = "torch"  # a registered training backend (gymv.backends.registry)
     lr: PosFloat = 1e-6
     warmup_steps: NonNegInt = 0
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after the warm-up

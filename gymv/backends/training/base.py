@@ -1,4 +1,4 @@
-"""The training backend interface: what a training worker drives (torch here; FSDP2 and Megatron-core later).
+"""The training backend interface: what a training worker drives (torch, FSDP2 and Megatron-core: gymv.backends.registry).
 
 A training sample is a dict of tensors for ONE sequence: `input_ids` [L], `loss_mask` [L], per-token
 extras [L] (logp_old, logp_behaviour, logp_ref, logp_teacher) and per-sample extras (0-d, e.g.
