@@ -62,6 +62,7 @@ class BackendCapabilities:
     needs: Package | None = None
     reads_vllm_section: bool = False  # takes generation.vllm, whose tensor_parallel_size spans GPUs per engine
     model_parallel: tuple[str, ...] = ()  # training.parallel sizes (tensor, pipeline, context, expert) it runs > 1
+    spans_gpus: bool = False  # a teacher replica may span GPUs (mopd.teachers.*.tensor_parallel_size > 1)
     compiles: bool = False  # training.compile compiles its decoder layers
     refused_families: Mapping[str, str] = field(default_factory=dict)  # model type (config.json) -> why not
     # "module:function(engine, decode, *, seed, max_batch)" that puts a built engine in the decode loop
@@ -96,7 +97,7 @@ TRAINING_BACKENDS = Registry("training backend", "gymv.training_backends", {
 TEACHER_BACKENDS = Registry("teacher backend", "gymv.teacher_backends", {
     "torch": "gymv.backends.teacher:TeacherModel",
     "vllm": ("gymv.backends.teacher_vllm:VllmTeacher", BackendCapabilities(
-        needs=Package("vllm", "vllm", VLLM_VENV_FIX + ", or use backend: torch"))),
+        needs=Package("vllm", "vllm", VLLM_VENV_FIX + ", or use backend: torch"), spans_gpus=True)),
 }, where="mopd.teachers.*.backend", default=BackendCapabilities())
 # a transport's entry is its sender class; the sender names its receiver class (`receiver`)
 REFIT_TRANSPORTS = Registry("refit transport", "gymv.refit_transports", {

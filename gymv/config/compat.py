@@ -13,6 +13,7 @@ from gymv.backends.registry import (
     AUTO_TRANSPORT,
     GENERATION_BACKENDS,
     REFIT_TRANSPORTS,
+    TEACHER_BACKENDS,
     TRAINING_BACKENDS,
     TransportCapabilities,
 )
@@ -266,10 +267,12 @@ def _teacher_parallel(cfg: RecipeBase) -> Iterator[Finding]:
     for alias, t in (m.teachers.items() if m else ()):
         key = f"mopd.teachers.{alias}"
         tp, ep = t.tensor_parallel_size, t.expert_parallel_size
-        if (tp > 1 or ep > 1) and t.backend == "torch":
+        one_device = t.backend in TEACHER_BACKENDS and not TEACHER_BACKENDS.capabilities(t.backend).spans_gpus
+        if (tp > 1 or ep > 1) and one_device:
+            able = " or ".join(n for n, c in TEACHER_BACKENDS.declared().items() if c.spans_gpus)
             yield _err("teacher.parallel", f"{key}.tensor_parallel_size" if tp > 1 else f"{key}.expert_parallel_size",
-                       f"teacher {alias!r} uses backend torch, whose replicas run on one device each",
-                       "use backend: vllm (or megatron) for a teacher split over GPUs, or sizes of 1")
+                       f"teacher {alias!r} uses backend {t.backend}, whose replicas run on one device each",
+                       f"use backend: {able} for a teacher split over GPUs, or sizes of 1")
         if ep > 1 and ep != tp:
             yield _err("teacher.parallel", f"{key}.expert_parallel_size",
                        f"teacher {alias!r}: expert_parallel_size {ep} differs from tensor_parallel_size {tp} (a "
