@@ -94,3 +94,13 @@ def test_grpo_runs_through_gymv_train_on_a_second_generation_and_training_backen
     from transformers import AutoModelForImageTextToText
 
     AutoModelForImageTextToText.from_pretrained(summary["final_dir"])  # export went through the interface
+
+
+def test_capabilities_are_read_by_name_or_by_the_located_path_a_worker_holds():
+    declared = GENERATION_BACKENDS.capabilities("vllm")
+    assert declared.reads_vllm_section and declared.needs.name == "vllm"
+    assert GENERATION_BACKENDS.capabilities(GENERATION_BACKENDS.locate("vllm")) is declared
+    r = Registry("widget", "gymv.test-widgets", {"builtin": ("json:dumps", "declared")}, where="widget", default="none")
+    r.register("mine", Thing)
+    assert r.capabilities("builtin") == "declared" and r.capabilities("mine") == "none"
+    assert r.capabilities(r.locate("mine")) == "none"
