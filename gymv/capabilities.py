@@ -65,11 +65,6 @@ def backend_names(key: str) -> list[str]:
     return sorted({*BACKEND_KEYS[key].available(), *NOT_WIRED.get(key, {})})
 
 
-def _those(registry: Registry, declares) -> str:
-    """The names of `registry`'s entries whose capabilities satisfy `declares`, for a message: "a or b"."""
-    return " or ".join(n for n, caps in registry.declared().items() if declares(caps))
-
-
 def _not_wired(key: str, value: Any, table_key: str | None = None) -> Gap | None:
     row = table_key or key
     reason = NOT_WIRED.get(row, {}).get(value)
@@ -98,7 +93,7 @@ def _gaps(cfg) -> Iterator[Gap]:
             break
     g = cfg.generation
     if not GENERATION_BACKENDS.capabilities(g.backend).reads_vllm_section and g.vllm != type(g.vllm)():
-        readers = _those(GENERATION_BACKENDS, lambda c: c.reads_vllm_section)
+        readers = " or ".join(GENERATION_BACKENDS.having(lambda c: c.reads_vllm_section))
         yield Gap("generation.vllm", f"generation.vllm is read only by generation.backend {readers}, this recipe uses "
                   f"{g.backend}", f"remove generation.vllm, or use generation.backend: {readers}")
 
@@ -132,7 +127,7 @@ def family_gaps(cfg, model_dir: str | Path) -> list[Gap]:
         name = getattr(getattr(cfg, section), field)
         why = registry.capabilities(name).refused_families.get(family) if family else None
         if why:
-            able = _those(registry, lambda c: family not in c.refused_families)
+            able = " or ".join(registry.having(lambda c: family not in c.refused_families))
             out.append(Gap(key, f"{key} {name}: {why}", f"use {key}: {able}"))
     return out
 
@@ -140,7 +135,7 @@ def family_gaps(cfg, model_dir: str | Path) -> list[Gap]:
 def missing_packages(cfg) -> list[Gap]:
     """The recipe's backends whose declared package this Python lacks, each with the fix its entry declares."""
     mopd = getattr(cfg, "mopd", None)
-    asked = [(key, registry, getattr(getattr(cfg, key.split(".")[0]), "backend")) for key, registry in BACKEND_KEYS.items()]
+    asked = [(key, registry, getattr(cfg, key.split(".")[0]).backend) for key, registry in BACKEND_KEYS.items()]
     asked += [(f"mopd.teachers.{alias}.backend", TEACHER_BACKENDS, t.backend)
               for alias, t in (mopd.teachers.items() if mopd is not None else ())]
     out = []

@@ -14,6 +14,7 @@ as its `capabilities` attribute; an entry that declares none gets the registry's
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -84,6 +85,10 @@ class Registry:
     def declared(self) -> dict[str, Any]:
         """Every available name and its capabilities."""
         return {name: self.capabilities(name) for name in self.available()}
+
+    def having(self, declares: Callable[[Any], bool]) -> list[str]:
+        """The names whose capabilities satisfy `declares` (for a fix: "use one of them")."""
+        return [name for name, caps in self.declared().items() if declares(caps)]
 
     def _plugins(self) -> dict[str, Any]:
         found: dict[str, Any] = {}

@@ -106,7 +106,7 @@ def _transport(cfg: RecipeBase) -> tuple[str, TransportCapabilities | None]:
 def _cache_reset(cfg: RecipeBase) -> Iterator[Finding]:
     name, t = _transport(cfg)  # auto picks among transports that all reset it
     if cfg.generation.reset_encoder_cache_after_weight_update and t is not None and not t.resets_encoder_cache:
-        able = sorted(n for n, x in REFIT_TRANSPORTS.declared().items() if x.resets_encoder_cache)
+        able = REFIT_TRANSPORTS.having(lambda c: c.resets_encoder_cache)
         yield _err("refit.encoder-cache-reset", "generation.reset_encoder_cache_after_weight_update",
                    f"refit transport {name!r} does not reset the vision encoder cache, so "
                    "reset_encoder_cache_after_weight_update would silently do nothing",
@@ -176,7 +176,7 @@ def _async_transport(cfg: RecipeBase) -> Iterator[Finding]:
     a = _async(cfg)
     name, t = _transport(cfg)
     if a and t is not None and not t.lag_safe:
-        able = sorted(n for n, x in REFIT_TRANSPORTS.declared().items() if x.lag_safe)
+        able = REFIT_TRANSPORTS.having(lambda c: c.lag_safe)
         yield _err("async.refit-transport", "refit.transport",
                    f"refit transport {name!r} reuses one buffer, which the next publish overwrites while a generator "
                    "that is still busy with a rollout has not read it yet",
@@ -242,7 +242,7 @@ def _parallel_backend(cfg: RecipeBase) -> Iterator[Finding]:
         return
     backend = cfg.training.backend
     if not TRAINING_BACKENDS.capabilities(backend).model_parallel:
-        able = " or ".join(n for n, c in TRAINING_BACKENDS.declared().items() if c.model_parallel)
+        able = " or ".join(TRAINING_BACKENDS.having(lambda c: c.model_parallel))
         yield _err("parallel.backend", f"training.parallel.{used[0]}",
                    f"training.parallel.{used[0]} > 1 needs training.backend: {able} ({backend} is data-parallel only)",
                    f"set training.backend: {able} or the parallel sizes to 1")
@@ -255,7 +255,7 @@ def _parallel_backend(cfg: RecipeBase) -> Iterator[Finding]:
 def _compile_backend(cfg: RecipeBase) -> Iterator[Finding]:
     t = cfg.training
     if t.compile and not TRAINING_BACKENDS.capabilities(t.backend).compiles:
-        able = " or ".join(n for n, c in TRAINING_BACKENDS.declared().items() if c.compiles)
+        able = " or ".join(TRAINING_BACKENDS.having(lambda c: c.compiles))
         yield _err("training.compile-backend", "training.compile",
                    f"training.compile is not wired for training.backend {t.backend}",
                    f"set training.compile: false, or training.backend: {able}")
@@ -269,7 +269,7 @@ def _teacher_parallel(cfg: RecipeBase) -> Iterator[Finding]:
         tp, ep = t.tensor_parallel_size, t.expert_parallel_size
         one_device = t.backend in TEACHER_BACKENDS and not TEACHER_BACKENDS.capabilities(t.backend).spans_gpus
         if (tp > 1 or ep > 1) and one_device:
-            able = " or ".join(n for n, c in TEACHER_BACKENDS.declared().items() if c.spans_gpus)
+            able = " or ".join(TEACHER_BACKENDS.having(lambda c: c.spans_gpus))
             yield _err("teacher.parallel", f"{key}.tensor_parallel_size" if tp > 1 else f"{key}.expert_parallel_size",
                        f"teacher {alias!r} uses backend {t.backend}, whose replicas run on one device each",
                        f"use backend: {able} for a teacher split over GPUs, or sizes of 1")
@@ -304,7 +304,7 @@ def _backend_gpu(cfg: RecipeBase) -> Iterator[Finding]:
 def _decode_backend(cfg: RecipeBase) -> Iterator[Finding]:
     g = cfg.generation
     if g.decode == "static" and not GENERATION_BACKENDS.capabilities(g.backend).decoder:
-        able = " or ".join(n for n, c in GENERATION_BACKENDS.declared().items() if c.decoder)
+        able = " or ".join(GENERATION_BACKENDS.having(lambda c: c.decoder))
         yield _err("generation.decode-backend", "generation.decode",
                    f"generation.decode static needs generation.backend {able}, this recipe uses {g.backend} (which "
                    "decodes its own way)", "use generation.decode: auto with this backend")

@@ -68,7 +68,7 @@ def _tiny_preset(env_name: str) -> str | None:
 
 
 def _gpu_transports() -> set[str]:
-    return {name for name, t in REFIT_TRANSPORTS.declared().items() if t.needs_gpu}
+    return set(REFIT_TRANSPORTS.having(lambda c: c.needs_gpu))
 
 
 def vllm_runs_here() -> bool:
