@@ -37,6 +37,7 @@ FIXES: dict[str, str] = {
     "vision.dedup_payloads": "remove vision.dedup_payloads (it is always on)",
 }
 BACKEND_KEYS: dict[str, Registry] = {"generation.backend": GENERATION_BACKENDS, "training.backend": TRAINING_BACKENDS}
+TEACHER_KEY = "mopd.teachers.*.backend"
 # model type -> {where: why vLLM cannot run a model of that family there}; these depend on the device, the
 # dtype and the layers, so `gymv train` checks them against each vLLM engine's checkpoint before Ray starts
 # (gymv.backends.generation.vllm_models.refusal, which words the same reasons)
@@ -60,9 +61,15 @@ class Gap:
         return f"{self.key}: {self.message}"
 
 
+def backend_registry(key: str) -> Registry:
+    """The registry of a backend key (generation.backend, training.backend, mopd.teachers.*.backend)."""
+    return TEACHER_BACKENDS if key == TEACHER_KEY else BACKEND_KEYS[key]
+
+
 def backend_names(key: str) -> list[str]:
-    """Every value the schema accepts for a backend key: registered backends and those NOT_WIRED names."""
-    return sorted({*BACKEND_KEYS[key].available(), *NOT_WIRED.get(key, {})})
+    """Every value the schema accepts for a backend key: registered backends, and those NOT_WIRED names (refused
+    with the reason)."""
+    return sorted({*backend_registry(key).available(), *NOT_WIRED.get(key, {})})
 
 
 def _not_wired(key: str, value: Any, table_key: str | None = None) -> Gap | None:
@@ -101,7 +108,7 @@ def _gaps(cfg) -> Iterator[Gap]:
     for alias, t in (mopd.teachers.items() if mopd is not None else ()):
         key = f"mopd.teachers.{alias}.backend"
         if t.backend not in TEACHER_BACKENDS:
-            yield _not_wired(key, t.backend, "mopd.teachers.*.backend") or Gap(
+            yield _not_wired(key, t.backend, TEACHER_KEY) or Gap(
                 key, f"no teacher backend {t.backend!r} is installed", "use backend: torch")
     vision = getattr(cfg, "vision", None)
     if vision is not None:
@@ -152,7 +159,7 @@ def table() -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {
         "generation.backend": {n: "runs" for n in GENERATION_BACKENDS.available()},
         "training.backend": {n: "runs" for n in TRAINING_BACKENDS.available()},
-        "mopd.teachers.*.backend": {n: "runs" for n in TEACHER_BACKENDS.available()},
+        TEACHER_KEY: {n: "runs" for n in TEACHER_BACKENDS.available()},
         "refit.transport": {**{n: "runs" for n in REFIT_TRANSPORTS.available()}, "auto": "runs"},
     }
     # loggers (gymv.loggers) are wired; each needs its optional library, checked by `gymv train` before it starts

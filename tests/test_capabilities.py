@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gymv.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS, BackendCapabilities, Package
+from gymv.backends.registry import GENERATION_BACKENDS, TEACHER_BACKENDS, TRAINING_BACKENDS, BackendCapabilities, Package
 from gymv.capabilities import NOT_WIRED, family_gaps, gaps, table
+from gymv.config import validate_config
 from gymv.config.schema import MODELS
 from gymv.errors import GymvError
 
@@ -192,3 +193,17 @@ def test_a_plugin_backend_that_declares_nothing_gets_the_defaults():
         assert keys(cfg(generation={"backend": "plain-engine", "vllm": {"tensor_parallel_size": 2}})) == ["generation.vllm"]
     finally:
         GENERATION_BACKENDS.unregister("plain-engine")
+
+
+def test_a_registered_teacher_backend_is_a_valid_teacher_and_an_unknown_one_is_refused_naming_the_choices():
+    def mopd(backend):
+        return {"algorithm": "mopd", "mopd": {"teachers": {"a": {"path": "x", "backend": backend}}}}
+
+    TEACHER_BACKENDS.register("scorer-plugin", type("Scorer", (), {}))
+    try:
+        assert validate_config(mopd("scorer-plugin")).mopd.teachers["a"].backend == "scorer-plugin"
+    finally:
+        TEACHER_BACKENDS.unregister("scorer-plugin")
+    with pytest.raises(GymvError) as e:
+        validate_config(mopd("scorer-plugin"))
+    assert e.value.message == "`mopd.teachers.a.backend`: 'scorer-plugin' is not one of 'megatron', 'torch', 'vllm'"

@@ -14,7 +14,7 @@ from pydantic_core import PydanticCustomError
 
 from gymv.algorithms.registry import BASELINES, KL_ESTIMATORS, LOSS_AGGREGATIONS
 from gymv.backends.registry import AUTO_TRANSPORT, REFIT_TRANSPORTS
-from gymv.capabilities import backend_names
+from gymv.capabilities import backend_names, backend_registry
 from gymv.registry import Registry
 from gymv.rollout.tool_formats import available
 
@@ -108,7 +108,7 @@ class VllmSection(Section):
 def _known_backend(key: str, name: str) -> str:
     known = backend_names(key)
     if name not in known:
-        raise _choice_error(f"{key.split('.')[0]} backend", name, known)
+        raise _choice_error(backend_registry(key).what, name, known)
     return name
 
 
@@ -338,13 +338,18 @@ class SftSection(Section):
 
 class TeacherSection(Section):
     path: str
-    backend: Literal["torch", "megatron", "vllm"] = "torch"
+    backend: str = "torch"  # a registered teacher backend (gymv.backends.registry)
     data_parallel_size: PosInt = 1
     # GPUs one replica spans (vllm, megatron), and how its MoE experts are split over them (rule teacher.parallel)
     tensor_parallel_size: PosInt = 1
     expert_parallel_size: PosInt = 1
     placement: Literal["colocated", "separate"] = "colocated"
     gpus: NonNegInt | None = None
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        return _known_backend("mopd.teachers.*.backend", v)
 
 
 class MopdSection(Section):
