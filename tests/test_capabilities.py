@@ -207,3 +207,29 @@ def test_a_registered_teacher_backend_is_a_valid_teacher_and_an_unknown_one_is_r
     with pytest.raises(GymvError) as e:
         validate_config(mopd("scorer-plugin"))
     assert e.value.message == "`mopd.teachers.a.backend`: 'scorer-plugin' is not one of 'megatron', 'torch', 'vllm'"
+
+
+def refuse_every_checkpoint(path, device, dtype, *, text_only=False):
+    return f"this engine runs no {device} checkpoint", "use generation.backend: hf"
+
+
+class PickyEngine:
+    """A plugin generation backend that declares which checkpoints it cannot run."""
+
+    capabilities = BackendCapabilities(model_check=f"{__name__}:refuse_every_checkpoint")
+
+
+def test_a_checkpoint_a_backend_declares_it_cannot_run_is_refused_before_the_run_directory(tmp_path):
+    from gymv.train import train
+
+    GENERATION_BACKENDS.register("picky-engine", PickyEngine)
+    try:
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text("algorithm: grpo\ngeneration:\n  backend: picky-engine\n")
+        with pytest.raises(GymvError) as e:
+            train(recipe)
+        assert e.value.where.endswith("r.yaml:3") and e.value.fix == "use generation.backend: hf"
+        assert e.value.message.endswith("this engine runs no cpu checkpoint")
+        assert e.value.message.startswith("generation.backend picky-engine cannot run ")
+    finally:
+        GENERATION_BACKENDS.unregister("picky-engine")

@@ -68,10 +68,14 @@ class BackendCapabilities:
     # "module:function(engine, decode, *, seed, max_batch)" that puts a built engine in the decode loop
     # generation.decode asks for (hf's static decoder); None: the engine decodes its own way (auto, eager)
     decoder: str | None = None
+    # "module:function(path, device, dtype, *, text_only) -> (why, fix) | None": the checkpoints it cannot run
+    # there, judged from their config.json by `gymv train` before Ray starts (vLLM's: VLLM_FAMILY_LIMITS)
+    model_check: str | None = None
 
 
 VLLM_VENV_FIX = ("install vLLM's venv with `bash scripts/install.sh vllm` and run gymv from it "
                  "(\"$(bash scripts/install_vllm.sh --path)/bin/gymv\")")
+VLLM_MODEL_CHECK = "gymv.backends.generation.vllm_models:refusal"
 MEGATRON = Package("megatron-core", "megatron.core",
                    "pip install 'gymv[megatron]' (megatron-core 0.16.1 on Python 3.11, 0.19.2 on 3.12+; on a GPU "
                    "machine pip install --no-deps megatron-core keeps the installed torch)")
@@ -80,7 +84,8 @@ GENERATION_BACKENDS = Registry("generation backend", "gymv.generation_backends",
     "hf": ("gymv.backends.generation.hf:HFGenerationBackend",
            BackendCapabilities(decoder="gymv.backends.generation.static:with_decode")),
     "vllm": ("gymv.backends.generation.vllm:VllmGenerationBackend", BackendCapabilities(
-        needs=Package("vllm", "vllm", VLLM_VENV_FIX + ", or use generation.backend: hf"), reads_vllm_section=True)),
+        needs=Package("vllm", "vllm", VLLM_VENV_FIX + ", or use generation.backend: hf"), reads_vllm_section=True,
+        model_check=VLLM_MODEL_CHECK)),
 }, where="generation.backend", default=BackendCapabilities())
 TRAINING_BACKENDS = Registry("training backend", "gymv.training_backends", {
     "torch": ("gymv.backends.training.hf_torch:HFTorchBackend", BackendCapabilities(compiles=True)),
@@ -97,7 +102,8 @@ TRAINING_BACKENDS = Registry("training backend", "gymv.training_backends", {
 TEACHER_BACKENDS = Registry("teacher backend", "gymv.teacher_backends", {
     "torch": "gymv.backends.teacher:TeacherModel",
     "vllm": ("gymv.backends.teacher_vllm:VllmTeacher", BackendCapabilities(
-        needs=Package("vllm", "vllm", VLLM_VENV_FIX + ", or use backend: torch"), spans_gpus=True)),
+        needs=Package("vllm", "vllm", VLLM_VENV_FIX + ", or use backend: torch"), spans_gpus=True,
+        model_check=VLLM_MODEL_CHECK)),
 }, where="mopd.teachers.*.backend", default=BackendCapabilities())
 # a transport's entry is its sender class; the sender names its receiver class (`receiver`)
 REFIT_TRANSPORTS = Registry("refit transport", "gymv.refit_transports", {

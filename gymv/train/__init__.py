@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from gymv.backends.generation.vllm_models import refusal
+from gymv.backends.registry import GENERATION_BACKENDS, TEACHER_BACKENDS
 from gymv.capabilities import family_gaps, gaps, missing_packages
 from gymv.cluster.ray_cluster import start_ray, stop_ray
 from gymv.cluster.teachers import teacher_specs
@@ -22,6 +22,7 @@ from gymv.config import load_recipe
 from gymv.envs.routing import EnvRouter
 from gymv.errors import GymvError
 from gymv.loggers import build_loggers, logger_classes
+from gymv.registry import import_object
 from gymv.runs.config_history import change_overrides, describe, read_changes
 from gymv.train.data import training_rows
 from gymv.train.launch import check_joined, check_machine, ray_running, wait_for_nodes, with_restarts
@@ -93,22 +94,29 @@ def _check_supported(rec, cfg) -> None:
         raise GymvError(gap.message, where=_where(rec, gap.key), fix=gap.fix)
 
 
-def _check_vllm_models(rec, cfg, model_path: str) -> None:
-    """A model family vLLM cannot run where the recipe puts it (gymv.capabilities.VLLM_FAMILY_LIMITS) is
-    refused here, from the checkpoints' configs, before the run directory is written and Ray starts."""
+def _check_models(rec, cfg, model_path: str) -> None:
+    """A checkpoint that a backend's registry entry declares it cannot run where the recipe puts it (its
+    `model_check`; vLLM's words gymv.capabilities.VLLM_FAMILY_LIMITS) is refused here, from the checkpoints'
+    configs, before the run directory is written and Ray starts."""
     checks = []
-    if cfg.generation.backend == "vllm":
+    g = cfg.generation
+    check = GENERATION_BACKENDS.capabilities(g.backend).model_check
+    if check:
         device = "cuda" if cfg.cluster.gpus_per_node > 0 else "cpu"
-        checks.append(("generation.backend", model_path, device, generation_dtype(cfg, model_path), False))
+        checks.append((check, "generation.backend", g.backend, model_path, device, generation_dtype(cfg, model_path),
+                       False))
     mopd = getattr(cfg, "mopd", None)
-    if mopd is not None and any(t.backend == "vllm" for t in mopd.teachers.values()):
+    teachers = {alias: TEACHER_BACKENDS.capabilities(t.backend).model_check
+                for alias, t in (mopd.teachers.items() if mopd is not None else ())}
+    if any(teachers.values()):
         for alias, spec in teacher_specs(cfg, model_path).items():
-            if mopd.teachers[alias].backend == "vllm":
-                checks.append((f"mopd.teachers.{alias}.backend", spec.path, spec.device, spec.dtype, spec.text_of))
-    for key, path, device, dtype, text_only in checks:
-        refused = refusal(path, device, dtype, text_only=text_only)
+            if teachers[alias]:
+                checks.append((teachers[alias], f"mopd.teachers.{alias}.backend", mopd.teachers[alias].backend,
+                               spec.path, spec.device, spec.dtype, spec.text_of))
+    for check, key, name, path, device, dtype, text_only in checks:
+        refused = import_object(check)(path, device, dtype, text_only=text_only)
         if refused:
-            raise GymvError(f"{key} vllm cannot run {path}: {refused[0]}", where=_where(rec, key), fix=refused[1])
+            raise GymvError(f"{key} {name} cannot run {path}: {refused[0]}", where=_where(rec, key), fix=refused[1])
 
 
 def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, resume_dir: str | None = None,
@@ -157,7 +165,7 @@ def _train_once(rec, resume_dir: str | None, ray_address: str | None, reporter: 
     model_path = resolve_init_path(cfg.model.path, where=_where(rec, "model.path"))
     for gap in family_gaps(cfg, model_path):  # what the model's family cannot run, before Ray starts
         raise GymvError(gap.message, where=_where(rec, gap.key), fix=gap.fix)
-    _check_vllm_models(rec, cfg, model_path)
+    _check_models(rec, cfg, model_path)
     router = EnvRouter(cfg.env)  # an unknown env.name fails before anything is written
 
     run, resume = open_run(cfg, cfg.to_dict(), resume_dir)
