@@ -153,19 +153,26 @@ class NoSuchEngine:
                                                      "pip install gymv-no-such-engine"))
 
 
-def test_a_backend_whose_declared_package_is_missing_is_refused_before_ray_with_its_declared_fix(tmp_path):
+def train_refusal(tmp_path, name: str, engine: type) -> GymvError:
+    """What `gymv train` says of a GRPO recipe generating with `engine`, registered as `name` meanwhile."""
     from gymv.train import train
 
-    GENERATION_BACKENDS.register("no-such-engine", NoSuchEngine)
+    GENERATION_BACKENDS.register(name, engine)
     try:
         recipe = tmp_path / "r.yaml"
-        recipe.write_text("algorithm: grpo\ngeneration:\n  backend: no-such-engine\n")
+        recipe.write_text(f"algorithm: grpo\ngeneration:\n  backend: {name}\n")
         with pytest.raises(GymvError) as e:
             train(recipe)
-        assert e.value.where.endswith("r.yaml:3") and e.value.fix == "pip install gymv-no-such-engine"
-        assert e.value.message.startswith("generation.backend no-such-engine needs the gymv-no-such-engine package")
+        assert e.value.where.endswith("r.yaml:3")
+        return e.value
     finally:
-        GENERATION_BACKENDS.unregister("no-such-engine")
+        GENERATION_BACKENDS.unregister(name)
+
+
+def test_a_backend_whose_declared_package_is_missing_is_refused_before_ray_with_its_declared_fix(tmp_path):
+    e = train_refusal(tmp_path, "no-such-engine", NoSuchEngine)
+    assert e.fix == "pip install gymv-no-such-engine"
+    assert e.message.startswith("generation.backend no-such-engine needs the gymv-no-such-engine package")
 
 
 class LlamaShyTrainer:
@@ -220,16 +227,6 @@ class PickyEngine:
 
 
 def test_a_checkpoint_a_backend_declares_it_cannot_run_is_refused_before_the_run_directory(tmp_path):
-    from gymv.train import train
-
-    GENERATION_BACKENDS.register("picky-engine", PickyEngine)
-    try:
-        recipe = tmp_path / "r.yaml"
-        recipe.write_text("algorithm: grpo\ngeneration:\n  backend: picky-engine\n")
-        with pytest.raises(GymvError) as e:
-            train(recipe)
-        assert e.value.where.endswith("r.yaml:3") and e.value.fix == "use generation.backend: hf"
-        assert e.value.message.endswith("this engine runs no cpu checkpoint")
-        assert e.value.message.startswith("generation.backend picky-engine cannot run ")
-    finally:
-        GENERATION_BACKENDS.unregister("picky-engine")
+    e = train_refusal(tmp_path, "picky-engine", PickyEngine)
+    assert e.fix == "use generation.backend: hf" and e.message.endswith("this engine runs no cpu checkpoint")
+    assert e.message.startswith("generation.backend picky-engine cannot run ")
