@@ -8,6 +8,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,3 +119,37 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+# ------------------------------------------------------------------------------------------ suite timing
+# Printed at the end of every run, so that CI's log shows the suite's cost against its targets (CONTRIBUTING.md):
+# the fast set's share is the test time of the tests not marked slow, read from the same run.
+
+_TIMES: dict[str, float] = {}
+_SLOW: set[str] = set()
+_START = [time.monotonic()]
+
+
+def pytest_sessionstart(session):
+    _START[0] = time.monotonic()
+
+
+def pytest_collection_finish(session):
+    _SLOW.update(item.nodeid for item in session.items if "slow" in item.keywords)
+
+
+def pytest_runtest_logreport(report):
+    _TIMES[report.nodeid] = _TIMES.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not _TIMES:
+        return
+    slow = sum(t for n, t in _TIMES.items() if n in _SLOW)
+    fast = sum(t for n, t in _TIMES.items() if n not in _SLOW)
+    n_slow = sum(1 for n in _TIMES if n in _SLOW)
+    terminalreporter.write_sep("-", "suite timing")
+    terminalreporter.write_line(
+        f"wall {time.monotonic() - _START[0]:.1f} s (collection included); test time: {fast:.1f} s in "
+        f"{len(_TIMES) - n_slow} tests not marked slow (the fast set), {slow:.1f} s in {n_slow} slow tests; "
+        f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
