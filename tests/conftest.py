@@ -142,6 +142,15 @@ def pytest_runtest_logreport(report):
     _TIMES[report.nodeid] = _TIMES.get(report.nodeid, 0.0) + report.duration
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """The local Ray the test modules shared (tests/train_helpers.ray_module), stopped with the session."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        from gymv.cluster.ray_cluster import stop_ray
+
+        stop_ray()
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not _TIMES:
         return

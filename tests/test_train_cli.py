@@ -9,7 +9,7 @@ import pytest
 from gymv.errors import GymvError
 from gymv.train import train
 from tiny_models import tiny_path
-from train_helpers import plugin_env, plugin_on_path, tiny_grpo_settings, write_recipe
+from train_helpers import no_shared_ray, plugin_env, ray_module, plugin_on_path, tiny_grpo_settings, write_recipe
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,6 +47,7 @@ def test_missing_model_directory_names_the_recipe_line(gymv, recipe, tmp_path):
 
 
 def test_rows_of_an_environment_nobody_configured_fail_before_ray_starts(recipe, tmp_path):
+    no_shared_ray()
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"responses_create_params": {"input": "hi"}, "parity": 0,
                                 "agent_ref": {"type": "responses_api_agents", "name": "chess_agent"}}) + "\n")
@@ -57,9 +58,20 @@ def test_rows_of_an_environment_nobody_configured_fail_before_ray_starts(recipe,
 
 
 def test_a_ray_cluster_that_cannot_be_reached_is_one_clear_error(recipe):
+    no_shared_ray()
     with pytest.raises(GymvError, match="cannot reach a Ray cluster at 127.0.0.1:1") as err:
         train(recipe(), ray_address="127.0.0.1:1")
     assert err.value.exit_code == 2
+
+
+def test_joining_another_cluster_while_connected_to_one_is_refused_naming_both(recipe):
+    import ray
+
+    with ray_module():
+        current = ray.get_runtime_context().gcs_address
+        with pytest.raises(GymvError, match=f"already connected to the Ray cluster at {current}, not 127.0.0.1:1"):
+            train(recipe(), ray_address="127.0.0.1:1")
+        assert ray.get_runtime_context().gcs_address == current
 
 
 def test_resume_of_a_folder_that_is_not_a_run_is_refused(recipe, tmp_path):

@@ -9,6 +9,7 @@ import torch
 
 from test_sequence_packing import _group, _samples
 from tiny_models import fresh_policy, solid, tiny_path
+from train_helpers import no_shared_ray
 
 ARCH = "tiny-nemotron-omni"
 
@@ -162,6 +163,7 @@ def test_gymv_train_refuses_what_the_family_cannot_run_before_ray_starts(tmp_pat
     from gymv.errors import GymvError
     from gymv.train import train
 
+    no_shared_ray()
     recipe = "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml"
     with pytest.raises(GymvError) as err:
         train(recipe, [f"model.path={tiny_path(ARCH)}", override, f"checkpoint.dir={tmp_path / 'runs'}"])

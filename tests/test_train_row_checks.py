@@ -16,7 +16,7 @@ from gymv.train import train
 from gymv.train.data import read_rows
 from gymv.train.row_checks import check_training_rows
 from tiny_models import tiny_path
-from train_helpers import tiny_grpo_settings, write_recipe
+from train_helpers import no_shared_ray, tiny_grpo_settings, write_recipe
 
 
 def _png(width: int, height: int) -> str:
@@ -100,6 +100,7 @@ def test_a_prompt_with_more_images_than_a_sample_may_hold_names_its_row_and_the_
 def test_train_refuses_a_row_with_too_many_images_before_starting_ray(tmp_path, good):
     import ray
 
+    no_shared_ray()
     data = _rows_file(tmp_path, good, _with_images(good, 9))
     settings = tiny_grpo_settings(tmp_path, tiny_path("tiny-llava"), **{
         "env.name": "circle-count", "data.train": str(data), "data.prepare": None})
@@ -131,6 +132,7 @@ def test_good_rows_pass(tmp_path, good):
 def test_train_refuses_a_bad_row_before_starting_ray(tmp_path, good):
     import ray
 
+    no_shared_ray()
     data = _rows_file(tmp_path, good, _with_image(good, "https://example.com/x.png"))
     settings = tiny_grpo_settings(tmp_path, tiny_path("tiny-llava"), **{
         "env.name": "circle-count", "data.train": str(data), "data.prepare": None})

@@ -1,5 +1,5 @@
 """Shared pieces of the `gymv train` tests: the plugin test environment on every process's path, one Ray
-session per test module, tiny recipes written next to the run, and weight reading."""
+session shared by the test modules, tiny recipes written next to the run, and weight reading."""
 
 from __future__ import annotations
 
@@ -39,15 +39,19 @@ def plugin_on_path():
 
 @contextmanager
 def ray_module():
-    """One local Ray for a test module; its workers inherit PYTHONPATH, so they see the plugin."""
-    from gymv.cluster.ray_cluster import start_ray, stop_ray
+    """The test session's local Ray, for a module: started by the first module that asks and kept for the next
+    (a start costs several seconds on 2 cores; tests/conftest.py stops it when the session ends), with the test
+    plugin on this process's path while the module runs. Its workers inherit PYTHONPATH from the start, so they
+    see the plugin. A module that needs no Ray running (it checks that nothing started one, or it joins a
+    cluster of its own) calls `no_shared_ray()` first."""
+    import ray
+
+    from gymv.cluster.ray_cluster import start_ray
 
     with plugin_on_path():
-        start_ray()
-        try:
-            yield
-        finally:
-            stop_ray()
+        if not ray.is_initialized():
+            start_ray()
+        yield
 
 
 def ray_session():
@@ -55,6 +59,16 @@ def ray_session():
     cm = ray_module()
     cm.__enter__()
     return lambda: cm.__exit__(None, None, None)
+
+
+def no_shared_ray() -> None:
+    """Stop the session's local Ray, if one is up (the next module that asks for it starts it again)."""
+    import ray
+
+    from gymv.cluster.ray_cluster import stop_ray
+
+    if ray.is_initialized():
+        stop_ray()
 
 
 def write_recipe(dir: Path, name: str, exemplar: str, settings: dict) -> Path:

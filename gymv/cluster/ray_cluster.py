@@ -51,8 +51,13 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None, num_gp
     except ImportError as e:  # pragma: no cover - ray is a core dependency
         raise GymvError(f"Ray is not installed ({e})", fix="pip install 'ray[default]'") from None
     if ray.is_initialized():
+        current = ray.get_runtime_context().gcs_address
+        if address and address != "auto" and not _same_address(address, current):
+            raise GymvError(f"this process is already connected to the Ray cluster at {current}, not {address}",
+                            fix="run gymv train in a new process, or call ray.shutdown() before joining another "
+                                "cluster")
         res = ray.cluster_resources()
-        return ClusterInfo(ray.get_runtime_context().gcs_address, res.get("CPU", 0), res.get("GPU", 0), False)
+        return ClusterInfo(current, res.get("CPU", 0), res.get("GPU", 0), False)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     kwargs = dict(include_dashboard=False, log_to_driver=True, logging_level=logging.ERROR, namespace="gymv")
     if not address:
@@ -163,6 +168,15 @@ def loopback_only(ray) -> None:
 
 
 _REAPER = None  # the watcher of a cluster started here (gymv.cluster.reaper)
+
+
+def _same_address(a: str, b: str) -> bool:
+    """HOST:PORT pairs equal, localhost and 127.0.0.1 alike (Ray reports the address it bound)."""
+    def norm(x: str) -> tuple[str, str]:
+        host, _, port = x.strip().removeprefix("ray://").rpartition(":")
+        return ("127.0.0.1" if host == "localhost" else host, port)
+
+    return norm(a) == norm(b)
 
 
 def stop_ray() -> None:

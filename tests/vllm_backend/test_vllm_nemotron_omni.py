@@ -33,6 +33,7 @@ from gymv.errors import GymvError  # noqa: E402
 from gymv.rollout import run_rollouts  # noqa: E402
 from rollout_helpers import PictureEnv, picture_row  # noqa: E402
 from tiny_models import chat_ids, noise, solid, tiny_path  # noqa: E402
+from train_helpers import no_shared_ray  # noqa: E402
 from vllm_helpers import ToolFirst, dense_omni_twin, mult_prob_error  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -92,6 +93,7 @@ def test_gymv_train_refuses_vllm_for_the_tiny_omni_before_ray_starts(tmp_path):
 
     from gymv.train import train
 
+    no_shared_ray()
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"algorithm: vlm_grpo\nmodel:\n  path: {tiny_path('tiny-nemotron-omni')}\ngeneration:\n"
                       f"  backend: vllm\nenv:\n  name: circle-count\ncheckpoint:\n  dir: {tmp_path / 'runs'}\n"
