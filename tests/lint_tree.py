@@ -64,7 +64,7 @@ class Tree:
         return next(i for i, line in enumerate((self.root / rel).read_text().splitlines(), 1) if needle in line)
 
     GPU_RECIPE = "defaults: ../grpo.yaml\ntraining:\n  backend: megatron\ncluster:\n  gpus_per_node: 8\n"
-    RUNNABLE_GPU_RECIPE = "defaults: ../grpo.yaml\ncluster:\n  gpus_per_node: 8\n"  # torch on 8 GPUs
+    RUNNABLE_GPU_RECIPE = "defaults: ../grpo.yaml\ntraining:\n  backend: fsdp2\ncluster:\n  gpus_per_node: 8\n"
 
     def disable(self, rel: str, reason: str = "megatron is not wired into gymv train yet") -> None:
         self.append("suites/disabled.txt", f"{rel}  # {reason}\n")

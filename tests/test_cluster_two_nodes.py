@@ -99,7 +99,7 @@ def test_shared_memory_refits_across_the_two_nodes_are_refused_naming_both(nodes
 def test_more_cpu_ranks_than_the_cluster_has_cpus_fail_before_any_worker_starts(nodes, tmp_path):
     with pytest.raises(GymvError, match=r"training \(8 bundles of \{CPU: 1\}, SPREAD\) needs 8 CPU in all; the Ray "
                                         r"cluster at 127\.0\.0\.1:\d+ has 2 nodes") as e:
-        _run(tmp_path, "too-many", **{"cluster.cpu_training_ranks": 8})
+        _run(tmp_path, "too-many", **{"training.backend": "fsdp2", "cluster.cpu_training_ranks": 8})
     assert "too-many.yaml" in e.value.where  # the line that set cluster.cpu_training_ranks
 
 
@@ -111,7 +111,8 @@ def test_a_placement_ray_cannot_meet_now_stops_at_its_deadline(nodes, tmp_path):
     ray.get(held.ready(), timeout=60)
     try:
         with pytest.raises(GymvError, match=r"Ray could not place training \(2 bundles of \{CPU: 1\}, SPREAD\) within 2 s"):
-            _run(tmp_path, "held", **{"cluster.cpu_training_ranks": 2, "cluster.placement_timeout_s": 2})
+            _run(tmp_path, "held", **{"training.backend": "fsdp2", "cluster.cpu_training_ranks": 2,
+                                      "cluster.placement_timeout_s": 2})
     finally:
         remove_placement_group(held)
 

@@ -12,10 +12,11 @@ GPU = {"cluster": {"gpus_per_node": 8}}
 
 
 def cfg(**sections) -> RecipeBase:
-    """A config validated by the schema alone, so each rule can be tested on its own."""
+    """A config validated by the schema alone, so each rule can be tested on its own. It trains with fsdp2
+    unless it names a backend: the torch backend on more than one rank is a rule of its own."""
     from gymv.config.schema import MODELS
 
-    data = {"algorithm": "grpo", **sections}
+    data = deep({"algorithm": "grpo", "training": {"backend": "fsdp2"}}, sections)
     return MODELS[data["algorithm"]].model_validate(data)
 
 
@@ -32,6 +33,9 @@ def deep(*dicts: dict) -> dict:
 
 
 def test_the_defaults_break_no_rule():
+    from gymv.config.schema import MODELS
+
+    assert check_compatibility(MODELS["grpo"].model_validate({"algorithm": "grpo"})) == []
     assert check_compatibility(cfg()) == []
 
 
@@ -121,7 +125,42 @@ def test_parallel_sizes_divide_the_training_gpus_when_not_colocated():
 
 
 def test_model_parallelism_with_the_torch_backend_is_an_error():
-    assert "parallel.backend" in rules_hit(cfg(training={"parallel": {"tensor": 2}}, **GPU))
+    assert "parallel.backend" in rules_hit(cfg(training={"backend": "torch", "parallel": {"tensor": 2}}, **GPU))
+
+
+@pytest.mark.parametrize("cluster,key", [
+    ({"cpu_training_ranks": 2}, "cluster.cpu_training_ranks"),
+    ({"gpus_per_node": 8}, "cluster.gpus_per_node"),
+    ({"num_nodes": 2, "gpus_per_node": 1}, "cluster.num_nodes"),
+    ({"gpus_per_node": 8, "colocated": False, "generation_gpus": 6, "training_gpus": 2}, "cluster.training_gpus"),
+])
+def test_the_torch_backend_on_more_than_one_training_rank_is_refused_naming_the_key(cluster, key):
+    [f] = [f for f in check_compatibility(cfg(training={"backend": "torch"}, cluster=cluster))
+           if f.rule == "training.one-rank"]
+    assert f.key == key and f.severity == "error" and "training.backend: fsdp2" in f.fix
+
+
+@pytest.mark.parametrize("cluster", [{}, {"gpus_per_node": 1},
+                                     {"gpus_per_node": 8, "colocated": False, "generation_gpus": 7, "training_gpus": 1}])
+def test_the_torch_backend_on_one_training_rank_is_fine(cluster):
+    assert "training.one-rank" not in rules_hit(cfg(training={"backend": "torch"}, cluster=cluster))
+
+
+def test_loading_a_torch_recipe_with_two_cpu_ranks_fails_naming_the_override():
+    from gymv.config import load_recipe
+    from gymv.errors import GymvError
+    from train_helpers import REPO
+
+    with pytest.raises(GymvError, match="training.backend torch trains on one rank, cluster.cpu_training_ranks gives it 2") as e:
+        load_recipe(REPO / "recipes/vlm_grpo.yaml", ["cluster.cpu_training_ranks=2"]).validated
+    assert "cluster.cpu_training_ranks=2" in e.value.where and "training.backend: fsdp2" in e.value.fix
+    assert load_recipe(REPO / "recipes/vlm_grpo.yaml", ["cluster.cpu_training_ranks=2", "training.backend=fsdp2"]).validated
+
+
+def test_fsdp2_and_megatron_train_on_many_ranks():
+    for backend in ("fsdp2", "megatron"):
+        assert "training.one-rank" not in rules_hit(cfg(training={"backend": backend}, cluster={"cpu_training_ranks": 2}))
+        assert "training.one-rank" not in rules_hit(cfg(training={"backend": backend}, **GPU))
 
 
 def test_vllm_generation_on_cpu_is_allowed():

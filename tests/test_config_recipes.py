@@ -144,11 +144,11 @@ def test_bad_recipe_names_say_what_is_wrong(name, why):
 
 
 def test_a_name_that_disagrees_with_the_cluster_is_reported_at_the_key(tmp_path):
-    p = tmp_path / "grpo-tiny-2n8g-torch.yaml"
-    p.write_text("algorithm: grpo\ncluster:\n  gpus_per_node: 8\n")
+    p = tmp_path / "grpo-tiny-2n8g-fsdp2.yaml"
+    p.write_text("algorithm: grpo\ntraining:\n  backend: fsdp2\ncluster:\n  gpus_per_node: 8\n")
     loaded = load_recipe(p)
     [f] = check_recipe_name(p, loaded.validated, loaded.locate)
-    assert f.key == "cluster.num_nodes" and "2" in f.message and f.where.endswith(":2")
+    assert f.key == "cluster.num_nodes" and "2" in f.message and f.where.endswith(":4")
 
 
 def test_docs_describe_every_schema_key_and_every_rule():

@@ -309,14 +309,14 @@ def test_a_driver_whose_gpus_per_node_is_not_its_suites_is_gv016(tree):
 
 
 def test_a_suite_over_its_budget_is_gv017_at_its_budget_line(tree):
-    tree.add("llm/grpo-big-1n8g-torch.yaml", Tree.RUNNABLE_GPU_RECIPE, gpus=8, minutes=120)
+    tree.add("llm/grpo-big-1n8g-fsdp2.yaml", Tree.RUNNABLE_GPU_RECIPE, gpus=8, minutes=120)
     [f] = lint()
     assert (f.rule, f.path, f.line) == ("GV017", "recipes/suites/budgets.yaml", 1)
     assert f.message == "suite nightly needs 16.00 GPU-hours, over its budget of 10.00"
 
 
 def test_a_suite_within_its_budget_is_clean(tree):
-    tree.add("llm/grpo-big-1n8g-torch.yaml", Tree.RUNNABLE_GPU_RECIPE, gpus=8, minutes=120)
+    tree.add("llm/grpo-big-1n8g-fsdp2.yaml", Tree.RUNNABLE_GPU_RECIPE, gpus=8, minutes=120)
     tree.write("suites/budgets.yaml", "nightly: 16\nrelease: 100\n")
     assert lint() == []
 

@@ -205,7 +205,7 @@ def _gpu_cfg(placement: str, gpus, dp: int):
 
     teacher = f"{{path: embedded:tiny-llava, backend: torch, placement: {placement}, data_parallel_size: {dp}" + (
         f", gpus: {gpus}}}" if gpus is not None else "}")
-    overrides = ["cluster.gpus_per_node=8", "mopd.prompts_per_step=8", f"mopd.teachers={{t: {teacher}}}",
+    overrides = ["cluster.gpus_per_node=8", "training.backend=fsdp2", "mopd.prompts_per_step=8", f"mopd.teachers={{t: {teacher}}}",
                  "mopd.agent_to_teacher={circle_count_simple_agent: t}"]
     if placement == "separate":
         overrides += ["cluster.colocated=false", "cluster.generation_gpus=2", "cluster.training_gpus=2"]

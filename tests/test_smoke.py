@@ -184,7 +184,7 @@ def test_tiny_keeps_what_the_smoke_run_is_meant_to_exercise(tmp_path):
     ("vlm/vlm_mopd-qwen2.5-vl-3b-2n8g-megatron-noncolocated.yaml", "tiny-qwen2_5vl"),
     ("llm/grpo-qwen3-8b-2n8g-megatron-tp2.yaml", "tiny-qwen3"),
     ("llm/mopd-qwen3-1.7b-1n8g-megatron.yaml", "tiny-qwen3"),
-    ("llm/sft-llama3.1-8b-1n8g-torch.yaml", "tiny-llama"),
+    ("llm/sft-llama3.1-8b-1n8g-fsdp2.yaml", "tiny-llama"),
     ("vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", "tiny-llava"),
     ("vlm/vlm_grpo-nemotron3-nano-omni-30b-a3b-2n8g-fsdp2.yaml", "tiny-nemotron-omni"),
     ("vlm/vlm_mopd-nemotron3-super-omni-10n8g-fsdp2-noncolocated.yaml", "tiny-nemotron-omni"),

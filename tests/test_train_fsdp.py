@@ -1,15 +1,18 @@
 """The fsdp2 training backend on a real local Ray with the real tiny LLaVA: two sharded ranks (one with
-image rows, one text-only) take the step one plain rank takes, a refit reaches the generator intact, the sharded checkpoint resumes on
-one rank, and the export is a Hugging Face folder of the same weights."""
+image rows, one text-only) take the step one plain rank takes, their group listens on loopback only, a refit reaches
+the generator intact, the sharded checkpoint resumes on one rank, and the export is a Hugging Face folder of the
+same weights."""
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import replace
 
 import pytest
 import torch
 
+from net_listeners import descendants, is_loopback, listeners
 from tiny_models import tiny_path
 from train_helpers import ray_module
 
@@ -86,6 +89,7 @@ def fsdp_cluster(image_samples, tmp_path_factory):
     cluster = PolicyCluster(spec, Placement(num_generation=1, num_training=2))
     try:
         metrics = cluster.grpo_step([image_samples], PolicyLoss())
+        listening = listeners(descendants(os.getpid()))  # Ray's and the rank group's rendezvous included
         weights, *_ = ray.get([cluster.trainers[0].weights.remote()] + cluster._followers())
         cluster.refit(1)
         hashes = cluster.weight_hashes()
@@ -102,7 +106,7 @@ def fsdp_cluster(image_samples, tmp_path_factory):
         exported = cluster.export(tmp / "export")
     finally:
         cluster.shutdown()
-    return {"metrics": metrics, "weights": weights, "hashes": hashes, "scrambled": scrambled, "streamed": streamed,
+    return {"metrics": metrics, "listening": listening, "weights": weights, "hashes": hashes, "scrambled": scrambled, "streamed": streamed,
             "buckets": buckets, "ckpt": tmp / "ckpt", "export": exported}
 
 
@@ -118,6 +122,11 @@ def test_two_fsdp_ranks_take_the_step_of_one_plain_rank(fsdp_cluster, single_ste
     assert two["train/loss"] == pytest.approx(one["train/loss"], abs=1e-6)
     assert two["train/grad_norm"] == pytest.approx(one["train/grad_norm"], rel=1e-5)
     assert _close(fsdp_cluster["weights"], reference) < 0.05 * 1e-3  # float noise, well under lr per weight
+
+
+def test_the_ranks_and_their_group_listen_on_loopback_only(fsdp_cluster):
+    assert fsdp_cluster["listening"]
+    assert [(addr, port) for _, addr, port in fsdp_cluster["listening"] if not is_loopback(addr)] == []
 
 
 def test_two_fsdp_ranks_with_activation_checkpointing_take_the_same_step(image_samples, single_step):

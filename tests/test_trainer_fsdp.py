@@ -1,6 +1,7 @@
 """FSDP2 over two real gloo processes: several steps equal single-process training of the whole batch (loss,
 metrics and weights), a NaN on one rank refuses the step everywhere, and a sharded checkpoint written by two
-ranks resumes on one rank exactly where an uninterrupted run would be."""
+ranks resumes on one rank exactly where an uninterrupted run would be. The plain (one-rank) TorchTrainer
+refuses the same two-rank group."""
 
 import socket
 
@@ -77,7 +78,12 @@ def _worker(rank: int, world: int, port: int, out: str, resume_from: str | None)
         mine = batches()[0][:SPLIT] if rank == 0 else batches()[0][SPLIT:]
         logprobs = t.compute_logprobs(mine)
         ref_logprobs = reference.compute_logprobs(mine)
-        raised, untouched = None, None
+        raised, untouched, plain = None, None, None
+        if world > 1:
+            try:
+                TorchTrainer(tiny_stack(), logprob_fn, CONFIG)
+            except GymvError as e:
+                plain = (str(e), e.where, e.fix)
         if not resume_from:
             bad = make_samples(8, seed=30)
             bad[6]["advantages"] = torch.tensor(float("nan"))  # lands on rank 1 only
@@ -88,7 +94,7 @@ def _worker(rank: int, world: int, port: int, out: str, resume_from: str | None)
             untouched = all(torch.equal(weights[k], v.cpu()) for k, v in t.state_dict().items())
         torch.save({"metrics": metrics, "weights": weights, "logprobs": logprobs, "ref_logprobs": ref_logprobs,
                     "ref_params": sum(p.numel() for p in reference.model.parameters() if p.requires_grad),
-                    "raised": raised,
+                    "raised": raised, "plain": plain,
                     "untouched": untouched, "steps": t.steps}, f"{out}/rank{rank}.pt")
     finally:
         leave_process_group()
@@ -165,6 +171,12 @@ def test_nan_on_one_fsdp_rank_refuses_the_step_on_every_rank(fsdp_run):
     assert "non-finite loss" in ranks[1]["raised"]
     assert "another data-parallel rank" in ranks[0]["raised"]
     assert all(r["untouched"] for r in ranks)
+
+
+def test_the_plain_trainer_refuses_two_ranks_naming_the_backend_key_and_fsdp2(fsdp_run):
+    for rank in fsdp_run[1]:
+        message, where, fix = rank["plain"]
+        assert "trains on one rank, not 2" in message and where == "training.backend" and "fsdp2" in fix
 
 
 def test_a_checkpoint_of_two_ranks_resumes_on_one_rank_as_if_uninterrupted(fsdp_run, single_process, tmp_path):

@@ -64,6 +64,7 @@ class BackendCapabilities:
     model_parallel: tuple[str, ...] = ()  # training.parallel sizes (tensor, pipeline, context, expert) it runs > 1
     spans_gpus: bool = False  # a teacher replica may span GPUs (mopd.teachers.*.tensor_parallel_size > 1)
     compiles: bool = False  # training.compile compiles its decoder layers
+    one_rank: bool = False  # trains on one rank only (a recipe that gives it more is refused)
     refused_families: Mapping[str, str] = field(default_factory=dict)  # model type (config.json) -> why not
     # "module:function(engine, decode, *, seed, max_batch)" that puts a built engine in the decode loop
     # generation.decode asks for (hf's static decoder); None: the engine decodes its own way (auto, eager)
@@ -88,7 +89,7 @@ GENERATION_BACKENDS = Registry("generation backend", "gymv.generation_backends",
         model_check=VLLM_MODEL_CHECK)),
 }, where="generation.backend", default=BackendCapabilities())
 TRAINING_BACKENDS = Registry("training backend", "gymv.training_backends", {
-    "torch": ("gymv.backends.training.hf_torch:HFTorchBackend", BackendCapabilities(compiles=True)),
+    "torch": ("gymv.backends.training.hf_torch:HFTorchBackend", BackendCapabilities(compiles=True, one_rank=True)),
     "fsdp2": ("gymv.backends.training.hf_fsdp:HFFSDPBackend", BackendCapabilities(compiles=True)),
     "megatron": ("gymv.backends.training.megatron:MegatronBackend", BackendCapabilities(
         needs=MEGATRON, model_parallel=("tensor",), refused_families={

@@ -66,7 +66,7 @@ def model_parallel_size(cfg: RecipeBase) -> int:
 
 
 def data_parallel_size(cfg: RecipeBase) -> int:
-    """Training ranks that hold a full model replica (1 on CPU)."""
+    """Training ranks that each take a share of the batch: the training GPUs over the model-parallel size (1 on CPU)."""
     gpus = training_gpus(cfg)
     mp = model_parallel_size(cfg)
     return gpus // mp if gpus and gpus % mp == 0 else 1
@@ -244,11 +244,31 @@ def _parallel_backend(cfg: RecipeBase) -> Iterator[Finding]:
     if not TRAINING_BACKENDS.capabilities(backend).model_parallel:
         able = " or ".join(TRAINING_BACKENDS.having(lambda c: c.model_parallel))
         yield _err("parallel.backend", f"training.parallel.{used[0]}",
-                   f"training.parallel.{used[0]} > 1 needs training.backend: {able} ({backend} is data-parallel only)",
+                   f"training.parallel.{used[0]} > 1 needs training.backend: {able} ({backend} has no model parallelism)",
                    f"set training.backend: {able} or the parallel sizes to 1")
     if total_gpus(cfg) == 0:
         yield _err("parallel.backend", f"training.parallel.{used[0]}", f"training.parallel.{used[0]} > 1 needs GPUs",
                    "set cluster.gpus_per_node, or the parallel sizes to 1")
+
+
+def training_ranks(cfg: RecipeBase) -> tuple[int, str]:
+    """How many training ranks the run starts, and the recipe key that sets that number."""
+    c = cfg.cluster
+    if total_gpus(cfg) == 0:
+        return c.cpu_training_ranks, "cluster.cpu_training_ranks"
+    if not c.colocated and c.training_gpus is not None:
+        return c.training_gpus, "cluster.training_gpus"
+    return total_gpus(cfg), "cluster.gpus_per_node" if c.gpus_per_node > 1 else "cluster.num_nodes"
+
+
+@rule("training.one-rank", "a training backend that declares one rank (torch) gets one training rank")
+def _one_rank(cfg: RecipeBase) -> Iterator[Finding]:
+    ranks, key = training_ranks(cfg)
+    backend = cfg.training.backend
+    if ranks > 1 and TRAINING_BACKENDS.capabilities(backend).one_rank:
+        able = " or ".join(n for n, c in TRAINING_BACKENDS.declared().items() if not c.one_rank)
+        yield _err("training.one-rank", key, f"training.backend {backend} trains on one rank, {key} gives it {ranks}",
+                   f"set training.backend: {able} (fsdp2 shards the same trainer over the ranks), or train on one rank")
 
 
 @rule("training.compile-backend", "training.compile needs a training backend that declares it compiles (torch, fsdp2)")

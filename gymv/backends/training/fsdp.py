@@ -3,7 +3,7 @@
 Each decoder layer is its own `fully_shard` unit (its weights are gathered just before it runs and freed
 after), the root unit holds the rest of the language model (embeddings, final norm, head). Gradients are
 reduce-scattered as SUMS, not averages: every rank's loss is already divided by global counts, so the sum
-is the whole batch's gradient, exactly as in the replicated trainer.
+is the whole batch's gradient, exactly as one rank's would be.
 
 The vision tower and projector stay replicated, their gradients summed by hand: a rank whose micro-batch
 holds no image never runs them, and FSDP2 needs every rank to join the collectives of every unit it runs.
@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gymv.backends.hf_forward import output_head
-from gymv.backends.training.data_parallel import DataParallel
 from gymv.backends.training.guarded_step import finite_or
 from gymv.backends.training.micro_batches import pad_collate
+from gymv.backends.training.rank_reductions import RankReductions
 from gymv.backends.training.torch_trainer import TRAINER_FILE, TorchTrainer, _fsync_replace
 from gymv.errors import GymvError
 from gymv.net import master_store
@@ -180,6 +180,7 @@ def _full(t: Tensor, device: torch.device) -> Tensor:
 class FSDPTrainer(TorchTrainer):
     """TorchTrainer whose model is sharded with FSDP2 over the default process group (see the module doc)."""
 
+    multi_rank = True
     lockstep = True
     fused = True  # as on CUDA, also on a CPU: the tests then run the step the GPU runs (DTensor shards)
 
@@ -199,8 +200,8 @@ class FSDPTrainer(TorchTrainer):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.autocast_dtype = self._resolve_precision(config.precision)
         ensure_process_group(self.device)
-        self.dp = DataParallel()
-        self.rank, self.world_size = self.dp.rank, self.dp.world_size
+        self.ranks = RankReductions()
+        self.rank, self.world_size = self.ranks.rank, self.ranks.world_size
         self.model = self._place(model)
         self.params, self.optimizer, self.steps = [], None, 0
 
@@ -209,8 +210,8 @@ class FSDPTrainer(TorchTrainer):
             raise GymvError("training.fsdp.cpu_offload needs a CUDA device", where="training.fsdp.cpu_offload",
                             fix="set cpu_offload: false on a CPU (the weights are already in host memory)")
         ensure_process_group(self.device)
-        self.dp = DataParallel()
-        self.rank, self.world_size = self.dp.rank, self.dp.world_size
+        self.ranks = RankReductions()
+        self.rank, self.world_size = self.ranks.rank, self.ranks.world_size
         model, self.replicated = shard_model(model, self.device, self.autocast_dtype, self.sharding)
         if self.autocast_dtype is not None:
             autocast_replicated(model, self.device.type, self.autocast_dtype)
@@ -232,7 +233,7 @@ class FSDPTrainer(TorchTrainer):
         return [{"params": group} for group in (sharded, replicated) if group]
 
     def _sync_grads(self) -> None:
-        self.dp.sum_grads_([p for p in self.replicated if p.requires_grad])
+        self.ranks.sum_grads_([p for p in self.replicated if p.requires_grad])
 
     def _start_micro_batch(self, last: bool) -> None:
         """One rank: gradients accumulate unsharded (in the reduce dtype) over the step's micro-batches and go
@@ -281,7 +282,7 @@ class FSDPTrainer(TorchTrainer):
     def _grad_norm(self) -> Tensor:
         sharded, replicated = self._local_grads()
         sq_sharded = self._squared_norm(sharded, self.device)
-        self.dp.sum_(sq_sharded)
+        self.ranks.sum_(sq_sharded)
         return (sq_sharded + self._squared_norm(replicated, self.device)).sqrt().float()
 
     def _scale_grads(self, norm: Tensor) -> None:

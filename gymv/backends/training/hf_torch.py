@@ -1,6 +1,6 @@
 """The `torch` training backend: a Hugging Face checkpoint trained by TorchTrainer (AdamW, token-budget
-micro-batches, data parallel over torch.distributed), with the multimodal collate, logprob and
-shared-prefix planning functions of gymv.backends.logprobs."""
+micro-batches) on one rank, with the multimodal collate, logprob and shared-prefix planning functions of
+gymv.backends.logprobs. More ranks are `fsdp2` (hf_fsdp), which subclasses this backend."""
 
 from __future__ import annotations
 
@@ -199,7 +199,10 @@ def logprob_fn(adapter, temperature: float):
 
 
 class HFTorchBackend(TrainingBackend):
-    """One data-parallel rank: the policy under training and, for a KL penalty, a frozen reference."""
+    """The policy under training and, for a KL penalty, a frozen reference (one rank; its subclasses: one rank
+    of several)."""
+
+    trainer_class: type[TorchTrainer] = TorchTrainer  # one rank; a multi-rank subclass names its own
 
     def __init__(self, policy, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1):
         self.setup, self.policy = setup, policy
@@ -224,8 +227,8 @@ class HFTorchBackend(TrainingBackend):
             model.requires_grad_(True)  # TorchTrainer refuses a model without trainable parameters; never stepped
         layout = self.layout(model)
         self.compile_layers(model, frozen)
-        return TorchTrainer(model, self.trainer_logprob_fn(frozen), self.config, collate_fn=layout.collate,
-                            device=device, plan_fn=layout.plan)
+        return self.trainer_class(model, self.trainer_logprob_fn(frozen), self.config, collate_fn=layout.collate,
+                                  device=device, plan_fn=layout.plan)
 
     def trainer_logprob_fn(self, frozen: bool):
         """The logprob function of a trainer; the policy's records its MoE routers (training.moe)."""
@@ -270,7 +273,7 @@ class HFTorchBackend(TrainingBackend):
         if self.router_terms is None:
             return self.trainer.train_step(samples, loss_fn)
         out = self.trainer.train_step(samples, self.router_terms.wrap_loss(loss_fn))
-        return {**out, **self.router_terms.end_step(self.trainer.dp.sum_)}
+        return {**out, **self.router_terms.end_step(self.trainer.ranks.sum_)}
 
     def compute_logprobs(self, samples: Sequence[Sample], *, reference: bool = False) -> list[Tensor]:
         trainer = self.reference if reference else self.trainer
@@ -283,7 +286,7 @@ class HFTorchBackend(TrainingBackend):
         return self.reference is not None
 
     def sum_over_ranks(self, value: float) -> float:
-        return float(self.trainer.dp.sum_(torch.tensor([float(value)], device=self.trainer.device)))
+        return float(self.trainer.ranks.sum_(torch.tensor([float(value)], device=self.trainer.device)))
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         yield from self.trainer.state_dict().items()

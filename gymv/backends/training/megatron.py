@@ -39,7 +39,7 @@ from gymv.backends.training.megatron_model import (
     init_parallel,
     strip_language_model,
 )
-from gymv.backends.training.megatron_tp import TensorParallelTrainer, gather_state, union_over_tp
+from gymv.backends.training.megatron_tp import ReplicaTrainer, TensorParallelTrainer, gather_state, union_over_tp
 from gymv.backends.training.megatron_weights import DecoderShape, hf_to_megatron, megatron_to_hf
 from gymv.backends.training.torch_trainer import MODEL_SAFETENSORS, OPTIMIZER_FILE, TRAINER_FILE, _fsync_replace
 from gymv.errors import GymvError
@@ -90,6 +90,8 @@ def check_maps(policy):
 
 class MegatronBackend(HFTorchBackend):
     """One data-parallel rank whose policy (and KL reference) is a GPTModel twin of the HF decoder."""
+
+    trainer_class = ReplicaTrainer
 
     def __init__(self, policy, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1):
         self.shape = check_maps(policy)

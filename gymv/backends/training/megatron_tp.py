@@ -1,4 +1,8 @@
-"""Tensor parallelism around the torch trainer: what changes when a Megatron GPTModel is split over TP ranks.
+"""Megatron's data and tensor parallelism around the torch trainer.
+
+Data parallel: every replica starts from rank 0's weights and the replicas' gradients are summed once per
+step (gymv.backends.training.rank_reductions; megatron's own DDP wrapper allocates its buffers on CUDA only,
+docs/training.md). What changes when a Megatron GPTModel is also split over TP ranks:
 
 - The ranks of one TP group train one model replica, so they run the same samples: the union of what the
   driver handed each of them (gathered in TP rank order). Gradients are summed over the data-parallel
@@ -56,7 +60,21 @@ def gather_state(state: dict[str, Tensor]) -> list[dict[str, Tensor]]:
     return out
 
 
-class TensorParallelTrainer(TorchTrainer):
+class ReplicaTrainer(TorchTrainer):
+    """TorchTrainer over megatron's data-parallel replicas (`process_group`, default: every rank)."""
+
+    multi_rank = True
+
+    def _place(self, model: torch.nn.Module) -> torch.nn.Module:
+        model = super()._place(model)
+        self.ranks.broadcast_module_(model)
+        return model
+
+    def _sync_grads(self) -> None:
+        self.ranks.sum_grads_(self.params)
+
+
+class TensorParallelTrainer(ReplicaTrainer):
     """TorchTrainer over a TP-split GPTModel: data parallel over `process_group` (megatron's DP group). The TP
     ranks of a replica hold the same samples, hence the same micro-batch plan: their collectives pair up."""
 

@@ -1,5 +1,8 @@
-"""Plain-PyTorch training backend: AdamW, token-budget micro-batches, global-token normalisation, data
-parallel by summed gradients, bf16 autocast on CUDA, and a hard stop on non-finite losses.
+"""Plain-PyTorch training backend: AdamW, token-budget micro-batches, global-token normalisation, bf16 autocast
+on CUDA, and a hard stop on non-finite losses.
+
+One rank. Its multi-rank subclasses (FSDP2's FSDPTrainer, megatron's replica trainers) make their ranks'
+gradients agree; this class only adds up their counts, metrics and non-finite flags (rank_reductions).
 
 The model is any torch module; how logprobs come out of it (text LM, VLM with images, temperature,
 forbidden vision tokens) is the `logprob_fn` it is given, so the trainer stays model-agnostic.
@@ -23,9 +26,9 @@ from torch.profiler import record_function
 
 from gymv.backends.training.adamw_bf16 import AdamWBf16State
 from gymv.backends.training.base import CollateFn, GlobalCounts, LogprobFn, LossFn, MicroBatch, PlanFn, Sample
-from gymv.backends.training.data_parallel import DataParallel
 from gymv.backends.training.guarded_step import drop_fresh_state, finite_or, skips_on_device, step_unless
 from gymv.backends.training.micro_batches import pad_collate, plan_micro_batches
+from gymv.backends.training.rank_reductions import RankReductions
 from gymv.errors import GymvError
 
 try:
@@ -96,8 +99,11 @@ class TorchTrainer:
         self.plan_fn = plan_fn
         first = next(model.parameters(), None)
         self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
-        self.dp = DataParallel(process_group)
-        self.rank, self.world_size = self.dp.rank, self.dp.world_size
+        self.ranks = RankReductions(process_group)
+        self.rank, self.world_size = self.ranks.rank, self.ranks.world_size
+        if self.ranks.distributed and not self.multi_rank:
+            raise GymvError(f"training.backend torch trains on one rank, not {self.world_size}", where="training.backend",
+                            fix="set training.backend: fsdp2, which shards the same trainer over the ranks")
         self.autocast_dtype = self._resolve_precision(config.precision)
         self.model = self._place(model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -114,7 +120,8 @@ class TorchTrainer:
         kernel = {"fused": True} if fused else {"foreach": self.foreach}
         return torch.optim.AdamW(self._param_groups(), **common, **kernel)
 
-    # -- what a sharded subclass replaces --------------------------------------------------------------
+    # -- what a multi-rank subclass replaces ------------------------------------------------------------
+    multi_rank = False  # True: _sync_grads makes the ranks' gradients agree (else more than one rank is refused)
     lockstep = False  # True: every rank runs the same number of forward/backward passes (collectives inside)
     foreach: bool | None = None  # AdamW's multi-tensor kernels (where not fused): None = torch's default
     # AdamW's fused kernel (one pass over each parameter group instead of a dozen multi-tensor passes):
@@ -122,17 +129,14 @@ class TorchTrainer:
     fused: bool | None = None
 
     def _place(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Move the model to its device and start every rank from rank 0's weights."""
-        model = model.to(self.device)
-        self.dp.broadcast_module_(model)
-        return model
+        return model.to(self.device)
 
     def _param_groups(self) -> list:
         """What AdamW steps: one group of every trainable parameter."""
         return self.params
 
     def _sync_grads(self) -> None:
-        self.dp.sum_grads_(self.params)
+        """Make every rank's gradients the whole batch's, before the norm (one rank: they are)."""
 
     def _start_micro_batch(self, last: bool) -> None:
         """Called before each micro-batch of a step; `last`: no backward pass of this step follows it."""
@@ -154,9 +158,9 @@ class TorchTrainer:
 
     def _micro_batches_to_match(self, mine: int) -> int:
         """How many idle passes this rank adds so that every rank runs as many as the busiest."""
-        if not self.lockstep or not self.dp.distributed:
+        if not self.lockstep or not self.ranks.distributed:
             return 0
-        most = self.dp.max_(torch.tensor([float(mine)], device=self.device))
+        most = self.ranks.max_(torch.tensor([float(mine)], device=self.device))
         return int(most) - mine
 
     def _resolve_precision(self, precision: str) -> torch.dtype | None:
@@ -197,10 +201,10 @@ class TorchTrainer:
             m = s["loss_mask"] != 0
             tokens += float(m.sum())
             sequences += float(bool(m.any()))
-        if not self.dp.distributed:  # nothing to add up: no copy to the device and back
+        if not self.ranks.distributed:  # nothing to add up: no copy to the device and back
             return GlobalCounts(tokens=tokens, sequences=sequences)
         local = torch.tensor([tokens, sequences], dtype=torch.float64, device=self.device)
-        self.dp.sum_(local)
+        self.ranks.sum_(local)
         return GlobalCounts(tokens=float(local[0]), sequences=float(local[1]))
 
     def train_step(self, samples: Sequence[Sample], loss_fn: LossFn) -> dict[str, float]:
@@ -246,7 +250,7 @@ class TorchTrainer:
             step_losses = torch.stack(losses).reshape(-1) if losses else torch.zeros(0, device=self.device)
             loss_bad = (~torch.isfinite(step_losses)).any()
             # [loss, norm]: 1 where a rank saw a non-finite value; every rank then cancels the same step
-            flags = self.dp.max_(torch.stack([loss_bad.float(), (~torch.isfinite(norm)).float().reshape(())]))
+            flags = self.ranks.max_(torch.stack([loss_bad.float(), (~torch.isfinite(norm)).float().reshape(())]))
             self._clip_grads(norm)
             on_device = skips_on_device(self.optimizer)
             fresh = step_unless(self.optimizer, flags.max()) if on_device else []
@@ -297,7 +301,7 @@ class TorchTrainer:
                         mins: dict) -> tuple[list[str], Tensor]:
         """Names and cross-rank reductions (loss and micro-batch count first), still on the device: one
         collective per kind of reduction instead of one per metric."""
-        keys = self.dp.union_keys([*sums, *maxes, *mins])
+        keys = self.ranks.union_keys([*sums, *maxes, *mins])
         summed = [k for k in keys if not k.endswith(("_max", "_min"))]
         maxed = [k for k in keys if k.endswith("_max")]
         minned = [k for k in keys if k.endswith("_min")]
@@ -307,11 +311,11 @@ class TorchTrainer:
             return torch.stack([*first, *(got[k].reshape(()) if k in got else fill() for k in names)])
 
         count = torch.full((), micro_batches, dtype=torch.float64, device=self.device)
-        out = [self.dp.sum_(stacked([loss_sum, count], summed, sums, 0.0))]
+        out = [self.ranks.sum_(stacked([loss_sum, count], summed, sums, 0.0))]
         if maxed:
-            out.append(self.dp.max_(stacked([], maxed, maxes, -math.inf)))
+            out.append(self.ranks.max_(stacked([], maxed, maxes, -math.inf)))
         if minned:
-            out.append(self.dp.min_(stacked([], minned, mins, math.inf)))
+            out.append(self.ranks.min_(stacked([], minned, mins, math.inf)))
         return [_LOSS, _MICRO_BATCHES, *summed, *maxed, *minned], torch.cat(out)
 
     @torch.no_grad()

@@ -1,5 +1,5 @@
-"""Data parallel over two real gloo processes on 127.0.0.1: the step equals single-process training on the
-concatenated batch, and a NaN on one rank stops the step on every rank."""
+"""Megatron's data-parallel replicas (ReplicaTrainer) over two real gloo processes on 127.0.0.1: the step equals
+single-process training on the concatenated batch, and a NaN on one rank stops the step on every rank."""
 
 import socket
 
@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 
 from gymv.backends.training.process_group import leave_process_group
 from gymv.algorithms.loss_fns import PolicyLoss
+from gymv.backends.training.megatron_tp import ReplicaTrainer
 from gymv.backends.training.micro_batches import plan_micro_batches
 from gymv.backends.training.torch_trainer import TorchTrainer, TrainerConfig
 from gymv.errors import GymvError
@@ -42,7 +43,7 @@ def _worker(rank: int, world: int, port: int, out: str, backend: str = "gloo") -
         device = f"cuda:{rank}"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        t = TorchTrainer(tiny_lm(seed=rank), logprob_fn, CONFIG, device=device)  # rank 1 starts elsewhere: rank 0's weights must win
+        t = ReplicaTrainer(tiny_lm(seed=rank), logprob_fn, CONFIG, device=device)  # rank 1 starts elsewhere: rank 0's weights must win
         metrics = []
         for samples, loss in zip(batches(), LOSSES):
             metrics.append(t.train_step(samples[:SPLIT] if rank == 0 else samples[SPLIT:], loss))
@@ -83,13 +84,13 @@ def single_process():
     return train_single()
 
 
-def test_data_parallel_weights_equal_single_process_training(dp_results, single_process):
+def test_replicas_end_with_the_weights_of_single_process_training(dp_results, single_process):
     for rank in dp_results:
         for k, v in single_process["weights"].items():
             assert torch.allclose(rank["weights"][k], v, atol=1e-6, rtol=0), k
 
 
-def test_data_parallel_metrics_equal_single_process_metrics(dp_results, single_process):
+def test_replicas_report_the_metrics_of_single_process_training(dp_results, single_process):
     for step, expected in enumerate(single_process["metrics"]):
         for rank in dp_results:
             got = rank["metrics"][step]
@@ -113,7 +114,7 @@ def test_nan_on_one_rank_stops_the_step_on_every_rank(dp_results):
 
 
 @pytest.mark.gpu
-def test_nccl_data_parallel_on_two_gpus_equals_single_gpu_training(tmp_path):
+def test_nccl_replicas_on_two_gpus_equal_single_gpu_training(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     torch.backends.cudnn.allow_tf32 = False

@@ -1,8 +1,11 @@
-"""Data parallelism without DDP hooks: gradients are summed across ranks once, after all micro-batches.
+"""What a multi-rank trainer adds up over its ranks besides what FSDP2 reduces: metric sums, maxima and minima,
+the union of metric names, and the gradients of parameters every rank holds whole (fsdp2's replicated vision
+tower and projector, megatron's data-parallel replicas).
 
-Because each rank's loss is already divided by GLOBAL counts, summing gradients (not averaging) gives
-exactly the gradient of the whole batch, and ranks may run different numbers of micro-batches.
-Works on gloo (CPU) and NCCL (GPU); with torch.distributed uninitialised it is a single process.
+Those gradients are summed once per step, after all micro-batches: each rank's loss is already divided by
+GLOBAL counts, so the sum (not the mean) is the whole batch's gradient, whatever number of micro-batches each
+rank ran. Works on gloo (CPU) and NCCL (GPU); with torch.distributed uninitialised (or a group of one) every
+reduction returns its input.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from torch import Tensor
 BUCKET_ELEMENTS = 1 << 25
 
 
-class DataParallel:
+class RankReductions:
     def __init__(self, group: dist.ProcessGroup | None = None):
         self.active = dist.is_available() and dist.is_initialized()
         self.group = group
@@ -63,7 +66,7 @@ class DataParallel:
                 dist.broadcast(t.data, src=self._global_rank0(), group=self.group)
 
     def sum_grads_(self, params: list[torch.nn.Parameter]) -> None:
-        """Sum .grad over ranks in flat buckets; a missing grad counts as zeros."""
+        """Sum the .grad of parameters held whole on every rank, in flat buckets; a missing grad counts as zeros."""
         if not self.distributed:
             return
         for p in params:
