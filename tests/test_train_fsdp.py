@@ -99,9 +99,10 @@ def fsdp_cluster(image_samples, tmp_path_factory):
         scrambled = cluster.weight_hashes()
         cluster.refit(2)
         streamed = cluster.weight_hashes()
-        payload, *_ = ray.get([cluster.trainers[0].publish.remote()] + cluster._followers())
-        buckets = {"refs": all(isinstance(ref, ray.ObjectRef) for ref in payload["buckets"]),
-                   "nbytes": [ray.get(ref).nbytes for ref in payload["buckets"]], "numel": payload["layout"].numel}
+        parts = ray.get([t.publish.remote() for t in cluster.trainers])  # each rank ships the buckets it owns
+        refs = [ref for part in parts for ref in part["buckets"]]
+        buckets = {"refs": all(isinstance(ref, ray.ObjectRef) for ref in refs), "nbytes": [ray.get(r).nbytes for r in refs],
+                   "owned": sorted(k for part in parts for k in part["owned"]), "numel": parts[0]["layout"].numel}
         cluster.save(tmp / "ckpt")
         exported = cluster.export(tmp / "export")
     finally:
@@ -156,9 +157,10 @@ def test_a_streamed_bucketed_refit_from_sharded_ranks_gives_the_generator_the_tr
     assert generators == [trainer]
 
 
-def test_the_object_store_refit_is_one_stored_object_per_bucket(fsdp_cluster):
+def test_the_object_store_refit_is_one_stored_object_per_bucket_each_shipped_by_one_rank(fsdp_cluster):
     buckets = fsdp_cluster["buckets"]
-    assert buckets["refs"] and len(buckets["nbytes"]) == -(-buckets["numel"] * 2 // int(BUCKET_MB * 2**20))
+    count = -(-buckets["numel"] * 2 // int(BUCKET_MB * 2**20))
+    assert buckets["refs"] and len(buckets["nbytes"]) == count and buckets["owned"] == list(range(count))
     assert max(buckets["nbytes"]) <= BUCKET_MB * 2**20 and sum(buckets["nbytes"]) == buckets["numel"] * 2
 
 
