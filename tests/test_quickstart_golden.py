@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from gymv.checks.evaluate import MetricSeries
 from gymv.models.tiny import init_tiny
 from gymv.train import train
 from train_helpers import ray_module, write_recipe
@@ -33,8 +34,8 @@ def ray():
 
 
 def _series(run, keys) -> dict[str, list[float]]:
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return {k: [r[k] for r in rows if k in r] for k in keys}
+    metrics = MetricSeries.from_run(run)
+    return {k: [v for _, v in metrics.series(k)] for k in keys}
 
 
 def test_the_quickstarts_first_sft_and_grpo_steps_give_the_recorded_figures(tmp_path):
