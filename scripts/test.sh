@@ -4,6 +4,7 @@
 # checkout, then reused, by `bash scripts/install.sh vllm`), with the decode-attention kernel tests that need its
 # triton. GYMV_TEST_VLLM=0 leaves the vLLM part out. Each stage's wall time is printed at the end.
 # Usage: bash scripts/test.sh [pytest args...]   (e.g. -m "not slow" for the fast set; they apply to .venv's run)
+# GYMV_TEST_WORKERS sets the number of pytest-xdist workers of .venv's run (default 2; 0 runs the tests in one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stages=()
@@ -12,7 +13,10 @@ stage() { local now; now=$(date +%s); stages+=("$(printf '%-34s %5d s' "$1" $((n
 bash scripts/install.sh dev
 stage "install (.venv)"
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 "$@"
+# Two pytest-xdist workers, one test file at a time each (module fixtures are shared within a file);
+# GYMV_TEST_WORKERS=0 runs in this process.
+.venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 \
+  -n "${GYMV_TEST_WORKERS:-2}" --dist loadfile "$@"
 rc=$?
 set -e
 stage "main suite (.venv)"

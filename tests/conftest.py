@@ -107,7 +107,17 @@ def vectors() -> Path:
     return VECTORS
 
 
+# The modules that cost a minute or more on 2 cores, heaviest first: run before the rest, so that the two
+# pytest-xdist workers of scripts/test.sh (one file at a time each) finish together rather than one of them
+# starting the biggest file last.
+HEAVY_FIRST = ("test_train_env_learning.py", "test_learning_nemotron_omni.py", "test_train_agents.py",
+               "test_train_fsdp.py", "test_smoke_e2e.py", "test_train_grpo_async.py", "test_cluster_two_nodes.py",
+               "test_mopd_train.py", "test_model_families_train.py", "test_train_megatron.py", "test_cluster_slurm.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     try:
         import torch
 
@@ -134,12 +144,11 @@ def pytest_sessionstart(session):
     _START[0] = time.monotonic()
 
 
-def pytest_collection_finish(session):
-    _SLOW.update(item.nodeid for item in session.items if "slow" in item.keywords)
-
-
 def pytest_runtest_logreport(report):
+    # read from the report, not the collection: under pytest-xdist the controller collects nothing
     _TIMES[report.nodeid] = _TIMES.get(report.nodeid, 0.0) + report.duration
+    if "slow" in report.keywords:
+        _SLOW.add(report.nodeid)
 
 
 def pytest_sessionfinish(session, exitstatus):
