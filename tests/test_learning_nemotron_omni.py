@@ -11,11 +11,11 @@ swings by 10 points or more at this scale.
 
 from __future__ import annotations
 
-import json
 from statistics import mean
 
 import pytest
 
+from gymv.checks.evaluate import MetricSeries
 from gymv.train import train
 from train_helpers import ray_module, write_recipe
 
@@ -39,16 +39,12 @@ def runs(tmp_path_factory):
     return tmp, common
 
 
-def _metrics(run) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 def _val(run) -> list[float]:
-    return [m["val/accuracy"] for m in _metrics(run) if "val/accuracy" in m]
+    return [v for _, v in MetricSeries.from_run(run).series("val/accuracy")]
 
 
 def _max_error(run) -> float:
-    return max(m["train/token_mult_prob_error"] for m in _metrics(run) if "train/token_mult_prob_error" in m)
+    return max(v for _, v in MetricSeries.from_run(run).series("train/token_mult_prob_error"))
 
 
 @pytest.mark.timeout(2400)

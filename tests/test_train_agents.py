@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from gymv.checks.evaluate import MetricSeries
 from gymv.train import train
 from learning import assert_learns
 from nemo_gym_peer.harness import AGENTS, RESOURCES, NemoGymProcess, free_port, nemo_gym_python, start_all
@@ -51,10 +52,6 @@ def _data(tmp: Path) -> list[str]:
     return [f"data.train={tmp / 'train.jsonl'}", f"data.eval={tmp / 'eval.jsonl'}"]
 
 
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-
-
 @pytest.mark.timeout(1200)
 def test_grpo_through_nemo_gym_agents_learns_circle_count(nemo_gym, tmp_path):
     data = {"data.train": str(tmp_path / "train.jsonl"), "data.eval": str(tmp_path / "eval.jsonl"),
@@ -74,9 +71,9 @@ def test_grpo_through_nemo_gym_agents_learns_circle_count(nemo_gym, tmp_path):
         "rollout.model_server_port": nemo_gym["model_port"]})
     train(grpo)
     run = tmp_path / "runs" / "grpo"
-    metrics = _metrics(run)
-    val = [m["val/accuracy"] for m in metrics if "val/accuracy" in m]
-    reward = [m["train/reward_mean"] for m in metrics if "train/reward_mean" in m]
+    metrics = MetricSeries.from_run(run)
+    val = [v for _, v in metrics.series("val/accuracy")]
+    reward = [v for _, v in metrics.series("train/reward_mean")]
     print(f"held-out accuracy {val[0]:.3f} -> {val[-1]:.3f}")
     assert len(val) == 2, val
     assert_learns(reward, val, window=10)  # measured: 55.5% -> 87.5%

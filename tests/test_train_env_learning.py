@@ -6,11 +6,11 @@ not learn it at a scale this CPU runs)."""
 
 from __future__ import annotations
 
-import json
 from statistics import mean
 
 import pytest
 
+from gymv.checks.evaluate import MetricSeries
 from gymv.train import train
 from train_helpers import ray_module, write_recipe
 
@@ -30,8 +30,7 @@ def ray():
 
 
 def _rewards(run) -> list[float]:
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r["train/reward_mean"] for r in rows if "train/reward_mean" in r]
+    return [v for _, v in MetricSeries.from_run(run).series("train/reward_mean")]
 
 
 @pytest.mark.parametrize("env", sorted(PLANS))

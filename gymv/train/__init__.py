@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from gymv.backends.registry import GENERATION_BACKENDS, TEACHER_BACKENDS
@@ -94,29 +95,47 @@ def _check_supported(rec, cfg) -> None:
         raise GymvError(gap.message, where=_where(rec, gap.key), fix=gap.fix)
 
 
+@dataclass(frozen=True)
+class _ModelCheck:
+    """One backend's `model_check` (an import path) for one checkpoint, as the recipe would run it."""
+    check: str
+    key: str  # the recipe key that chose the backend
+    backend: str
+    path: str
+    device: str
+    dtype: str
+    text_only: bool = False
+
+    def refusal(self) -> tuple[str, str] | None:
+        """(why, fix) when the backend cannot run the checkpoint there, else None."""
+        return import_object(self.check)(self.path, self.device, self.dtype, text_only=self.text_only)
+
+
 def _check_models(rec, cfg, model_path: str) -> None:
     """A checkpoint that a backend's registry entry declares it cannot run where the recipe puts it (its
     `model_check`; vLLM's words gymv.capabilities.VLLM_FAMILY_LIMITS) is refused here, from the checkpoints'
     configs, before the run directory is written and Ray starts."""
-    checks = []
+    checks: list[_ModelCheck] = []
     g = cfg.generation
     check = GENERATION_BACKENDS.capabilities(g.backend).model_check
     if check:
         device = "cuda" if cfg.cluster.gpus_per_node > 0 else "cpu"
-        checks.append((check, "generation.backend", g.backend, model_path, device, generation_dtype(cfg, model_path),
-                       False))
+        checks.append(_ModelCheck(check, "generation.backend", g.backend, model_path, device,
+                                  generation_dtype(cfg, model_path)))
     mopd = getattr(cfg, "mopd", None)
     teachers = {alias: TEACHER_BACKENDS.capabilities(t.backend).model_check
                 for alias, t in (mopd.teachers.items() if mopd is not None else ())}
     if any(teachers.values()):
         for alias, spec in teacher_specs(cfg, model_path).items():
             if teachers[alias]:
-                checks.append((teachers[alias], f"mopd.teachers.{alias}.backend", mopd.teachers[alias].backend,
-                               spec.path, spec.device, spec.dtype, spec.text_of))
-    for check, key, name, path, device, dtype, text_only in checks:
-        refused = import_object(check)(path, device, dtype, text_only=text_only)
+                checks.append(_ModelCheck(teachers[alias], f"mopd.teachers.{alias}.backend",
+                                          mopd.teachers[alias].backend, spec.path, spec.device, spec.dtype,
+                                          spec.text_of))
+    for c in checks:
+        refused = c.refusal()
         if refused:
-            raise GymvError(f"{key} {name} cannot run {path}: {refused[0]}", where=_where(rec, key), fix=refused[1])
+            raise GymvError(f"{c.key} {c.backend} cannot run {c.path}: {refused[0]}", where=_where(rec, c.key),
+                            fix=refused[1])
 
 
 def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, resume_dir: str | None = None,
