@@ -79,6 +79,12 @@ def test_a_step_zero_validation_row_is_part_of_the_series(run_dir):
     assert check("max(val/accuracy, steps=0) == 0.1", run_dir).status == "pass"
 
 
+def test_values_are_a_metrics_values_in_step_order_without_its_nulls(run_dir):
+    metrics = MetricSeries.from_run(run_dir)
+    assert metrics.values("val/accuracy") == [v for _, v in metrics.series("val/accuracy")]
+    assert len(metrics.values("train/loss")) == 4 and metrics.values("no/such_metric") == []
+
+
 def test_null_values_are_skipped(run_dir):
     r = check("max(train/loss) <= 1", run_dir)
     assert r.observed[0].count == 4

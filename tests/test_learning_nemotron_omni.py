@@ -40,11 +40,11 @@ def runs(tmp_path_factory):
 
 
 def _val(run) -> list[float]:
-    return [v for _, v in MetricSeries.from_run(run).series("val/accuracy")]
+    return MetricSeries.from_run(run).values("val/accuracy")
 
 
 def _max_error(run) -> float:
-    return max(v for _, v in MetricSeries.from_run(run).series("train/token_mult_prob_error"))
+    return max(MetricSeries.from_run(run).values("train/token_mult_prob_error"))
 
 
 @pytest.mark.timeout(2400)

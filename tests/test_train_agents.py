@@ -72,8 +72,8 @@ def test_grpo_through_nemo_gym_agents_learns_circle_count(nemo_gym, tmp_path):
     train(grpo)
     run = tmp_path / "runs" / "grpo"
     metrics = MetricSeries.from_run(run)
-    val = [v for _, v in metrics.series("val/accuracy")]
-    reward = [v for _, v in metrics.series("train/reward_mean")]
+    val = metrics.values("val/accuracy")
+    reward = metrics.values("train/reward_mean")
     print(f"held-out accuracy {val[0]:.3f} -> {val[-1]:.3f}")
     assert len(val) == 2, val
     assert_learns(reward, val, window=10)  # measured: 55.5% -> 87.5%

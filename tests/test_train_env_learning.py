@@ -30,7 +30,7 @@ def ray():
 
 
 def _rewards(run) -> list[float]:
-    return [v for _, v in MetricSeries.from_run(run).series("train/reward_mean")]
+    return MetricSeries.from_run(run).values("train/reward_mean")
 
 
 @pytest.mark.parametrize("env", sorted(PLANS))

@@ -81,6 +81,10 @@ class MetricSeries:
     def series(self, name: str) -> list[tuple[int, float]]:
         return list(self._series.get(name, []))
 
+    def values(self, name: str) -> list[float]:
+        """The metric's values in step order (what a learning curve or a statistic reads)."""
+        return [v for _, v in self._series.get(name, [])]
+
 
 @dataclass(frozen=True)
 class Observed:
