@@ -378,3 +378,55 @@ def test_headers_sent_a_byte_at_a_time_are_408_at_the_read_deadline():
     with EnvServer(get_env("circle-click"), request_timeout=5, read_deadline=0.6) as srv:
         reply = trickle(srv, b"GET / HTTP/1.1\r\n", b"X")
         assert reply.startswith(b"HTTP/1.1 408")  # the idle timeout would close without a word
+
+
+def post_raw(srv: EnvServer, path: str, body: bytes) -> tuple[int, bytes, float]:
+    """(status, the answer's body, seconds from the first byte sent to the last received)."""
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=120)
+    t0 = time.monotonic()
+    conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    raw = resp.read()
+    elapsed = time.monotonic() - t0
+    conn.close()
+    return resp.status, raw, elapsed
+
+
+MIB = 1024 * 1024
+OK_RESPONSE = {"id": "r", "created_at": 0, "model": "m", "object": "response", "parallel_tool_calls": True,
+               "tool_choice": "auto", "tools": []}
+LARGE_INVALID = {  # 8 MiB each; FastAPI would answer each with an error (and an echo of its input) per bad part
+    "400k bad output items": lambda: {"responses_create_params": {"input": "x"},
+                                           "response": {**OK_RESPONSE, "output": [{"type": "function_call"}] * 400_000}},
+    "700k unknown keys": lambda: {"responses_create_params": {"input": "x", **{f"k{i}": 0 for i in range(700_000)}}},
+    "700k metadata numbers": lambda: {"responses_create_params": {"input": "x",
+                                                                       "metadata": {f"k{i}": 0 for i in range(700_000)}}},
+    "a key of 8 MiB": lambda: {"responses_create_params": {"input": "x", "k" * 8 * MIB: 0}},
+    "a response echoed by each missing field": lambda: {"responses_create_params": {"input": "x"},
+                                                        "response": {"junk": ["x" * 100] * 80_000}},
+}
+
+
+@pytest.mark.parametrize("shape", sorted(LARGE_INVALID))
+def test_a_large_invalid_body_gets_a_small_422_quickly(count_server, shape):
+    status, raw, seconds = post_raw(count_server, "/verify", json.dumps(LARGE_INVALID[shape]()).encode())
+    assert status == 422 and json.loads(raw)["detail"]
+    assert len(raw) < 64 * 1024, f"a {len(raw)} byte answer"
+    assert seconds < 10
+
+
+def test_errors_past_the_listed_ones_are_counted_in_one_last_entry(count_server):
+    params = {"input": "x", **{f"k{i}": 0 for i in range(5000)}}
+    status, answer, _ = post(count_server, "/verify", json.dumps({"responses_create_params": params}).encode())
+    detail = answer["detail"]
+    assert status == 422 and len(detail) == 21
+    assert [e["loc"][-1] for e in detail[:20]] == [f"k{i}" for i in range(20)]
+    assert detail[-1]["type"] == "too_many_errors" and detail[-1]["msg"] == "4980 more errors not listed"
+
+
+def test_an_errors_input_is_echoed_whole_when_small_and_as_the_start_of_its_json_text_when_large(count_server):
+    params = {"input": "x", "small": [1, 2], "large": ["y" * 100] * 1000}
+    status, answer, _ = post(count_server, "/verify", json.dumps({"responses_create_params": params}).encode())
+    inputs = {e["loc"][-1]: e["input"] for e in answer["detail"]}
+    assert status == 422 and inputs["small"] == [1, 2]
+    assert inputs["large"] == json.dumps(params["large"])[:200] + "…"

@@ -176,6 +176,17 @@ def test_a_number_too_long_to_read_is_422_naming_its_field(policy):
     assert e.value.code == 422 and json.loads(e.value.read())["detail"][0]["loc"] == ["body", "max_output_tokens"]
 
 
+def test_a_large_invalid_body_gets_a_small_422(policy):
+    body = {"input": "hi", **{f"k{i}": [i] for i in range(500_000)}}
+    with PolicyServer(Recorded(policy, {}), params=PARAMS, max_seq_len=4096) as srv:
+        req = urllib.request.Request(srv.url + "/v1/responses", method="POST", data=json.dumps(body).encode())
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        raw = e.value.read()
+    assert e.value.code == 422 and len(raw) < 64 * 1024
+    assert json.loads(raw)["detail"][-1]["msg"] == "499980 more errors not listed"
+
+
 def test_a_stalled_body_is_408_and_the_server_goes_on(policy):
     import socket
 

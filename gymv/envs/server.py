@@ -12,10 +12,10 @@
 
 Each rollout is a session keyed by the `gymv_session` cookie, set on every response, which NeMo Gym's
 agents pass back. Requests are validated as NeMo Gym's servers validate them (`gymv.envs.nemo_schema`):
-a body NeMo Gym refuses is a 422 whose `detail` is FastAPI's list of errors; a body over the size limit is
-a 413, an unknown path a 404. A tool that returns images answers with the JSON text of a list of Responses
-input parts (and the header `X-Gymv-Tool-Output: parts`); a text result is the plain body, as NeMo Gym's
-tools answer.
+a body NeMo Gym refuses is a 422 whose `detail` is FastAPI's list of errors, bounded in size whatever the body
+(`nemo_schema.bounded_detail`); a body over the size limit is a 413, an unknown path a 404. A tool that
+returns images answers with the JSON text of a list of Responses input parts (and the header
+`X-Gymv-Tool-Output: parts`); a text result is the plain body, as NeMo Gym's tools answer.
 
 `/step` answers as NeMo Gym's gymnasium servers do, with strings where NeMo Gym's agents need strings: the
 next user message as `observation`, `info.tool_outputs` with one `{call_id, name, output}` per tool call
@@ -39,7 +39,7 @@ from collections import OrderedDict
 from http.cookies import CookieError, SimpleCookie
 from typing import Any
 
-from gymv.envs.nemo_schema import RunRequest, SchemaError, VerifyRequest, validate_body
+from gymv.envs.nemo_schema import RunRequest, SchemaError, VerifyRequest, bounded_detail, validate_body
 from gymv.envs.protocol import Environment, EpisodeState, Text, ToolCallError, parts_to_items
 from gymv.envs.responses import encode_parts
 from gymv.envs.transcript import turn_from_items
@@ -335,7 +335,7 @@ class _Handler(OneWriteHandler):
         self._send(status, json_bytes(obj), sid=sid, close=close)
 
     def _error(self, status: int, detail: str | list, *, sid: str | None = None, close: bool = False) -> None:
-        self._json(status, {"detail": detail}, sid=sid, close=close)
+        self._json(status, {"detail": bounded_detail(detail)}, sid=sid, close=close)
 
     def _read_json(self) -> Any:
         if self.headers.get("Transfer-Encoding", "").lower() not in ("", "identity"):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gymv.backends.generation.base import GenerationBackend, GenerationRequest, SamplingParams
-from gymv.envs.nemo_schema import ResponseCreateParams, SchemaError, validate_body
+from gymv.envs.nemo_schema import ResponseCreateParams, SchemaError, bounded_detail, validate_body
 from gymv.envs.responses import new_id, response_object
 from gymv import json_bounds
 from gymv.errors import GymvError
@@ -186,6 +186,8 @@ class _Handler(OneWriteHandler):
     server_version = "gymv-policy"
 
     def _send(self, status: int, obj: Any) -> None:
+        if status >= 400:  # an error answer stays small whatever the body
+            obj = {"detail": bounded_detail(obj["detail"])}
         self.send_whole(status, json_bytes(obj), {"Content-Type": "application/json"})
 
     def do_GET(self) -> None:  # noqa: N802
