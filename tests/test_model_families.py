@@ -248,3 +248,48 @@ def test_grid_family_logprobs_equal_the_plain_hf_forward_from_pixels(arch):
     ref = torch.log_softmax(logits, -1)[:-1].gather(-1, t[0, 1:, None]).squeeze(-1)
     text = ~torch.isin(t[0, 1:], torch.tensor(policy.adapter.vision_token_ids))
     assert torch.allclose(got[1:][text], ref[text], atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ config against the weights
+
+
+def _config_edited(tmp_path, arch: str, edit) -> "Path":
+    import shutil
+
+    folder = tmp_path / arch
+    shutil.copytree(tiny_path(arch), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    edit(cfg)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.mark.parametrize("arch,edit,message", [
+    ("tiny-llava", lambda c: c["text_config"].update(num_hidden_layers=1),
+     r"\d+ stored tensors the model has no place for .*: \S*layers\.1\."),
+    ("tiny-qwen3", lambda c: c.update(num_hidden_layers=3, layer_types=c["layer_types"] + c["layer_types"][:1]),
+     r"\d+ model tensors the checkpoint lacks .*: \S*layers\.2\."),
+    ("tiny-llava", lambda c: c["text_config"].update(intermediate_size=200),
+     r"tensors whose stored shape differs from the config's: .*\(384, 128\) vs \(200, 128\)"),
+])
+def test_a_checkpoint_whose_tensors_do_not_fill_the_model_exactly_is_refused_at_load(tmp_path, arch, edit, message):
+    from gymv.backends.policy import load_policy
+
+    folder = _config_edited(tmp_path, arch, edit)
+    with pytest.raises(GymvError, match=message) as err:
+        load_policy(folder)
+    assert err.value.where == str(folder) and "config.json" in err.value.fix
+
+
+def test_weights_tied_to_the_embeddings_are_not_reported_missing(tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gymv.backends.policy import load_policy
+
+    folder = _config_edited(tmp_path, "tiny-qwen3", lambda c: c.update(tie_word_embeddings=True))
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).save_pretrained(folder)
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        assert not [k for k in f.keys() if "lm_head" in k]  # the tied head is not stored
+    policy = load_policy(folder)
+    assert policy.model.lm_head.weight.data_ptr() == policy.model.model.embed_tokens.weight.data_ptr()

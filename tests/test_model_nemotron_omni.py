@@ -13,6 +13,7 @@ import torch
 
 from gymv.errors import GymvError
 from tiny_models import chat_ids, fresh_policy, shared_policy, solid, tiny_path
+from train_helpers import REPO
 
 ARCH = "tiny-nemotron-omni"
 
@@ -111,6 +112,99 @@ def test_a_patch_budget_that_would_depend_on_the_image_count_is_refused_at_load(
     (folder / "preprocessor_config.json").write_text(json.dumps(cfg))
     with pytest.raises(GymvError, match="depends on how many images share a call"):
         load_policy(folder)
+
+
+def _with_config(tmp_path, edit=None, *, text: str | None = None):
+    """A copy of the tiny Omni whose config.json `edit` (a function of the parsed dict) changed, or is `text`."""
+    folder = tmp_path / "omni"
+    shutil.copytree(tiny_path(ARCH), folder)
+    if text is None:
+        cfg = json.loads((folder / "config.json").read_text())
+        edit(cfg)
+        text = json.dumps(cfg, indent=2)
+    (folder / "config.json").write_text(text)
+    return folder
+
+
+def _short(c):
+    c["text_config"]["layers_block_type"] = c["text_config"]["layers_block_type"][:-1]
+
+
+def _set(**values):
+    return lambda c: c["text_config"].update(values)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (_short, "`text_config.layers_block_type` lists 3 layers, the weights hold 4"),
+    (_set(layers_block_type=["linear_attention", "moe", "full_attention", "mlp"]), "layer 3 is mlp, its stored tensors are a moe"),
+    (_set(layers_block_type=["linear_attention", "moe", "full_attention", "dense"]), "unknown layer kinds 'dense'"),
+    (_set(num_hidden_layers=5), "lists 4 layers, num_hidden_layers is 5"),
+    (_set(num_experts_per_tok=0), "`text_config.num_experts_per_tok` is 0: each token is routed to between 1 and"),
+    (_set(num_experts_per_tok=5), "`text_config.num_experts_per_tok` is 5"),
+    (_set(n_routed_experts=3), "`text_config.n_routed_experts` is 3, the weights' routers choose among 4"),
+    (_set(n_groups=3), "`text_config.n_groups` (3) does not divide mamba_num_heads (4)"),
+    (_set(num_key_value_heads=3), "not a multiple of num_key_value_heads (3)"),
+    (_set(hidden_size=0), "`text_config.hidden_size` is 0, it must be at least 1"),
+    (_set(hidden_size="128"), '`text_config.hidden_size` is "128", not an integer'),
+    (_set(num_experts_per_tok=True), "`text_config.num_experts_per_tok` is true, not an integer"),
+    (lambda c: c["text_config"].pop("vocab_size"), "`text_config.vocab_size` is missing"),
+    (lambda c: c.pop("text_config"), "`text_config` is missing"),
+    (lambda c: c["vision_config"].update(hidden_size=66), "`vision_config.hidden_size` (66) is not a multiple"),
+    (lambda c: c.update(image_token_id=99999), "`image_token_id` is 99999, outside the vocabulary"),
+    (_set(time_step_limit="x"), "transformers refuses config.json: Validation error for field 'time_step_limit'"),
+])
+def test_a_config_that_breaks_the_family_or_its_weights_is_one_line_naming_the_key(tmp_path, edit, message):
+    from gymv.models.config_check import check_checkpoint
+
+    folder = _with_config(tmp_path, edit)
+    with pytest.raises(GymvError) as err:
+        check_checkpoint(folder)
+    assert message in err.value.message and err.value.where == str(folder / "config.json") and err.value.fix
+    assert "learning rate" not in err.value.one_line()
+
+
+def test_a_truncated_config_is_one_line_naming_the_file_and_line(tmp_path):
+    from gymv.models.config_check import check_checkpoint
+
+    whole = (tiny_path(ARCH) / "config.json").read_text()
+    folder = _with_config(tmp_path, text=whole[:len(whole) // 2])
+    with pytest.raises(GymvError, match="config.json is not valid JSON") as err:
+        check_checkpoint(folder)
+    assert err.value.where.startswith(f"{folder / 'config.json'} line ")
+
+
+def test_a_released_style_config_with_a_pattern_string_and_llm_config_passes(tmp_path):
+    from gymv.models.config_check import check_checkpoint
+
+    def released(c):
+        text = c.pop("text_config")
+        text["hybrid_override_pattern"] = "ME*E"
+        text["num_hidden_layers"] = len(text.pop("layers_block_type"))
+        c["llm_config"] = text
+
+    check_checkpoint(_with_config(tmp_path, released))
+
+
+@pytest.mark.parametrize("edit,key", [
+    (_short, "text_config.layers_block_type"),
+    (_set(num_experts_per_tok=0), "text_config.num_experts_per_tok"),
+    (_set(num_experts_per_tok=8), "text_config.num_experts_per_tok"),
+])
+def test_model_info_refuses_a_config_that_does_not_match_its_weights(gymv, tmp_path, edit, key):
+    result = gymv("model", "info", _with_config(tmp_path, edit))
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert result.code == 2 and len(errors) == 1 and "Traceback" not in result.stderr
+    assert f"`{key}`" in errors[0] and "config.json" in errors[0] and "(fix: " in errors[0]
+
+
+def test_lint_refuses_a_recipe_whose_local_model_folder_does_not_match_its_config(gymv, tmp_path):
+    folder = _with_config(tmp_path, _short)
+    recipe = tmp_path / "omni.yaml"
+    recipe.write_text(f"defaults: {REPO / 'recipes/vlm/vlm_sft-tinyomni-1n0g-torch.yaml'}\nmodel:\n  path: {folder}\n")
+    result = gymv("lint", recipe, "--format", "text")
+    assert result.code == 1
+    assert f"omni.yaml:3: GV023 model.path {folder}: {folder / 'config.json'}: `text_config.layers_block_type` " \
+           "lists 3 layers, the weights hold 4" in result.stdout
 
 
 def test_pixels_equal_the_transformers_image_processor():

@@ -172,6 +172,32 @@ def test_gymv_train_refuses_what_the_family_cannot_run_before_ray_starts(tmp_pat
     assert not ray.is_initialized() and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("key,edit", [
+    ("text_config.layers_block_type", lambda t: t.update(layers_block_type=t["layers_block_type"][:-1])),
+    ("text_config.num_experts_per_tok", lambda t: t.update(num_experts_per_tok=0)),
+])
+def test_gymv_train_refuses_a_config_that_does_not_match_its_weights_before_ray_starts(tmp_path, key, edit):
+    import json
+    import shutil
+
+    import ray
+
+    from gymv.errors import GymvError
+    from gymv.train import train
+
+    no_shared_ray()
+    folder = tmp_path / "omni"
+    shutil.copytree(tiny_path(ARCH), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    edit(cfg["text_config"])
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(GymvError) as err:
+        train("recipes/vlm/vlm_sft-tinyomni-1n0g-torch.yaml", [f"model.path={folder}",
+                                                              f"checkpoint.dir={tmp_path / 'runs'}"])
+    assert f"`{key}`" in err.value.message and err.value.where == str(folder / "config.json")
+    assert not ray.is_initialized() and not (tmp_path / "runs").exists()
+
+
 def test_the_capability_table_says_why_the_family_does_not_run_on_megatron():
     from gymv.capabilities import table
 

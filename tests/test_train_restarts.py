@@ -7,6 +7,14 @@ import pytest
 from gymv.cluster.ray_placement import LOST_EXIT
 from gymv.errors import GymvError
 from gymv.train.launch import with_restarts
+from train_helpers import ray_session
+
+
+@pytest.fixture(scope="module")
+def ray():
+    stop = ray_session()
+    yield
+    stop()
 
 
 def lost(run_dir: str | None = "runs/x", code: int = LOST_EXIT) -> GymvError:
@@ -49,3 +57,28 @@ def test_other_failures_are_never_restarted(error):
     with pytest.raises(GymvError):
         with_restarts(run_once, max_restarts=3, say=lambda s: None)
     assert calls == [None]
+
+
+def _failing_task(message: str):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def step():
+        raise RuntimeError(message)
+
+    return step.remote()
+
+
+@pytest.mark.parametrize("message,blames_lr", [
+    ("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)", False),
+    ("expected a config with 4 layers", False),
+    ("loss is NaN at micro-batch 2", True),
+    ("weights hold non-finite values", True),
+])
+def test_a_worker_error_blames_the_learning_rate_only_when_it_is_about_non_finite_values(ray, message, blames_lr):
+    from gymv.cluster.group import ray_get
+
+    with pytest.raises(GymvError) as err:
+        ray_get(_failing_task(message), "training")
+    assert message in err.value.message and "--debug" in err.value.fix
+    assert ("learning rate" in err.value.fix) == blames_lr

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gymv.backends.multimodal import SUPPORTED_PROCESSORS, TextAdapter, make_adapter, supported_text
 from gymv.errors import GymvError
+from gymv.models.config_check import check_checkpoint
 from gymv.models.load import resolve_model_path
 from gymv.models.nemotron_omni import OmniImageProcessor
 from gymv.models.quiet import quiet_transformers
@@ -77,6 +79,7 @@ def load_policy(path: str | os.PathLike, device: str = "cpu", dtype: Any = None,
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     check_remote_code(ckpt, trust_remote_code)
+    check_checkpoint(ckpt)
     with quiet_transformers():
         return _load(ckpt, device, dtype, attn_implementation, trust_remote_code)
 
@@ -115,12 +118,75 @@ def _model_kwargs(dtype, attn_implementation: str | None, trust: bool) -> dict:
     return kwargs
 
 
+def load_weights(auto_class, ckpt: str | os.PathLike, what: str, fix: str, **kwargs):
+    """`auto_class.from_pretrained(ckpt)`, refusing a checkpoint whose tensors do not fill the model exactly.
+
+    transformers loads a config that disagrees with its weights: a stored tensor the model has no place for is
+    dropped, a parameter the checkpoint lacks is left at its random init, one of another shape is re-initialised,
+    and training goes on. Each is an error here naming the first few tensors and their count (weights tied to
+    another, such as an lm_head tied to the embeddings, are not reported missing by transformers). A config
+    transformers refuses (a wrong type, an invalid value) is one line too, not its traceback."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    where = str(ckpt)
+    try:
+        with _no_load_report():  # its findings are the error below, in one line
+            model, info = auto_class.from_pretrained(ckpt, output_loading_info=True, ignore_mismatched_sizes=True,
+                                                     **kwargs)
+    except StrictDataclassError as e:
+        reason = " ".join(str(e).split())
+        raise GymvError(f"transformers refuses config.json: {reason[:300]}", where=str(Path(ckpt) / "config.json"),
+                        fix="restore the key it names to the value the weights were saved with") from None
+    except (ValueError, OSError, RuntimeError) as e:  # RuntimeError: state-dict errors, failed weight conversions
+        raise GymvError(f"cannot load {what}: {str(e).splitlines()[0] if str(e) else type(e).__name__}", where=where,
+                        fix=fix) from None
+    check_loading_info(info, where)
+    return model
+
+
+@contextmanager
+def _no_load_report():
+    """transformers' loading report (a table of unexpected, missing and mis-shaped tensors) kept off stderr."""
+    import logging
+
+    log = logging.getLogger("transformers.modeling_utils")
+    drop = _DropLoadReport()
+    log.addFilter(drop)  # a filter, not a level: transformers runs other checks when this logger's level is raised
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
+
+
+class _DropLoadReport:
+    def filter(self, record) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
+
+
+def check_loading_info(info: dict, where: str) -> None:
+    """Raise on transformers' loading info holding unused, missing or mis-shaped tensors (see load_weights)."""
+    problems = [
+        ("stored tensors the model has no place for (the config describes fewer or other layers than the weights)",
+         sorted(info.get("unexpected_keys") or ())),
+        ("model tensors the checkpoint lacks (they would train from random values)",
+         sorted(info.get("missing_keys") or ())),
+        ("tensors whose stored shape differs from the config's",
+         sorted(f"{name} {tuple(stored)} vs {tuple(model)}" for name, stored, model in info.get("mismatched_keys") or ())),
+    ]
+    for text, names in problems:
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise GymvError(f"the checkpoint does not match its config.json: {len(names)} {text}: {shown}",
+                            where=where, fix="fix config.json (layer pattern, sizes, expert counts) to describe the "
+                                             "saved weights, or point at the checkpoint this config belongs to")
+    if info.get("error_msgs"):
+        raise GymvError(f"the checkpoint's weights failed to load: {str(info['error_msgs'][0]).splitlines()[0]}",
+                        where=where, fix="re-save the checkpoint")
+
+
 def _eval_model(auto_class, ckpt: Path, device, kwargs: dict, what: str, fix: str):
     """`auto_class.from_pretrained` on `device` in eval mode; a checkpoint it cannot load is one line naming it."""
-    try:
-        model = auto_class.from_pretrained(ckpt, **kwargs)
-    except ValueError as e:
-        raise GymvError(f"cannot load {what}: {str(e).splitlines()[0]}", where=str(ckpt), fix=fix) from None
+    model = load_weights(auto_class, ckpt, what, fix, **kwargs)
     _own_storage(model)
     model.to(device)
     model.eval()

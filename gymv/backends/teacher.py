@@ -20,10 +20,14 @@ import torch
 
 from gymv.backends.logprobs import right_pad, sequence_logprobs, sequence_topk
 from gymv.backends.multimodal import make_adapter
-from gymv.backends.policy import check_remote_code, load_policy, load_processors
+from gymv.backends.policy import check_remote_code, load_policy, load_processors, load_weights
 from gymv.backends.training.micro_batches import plan_micro_batches
 from gymv.errors import GymvError
+from gymv.models.config_check import check_checkpoint
 from gymv.models.quiet import quiet_transformers
+
+
+_TEACHER_FIX = "point the teacher at a Hugging Face checkpoint that loads with transformers"
 
 
 def is_text_only(path: str | Path) -> bool:
@@ -76,14 +80,17 @@ class TeacherModel:
 
             trust = getattr(spec, "trust_remote_code", False)
             check_remote_code(Path(spec.path), trust)
+            check_checkpoint(spec.path)
             with quiet_transformers():
                 self.tokenizer = AutoTokenizer.from_pretrained(spec.path, trust_remote_code=trust)
                 if spec.text_of and not is_text_only(spec.path):
-                    vlm = AutoModelForImageTextToText.from_pretrained(spec.path, dtype=dtype, trust_remote_code=trust)
+                    vlm = load_weights(AutoModelForImageTextToText, spec.path, "the teacher's vision-language model",
+                                       _TEACHER_FIX, dtype=dtype, trust_remote_code=trust)
                     self.model = text_model_of(vlm, where=spec.path)
                     del vlm
                 else:
-                    self.model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, trust_remote_code=trust)
+                    self.model = load_weights(AutoModelForCausalLM, spec.path, "the teacher's causal language model",
+                                              _TEACHER_FIX, dtype=dtype, trust_remote_code=trust)
             self.adapter = TextOnlyAdapter(self.forbidden_ids, spec.alias)
         else:
             policy = load_policy(spec.path, device="cpu", dtype=dtype, seed=spec.seed,
@@ -124,7 +131,8 @@ def save_text_model(vlm_path: str | Path, out_dir: str | Path) -> Path:
 
     src, out = Path(vlm_path), Path(out_dir)
     with quiet_transformers():
-        vlm = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32)
+        vlm = load_weights(AutoModelForImageTextToText, src, "an image-text-to-text model", _TEACHER_FIX,
+                           dtype=torch.float32)
         lm = text_model_of(vlm, where=str(src))
         tok = AutoTokenizer.from_pretrained(src)
         out.mkdir(parents=True, exist_ok=True)

@@ -99,6 +99,9 @@ RULES: tuple[LintRule, ...] = (
     LintRule("GV022", "runnable", "a recipe on a suite other than `disabled.txt` asks for something `gymv train` cannot run "
              "with the project's own backends (gymv.capabilities: an unwired backend, logger or key)",
              "make it runnable, or move its entry to `disabled.txt` with the reason"),
+    LintRule("GV023", "model-config", "the recipe's model (or a MOPD teacher) is a local checkpoint folder whose config.json "
+             "cannot be read, breaks what its model family requires (gymv.models.config_check) or does not match its "
+             "weights' layers", "fix the config.json key named, or point the recipe at the right checkpoint"),
 )
 RULE_IDS: dict[str, LintRule] = {r.id: r for r in RULES}
 
@@ -116,6 +119,7 @@ _CHECK_RULE = {
     "suite.disabled-reason": "GV013",
     "check.syntax": "GV020",
     "check.metric": "GV021",
+    "model.config": "GV023",
 }
 
 
@@ -170,6 +174,33 @@ class LintReport:
     def to_dict(self) -> dict:
         return {"files": self.files, "errors": self.errors, "warnings": self.warnings,
                 "findings": [f.to_dict() for f in self.findings]}
+
+
+def model_config_findings(rec: LoadedRecipe, cfg) -> list[Finding]:
+    """GV023: the recipe's local checkpoint folders (model.path, MOPD teachers' paths; not `embedded:` or hub
+    ids, which lint never builds nor fetches) checked as `gymv train`'s pre-flight checks them."""
+    from gymv.models.config_check import check_checkpoint
+    from gymv.models.init_path import resolve_init_path
+
+    keys = [("model.path", cfg.model.path)]
+    mopd = getattr(cfg, "mopd", None)
+    keys += [(f"mopd.teachers.{alias}.path", t.path.removeprefix("text:"))
+             for alias, t in (mopd.teachers.items() if mopd is not None else ())]
+    out, seen = [], set()
+    for key, text in keys:
+        if not Path(text).expanduser().is_dir():
+            continue
+        origin = rec.origin(key)
+        try:
+            folder = resolve_init_path(text, where=key)
+            if folder in seen:
+                continue
+            seen.add(folder)
+            check_checkpoint(folder)
+        except GymvError as e:
+            out.append(Finding("model.config", f"{key} {text}: {e.where + ': ' if e.where else ''}{e.message}", key,
+                               str(origin) if origin is not None else None, e.fix))
+    return out
 
 
 # ---- locations -------------------------------------------------------------------------------------------
@@ -369,6 +400,9 @@ class _Linter:
         for f in self._recipe_findings(rec, path, root, suite_recipe, exemplar):
             self.out.add(f)
         cfg = rec.checked[0]
+        if cfg is not None:
+            for f in model_config_findings(rec, cfg):
+                self.add(_from_finding(f, path), [path])
         if info is not None and cfg is not None:
             info.cluster = (cfg.cluster.num_nodes, cfg.cluster.gpus_per_node)
             info.gaps = gaps(cfg)

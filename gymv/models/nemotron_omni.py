@@ -15,8 +15,11 @@ share a call is refused (:func:`check_budget`).
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from gymv.errors import GymvError
@@ -157,3 +160,196 @@ class OmniImageProcessor:
                 "max_model_len": self.max_model_len, "image_mean": self.image_mean, "image_std": self.image_std,
                 "do_rescale": self.do_rescale, "rescale_factor": self.rescale_factor,
                 "do_normalize": self.do_normalize, "do_convert_rgb": True, "resample": BICUBIC}
+
+
+# ---------------------------------------------------------------------------------- config.json checks
+
+LAYER_KINDS = ("linear_attention", "full_attention", "moe", "mlp")
+PATTERN_LETTERS = {"M": "linear_attention", "*": "full_attention", "E": "moe", "-": "mlp"}
+LEGACY_KINDS = {"mamba": "linear_attention", "attention": "full_attention"}  # names transformers still reads
+_KIND_OF_TENSOR = (("A_log", "linear_attention"), ("q_proj", "full_attention"), ("gate", "moe"),
+                   ("experts", "moe"), ("up_proj", "mlp"))
+_LAYER_TENSOR = re.compile(r"^(?:language_model\.)?(?:backbone|model)\.layers\.(\d+)\.mixer\.(\w+)")
+
+
+def check_config(ckpt: Path, config: dict) -> None:
+    """A Nemotron 3 Omni config.json (`nemotron_h_omni`): its decoder section (`text_config`, or the released
+    checkpoints' `llm_config`) as :func:`check_text_config` checks it, its RADIO tower and the projector between.
+    Each failure is one line naming the key."""
+    from gymv.models.config_check import Keys
+
+    top = Keys(ckpt, config)
+    text_key = "text_config" if "text_config" in config or "llm_config" not in config else "llm_config"
+    text = top.section_of(text_key)
+    vocab = _check_text(ckpt, text, f"{text_key}.")
+    vision = Keys(ckpt, top.section_of("vision_config"), "vision_config.")
+    vision.choice("model_type", ("radio",), 'set `vision_config.model_type` to "radio" (the family\'s tower)')
+    width = vision.int("hidden_size")
+    heads = vision.int("num_attention_heads")
+    if width % heads:
+        raise vision.fail("hidden_size", f"({width}) is not a multiple of num_attention_heads ({heads})",
+                          "set vision_config.num_attention_heads to a divisor of vision_config.hidden_size")
+    vision.int("num_hidden_layers")
+    vision.int("patch_size")
+    vision.int("num_cls_tokens", minimum=0, required=False)
+    vision.int("num_registers", minimum=0, required=False)
+    ratio = top.number("downsample_ratio")
+    if ratio is not None and (ratio > 1 or abs(1 / ratio - round(1 / ratio)) > 1e-6):
+        raise top.fail("downsample_ratio", f"is {ratio:g}, not 1/n for a whole n",
+                       "set `downsample_ratio` to 0.5 (a 2x2 pixel shuffle) or another 1/n")
+    top.int("projector_hidden_size", required=False)
+    tower = top.int("vision_hidden_size", required=False)
+    if tower is not None and tower != width:
+        raise top.fail("vision_hidden_size", f"is {tower}, the tower's vision_config.hidden_size is {width}",
+                       f"set `vision_hidden_size` to {width}")
+    frames = top.int("video_temporal_patch_size", required=False)
+    tower_frames = vision.int("video_temporal_patch_size", required=False)
+    if frames is not None and tower_frames is not None and frames != tower_frames:
+        raise top.fail("video_temporal_patch_size", f"is {frames}, vision_config.video_temporal_patch_size is "
+                       f"{tower_frames}", "set both to the same number of frames")
+    for key in ("image_token_id", "video_token_id", "audio_token_id"):
+        token = top.int(key, minimum=0, required=key == "image_token_id")
+        if token is not None and token >= vocab:
+            raise top.fail(key, f"is {token}, outside the vocabulary of {vocab} tokens",
+                           f"set `{key}` to the tokenizer's id of its token")
+    _check_stored_layers(ckpt, text, f"{text_key}.")
+
+
+def check_text_config(ckpt: Path, config: dict) -> None:
+    """A text-only Nemotron-H config.json (`nemotron_h`): the decoder checks of :func:`check_config`."""
+    _check_text(ckpt, config, "")
+    _check_stored_layers(ckpt, config, "")
+
+
+def layer_kinds(ckpt: Path, text: dict, prefix: str) -> list[str]:
+    """The decoder's layer kinds from `layers_block_type` (or `layer_types`, or the letters of
+    `hybrid_override_pattern`), each one of LAYER_KINDS; `num_hidden_layers`, where given, must agree."""
+    from gymv.models.config_check import Keys
+
+    keys = Keys(ckpt, text, prefix)
+    kinds_fix = (f"list one kind per layer, each one of {', '.join(LAYER_KINDS)} (or set hybrid_override_pattern "
+                 "to letters M, *, E, -)")
+    name = next((k for k in ("layers_block_type", "layer_types") if text.get(k) is not None), None)
+    if name is not None:
+        value = text[name]
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+            raise keys.fail(name, f"is {json.dumps(value)[:60]}, not a list of layer kinds", kinds_fix)
+        bad = sorted({v for v in value if LEGACY_KINDS.get(v, v) not in LAYER_KINDS})
+        if bad:
+            raise keys.fail(name, f"names unknown layer kinds {', '.join(map(repr, bad))}", kinds_fix)
+        kinds = [LEGACY_KINDS.get(v, v) for v in value]
+    elif text.get("hybrid_override_pattern") is not None:
+        name, value = "hybrid_override_pattern", text["hybrid_override_pattern"]
+        if not isinstance(value, str) or not value or set(value) - set(PATTERN_LETTERS):
+            raise keys.fail(name, f"is {json.dumps(value)[:60]}, not a string of the letters M, *, E, -", kinds_fix)
+        kinds = [PATTERN_LETTERS[c] for c in value]
+    else:
+        raise keys.fail("layers_block_type", "is missing (nor is there a hybrid_override_pattern)", kinds_fix)
+    declared = keys.int("num_hidden_layers", required=False)
+    if declared is not None and declared != len(kinds):
+        raise keys.fail(name, f"lists {len(kinds)} layers, num_hidden_layers is {declared}",
+                        f"make `{prefix}{name}` one kind per layer ({declared}), or fix num_hidden_layers")
+    return kinds
+
+
+def _check_text(ckpt: Path, text: dict, prefix: str) -> int:
+    """The decoder section's sizes, layer kinds, heads and routing; returns the vocabulary size."""
+    from gymv.models.config_check import Keys
+
+    keys = Keys(ckpt, text, prefix)
+    kinds = layer_kinds(ckpt, text, prefix)
+    vocab = keys.int("vocab_size")
+    keys.int("hidden_size")
+    keys.int("max_position_embeddings", required=False)
+    keys.number("layer_norm_epsilon")
+    if "full_attention" in kinds:
+        heads = keys.int("num_attention_heads")
+        kv = keys.int("num_key_value_heads", required=False, default=heads)
+        if heads % kv:
+            raise keys.fail("num_attention_heads", f"({heads}) is not a multiple of num_key_value_heads ({kv})",
+                            f"set `{prefix}num_key_value_heads` to a divisor of {heads}")
+        keys.int("head_dim", required=False)
+    if "linear_attention" in kinds:
+        heads = keys.int("mamba_num_heads")
+        keys.int("mamba_head_dim")
+        keys.int("ssm_state_size")
+        groups = keys.int("n_groups")
+        if heads % groups:
+            raise keys.fail("n_groups", f"({groups}) does not divide mamba_num_heads ({heads})",
+                            f"set `{prefix}n_groups` to a divisor of {heads}")
+        for key in ("conv_kernel", "chunk_size", "expand"):
+            keys.int(key, required=False)
+    if "mlp" in kinds:
+        keys.int("intermediate_size")
+    if "moe" in kinds:
+        experts = keys.int("n_routed_experts")
+        keys.int("moe_intermediate_size")
+        shared = keys.int("n_shared_experts", minimum=0, required=False, default=0)
+        if shared:
+            keys.int("moe_shared_expert_intermediate_size")
+        groups = keys.int("n_group", required=False, default=1)
+        if experts % groups or experts // groups < 2:
+            raise keys.fail("n_group", f"({groups}) must split n_routed_experts ({experts}) into groups of at "
+                            "least 2 experts", f"set `{prefix}n_group` to 1, or a divisor of {experts} "
+                            f"at most {experts // 2}")
+        chosen = keys.int("topk_group", required=False, default=1)
+        if chosen > groups:
+            raise keys.fail("topk_group", f"({chosen}) exceeds n_group ({groups})",
+                            f"set `{prefix}topk_group` between 1 and {groups}")
+        top_k = keys.int("num_experts_per_tok", minimum=0)
+        most = chosen * (experts // groups)
+        if not 1 <= top_k <= most:
+            within = "n_routed_experts" if most == experts else "the experts of the topk_group chosen groups"
+            raise keys.fail("num_experts_per_tok", f"is {top_k}: each token is routed to between 1 and {within} "
+                            f"({most}) experts", f"set `{prefix}num_experts_per_tok` between 1 and {most}")
+        keys.number("routed_scaling_factor")
+    mtp = keys.int("num_nextn_predict_layers", minimum=0, required=False, default=0)
+    if mtp and text.get("mtp_layers_block_type") is not None:
+        value = text["mtp_layers_block_type"]
+        if not isinstance(value, list) or any(LEGACY_KINDS.get(v, v) not in LAYER_KINDS for v in value):
+            raise keys.fail("mtp_layers_block_type", f"is {json.dumps(value)[:60]}, not a list of layer kinds",
+                            f"list MTP layer kinds, each one of {', '.join(LAYER_KINDS)}")
+    return vocab
+
+
+def _check_stored_layers(ckpt: Path, text: dict, prefix: str) -> None:
+    """The layer kinds against the decoder layers the safetensors files hold (read from their headers): a
+    pattern that is short of the weights, or names another kind than a stored layer is, loads with that
+    layer's tensors dropped and trains on without them."""
+    from gymv.models.config_check import Keys, weight_shapes
+
+    shapes = weight_shapes(ckpt)
+    if not shapes:
+        return
+    stored: dict[int, str] = {}
+    experts: dict[int, int] = {}
+    for tensor, shape in shapes.items():
+        m = _LAYER_TENSOR.match(tensor)
+        if not m:
+            continue
+        layer, part = int(m[1]), m[2]
+        kind = next((k for p, k in _KIND_OF_TENSOR if part == p), None)
+        if kind is not None:
+            stored[layer] = kind
+        if part == "gate" and tensor.endswith("gate.weight") and shape:
+            experts[layer] = shape[0]
+    if not stored:
+        return
+    kinds = layer_kinds(ckpt, text, prefix)
+    keys = Keys(ckpt, text, prefix)
+    name = next((k for k in ("layers_block_type", "layer_types", "hybrid_override_pattern") if text.get(k) is not None))
+    count = max(stored) + 1
+    order = ", ".join(stored.get(i, "?") for i in range(count))
+    if len(kinds) != count:
+        raise keys.fail(name, f"lists {len(kinds)} layers, the weights hold {count}",
+                        f"list the stored layers' kinds in order: {order}")
+    for i, (declared, found) in enumerate(zip(kinds, (stored.get(i) for i in range(count)))):
+        if found is not None and declared != found:
+            raise keys.fail(name, f"says layer {i} is {declared}, its stored tensors are a {found} layer's",
+                            f"list the stored layers' kinds in order: {order}")
+    routed = {n for n in experts.values()}
+    declared_experts = text.get("n_routed_experts")
+    if len(routed) == 1 and isinstance(declared_experts, int) and declared_experts not in routed:
+        (n,) = routed
+        raise keys.fail("n_routed_experts", f"is {declared_experts}, the weights' routers choose among {n} experts",
+                        f"set `{prefix}n_routed_experts` to {n}")
