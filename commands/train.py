@@ -186,8 +186,9 @@ def train(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout instead of the table."),
     async_grpo: bool = typer.Option(False, "--async", help="GRPO or MOPD with generation running ahead of training "
                                     "(grpo.async.enabled or mopd.async.enabled; needs importance_sampling)."),
-    max_restarts: int = typer.Option(None, "--max-restarts", min=0, help="After a lost node or worker, resume from "
-                                     "the newest complete checkpoint, at most N times (cluster.max_restarts)."),
+    max_restarts: int = typer.Option(None, "--max-restarts", min=0, max=100, help="After a lost node or worker, resume from "
+                                     "the newest complete checkpoint, at most N times, 0 to 100 (cluster.max_restarts). A "
+                                     "worker whose start fails (its constructor raised) is not restarted."),
 ) -> None:
     from gymv.train import train as run_training
 

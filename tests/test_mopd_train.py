@@ -198,6 +198,31 @@ def test_an_agent_without_a_teacher_stops_the_run_naming_it_before_workers_start
         (tmp / "runs" / "mopd-unroutable" / "checkpoints").iterdir())
 
 
+def test_a_teacher_with_another_vocabulary_stops_the_run_once_naming_it_and_is_never_restarted(mopd_run, data):
+    """The teacher's vocabulary check raises in its worker's constructor: the same launch would fail the same
+    way again, so it is that error (exit 2), not a lost worker (exit 75) restarted --max-restarts times."""
+    from gymv.cluster.ray_placement import LOST_EXIT
+    from gymv.models.tiny import init_tiny
+
+    _, _, _, tmp = mopd_run
+    other = init_tiny("tiny-llava", tmp / "other-vocab-teacher", hidden=64, layers=1, vocab_size=900)
+    settings = _settings(tmp, data, **{"mopd.teachers": {"_override_": True, "counting": {"path": str(other)},
+                                                          "arith": {"path": str(tmp / "arith-teacher")}}})
+    recipe = write_recipe(tmp, "mopd-other-vocab", "vlm/vlm_mopd-tinyllava-1n0g-torch.yaml", settings)
+    said = []
+
+    class Messages(Reporter):
+        def on_message(self, text):
+            said.append(text)
+
+    with pytest.raises(GymvError) as e:
+        train(recipe, max_restarts=3, reporter=Messages())
+    assert e.value.exit_code == 2 != LOST_EXIT
+    assert e.value.message.startswith("mopd.teachers.counting.path: teacher 'counting' does not share the "
+                                      "student's tokenizer (900 vs 1024 tokens")
+    assert "tokenizer" in e.value.fix and not [m for m in said if m.startswith("restart")]
+
+
 
 def _gpu_cfg(placement: str, gpus, dp: int):
     from gymv.config import load_recipe

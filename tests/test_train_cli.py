@@ -106,3 +106,16 @@ def test_a_launch_that_stopped_before_its_first_step_is_started_afresh_by_the_ne
     with pytest.raises(GymvError, match="file not found"):  # rows prepared by an earlier launch are not reused
         train(path, [f"data.train={tmp_path / 'missing-3.jsonl'}", "data.prepare.n_eval=3"])
     assert not (run / "config_changes.jsonl").exists() and len(stale.read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("args,named,bound", [
+    (["--max-restarts", "101"], "--max-restarts", "less than or equal to 100"),
+    (["--max-restarts", "-1"], "--max-restarts", "greater than or equal to 0"),
+    (["cluster.max_restarts=1000000"], "cluster.max_restarts", "less than or equal to 100"),
+])
+def test_a_restart_count_out_of_0_to_100_is_refused_in_one_line(gymv, recipe, tmp_path, args, named, bound):
+    result = gymv("train", recipe(), *args, env=plugin_env())
+    errors = [ln for ln in result.stderr.splitlines() if ln.lower().startswith("error:")]
+    assert result.code == 2 and len(errors) == 1 and "Traceback" not in result.stderr
+    assert named in errors[0] and bound in errors[0]
+    assert not (tmp_path / "runs").exists()

@@ -82,3 +82,45 @@ def test_a_worker_error_blames_the_learning_rate_only_when_it_is_about_non_finit
         ray_get(_failing_task(message), "training")
     assert message in err.value.message and "--debug" in err.value.fix
     assert ("learning rate" in err.value.fix) == blames_lr
+
+
+def _start_failing_actor(error: Exception):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Teacher:
+        def __init__(self):
+            raise error
+
+        def info(self):
+            return {}
+
+    return Teacher.remote().info.remote()
+
+
+@pytest.mark.parametrize("error,line,code", [
+    (GymvError("teacher 'x' does not share the student's tokenizer (900 vs 1024 tokens)",
+               where="mopd.teachers.x.path", fix="use a teacher built with the student's tokenizer"),
+     "mopd.teachers.x.path: teacher 'x' does not share the student's tokenizer (900 vs 1024 tokens) "
+     "(fix: use a teacher built with the student's tokenizer)", 2),
+    (ValueError("vocab_size must be positive"),
+     "a worker failed to start: ValueError: vocab_size must be positive", 1),
+], ids=["GymvError", "other"])
+def test_a_worker_whose_constructor_raises_is_reported_as_that_error_and_never_restarted(ray, error, line, code):
+    from gymv.cluster.group import ray_get
+
+    calls, said = [], []
+
+    def run_once(resume_dir, after):
+        calls.append(resume_dir)
+        try:
+            ray_get(_start_failing_actor(error), "starting the teachers")
+        except GymvError as e:
+            e.run_dir = "runs/x"  # as a launch that opened its run directory marks its error
+            raise
+
+    with pytest.raises(GymvError) as err:
+        with_restarts(run_once, max_restarts=3, say=said.append)
+    assert calls == [None] and said == []
+    assert err.value.exit_code == code != LOST_EXIT
+    assert err.value.one_line().startswith(line) and "died" not in err.value.message

@@ -129,6 +129,9 @@ def lost_worker_error(e, phase: str) -> GymvError:
     seat = ROSTER.seats.get(getattr(e, "actor_id", None) or "")
     text = str(e)
     who = f"{seat.name} on node {seat.node}" if seat else "a worker"
+    failed = creation_error(e, seat.name if seat else "a worker")
+    if failed is not None:
+        return failed
     if seat and seat.node_id and ("node has died" in text or "node died" in text or not _node_alive(seat.node_id)):
         cause = f"node {seat.node} was lost"
         fix = "the run resumes from its newest complete checkpoint with --max-restarts N (cluster.max_restarts)"
@@ -142,6 +145,30 @@ def lost_worker_error(e, phase: str) -> GymvError:
     err = GymvError(f"{who} died during {phase}: {cause}", where=phase, fix=fix, exit_code=LOST_EXIT)
     err.lost_node = seat.node_id if seat and cause.startswith("node") else None
     return err
+
+
+def creation_error(e, who: str) -> GymvError | None:
+    """The error an actor's `__init__` raised, when that is why it died (Ray's `actor_init_failed`), else None.
+
+    Such a worker did not lose its node or process: the same launch fails the same way again (a teacher with
+    another vocabulary, a checkpoint that does not match its config), so it is reported as itself and is never
+    restarted. A GymvError keeps its line (Ray passes the creation task's error on as text: its last line is
+    `gymv.errors.GymvError: <the error's line>`); anything else is named with its type."""
+    if not getattr(e, "actor_init_failed", False):
+        return None
+    cause = getattr(getattr(e, "creation_task_error", None), "cause", None)  # where Ray keeps the exception
+    if isinstance(cause, GymvError):
+        return type(cause)(cause.message, where=cause.where, fix=cause.fix, exit_code=cause.exit_code)
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.startswith((" ", "\t"))]
+    last = lines[-1] if lines else ""
+    kind, _, said = last.partition(": ")
+    if kind.startswith("gymv.") and said:
+        message, _, fix = said.partition(" (fix: ")
+        return GymvError(message, fix=fix[:-1] if fix.endswith(")") else (fix or None))
+    reason = " ".join(last.split()) or "no reason given"
+    return GymvError(f"{who} failed to start: {reason[:300]}", exit_code=1,
+                     fix="run with --debug for the worker's traceback; a failure to start is not a lost node, so the "
+                         "run is not restarted")
 
 
 # what Ray writes when its memory monitor killed the worker (not its generic "a process died" hints)
