@@ -63,9 +63,11 @@ def sbatch(
 
     Example: gymv cluster sbatch recipes/llm/grpo-qwen3-8b-2n8g-megatron-tp2.yaml --time 4:00:00 --account me --write job.sh
     """
-    from gymv.cluster.slurm import BatchJob
+    from gymv.cluster.slurm import BatchJob, check_write_target
     from gymv.io import atomic_write_text
 
+    if write is not None:
+        check_write_target(write)
     overrides = list(overrides or [])
     where = dict(time=time, account=account, partition=partition, output=output, workdir=str(Path.cwd()), port=port)
     if recipe.suffix == ".sh":
@@ -75,11 +77,13 @@ def sbatch(
 
         cfg = load_recipe(recipe, overrides).validated
         command = (sys.executable, "-m", "gymv_cli.main", "train", str(recipe.resolve()), *overrides)
-        job = BatchJob(cfg.cluster.num_nodes, cfg.cluster.gpus_per_node, command, cfg.name or recipe.stem, **where)
+        job = BatchJob(cfg.cluster.num_nodes, cfg.cluster.gpus_per_node, command, cfg.name or recipe.stem,
+                       job_name_from="name" if cfg.name else str(recipe), **where)
     if write is None:
         sys.stdout.write(job.script())
         return
     atomic_write_text(write, job.script())
-    write.chmod(0o755)
+    if write.is_file():  # not a device written into (/dev/stdout)
+        write.chmod(0o755)
     err_console.print(f"wrote {write}: {job.nodes} node(s) x {job.gpus_per_node} GPU(s); submit with: sbatch {write}",
                       markup=False, highlight=False)

@@ -12,13 +12,19 @@ and reaches the nodes and the command through the environment srun passes on. No
 the hostnames (resolved on the batch host); several nodes on one host get ports of their own. The nodes
 listen on the node's network (as every node of a multi-node Ray cluster must): keep the allocation on a
 private network; the token guards Ray's own RPCs.
+
+What reaches the batch script is checked or quoted: an #SBATCH value is one word of printable characters
+(a line break there would start a line bash runs), and every word of a command is shell-quoted.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,8 +34,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gymv.cluster_limits import MAX_NODES, MAX_PORT, check_port, has_control_or_space, one_line
 from gymv.cluster.preflight import NODE_LABEL
-from gymv.cluster.ray_cluster import DRIVER_NODE_IP, authenticate, loopback_only, use_token_auth
+from gymv.cluster.ray_cluster import (DRIVER_NODE_IP, Deadline, authenticate, check_token_path, loopback_only,
+                                      use_token_auth, wait_for_gcs)
 from gymv.errors import GymvError
 from gymv.recipes.drivers import parse_driver
 
@@ -122,6 +130,13 @@ class RayOnSlurm:
                  num_gpus: int | None = None, gpus_per_node: int = 0, say: Callable[[str], None] = print):
         self.nodes = [RayNode(i, h, node_address(h)) for i, h in enumerate(hosts)]
         self.port, self.num_cpus, self.num_gpus, self.gpus_per_node = port, num_cpus, num_gpus, gpus_per_node
+        if _shared_host(self.nodes):  # the ports RayNode.start_command gives the last node
+            last = len(self.nodes) - 1
+            top = max(port + 100 + 20 * last + 5, 20999 + 1000 * last)
+            if top > MAX_PORT:
+                raise GymvError(f"{len(self.nodes)} Ray nodes on one host from --port {port} need ports up to {top}",
+                                where="--port", fix=f"choose a lower --port (at most {port - (top - MAX_PORT)}), or "
+                                                    "fewer nodes per host")
         self.say = say
         self.env = {**os.environ, **job_environment(self.nodes)}
         self.steps: list[subprocess.Popen] = []
@@ -131,34 +146,38 @@ class RayOnSlurm:
         return f"{self.nodes[0].address}:{self.port}"
 
     def start(self, deadline_s: float) -> str:
-        """Start every node and wait (at most `deadline_s`) until all have joined; returns the address."""
+        """Start every node and wait (at most `deadline_s` in all) until all have joined; returns the address."""
+        deadline = Deadline.after(deadline_s, "--timeout")
         shared = _shared_host(self.nodes)
         head = self.nodes[0]
         for node in self.nodes:
             argv = node.start_command(head, self.port, shared_host=shared, num_cpus=self.num_cpus,
                                       num_gpus=self.num_gpus)
             self.say(f"starting Ray node {node.index} on {node.host} ({node.address})")
-            self.steps.append(subprocess.Popen(srun(node.host, argv, self.gpus_per_node),
-                                               env=self.env,
-                                               stdin=subprocess.DEVNULL, start_new_session=True))
+            command = srun(node.host, argv, self.gpus_per_node)
+            try:
+                self.steps.append(subprocess.Popen(command, env=self.env, stdin=subprocess.DEVNULL,
+                                                   start_new_session=True))
+            except OSError as e:
+                raise GymvError(f"cannot run {command[0]} ({e.strerror or e})", where="gymv cluster up",
+                                fix=SRUN_FIX) from None
             if node is head:
-                self._wait_for_head(deadline_s)
-        self._wait_for_nodes(deadline_s)
+                self._wait_for_head(deadline)
+        self._wait_for_nodes(deadline)
         return self.address
 
-    def _wait_for_head(self, deadline_s: float) -> None:
-        end = time.monotonic() + deadline_s
-        while time.monotonic() < end:
+    def _wait_for_head(self, deadline: Deadline) -> None:
+        while deadline.left() > 0:
             self._check_steps()
             try:
-                with socket.create_connection((self.nodes[0].address, self.port), timeout=1):
+                with socket.create_connection((self.nodes[0].address, self.port), timeout=min(1.0, deadline.left())):
                     return
             except OSError:
-                time.sleep(0.5)
-        raise GymvError(f"the Ray head on {self.nodes[0].host} did not open {self.address} within {deadline_s:g} s",
-                        where="gymv cluster up", exit_code=1, fix="see the head's log above; raise --timeout")
+                time.sleep(min(0.5, deadline.left()))
+        raise GymvError(f"the Ray head on {self.nodes[0].host} did not open {self.address} within "
+                        f"{deadline.seconds:g} s", where="--timeout", exit_code=1, fix="see the head's log above; raise --timeout")
 
-    def _wait_for_nodes(self, deadline_s: float) -> None:
+    def _wait_for_nodes(self, deadline: Deadline) -> None:
         import ray
 
         env = {k: v for k, v in self.env.items() if k.startswith("RAY_")}
@@ -168,18 +187,19 @@ class RayOnSlurm:
             use_token_auth()
             if self.nodes[0].address.startswith("127."):
                 loopback_only(ray)
-            authenticate(self.address)
+            wait_for_gcs(self.address, deadline, "--port", not_gcs_fix="another program holds this port on the "
+                                                                        "head node: choose a free --port")
+            authenticate(self.address, deadline, "--port")
             ray.init(address=self.address, logging_level="ERROR", log_to_driver=False,
                      _node_ip_address=self.nodes[0].address)  # this launcher runs on the head node
             try:
-                end = time.monotonic() + deadline_s
                 while (alive := sum(1 for n in ray.nodes() if n.get("Alive"))) < len(self.nodes):
                     self._check_steps()
-                    if time.monotonic() > end:
-                        raise GymvError(f"{alive} of {len(self.nodes)} Ray nodes joined within {deadline_s:g} s",
-                                        where="gymv cluster up", exit_code=1,
+                    if deadline.left() <= 0:
+                        raise GymvError(f"{alive} of {len(self.nodes)} Ray nodes joined the cluster at {self.address} "
+                                        f"within {deadline.seconds:g} s", where="--timeout", exit_code=1,
                                         fix="see the nodes' logs above; raise --timeout")
-                    time.sleep(1.0)
+                    time.sleep(min(1.0, deadline.left()))
             finally:
                 ray.shutdown()
         finally:
@@ -199,7 +219,8 @@ class RayOnSlurm:
         try:
             return subprocess.run(list(command), env=env).returncode
         except OSError as e:
-            raise GymvError(f"cannot run {shlex.join(command)} ({e})", where="gymv cluster up", fix="check the command") from None
+            raise GymvError(f"cannot run {command[0]!r} ({e.strerror or e})", where="gymv cluster up",
+                            exit_code=COMMAND_NOT_FOUND, fix="check the command after `--`") from None
 
     def stop(self, grace_s: float = 45.0) -> None:
         """End every node's step: SIGTERM (srun passes it to `ray start`, which stops its node), then SIGKILL."""
@@ -222,6 +243,32 @@ def _shared_host(nodes: Sequence[RayNode]) -> bool:
     return len({n.address for n in nodes}) < len(nodes) or len(loopback) > 1
 
 
+SRUN_FIX = "run inside a SLURM allocation (sbatch or salloc) on a host with the SLURM tools (srun on PATH)"
+COMMAND_NOT_FOUND = 127  # a shell's exit code for a command it cannot find
+
+
+def _check_runnable(command: Sequence[str]) -> None:
+    """The command's program exists and may be run (a path, or a name on PATH), before any node starts."""
+    program = command[0]
+    if not shutil.which(program):
+        place = "no executable file at that path" if os.sep in program else "no such program on PATH"
+        raise GymvError(f"cannot run {program!r}: {place}", where="gymv cluster up", exit_code=COMMAND_NOT_FOUND,
+                        fix="check the command after `--`: a program on PATH or the path of an executable file")
+
+
+def check_launch_options(*, port: int, timeout_s: float, num_cpus: int | None, num_gpus: int | None,
+                         gpus_per_node: int) -> None:
+    """`gymv cluster up`'s options, refused before anything starts."""
+    check_port(port, "--port")
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise GymvError(f"--timeout must be a number of seconds above 0, not {timeout_s!r}", where="--timeout",
+                        fix="give the seconds every node may take to join, e.g. --timeout 300")
+    for flag, value in (("--num-cpus", num_cpus), ("--num-gpus", num_gpus), ("--gpus-per-node", gpus_per_node)):
+        if value is not None and value < 0:
+            raise GymvError(f"{flag} must be 0 or more, not {value}", where=flag, fix=f"give {flag} 0 or more, or "
+                                                                                      "leave it out")
+
+
 def _signal_group(step: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(step.pid, sig)  # the step's own session: srun and what it started on this host
@@ -236,9 +283,19 @@ def cluster_up(command: Sequence[str], *, port: int = DEFAULT_PORT, timeout_s: f
     the command runs as it is (a local cluster, or the --ray-address it names)."""
     if not command:
         raise GymvError("no command to run", where="gymv cluster up", fix="gymv cluster up -- gymv train RECIPE")
+    check_launch_options(port=port, timeout_s=timeout_s, num_cpus=num_cpus, num_gpus=num_gpus,
+                         gpus_per_node=gpus_per_node)
+    _check_runnable(command)
     if not in_allocation():
         say("not inside a SLURM allocation (no SLURM_JOB_NODELIST): running the command as it is")
-        return subprocess.run(list(command)).returncode
+        try:
+            return subprocess.run(list(command)).returncode
+        except OSError as e:
+            raise GymvError(f"cannot run {command[0]!r} ({e.strerror or e})", where="gymv cluster up",
+                            exit_code=COMMAND_NOT_FOUND, fix="check the command after `--`") from None
+    if not shutil.which("srun"):
+        raise GymvError("srun is not on PATH", where="gymv cluster up", fix=SRUN_FIX)
+    check_token_path()
     cluster = RayOnSlurm(allocation_hosts(), port=port, num_cpus=num_cpus, num_gpus=num_gpus,
                          gpus_per_node=gpus_per_node, say=say)
     # SLURM ends a job (time limit, scancel) with SIGTERM: stop the nodes on the way out
@@ -248,6 +305,38 @@ def cluster_up(command: Sequence[str], *, port: int = DEFAULT_PORT, timeout_s: f
         return cluster.run(command)
     finally:
         cluster.stop()
+
+
+def check_write_target(path: Path) -> None:
+    """`gymv cluster sbatch --write PATH`: a file in a folder that exists (a typo'd folder is not made)."""
+    if path.is_dir():
+        raise GymvError(f"{one_line(str(path))} is a folder", where="--write",
+                        fix=f"name a file in it, e.g. {one_line(str(path / 'job.sh'))}")
+    if not path.parent.is_dir():
+        raise GymvError(f"the folder {one_line(str(path.parent))} does not exist", where="--write",
+                        fix=f"create it first (mkdir -p {shlex.quote(str(path.parent))}) or write the script elsewhere")
+
+
+_SLURM_TIME = re.compile(r"\d+(?::\d+){0,2}|\d+-\d+(?::\d+){0,2}|(?i:unlimited|infinite)")
+_SBATCH_QUOTING = set("\"'\\")
+
+
+def sbatch_value(option: str, value: str, where: str | None = None) -> str:
+    """`value` for an #SBATCH line: one non-empty word of printable characters. A line break would end the
+    comment and start a line bash runs; a space or a quote would split or merge the options SLURM reads."""
+    if not isinstance(value, str) or not value:
+        problem = "is empty"
+    elif any(ch in "\n\r\x0b\x0c\x85\u2028\u2029" for ch in value):
+        problem = "holds a line break"
+    elif has_control_or_space(value):
+        problem = "holds whitespace or a control character"
+    elif _SBATCH_QUOTING & set(value):
+        problem = "holds a quote or a backslash"
+    else:
+        return value
+    raise GymvError(f"{option} {value!r} {problem}: an #SBATCH value is one word of printable characters",
+                    where=one_line(where or option),
+                    fix=f"give {option} without spaces, line breaks, quotes or backslashes")
 
 
 @dataclass(frozen=True)
@@ -265,6 +354,23 @@ class BatchJob:
     workdir: str | None = None
     port: int = DEFAULT_PORT
     launcher: bool = True  # run the command through `gymv cluster up` (a driver already does)
+    job_name_from: str = "--job-name"  # where the job name comes from (a recipe's `name`, a driver's file)
+
+    def __post_init__(self) -> None:
+        for what, value, low, high in (("cluster.num_nodes", self.nodes, 1, MAX_NODES),
+                                       ("cluster.gpus_per_node", self.gpus_per_node, 0, None)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
+                raise GymvError(f"{what} is {value!r}, not a whole number from {low}" + (f" to {high}" if high else
+                                                                                       " up"),
+                                where=what, fix="fix the recipe's (or the driver's) node and GPU counts")
+        check_port(self.port, "--port")
+        sbatch_value("--job-name", self.job_name, self.job_name_from)
+        for flag in ("time", "account", "partition", "output"):
+            if getattr(self, flag) is not None:
+                sbatch_value(f"--{flag}", getattr(self, flag))
+        if self.time is not None and not _SLURM_TIME.fullmatch(self.time):
+            raise GymvError(f"--time {self.time!r} is no SLURM time limit", where="--time",
+                            fix="write minutes, HH:MM:SS, D-HH:MM:SS (e.g. 4:00:00) or UNLIMITED")
 
     @classmethod
     def for_driver(cls, path: Path, args: Sequence[str] = (), **kw) -> BatchJob:
@@ -274,9 +380,11 @@ class BatchJob:
         if kw.get("time") is None:
             kw["time"] = str(d.allocation("NUM_MINUTES"))  # SLURM reads a bare number as minutes
         return cls(d.allocation("NUM_NODES"), d.allocation("GPUS_PER_NODE"), ("bash", str(path.resolve()), *args),
-                   path.stem, launcher=False, **kw)
+                   path.stem, launcher=False, job_name_from=str(path), **kw)
 
     def script(self) -> str:
+        """The batch script. Its #SBATCH values were checked to be single words; everything on a command line
+        is shell-quoted, so no value reaches bash as code."""
         head = [f"#SBATCH --job-name={self.job_name}", f"#SBATCH --nodes={self.nodes}", "#SBATCH --ntasks-per-node=1",
                 "#SBATCH --exclusive"]
         if self.gpus_per_node:

@@ -20,8 +20,8 @@ ABSENT = "<absent>"
 # where and how a launch runs, not what it trains: a run continues under new values of these (a prefix
 # ending in "." covers every key below it, e.g. a role's node pins on a new allocation)
 LAUNCH_KEYS = ("checkpoint.steps_per_run", "checkpoint.resume", "cluster.ray_address", "cluster.placement.",
-               "cluster.placement_timeout_s", "cluster.start_timeout_s", "cluster.phase_timeout_s",
-               "cluster.max_restarts")
+               "cluster.connect_timeout_s", "cluster.placement_timeout_s", "cluster.start_timeout_s",
+               "cluster.phase_timeout_s", "cluster.max_restarts")
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
