@@ -82,3 +82,48 @@ def test_the_errors_of_several_training_ranks_come_back_in_sample_order():
     shards = shard_minibatches(minibatches, 3)  # rank r scores its parts of both minibatches, in order
     per_rank = [[x * 10 for part in parts for x in part] for parts in shards]
     assert unshard(shards, per_rank) == [x * 10 for x in range(8)]
+
+
+def _step(masked: int, kept: int) -> dict:
+    return {"train/num_masked_seqs_by_logprob_error": float(masked), "train/num_sequences": float(kept),
+            "train/min_seq_mult_prob_error": 1.0004}
+
+
+def test_a_step_whose_every_sequence_is_masked_is_a_warning_naming_the_step_and_the_threshold():
+    from gymv.algorithms.seq_error import AllMaskedWatch
+
+    said = []
+    watch = AllMaskedWatch(1.0, "grpo.seq_logprob_error_threshold", said.append)
+    watch.check(1, _step(masked=15, kept=1))  # one sequence trained: no warning
+    watch.check(2, _step(masked=16, kept=0))
+    assert said == ["warning: step 2: grpo.seq_logprob_error_threshold 1 masked all 16 sequences; the smallest "
+                    "sequence error was 1.0004, so the step trained on nothing (the run stops after 3 such steps in "
+                    "a row)"]
+
+
+def test_every_sequence_masked_on_three_steps_in_a_row_stops_the_run_naming_the_key():
+    from gymv.algorithms.seq_error import AllMaskedWatch
+
+    said = []
+    watch = AllMaskedWatch(1.0, "mopd.seq_logprob_error_threshold", said.append)
+    watch.check(1, _step(16, 0))
+    watch.check(2, _step(16, 0))
+    watch.check(3, _step(3, 13))  # a step that trained on something starts the count again
+    watch.check(4, _step(16, 0))
+    watch.check(5, _step(16, 0))
+    with pytest.raises(GymvError, match=r"mopd.seq_logprob_error_threshold 1 masked every sequence of the last 3 "
+                                        r"steps \(to step 6") as err:
+        watch.check(6, _step(16, 0))
+    assert err.value.where == "mopd.seq_logprob_error_threshold" and "null" in err.value.fix
+    assert len(said) == 4 and err.value.exit_code == 1
+
+
+def test_without_a_threshold_or_without_masking_nothing_is_said():
+    from gymv.algorithms.seq_error import AllMaskedWatch
+
+    said = []
+    for watch in (AllMaskedWatch(None, "grpo.seq_logprob_error_threshold", said.append),
+                  AllMaskedWatch(2.0, "grpo.seq_logprob_error_threshold", said.append)):
+        for step in range(1, 5):
+            watch.check(step, {"train/num_sequences": 0.0} if watch.threshold is None else _step(0, 16))
+    assert said == []

@@ -132,3 +132,70 @@ def test_non_finite_numbers_are_refused_with_their_dotted_path(key, value):
     _, findings = schema_findings(data)
     assert len(findings) == 1 and f"training.{key}" in findings[0].message + str(findings[0].where or "")
     assert "finite" in findings[0].message
+
+
+def _numeric_paths(tp, path=()):
+    """Every path in the schema where a number (and no boolean) goes: sections' fields, mapping entries (an
+    alias `t`, a name `x`), the first item of a list or tuple."""
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    from gymv.config.validate import number_not_bool
+
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:
+        yield from _numeric_paths(args[0], path)
+        return
+    if origin in (typing.Union, types.UnionType):
+        if number_not_bool(tp):
+            yield path
+            return
+        for a in args:
+            yield from _numeric_paths(a, path)
+        return
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        for name, f in tp.model_fields.items():
+            yield from _numeric_paths(f.annotation, (*path, f.alias or name))
+    elif origin is dict:
+        yield from _numeric_paths(args[1], (*path, "t" if path[-1] == "teachers" else "x"))
+    elif origin in (list, tuple):
+        yield from _numeric_paths(args[0], (*path, 0))
+    elif number_not_bool(tp):
+        yield path
+
+
+def _with(data: dict, path: tuple, value) -> dict:
+    import copy
+
+    out = copy.deepcopy(data)
+    node = out
+    for i, p in enumerate(path[:-1]):
+        nxt = path[i + 1]
+        if isinstance(node, list):
+            node = node[p]
+            continue
+        if not isinstance(node.get(p), (dict, list)):
+            node[p] = [0.5, 0.5] if isinstance(nxt, int) else {}
+        node = node[p]
+    node[path[-1]] = value
+    return out
+
+
+@pytest.mark.parametrize("algo", ALGORITHMS)
+def test_a_boolean_is_refused_for_every_numeric_key(algo):
+    """pydantic's lax mode reads `true` as 1 and 1.0: `seq_logprob_error_threshold: true` became 1.0, which
+    masked every sequence; every numeric key of every section refuses a boolean, naming the key."""
+    paths = sorted(set(_numeric_paths(MODELS[algo])), key=str)
+    assert ("training", "lr") in paths and ("cluster", "max_restarts") in paths
+    if not algo.endswith("sft"):
+        assert (algo.removeprefix("vlm_"), "seq_logprob_error_threshold") in paths
+    missed = []
+    for path in paths:
+        for value in (True, False):
+            _, found = schema_findings(_with(minimal(algo), path, value))
+            key = ".".join(map(str, path))
+            if not any(f.key == key and f"is a number, not {str(value).lower()}" in f.message for f in found):
+                missed.append((key, value))
+    assert missed == []

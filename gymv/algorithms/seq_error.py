@@ -93,3 +93,37 @@ def drop_masked_samples(minibatches: Sequence[Sequence[dict]], threshold: float)
     errors = [_error(num, n) for num, n in (torch.stack(terms).tolist() if terms else [])]  # one host read
     masked = {id(s) for s, e in zip(flat, errors) if is_masked(e, threshold)}
     return [[s for s in mb if id(s) not in masked] for mb in minibatches], errors
+
+
+ALL_MASKED_STOP_STEPS = 3  # consecutive steps with every sequence masked after which a run stops
+
+
+class AllMaskedWatch:
+    """A step whose sequences the threshold masked, every one, trained on nothing (a zero loss, no update) while
+    its step, data position and learning-rate schedule advanced. Each such step is a warning naming the step,
+    the threshold and the smallest error (what a threshold would have to be to keep one sequence); on
+    ALL_MASKED_STOP_STEPS steps in a row the run stops before logging or checkpointing the last of them, since
+    a threshold that keeps nothing is a misconfiguration (or a generator and trainer that disagree), not noise.
+    Read from a step's metrics: `train/num_masked_seqs_by_logprob_error` above 0 and no `train/num_sequences`
+    left to train on."""
+
+    def __init__(self, threshold: float | None, key: str, warn, stop_after: int = ALL_MASKED_STOP_STEPS):
+        self.threshold, self.key, self.warn, self.stop_after = threshold, key, warn, stop_after
+        self.in_a_row = 0
+
+    def check(self, step: int, metrics: dict) -> None:
+        masked = metrics.get("train/num_masked_seqs_by_logprob_error") or 0
+        if self.threshold is None or not masked or metrics.get("train/num_sequences", 1) > 0:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        smallest = metrics.get("train/min_seq_mult_prob_error")
+        errors = f"; the smallest sequence error was {smallest:.9g}" if smallest else ""
+        if self.in_a_row >= self.stop_after:
+            raise GymvError(f"{self.key} {self.threshold:g} masked every sequence of the last {self.in_a_row} steps "
+                            f"(to step {step}{errors}): the run was training on nothing; this step was not "
+                            "checkpointed", where=self.key, exit_code=1,
+                            fix=f"raise {self.key} above the errors (each is at least 1; 1 masks nearly all), or set "
+                                "it to null; a large train/token_mult_prob_error means generator and trainer disagree")
+        self.warn(f"warning: step {step}: {self.key} {self.threshold:g} masked all {int(masked)} sequences{errors}, so "
+                  f"the step trained on nothing (the run stops after {self.stop_after} such steps in a row)")

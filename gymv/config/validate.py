@@ -164,6 +164,69 @@ def _nul_findings(data: Any, path: tuple, locate: Locate | None, fallback_where:
     return [f for k, v in items for f in _nul_findings(v, (*path, k), locate, fallback_where)]
 
 
+def _scalar_types(tp: Any) -> set:
+    """The scalar types an annotation admits (through Annotated, Optional and unions); `object` for Any or a
+    type the walk does not know."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return _scalar_types(typing.get_args(tp)[0])
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*(_scalar_types(a) for a in typing.get_args(tp)))
+    if origin is typing.Literal:
+        return {type(v) for v in typing.get_args(tp)}
+    if origin is not None:
+        return {origin}
+    return {tp} if isinstance(tp, type) else {object}
+
+
+def number_not_bool(tp: Any) -> bool:
+    """A key that takes a number and no boolean: pydantic would read `true` there as 1 (or 1.0)."""
+    kinds = _scalar_types(tp)
+    return bool(kinds & {int, float}) and not kinds & {bool, object}
+
+
+def _child_type(tp: Any, key: Any) -> Any:
+    """The annotation of entry `key` inside a value of type `tp` (a section, mapping, list or tuple), or None."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return _child_type(typing.get_args(tp)[0], key)
+    if origin in (typing.Union, types.UnionType):
+        found = [c for c in (_child_type(a, key) for a in typing.get_args(tp)) if c is not None]
+        return found[0] if found else None
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return _field_names(tp).get(key)
+    if origin is dict:
+        return typing.get_args(tp)[1]
+    if origin in (list, set, frozenset):
+        return typing.get_args(tp)[0]
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return args[0]
+        return args[key] if isinstance(key, int) and key < len(args) else None
+    return None
+
+
+def _bool_findings(tp: Any, data: Any, path: tuple, locate: Locate | None, fallback_where: str | None) -> list[Finding]:
+    """`true`/`false` where the schema wants a number: pydantic's lax mode would read them as 1 and 0, so
+    `seq_logprob_error_threshold: true` became a threshold of 1.0 that masks every sequence."""
+    if isinstance(data, bool):
+        if not path or not number_not_bool(tp):
+            return []
+        key = dotted(path)
+        return [Finding("schema.type", f"`{key}` is a number, not {str(data).lower()}", key,
+                        _where(locate, path, fallback_where),
+                        f"write a number for `{key}` (true and false are not read as 1 and 0)"
+                        + (", or null to leave it unset" if type(None) in _scalar_types(tp) else ""))]
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    out = []
+    for k, v in items:
+        child = _child_type(tp, k)
+        if child is not None:
+            out += _bool_findings(child, v, (*path, k), locate, fallback_where)
+    return out
+
+
 def schema_findings(data: Any, locate: Locate | None = None, fallback_where: str | None = None
                     ) -> tuple[RecipeBase | None, list[Finding]]:
     """Validate resolved recipe data; returns (model or None, findings). Never raises for bad input."""
@@ -191,6 +254,7 @@ def schema_findings(data: Any, locate: Locate | None = None, fallback_where: str
         return None, findings
     findings += _nul_findings(data, (), locate, fallback_where)
     model = MODELS[algo]
+    findings += _bool_findings(model, data, (), locate, fallback_where)
     try:
         cfg = model.model_validate(data)
     except ValidationError as err:

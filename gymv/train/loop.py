@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from gymv.algorithms.seq_error import AllMaskedWatch
 from gymv.cluster.group import TrainerHandle
 from gymv.models.init_path import FINAL_DIR
 from gymv.runs.checkpoint import CheckpointState, DataPosition, unusable_checkpoints
@@ -75,6 +76,9 @@ class TrainingLoop:
         self.metrics_log = ctx.run.metrics_log()
         self.last_metrics: dict = {}
         self._stopping = False
+        key = f"{ctx.cfg.base_algorithm}.seq_logprob_error_threshold"
+        self.masked = AllMaskedWatch(getattr(section, "seq_logprob_error_threshold", None), key,
+                                     ctx.reporter.on_message)
 
     def start(self, **info) -> None:
         """Tell the reporter where the run starts (`info`: the algorithm's own keys), then validate at step 0
@@ -106,6 +110,7 @@ class TrainingLoop:
         checkpoint when due. `position`: where the data stream stands after this step's rows (default: the
         stream's own position)."""
         step, ctx = self.step, self.ctx
+        self.masked.check(step, metrics)  # every sequence masked: a warning, and a stop when it persists
         if rollouts is not None and ctx.cfg.logger.log_rollouts:
             ctx.run.write_rollouts(step, rollouts())
         self.metrics_log.log(step, metrics)
