@@ -72,6 +72,9 @@ class BackendCapabilities:
     # "module:function(path, device, dtype, *, text_only) -> (why, fix) | None": the checkpoints it cannot run
     # there, judged from their config.json by `gymv train` before Ray starts (vLLM's: VLLM_FAMILY_LIMITS)
     model_check: str | None = None
+    # how a generation engine proves it holds a refit's weights (gymv.cluster.refit_check): "digest" (it
+    # fingerprints its weights in checkpoint names), "probe" (it scores a fixed sequence), None: it cannot
+    refit_check: str | None = None
 
 
 VLLM_VENV_FIX = ("install vLLM's venv with `bash scripts/install.sh vllm` and run gymv from it "
@@ -83,10 +86,10 @@ MEGATRON = Package("megatron-core", "megatron.core",
 
 GENERATION_BACKENDS = Registry("generation backend", "gymv.generation_backends", {
     "hf": ("gymv.backends.generation.hf:HFGenerationBackend",
-           BackendCapabilities(decoder="gymv.backends.generation.static:with_decode")),
+           BackendCapabilities(decoder="gymv.backends.generation.static:with_decode", refit_check="digest")),
     "vllm": ("gymv.backends.generation.vllm:VllmGenerationBackend", BackendCapabilities(
         needs=Package("vllm", "vllm", VLLM_VENV_FIX + ", or use generation.backend: hf"), reads_vllm_section=True,
-        model_check=VLLM_MODEL_CHECK)),
+        model_check=VLLM_MODEL_CHECK, refit_check="probe")),
 }, where="generation.backend", default=BackendCapabilities())
 TRAINING_BACKENDS = Registry("training backend", "gymv.training_backends", {
     "torch": ("gymv.backends.training.hf_torch:HFTorchBackend", BackendCapabilities(compiles=True, one_rank=True)),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -30,7 +31,9 @@ from dataclasses import dataclass
 
 from gymv.cluster.placement import Placement
 from gymv.cluster.ray_placement import ROSTER, actor_options, lost_worker_error, place
+from gymv.backends.registry import GENERATION_BACKENDS
 from gymv.cluster.refit import shares_sending
+from gymv.cluster.refit_check import CheckRequest, plan_checks
 from gymv.cluster.roles import policy_plans
 from gymv.cluster.transport_choice import Layout, choose_transport
 from gymv.cluster.workers import SEQ_ERRORS_KEY, GenerationWorker, TrainingWorker, WorkerSpec
@@ -64,9 +67,11 @@ def ray_get(refs, phase: str, timeout_s: float | None = None, *, key: str = "clu
             raise lost_worker_error(cause, phase) from None
         text = str(cause) if cause is not None else str(e)
         lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+        hint = ("; non-finite weights usually mean the learning rate is too high"
+                if re.search(r"\b(nan|inf|infinity|non-finite|not finite)\b", lines[-1] if lines else "", re.I) else "")
         raise GymvError(f"{phase} failed in a worker: {type(cause).__name__ if cause else 'error'}: "
                         f"{lines[-1] if lines else ''}", where=phase, exit_code=1,
-                        fix="run with --debug for the worker traceback; non-finite weights usually mean the learning rate is too high") from None
+                        fix="run with --debug for the worker traceback" + hint) from None
     except RayActorError as e:
         if os.environ.get("GYMV_DEBUG"):
             print(str(e), file=sys.stderr)
@@ -157,6 +162,11 @@ class PolicyCluster:
         for i, a in enumerate(self.generators):
             ROSTER.add(a, "generation", i)
         self._refit_ready = False
+        self.checks = plan_checks(spec.refit.check, GENERATION_BACKENDS.capabilities(spec.generation.backend).refit_check,
+                                  spec.generation_dtype)
+        self.refits = 0  # refits sent by this process (the numbering of refit checks)
+        self._verifies: dict[int, list] = {}  # version -> its refit's check refs, until waited for
+        self._probe = None
         try:
             self._start(lagging_receivers)
         except BaseException:  # nothing of a cluster that failed to start outlives it
@@ -173,6 +183,7 @@ class PolicyCluster:
         refs += [g.stats.remote() for g in self.generators]  # waits for the generation workers to load
         self.info = ray_get(refs, "starting the workers", **start)[0]
         self.transport = self._choose_transport(lagging_receivers)
+        self.check_weights()
 
     def _check_tensor_groups(self) -> None:
         """Colocated, a tensor-parallel group of training ranks spans bundles of one GPU each: they must
@@ -279,10 +290,11 @@ class PolicyCluster:
         self._senders = self.trainers if len(self.trainers) > 1 and shares_sending(chosen) else self.trainers[:1]
         return chosen
 
-    def _publish(self) -> tuple[list, list]:
+    def _publish(self, check: CheckRequest | None = None) -> tuple[list, list]:
         """(each sending rank's publish ref, the other ranks' follow refs): with a transport that shares
         sending, every rank ships its share of the buckets, so no rank carries the whole model's traffic."""
-        return [t.publish.remote() for t in self._senders], [t.follow_weights.remote() for t in self.trainers[len(self._senders):]]
+        return ([t.publish.remote(check) for t in self._senders],
+                [t.follow_weights.remote(check) for t in self.trainers[len(self._senders):]])
 
     def _connect_refit(self) -> None:
         n, senders = len(self.generators), len(self._senders)
@@ -295,36 +307,75 @@ class PolicyCluster:
         self._get(refs, "refit setup")  # collective transports rendezvous here, all sides at once
         self._refit_ready = True
 
-    def _receive_calls(self, version: int, parts: list, *, in_flight: bool = False) -> list:
+    def _receive_calls(self, version: int, parts: list, check: CheckRequest | None, *, in_flight: bool = False) -> list:
+        """Each generator's receive of the published `parts`, and with `check` its verification right behind it
+        (in the same concurrency group, so nothing loads in between), against rank 0's side of the check."""
         # in-band: each receiver waits for the published objects; otherwise they meet inside the broadcast
         handed = parts if self._in_band else [None]
+        trainer = self.trainers[0].refit_check.remote() if check is not None else None
         out = []
         for g in self.generators:
             receive = g.receive.options(concurrency_group=REFIT_GROUP) if in_flight else g.receive
             out.append(receive.remote(handed[0], version, *handed[1:]))
+            if check is not None:
+                verify = g.verify_weights.options(concurrency_group=REFIT_GROUP) if in_flight else g.verify_weights
+                out.append(verify.remote(check, trainer))
+                self._verifies.setdefault(version, []).append(out[-1])
         return out
 
+    def wait_checked(self, versions) -> None:
+        """Wait for the checks of the refits that carried these versions (asynchronous runs call it before
+        training on rollouts of those weights); a failed check is raised here."""
+        refs = [r for v in sorted(set(versions)) for r in self._verifies.pop(v, [])]
+        if refs:
+            self._get(refs, "refit check")
+
+    def _check_request(self, refit: int, version: int = 0) -> CheckRequest | None:
+        """The check of refit number `refit` (carrying step `version`'s weights) when `refit.check` has it due."""
+        plan = self.checks
+        if not plan.due(refit):
+            return None
+        if plan.kind == "probe" and self._probe is None:
+            self._probe = self._get(self.trainers[0].refit_probe.remote(plan.probe_tokens), "refit check setup")
+        return CheckRequest(plan.kind, refit, self.transport, self._probe if plan.kind == "probe" else None,
+                            plan.tolerance, version)
+
+    def check_weights(self) -> None:
+        """Check that every engine holds the trainer's weights now (refit 0 of `refit.check`: at start, the
+        checkpoint each side loaded); a mismatch is the error of the phase."""
+        check = self._check_request(0) if self.generators else None
+        if check is None:
+            return
+        sides = [t.weights_check.remote(check) for t in self.trainers]
+        verify = [g.verify_weights.remote(check, sides[0]) for g in self.generators]
+        self._get(sides + verify, "checking the engines' weights")
+
     def refit(self, version: int) -> float:
-        """Send the trainer's weights to every generation worker; seconds, as the driver saw them."""
+        """Send the trainer's weights to every generation worker (checked when `refit.check` has it due);
+        seconds, as the driver saw them."""
         if not self.generators:
             return 0.0
         t0 = time.perf_counter()
-        if not self._refit_ready:
-            self._connect_refit()
-        parts, followers = self._publish()
-        self._get(parts + self._receive_calls(version, parts) + followers, "refit")
+        self._get(self._send_refit(version, in_flight=False), "refit")
+        self._verifies.pop(version, None)
         return time.perf_counter() - t0
 
     def refit_async(self, version: int) -> list:
         """Queue the trainer's new weights to every generation worker without waiting: each loads them after
-        the rollout it is running (or, with in-flight refits, between two of its generate calls). The refs
-        resolve to each receiver's result; a worker's error surfaces when they are read."""
+        the rollout it is running (or, with in-flight refits, between two of its generate calls), and checks
+        them right after when due. The refs resolve to each receiver's result; a worker's error (a failed
+        check included) surfaces when they are read."""
         if not self.generators:
             return []
+        return self._send_refit(version, in_flight=self.in_flight_refit)
+
+    def _send_refit(self, version: int, *, in_flight: bool) -> list:
         if not self._refit_ready:
             self._connect_refit()
-        parts, followers = self._publish()
-        return parts + self._receive_calls(version, parts, in_flight=self.in_flight_refit) + followers
+        self.refits += 1
+        check = self._check_request(self.refits, version)
+        parts, followers = self._publish(check)
+        return parts + self._receive_calls(version, parts, check, in_flight=in_flight) + followers
 
     def replace_generator(self, index: int, version: int) -> None:
         """Start a new generation worker in place of a dead one, with the trainer's current weights."""

@@ -25,6 +25,15 @@ from gymv.backends.training.process_group import leave_process_group
 from gymv.backends.training.samples import as_tensors, training_sample
 from gymv.cluster.ray_placement import here
 from gymv.cluster.refit import make_receiver, make_sender
+from gymv.backends.weights import weight_digests
+from gymv.cluster.refit_check import (
+    CheckRequest,
+    Probe,
+    build_probe,
+    check_refit,
+    engine_account,
+    trainer_probe,
+)
 from gymv.config.schema import (
     EnvSection,
     GenerationSection,
@@ -149,6 +158,7 @@ class GenerationWorker:
                                                   max_batch=g.max_batch)
         self.router = EnvRouter(spec.env)
         self.receiver = None
+        self._last_probe: tuple | None = None  # (refit, trainer's, this engine's account) of the last probe check
         self.weights_version = 0
         self.episodes = 0  # episodes this worker has run
         # Held while generating and while loading weights: an in-flight refit (its own Ray concurrency
@@ -228,6 +238,19 @@ class GenerationWorker:
             if self.spec.generation.reset_encoder_cache_after_weight_update:
                 self.backend.reset_encoder_cache()
 
+    def verify_weights(self, check: CheckRequest, trainer: dict | None) -> None:
+        """Check that this engine holds the weights the trainer accounted for in `trainer` (its digests or probe
+        logprobs; None: its publish failed, which the refit itself reports): queued right behind the refit's
+        `receive` (or, for `check.refit` 0, the engine's initial weights), so nothing loads in between. A
+        mismatch is one line naming what differs."""
+        if trainer is None:
+            return
+        with self._weights_lock:
+            account = engine_account(self.backend, check, (trainer.get("digests") or {}).keys(),
+                                     self.spec.generation_dtype)
+        previous, self._last_probe = self._last_probe, (check.version, trainer, account) if check.kind == "probe" else None
+        check_refit(check, trainer, account, worker=f"generation worker {self.index}", previous=previous)
+
     def weights_hash(self) -> str:
         return self.backend.weights_hash()
 
@@ -259,6 +282,16 @@ class _Locked:
 
 
 # ---------------------------------------------------------------------------------------------- training
+
+
+def _digesting(weights, dtype, out: dict):
+    """The (name, tensor) pairs of `weights`, each one's digest in `dtype` recorded in `out` as it passes."""
+    from gymv.backends.weights import tensor_digest
+
+    pairs = weights.items() if isinstance(weights, dict) else weights
+    for name, t in pairs:
+        out[name] = tensor_digest(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
+        yield name, t
 
 SEQ_ERRORS_KEY = "seq_mult_prob_errors"  # grpo_step's per-sample sequence errors (a list, not a metric)
 
@@ -400,8 +433,11 @@ class TrainingWorker:
         """A CPU copy of the weights (a replacement generation worker, tests); refits go through `publish`."""
         return {k: v.detach().cpu().clone() for k, v in self.backend.named_weights()}
 
-    def follow_weights(self) -> None:
-        """A rank other than 0 joins the gathers of rank 0's `named_weights` (refit, hash, copy, export)."""
+    def follow_weights(self, check: CheckRequest | None = None) -> None:
+        """A rank other than 0 joins the gathers of rank 0's `named_weights` (refit, hash, copy, export), and
+        the probe's forward pass of a refit checked by probe."""
+        if check is not None and check.kind == "probe":
+            trainer_probe(self.backend, check.probe)
         if self.backend.gathers_weights:
             for _ in self.backend.named_weights():
                 pass
@@ -416,8 +452,40 @@ class TrainingWorker:
         dtype = self._generation_dtype()
         return {k: v.to(dtype) for k, v in self.backend.named_weights()}
 
-    def publish(self):
-        return self.sender.publish(self._weights_to_send())
+    def publish(self, check: CheckRequest | None = None):
+        """Send this refit; with `check`, also this side of its check (`refit_check` hands it out): the
+        digests of the tensors as sent, in the generation dtype, or the probe's logprobs."""
+        self._check = None
+        account: dict = {}
+        weights = self._weights_to_send()
+        if check is not None and check.kind == "probe":
+            account["probe"] = trainer_probe(self.backend, check.probe)
+        if check is not None and check.kind == "digest" and self.rank == 0:
+            account["digests"] = {}
+            weights = _digesting(weights, self._generation_dtype(), account["digests"])
+        payload = self.sender.publish(weights)
+        self._check = account if check is not None else None
+        return payload
+
+    def refit_check(self) -> dict | None:
+        """This rank's side of the check of the refit it last published (None: unchecked, or it failed)."""
+        check, self._check = self._check, None
+        return check
+
+    def weights_check(self, check: CheckRequest) -> dict:
+        """This side of a check outside a refit (the engines' initial weights): every rank calls it."""
+        account: dict = {}
+        if check.kind == "probe":
+            account["probe"] = trainer_probe(self.backend, check.probe)
+        elif self.rank == 0:
+            account["digests"] = weight_digests(self.backend.named_weights(), self._generation_dtype())
+        else:
+            self.follow_weights()
+        return account
+
+    def refit_probe(self, tokens: int) -> Probe:
+        """The fixed sequence of the probe check, from this trainer's tokenizer and adapter."""
+        return build_probe(self.backend.tokenizer, self.backend.adapter, tokens)
 
     def weights_hash(self) -> str:
         return self.backend.weights_hash(self._generation_dtype())

@@ -15,6 +15,7 @@ from pydantic_core import PydanticCustomError
 from gymv.algorithms.registry import BASELINES, KL_ESTIMATORS, LOSS_AGGREGATIONS
 from gymv.backends.registry import AUTO_TRANSPORT, REFIT_TRANSPORTS
 from gymv.capabilities import backend_names, backend_registry
+from gymv.cluster_limits import ADDRESS_FIX, MAX_NODES, address_problem, has_control_or_space
 from gymv.registry import Registry
 from gymv.rollout.tool_formats import available
 
@@ -23,6 +24,7 @@ NonNegInt = Annotated[int, Field(ge=0)]
 PosFloat = Annotated[float, Field(gt=0)]
 NonNegFloat = Annotated[float, Field(ge=0)]
 Fraction = Annotated[float, Field(gt=0, le=1)]
+MAX_RESTARTS = 100  # cluster.max_restarts, gymv train --max-restarts
 # a sequence's multiplicative logprob error is >= 1, so a threshold below 1 would mask every sequence
 SeqErrorThreshold = Annotated[float, Field(ge=1)] | None
 
@@ -199,10 +201,22 @@ class TrainingSection(Section):
         return _known_backend("training.backend", v)
 
 
+class RefitCheckSection(Section):
+    """How each engine proves it holds the trainer's weights after a refit (gymv.cluster.refit_check)."""
+
+    # auto: the generation backend's own check (hf: digest, vllm: probe); digest, probe; off: none
+    mode: Literal["auto", "digest", "probe", "off"] = "auto"
+    first: NonNegInt = 3  # refits checked one by one from the start (the engines' initial weights count as 0)
+    every: NonNegInt = 10  # then every Nth refit (0: none after the first)
+    probe_tokens: Annotated[int, Field(ge=4, le=4096)] = 32  # text tokens of the probe sequence
+    probe_tolerance: PosFloat | None = None  # mean |engine - trainer| logprob per token; null: by model.dtype
+
+
 class RefitSection(Section):
     transport: str = "object_store"
     # MiB per bucket that object_store and nccl ship while the next fills (0: the whole buffer at once)
     bucket_mb: NonNegFloat = 256.0
+    check: RefitCheckSection = RefitCheckSection()
 
     @field_validator("transport")
     @classmethod
@@ -228,6 +242,15 @@ class RolePlacement(Section):
     labels: dict[str, str] = {}  # Ray node labels every worker's node must carry ("v", "!v", "in(a,b)", "!in(a,b)")
     resources: dict[str, PosFloat] = {}  # custom Ray resources each worker (on GPUs: each bundle) reserves
 
+    @field_validator("resources")
+    @classmethod
+    def _resource_names(cls, v: dict[str, float]) -> dict[str, float]:
+        for name in v:
+            if not name or has_control_or_space(name):
+                raise ValueError(f"{name!r} is no Ray resource name (a non-empty word of printable characters, as "
+                                 "`ray start --resources` gave it)")
+        return v
+
     @field_validator("labels")
     @classmethod
     def _selectors(cls, v: dict[str, str]) -> dict[str, str]:
@@ -247,7 +270,7 @@ class PlacementSection(Section):
 
 
 class ClusterSection(Section):
-    num_nodes: PosInt = 1
+    num_nodes: Annotated[int, Field(ge=1, le=MAX_NODES)] = 1  # MAX_NODES: gymv.cluster_limits says why
     gpus_per_node: NonNegInt = 0
     colocated: bool = True
     generation_gpus: NonNegInt | None = None
@@ -257,13 +280,24 @@ class ClusterSection(Section):
     generation_workers_per_gpu: PosInt = 1
     # training ranks of a CPU run (gpus_per_node: 0), one Ray actor each, spread over num_nodes Ray nodes
     cpu_training_ranks: PosInt = 1
-    ray_address: str | None = None
+    ray_address: str | None = None  # HOST:PORT or auto
     placement: PlacementSection = PlacementSection()
-    # deadlines of the waits on Ray: placement groups (and a launcher's nodes joining), workers starting, one phase
+    # deadlines of the waits on Ray: joining ray_address (reaching its GCS, the handshake), placement groups
+    # (and a launcher's nodes joining), workers starting, one phase
+    connect_timeout_s: PosFloat = 60.0
     placement_timeout_s: PosFloat = 300.0
     start_timeout_s: PosFloat = 1800.0
     phase_timeout_s: PosFloat = 3600.0
-    max_restarts: NonNegInt = 0  # resumes from the newest complete checkpoint after a lost node or worker
+    # resumes from the newest complete checkpoint after a lost node or worker; a bound so that a typo is no loop
+    max_restarts: Annotated[int, Field(ge=0, le=MAX_RESTARTS)] = 0
+
+    @field_validator("ray_address")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        problem = None if v is None else address_problem(v)
+        if problem:
+            raise ValueError(f"{problem}: {ADDRESS_FIX}")
+        return v
 
 
 class CheckpointSection(Section):

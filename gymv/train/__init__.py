@@ -23,6 +23,7 @@ from gymv.config import load_recipe
 from gymv.envs.routing import EnvRouter
 from gymv.errors import GymvError
 from gymv.loggers import build_loggers, logger_classes
+from gymv.models.config_check import check_checkpoint
 from gymv.registry import import_object
 from gymv.runs.config_history import change_overrides, describe, read_changes
 from gymv.train.data import training_rows
@@ -115,6 +116,7 @@ def _check_models(rec, cfg, model_path: str) -> None:
     """A checkpoint that a backend's registry entry declares it cannot run where the recipe puts it (its
     `model_check`; vLLM's words gymv.capabilities.VLLM_FAMILY_LIMITS) is refused here, from the checkpoints'
     configs, before the run directory is written and Ray starts."""
+    check_checkpoint(model_path)  # its config.json against its weights and its family (gymv.models.config_check)
     checks: list[_ModelCheck] = []
     g = cfg.generation
     check = GENERATION_BACKENDS.capabilities(g.backend).model_check
@@ -125,12 +127,12 @@ def _check_models(rec, cfg, model_path: str) -> None:
     mopd = getattr(cfg, "mopd", None)
     teachers = {alias: TEACHER_BACKENDS.capabilities(t.backend).model_check
                 for alias, t in (mopd.teachers.items() if mopd is not None else ())}
-    if any(teachers.values()):
-        for alias, spec in teacher_specs(cfg, model_path).items():
-            if teachers[alias]:
-                checks.append(_ModelCheck(teachers[alias], f"mopd.teachers.{alias}.backend",
-                                          mopd.teachers[alias].backend, spec.path, spec.device, spec.dtype,
-                                          spec.text_of))
+    for alias, spec in (teacher_specs(cfg, model_path).items() if teachers else ()):
+        check_checkpoint(spec.path)
+        if teachers[alias]:
+            checks.append(_ModelCheck(teachers[alias], f"mopd.teachers.{alias}.backend",
+                                      mopd.teachers[alias].backend, spec.path, spec.device, spec.dtype,
+                                      spec.text_of))
     for c in checks:
         refused = c.refusal()
         if refused:
@@ -179,7 +181,9 @@ def _train_once(rec, resume_dir: str | None, ray_address: str | None, reporter: 
     else:  # join first: the cluster is checked before anything is written
         if not ray_running():
             reporter.on_message(f"joining Ray at {address}")
-        info = start_ray(address)
+        info = start_ray(address, connect_timeout_s=cfg.cluster.connect_timeout_s,
+                         timeout_key="cluster.connect_timeout_s",
+                         where="--ray-address" if ray_address else "cluster.ray_address")
         checked = check_joined(cfg, info.address, where, str(shown_path(rec.path)))
     model_path = resolve_init_path(cfg.model.path, where=_where(rec, "model.path"))
     for gap in family_gaps(cfg, model_path):  # what the model's family cannot run, before Ray starts

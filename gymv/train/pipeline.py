@@ -135,7 +135,10 @@ class RolloutPipeline:
                 self._submit(step, step_seed(self.seed, step, f"refill{self._refills}"))
             self._collect(block=True)
             dropped += self._drop(step)
-        return self.buffer.take(self.P), dropped, time.perf_counter() - t0
+        groups = self.buffer.take(self.P)
+        # the refits that gave these weights were checked (when due) before the step trains on their rollouts
+        self.cluster.wait_checked(g.version for g in groups)
+        return groups, dropped, time.perf_counter() - t0
 
     def _settled(self) -> int:
         """Buffered groups older than every batch still in flight."""

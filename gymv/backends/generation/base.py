@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -193,6 +193,19 @@ class GenerationBackend(ABC):
     def weights_hash(self) -> str:
         """Content hash of the weights generation runs with (equal to the trainer's after a refit)."""
         raise NotImplementedError(f"{type(self).__name__} does not hash its weights")
+
+    def held_digests(self, names: Collection[str], dtype: str | None = None) -> dict[str, str]:
+        """{name: gymv.backends.weights.tensor_digest} of the named weights as this engine holds them now, read
+        from the tensors its forward pass uses, in checkpoint names and layout, floating ones cast to `dtype`
+        (the one they were sent in: an engine may keep a layer in a wider type); a name it does not hold is left
+        out. The `digest` refit check (gymv.cluster.refit_check) compares them with what the trainer sent."""
+        raise NotImplementedError(f"{type(self).__name__} cannot digest its weights in checkpoint names")
+
+    def probe_logprobs(self, token_ids: Sequence[int], images: Sequence[Any] = ()) -> list[float]:
+        """The raw logprob (log-softmax of the logits: temperature 1, no token masked) of each token after the
+        first given the ones before it, `len(token_ids) - 1` values: the `probe` refit check scores one fixed
+        sequence this way on both sides."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score a probe sequence")
 
     def stats(self) -> dict:
         return {}

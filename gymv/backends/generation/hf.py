@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -27,10 +27,11 @@ from gymv.backends.generation.base import (
     named,
 )
 from gymv.backends.hf_forward import forward_logits, select_cache_rows
+from gymv.backends.logprobs import right_pad, token_scores
 from gymv.backends.multimodal import MultimodalAdapter, image_hash, preprocess_threaded
 from gymv.backends.policy import load_policy
 from gymv.backends.sampling import forbidden_mask, policy_logits, sample
-from gymv.backends.weights import weights_hash
+from gymv.backends.weights import weight_digests, weights_hash
 from gymv.errors import GymvError
 
 
@@ -127,6 +128,17 @@ class HFGenerationBackend(GenerationBackend):
 
     def weights_hash(self) -> str:
         return weights_hash(self.model.state_dict())
+
+    def held_digests(self, names: Collection[str], dtype: str | None = None) -> dict[str, str]:
+        own = self.model.state_dict()
+        return weight_digests(((n, own[n]) for n in names if n in own), getattr(torch, dtype) if dtype else None)
+
+    def probe_logprobs(self, token_ids: Sequence[int], images: Sequence[Any] = ()) -> list[float]:
+        self.adapter.check(list(token_ids), images, where="refit probe")
+        batch = right_pad([list(token_ids)], [list(images)], self.tokenizer.pad_token_id or 0)
+        with torch.no_grad():
+            logp = token_scores(self.model, self.adapter, batch, 1.0, ()).logp
+        return logp[0, 1:len(token_ids)].float().cpu().tolist()
 
     # -- generation ----------------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[GenerationOutput]:

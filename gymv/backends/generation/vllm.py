@@ -94,6 +94,7 @@ class VllmGenerationBackend(GenerationBackend):
         self._stats = {"weight_updates": 0, "encoder_cache_resets": 0, "prefix_cache_resets": 0}
         self.last_timing: dict = {}
         self.full_logits = False  # set by create: logprobs computed here from every logit (top_p < 1)
+        self.logprobs_mode = "processed_logprobs"  # set by create: what vLLM returns as logprobs
 
     @classmethod
     def create(cls, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0,
@@ -160,6 +161,7 @@ class VllmGenerationBackend(GenerationBackend):
                       eos_token_ids=[i for i in eos if i is not None], seed=seed, chat_template=template,
                       model_path=str(path), dtype=dtype, family=family)
         backend.full_logits = full_logits
+        backend.logprobs_mode = kwargs["logprobs_mode"]
         if own_load:
             backend._load(family.checkpoint_to_engine(read_checkpoint(path)))
             llm.reset_prefix_cache()
@@ -312,6 +314,34 @@ class VllmGenerationBackend(GenerationBackend):
             self.llm.collective_rpc("gymv_load_weights_file", kwargs={"path": path, "direct": direct})
         finally:
             os.unlink(path)
+
+    def probe_logprobs(self, token_ids: Sequence[int], images: Sequence[Any] = ()) -> list[float]:
+        """vLLM's prompt logprobs of the sequence: raw log-softmax in its logprob modes, computed here from every
+        logit in its logit modes (`full_logits` engines)."""
+        import torch
+        from vllm import SamplingParams as VllmParams
+
+        ids = list(token_ids)
+        req = GenerationRequest(ids, list(images), where="refit probe")
+        if self.adapter is not None:
+            self.adapter.check(ids, req.images, where=req.where)
+        logits = self.logprobs_mode.endswith("_logits")
+        params = VllmParams(max_tokens=1, temperature=0.0, detokenize=False, flat_logprobs=True,
+                            prompt_logprobs=-1 if logits else 0)
+        res = self.llm.generate([self._prompt(req)], params, use_tqdm=False)[0]
+        if list(res.prompt_token_ids) != ids or res.prompt_logprobs is None or len(res.prompt_logprobs) != len(ids):
+            raise GymvError("vLLM scored the refit probe as another sequence than gymv sent", where="refit.check",
+                            fix="set refit.check.mode: off for this engine, and report it")
+        flat = res.prompt_logprobs
+        if logits:
+            dense = flat_to_dense(flat, range(1, len(ids)), self.vocab_size)
+            lsm = torch.log_softmax(dense, dim=-1)
+            return lsm.gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1).tolist()
+        out = []
+        for p in range(1, len(ids)):
+            a, b = flat.start_indices[p], flat.end_indices[p]
+            out.append(float(dict(zip(flat.token_ids[a:b], flat.logprobs[a:b]))[ids[p]]))
+        return out
 
     def reset_encoder_cache(self) -> None:
         engine = self.llm.llm_engine

@@ -2,7 +2,9 @@
 
 Every path ends in the worker's own `reload_weights`, which runs the model's weight loader (checkpoint names
 in, vLLM's fused and repacked parameters out) and its post-load processing; writing into the parameters
-directly is wrong on vLLM's CPU build, which repacks linear weights after loading.
+directly is wrong on vLLM's CPU build, which repacks linear weights after loading. After it, the Mamba-2
+mixers' convolution alias is refreshed (`_gymv_refresh_conv_aliases`: vLLM's reload leaves it stale where
+it prepacks bfloat16 convolutions).
 
 | method | weights arrive as | run here |
 |---|---|---|
@@ -30,6 +32,7 @@ class GymvWeightSync:
 
         pairs = list(pairs)
         self.reload_weights(weights_iterator=iter(pairs))  # type: ignore[attr-defined]
+        self._gymv_refresh_conv_aliases()
         if direct:
             model = self.model_runner.get_model()  # type: ignore[attr-defined]
             with torch.no_grad():
@@ -37,6 +40,31 @@ class GymvWeightSync:
                     if name in direct:
                         param = model.get_parameter(direct[name])
                         param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+
+    def _gymv_refresh_conv_aliases(self) -> int:
+        """vLLM's Mamba-2 mixer convolves through `conv_weights`, a buffer made at build time as a view of
+        `conv1d.weight`. Where vLLM prepacks bfloat16 convolution weights (CPUs with AVX-512 BF16 or Arm BF16),
+        the prepack points `conv1d.weight` at new, packed storage, and the in-place reload copies the next
+        weights into that storage alone: the buffer keeps the first weights, so the engine convolves with
+        stale weights while every other layer has the new ones (vLLM 0.32). Copy the new unpacked weight into
+        the buffer; where the buffer still is a view of the weight, nothing is stale and nothing is copied.
+        Returns how many buffers were refreshed."""
+        import torch
+
+        refreshed = 0
+        with torch.no_grad():
+            for module in self.model_runner.get_model().modules():  # type: ignore[attr-defined]
+                alias, conv = module._buffers.get("conv_weights"), getattr(module, "conv1d", None)
+                if alias is None or conv is None:
+                    continue
+                source = getattr(conv, "_cpu_unpacked_conv_weight", None)
+                if source is None and conv.weight.dim() == 3 and conv.weight.shape[1] == 1:
+                    source = conv.weight.view(conv.weight.shape[0], conv.weight.shape[2])
+                if source is None or source.shape != alias.shape or source.data_ptr() == alias.data_ptr():
+                    continue
+                alias.copy_(source)
+                refreshed += 1
+        return refreshed
 
     def gymv_load_weights(self, weights: list[tuple[str, Any]], direct: dict[str, str] | None = None) -> None:
         self._gymv_reload(weights, direct)

@@ -112,6 +112,12 @@ class TrainingBackend(ABC):
         gathers each on the fly); meaningful on rank 0, which publishes refits. Tensors may be live views:
         consume each before the next optimizer step."""
 
+    def probe_logprobs(self, sample: Sample) -> Tensor:
+        """Raw logprobs (log-softmax of the logits: temperature 1, no token masked) of the sample's loss-masked
+        tokens, [L] with 0 elsewhere: the trainer's side of the `probe` refit check. A collective where
+        `compute_logprobs` is one: every rank calls it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score a refit probe")
+
     def weights_hash(self, dtype: Any = None) -> str:
         """Content hash of `named_weights` cast to `dtype` (the generator's): equal to its hash after a refit."""
         return weights_hash(dict(self.named_weights()), dtype)

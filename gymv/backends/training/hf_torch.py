@@ -179,7 +179,9 @@ class BatchLayout:
         return mb
 
 
-def logprob_fn(adapter, temperature: float):
+def logprob_fn(adapter, temperature: float, forbidden_ids=None):
+    """`forbidden_ids` None: the adapter's vision tokens (the policy's distribution); () scores raw logits."""
+
     def fn(model, mb):
         """Scores the loss-masked tokens only (every loss reads logprobs there alone); other entries are 0.
         With a teacher's top-k candidates in the batch, also the student's logprobs of them."""
@@ -191,7 +193,7 @@ def logprob_fn(adapter, temperature: float):
         else:
             batch = MultimodalBatch(mb["input_ids"], mb["attention_mask"], mb["images"], mb["where"])
             score_mask = mb.get("loss_mask")
-        return token_scores(model, adapter, batch, temperature, entropy=True, score_mask=score_mask,
+        return token_scores(model, adapter, batch, temperature, forbidden_ids, entropy=True, score_mask=score_mask,
                             gather_ids=mb.get("teacher_topk_ids"), packed=bool(mb.get("packed")),
                             prefixes=mb.get("prefixes"))
 
@@ -280,6 +282,16 @@ class HFTorchBackend(TrainingBackend):
         if trainer is None:
             raise RuntimeError("reference logprobs asked of a backend built without kl_reference")
         return trainer.compute_logprobs([as_tensors(s) for s in samples])
+
+    def probe_logprobs(self, sample: Sample) -> Tensor:
+        """Raw logprobs (temperature 1, nothing masked) of the sample's loss-masked tokens: the trainer's side of
+        the refit probe. The policy's logprob function is swapped for the raw one for this call alone."""
+        trainer, own = self.trainer, self.trainer.logprob_fn
+        trainer.logprob_fn = logprob_fn(self.adapter, 1.0, ())
+        try:
+            return self.compute_logprobs([sample])[0]
+        finally:
+            trainer.logprob_fn = own
 
     @property
     def has_reference(self) -> bool:
