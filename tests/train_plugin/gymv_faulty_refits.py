@@ -12,7 +12,8 @@ from pathlib import Path
 
 from gymv.backends.generation.base import named
 from gymv.backends.generation.hf import HFGenerationBackend
-from gymv.backends.registry import BackendCapabilities
+from gymv.backends.generation.vllm import VllmGenerationBackend
+from gymv.backends.registry import GENERATION_BACKENDS, BackendCapabilities
 
 FAULTS = ("nothing", "half", "layout")
 
@@ -20,6 +21,23 @@ FAULTS = ("nothing", "half", "layout")
 def fault_file(model_path: str | Path) -> Path:
     p = Path(model_path)
     return p.parent / f"{p.name}.refit-fault"
+
+
+def _faulty(update_weights):
+    """`update_weights` of a backend class, with the fault of `self.fault_path` applied to what it loads."""
+
+    def update(self, weights):
+        fault = self.fault_path.read_text().strip() if self.fault_path.exists() else ""
+        incoming = named(weights)
+        if fault == "nothing":
+            return
+        if fault == "half":
+            incoming = {k: v for i, (k, v) in enumerate(sorted(incoming.items())) if i % 2 == 0}
+        elif fault == "layout":
+            incoming = {k: v.flip(0) if v.dim() == 2 else v for k, v in incoming.items()}
+        update_weights(self, incoming)
+
+    return update
 
 
 class FaultyRefits(HFGenerationBackend):
@@ -31,16 +49,7 @@ class FaultyRefits(HFGenerationBackend):
         backend.fault_path = fault_file(model_path)
         return backend
 
-    def update_weights(self, weights):
-        fault = self.fault_path.read_text().strip() if self.fault_path.exists() else ""
-        incoming = named(weights)
-        if fault == "nothing":
-            return
-        if fault == "half":
-            incoming = {k: v for i, (k, v) in enumerate(sorted(incoming.items())) if i % 2 == 0}
-        elif fault == "layout":
-            incoming = {k: v.flip(0) if v.dim() == 2 else v for k, v in incoming.items()}
-        super().update_weights(incoming)
+    update_weights = _faulty(HFGenerationBackend.update_weights)
 
 
 class StartsElsewhere(FaultyRefits):
@@ -60,3 +69,18 @@ class FaultyRefitsProbed(FaultyRefits):
     """The same faults, checked by the probe instead of the digests."""
 
     capabilities = BackendCapabilities(refit_check="probe")
+
+
+class VllmFaultyRefits(VllmGenerationBackend):
+    """The same faults on the vllm backend (importable without vLLM: the engine is built only in `create`);
+    its refits are checked by the probe, as the vllm backend's are."""
+
+    capabilities = GENERATION_BACKENDS.capabilities("vllm")
+
+    @classmethod
+    def create(cls, model_path, **kwargs):
+        backend = super().create(model_path, **kwargs)
+        backend.fault_path = fault_file(model_path)
+        return backend
+
+    update_weights = _faulty(VllmGenerationBackend.update_weights)

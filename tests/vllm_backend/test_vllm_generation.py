@@ -150,13 +150,14 @@ def test_vision_tokens_are_never_sampled_even_when_the_model_prefers_them(engine
         finally:
             policy.model.lm_head.weight.copy_(original)
     assert int(logits[0, -1].argmax()) == policy.adapter.image_token_id
-    backend.update_weights({name: head})
+    weights = policy.model.state_dict()
+    backend.update_weights({**weights, name: head})
     try:
         for params in (GREEDY, SamplingParams(temperature=1.5, max_new_tokens=12, ignore_eos=True, seed=0)):
             for o in backend.generate(reqs, params):
                 assert not set(o.token_ids) & set(policy.adapter.vision_token_ids)
     finally:
-        backend.update_weights({name: original})
+        backend.update_weights({**weights, name: original})
 
 
 def test_a_text_only_language_model_matches_transformers(tmp_path_factory):

@@ -89,13 +89,27 @@ def test_a_vision_only_refit_reaches_images_the_engine_has_seen_before(case):
     arch, policy, backend = case
     reqs = requests(policy)
     backend.generate(reqs, GREEDY)  # the images' features are now cached
-    new = {k: v for k, v in perturbed(policy, 3).items() if "vision" in k or "visual" in k}
-    assert new
+    vision = {k: v for k, v in perturbed(policy, 3).items() if "vision" in k or "visual" in k}
+    assert vision
+    new = {**policy.model.state_dict(), **vision}  # every weight: only the tower's changed
     hf = HFGenerationBackend.from_policy(policy)
     hf.update_weights(new)
     want = [o.token_ids for o in hf.generate(reqs, GREEDY)]
     backend.update_weights(new)
     assert [o.token_ids for o in backend.generate(reqs, GREEDY)] == want
+
+
+def test_a_refit_of_some_weights_is_refused_and_loads_nothing(case):
+    """vLLM's in-place reload rebuilds a layer from the weights sent and fills the rest with uninitialised
+    memory (a Mamba mixer sent A and D without dt_bias decoded garbage), so a refit carries every weight."""
+    arch, policy, backend = case
+    reqs = requests(policy)
+    before = [o.token_ids for o in backend.generate(reqs, GREEDY)]
+    weights = perturbed(policy, 4)
+    some = dict(list(weights.items())[: len(weights) // 2])
+    with pytest.raises(GymvError, match=rf"refit sent {len(some)} of the model's \d+ weights \(missing .*nothing was loaded"):
+        backend.update_weights(some)
+    assert [o.token_ids for o in backend.generate(reqs, GREEDY)] == before
 
 
 def test_a_refit_with_an_unknown_name_or_a_wrong_shape_loads_nothing(case):

@@ -114,3 +114,19 @@ def test_mopd_runs_with_vllm_teachers_and_vllm_generation(tmp_path):
             assert math.isfinite(r[key]), key
         assert abs(r["train/kl_teacher/counting"]) > 1e-3 and abs(r["train/kl_teacher/arith"]) > 1e-3
         assert r["train/grad_norm"] > 0
+
+
+@pytest.mark.parametrize("fault", ["nothing", "layout"])
+def test_a_vllm_refit_that_does_not_load_stops_the_run_at_its_step(tmp_path, fault):
+    """The engine's refits are probe-checked: one that loads nothing (or the rows of each matrix reversed)
+    stops `gymv train` at the first step whose update changed the weights, naming the probe's gap."""
+    import shutil
+
+    from gymv.errors import GymvError
+    from gymv_faulty_refits import fault_file
+
+    model = shutil.copytree(tiny_path("tiny-llava"), tmp_path / "model")
+    fault_file(model).write_text(fault)
+    with pytest.raises(GymvError, match=r"step \d's refit over object_store: generation worker 0 scores the probe "
+                                        r"sequence (exactly as after|[\d.e-]+ nats per token away)"):
+        run_recipe(tmp_path, "vllm-faulty", Reporter(), model=model, **{"generation.backend": "faulty-vllm"})

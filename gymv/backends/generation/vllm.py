@@ -79,6 +79,7 @@ class VllmGenerationBackend(GenerationBackend):
         self.model_path = model_path
         self.dtype = dtype
         self.param_shapes = param_shapes
+        self.ties: dict[str, str] = {}  # set by create: a tied weight's name -> the name it shares a tensor with
 
         # gymv.backends.generation.vllm_models: the family's weight names and engine settings
         self.family = family if family is not None else VllmModel(None, Path(model_path or "."))
@@ -111,7 +112,7 @@ class VllmGenerationBackend(GenerationBackend):
         if refused:
             raise GymvError(refused[0], where="generation.backend", fix=refused[1])
         vllm = import_vllm()
-        tokenizer, adapter, template, config, shapes = load_processing(path, trust_remote_code=trust_remote_code)
+        tokenizer, adapter, template, config, shapes, ties = load_processing(path, trust_remote_code=trust_remote_code)
         family = vllm_model(config, path)
         # a checkpoint vLLM's loader cannot read as saved (LLaVA's CLIP tower under transformers 5's names)
         # starts from dummy weights and gets its own through the refit path
@@ -161,6 +162,7 @@ class VllmGenerationBackend(GenerationBackend):
                       eos_token_ids=[i for i in eos if i is not None], seed=seed, chat_template=template,
                       model_path=str(path), dtype=dtype, family=family)
         backend.full_logits = full_logits
+        backend.ties = ties
         backend.logprobs_mode = kwargs["logprobs_mode"]
         if own_load:
             backend._load(family.checkpoint_to_engine(read_checkpoint(path)))
@@ -283,6 +285,13 @@ class VllmGenerationBackend(GenerationBackend):
                 raise GymvError(f"refit sent {name} with shape {tuple(value.shape)}; the model's has shape "
                                 f"{self.param_shapes[name]}", where="refit",
                                 fix="training and generation must load the same architecture (model.path)")
+        missing = sorted(n for n in self.param_shapes if n not in incoming and self.ties.get(n) not in incoming)
+        if missing:
+            raise GymvError(f"refit sent {len(incoming)} of the model's {len(self.param_shapes)} weights (missing "
+                            f"{', '.join(missing[:3])}{' and more' if len(missing) > 3 else ''}): vLLM's in-place "
+                            "reload rebuilds every layer the refit touches from the weights sent, and fills what a "
+                            "layer was not sent with uninitialised memory; nothing was loaded", where="refit",
+                            fix="send every weight (a trainer's named_weights do); to change some, send the rest as they are")
         self._load(self.family.to_engine(incoming))
         self.llm.reset_prefix_cache()
         self._stats["prefix_cache_resets"] += 1
@@ -290,12 +299,10 @@ class VllmGenerationBackend(GenerationBackend):
         # scheduler's record of them must go too, or the next request with a known image finds nothing
         self.llm.llm_engine.reset_encoder_cache()
         self._stats["weight_updates"] += 1
-        if set(incoming) == set(self.param_shapes):
-            from gymv.backends.weights import weights_hash
+        from gymv.backends.weights import weights_hash
 
-            self._weights_hash = weights_hash(incoming, _torch_dtype(self.dtype))
-        else:
-            self._weights_hash = None
+        sent = {**incoming, **{t: incoming[c] for t, c in self.ties.items() if t not in incoming}}
+        self._weights_hash = weights_hash(sent, _torch_dtype(self.dtype))
 
     def _load(self, weights: dict) -> None:
         """Weights under the names vLLM's loader takes. In-process: the tensors themselves; across processes:
@@ -349,12 +356,10 @@ class VllmGenerationBackend(GenerationBackend):
         self._stats["encoder_cache_resets"] += 1
 
     def weights_hash(self) -> str:
-        """Hash of the weights last loaded in full (as the trainer hashes them, in the generation dtype);
-        before the first refit, of the checkpoint the engine was built from."""
+        """Hash of the weights last sent (as the trainer hashes them, in the generation dtype); before the first
+        refit, of the checkpoint the engine was built from. What the engine holds is proved by the refit
+        check (`probe_logprobs`), not by this."""
         if self._weights_hash is None:
-            if self._stats["weight_updates"]:
-                raise GymvError("the latest refit sent only some weights, so no full hash is known here",
-                                where="refit", fix="send every weight, or compare hashes on the trainer side")
             from gymv.backends.weights import weights_hash
 
             policy = load_policy(self.model_path, dtype=_torch_dtype(self.dtype))
@@ -422,8 +427,8 @@ def read_checkpoint(path: Path) -> dict:
 
 
 def load_processing(path: Path, *, trust_remote_code: bool = False):
-    """(tokenizer, adapter (a TextAdapter for a text-only model), chat template, config, {weight name: shape})
-    without loading weights: vLLM loads the weights; gymv needs what renders prompts and what refits are
+    """(tokenizer, adapter (a TextAdapter for a text-only model), chat template, config, {weight name: shape},
+    {tied name: the name it shares a tensor with}) without loading weights: vLLM loads the weights; gymv needs what renders prompts and what refits are
     checked against."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
@@ -443,5 +448,8 @@ def load_processing(path: Path, *, trust_remote_code: bool = False):
         auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         with torch.device("meta"):
             skeleton = auto.from_config(config)
-    shapes = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
-    return tokenizer, adapter, template, config, shapes
+    state = skeleton.state_dict()
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    first: dict[int, str] = {}
+    ties = {k: first.setdefault(id(v), k) for k, v in state.items()}  # a tied name -> the first of its tensor
+    return tokenizer, adapter, template, config, shapes, {k: v for k, v in ties.items() if k != v}
