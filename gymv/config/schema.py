@@ -347,6 +347,14 @@ class AsyncSection(Section):
     in_flight_weight_updates: bool = False
 
 
+class LogprobErrorGuard(Section):
+    """The run-level watch on `train/token_mult_prob_error` (gymv.train.logprob_guard)."""
+
+    max_median: Annotated[float, Field(ge=1)] | None = 1.05  # NeMo RL's nightly bound; null: not watched
+    window_steps: PosInt = 10  # the median is over this many latest steps
+    stop: bool = False  # stop the run (after logging and checkpointing the step) instead of warning
+
+
 class GrpoSection(Section):
     prompts_per_step: PosInt = 8
     generations_per_prompt: PosInt = 4
@@ -359,6 +367,7 @@ class GrpoSection(Section):
     async_: AsyncSection = Field(AsyncSection(), alias="async")
     importance_sampling: ImportanceSampling = ImportanceSampling()
     seq_logprob_error_threshold: SeqErrorThreshold = None
+    logprob_error_guard: LogprobErrorGuard = LogprobErrorGuard()
 
 
 class SftSection(Section):
@@ -404,6 +413,7 @@ class MopdSection(Section):
     async_: AsyncSection = Field(AsyncSection(), alias="async")
     importance_sampling: ImportanceSampling = ImportanceSampling()
     seq_logprob_error_threshold: SeqErrorThreshold = None
+    logprob_error_guard: LogprobErrorGuard = LogprobErrorGuard()
 
 
 class RecipeBase(Section):

@@ -25,6 +25,7 @@ from gymv.cluster.group import TrainerHandle
 from gymv.models.init_path import FINAL_DIR
 from gymv.runs.checkpoint import CheckpointState, DataPosition, unusable_checkpoints
 from gymv.train.data import RowStream
+from gymv.train.logprob_guard import LogprobErrorGuard
 from gymv.train.setup import RunContext, record_placement
 from gymv.train.validation import validate
 
@@ -79,6 +80,7 @@ class TrainingLoop:
         key = f"{ctx.cfg.base_algorithm}.seq_logprob_error_threshold"
         self.masked = AllMaskedWatch(getattr(section, "seq_logprob_error_threshold", None), key,
                                      ctx.reporter.on_message)
+        self.logprob_guard = LogprobErrorGuard.for_run(ctx.cfg, section, ctx.cfg.base_algorithm, ctx.reporter.on_message)
 
     def start(self, **info) -> None:
         """Tell the reporter where the run starts (`info`: the algorithm's own keys), then validate at step 0
@@ -87,6 +89,10 @@ class TrainingLoop:
         ctx.reporter.on_start({"algorithm": ctx.cfg.algorithm, "run_dir": str(ctx.run.path), "start_step": self.step,
                                "max_steps": self.max_steps,
                                "resumed_from": str(self.restored.path) if self.restored else None, **info})
+        checks = getattr(self.cluster, "checks", None)
+        if checks is not None and checks.kind is None and self.cluster.generators and ctx.cfg.refit.check.mode == "auto":
+            ctx.reporter.on_message(f"note: refits are not checked: generation backend {ctx.cfg.generation.backend!r} "
+                                    "declares no refit check (refit.check.mode: digest or probe asks it anyway)")
         if self.step == 0 and self.section.val_at_start and self.validates:
             row = self._validation(0)
             self.metrics_log.log(0, row)
@@ -117,6 +123,8 @@ class TrainingLoop:
         ctx.reporter.on_step(step, metrics)
         self.last_metrics = metrics
         self._stopping = self.checkpoints.end_step(step, self.max_steps, position or self.data.position)
+        if self.logprob_guard is not None:  # after the step is logged and checkpointed: a stop loses nothing
+            self.logprob_guard.check(step, metrics)
 
     def finish(self) -> dict:
         """Export the final model when the run is complete, close the log; the loop's result."""
