@@ -192,9 +192,11 @@ def train(
 ) -> None:
     from gymv.train import train as run_training
 
+    from gymv.config.overrides import looks_like_override
+
     overrides = list(overrides or [])
-    if recipe is not None and "=" in recipe and not Path(recipe).exists() and resume is not None:
-        overrides.insert(0, recipe)  # `gymv train --resume DIR a.b=c`: no recipe, only overrides
+    if recipe is not None and resume is not None and looks_like_override(recipe) and not Path(recipe).exists():
+        overrides.insert(0, recipe)  # `gymv train --resume DIR a.b=c` (or `~a.b`): no recipe, only overrides
         recipe = None
     display = _display()
     try:

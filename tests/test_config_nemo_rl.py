@@ -94,3 +94,27 @@ def test_docs_nemo_rl_md_maps_every_key_of_the_table():
         assert row is not None, nemo
     for section in SECTIONS:
         assert f"`{section}." in text, section
+
+
+@pytest.mark.parametrize("family", ["sft", "grpo", "mopd"])
+def test_a_nemo_rl_hint_never_names_the_key_it_was_given(family):
+    """NeMo RL and gymv share some names (grpo.val_period); such a key is unknown for another reason (a section
+    of another algorithm), and "gymv's name is the same name" helps no one."""
+    from gymv.config.nemo_rl import nemo_rl_names, override_hint
+
+    for nemo in KEYS:
+        for path, fix in nemo_rl_names(tuple(nemo.split(".")), None, family):
+            assert f"gymv's is `{'.'.join(path)}`" not in fix, (nemo, fix)
+        hint = override_hint(nemo, family)
+        assert hint is None or f"gymv's is `{nemo}`" not in hint
+
+
+def test_a_grpo_section_in_an_sft_recipe_is_named_as_another_algorithms_section(tmp_path):
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text(f"defaults: {REPO / 'recipes' / 'sft.yaml'}\ngrpo:\n  val_period: 5\n  val_at_start: true\n")
+    with pytest.raises(GymvError) as e:
+        load_recipe(recipe)
+    assert e.value.message.startswith("section `grpo` does not belong to algorithm sft") and "NeMo RL" not in str(e.value)
+    with pytest.raises(GymvError) as e:
+        load_recipe(REPO / "recipes" / "sft.yaml", ["grpo.val_period=5"])
+    assert "NeMo RL" not in str(e.value) and "grpo.val_period" in str(e.value)

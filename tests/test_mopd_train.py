@@ -218,10 +218,32 @@ def test_a_teacher_with_another_vocabulary_stops_the_run_once_naming_it_and_is_n
     with pytest.raises(GymvError) as e:
         train(recipe, max_restarts=3, reporter=Messages())
     assert e.value.exit_code == 2 != LOST_EXIT
-    assert e.value.message.startswith("mopd.teachers.counting.path: teacher 'counting' does not share the "
-                                      "student's tokenizer (900 vs 1024 tokens")
+    assert e.value.where == "mopd.teachers.counting.path"
+    assert e.value.message.startswith("teacher 'counting' does not share the student's tokenizer (900 vs 1024 tokens")
     assert "tokenizer" in e.value.fix and not [m for m in said if m.startswith("restart")]
 
+
+def test_async_mopd_with_a_teacher_that_cannot_start_prints_one_error_line_and_no_worker_traceback(mopd_run, data):
+    """Run as a user runs it (a subprocess, its own Ray): the teacher's constructor error is the only error line;
+    none of the worker's traceback reaches the terminal (Ray forwards an actor's creation failure there)."""
+    from conftest import run_gymv
+    from gymv.models.tiny import init_tiny
+    from train_helpers import plugin_env
+
+    _, _, _, tmp = mopd_run
+    other = tmp / "other-vocab-teacher"
+    if not other.exists():
+        init_tiny("tiny-llava", other, hidden=64, layers=1, vocab_size=900)
+    settings = _settings(tmp, data, **{"mopd.teachers": {"_override_": True, "counting": {"path": str(other)},
+                                                          "arith": {"path": str(tmp / "arith-teacher")}},
+                                       "mopd.importance_sampling.kind": "truncated",
+                                       "checkpoint.dir": str(tmp / "runs-cli")})
+    recipe = write_recipe(tmp, "mopd-async-other-vocab", "vlm/vlm_mopd-tinyllava-1n0g-torch.yaml", settings)
+    result = run_gymv("train", recipe, "--async", "--max-restarts", "2", env=plugin_env())
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert result.code == 2 and len(errors) == 1 and "does not share the student's tokenizer" in errors[0]
+    leaked = [ln for ln in result.stderr.splitlines() if "Traceback" in ln or 'File "' in ln or "GymvError" in ln]
+    assert leaked == [] and "restart" not in result.stderr
 
 
 def _gpu_cfg(placement: str, gpus, dp: int):

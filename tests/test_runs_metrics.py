@@ -67,3 +67,21 @@ def test_truncate_after_keeps_rows_up_to_the_step(tmp_path):
             log.log(step, {"x": step})
     assert truncate_metrics_after(path, 2) == 3
     assert [r["step"] for r in read_metrics(path)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("row,why", [
+    ({"step": None, "x": 1}, "`step` is null, not a whole number >= 0"),
+    ({"step": "2"}, '`step` is "2", not a whole number >= 0'),
+    ({"step": True}, "`step` is true, not a whole number >= 0"),
+    ({"step": 1.5}, "`step` is 1.5, not a whole number >= 0"),
+    ({"step": -1}, "`step` is -1, not a whole number >= 0"),
+    ({"wall_time": 1.0}, "no `step`"),
+])
+def test_a_row_without_a_whole_step_is_a_malformed_line_naming_it(tmp_path, row, why):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "x": 0}) + "\n" + json.dumps(row) + "\n" + json.dumps({"step": 3}) + "\n")
+    with pytest.raises(GymvError, match="malformed metrics line: " + why.replace("(", r"\(")) as err:
+        read_metrics(path)
+    assert err.value.where == f"{path}:2"
+    skipped = []
+    assert [r["step"] for r in read_metrics(path, skipped)] == [1, 3] and skipped == [(2, why)]

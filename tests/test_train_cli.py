@@ -119,3 +119,42 @@ def test_a_restart_count_out_of_0_to_100_is_refused_in_one_line(gymv, recipe, tm
     assert result.code == 2 and len(errors) == 1 and "Traceback" not in result.stderr
     assert named in errors[0] and bound in errors[0]
     assert not (tmp_path / "runs").exists()
+
+
+def _run_dir_with_metrics(recipe_path, run, lines: list[str]):
+    """A run directory as a launch leaves it (its config), with `lines` as its metrics.jsonl."""
+    from gymv.runs.run_dir import RunDir
+    from gymv.train import load_training_recipe
+
+    RunDir.create(run, load_training_recipe(recipe_path).validated.to_dict())
+    (run / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+    return run
+
+
+def test_resuming_a_run_whose_metrics_have_a_row_without_a_step_fails_before_ray_starts(gymv, recipe, tmp_path):
+    no_shared_ray()
+    run = _run_dir_with_metrics(recipe(), tmp_path / "runs" / "cli",
+                                ['{"step": 1, "train/loss": 0.5}', '{"step": null}', '{"step": 2}'])
+    result = gymv("train", "--resume", run, env=plugin_env())
+    line = _one_error_line(result)
+    assert result.code == 2 and f"{run / 'metrics.jsonl'}:2" in line and "`step` is null" in line
+    assert not ray_is_up() and not (run / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("how", ["override", "recipe"])
+def test_resuming_with_another_algorithm_is_refused_saying_how_to_start_from_its_weights(gymv, recipe, tmp_path, how):
+    from train_helpers import REPO
+
+    run = _run_dir_with_metrics(recipe(), tmp_path / "runs" / "cli", [])
+    args = (["--resume", run, "algorithm=vlm_sft"] if how == "override" else
+            [REPO / "recipes" / "vlm" / "vlm_sft-tinyomni-1n0g-torch.yaml", "--resume", run])
+    line = _one_error_line(gymv("train", *args, env=plugin_env()))
+    assert "holds a vlm_grpo run: --resume continues it as recorded, and algorithm vlm_sft" in line
+    assert f"model.path={run}" in line and "NeMo RL" not in line
+    assert ("<command line: algorithm=vlm_sft>" in line) == (how == "override")
+
+
+def test_a_delete_override_after_resume_is_an_override_not_a_recipe(gymv, recipe, tmp_path):
+    run = _run_dir_with_metrics(recipe(), tmp_path / "runs" / "cli", [])
+    line = _one_error_line(gymv("train", "--resume", run, "~vision", env=plugin_env()))
+    assert "vlm_grpo needs a `vision:` section" in line and "file not found" not in line

@@ -124,3 +124,29 @@ def test_a_worker_whose_constructor_raises_is_reported_as_that_error_and_never_r
     assert calls == [None] and said == []
     assert err.value.exit_code == code != LOST_EXIT
     assert err.value.one_line().startswith(line) and "died" not in err.value.message
+
+
+def test_a_deferred_worker_whose_constructor_raises_stays_up_and_raises_it_on_every_call(ray):
+    """Ray prints the traceback of an actor whose __init__ raised onto the driver's stderr; a method's error it
+    only returns. deferred_start keeps the constructor's error for the calls, so the run's error is one line."""
+    import ray as ray_
+
+    from gymv.cluster.group import ray_get
+    from gymv.cluster.ray_placement import deferred_start
+
+    class Worker:
+        def __init__(self, vocab: int):
+            if vocab != 1024:
+                raise GymvError(f"teacher 't' has {vocab} tokens", where="mopd.teachers.t.path", fix="use another")
+
+        def where(self) -> str:
+            return "here"
+
+    Deferred = ray_.remote(num_cpus=0)(deferred_start(Worker))
+    good, bad = Deferred.remote(1024), Deferred.remote(900)
+    assert ray_get(good.where.remote(), "starting") == "here"
+    for _ in range(2):  # alive, and saying the same each time
+        with pytest.raises(GymvError) as err:
+            ray_get(bad.where.remote(), "starting the teachers")
+        assert err.value.one_line() == "mopd.teachers.t.path: teacher 't' has 900 tokens (fix: use another)"
+        assert err.value.exit_code == 2

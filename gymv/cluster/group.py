@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gymv.cluster.placement import Placement
-from gymv.cluster.ray_placement import ROSTER, actor_options, lost_worker_error, place
+from gymv.cluster.ray_placement import ROSTER, actor_options, deferred_start, lost_worker_error, place
 from gymv.backends.registry import GENERATION_BACKENDS
 from gymv.cluster.refit import shares_sending
 from gymv.cluster.refit_check import CheckRequest, plan_checks
@@ -147,11 +147,11 @@ class PolicyCluster:
         except BaseException:
             self._remove_groups()
             raise
-        Train = ray.remote(TrainingWorker)
+        Train = ray.remote(deferred_start(TrainingWorker))  # a worker that cannot start says why in one line
         # in-flight refits run in their own concurrency group, beside a rollout in progress
-        self._Gen = ray.remote(GenerationWorker)
+        self._Gen = ray.remote(deferred_start(GenerationWorker))
         if in_flight_refit:
-            self._Gen = ray.remote(concurrency_groups={REFIT_GROUP: 1})(GenerationWorker)
+            self._Gen = ray.remote(concurrency_groups={REFIT_GROUP: 1})(deferred_start(GenerationWorker))
         self.in_flight_refit = in_flight_refit
         self._gen_opts = opts["generation"]
         world = placement.num_training

@@ -171,6 +171,46 @@ def creation_error(e, who: str) -> GymvError | None:
                          "run is not restarted")
 
 
+def deferred_start(cls: type) -> type:
+    """`cls` for `ray.remote`, with its constructor's error kept and raised by each later call instead.
+
+    An actor whose `__init__` raises dies, and Ray prints that error's whole traceback from the worker's
+    stderr onto the driver's, beside gymv's one-line error (and sometimes after it). A method's error is
+    only returned to the caller, which `ray_get` turns into one line (a GymvError as itself; never a lost
+    worker). So the constructor's error waits in the object, and the first call (the launch asks every
+    worker where it runs) raises it."""
+    import functools
+    import inspect
+
+    def guarded(fn):
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def call(self, *args, **kwargs):
+                if self._start_error is not None:
+                    raise self._start_error
+                return await fn(self, *args, **kwargs)
+        else:
+            @functools.wraps(fn)
+            def call(self, *args, **kwargs):
+                if self._start_error is not None:
+                    raise self._start_error
+                return fn(self, *args, **kwargs)
+        return call
+
+    def __init__(self, *args, **kwargs):
+        self._start_error = None
+        try:
+            cls.__init__(self, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - raised again by the next call
+            e.__traceback__ = None  # the frames (and what they hold: a half-loaded model) are not kept
+            self._start_error = e
+
+    methods = {name: guarded(fn) for name, fn in inspect.getmembers(cls, inspect.isfunction)
+               if not name.startswith("_")}
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__, "__doc__": cls.__doc__, **methods})
+
+
 # what Ray writes when its memory monitor killed the worker (not its generic "a process died" hints)
 _OOM_MARKS = ("NODE_OUT_OF_MEMORY", "killed due to memory pressure", "running low on memory", "OutOfMemoryError")
 LOST_EXIT = 75  # a worker or node was lost (EX_TEMPFAIL): a restart may succeed where the run stopped

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from gymv.algorithms.teacher_batch import pad_rows, shard_rows, trim
 from gymv.backends.registry import TEACHER_BACKENDS
 from gymv.cluster.placement import Deadlines, Pin
-from gymv.cluster.ray_placement import ROSTER, actor_options, group_for, here, wait_placed
+from gymv.cluster.ray_placement import ROSTER, actor_options, deferred_start, group_for, here, wait_placed
 from gymv.cluster.roles import RolePlan, teacher_plan
 from gymv.errors import GymvError
 from gymv.models.init_path import resolve_init_path
@@ -154,7 +154,7 @@ class TeacherPool:
         self.dp = {a: cfg.mopd.teachers[a].data_parallel_size for a in self.specs}
         self.replicas: dict[str, list] = {}
         self._pgs = []
-        Worker = ray.remote(TeacherWorker)
+        Worker = ray.remote(deferred_start(TeacherWorker))  # a teacher that cannot start says why in one line
         try:
             self._start(cfg, Worker, policy_pg)
         except BaseException:  # nothing of a pool that failed to start outlives it

@@ -103,13 +103,19 @@ def _leaves(path: tuple, value: Any) -> Iterator[tuple]:
         yield path
 
 
-def _in_section(hint: str, section: str) -> str:
-    """The hint with gymv's key quoted; gymv's `grpo.` keys are `mopd.` keys in a MOPD recipe (where gymv
-    has the key there)."""
+def _gymv_name(hint: str, section: str) -> tuple[str, str]:
+    """(gymv's key, the note after it) of a KEYS value; gymv's `grpo.` keys are `mopd.` keys in a MOPD recipe
+    (where gymv has the key there)."""
     name, _, note = hint.partition(" ")
     mopd_keys = {f.alias or n for n, f in MopdSection.model_fields.items()}
     if section == "mopd" and name.startswith("grpo.") and name.split(".")[1] in mopd_keys:
         name = "mopd." + name[len("grpo."):]
+    return name, note
+
+
+def _in_section(hint: str, section: str) -> str:
+    """The hint with gymv's key quoted."""
+    name, note = _gymv_name(hint, section)
     return f"`{name}`" + (f" {note}" if note else "")
 
 
@@ -119,7 +125,9 @@ def nemo_rl_names(path: tuple, value: Any, section: str = "grpo") -> list[tuple[
     out = []
     for leaf in _leaves(path, value):
         nemo = ".".join(leaf)
-        if nemo in KEYS:
+        # a key gymv spells the same way is unknown for another reason (a section of another algorithm):
+        # "gymv's name is the same name" would be no help
+        if nemo in KEYS and _gymv_name(KEYS[nemo], section)[0] != nemo:
             out.append((leaf, f"`{nemo}` is NeMo RL's name: gymv's is {_in_section(KEYS[nemo], section)} "
                               "(docs/nemo-rl.md)"))
     key = ".".join(path)
@@ -133,4 +141,5 @@ def override_hint(key: str, algorithm: str | None) -> str | None:
     """The fix for a command-line override of NeMo RL's key `key`, or None when it is not one."""
     if key not in KEYS:
         return None
-    return nemo_rl_names(tuple(key.split(".")), None, base_algorithm(str(algorithm or "grpo")))[0][1]
+    names = nemo_rl_names(tuple(key.split(".")), None, base_algorithm(str(algorithm or "grpo")))
+    return names[0][1] if names else None

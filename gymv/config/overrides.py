@@ -39,6 +39,15 @@ class Override:
         return f"override {self.text!r}" if _from_cli(self.origin) else str(self.origin)
 
 
+def looks_like_override(text: str) -> bool:
+    """Whether a command-line word is an override (`a.b=v`, `+a.b=v`, `++a.b=v`, `~a.b`) rather than a path:
+    `gymv train --resume DIR ~grpo` has no recipe, only overrides."""
+    if text.startswith("~"):
+        return bool(_KEY.match(text[1:].strip()))
+    key, eq, _ = text.lstrip("+").partition("=")
+    return bool(eq) and bool(_KEY.match(key.strip()))
+
+
 def parse_override(text: str, origin: Origin = Origin(COMMAND_LINE, None)) -> Override:
     """Parse `a.b=v`, `+a.b=v`, `++a.b=v` or `~a.b`."""
     where = f"override {text!r}" if _from_cli(origin) else str(origin)

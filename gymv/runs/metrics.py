@@ -123,6 +123,7 @@ def read_metrics(path: str | os.PathLike, skipped: list[tuple[int, str]] | None 
             continue
         try:
             row = parse_json_line(line)
+            _check_step(row)
         except ValueError as e:
             if n == len(lines) and not complete:
                 break
@@ -133,6 +134,14 @@ def read_metrics(path: str | os.PathLike, skipped: list[tuple[int, str]] | None 
                             fix="delete or repair that line") from None
         rows.append(row)
     return rows
+
+
+def _check_step(row: dict) -> None:
+    """Every row has the step it belongs to, a whole number >= 0 (readers compare and sort by it)."""
+    step = row.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError("no `step`" if "step" not in row else
+                         f"`step` is {json.dumps(step)[:40]}, not a whole number >= 0")
 
 
 def truncate_metrics_after(path: str | os.PathLike, step: int) -> int:

@@ -62,6 +62,8 @@ class RunDir:
         except OSError as e:  # checkpoint.dir=/dev/null, a name too long, a read-only disk
             raise GymvError(f"cannot create the run directory: {e.strerror or e}", where=str(run.path),
                             fix="set checkpoint.dir to a writable folder (and keep the run name short)") from None
+        if resume and run.metrics_path.exists():
+            read_metrics(run.metrics_path)  # a broken line is refused now, before anything starts (resume rewinds it)
         if run.config_path.exists():
             run.changes = config_history.diff(run.read_config(), config)
             if run.changes:

@@ -69,7 +69,37 @@ def load_training_recipe(recipe: str | os.PathLike | None, overrides: Sequence[s
                             fix="pass the runs/<name> folder of an earlier `gymv train`")
 
         overrides = [*change_overrides(read_changes(resume_dir)), *overrides]  # the run's current config
-    return load_recipe(recipe, list(overrides), smoke=smoke)
+    if resume_dir is not None:
+        _refuse_algorithm_change(resume_dir, overrides)
+    rec = load_recipe(recipe, list(overrides), smoke=smoke)
+    if resume_dir is not None:
+        _refuse_algorithm_change(resume_dir, [], rec.validated.algorithm, _where(rec, "algorithm"))
+    return rec
+
+
+def _refuse_algorithm_change(resume_dir, overrides: Sequence[str], algorithm: str | None = None,
+                             where: str | None = None) -> None:
+    """`--resume` continues a run as recorded: an override (or a recipe) of another algorithm would train
+    something else on its checkpoints, and its sections would not even fit the run's config."""
+    from gymv.config.overrides import looks_like_override, parse_override
+    from gymv.runs.run_dir import RunDir
+
+    try:
+        recorded = RunDir(resume_dir).read_config().get("algorithm")
+    except GymvError:
+        return  # no readable config.yaml: open_run says so
+    for text in overrides:
+        if isinstance(text, str) and looks_like_override(text):
+            o = parse_override(text)
+            if o.key == "algorithm":
+                algorithm, where = (None if o.op == "delete" else o.value), f"<command line: {text}>"
+    if algorithm == recorded or where is None:
+        return
+    shown = shown_path(Path(resume_dir).absolute())
+    raise GymvError(f"{shown} holds a {recorded} run: --resume continues it as recorded, and algorithm {algorithm} "
+                    "would train something else on its checkpoints", where=where,
+                    fix=f"drop the algorithm change to resume it, or start a new {algorithm} run from its weights: "
+                        f"gymv train <a {algorithm} recipe> model.path={shown}")
 
 
 def _where(rec, key: str) -> str:
