@@ -396,14 +396,15 @@ MIB = 1024 * 1024
 OK_RESPONSE = {"id": "r", "created_at": 0, "model": "m", "object": "response", "parallel_tool_calls": True,
                "tool_choice": "auto", "tools": []}
 LARGE_INVALID = {  # 8 MiB each; FastAPI would answer each with an error (and an echo of its input) per bad part
-    "400k bad output items": lambda: {"responses_create_params": {"input": "x"},
-                                           "response": {**OK_RESPONSE, "output": [{"type": "function_call"}] * 400_000}},
+    "400k bad output items": lambda: {
+        "responses_create_params": {"input": "x"},
+        "response": {**OK_RESPONSE, "output": [{"type": "function_call"}] * 400_000}},
     "700k unknown keys": lambda: {"responses_create_params": {"input": "x", **{f"k{i}": 0 for i in range(700_000)}}},
-    "700k metadata numbers": lambda: {"responses_create_params": {"input": "x",
-                                                                       "metadata": {f"k{i}": 0 for i in range(700_000)}}},
+    "700k metadata numbers": lambda: {
+        "responses_create_params": {"input": "x", "metadata": {f"k{i}": 0 for i in range(700_000)}}},
     "a key of 8 MiB": lambda: {"responses_create_params": {"input": "x", "k" * 8 * MIB: 0}},
-    "a response echoed by each missing field": lambda: {"responses_create_params": {"input": "x"},
-                                                        "response": {"junk": ["x" * 100] * 80_000}},
+    "a response echoed by each missing field": lambda: {
+        "responses_create_params": {"input": "x"}, "response": {"junk": ["x" * 100] * 80_000}},
 }
 
 

@@ -46,7 +46,7 @@ from gymv.envs.transcript import turn_from_items
 from gymv.envs.verify import aggregate_metrics
 from gymv import json_bounds
 from gymv.errors import GymvError
-from gymv.http_serve import DEFAULT_READ_DEADLINE_S, ListeningServer, OneWriteHandler, json_bytes
+from gymv.http_serve import DEFAULT_READ_DEADLINE_S, BodyError, ListeningServer, OneWriteHandler, json_bytes
 from gymv.net import host_allowed, origin_allowed
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -338,28 +338,21 @@ class _Handler(OneWriteHandler):
         self._json(status, {"detail": bounded_detail(detail)}, sid=sid, close=close)
 
     def _read_json(self) -> Any:
-        if self.headers.get("Transfer-Encoding", "").lower() not in ("", "identity"):
+        if self.headers.get("Transfer-Encoding") is not None:
             raise HTTPError(411, "chunked request bodies are not supported; send a Content-Length")
         length_text = self.headers.get("Content-Length")
         if length_text is None:
             raise HTTPError(411, "a POST body needs a Content-Length header")
-        try:
-            length = int(length_text)
-            if length < 0:
-                raise ValueError
-        except ValueError:
-            raise HTTPError(400, f"invalid Content-Length {length_text!r}") from None
+        length = int(length_text)  # h11 has read it as digits only, and one value
         limit = self.server_obj.max_body_bytes
         if length > limit:
             raise HTTPError(413, f"request body of {length} bytes is over the {limit} byte limit")
         try:
-            raw = self.rfile.read(length)
-        except TimeoutError:
-            raise HTTPError(408, f"the request body stopped arriving ({self.read_timed_out_after})") from None
+            raw = self.read_body()
+        except BodyError as e:
+            raise HTTPError(e.status, str(e)) from None
         self._body_bytes = len(raw)
-        if len(raw) < length:
-            raise HTTPError(400, f"request body ended after {len(raw)} of {length} bytes")
-        if not raw.strip():
+        if not raw or raw.isspace():
             raise HTTPError(422, [{"type": "missing", "loc": ["body"], "msg": "Field required", "input": None}])
         try:
             return json_bounds.loads(raw.decode("utf-8"))

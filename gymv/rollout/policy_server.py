@@ -29,7 +29,7 @@ from gymv.envs.nemo_schema import ResponseCreateParams, SchemaError, bounded_det
 from gymv.envs.responses import new_id, response_object
 from gymv import json_bounds
 from gymv.errors import GymvError
-from gymv.http_serve import ListeningServer, OneWriteHandler, json_bytes
+from gymv.http_serve import BodyError, ListeningServer, OneWriteHandler, json_bytes
 from gymv.net import host_allowed, origin_allowed
 from gymv.rollout.agent_turns import TurnRebuilder, chat_tools
 from gymv.rollout.images import ImageCache
@@ -214,10 +214,10 @@ class _Handler(OneWriteHandler):
             return self._send(413 if length > 0 else 411, {"detail": f"send a Content-Length of at most "
                                                                      f"{srv.max_body_bytes} bytes"})
         try:
-            raw = self.rfile.read(length)
-        except TimeoutError:
+            raw = self.read_body()
+        except BodyError as e:
             self.close_connection = True
-            return self._send(408, {"detail": f"the request body stopped arriving ({self.read_timed_out_after})"})
+            return self._send(e.status, {"detail": str(e)})
         try:
             body = json_bounds.loads(raw)
             self._send(200, srv.respond(body))
