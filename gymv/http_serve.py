@@ -133,7 +133,7 @@ class OneWriteHandler(socketserver.BaseRequestHandler):
         self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.max_head_bytes)
         if self._unread:  # (b"" would tell h11 the connection closed)
             self.conn.receive_data(self._unread)
-        self._head = bytearray(self._unread)  # what arrived of the request before h11 read its head
+        self._head = bytearray(self._unread[:self.max_head_bytes + 4])  # what came before h11 read the head
         self.command, self.path, self.headers, self.requestline = None, "", Headers(), ""
         self.responded, self._expired, self._length = False, False, 0
         self._body_done, self._after_body = False, b""  # once read past h11: the bytes after the body
@@ -221,11 +221,14 @@ class OneWriteHandler(socketserver.BaseRequestHandler):
         except h11.RemoteProtocolError as e:
             raise BodyError(400, f"the request body could not be read: {e}") from None
 
-    def _read_length(self, length: int) -> bytearray:
+    def _read_length(self, length: int) -> bytes | bytearray:
         buffered = self.conn.trailing_data[0]  # what came with the head, unread by h11
+        if len(buffered) >= length:  # (the usual case: the whole body came with its head)
+            self._body_done, self._after_body = True, buffered[length:]
+            return buffered if len(buffered) == length else buffered[:length]
         body = bytearray(length)
-        got = min(len(buffered), length)
-        body[:got] = buffered[:got]
+        got = len(buffered)
+        body[:got] = buffered
         view = memoryview(body)
         while got < length:
             n = self._recv_into(view[got:])
