@@ -17,11 +17,11 @@ connection. Every server runs in its own process; the client (asyncio, one proce
 turns per measurement and each measurement is repeated; the table shows medians over repeats. Times on a
 machine that others load are noisy: the load average is printed with the result.
 
-    .venv/bin/python bench/env_server_vs_nemo_gym.py [--repeats 3] [--only env|policy] [--baseline REV] [--json]
-        [--out FILE]
+    .venv/bin/python bench/env_server_vs_nemo_gym.py [--repeats 3] [--only env|policy] [--baseline REV ...]
+        [--json] [--out FILE]
 
-`--baseline REV` adds gymv's servers as of commit REV (its gymv/ package on the path), to show what a change
-did in the same run.
+`--baseline REV` (repeatable) adds gymv's servers as of commit REV (its gymv/ package on the path), to show what
+a change did in the same run.
 """
 
 from __future__ import annotations
@@ -219,10 +219,10 @@ def serve_policy(model_dir: str) -> None:
         server.close()
 
 
-def gymv_servers(mode: list[str], baseline: str | None, tmp: Path) -> list[tuple[str, Process]]:
-    """gymv's server of this checkout, and of commit `baseline` (its gymv/ first on the path) if given."""
+def gymv_servers(mode: list[str], baselines: list[str], tmp: Path) -> list[tuple[str, Process]]:
+    """gymv's server of this checkout, and of each commit in `baselines` (its gymv/ first on the path)."""
     out = [("gymv", Process([sys.executable, __file__, *mode]))]
-    if baseline:
+    for baseline in baselines:
         tree = tmp / f"gymv-{baseline}"
         if not tree.exists():
             tree.mkdir()
@@ -234,7 +234,7 @@ def gymv_servers(mode: list[str], baseline: str | None, tmp: Path) -> list[tuple
     return out
 
 
-def start_servers(only: str | None, baseline: str | None, tmp: Path) -> tuple[list, list]:
+def start_servers(only: str | None, baselines: list[str], tmp: Path) -> tuple[list, list]:
     """([(pair name, [(server name, Target), ...]), ...], processes to stop)."""
     from nemo_gym_peer.harness import NemoGymProcess, nemo_gym_python
 
@@ -249,7 +249,7 @@ def start_servers(only: str | None, baseline: str | None, tmp: Path) -> tuple[li
     pairs, procs = [], []
     if only in (None, "env"):
         nemo = NemoGymProcess(python, "circle_count", "resources_servers.circle_count.app:CircleCountResourcesServer")
-        gymv = gymv_servers(["--serve-env"], baseline, tmp)
+        gymv = gymv_servers(["--serve-env"], baselines, tmp)
         procs += [nemo, *(p for _, p in gymv)]
         nemo.ready()
         servers = [("NeMo Gym", nemo.url)] + [(name, p.url) for name, p in gymv]
@@ -260,7 +260,7 @@ def start_servers(only: str | None, baseline: str | None, tmp: Path) -> tuple[li
 
         model = init_tiny("tiny-llava", tmp / "tiny-llava")
         nemo = NemoGymProcess(python, "scripted_model", "scripted_model:ScriptedResponsesModel")
-        gymv = gymv_servers(["--serve-policy", str(model)], baseline, tmp)
+        gymv = gymv_servers(["--serve-policy", str(model)], baselines, tmp)
         procs += [nemo, *(p for _, p in gymv)]
         nemo.ready()
         servers = [("NeMo Gym (scripted)", nemo.url)] + [(name, p.url) for name, p in gymv]
@@ -308,7 +308,8 @@ def main() -> None:
     ap.add_argument("--only", choices=["env", "policy"], help="one pair of servers only")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     ap.add_argument("--out", type=Path, help="also write the JSON result here")
-    ap.add_argument("--baseline", metavar="REV", help="also measure gymv's servers as of this commit")
+    ap.add_argument("--baseline", metavar="REV", action="append", default=[],
+                    help="also measure gymv's servers as of this commit (repeatable)")
     ap.add_argument("--serve-env", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--serve-policy", metavar="MODEL_DIR", help=argparse.SUPPRESS)
     args = ap.parse_args()
