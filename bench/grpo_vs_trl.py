@@ -137,7 +137,8 @@ def prepare(work: Path, init: str) -> tuple[Path, Path]:
 # gymv
 # ---------------------------------------------------------------------------------------------------------------
 
-def run_gymv(work: Path, model: Path, rows: Path, args: argparse.Namespace, tag: str) -> dict:
+def run_gymv(work: Path, model: Path, rows: Path, args: argparse.Namespace, tag: str, extra: list[str] = ()) -> dict:
+    """`extra`: more overrides, last (another bench's variations of this run)."""
     name = f"gymv-{tag}"
     run_dir = work / name
     if run_dir.exists():
@@ -151,7 +152,7 @@ def run_gymv(work: Path, model: Path, rows: Path, args: argparse.Namespace, tag:
         "grpo.loss.aggregation=token_mean", f"training.lr={LR}", "training.warmup_steps=0",
         "training.max_grad_norm=1.0", "training.dtype=float32", "training.gradient_checkpointing=false",
         f"checkpoint.period={args.steps}", "checkpoint.resume=false", f"checkpoint.dir={work}", f"name={name}",
-        f"seed={SEED}",
+        f"seed={SEED}", *extra,
     ]
     t0 = time.time()
     run([str(ROOT / ".venv" / "bin" / "gymv"), "train", RECIPE, *overrides, "--json"], log=work / f"{name}.log")
@@ -456,7 +457,8 @@ def prepare_cuda(work: Path) -> tuple[Path, Path]:
     return model, rows
 
 
-def run_gymv_cuda(work: Path, model: Path, rows: Path, cfg: argparse.Namespace, tag: str) -> dict:
+def run_gymv_cuda(work: Path, model: Path, rows: Path, cfg: argparse.Namespace, tag: str,
+                  extra: list[str] = ()) -> dict:
     name = f"gymv-{tag}"
     if (work / name).exists():
         shutil.rmtree(work / name)
@@ -468,7 +470,7 @@ def run_gymv_cuda(work: Path, model: Path, rows: Path, cfg: argparse.Namespace, 
         "grpo.loss.clip_low=0.2", "grpo.loss.clip_high=0.2", "grpo.loss.aggregation=token_mean", f"training.lr={LR}",
         "training.warmup_steps=0", "training.max_grad_norm=1.0", "training.gradient_checkpointing=false",
         f"checkpoint.period={cfg.steps}", "checkpoint.resume=false", f"checkpoint.dir={work}", f"name={name}",
-        f"seed={SEED}", "env.preset=null", *CUDA_LAYOUT]
+        f"seed={SEED}", "env.preset=null", *CUDA_LAYOUT, *extra]
     code = "import sys; from gymv.train import train; train(sys.argv[1], sys.argv[2:])"
     env = bench_env()
     env.pop("OMP_NUM_THREADS", None)

@@ -27,8 +27,9 @@ def test_equal_tensors_have_equal_digests_whatever_their_memory_layout():
     assert tensor_digest(a) == tensor_digest(a.clone()) == tensor_digest(a.t().contiguous().t())
 
 
+@pytest.mark.parametrize("method", ["sum", "sha256"])
 @pytest.mark.parametrize("change", ["one element", "rows swapped", "transposed", "sign of zero", "reshaped"])
-def test_any_change_of_bits_or_positions_changes_the_digest(change):
+def test_any_change_of_bits_or_positions_changes_the_digest(change, method):
     a = torch.randn(64, 64)
     a[3, 3] = 0.0
     b = a.clone()
@@ -42,19 +43,27 @@ def test_any_change_of_bits_or_positions_changes_the_digest(change):
         b[3, 3] = -0.0
     else:
         b = b.reshape(32, 128)
-    assert tensor_digest(a) != tensor_digest(b)
+    assert tensor_digest(a, method) != tensor_digest(b, method)
 
 
 def test_a_change_past_the_first_row_of_words_is_seen():
     a = torch.randn(50_000)
     b = a.clone()
     b[33_000] += 1.0
-    assert tensor_digest(a) != tensor_digest(b)
+    assert tensor_digest(a, "sum") != tensor_digest(b, "sum")
 
 
-def test_a_digest_names_shape_and_dtype():
-    assert tensor_digest(torch.zeros(2, 3, dtype=torch.bfloat16)).startswith("2x3:bfloat16:")
-    assert tensor_digest(torch.tensor(1.0)).startswith("scalar:float32:")
+def test_a_digest_names_shape_dtype_and_method():
+    assert tensor_digest(torch.zeros(2, 3, dtype=torch.bfloat16)).startswith("2x3:bfloat16:sha256:")
+    assert tensor_digest(torch.tensor(1.0), "sum").startswith("scalar:float32:sum:")
+
+
+@pytest.mark.parametrize("method", ["sum", "sha256"])
+def test_both_methods_tell_tensors_apart_and_odd_byte_counts_too(method):
+    a = torch.arange(7, dtype=torch.uint8)
+    assert tensor_digest(a, method) != tensor_digest(a.flip(0), method)
+    b = torch.randn(5, 3, dtype=torch.float64)
+    assert tensor_digest(b, method) == tensor_digest(b.clone(), method) != tensor_digest(b * 2, method)
 
 
 def test_digests_are_taken_in_the_dtype_sent_and_leave_integer_tensors_alone():
@@ -177,9 +186,18 @@ def test_the_hf_engine_scores_the_probe_as_the_trainer_does(llava):
     engine = HFGenerationBackend.from_policy(llava)
     probe = build_probe(trainer.tokenizer, trainer.adapter, 24)
     request = CheckRequest("probe", 1, "object_store", probe, 1e-4)
-    ours, theirs = trainer_probe(trainer, probe), engine_account(engine, request, (), "float32")["probe"]
+    ours, theirs = trainer_probe(trainer, probe), engine_account(engine, request, {}, "float32")["probe"]
     assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-4
     assert min(ours) < -1.0  # raw logprobs, not temperature 0.7's: the check compares the logits themselves
-    names = [n for n, _ in trainer.named_weights()]
-    held = engine_account(engine, CheckRequest("digest", 1), names, "bfloat16")["digests"]
-    assert held == weight_digests(trainer.named_weights(), torch.bfloat16)
+    sent = weight_digests(trainer.named_weights(), torch.bfloat16)
+    assert engine_account(engine, CheckRequest("digest", 1), sent, "bfloat16")["digests"] == sent
+    sent = weight_digests(trainer.named_weights(), torch.bfloat16, "sum")  # the engine answers in the trainer's method
+    assert engine_account(engine, CheckRequest("digest", 1), sent, "bfloat16")["digests"] == sent
+
+
+def test_a_bare_off_in_yaml_turns_the_check_off():
+    import yaml
+
+    assert RefitCheckSection.model_validate(yaml.safe_load("mode: off")).mode == "off"
+    with pytest.raises(ValueError):
+        RefitCheckSection.model_validate(yaml.safe_load("mode: on"))

@@ -12,6 +12,14 @@ import torch
 from gymv.cluster.refit import make_layout, make_receiver, make_sender, unflatten, weights_hash
 from gymv.errors import GymvError
 from net_listeners import listeners
+from train_helpers import no_shared_ray
+
+
+@pytest.fixture(scope="module", autouse=True)
+def without_ray():
+    """Outside Ray the object store's buckets are plain copies in the payload, which these tests read: a
+    Ray that an earlier module of this process left running is stopped first."""
+    no_shared_ray()
 
 
 def _state(seed=0):

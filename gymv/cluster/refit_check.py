@@ -140,11 +140,16 @@ def trainer_probe(backend, probe: Probe) -> list[float]:
     return [float(logp[i]) for i in probe.scored]
 
 
-def engine_account(backend, request: CheckRequest, names, dtype: str) -> dict:
-    """The engine's side: the digests of `names` as it holds them (in `dtype`, the one they were sent in),
-    or its logprobs of the probe."""
+def engine_account(backend, request: CheckRequest, sent: dict[str, str], dtype: str) -> dict:
+    """The engine's side: the digests of the tensors the trainer `sent` as it holds them (in `dtype`, the one
+    they were sent in, by the trainer's method), or its logprobs of the probe."""
+    from gymv.backends.weights import digest_method  # torch: the engine's process only, never the driver's
+
+    names = sent.keys()
     if request.kind == "digest":
-        return {"digests": backend.held_digests(list(names), dtype)}
+        names = list(names)
+        method = digest_method(sent[names[0]]) if sent and names else None
+        return {"digests": backend.held_digests(names, dtype, method)}
     logp = backend.probe_logprobs(request.probe.ids, request.probe.images)
     return {"probe": [float(logp[i - 1]) for i in request.probe.scored]}
 

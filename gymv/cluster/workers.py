@@ -25,7 +25,7 @@ from gymv.backends.training.process_group import leave_process_group
 from gymv.backends.training.samples import as_tensors, training_sample
 from gymv.cluster.ray_placement import here
 from gymv.cluster.refit import make_receiver, make_sender
-from gymv.backends.weights import weight_digests
+from gymv.backends.weights import Digests, weight_digests
 from gymv.cluster.refit_check import (
     CheckRequest,
     Probe,
@@ -246,8 +246,7 @@ class GenerationWorker:
         if trainer is None:
             return
         with self._weights_lock:
-            account = engine_account(self.backend, check, (trainer.get("digests") or {}).keys(),
-                                     self.spec.generation_dtype)
+            account = engine_account(self.backend, check, trainer.get("digests") or {}, self.spec.generation_dtype)
         previous, self._last_probe = self._last_probe, (check.version, trainer, account) if check.kind == "probe" else None
         check_refit(check, trainer, account, worker=f"generation worker {self.index}", previous=previous)
 
@@ -284,13 +283,11 @@ class _Locked:
 # ---------------------------------------------------------------------------------------------- training
 
 
-def _digesting(weights, dtype, out: dict):
-    """The (name, tensor) pairs of `weights`, each one's digest in `dtype` recorded in `out` as it passes."""
-    from gymv.backends.weights import tensor_digest
-
+def _digesting(weights, dtype, digests):
+    """The (name, tensor) pairs of `weights`, each one's digest in `dtype` added to `digests` as it passes."""
     pairs = weights.items() if isinstance(weights, dict) else weights
     for name, t in pairs:
-        out[name] = tensor_digest(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
+        digests.add(name, t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
         yield name, t
 
 SEQ_ERRORS_KEY = "seq_mult_prob_errors"  # grpo_step's per-sample sequence errors (a list, not a metric)
@@ -460,10 +457,13 @@ class TrainingWorker:
         weights = self._weights_to_send()
         if check is not None and check.kind == "probe":
             account["probe"] = trainer_probe(self.backend, check.probe)
+        digests = None
         if check is not None and check.kind == "digest" and self.rank == 0:
-            account["digests"] = {}
-            weights = _digesting(weights, self._generation_dtype(), account["digests"])
+            digests = Digests()
+            weights = _digesting(weights, self._generation_dtype(), digests)
         payload = self.sender.publish(weights)
+        if digests is not None:
+            account["digests"] = digests.result()
         self._check = account if check is not None else None
         return payload
 

@@ -211,6 +211,11 @@ class RefitCheckSection(Section):
     probe_tokens: Annotated[int, Field(ge=4, le=4096)] = 32  # text tokens of the probe sequence
     probe_tolerance: PosFloat | None = None  # mean |engine - trainer| logprob per token; null: by model.dtype
 
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _off(cls, v: Any) -> Any:
+        return "off" if v is False else v  # YAML 1.1 reads a bare `off` as false
+
 
 class RefitSection(Section):
     transport: str = "object_store"

@@ -249,7 +249,7 @@ def test_the_probe_check_passes_a_faithful_refit_and_stops_one_that_loaded_nothi
 
     def check(version: int, previous=None):
         request = CheckRequest("probe", version, "object_store", probe, plan.tolerance, version)
-        sides = [engine_account(b, request, (), "bfloat16") for b in (trainer, engine)]
+        sides = [engine_account(b, request, {}, "bfloat16") for b in (trainer, engine)]
         check_refit(request, *sides, worker="generation worker 0", previous=previous)
         return (version, *sides)
 

@@ -194,11 +194,11 @@ class GenerationBackend(ABC):
         """Content hash of the weights generation runs with (equal to the trainer's after a refit)."""
         raise NotImplementedError(f"{type(self).__name__} does not hash its weights")
 
-    def held_digests(self, names: Collection[str], dtype: str | None = None) -> dict[str, str]:
+    def held_digests(self, names: Collection[str], dtype: str | None = None, method: str | None = None) -> dict[str, str]:
         """{name: gymv.backends.weights.tensor_digest} of the named weights as this engine holds them now, read
         from the tensors its forward pass uses, in checkpoint names and layout, floating ones cast to `dtype`
-        (the one they were sent in: an engine may keep a layer in a wider type); a name it does not hold is left
-        out. The `digest` refit check (gymv.cluster.refit_check) compares them with what the trainer sent."""
+        (the one they were sent in: an engine may keep a layer in a wider type), by `method` (the trainer's); a
+        name it does not hold is left out. The `digest` refit check (gymv.cluster.refit_check) compares them with what the trainer sent."""
         raise NotImplementedError(f"{type(self).__name__} cannot digest its weights in checkpoint names")
 
     def probe_logprobs(self, token_ids: Sequence[int], images: Sequence[Any] = ()) -> list[float]:

@@ -129,9 +129,10 @@ class HFGenerationBackend(GenerationBackend):
     def weights_hash(self) -> str:
         return weights_hash(self.model.state_dict())
 
-    def held_digests(self, names: Collection[str], dtype: str | None = None) -> dict[str, str]:
+    def held_digests(self, names: Collection[str], dtype: str | None = None, method: str | None = None) -> dict[str, str]:
         own = self.model.state_dict()
-        return weight_digests(((n, own[n]) for n in names if n in own), getattr(torch, dtype) if dtype else None)
+        return weight_digests(((n, own[n]) for n in names if n in own), getattr(torch, dtype) if dtype else None,
+                              method)
 
     def probe_logprobs(self, token_ids: Sequence[int], images: Sequence[Any] = ()) -> list[float]:
         self.adapter.check(list(token_ids), images, where="refit probe")
