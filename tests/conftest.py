@@ -100,6 +100,19 @@ def tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+@pytest.fixture(scope="module")
+def faulty_model(tmp_path_factory):
+    """A copy of the tiny LLaVA of the module's own, whose engines of the plugin backends in
+    tests/train_plugin/gymv_faulty_refits.py load refits with the fault `set_fault` names (none at first)."""
+    import shutil
+
+    from tiny_models import tiny_path
+
+    model = shutil.copytree(tiny_path("tiny-llava"), tmp_path_factory.mktemp("faulty") / "model")
+    yield model
+    (model.parent / f"{model.name}.refit-fault").unlink(missing_ok=True)
+
+
 @pytest.fixture
 def vectors() -> Path:
     if not VECTORS.exists():

@@ -23,6 +23,11 @@ def fault_file(model_path: str | Path) -> Path:
     return p.parent / f"{p.name}.refit-fault"
 
 
+def set_fault(model_path: str | Path, fault: str) -> None:
+    """From the next refit on, engines of the model at `model_path` load with `fault` ("": none)."""
+    fault_file(model_path).write_text(fault)
+
+
 def _faulty(update_weights):
     """`update_weights` of a backend class, with the fault of `self.fault_path` applied to what it loads."""
 
