@@ -10,6 +10,7 @@ import pytest
 
 from gymv.errors import GymvError
 from gymv.recipes.drivers import find_block, parse_driver
+from gymv.recipes.gpu_hours import plan
 
 BEGIN = "# ===== BEGIN CONFIG ====="
 END = "# ===== END CONFIG ====="
@@ -305,6 +306,56 @@ def test_unexported_wrapper_value_does_not_reach_the_callee_and_is_reported(tmp_
     assert c.num_nodes == 10  # what bash would run
     [ignored] = c.ignored_wrapper_values
     assert (ignored.name, ignored.reason, ignored.where) == ("NUM_NODES", "not exported", f"{w}:3")
+
+
+# NeMo RL's Super Omni MOPD smoke: a wrapper whose block sets the sizing, exported by name after the block,
+# then an exec of the 10-node driver, which defaults NUM_NODES and NUM_MINUTES from its caller
+# (tests/test_suites/vlm/mopd-nemotron-super-omni-120ba12b-4n8g-smoke.v1.sh and its 10n8g driver)
+SCRIPT_DIR_IDIOM = 'SCRIPT_DIR=$( cd -- "$( dirname -- "${BASH_SOURCE[0]}" )" &> /dev/null && pwd)\n'
+MOPD_10N8G = "mopd-nemotron-super-omni-120ba12b-10n8g-megatron-tp8ep16cp2-async-gym.v1.sh"
+
+
+def mopd_smoke_pair(tmp_path: Path, exports: str = "export NUM_NODES NUM_MINUTES\n") -> Path:
+    driver(tmp_path, 'NUM_NODES="${NUM_NODES:-10}"\nGPUS_PER_NODE=8\nSTEPS_PER_RUN=3\nMAX_STEPS=3\nNUM_RUNS=1\n'
+                     'NUM_MINUTES="${NUM_MINUTES:-840}"', name=MOPD_10N8G,
+           before=f'{SCRIPT_DIR_IDIOM}source "$SCRIPT_DIR/common.env"\n\n# the checkpoint and data are external\n',
+           after='\nexit_if_max_steps_reached\n\n: "${MODEL_PATH:?MODEL_PATH must point at the checkpoint}"\n'
+                 'cd "$PROJECT_ROOT"\nuv run examples/nemo_gym/run_grpo_nemo_gym.py --config "$CONFIG_PATH" "$@"\n')
+    return driver(tmp_path, "NUM_NODES=4\nGPUS_PER_NODE=8\nSTEPS_PER_RUN=3\nMAX_STEPS=3\nNUM_RUNS=1\nNUM_MINUTES=480",
+                  name="mopd-nemotron-super-omni-120ba12b-4n8g-smoke.v1.sh",
+                  before=f'{SCRIPT_DIR_IDIOM}\nexport EXP_NAME="$(basename "$0" .sh)"\n\n',
+                  after=f'{exports}\nexec "$SCRIPT_DIR/{MOPD_10N8G}" "$@"\n')
+
+
+def test_a_wrapper_exporting_its_block_values_by_name_after_the_block_hands_them_to_the_driver_it_execs(tmp_path):
+    w = mopd_smoke_pair(tmp_path)
+    c = parse_driver(w)
+    assert (c.num_nodes, c.num_minutes) == (4, 480) and c.ignored_wrapper_values == ()
+    assert c.allocated == {} and c.gpu_hours == Fraction(4 * 8 * 480, 60)
+    assert plan([w]).warnings() == []  # `gymv dry-run` warned "NUM_NODES='4' ... not exported; it runs with '10'"
+
+
+def test_an_export_with_a_value_after_the_block_is_what_the_execd_driver_runs_with(tmp_path):
+    w = mopd_smoke_pair(tmp_path, exports="export NUM_NODES=5 NUM_MINUTES\n")
+    c = parse_driver(w)
+    assert (c.num_nodes, c.num_minutes) == (5, 480) and c.allocation("NUM_NODES") == 4  # the launcher reads the block
+    [ignored] = c.ignored_wrapper_values
+    assert (ignored.name, ignored.effective_value, ignored.reason) == (
+        "NUM_NODES", "5", f"reassigned at {w}:{block_line(w, 'export NUM_NODES=5')}")
+
+
+def test_an_export_after_the_exec_does_not_count(tmp_path):
+    w = mopd_smoke_pair(tmp_path, exports="")
+    w.write_text(w.read_text() + "export NUM_NODES NUM_MINUTES\n")
+    assert [i.name for i in parse_driver(w).ignored_wrapper_values] == ["NUM_NODES", "NUM_MINUTES"]
+
+
+def test_an_export_after_the_block_that_cannot_be_read_is_an_error_only_for_a_block_value(tmp_path):
+    w = mopd_smoke_pair(tmp_path, exports='export NUM_NODES NUM_MINUTES\nexport RUN_ID="$(date +%s)"\n')
+    assert parse_driver(w).num_nodes == 4
+    w = mopd_smoke_pair(tmp_path, exports='export NUM_MINUTES NUM_NODES="$(nproc)"\n')
+    e = error_of(w)
+    assert e.where == f"{w}:{block_line(w, 'nproc')}" and "NUM_NODES" in e.message and "export NAME" in e.fix
 
 
 def test_exec_to_a_missing_driver_is_an_error_at_the_exec_line(tmp_path):

@@ -4,7 +4,9 @@ A driver is a bash script holding a block between `# ===== BEGIN CONFIG =====` a
 `# ===== END CONFIG =====`. Every driver is read in a fresh scope, so one script's values never leak into
 the next (the bug of sourcing blocks one after another in one shell). A wrapper driver may set its own block
 and then `exec` another driver; the driver it execs is read with the wrapper's *exported* variables as its
-environment, exactly what bash would hand it, and the pair counts once, under the wrapper.
+environment, exactly what bash would hand it, and the pair counts once, under the wrapper. An `export NAME`
+(or `export NAME=value`) line between the block and the `exec` counts as bash would count it: NeMo RL's
+wrappers set their sizing in the block and export it just before they exec.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ _SCRIPT_DIR_IDIOMS = [
 ]
 _DIR_TOKEN = "\x00SCRIPT_DIR\x00"
 _ASSIGN_OUTSIDE = re.compile(r"^\s*(?:export\s+|readonly\s+|local\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
+_EXPORT = re.compile(r"^\s*export\s")
+_EXPORTED_NAME = re.compile(r"(?:^|[\s;])(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)(?==|\s|;|$)")
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,8 @@ class ConfigBlock:
     lines: tuple[tuple[int, str], ...]
     exec_target: Path | None = None
     exec_line: int | None = None
+    # `export ...` lines after the block and before the exec (a wrapper's hand-over of its values)
+    exports: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -146,7 +152,9 @@ def find_block(path: str | Path) -> ConfigBlock:
     body = tuple((i, lines[i - 1]) for i in range(begin + 1, end))
     outside = [(i, raw) for i, raw in enumerate(lines, 1) if i < begin or i > end]
     target, exec_line = _find_exec(path, outside)
-    return ConfigBlock(path, begin, end, body, target, exec_line)
+    exports = () if exec_line is None else tuple(
+        (i, lines[i - 1]) for i in range(end + 1, exec_line) if _EXPORT.match(lines[i - 1]))
+    return ConfigBlock(path, begin, end, body, target, exec_line, exports)
 
 
 def _find_exec(path: Path, outside: list[tuple[int, str]]) -> tuple[Path | None, int | None]:
@@ -231,6 +239,7 @@ def parse_driver(path: str | Path, env: dict[str, str] | None = None) -> DriverC
     seen: set[Path] = set()
     wrapper_sets: dict[str, tuple[str, str]] = {}
     unexported: set[str] = set()
+    exported_anew: dict[str, tuple[str, str]] = {}  # a block value a later `export NAME=...` changed: (value, where)
     current: Path = path
     block = find_block(current)
     listed_own: dict[str, str] = {}
@@ -242,8 +251,12 @@ def parse_driver(path: str | Path, env: dict[str, str] | None = None) -> DriverC
         if block.exec_target is None:
             break
         seen.add(current.resolve())
-        for name, _ in assigned:
-            wrapper_sets[name] = (scope.values[name], scope.origin[name])
+        block_sets = {name: (scope.values[name], scope.origin[name]) for name, _ in assigned}
+        _run_exports(block, scope, set(block_sets), str(current))
+        for name, value in block_sets.items():
+            wrapper_sets[name] = value
+            if scope.values[name] != value[0]:
+                exported_anew[name] = (scope.values[name], scope.origin[name])
             if name not in scope.exported:
                 unexported.add(name)
             else:
@@ -255,10 +268,30 @@ def parse_driver(path: str | Path, env: dict[str, str] | None = None) -> DriverC
         scope = Scope.inherited(scope.exported_values(), scope.origin)
         current = callee
         block = find_block(current)
-    config = _effective(path, block, scope, tuple(chain), wrapper_sets, unexported)
+    config = _effective(path, block, scope, tuple(chain), wrapper_sets, unexported, exported_anew)
     if len(chain) == 1 or not any(scope.values.get(k) != v for k, v in listed_own.items()):
         return config
     return replace(config, allocated=_allocated(config, path, {**scope.values, **listed_own}))
+
+
+def _run_exports(block: ConfigBlock, scope: Scope, block_names: set[str], label: str) -> None:
+    """Apply the wrapper's `export` lines between its block and its exec to `scope`, as bash would.
+
+    A line that cannot be read without running it (`export EXP_NAME="$(basename "$0")"`) is skipped unless it
+    exports a value the block set: what the exec'd driver gets would then be unknown, and is an error.
+    """
+    for lineno, text in block.exports:
+        trial = Scope(dict(scope.values), set(scope.exported), dict(scope.origin))
+        try:
+            run_block([(lineno, text)], trial, label)
+        except GymvError as e:
+            names = set(_EXPORTED_NAME.findall(text.split("#", 1)[0])) & block_names
+            if names:
+                raise GymvError(f"cannot read what this line exports for {', '.join(sorted(names))} without running "
+                                f"it ({e.message})", where=f"{label}:{lineno}",
+                                fix="set the value in the CONFIG block and export it by name (export NAME)") from None
+            continue
+        scope.values, scope.exported, scope.origin = trial.values, trial.exported, trial.origin
 
 
 ALLOCATED_KEYS = ("NUM_NODES", "GPUS_PER_NODE", "NUM_RUNS", "NUM_MINUTES")
@@ -280,7 +313,8 @@ def _allocated(config: DriverConfig, path: Path, values: dict[str, str]) -> dict
 
 
 def _effective(path: Path, block: ConfigBlock, scope: Scope, chain: tuple[Path, ...],
-               wrapper_sets: dict[str, tuple[str, str]], unexported: set[str]) -> DriverConfig:
+               wrapper_sets: dict[str, tuple[str, str]], unexported: set[str],
+               exported_anew: dict[str, tuple[str, str]]) -> DriverConfig:
     values, origin = scope.values, scope.origin
     via = f" (reached by exec from {chain[0]})" if len(chain) > 1 else ""
     block_where = f"{block.path}:{block.begin_line}"
@@ -316,7 +350,9 @@ def _effective(path: Path, block: ConfigBlock, scope: Scope, chain: tuple[Path, 
         effective = values.get(name)
         if effective == value:
             continue
-        reason = "not exported" if name in unexported else f"reassigned at {origin.get(name, '?')}"
+        anew = exported_anew.get(name)
+        at = anew[1] if anew and anew[0] == effective else origin.get(name, "?")
+        reason = "not exported" if name in unexported else f"reassigned at {at}"
         ignored.append(IgnoredValue(name, value, effective, where, reason))
     extras = {k: v for k, v in values.items() if k not in INTEGER_KEYS}
     return DriverConfig(
