@@ -1,11 +1,11 @@
-"""Truncated importance weights and the ICE-POP gate against behaviour logprobs."""
+"""Truncated importance weights and ICE-POP against behaviour logprobs, as NeMo RL defines them."""
 
 import math
 
 import pytest
 import torch
 
-from gymv.algorithms.importance import icepop_gate, truncated_is_weights
+from gymv.algorithms.importance import icepop_gate, icepop_weights, truncated_is_weights
 
 L = math.log
 # trainer-old logprob .5 everywhere; behaviour probabilities give rho = .5 / p_behaviour
@@ -37,3 +37,14 @@ def test_gate_drops_tokens_below_the_lower_bound():
 def test_weights_carry_no_gradient():
     old = OLD.clone().requires_grad_()
     assert not truncated_is_weights(old, BEHAVIOUR, MASK).requires_grad
+
+
+def test_icepop_weights_are_rho_inside_the_bounds_and_zero_outside():
+    w, kept = icepop_weights(OLD, BEHAVIOUR, MASK, 0.2, 5.0)
+    assert w.tolist()[0] == pytest.approx([1.0, 2.0, 5.0, 0.0, 0.5])
+    assert kept.tolist() == [[True, True, True, False, True]]
+
+
+def test_a_behaviour_logprob_of_minus_infinity_weighs_its_token_0():
+    behaviour = torch.tensor([[-math.inf]])
+    assert truncated_is_weights(torch.zeros(1, 1), behaviour, torch.ones(1, 1, dtype=torch.bool)).item() == 0.0

@@ -46,15 +46,44 @@ def test_kl_needs_reference_logprobs():
 def test_gate_removes_out_of_range_tokens_from_the_loss_but_not_the_denominator():
     logp = logp_of(0.5, 0.5)
     behaviour = torch.log(torch.tensor([[1.0, 0.5, 0.05]]))  # rho = 1 and 10
-    loss, metrics = PolicyLoss(importance=ISConfig(gate=(0.2, 5.0)))(batch(logp_behaviour=behaviour), logp, None, GlobalCounts.of(MASK))
+    loss, metrics = PolicyLoss(importance=ISConfig("icepop", 0.2, 5.0))(batch(logp_behaviour=behaviour), logp, None, GlobalCounts.of(MASK))
     assert loss.item() == pytest.approx(-1.0)  # one kept token of A=2, divided by 2 valid tokens
     assert metrics["is_gated_fraction"].item() == pytest.approx(0.5)
+
+
+def test_icepop_weighs_the_tokens_inside_the_bounds_by_rho_and_zeroes_the_rest():
+    """NeMo RL's icepop: w = rho on [min, max], 0 outside; rho 4 and 10 against the bounds 0.2 and 5."""
+    logp = logp_of(0.5, 0.5)
+    behaviour = torch.log(torch.tensor([[1.0, 0.125, 0.05]]))  # rho = 4 and 10
+    loss, metrics = PolicyLoss(importance=ISConfig("icepop", 0.2, 5.0))(batch(logp_behaviour=behaviour), logp, None, GlobalCounts.of(MASK))
+    loss.backward()
+    assert loss.item() == pytest.approx(-(4 * 2) / 2)  # w * (-ratio * A) on the kept token, over 2 tokens
+    assert logp.grad.tolist()[0] == pytest.approx([0.0, -4.0, 0.0])
+    assert metrics["is_weight_mean"].item() == pytest.approx(4 / 2)
+
+
+def test_icepop_dropped_tokens_stay_in_their_sequences_token_mean():
+    logp = logp_of(0.5, 0.5)
+    behaviour = torch.log(torch.tensor([[1.0, 0.125, 0.05]]))  # rho = 4 and 10
+    loss, _ = PolicyLoss(aggregation="seq_mean_token_mean", importance=ISConfig("icepop", 0.2, 5.0))(
+        batch(logp_behaviour=behaviour), logp, None, GlobalCounts.of(MASK))
+    assert loss.item() == pytest.approx(-(4 * 2 + 0) / 2)  # the sequence's mean over both of its tokens
+
+
+def test_distillation_weighs_its_kept_tokens_by_rho():
+    logp = logp_of(0.25, 0.5)
+    teacher = torch.log(torch.tensor([[1.0, 0.5, 0.25]]))  # gaps +log2 and -log2
+    behaviour = torch.log(torch.tensor([[1.0, 0.125, 0.01]]))  # rho 2 (kept) and 50 (dropped)
+    loss, _ = DistillationLoss(importance=ISConfig("icepop", 0.2, 5.0))(
+        {"loss_mask": MASK, "logp_teacher": teacher, "logp_behaviour": behaviour}, logp, None, GlobalCounts.of(MASK))
+    loss.backward()
+    assert logp.grad.tolist()[0] == pytest.approx([0.0, -2 * L(2) / 2, 0.0])
 
 
 def test_truncated_is_scales_each_token():
     logp = logp_of(0.5, 0.5)
     behaviour = torch.log(torch.tensor([[1.0, 0.25, 0.5]]))  # rho = 2 and 1
-    loss, metrics = PolicyLoss(importance=ISConfig(truncate_max=1.5))(batch(logp_behaviour=behaviour), logp, None, GlobalCounts.of(MASK))
+    loss, metrics = PolicyLoss(importance=ISConfig("truncated", 0.0, 1.5))(batch(logp_behaviour=behaviour), logp, None, GlobalCounts.of(MASK))
     assert loss.item() == pytest.approx(-(2 * 1.5 + 2 * 1.0) / 2)
     assert metrics["is_weight_max"].item() == pytest.approx(1.5)
     assert metrics["is_weight_mean"].item() == pytest.approx(1.25)
@@ -68,7 +97,7 @@ def test_behaviour_logprobs_yield_token_mult_prob_error_even_without_is():
 
 def test_is_without_behaviour_logprobs_is_an_error():
     with pytest.raises(RuntimeError, match="logp_behaviour"):
-        PolicyLoss(importance=ISConfig(truncate_max=2.0))(batch(), logp_of(0.5, 0.5), None, GlobalCounts.of(MASK))
+        PolicyLoss(importance=ISConfig("truncated", 0.0, 2.0))(batch(), logp_of(0.5, 0.5), None, GlobalCounts.of(MASK))
 
 
 def test_sft_loss_reports_nll_and_entropy():
@@ -90,7 +119,7 @@ def test_distillation_applies_the_same_gate():
     logp = logp_of(0.25, 0.5)
     teacher = torch.log(torch.tensor([[1.0, 0.5, 0.25]]))
     behaviour = torch.log(torch.tensor([[1.0, 0.25, 0.01]]))  # rho 1 and 50: second token gated
-    loss, _ = DistillationLoss(importance=ISConfig(gate=(0.2, 5.0)))(
+    loss, _ = DistillationLoss(importance=ISConfig("icepop", 0.2, 5.0))(
         {"loss_mask": MASK, "logp_teacher": teacher, "logp_behaviour": behaviour}, logp, None, GlobalCounts.of(MASK))
     loss.backward()
     assert logp.grad.tolist()[0] == pytest.approx([0.0, -L(2) / 2, 0.0])

@@ -31,7 +31,7 @@ def _counts(batch):
     return GlobalCounts(tokens=float(m.sum()), sequences=float(m.any(-1).sum()))
 
 
-@pytest.mark.parametrize("importance", [ISConfig(), ISConfig(gate=(0.2, 5.0)), ISConfig(truncate_max=1.02)])
+@pytest.mark.parametrize("importance", [ISConfig(), ISConfig("icepop", 0.2, 5.0), ISConfig("truncated", 0.0, 1.02)])
 def test_the_env_reward_term_equals_adding_c_times_the_reward_advantage_to_every_token(importance):
     batch, logp0 = _batch()
     c = 0.3

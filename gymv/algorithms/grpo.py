@@ -6,9 +6,10 @@ from gymv.algorithms.loss_fns import ISConfig, PolicyLoss
 
 
 def importance_config(is_cfg) -> ISConfig:
-    """The IS weights / gate of an `importance_sampling` section (GRPO's and MOPD's)."""
-    return ISConfig(truncate_max=is_cfg.truncate_max if is_cfg.kind == "truncated" else None,
-                    gate=(is_cfg.gate_low, is_cfg.gate_high) if is_cfg.kind == "icepop" else None)
+    """The IS weights of an `importance_sampling` section (GRPO's and MOPD's)."""
+    if is_cfg.kind == "icepop":
+        return ISConfig("icepop", is_cfg.gate_low, is_cfg.gate_high)
+    return ISConfig(is_cfg.kind, 0.0, is_cfg.truncate_max)
 
 
 def policy_loss(grpo) -> PolicyLoss:

@@ -1,11 +1,13 @@
-"""Importance sampling against the behaviour policy (the weights that generated the tokens).
+"""Importance sampling against the behaviour policy (the weights that generated the tokens), as NeMo RL's
+`truncated_importance_sampling_type` defines it.
 
 Async GRPO and MOPD train on tokens sampled by older weights or by another engine (vLLM); the ratio between
 the trainer's pre-update policy and the behaviour policy, rho = exp(logp_train_old - logp_behaviour),
-corrects for that. Two remedies, usable together:
-- truncated IS: weight each token by min(rho, truncate_max);
-- ICE-POP style gate: drop tokens whose rho leaves [gate_low, gate_high] (their loss and gradient become 0).
-Both are stop-gradient: they scale the loss, they are not trained through.
+corrects for that. Each kind returns the per-token weight the loss is multiplied by:
+- truncated (NeMo RL's `tis`): rho capped at truncate_max;
+- icepop: rho where it lies inside [low, high], 0 elsewhere (the token leaves the loss).
+Weights are stop-gradient: they scale the loss, they are not trained through. Dropped tokens and sequences
+keep their place in the loss's denominators (the mask is unchanged), as in NeMo RL.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from gymv.algorithms.masked import as_bool, masked_fill_zero
 
 
 def behaviour_ratio(logp_train_old: Tensor, logp_behaviour: Tensor, mask: Tensor) -> Tensor:
-    """rho per token, 1 off the mask."""
+    """rho per token, 1 off the mask; a non-finite rho (a behaviour logprob of -inf) is 0, as in NeMo RL."""
     m = as_bool(mask)
     diff = masked_fill_zero((logp_train_old - logp_behaviour).detach(), m)
-    return torch.exp(diff)
+    return torch.nan_to_num(torch.exp(diff), nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def truncated_is_weights(logp_train_old: Tensor, logp_behaviour: Tensor, mask: Tensor, truncate_max: float = 2.0) -> Tensor:
@@ -35,3 +37,11 @@ def icepop_gate(
     """The mask with tokens whose rho lies outside [gate_low, gate_high] removed (bool)."""
     rho = behaviour_ratio(logp_train_old, logp_behaviour, mask)
     return as_bool(mask) & (rho >= gate_low) & (rho <= gate_high)
+
+
+def icepop_weights(logp_train_old: Tensor, logp_behaviour: Tensor, mask: Tensor, gate_low: float = 0.2,
+                   gate_high: float = 5.0) -> tuple[Tensor, Tensor]:
+    """(w, kept): w = rho on the tokens whose rho lies inside [gate_low, gate_high] (bounds included), 0 on
+    the others and off the mask; kept is those tokens (bool)."""
+    kept = icepop_gate(logp_train_old, logp_behaviour, mask, gate_low, gate_high)
+    return masked_fill_zero(behaviour_ratio(logp_train_old, logp_behaviour, mask), kept), kept

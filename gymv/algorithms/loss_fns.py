@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from gymv.algorithms.advantages import mopd_advantages
-from gymv.algorithms.importance import icepop_gate, truncated_is_weights
+from gymv.algorithms.importance import icepop_weights, truncated_is_weights
 from gymv.algorithms.losses import (
     Aggregation,
     GlobalCounts,
@@ -59,18 +59,22 @@ def _token_share(x: Tensor, mask: Tensor, counts: GlobalCounts) -> Tensor:
 
 @dataclass(frozen=True)
 class ISConfig:
-    """Importance sampling against behaviour logprobs; both None = off (on-policy, same engine)."""
+    """Importance sampling against behaviour logprobs, NeMo RL's `truncated_importance_sampling_type`:
+    `kind` none (off: on-policy, same engine), truncated (`tis`: rho clamped to [low, high]) or icepop (rho
+    kept on the tokens inside [low, high], 0 on the others); gymv.algorithms.importance."""
 
-    truncate_max: float | None = None
-    gate: tuple[float, float] | None = None
+    kind: str = "none"
+    low: float = 0.0
+    high: float = 2.0
 
     @property
     def enabled(self) -> bool:
-        return self.truncate_max is not None or self.gate is not None
+        return self.kind != "none"
 
 
 def _importance(batch: dict, logp_old: Tensor, mask: Tensor, cfg: ISConfig, counts: GlobalCounts, who: str):
-    """(weights, mask after the gate, metrics); weights is None when IS is off."""
+    """(weights, the tokens they keep, metrics); weights is None when IS is off. A token outside `kept` has
+    weight 0: it leaves the loss but not the mask, so every denominator stays what it was without IS."""
     metrics: Metrics = {}
     if "logp_behaviour" not in batch:
         if cfg.enabled:
@@ -81,16 +85,23 @@ def _importance(batch: dict, logp_old: Tensor, mask: Tensor, cfg: ISConfig, coun
     metrics["token_mult_prob_error"] = _token_share(err, mask, counts)
     if not cfg.enabled:
         return None, mask, metrics
-    weights = (truncated_is_weights(logp_old, behaviour, mask, cfg.truncate_max) if cfg.truncate_max is not None
-               else torch.ones_like(logp_old))
-    kept = mask
-    if cfg.gate is not None:
-        kept = icepop_gate(logp_old, behaviour, mask, *cfg.gate)
+    if cfg.kind == "truncated":
+        weights, kept = truncated_is_weights(logp_old, behaviour, mask, cfg.high), mask
+    elif cfg.kind == "icepop":
+        weights, kept = icepop_weights(logp_old, behaviour, mask, cfg.low, cfg.high)
         metrics["is_gated_fraction"] = _token_share((mask & ~kept).float(), mask, counts)
-    weights = masked_fill_zero(weights, kept)
-    metrics["is_weight_mean"] = _token_share(weights, kept, counts)
+    else:
+        raise ValueError(f"{who}: unknown importance sampling kind {cfg.kind!r}")
+    metrics["is_weight_mean"] = _token_share(weights, mask, counts)
     metrics["is_weight_max"] = masked_max(weights, kept)
     return weights, kept, metrics
+
+
+def _weighted(per_token: Tensor, weights: Tensor | None, kept: Tensor) -> Tensor:
+    """The per-token loss times the IS weights, exactly 0 (value and gradient) on the tokens IS drops."""
+    if weights is None:
+        return per_token
+    return masked_fill_zero(per_token * weights.detach(), kept)
 
 
 def topk_cross_entropy(teacher_topk_logp: Tensor, student_topk_logp: Tensor) -> tuple[Tensor, Tensor]:
@@ -107,7 +118,8 @@ def topk_cross_entropy(teacher_topk_logp: Tensor, student_topk_logp: Tensor) -> 
 class PolicyLoss:
     """GRPO: clipped-ratio policy loss, optional KL to a reference, optional IS against the behaviour policy.
 
-    per token: w * (-min(ratio*A, clip(ratio)*A) + kl_coef * KL_est), on the (gated) mask, aggregated.
+    per token: w * (-min(ratio*A, clip(ratio)*A) + kl_coef * KL_est), aggregated over the mask (w = 0 on the
+    tokens IS drops, which keep their place in the denominators).
     """
 
     eps_low: float = 0.2
@@ -126,17 +138,16 @@ class PolicyLoss:
         adv = _require(batch, "advantages", who)
         logp_old = batch.get("logp_old", logp.detach())
         weights, kept, metrics = _importance(batch, logp_old, mask, self.importance, counts, who)
-        pg, clipped = clipped_policy_loss(logp, logp_old, adv, kept, self.eps_low, self.eps_high)
+        pg, clipped = clipped_policy_loss(logp, logp_old, adv, mask, self.eps_low, self.eps_high)
         per_token = pg
         if self.kl_coef:
             kl = kl_penalty(logp, _require(batch, "logp_ref", who), kept, self.kl_estimator)
             per_token = per_token + self.kl_coef * kl
             metrics["kl_ref"] = _token_share(kl, kept, counts)
-        if weights is not None:
-            per_token = per_token * weights.detach()
-        loss = aggregate(per_token, kept, self.aggregation, counts)
-        metrics["pg_loss"] = aggregate(pg.detach(), kept, self.aggregation, counts)
-        metrics["clip_fraction"] = _token_share(clipped.float(), mask, counts)
+        per_token = _weighted(per_token, weights, kept)
+        loss = aggregate(per_token, mask, self.aggregation, counts)
+        metrics["pg_loss"] = aggregate(masked_fill_zero(pg.detach(), kept), mask, self.aggregation, counts)
+        metrics["clip_fraction"] = _token_share((clipped & kept).float(), mask, counts)
         if entropy is not None:
             metrics["entropy"] = _token_share(entropy, mask, counts)
         return loss, metrics
@@ -162,7 +173,7 @@ class SFTLoss:
 
 @dataclass(frozen=True)
 class DistillationLoss:
-    """MOPD: REINFORCE on the per-token advantage stop_grad(logp_teacher - logp_student), same IS gate as GRPO.
+    """MOPD: REINFORCE on the per-token advantage stop_grad(logp_teacher - logp_student), same IS weights as GRPO.
 
     `top_k`: instead, at every generated position the cross-entropy from the teacher's k most likely tokens
     (their probabilities renormalised over the k) to the student: -sum_v p_teacher(v) log pi_student(v).
@@ -193,9 +204,8 @@ class DistillationLoss:
             metrics["topk_kl"] = _token_share(topk_kl, kept, counts)
         else:
             per_token = reinforce_loss(logp, adv, kept, logp_old)
-        if weights is not None:
-            per_token = per_token * weights.detach()
-        loss = aggregate(per_token, kept, self.aggregation, counts)
+        per_token = _weighted(per_token, weights, kept)
+        loss = aggregate(per_token, mask, self.aggregation, counts)
         metrics["teacher_advantage"] = _token_share(adv, kept, counts)
         metrics["teacher_advantage_max"] = masked_extreme(adv, kept, largest=True)
         metrics["teacher_advantage_min"] = masked_extreme(adv, kept, largest=False)
