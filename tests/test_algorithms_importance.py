@@ -19,6 +19,12 @@ def test_truncated_weights_are_rho_capped_at_truncate_max():
     assert w.tolist()[0] == pytest.approx([1.0, 2.0, 2.0, 2.0, 0.5])
 
 
+def test_truncated_weights_are_rho_clamped_to_truncate_min_and_truncate_max():
+    """NeMo RL's tis with truncated_importance_sampling_ratio_min 0.6 (the Super Omni GRPO recipe: 0.5)."""
+    w = truncated_is_weights(OLD, BEHAVIOUR, MASK, truncate_max=2.0, truncate_min=0.6)
+    assert w.tolist()[0] == pytest.approx([1.0, 2.0, 2.0, 2.0, 0.6])
+
+
 def test_weights_are_zero_off_the_mask():
     w = truncated_is_weights(OLD, BEHAVIOUR, torch.tensor([[True, False, True, True, True]]), truncate_max=10.0)
     assert w[0, 1].item() == 0.0

@@ -5,8 +5,12 @@ import math
 import pytest
 import torch
 
+from gymv.algorithms.grpo import policy_loss
 from gymv.algorithms.loss_fns import DistillationLoss, ISConfig, PolicyLoss, SFTLoss
 from gymv.algorithms.losses import GlobalCounts
+from gymv.algorithms.mopd import mopd_loss
+from gymv.config import load_recipe
+from conftest import REPO
 
 L = math.log
 MASK = torch.tensor([[False, True, True]])
@@ -87,6 +91,21 @@ def test_truncated_is_scales_each_token():
     assert loss.item() == pytest.approx(-(2 * 1.5 + 2 * 1.0) / 2)
     assert metrics["is_weight_max"].item() == pytest.approx(1.5)
     assert metrics["is_weight_mean"].item() == pytest.approx(1.25)
+
+
+def test_truncated_is_raises_ratios_below_truncate_min_to_it():
+    logp = logp_of(0.1, 0.5)
+    behaviour = torch.log(torch.tensor([[1.0, 0.4, 0.125]]))  # rho = 0.25 and 4
+    loss, _ = PolicyLoss(importance=ISConfig("truncated", 0.5, 2.0))(batch(logp_behaviour=behaviour), logp, None, GlobalCounts.of(MASK))
+    assert loss.item() == pytest.approx(-(2 * 0.5 + 2 * 2.0) / 2)  # w = 0.5 and 2, A = 2, ratio 1
+
+
+def test_the_recipes_truncate_min_reaches_the_loss():
+    over = ["importance_sampling.kind=truncated", "importance_sampling.truncate_min=0.5"]
+    grpo = load_recipe(REPO / "recipes" / "grpo.yaml", [f"grpo.{o}" for o in over]).validated.grpo
+    mopd = load_recipe(REPO / "recipes" / "mopd.yaml", [f"mopd.{o}" for o in over]).validated.mopd
+    assert policy_loss(grpo).importance == ISConfig("truncated", 0.5, 2.0)
+    assert mopd_loss(mopd).distill.importance == ISConfig("truncated", 0.5, 2.0)
 
 
 def test_behaviour_logprobs_yield_token_mult_prob_error_even_without_is():

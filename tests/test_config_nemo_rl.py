@@ -63,6 +63,17 @@ def test_in_a_mopd_recipe_nemo_rls_grpo_keys_point_to_the_mopd_section(tmp_path)
     assert "gymv's is `mopd.strict_agent_name_match`" in got["on_policy_distillation.strict_agent_name_match"][1]
 
 
+def test_nemo_rls_lower_truncation_bound_is_named_truncate_min_in_grpo_and_mopd(tmp_path):
+    """NeMo RL's tis clamps to [truncated_importance_sampling_ratio_min, ratio]: gymv's truncate_min, not the
+    icepop bound gate_low (which truncated IS ignores)."""
+    for algorithm, section in (("grpo", "grpo"), ("mopd", "mopd")):
+        recipe = tmp_path / f"{algorithm}.yaml"
+        recipe.write_text(f"defaults: {REPO / 'recipes' / f'{algorithm}.yaml'}\n"
+                          "loss_fn:\n  truncated_importance_sampling_ratio_min: 0.5\n")
+        got = fixes(recipe)["loss_fn.truncated_importance_sampling_ratio_min"][1]
+        assert f"gymv's is `{section}.importance_sampling.truncate_min` (icepop: gate_low)" in got
+
+
 def test_loading_refuses_the_first_nemo_rl_key_with_gymvs_name(tmp_path):
     recipe = tmp_path / "ported.yaml"
     recipe.write_text(GRPO)

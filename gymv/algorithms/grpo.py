@@ -9,7 +9,7 @@ def importance_config(is_cfg) -> ISConfig:
     """The IS weights of an `importance_sampling` section (GRPO's and MOPD's)."""
     if is_cfg.kind == "icepop":
         return ISConfig("icepop", is_cfg.gate_low, is_cfg.gate_high)
-    return ISConfig(is_cfg.kind, 0.0, is_cfg.truncate_max)
+    return ISConfig(is_cfg.kind, is_cfg.truncate_min, is_cfg.truncate_max)
 
 
 def policy_loss(grpo) -> PolicyLoss:

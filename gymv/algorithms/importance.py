@@ -4,7 +4,7 @@
 Async GRPO and MOPD train on tokens sampled by older weights or by another engine (vLLM); the ratio between
 the trainer's pre-update policy and the behaviour policy, rho = exp(logp_train_old - logp_behaviour),
 corrects for that. Each kind returns the per-token weight the loss is multiplied by:
-- truncated (NeMo RL's `tis`): rho capped at truncate_max;
+- truncated (NeMo RL's `tis`): rho clamped to [truncate_min, truncate_max];
 - icepop: rho where it lies inside [low, high], 0 elsewhere (the token leaves the loss).
 Weights are stop-gradient: they scale the loss, they are not trained through. Dropped tokens and sequences
 keep their place in the loss's denominators (the mask is unchanged), as in NeMo RL.
@@ -25,10 +25,11 @@ def behaviour_ratio(logp_train_old: Tensor, logp_behaviour: Tensor, mask: Tensor
     return torch.nan_to_num(torch.exp(diff), nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def truncated_is_weights(logp_train_old: Tensor, logp_behaviour: Tensor, mask: Tensor, truncate_max: float = 2.0) -> Tensor:
-    """w = min(rho, truncate_max) on the mask, 0 off it."""
+def truncated_is_weights(logp_train_old: Tensor, logp_behaviour: Tensor, mask: Tensor, truncate_max: float = 2.0,
+                         truncate_min: float = 0.0) -> Tensor:
+    """w = clamp(rho, truncate_min, truncate_max) on the mask, 0 off it."""
     rho = behaviour_ratio(logp_train_old, logp_behaviour, mask)
-    return masked_fill_zero(rho.clamp(max=truncate_max), mask)
+    return masked_fill_zero(rho.clamp(min=truncate_min, max=truncate_max), mask)
 
 
 def icepop_gate(

@@ -86,7 +86,7 @@ def _importance(batch: dict, logp_old: Tensor, mask: Tensor, cfg: ISConfig, coun
     if not cfg.enabled:
         return None, mask, metrics
     if cfg.kind == "truncated":
-        weights, kept = truncated_is_weights(logp_old, behaviour, mask, cfg.high), mask
+        weights, kept = truncated_is_weights(logp_old, behaviour, mask, cfg.high, cfg.low), mask
     elif cfg.kind == "icepop":
         weights, kept = icepop_weights(logp_old, behaviour, mask, cfg.low, cfg.high)
         metrics["is_gated_fraction"] = _token_share((mask & ~kept).float(), mask, counts)

@@ -40,7 +40,7 @@ KEYS: dict[str, str] = {
     "loss_fn.use_importance_sampling_correction": "grpo.importance_sampling.kind (truncated or icepop; false: none)",
     "loss_fn.truncated_importance_sampling_type": "grpo.importance_sampling.kind (tis: truncated, icepop: icepop)",
     "loss_fn.truncated_importance_sampling_ratio": "grpo.importance_sampling.truncate_max (icepop: gate_high)",
-    "loss_fn.truncated_importance_sampling_ratio_min": "grpo.importance_sampling.gate_low",
+    "loss_fn.truncated_importance_sampling_ratio_min": "grpo.importance_sampling.truncate_min (icepop: gate_low)",
     # policy
     "policy.model_name": "model.path",
     "policy.max_total_sequence_length": "model.max_seq_len",
