@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from gymv.algorithms.importance import icepop_gate, icepop_weights, truncated_is_weights
+from gymv.algorithms.importance import icepop_gate, icepop_weights, seq_mask_tis_weights, truncated_is_weights
 
 L = math.log
 # trainer-old logprob .5 everywhere; behaviour probabilities give rho = .5 / p_behaviour
@@ -54,3 +54,20 @@ def test_icepop_weights_are_rho_inside_the_bounds_and_zero_outside():
 def test_a_behaviour_logprob_of_minus_infinity_weighs_its_token_0():
     behaviour = torch.tensor([[-math.inf]])
     assert truncated_is_weights(torch.zeros(1, 1), behaviour, torch.ones(1, 1, dtype=torch.bool)).item() == 0.0
+
+
+def test_seq_mask_tis_keeps_raw_rho_on_sequences_whose_geometric_mean_rho_is_inside_the_bounds():
+    """NeMo RL's seq-mask-tis with its reference bounds 0.999 and 1.002: rho 2 and 0.5 (geometric mean 1) keep
+    their raw, unclamped weights; rho 2 and 2 (geometric mean 2) drop the whole sequence."""
+    old = torch.full((2, 2), L(0.5))
+    behaviour = torch.log(torch.tensor([[0.25, 1.0], [0.25, 0.25]]))
+    w, kept = seq_mask_tis_weights(old, behaviour, torch.ones(2, 2, dtype=torch.bool), 0.999, 1.002)
+    assert w.tolist() == [pytest.approx([2.0, 0.5]), [0.0, 0.0]]
+    assert kept.tolist() == [True, False]
+
+
+def test_seq_mask_tis_takes_the_geometric_mean_over_the_masked_tokens_only():
+    old = torch.full((1, 3), L(0.5))
+    behaviour = torch.log(torch.tensor([[0.01, 0.25, 1.0]]))  # rho 50 off the mask, then 2 and 0.5
+    _, kept = seq_mask_tis_weights(old, behaviour, torch.tensor([[False, True, True]]), 0.999, 1.002)
+    assert kept.tolist() == [True]

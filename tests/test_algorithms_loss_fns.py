@@ -100,6 +100,24 @@ def test_truncated_is_raises_ratios_below_truncate_min_to_it():
     assert loss.item() == pytest.approx(-(2 * 0.5 + 2 * 2.0) / 2)  # w = 0.5 and 2, A = 2, ratio 1
 
 
+def test_seq_mask_tis_drops_whole_sequences_which_stay_in_the_token_count():
+    mask = torch.tensor([[False, True, True], [False, True, True]])
+    logp = torch.log(torch.full((2, 3), 0.5)).requires_grad_()
+    behaviour = torch.log(torch.tensor([[1.0, 0.25, 1.0], [1.0, 0.25, 0.25]]))  # rho 2, 0.5 (kept); 2, 2 (dropped)
+    b = {"loss_mask": mask, "advantages": torch.tensor([2.0, 1.0]), "logp_behaviour": behaviour}
+    loss, _ = PolicyLoss(importance=ISConfig("seq_mask_tis", 0.999, 1.002))(b, logp, None, GlobalCounts.of(mask))
+    loss.backward()
+    assert loss.item() == pytest.approx(-(2 * 2.0 + 2 * 0.5) / 4)  # raw rho on the kept sequence, over 4 tokens
+    assert logp.grad[1].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_the_recipes_seq_mask_tis_bounds_reach_the_loss():
+    over = ["grpo.importance_sampling.kind=seq_mask_tis", "grpo.importance_sampling.gate_low=0.999",
+            "grpo.importance_sampling.gate_high=1.002"]
+    grpo = load_recipe(REPO / "recipes" / "grpo.yaml", over).validated.grpo
+    assert policy_loss(grpo).importance == ISConfig("seq_mask_tis", 0.999, 1.002)
+
+
 def test_the_recipes_truncate_min_reaches_the_loss():
     over = ["importance_sampling.kind=truncated", "importance_sampling.truncate_min=0.5"]
     grpo = load_recipe(REPO / "recipes" / "grpo.yaml", [f"grpo.{o}" for o in over]).validated.grpo

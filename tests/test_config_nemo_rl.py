@@ -71,7 +71,15 @@ def test_nemo_rls_lower_truncation_bound_is_named_truncate_min_in_grpo_and_mopd(
         recipe.write_text(f"defaults: {REPO / 'recipes' / f'{algorithm}.yaml'}\n"
                           "loss_fn:\n  truncated_importance_sampling_ratio_min: 0.5\n")
         got = fixes(recipe)["loss_fn.truncated_importance_sampling_ratio_min"][1]
-        assert f"gymv's is `{section}.importance_sampling.truncate_min` (icepop: gate_low)" in got
+        assert f"gymv's is `{section}.importance_sampling.truncate_min` (icepop, seq-mask-tis: gate_low)" in got
+
+
+def test_nemo_rls_seq_mask_tis_type_is_named_as_gymvs_kind(tmp_path):
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text(f"defaults: {REPO / 'recipes' / 'grpo.yaml'}\n"
+                      "loss_fn:\n  truncated_importance_sampling_type: seq-mask-tis\n")
+    got = fixes(recipe)["loss_fn.truncated_importance_sampling_type"][1]
+    assert "gymv's is `grpo.importance_sampling.kind`" in got and "seq-mask-tis: seq_mask_tis" in got
 
 
 def test_loading_refuses_the_first_nemo_rl_key_with_gymvs_name(tmp_path):

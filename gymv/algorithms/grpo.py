@@ -7,8 +7,8 @@ from gymv.algorithms.loss_fns import ISConfig, PolicyLoss
 
 def importance_config(is_cfg) -> ISConfig:
     """The IS weights of an `importance_sampling` section (GRPO's and MOPD's)."""
-    if is_cfg.kind == "icepop":
-        return ISConfig("icepop", is_cfg.gate_low, is_cfg.gate_high)
+    if is_cfg.kind in ("icepop", "seq_mask_tis"):
+        return ISConfig(is_cfg.kind, is_cfg.gate_low, is_cfg.gate_high)
     return ISConfig(is_cfg.kind, is_cfg.truncate_min, is_cfg.truncate_max)
 
 

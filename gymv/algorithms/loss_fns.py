@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from gymv.algorithms.advantages import mopd_advantages
-from gymv.algorithms.importance import icepop_weights, truncated_is_weights
+from gymv.algorithms.importance import icepop_weights, seq_mask_tis_weights, truncated_is_weights
 from gymv.algorithms.losses import (
     Aggregation,
     GlobalCounts,
@@ -60,8 +60,10 @@ def _token_share(x: Tensor, mask: Tensor, counts: GlobalCounts) -> Tensor:
 @dataclass(frozen=True)
 class ISConfig:
     """Importance sampling against behaviour logprobs, NeMo RL's `truncated_importance_sampling_type`:
-    `kind` none (off: on-policy, same engine), truncated (`tis`: rho clamped to [low, high]) or icepop (rho
-    kept on the tokens inside [low, high], 0 on the others); gymv.algorithms.importance."""
+    `kind` none (off: on-policy, same engine), truncated (`tis`: rho clamped to [low, high]), icepop (rho
+    kept on the tokens inside [low, high], 0 on the others) or seq_mask_tis (`seq-mask-tis`: raw rho kept on
+    the sequences whose geometric-mean rho lies inside [low, high], 0 on the others);
+    gymv.algorithms.importance."""
 
     kind: str = "none"
     low: float = 0.0
@@ -90,6 +92,9 @@ def _importance(batch: dict, logp_old: Tensor, mask: Tensor, cfg: ISConfig, coun
     elif cfg.kind == "icepop":
         weights, kept = icepop_weights(logp_old, behaviour, mask, cfg.low, cfg.high)
         metrics["is_gated_fraction"] = _token_share((mask & ~kept).float(), mask, counts)
+    elif cfg.kind == "seq_mask_tis":
+        weights, kept_seq = seq_mask_tis_weights(logp_old, behaviour, mask, cfg.low, cfg.high)
+        kept = mask & kept_seq.unsqueeze(-1)
     else:
         raise ValueError(f"{who}: unknown importance sampling kind {cfg.kind!r}")
     metrics["is_weight_mean"] = _token_share(weights, mask, counts)

@@ -149,7 +149,7 @@ def _async_is(cfg: RecipeBase) -> Iterator[Finding]:
     if a and a[1].importance_sampling.kind == "none":
         yield _err("async.importance-sampling", f"{a[0]}.importance_sampling.kind",
                    f"{a[0]}.async.enabled trains on off-policy samples but importance_sampling.kind is 'none'",
-                   f"set {a[0]}.importance_sampling.kind: truncated (or icepop)")
+                   f"set {a[0]}.importance_sampling.kind: truncated (or icepop, seq_mask_tis)")
 
 
 @rule("async.separate-gpus", "async GRPO and MOPD on GPUs need generation and training on separate GPUs")

@@ -37,10 +37,14 @@ KEYS: dict[str, str] = {
     "loss_fn.ratio_clip_min": "grpo.loss.clip_low",
     "loss_fn.ratio_clip_max": "grpo.loss.clip_high",
     "loss_fn.token_level_loss": "grpo.loss.aggregation (true: token_mean, false: seq_mean_token_mean)",
-    "loss_fn.use_importance_sampling_correction": "grpo.importance_sampling.kind (truncated or icepop; false: none)",
-    "loss_fn.truncated_importance_sampling_type": "grpo.importance_sampling.kind (tis: truncated, icepop: icepop)",
-    "loss_fn.truncated_importance_sampling_ratio": "grpo.importance_sampling.truncate_max (icepop: gate_high)",
-    "loss_fn.truncated_importance_sampling_ratio_min": "grpo.importance_sampling.truncate_min (icepop: gate_low)",
+    "loss_fn.use_importance_sampling_correction":
+        "grpo.importance_sampling.kind (truncated, icepop or seq_mask_tis; false: none)",
+    "loss_fn.truncated_importance_sampling_type":
+        "grpo.importance_sampling.kind (tis: truncated, icepop: icepop, seq-mask-tis: seq_mask_tis)",
+    "loss_fn.truncated_importance_sampling_ratio":
+        "grpo.importance_sampling.truncate_max (icepop, seq-mask-tis: gate_high)",
+    "loss_fn.truncated_importance_sampling_ratio_min":
+        "grpo.importance_sampling.truncate_min (icepop, seq-mask-tis: gate_low)",
     # policy
     "policy.model_name": "model.path",
     "policy.max_total_sequence_length": "model.max_seq_len",
