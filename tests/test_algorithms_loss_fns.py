@@ -52,7 +52,7 @@ def test_gate_removes_out_of_range_tokens_from_the_loss_but_not_the_denominator(
     behaviour = torch.log(torch.tensor([[1.0, 0.5, 0.05]]))  # rho = 1 and 10
     loss, metrics = PolicyLoss(importance=ISConfig("icepop", 0.2, 5.0))(batch(logp_behaviour=behaviour), logp, None, GlobalCounts.of(MASK))
     assert loss.item() == pytest.approx(-1.0)  # one kept token of A=2, divided by 2 valid tokens
-    assert metrics["is_gated_fraction"].item() == pytest.approx(0.5)
+    assert metrics["is_oob_ratio"].item() == pytest.approx(0.5)
 
 
 def test_icepop_weighs_the_tokens_inside_the_bounds_by_rho_and_zeroes_the_rest():
@@ -109,6 +109,22 @@ def test_seq_mask_tis_drops_whole_sequences_which_stay_in_the_token_count():
     loss.backward()
     assert loss.item() == pytest.approx(-(2 * 2.0 + 2 * 0.5) / 4)  # raw rho on the kept sequence, over 4 tokens
     assert logp.grad[1].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_is_oob_ratio_of_truncated_is_the_share_of_tokens_outside_the_clamp():
+    logp = logp_of(0.1, 0.5)
+    behaviour = torch.log(torch.tensor([[1.0, 0.4, 0.4]]))  # rho = 0.25 (below 0.5) and 1.25 (inside)
+    _, metrics = PolicyLoss(importance=ISConfig("truncated", 0.5, 2.0))(batch(logp_behaviour=behaviour), logp, None, GlobalCounts.of(MASK))
+    assert metrics["is_oob_ratio"].item() == pytest.approx(1 / 2)
+
+
+def test_is_oob_ratio_of_seq_mask_tis_is_the_share_of_the_global_batchs_sequences_dropped():
+    mask = torch.tensor([[False, True, True], [False, True, True]])
+    behaviour = torch.log(torch.tensor([[1.0, 0.25, 1.0], [1.0, 0.25, 0.25]]))  # the second sequence is dropped
+    b = {"loss_mask": mask, "advantages": torch.tensor([2.0, 1.0]), "logp_behaviour": behaviour}
+    _, metrics = PolicyLoss(importance=ISConfig("seq_mask_tis", 0.999, 1.002))(
+        b, torch.log(torch.full((2, 3), 0.5)), None, GlobalCounts(tokens=8.0, sequences=4.0))
+    assert metrics["is_oob_ratio"].item() == pytest.approx(1 / 4)  # this micro-batch's share of 4 sequences
 
 
 def test_the_recipes_seq_mask_tis_bounds_reach_the_loss():

@@ -235,6 +235,10 @@ def test_the_registry_holds_the_documented_metric_names():
     assert documented - KNOWN_METRICS == set()
 
 
+def test_nemo_rls_importance_sampling_metric_is_known():
+    assert is_known_metric("train/is_oob_ratio")
+
+
 def test_every_bin_of_the_staleness_histogram_is_known():
     assert is_known_metric("async/age_0_fraction") and is_known_metric("async/age_12_fraction")
     assert not is_known_metric("async/age_x_fraction")

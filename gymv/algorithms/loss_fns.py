@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from gymv.algorithms.advantages import mopd_advantages
-from gymv.algorithms.importance import icepop_weights, seq_mask_tis_weights, truncated_is_weights
+from gymv.algorithms.importance import behaviour_ratio, icepop_weights, seq_mask_tis_weights, truncated_is_weights
 from gymv.algorithms.losses import (
     Aggregation,
     GlobalCounts,
@@ -87,14 +87,20 @@ def _importance(batch: dict, logp_old: Tensor, mask: Tensor, cfg: ISConfig, coun
     metrics["token_mult_prob_error"] = _token_share(err, mask, counts)
     if not cfg.enabled:
         return None, mask, metrics
+    # is_oob_ratio (NeMo RL's name): the share of generated tokens (seq_mask_tis: of sequences) whose rho
+    # (geometric-mean rho) lies outside [low, high]
     if cfg.kind == "truncated":
         weights, kept = truncated_is_weights(logp_old, behaviour, mask, cfg.high, cfg.low), mask
+        rho = behaviour_ratio(logp_old, behaviour, mask)
+        metrics["is_oob_ratio"] = _token_share(((rho < cfg.low) | (rho > cfg.high)).float(), mask, counts)
     elif cfg.kind == "icepop":
         weights, kept = icepop_weights(logp_old, behaviour, mask, cfg.low, cfg.high)
-        metrics["is_gated_fraction"] = _token_share((mask & ~kept).float(), mask, counts)
+        metrics["is_oob_ratio"] = _token_share((mask & ~kept).float(), mask, counts)
     elif cfg.kind == "seq_mask_tis":
         weights, kept_seq = seq_mask_tis_weights(logp_old, behaviour, mask, cfg.low, cfg.high)
         kept = mask & kept_seq.unsqueeze(-1)
+        dropped = (mask.any(dim=-1) & ~kept_seq).sum()
+        metrics["is_oob_ratio"] = dropped.float() / max(counts.sequences, 1.0)
     else:
         raise ValueError(f"{who}: unknown importance sampling kind {cfg.kind!r}")
     metrics["is_weight_mean"] = _token_share(weights, mask, counts)

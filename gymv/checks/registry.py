@@ -20,7 +20,7 @@ KNOWN_METRICS: frozenset[str] = frozenset(
     [f"train/{n}" for n in (
         "loss", "grad_norm", "lr", "num_tokens", "num_sequences", "num_micro_batches", "num_input_tokens",
         "pg_loss", "clip_fraction", "kl_ref", "token_mult_prob_error", "is_weight_mean", "is_weight_max",
-        "is_gated_fraction", "entropy", "nll", "teacher_advantage", "teacher_advantage_min", "teacher_advantage_max",
+        "is_oob_ratio", "entropy", "nll", "teacher_advantage", "teacher_advantage_min", "teacher_advantage_max",
         "kl_teacher", "env_pg_loss", "topk_kl", "num_teacher_batches")]
     # a mixture-of-experts router's health (gymv.backends.moe_router)
     + [f"train/{n}" for n in ("moe_aux_loss", "moe_load_max", "moe_bias_absmax")]
