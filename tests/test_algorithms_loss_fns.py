@@ -148,6 +148,17 @@ def test_behaviour_logprobs_yield_token_mult_prob_error_even_without_is():
     assert metrics["token_mult_prob_error"].item() == pytest.approx(1.5)
 
 
+def test_the_losses_log_each_sequences_logprob_error_as_a_share_and_its_extremes():
+    mask = torch.tensor([[False, True, True], [False, True, True]])
+    logp = torch.log(torch.full((2, 3), 0.5))
+    behaviour = torch.log(torch.tensor([[1.0, 0.25, 0.5], [1.0, 0.5, 0.5]]))  # |gaps| log 2 and 0; 0 and 0
+    b = {"loss_mask": mask, "advantages": torch.tensor([1.0, 1.0]), "logp_behaviour": behaviour}
+    _, m = PolicyLoss()(b, logp, None, GlobalCounts(tokens=8.0, sequences=4.0))
+    # e_s = (2 + 1) / 2 = 1.5 and 1; the mean is this micro-batch's share of 4 sequences
+    assert m["seq_mult_prob_error_mean"].item() == pytest.approx((1.5 + 1.0) / 4)
+    assert (m["seq_mult_prob_error_max"].item(), m["seq_mult_prob_error_min"].item()) == pytest.approx((1.5, 1.0))
+
+
 def test_is_without_behaviour_logprobs_is_an_error():
     with pytest.raises(RuntimeError, match="logp_behaviour"):
         PolicyLoss(importance=ISConfig("truncated", 0.0, 2.0))(batch(), logp_of(0.5, 0.5), None, GlobalCounts.of(MASK))

@@ -8,7 +8,13 @@ import math
 import pytest
 import torch
 
-from gymv.algorithms.seq_error import drop_masked_samples, seq_error_metrics, sequence_mult_prob_error
+from gymv.algorithms.seq_error import (
+    batch_errors,
+    drop_masked_samples,
+    seq_error_metrics,
+    sequence_mult_prob_error,
+    unmasked_metrics,
+)
 from gymv.errors import GymvError
 
 
@@ -22,6 +28,29 @@ def test_the_sequence_error_is_the_mean_of_exp_abs_gap_over_the_generated_tokens
 
 def test_a_sequence_without_generated_tokens_has_no_error():
     assert sequence_mult_prob_error(torch.zeros(3), torch.ones(3), torch.zeros(3, dtype=torch.bool)) is None
+
+
+def test_a_micro_batchs_errors_are_each_sequences_error_and_whether_it_has_generated_tokens():
+    behaviour = torch.tensor([[-9.0, -1.0, -2.0], [0.0, 0.0, 0.0]])
+    old = torch.tensor([[0.0, -1.5, -1.0], [5.0, 5.0, 5.0]])
+    errors, has = batch_errors(behaviour, old, torch.tensor([[False, True, True], [False, False, False]]))
+    assert errors.tolist() == pytest.approx([(math.exp(0.5) + math.e) / 2, 1.0])
+    assert has.tolist() == [True, False]
+
+
+def test_without_a_threshold_the_losses_statistics_become_nemo_rls_eight_figures():
+    m = unmasked_metrics({"seq_mult_prob_error_max": 2.5, "seq_mult_prob_error_mean": 1.75,
+                          "seq_mult_prob_error_min": 1.0})
+    assert m == {"train/max_seq_mult_prob_error": 2.5, "train/mean_seq_mult_prob_error": 1.75,
+                 "train/min_seq_mult_prob_error": 1.0, "train/max_seq_mult_prob_error_after_mask": 2.5,
+                 "train/mean_seq_mult_prob_error_after_mask": 1.75, "train/min_seq_mult_prob_error_after_mask": 1.0,
+                 "train/num_masked_seqs_by_logprob_error": 0.0, "train/masked_correct_pct": 0.0}
+
+
+def test_without_a_sequence_to_take_them_over_the_extremes_are_0():
+    m = unmasked_metrics({"seq_mult_prob_error_max": -math.inf, "seq_mult_prob_error_mean": 0.0,
+                          "seq_mult_prob_error_min": math.inf})
+    assert (m["train/max_seq_mult_prob_error"], m["train/min_seq_mult_prob_error"]) == (0.0, 0.0)
 
 
 def test_the_eight_figures_of_a_batch_with_one_sequence_over_the_threshold():

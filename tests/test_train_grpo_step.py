@@ -11,7 +11,10 @@ import torch
 from gymv.algorithms.loss_fns import PolicyLoss
 from gymv.backends.logprobs import right_pad, sequence_logprobs
 from gymv.cluster.workers import SEQ_ERRORS_KEY, TrainingWorker, WorkerSpec
+from gymv.config import load_recipe
 from gymv.config.schema import EnvSection, TrainingSection
+from gymv.train.stats import policy_update
+from conftest import REPO
 from tiny_models import chat_ids, noise, tiny_path
 
 
@@ -80,6 +83,25 @@ def test_a_two_minibatch_step_scores_every_sample_under_the_old_weights_before_t
     for s, b in zip(samples, before):
         m = s["loss_mask"]
         assert torch.allclose(s["logp_old"][m], b["logp_behaviour"][m], atol=1e-5)
+
+
+def test_without_a_threshold_nemo_rls_sequence_errors_come_from_the_training_forward_with_no_extra_pass():
+    w = worker(micro_batch_tokens=160)
+    samples = samples_for(w)
+    for i, s in enumerate(samples):  # every generated token of sample i is 0.1 i off: e_s = exp(0.1 i)
+        s["logp_behaviour"] = torch.where(s["loss_mask"], s["logp_behaviour"] + 0.1 * i, s["logp_behaviour"])
+    cfg = load_recipe(REPO / "recipes" / "vlm_grpo.yaml", ["grpo.prompts_per_step=1", "grpo.generations_per_prompt=4",
+                                                           "training.global_batch_size=4"]).validated
+    calls = count_passes(w.backend.model)
+    m = policy_update(w, cfg, samples, [1.0, 0.0, 1.0, 0.0], PolicyLoss(), None)
+    assert len(calls) == m["train/num_micro_batches"] >= 2  # the training forward alone
+    errors = [math.exp(0.1 * i) for i in range(4)]
+    for suffix in ("", "_after_mask"):
+        assert m[f"train/max_seq_mult_prob_error{suffix}"] == pytest.approx(max(errors), rel=1e-4)
+        assert m[f"train/mean_seq_mult_prob_error{suffix}"] == pytest.approx(sum(errors) / 4, rel=1e-4)
+        assert m[f"train/min_seq_mult_prob_error{suffix}"] == pytest.approx(1.0, rel=1e-4)
+    assert (m["train/num_masked_seqs_by_logprob_error"], m["train/masked_correct_pct"]) == (0.0, 0.0)
+    assert not any(k.startswith("train/seq_mult_prob_error") for k in m)
 
 
 def test_the_training_worker_plans_micro_batches_that_keep_a_groups_samples_together():

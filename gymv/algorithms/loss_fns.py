@@ -36,6 +36,7 @@ from gymv.algorithms.losses import (
 )
 from gymv.algorithms.masked import as_bool, masked_extreme, masked_fill_zero, masked_max
 from gymv.algorithms.registry import KL_ESTIMATORS, LOSS_AGGREGATIONS
+from gymv.algorithms.seq_error import LOSS_STATS, batch_errors
 
 Metrics = dict[str, Tensor]
 
@@ -74,6 +75,15 @@ class ISConfig:
         return self.kind != "none"
 
 
+def _sequence_error_stats(behaviour: Tensor, logp_old: Tensor, mask: Tensor, counts: GlobalCounts) -> Metrics:
+    """The sequence-level logprob error e_s (gymv.algorithms.seq_error) of this micro-batch's sequences: their
+    mean as a share of the global batch's sequences, their max and min (LOSS_STATS)."""
+    errors, has = batch_errors(behaviour, logp_old, mask)
+    mean_key, max_key, min_key = LOSS_STATS
+    return {mean_key: masked_fill_zero(errors, has).sum() / max(counts.sequences, 1.0),
+            max_key: masked_extreme(errors, has, largest=True), min_key: masked_extreme(errors, has, largest=False)}
+
+
 def _importance(batch: dict, logp_old: Tensor, mask: Tensor, cfg: ISConfig, counts: GlobalCounts, who: str):
     """(weights, the tokens they keep, metrics); weights is None when IS is off. A token outside `kept` has
     weight 0: it leaves the loss but not the mask, so every denominator stays what it was without IS."""
@@ -85,6 +95,7 @@ def _importance(batch: dict, logp_old: Tensor, mask: Tensor, cfg: ISConfig, coun
     behaviour = batch["logp_behaviour"]
     err = torch.exp(masked_fill_zero((behaviour - logp_old).detach().abs(), mask))
     metrics["token_mult_prob_error"] = _token_share(err, mask, counts)
+    metrics.update(_sequence_error_stats(behaviour, logp_old, mask, counts))
     if not cfg.enabled:
         return None, mask, metrics
     # is_oob_ratio (NeMo RL's name): the share of generated tokens (seq_mask_tis: of sequences) whose rho

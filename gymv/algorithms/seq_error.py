@@ -1,4 +1,5 @@
-"""Sequence-level logprob-error masking (`seq_logprob_error_threshold`, with NeMo RL's semantics and metric names).
+"""Sequence-level logprob error: NeMo RL's figures on every step and its masking (`seq_logprob_error_threshold`),
+with NeMo RL's semantics and metric names.
 
 `token_mult_prob_error` says how far generator and trainer disagree on average over a batch; one sequence
 they disagree on badly (a kernel bug on one length, a stale expert) is lost in that mean but gives its tokens
@@ -10,6 +11,11 @@ generated tokens,
 and a sequence with e_s > threshold is masked: it contributes nothing to the loss nor to the token and
 sequence counts the loss is normalised by. Its reward still entered its group's baseline (advantages come
 first), as in NeMo RL.
+
+Without a threshold the figures cost no logprob pass: the losses take e_s from the behaviour logprobs and the
+trainer's pre-update logprobs they already hold (`batch_errors`, logged per micro-batch as LOSS_STATS and
+turned into NeMo RL's names by `unmasked_metrics`). With one, the training worker scores the old policy
+before the step (it must know e_s before training) and the driver computes them from every sample's e_s.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ METRIC_NAMES: tuple[str, ...] = (
     "max_seq_mult_prob_error_after_mask", "mean_seq_mult_prob_error_after_mask",
     "min_seq_mult_prob_error_after_mask", "num_masked_seqs_by_logprob_error", "masked_correct_pct")
 
+# what the losses log per micro-batch: the mean as this micro-batch's share of the global batch's sequences,
+# the extremes under the trainer's `_max` / `_min` reductions (NeMo RL's names carry them as prefixes)
+LOSS_STATS: tuple[str, ...] = ("seq_mult_prob_error_mean", "seq_mult_prob_error_max", "seq_mult_prob_error_min")
+
 
 def _terms(logp_behaviour: Tensor, logp_old: Tensor, mask: Tensor) -> Tensor:
     """[sum over the generated tokens of exp(|gap|), their number], on the sequence's device."""
@@ -37,6 +47,36 @@ def _terms(logp_behaviour: Tensor, logp_old: Tensor, mask: Tensor) -> Tensor:
     m = as_bool(mask)
     gap = masked_fill_zero((logp_behaviour.detach().double() - logp_old.detach().double()).abs(), m)
     return torch.stack([masked_fill_zero(gap.exp(), m).sum(), m.sum().double()])
+
+
+def batch_errors(logp_behaviour: Tensor, logp_old: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """([B] e_s, [B] bool: the sequence has a generated token) of a [B, T] micro-batch, on its device and
+    without a host read; e_s is 1 where the sequence has no generated token."""
+    import torch
+
+    from gymv.algorithms.masked import as_bool, masked_fill_zero
+
+    m = as_bool(mask)
+    gap = masked_fill_zero((logp_behaviour.detach().double() - logp_old.detach().double()).abs(), m)
+    n = m.sum(dim=-1)
+    errors = masked_fill_zero(gap.exp(), m).sum(dim=-1) / n.clamp(min=1).double()
+    has = n > 0
+    return torch.where(has, errors, torch.ones_like(errors)), has
+
+
+def unmasked_metrics(stats: dict[str, float], prefix: str = "train/") -> dict[str, float]:
+    """NeMo RL's eight figures of a step no threshold masked, from the losses' LOSS_STATS (reduced over the
+    step): the `_after_mask` figures equal the others, nothing is masked, and a statistic with no sequence to
+    take it over (the extremes' neutral +-inf) is 0."""
+    import math
+
+    def finite(v: float) -> float:
+        return float(v) if math.isfinite(v) else 0.0
+
+    values = {stat: finite(stats[f"seq_mult_prob_error_{stat}"]) for stat in ("max", "mean", "min")}
+    out = {f"{stat}_seq_mult_prob_error{suffix}": v for stat, v in values.items() for suffix in ("", "_after_mask")}
+    out.update(num_masked_seqs_by_logprob_error=0.0, masked_correct_pct=0.0)
+    return {f"{prefix}{k}": out[k] for k in METRIC_NAMES}
 
 
 def _error(num: float, n: float) -> float | None:

@@ -40,7 +40,7 @@ PLOTS: tuple[PlotSpec, ...] = (
     PlotSpec("entropy", "Entropy of the sampling distribution", ("train/entropy",), "nats / token"),
     PlotSpec("token_mult_prob_error", "token_mult_prob_error (generation vs training logprobs)",
              ("train/token_mult_prob_error",), "mean exp(|Δlogp|)", reference=1.1),
-    PlotSpec("seq_mult_prob_error", "Sequence-level logprob error (seq_logprob_error_threshold)",
+    PlotSpec("seq_mult_prob_error", "Sequence-level logprob error (max, mean, min over sequences)",
              ("train/max_seq_mult_prob_error", "train/mean_seq_mult_prob_error", "train/min_seq_mult_prob_error",
               "train/max_seq_mult_prob_error_after_mask"), "mean exp(|Δlogp|) per sequence"),
     PlotSpec("masked_seqs", "Sequences masked for logprob error", ("train/num_masked_seqs_by_logprob_error",),

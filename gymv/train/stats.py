@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gymv.algorithms.seq_error import seq_error_metrics
+from gymv.algorithms.seq_error import LOSS_STATS, seq_error_metrics, unmasked_metrics
 from gymv.backends.training.samples import training_sample
 # torch (advantages) and the workers load on first use: gymv.train's pre-flight imports this module first
 
@@ -114,13 +114,17 @@ class TrainBatch:
 def policy_update(cluster, cfg, samples: list, rewards: Sequence[float], loss_fn,
                   seq_error_threshold: float | None) -> dict[str, float]:
     """The optimizer step(s) of one algorithm step on `samples` (their episodes' `rewards` beside them), and
-    with a `seq_logprob_error_threshold` the sequence-level logprob-error figures (gymv.algorithms.seq_error)."""
+    NeMo RL's sequence-level logprob-error figures (gymv.algorithms.seq_error): from the losses' statistics,
+    or with a `seq_logprob_error_threshold` from every sample's error, scored before the step."""
     from gymv.cluster.workers import SEQ_ERRORS_KEY
 
     metrics = cluster.grpo_step(minibatches(samples, cfg.training.global_batch_size, cfg.samples_per_step), loss_fn,
                                 seq_error_threshold=seq_error_threshold)
+    stats = {k: metrics.pop(f"train/{k}") for k in LOSS_STATS if f"train/{k}" in metrics}
     if seq_error_threshold is not None:
         metrics.update(seq_error_metrics(metrics.pop(SEQ_ERRORS_KEY), rewards, seq_error_threshold))
+    elif len(stats) == len(LOSS_STATS):  # the samples carried behaviour logprobs
+        metrics.update(unmasked_metrics(stats))
     return metrics
 
 
