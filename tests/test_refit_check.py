@@ -74,6 +74,16 @@ def test_digests_are_taken_in_the_dtype_sent_and_leave_integer_tensors_alone():
     assert weight_digests({"w": upcast}, torch.bfloat16)["w"] == d["w"]
 
 
+def test_a_gathering_trainers_first_refit_keeps_integer_buffers_in_their_own_dtype():
+    from gymv.cluster.workers import held_for_first_refit
+
+    trainer = {"w": torch.randn(4, 4), "vision_model.summary_idxs": torch.arange(3)}
+    held = held_for_first_refit(trainer.items(), torch.bfloat16)
+    assert held["w"].dtype == torch.bfloat16 and held["vision_model.summary_idxs"].dtype == torch.int64
+    engine = {"w": trainer["w"].bfloat16(), "vision_model.summary_idxs": torch.arange(3)}  # as it loads them
+    assert digest_mismatch(weight_digests(held, torch.bfloat16), weight_digests(engine, torch.bfloat16)) is None
+
+
 def test_a_digest_mismatch_names_the_tensors_that_differ_and_those_not_held():
     sent = {n: tensor_digest(torch.full((2, 2), float(i))) for i, n in enumerate("abcdef")}
     held = {**sent, "b": tensor_digest(torch.zeros(2, 2) - 1), "c": tensor_digest(torch.zeros(4))}

@@ -283,6 +283,13 @@ class _Locked:
 # ---------------------------------------------------------------------------------------------- training
 
 
+def held_for_first_refit(weights, dtype) -> dict:
+    """A gathering trainer's weights held for its first refit: floating tensors in the generation dtype, the
+    others (integer buffers such as RADIO's `summary_idxs`) as they are, which is how an ungathered trainer
+    streams them and how the engine holds them, so a digest check compares like with like."""
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights}
+
+
 def _digesting(weights, dtype, digests):
     """The (name, tensor) pairs of `weights`, each one's digest in `dtype` added to `digests` as it passes."""
     pairs = weights.items() if isinstance(weights, dict) else weights
@@ -446,8 +453,7 @@ class TrainingWorker:
         sender's buffer and is dropped; the first refit holds them, cast to the generation dtype."""
         if not self.backend.gathers_weights or self.sender.layout is not None:
             return self.backend.named_weights()
-        dtype = self._generation_dtype()
-        return {k: v.to(dtype) for k, v in self.backend.named_weights()}
+        return held_for_first_refit(self.backend.named_weights(), self._generation_dtype())
 
     def publish(self, check: CheckRequest | None = None):
         """Send this refit; with `check`, also this side of its check (`refit_check` hands it out): the
