@@ -392,7 +392,7 @@ def _record_turn(e: Episode, out, cap: int, turn: int, *, adapter, tokenizer, fm
     cut = len(out.token_ids) > cap  # sampled past this episode's own budget: keep the prefix that fits
     finish = "length" if cut else out.finish_reason
     text = tokenizer.decode(tokens, skip_special_tokens=True) if cut else out.text
-    said = parse_turn(text, _call_prefix(e, turn), fmt)
+    said = parse_turn(text, _call_prefix(e, turn), fmt, e.tools)
     return _Turn(said, _append_model_call(e, tokens, logprobs, turn, adapter=adapter, finish=finish,
                                           stop_reason=out.stop_reason), finish, tokens)
 
@@ -525,7 +525,7 @@ def build_sft_sample(env: Environment, row: dict, adapter, tokenizer, chat_templ
     golds = env.gold_turns(row)
     for turn, gold in enumerate(golds):
         ids = adapter.encode_text(renderer.assistant(conversation, ep.tools, gold), [], where=ep.at(turn))
-        said = parse_turn(tokenizer.decode(ids, skip_special_tokens=True), _call_prefix(ep, turn), fmt)
+        said = parse_turn(tokenizer.decode(ids, skip_special_tokens=True), _call_prefix(ep, turn), fmt, ep.tools)
         call = _append_model_call(ep, ids, [0.0] * len(ids), turn, adapter=adapter, finish="stop", stop_reason=None)
         result = _step_env(ep, _Turn(said, call, "stop", ids), turn)
         if result is None:

@@ -102,7 +102,8 @@ class PolicyServer:
         items = [{"role": "user", "content": body["input"]}] if isinstance(body["input"], str) else body["input"]
         where = f"model request {new_id('req')}"
         with self._rebuild_lock:  # the image cache is shared
-            seq = self.rebuilder.request_prompt(list(items), chat_tools(body.get("tools")), where=where)
+            tools = chat_tools(body.get("tools"))
+            seq = self.rebuilder.request_prompt(list(items), tools, where=where)
         room = self.max_seq_len - len(seq.ids)
         if room < 1:
             raise GymvError(f"the conversation has {len(seq.ids)} tokens, leaving no room within max_seq_len "
@@ -112,7 +113,7 @@ class PolicyServer:
         job = _Job(GenerationRequest(seq.ids, list(seq.images), where=where), params, Future())
         self._queue.put(job)
         out = job.done.result()
-        turn = parse_turn(out.text, f"call_{new_id('c')[2:14]}", self.tool_call_format)
+        turn = parse_turn(out.text, f"call_{new_id('c')[2:14]}", self.tool_call_format, tools)
         items_out = turn.to_items()
         last = items_out[-1]
         last.update(prompt_token_ids=list(seq.ids), generation_token_ids=list(out.token_ids),

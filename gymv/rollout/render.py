@@ -16,6 +16,7 @@ from typing import Any
 
 from gymv.envs.protocol import Image, Message, ModelTurn, Part, Text, ToolResult
 from gymv.errors import GymvError
+from gymv.rollout.parse import parse_turn
 from gymv.rollout.tool_formats import get_tool_call_format
 
 _SENTINEL = "@@gymv-assistant-turn@@"
@@ -98,6 +99,7 @@ class ChatRenderer:
                             f"(it writes {tail!r} after the content)",
                             fix="use a chat template whose assistant turns end with the tokenizer's eos_token")
         self.glue = tail[len(eos):]
+        self._declared: dict[str, bool] = {}  # tools (JSON) -> whether the template declares them in the format
 
     def render(self, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = False) -> str:
         try:
@@ -110,10 +112,35 @@ class ChatRenderer:
             raise GymvError(f"the chat template failed to render: {type(e).__name__}: {e}",
                             fix="check the messages' roles and content types against the model's template") from None
 
+    def declare(self, dicts: list[dict], tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
+        """(messages, tools) to render. Where the tool-call format writes declarations of its own and the
+        chat template declares the tools in another form (the tiny models' templates write Hermes
+        declarations), the format's declarations end the system message (one is added when the prompt has
+        none) and the template gets no tools; otherwise they pass unchanged."""
+        if not tools:
+            return dicts, tools
+        block = self.tool_call_format.write_tools(tools)
+        if block is None:
+            return dicts, tools
+        key = json.dumps(tools, sort_keys=True, default=str)
+        if key not in self._declared:
+            self._declared[key] = self.tool_call_format.declares(self.render(_STAND_IN[:1], tools=tools), tools)
+        if self._declared[key]:
+            return dicts, tools
+        if dicts and dicts[0].get("role") == "system":
+            content = dicts[0].get("content")
+            if isinstance(content, list):
+                content = content + [{"type": "text", "text": "\n\n" + block}]
+            else:
+                content = f"{content}\n\n{block}" if content else block
+            return [{**dicts[0], "content": content}] + list(dicts[1:]), None
+        return [{"role": "system", "content": block}] + list(dicts), None
+
     def prompt(self, messages: list[Message], tools: list[dict] | None) -> tuple[str, list[Image]]:
         """The first turn: every message of the prompt, the tool schemas, and the generation prompt."""
         dicts, images = zip(*(message_dict(m) for m in messages)) if messages else ((), ())
-        return (self.render(list(dicts), tools=tools, add_generation_prompt=True),
+        dicts, tools = self.declare(list(dicts), tools)
+        return (self.render(dicts, tools=tools, add_generation_prompt=True),
                 [im for ims in images for im in ims])
 
     def addition(self, added: list[tuple[dict, list[Image]]], *, turn_closed: bool) -> tuple[str, list[Image]]:
@@ -134,24 +161,24 @@ class ChatRenderer:
         The template renders the turn's tool calls where it writes them in the recipe's tool-call format (the
         text parses back to the same calls); where it writes another form, or none, the calls are written
         into the content in that format, so that what SFT teaches is what the rollout parser reads."""
-        dicts = list(conversation)
-        prompt = self.render(dicts, tools=tools, add_generation_prompt=True)
-        text = self._assistant_text(dicts, tools, prompt, assistant_dict(turn))
-        if turn.tool_calls and not self._same_calls(text, turn):
-            text = self._assistant_text(dicts, tools, prompt, self._calls_in_content(turn))
+        dicts, schemas = self.declare(list(conversation), tools)
+        prompt = self.render(dicts, tools=schemas, add_generation_prompt=True)
+        text = self._assistant_text(dicts, schemas, prompt, assistant_dict(turn))
+        if turn.tool_calls and not self._same_calls(text, turn, tools):
+            text = self._assistant_text(dicts, schemas, prompt, self._calls_in_content(turn))
         return text
 
-    def _same_calls(self, text: str, turn: ModelTurn) -> bool:
+    def _same_calls(self, text: str, turn: ModelTurn, tools: list[dict] | None) -> bool:
         """The rendered turn reads back, in the recipe's format, as the same calls and the same visible text."""
         body = text[:-len(self.turn_end)] if text.endswith(self.turn_end) else text
-        got = self.tool_call_format.parse(body)
+        got = parse_turn(body, "call", self.tool_call_format, tools)
         return ([(c.name, _args(c.arguments)) for c in got.tool_calls]
                 == [(c.name, _args(c.arguments)) for c in turn.tool_calls] and got.text.strip() == turn.text.strip())
 
     def _calls_in_content(self, turn: ModelTurn) -> dict:
         content = assistant_dict(ModelTurn(text=turn.text, reasoning=turn.reasoning))["content"]
-        calls = self.tool_call_format.write_calls([(c.name, _args(c.arguments)) for c in turn.tool_calls])
-        return {"role": "assistant", "content": content + calls}
+        calls = [(c.name, _args(c.arguments)) for c in turn.tool_calls]
+        return {"role": "assistant", "content": self.tool_call_format.write_turn(content, calls)}
 
     def _assistant_text(self, dicts: list[dict], tools, prompt: str, message: dict) -> str:
         full = self.render(dicts + [message], tools=tools)
