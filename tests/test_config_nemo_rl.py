@@ -82,6 +82,15 @@ def test_nemo_rls_seq_mask_tis_type_is_named_as_gymvs_kind(tmp_path):
     assert "gymv's is `grpo.importance_sampling.kind`" in got and "seq-mask-tis: seq_mask_tis" in got
 
 
+def test_nemo_rls_overlong_filtering_is_gymvs_key_of_the_same_name_in_grpo_and_mopd(tmp_path):
+    grpo = tmp_path / "grpo.yaml"
+    grpo.write_text(f"defaults: {REPO / 'recipes' / 'grpo.yaml'}\ngrpo:\n  overlong_filtering: true\n")
+    assert load_recipe(grpo).validated.grpo.overlong_filtering is True
+    mopd = tmp_path / "mopd.yaml"
+    mopd.write_text(f"defaults: {REPO / 'recipes' / 'mopd.yaml'}\ngrpo:\n  overlong_filtering: true\n")
+    assert "gymv's is `mopd.overlong_filtering`" in fixes(mopd)["grpo.overlong_filtering"][1]
+
+
 def test_loading_refuses_the_first_nemo_rl_key_with_gymvs_name(tmp_path):
     recipe = tmp_path / "ported.yaml"
     recipe.write_text(GRPO)

@@ -104,6 +104,17 @@ def test_without_a_threshold_nemo_rls_sequence_errors_come_from_the_training_for
     assert not any(k.startswith("train/seq_mult_prob_error") for k in m)
 
 
+def test_a_step_left_without_samples_trains_on_nothing_and_logs_its_sequence_errors_as_0():
+    """Every episode filtered (grpo.overlong_filtering): NeMo RL logs 0 where no sequence is left."""
+    w = worker()
+    before = {k: v.clone() for k, v in w.weights().items()}
+    cfg = load_recipe(REPO / "recipes" / "vlm_grpo.yaml", ["grpo.prompts_per_step=1", "grpo.generations_per_prompt=4",
+                                                           "training.global_batch_size=4"]).validated
+    m = policy_update(w, cfg, [], [], PolicyLoss(), None)
+    assert m["train/num_sequences"] == 0.0 and m["train/max_seq_mult_prob_error"] == 0.0
+    assert all(torch.equal(before[k], v) for k, v in w.weights().items())
+
+
 def test_the_training_worker_plans_micro_batches_that_keep_a_groups_samples_together():
     w = worker(micro_batch_tokens=160)  # room for one prompt and its completions, not two prompts
     samples = samples_for(w)  # samples 0 and 1 share a prompt and image, as do 2 and 3

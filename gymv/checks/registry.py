@@ -27,7 +27,7 @@ KNOWN_METRICS: frozenset[str] = frozenset(
     # rollout statistics of the training batch, GRPO advantages, async
     + [f"train/{n}" for n in _TRAIN_ROLLOUT]
     + [f"train/{n}" for n in ("advantage_mean", "advantage_std", "advantage_min", "advantage_max",
-                              "zero_std_group_fraction")]
+                              "zero_std_group_fraction", "num_overlong_filtered")]
     # sequence-level logprob error (`seq_logprob_error_threshold`, NeMo RL's names)
     + [f"train/{n}" for n in SEQ_ERROR_METRICS]
     + [f"async/{n}" for n in (

@@ -28,6 +28,7 @@ KEYS: dict[str, str] = {
     "grpo.val_period": "grpo.val_period",  # the same name: listed for MOPD recipes, where it is mopd.val_period
     "grpo.val_at_start": "grpo.val_at_start",
     "grpo.seq_logprob_error_threshold": "grpo.seq_logprob_error_threshold",
+    "grpo.overlong_filtering": "grpo.overlong_filtering",
     "grpo.async_grpo.enabled": "grpo.async.enabled (or `gymv train --async`)",
     "grpo.async_grpo.max_trajectory_age_steps": "grpo.async.max_trajectory_age_steps",
     "grpo.async_grpo.in_flight_weight_updates": "grpo.async.in_flight_weight_updates",
@@ -74,6 +75,9 @@ KEYS: dict[str, str] = {
     "policy.generation.vllm_cfg.reset_encoder_cache_after_weight_update":
         "generation.reset_encoder_cache_after_weight_update",
     "policy.generation.colocated.enabled": "cluster.colocated",
+    "policy.generation.vllm_kwargs": "generation.vllm.engine_kwargs (the same mapping; gymv refuses the arguments it sets)",
+    "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.tool_parser":
+        "rollout.tool_call_format (hermes and qwen3_coder by the same names, llama3_json: llama3)",
     # checkpointing, logger
     "checkpointing.checkpoint_dir": "checkpoint.dir",
     "checkpointing.save_period": "checkpoint.period",
@@ -123,11 +127,17 @@ def _in_section(hint: str, section: str) -> str:
     return f"`{name}`" + (f" {note}" if note else "")
 
 
+def _known(leaf: tuple) -> tuple:
+    """The NeMo RL key of the table that `leaf` is, or is an entry of (a mapping-valued key: vllm_kwargs); else
+    `leaf` itself."""
+    return next((leaf[:i] for i in range(len(leaf), 0, -1) if ".".join(leaf[:i]) in KEYS), leaf)
+
+
 def nemo_rl_names(path: tuple, value: Any, section: str = "grpo") -> list[tuple[tuple, str]]:
     """(path, fix) for each NeMo RL key at or under an unknown key `path` of a recipe of algorithm family
     `section`: its gymv name; for a NeMo RL section, also where gymv keeps its settings."""
     out = []
-    for leaf in _leaves(path, value):
+    for leaf in dict.fromkeys(_known(leaf) for leaf in _leaves(path, value)):
         nemo = ".".join(leaf)
         # a key gymv spells the same way is unknown for another reason (a section of another algorithm):
         # "gymv's name is the same name" would be no help
@@ -143,6 +153,7 @@ def nemo_rl_names(path: tuple, value: Any, section: str = "grpo") -> list[tuple[
 
 def override_hint(key: str, algorithm: str | None) -> str | None:
     """The fix for a command-line override of NeMo RL's key `key`, or None when it is not one."""
+    key = ".".join(_known(tuple(key.split("."))))
     if key not in KEYS:
         return None
     names = nemo_rl_names(tuple(key.split(".")), None, base_algorithm(str(algorithm or "grpo")))

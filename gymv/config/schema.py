@@ -105,6 +105,9 @@ class VllmSection(Section):
     gpu_memory_utilization: Fraction = 0.6
     tensor_parallel_size: PosInt = 1
     enforce_eager: bool = False
+    # more arguments of vLLM's engine (vllm.LLM), as they are (NeMo RL's policy.generation.vllm_kwargs); those gymv
+    # sets itself are refused (rule vllm.engine-kwargs)
+    engine_kwargs: dict[str, Any] = {}
 
 
 def _known_backend(key: str, name: str) -> str:
@@ -373,6 +376,7 @@ class GrpoSection(Section):
     async_: AsyncSection = Field(AsyncSection(), alias="async")
     importance_sampling: ImportanceSampling = ImportanceSampling()
     seq_logprob_error_threshold: SeqErrorThreshold = None
+    overlong_filtering: bool = False  # NeMo RL's key: episodes a token budget cut leave the loss
     logprob_error_guard: LogprobErrorGuard = LogprobErrorGuard()
 
 
@@ -394,6 +398,7 @@ class TeacherSection(Section):
     expert_parallel_size: PosInt = 1
     placement: Literal["colocated", "separate"] = "colocated"
     gpus: NonNegInt | None = None
+    engine_kwargs: dict[str, Any] = {}  # vllm: more arguments of its engine, as generation.vllm.engine_kwargs
 
     @field_validator("backend")
     @classmethod
@@ -419,6 +424,7 @@ class MopdSection(Section):
     async_: AsyncSection = Field(AsyncSection(), alias="async")
     importance_sampling: ImportanceSampling = ImportanceSampling()
     seq_logprob_error_threshold: SeqErrorThreshold = None
+    overlong_filtering: bool = False  # NeMo RL's key: episodes a token budget cut leave the loss
     logprob_error_guard: LogprobErrorGuard = LogprobErrorGuard()
 
 

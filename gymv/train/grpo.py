@@ -24,16 +24,20 @@ from gymv.rollout import to_rollout_record
 from gymv.train.failures import FailureGuard
 from gymv.train.loop import TrainingLoop, rollout_throughput
 from gymv.train.setup import RunContext, rollout_kwargs, sampling_params, step_seed, worker_spec
-from gymv.train.stats import TrainBatch, group_advantages, is_usable, policy_samples, policy_update, rollout_metrics
+from gymv.train.stats import TrainBatch, group_advantages, policy_samples, policy_update, rollout_metrics, trained
 
 
-def grpo_batch(grpo) -> Callable[[list], TrainBatch]:
-    """GRPO's samples of a step's trajectories (the G of each prompt contiguous): group advantages."""
+def grpo_batch(grpo, max_seq_len: int) -> Callable[[list], TrainBatch]:
+    """GRPO's samples of a step's trajectories (the G of each prompt contiguous): group advantages over all of
+    them, samples of those that train (`grpo.overlong_filtering` leaves the overlong ones out)."""
 
     def make(trajectories: list) -> TrainBatch:
         advantages, adv_stats = group_advantages(trajectories, grpo.generations_per_prompt, grpo.advantage)
-        return TrainBatch(policy_samples(trajectories, advantages), [t.reward for t in trajectories if is_usable(t)],
-                          {**rollout_metrics(trajectories, "train"), **adv_stats},
+        keep, filtered = trained(trajectories, grpo.overlong_filtering, max_seq_len)
+        chosen = [i for i, k in enumerate(keep) if k]
+        return TrainBatch(policy_samples([trajectories[i] for i in chosen], [advantages[i] for i in chosen]),
+                          [trajectories[i].reward for i in chosen],
+                          {**rollout_metrics(trajectories, "train"), **adv_stats, **filtered},
                           lambda: [to_rollout_record(t, advantage=a) for t, a in zip(trajectories, advantages)])
 
     return make
@@ -44,7 +48,7 @@ def train_grpo(ctx: RunContext, *, resume: bool) -> dict:
     ctx.reporter.on_message("starting workers")
     cluster = PolicyCluster(worker_spec(cfg, ctx.model_path, kl_reference=grpo.loss.kl_coef > 0), Placement.from_config(cfg))
     try:
-        return run_sync(ctx, cluster, grpo, policy_loss(grpo), grpo_batch(grpo), resume=resume)
+        return run_sync(ctx, cluster, grpo, policy_loss(grpo), grpo_batch(grpo, cfg.model.max_seq_len), resume=resume)
     finally:
         cluster.shutdown()
 

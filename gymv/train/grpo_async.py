@@ -39,7 +39,7 @@ def train_grpo_async(ctx: RunContext, *, resume: bool) -> dict:
                             Placement.from_config(cfg), in_flight_refit=grpo.async_.in_flight_weight_updates,
                             lagging_receivers=True)
     try:
-        return run_async(ctx, cluster, grpo, policy_loss(grpo), grpo_batch(grpo), resume=resume)
+        return run_async(ctx, cluster, grpo, policy_loss(grpo), grpo_batch(grpo, cfg.model.max_seq_len), resume=resume)
     finally:
         cluster.shutdown()
 

@@ -35,7 +35,7 @@ from gymv.rollout import to_rollout_record
 from gymv.train.grpo import run_sync
 from gymv.train.grpo_async import run_async
 from gymv.train.setup import RunContext, worker_spec
-from gymv.train.stats import TrainBatch, is_usable, rollout_metrics
+from gymv.train.stats import TrainBatch, rollout_metrics, trained
 
 COLOCATED_POLICY_SHARE = 0.35  # of a GPU, for each of generation and training when a teacher shares it
 
@@ -65,11 +65,14 @@ def teacher_scores(pool, router: TeacherRouter, usable: Sequence) -> TeacherScor
     return TeacherScores(logprobs, aliases, time.perf_counter() - t0, batches)
 
 
-def distill_batch(pool, router: TeacherRouter, trajectories: Sequence, group_size: int) -> TrainBatch:
-    """Route the usable episodes, have their teachers score them (each row with its own images) and make the
-    distillation samples; with the reward advantages of all episodes (the env_reward_coef term)."""
+def distill_batch(pool, router: TeacherRouter, trajectories: Sequence, group_size: int, *,
+                  overlong_filtering: bool = False, max_seq_len: int = 0) -> TrainBatch:
+    """Route the episodes that train (usable; with `overlong_filtering` not overlong), have their teachers
+    score them (each row with its own images) and make the distillation samples; with the reward advantages
+    of all episodes (the env_reward_coef term)."""
     advantages = env_advantages(trajectories, group_size)
-    keep = [i for i, t in enumerate(trajectories) if is_usable(t)]
+    trains, filtered = trained(trajectories, overlong_filtering, max_seq_len)
+    keep = [i for i, k in enumerate(trains) if k]
     usable = [trajectories[i] for i in keep]
     scores = teacher_scores(pool, router, usable)
 
@@ -80,7 +83,7 @@ def distill_batch(pool, router: TeacherRouter, trajectories: Sequence, group_siz
         return out
 
     metrics = {**rollout_metrics(trajectories, "train"), **teacher_metrics(usable, scores.logprobs, scores.aliases),
-               "train/num_teacher_batches": float(scores.batches), "timing/teacher_s": scores.seconds}
+               "train/num_teacher_batches": float(scores.batches), "timing/teacher_s": scores.seconds, **filtered}
     return TrainBatch(distillation_samples(usable, scores.logprobs, [advantages[i] for i in keep]),
                       [t.reward for t in usable], metrics, records)
 
@@ -106,7 +109,8 @@ def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
         pool = TeacherPool(cfg, specs, policy_pg=cluster.placement_group)
 
         def make_batch(trajectories) -> TrainBatch:
-            return distill_batch(pool, router, trajectories, mopd.generations_per_prompt)
+            return distill_batch(pool, router, trajectories, mopd.generations_per_prompt,
+                                 overlong_filtering=mopd.overlong_filtering, max_seq_len=cfg.model.max_seq_len)
 
         run = run_async if mopd.async_.enabled else run_sync
         return run(ctx, cluster, mopd, mopd_loss(mopd), make_batch, resume=resume, start_info={"teachers": pool.info})

@@ -92,6 +92,23 @@ def is_usable(t: Any) -> bool:
     return t.error is None and any(t.loss_mask)
 
 
+def overlong(t: Any, max_seq_len: int) -> bool:
+    """A token budget cut the episode before it finished (NeMo RL's `truncated`): gymv's loop ended it for
+    length (generation.max_new_tokens, env.max_rollout_tokens or model.max_seq_len), or it fills
+    model.max_seq_len (NeMo RL's rule for NeMo Gym rollouts: an agent's finish reasons are not seen here)."""
+    return t.finish_reason == "length" or len(t.token_ids) >= max_seq_len
+
+
+def trained(trajectories: Sequence[Any], overlong_filtering: bool, max_seq_len: int) -> tuple[list[bool], dict]:
+    """Which trajectories train: the usable ones, less, with `overlong_filtering` (NeMo RL's key and
+    semantics), the overlong ones: they leave the loss and the token and sequence counts it is divided by,
+    while their rewards have entered their groups' baselines (advantages come first and are not recomputed).
+    With filtering on, also `train/num_overlong_filtered`."""
+    cut = [overlong_filtering and is_usable(t) and overlong(t, max_seq_len) for t in trajectories]
+    keep = [is_usable(t) and not c for t, c in zip(trajectories, cut)]
+    return keep, ({"train/num_overlong_filtered": float(sum(cut))} if overlong_filtering else {})
+
+
 def policy_samples(trajectories: Sequence[Any], advantages: Sequence[float]) -> list[dict]:
     """Training samples of the usable trajectories: tokens, loss mask, behaviour logprobs, advantage, images
     (gymv.backends.training.samples)."""
@@ -123,8 +140,8 @@ def policy_update(cluster, cfg, samples: list, rewards: Sequence[float], loss_fn
     stats = {k: metrics.pop(f"train/{k}") for k in LOSS_STATS if f"train/{k}" in metrics}
     if seq_error_threshold is not None:
         metrics.update(seq_error_metrics(metrics.pop(SEQ_ERRORS_KEY), rewards, seq_error_threshold))
-    elif len(stats) == len(LOSS_STATS):  # the samples carried behaviour logprobs
-        metrics.update(unmasked_metrics(stats))
+    elif len(stats) == len(LOSS_STATS) or not samples:  # behaviour logprobs were there; or no sample was
+        metrics.update(unmasked_metrics({**dict.fromkeys(LOSS_STATS, 0.0), **stats}))
     return metrics
 
 
