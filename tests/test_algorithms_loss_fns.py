@@ -42,6 +42,18 @@ def test_kl_penalty_adds_beta_times_k3():
     assert loss.item() == pytest.approx(-2.0 + 0.1 * k3 / 2)
 
 
+def test_the_kl_term_is_neither_weighted_nor_gated_by_importance_sampling():
+    """NeMo RL adds beta * KL to the IS-weighted policy loss: L = mean(w * L_pg) + beta * mean(KL)."""
+    logp = logp_of(0.5, 0.5)
+    ref = torch.log(torch.tensor([[1.0, 0.25, 0.25]]))
+    behaviour = torch.log(torch.tensor([[1.0, 0.125, 0.05]]))  # rho 4 (kept, w = 4) and 10 (dropped, w = 0)
+    loss, metrics = PolicyLoss(kl_coef=0.1, importance=ISConfig("icepop", 0.2, 5.0))(
+        batch(logp_ref=ref, logp_behaviour=behaviour), logp, None, GlobalCounts.of(MASK))
+    k3 = 0.5 + L(2) - 1  # each token: ref 0.25 against 0.5
+    assert metrics["kl_ref"].item() == pytest.approx(k3)
+    assert loss.item() == pytest.approx(-(4 * 2) / 2 + 0.1 * (k3 + k3) / 2)
+
+
 def test_kl_needs_reference_logprobs():
     with pytest.raises(RuntimeError, match="logp_ref"):
         PolicyLoss(kl_coef=0.1)(batch(), logp_of(0.5, 0.5), None, GlobalCounts.of(MASK))

@@ -140,8 +140,8 @@ def topk_cross_entropy(teacher_topk_logp: Tensor, student_topk_logp: Tensor) -> 
 class PolicyLoss:
     """GRPO: clipped-ratio policy loss, optional KL to a reference, optional IS against the behaviour policy.
 
-    per token: w * (-min(ratio*A, clip(ratio)*A) + kl_coef * KL_est), aggregated over the mask (w = 0 on the
-    tokens IS drops, which keep their place in the denominators).
+    per token: w * -min(ratio*A, clip(ratio)*A) + kl_coef * KL_est, aggregated over the mask (w = 0 on the
+    tokens IS drops, which keep their place in the denominators; the KL term is NeMo RL's, unweighted).
     """
 
     eps_low: float = 0.2
@@ -161,12 +161,11 @@ class PolicyLoss:
         logp_old = batch.get("logp_old", logp.detach())
         weights, kept, metrics = _importance(batch, logp_old, mask, self.importance, counts, who)
         pg, clipped = clipped_policy_loss(logp, logp_old, adv, mask, self.eps_low, self.eps_high)
-        per_token = pg
-        if self.kl_coef:
-            kl = kl_penalty(logp, _require(batch, "logp_ref", who), kept, self.kl_estimator)
+        per_token = _weighted(pg, weights, kept)
+        if self.kl_coef:  # on every generated token and not weighted by IS, as NeMo RL adds it
+            kl = kl_penalty(logp, _require(batch, "logp_ref", who), mask, self.kl_estimator)
             per_token = per_token + self.kl_coef * kl
-            metrics["kl_ref"] = _token_share(kl, kept, counts)
-        per_token = _weighted(per_token, weights, kept)
+            metrics["kl_ref"] = _token_share(kl, mask, counts)
         loss = aggregate(per_token, mask, self.aggregation, counts)
         metrics["pg_loss"] = aggregate(masked_fill_zero(pg.detach(), kept), mask, self.aggregation, counts)
         metrics["clip_fraction"] = _token_share((clipped & kept).float(), mask, counts)
