@@ -110,6 +110,10 @@ def _gaps(cfg) -> Iterator[Gap]:
         if t.backend not in TEACHER_BACKENDS:
             yield _not_wired(key, t.backend, TEACHER_KEY) or Gap(
                 key, f"no teacher backend {t.backend!r} is installed", "use backend: torch")
+        elif t.engine_kwargs and not TEACHER_BACKENDS.capabilities(t.backend).reads_engine_kwargs:
+            readers = " or ".join(TEACHER_BACKENDS.having(lambda c: c.reads_engine_kwargs))
+            yield Gap(f"mopd.teachers.{alias}.engine_kwargs", f"engine_kwargs is read only by teacher backend "
+                      f"{readers}, teacher {alias!r} uses {t.backend}", f"remove it, or use backend: {readers}")
     vision = getattr(cfg, "vision", None)
     if vision is not None:
         gap = _not_wired("vision.dedup_payloads", vision.dedup_payloads)

@@ -1,10 +1,18 @@
 """What `gymv train` asks of a vLLM engine: the recipe's generation.vllm keywords, and every logit back where
-top_p < 1 (so that logprobs keep the trainer's definition, taken before the nucleus cut)."""
+top_p < 1 (so that logprobs keep the trainer's definition, taken before the nucleus cut); engine_kwargs (NeMo
+RL's vllm_kwargs) as written, except the engine arguments gymv sets itself."""
 
 from __future__ import annotations
 
+import pytest
+
+from conftest import REPO
+from gymv.capabilities import gaps
 from gymv.cluster.workers import WorkerSpec
+from gymv.config import load_config, load_recipe
+from gymv.config.lint import lint_paths
 from gymv.config.schema import MODELS
+from gymv.errors import GymvError
 
 
 def options(**generation) -> dict:
@@ -25,3 +33,58 @@ def test_top_p_one_keeps_vllms_own_logprobs_and_the_recipes_keywords():
 def test_an_hf_engine_gets_no_vllm_keywords():
     cfg = MODELS["vlm_grpo"].model_validate({"algorithm": "vlm_grpo", "vision": {}})
     assert WorkerSpec(model_path="unused", env=cfg.env, generation=cfg.generation).generation_options() == {}
+
+
+# ---- generation.vllm.engine_kwargs: NeMo RL's vllm_kwargs ---------------------------------------------------
+
+def recipe(tmp_path, body: str, parent: str = "grpo.yaml"):
+    path = tmp_path / "r.yaml"
+    path.write_text(f"defaults: {REPO / 'recipes' / parent}\n{body}")
+    return path
+
+
+def test_engine_kwargs_reach_the_engines_create_keywords_as_written():
+    opts = options(vllm={"engine_kwargs": {"mamba_ssm_cache_dtype": "float32", "compilation_config": {"backend": "eager"}}})
+    assert opts["engine_kwargs"] == {"mamba_ssm_cache_dtype": "float32", "compilation_config": {"backend": "eager"}}
+
+
+def test_engine_kwargs_must_be_a_mapping():
+    with pytest.raises(GymvError, match="generation.vllm.engine_kwargs"):
+        load_config(REPO / "recipes" / "grpo.yaml", ["generation.vllm.engine_kwargs=[mamba_ssm_cache_dtype]"])
+
+
+def test_an_engine_argument_gymv_sets_is_refused_at_its_line_naming_the_key_that_sets_it(tmp_path):
+    path = recipe(tmp_path, "generation:\n  vllm:\n    engine_kwargs:\n      mamba_ssm_cache_dtype: float32\n"
+                            "      tensor_parallel_size: 2\n")
+    with pytest.raises(GymvError) as e:
+        load_recipe(path)
+    assert e.value.where.endswith("r.yaml:6") and "generation.vllm.engine_kwargs.tensor_parallel_size" in e.value.message
+    assert e.value.fix == "set generation.vllm.tensor_parallel_size instead"
+
+
+def test_an_engine_argument_only_gymv_decides_is_refused_with_what_it_is():
+    with pytest.raises(GymvError) as e:
+        load_config(REPO / "recipes" / "grpo.yaml", ["generation.vllm.engine_kwargs={worker_extension_cls: x.Y}"])
+    assert "weight-sync worker extension" in e.value.message and e.value.fix == "remove worker_extension_cls: gymv decides it"
+
+
+def test_a_teachers_engine_kwargs_are_refused_with_the_teachers_own_key(tmp_path):
+    path = recipe(tmp_path, "mopd:\n  teachers:\n    teacher:\n      backend: vllm\n      engine_kwargs: {model: /x}\n",
+                  "mopd.yaml")
+    with pytest.raises(GymvError) as e:
+        load_recipe(path)
+    assert e.value.fix == "set mopd.teachers.teacher.path instead"
+
+
+def test_engine_kwargs_on_a_teacher_backend_that_reads_none_is_a_gap():
+    cfg = MODELS["mopd"].model_validate({"algorithm": "mopd", "mopd": {"teachers": {"t": {
+        "path": "embedded:tiny-llava", "engine_kwargs": {"max_num_seqs": 4}}}}})
+    assert [g.key for g in gaps(cfg)] == ["mopd.teachers.t.engine_kwargs"]
+
+
+def test_nemo_rls_vllm_kwargs_are_named_as_gymvs_engine_kwargs_at_their_key(tmp_path):
+    path = recipe(tmp_path, "policy:\n  generation:\n    vllm_kwargs:\n      mamba_ssm_cache_dtype: float32\n"
+                            "      max_num_batched_tokens: 16384\n")
+    found = [f for f in lint_paths([str(path)]).findings if "vllm_kwargs" in f.message]
+    assert len(found) == 1 and found[0].line == 4
+    assert "gymv's is `generation.vllm.engine_kwargs`" in found[0].fix

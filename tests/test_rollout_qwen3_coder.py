@@ -100,9 +100,10 @@ def test_text_without_a_function_tag_has_no_call():
 
 
 def test_the_recipe_accepts_the_format():
+    from conftest import REPO
     from gymv.config import load_config
 
-    assert load_config("recipes/vlm_grpo.yaml", [f"rollout.tool_call_format={FMT}"]).rollout.tool_call_format == FMT
+    assert load_config(REPO / "recipes" / "vlm_grpo.yaml", [f"rollout.tool_call_format={FMT}"]).rollout.tool_call_format == FMT
 
 
 # ------------------------------------------------------------------------------------ the chat template's side

@@ -63,6 +63,7 @@ class BackendCapabilities:
     reads_vllm_section: bool = False  # takes generation.vllm, whose tensor_parallel_size spans GPUs per engine
     model_parallel: tuple[str, ...] = ()  # training.parallel sizes (tensor, pipeline, context, expert) it runs > 1
     spans_gpus: bool = False  # a teacher replica may span GPUs (mopd.teachers.*.tensor_parallel_size > 1)
+    reads_engine_kwargs: bool = False  # a teacher that takes mopd.teachers.*.engine_kwargs (vLLM engine arguments)
     compiles: bool = False  # training.compile compiles its decoder layers
     one_rank: bool = False  # trains on one rank only (a recipe that gives it more is refused)
     refused_families: Mapping[str, str] = field(default_factory=dict)  # model type (config.json) -> why not
@@ -107,7 +108,7 @@ TEACHER_BACKENDS = Registry("teacher backend", "gymv.teacher_backends", {
     "torch": "gymv.backends.teacher:TeacherModel",
     "vllm": ("gymv.backends.teacher_vllm:VllmTeacher", BackendCapabilities(
         needs=Package("vllm", "vllm", VLLM_VENV_FIX + ", or use backend: torch"), spans_gpus=True,
-        model_check=VLLM_MODEL_CHECK)),
+        reads_engine_kwargs=True, model_check=VLLM_MODEL_CHECK)),
 }, where="mopd.teachers.*.backend", default=BackendCapabilities())
 # a transport's entry is its sender class; the sender names its receiver class (`receiver`)
 REFIT_TRANSPORTS = Registry("refit transport", "gymv.refit_transports", {

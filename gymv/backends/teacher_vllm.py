@@ -62,7 +62,8 @@ class VllmTeacher:
             tensor_parallel_size=getattr(spec, "tensor_parallel_size", 1),
             enable_expert_parallel=getattr(spec, "expert_parallel_size", 1) > 1,
             logprobs_mode="raw_logprobs" if self.direct else "raw_logits",
-            max_logprobs=max(spec.top_k, 1) if self.direct else -1)
+            max_logprobs=max(spec.top_k, 1) if self.direct else -1,
+            engine_kwargs=getattr(spec, "engine_kwargs", None), engine_section=f"mopd.teachers.{spec.alias}")
         self.tokenizer = self.engine.tokenizer
         check_same_tokenizer(self.tokenizer, student_tok, spec.alias)
         self.vocab_size = config_vocab

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gymv.algorithms.teacher_batch import pad_rows, shard_rows, trim
 from gymv.backends.registry import TEACHER_BACKENDS
@@ -52,6 +52,7 @@ class TeacherSpec:
     backend: str = "torch"  # a name in TEACHER_BACKENDS
     tensor_parallel_size: int = 1  # GPUs one replica's engine spans (vllm)
     expert_parallel_size: int = 1  # > 1: its MoE experts split over those GPUs (vllm's expert parallelism)
+    engine_kwargs: dict = field(default_factory=dict)  # vllm: more arguments of its engine (vllm.LLM)
 
 
 class TeacherWorker:
@@ -112,7 +113,7 @@ def teacher_specs(cfg, student_path: str) -> dict[str, TeacherSpec]:
                                  max_tokens=cfg.training.micro_batch_tokens, seed=cfg.seed, top_k=cfg.mopd.top_k,
                                  backend=t.backend, trust_remote_code=cfg.model.trust_remote_code,
                                  tensor_parallel_size=t.tensor_parallel_size,
-                                 expert_parallel_size=t.expert_parallel_size)
+                                 expert_parallel_size=t.expert_parallel_size, engine_kwargs=dict(t.engine_kwargs))
     return out
 
 

@@ -17,6 +17,7 @@ from gymv.backends.registry import (
     TRAINING_BACKENDS,
     TransportCapabilities,
 )
+from gymv.backends.generation.vllm_models import engine_keys
 from gymv.findings import Finding
 from gymv.config.schema import GrpoSection, MopdSection, RecipeBase
 from gymv.config.tree import split_key
@@ -328,6 +329,22 @@ def _decode_backend(cfg: RecipeBase) -> Iterator[Finding]:
         yield _err("generation.decode-backend", "generation.decode",
                    f"generation.decode static needs generation.backend {able}, this recipe uses {g.backend} (which "
                    "decodes its own way)", "use generation.decode: auto with this backend")
+
+
+@rule("vllm.engine-kwargs", "engine_kwargs may not set a vLLM engine argument gymv sets itself")
+def _engine_kwargs(cfg: RecipeBase) -> Iterator[Finding]:
+    mopd = getattr(cfg, "mopd", None)
+    sections = [("generation.vllm", cfg.generation.vllm.engine_kwargs)] + [
+        (f"mopd.teachers.{alias}", t.engine_kwargs) for alias, t in (mopd.teachers.items() if mopd else ())]
+    for section, kwargs in sections:
+        owned = engine_keys(section)
+        for key in kwargs:
+            if key in owned:
+                gymv_key, what = owned[key]
+                yield _err("vllm.engine-kwargs", f"{section}.engine_kwargs.{key}",
+                           f"{section}.engine_kwargs.{key}: gymv sets vLLM's {key} itself ({what}"
+                           + (f", from {gymv_key})" if gymv_key else ")"),
+                           f"set {gymv_key} instead" if gymv_key else f"remove {key}: gymv decides it")
 
 
 @rule("vllm.tensor-parallel", "vllm.tensor_parallel_size must divide the generation GPUs")

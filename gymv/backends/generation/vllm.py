@@ -40,7 +40,7 @@ from gymv.backends.generation.base import (
     Weights,
     named,
 )
-from gymv.backends.generation.vllm_models import VllmModel, refusal, vllm_model
+from gymv.backends.generation.vllm_models import VllmModel, engine_key_owner, refusal, vllm_model
 from gymv.backends.multimodal import TextAdapter, make_adapter
 from gymv.backends.registry import GENERATION_BACKENDS
 from gymv.backends.policy import load_policy, load_processors
@@ -102,11 +102,15 @@ class VllmGenerationBackend(GenerationBackend):
                gpu_memory_utilization: float = 0.6, tensor_parallel_size: int = 1, enforce_eager: bool = False,
                max_model_len: int | None = None, max_images_per_prompt: int = 16,
                trust_remote_code: bool = False, full_logits: bool = False, logprobs_mode: str | None = None,
-               max_logprobs: int | None = None, enable_expert_parallel: bool = False) -> VllmGenerationBackend:
+               max_logprobs: int | None = None, enable_expert_parallel: bool = False,
+               engine_kwargs: dict[str, Any] | None = None,
+               engine_section: str = "generation.vllm") -> VllmGenerationBackend:
         """`full_logits`: every logit of every sampled position comes back and gymv computes the logprobs
         (what top_p < 1 needs: vLLM's processed logprobs are the renormalised nucleus's, its raw ones lack the
         temperature and the vision-token mask). `logprobs_mode`/`max_logprobs` are vLLM's, for callers that
-        read vLLM's outputs themselves (the vllm teacher)."""
+        read vLLM's outputs themselves (the vllm teacher). `engine_kwargs` (the recipe's
+        `<engine_section>.engine_kwargs`, NeMo RL's `vllm_kwargs`) go to `vllm.LLM` as they are; an argument
+        gymv sets itself here, or one vLLM's engine does not have, is an error naming it."""
         path = resolve_model_path(model_path, seed=seed)
         refused = refusal(path, "cpu" if device == "cpu" else "cuda", dtype)
         if refused:
@@ -121,8 +125,10 @@ class VllmGenerationBackend(GenerationBackend):
             model=str(path), tokenizer=str(path), dtype=dtype, seed=seed, enable_prefix_caching=True,
             logprobs_mode=logprobs_mode or ("raw_logits" if full_logits else "processed_logprobs"),
             worker_extension_cls=WORKER_EXTENSION,
-            tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
         )
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
         if own_load:
             kwargs["load_format"] = "dummy"
         if enable_expert_parallel:  # MoE experts split over the engine's tensor-parallel GPUs
@@ -142,6 +148,7 @@ class VllmGenerationBackend(GenerationBackend):
             kwargs.update(enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization)
         kwargs.update(family.engine_kwargs(device=device, dtype=dtype,
                                            chunked_prefill=kwargs.get("enable_chunked_prefill", True)))
+        kwargs.update(checked_engine_kwargs(engine_kwargs or {}, kwargs, engine_section))
 
         with quiet_transformers():
             llm = vllm.LLM(**kwargs)
@@ -399,6 +406,29 @@ def flat_to_dense(flat, positions, vocab: int):
 
 def _in_process() -> bool:
     return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+
+
+def checked_engine_kwargs(extra: dict[str, Any], gymv_set: dict[str, Any], section: str) -> dict[str, Any]:
+    """`extra` (a recipe's engine_kwargs), once none of its keys is one gymv set (`gymv_set`) and each is an
+    argument of vLLM's engine (`vllm.engine.arg_utils.EngineArgs`)."""
+    if not extra:
+        return {}
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    for key in extra:
+        where = f"{section}.engine_kwargs.{key}"
+        if key in gymv_set:
+            gymv_key, what = engine_key_owner(key, section)
+            raise GymvError(f"gymv sets vLLM's {key} itself here ({what}" + (f", from {gymv_key})" if gymv_key else ")"),
+                            where=where, fix=f"set {gymv_key} instead" if gymv_key else f"remove {key}: gymv decides it")
+        if key not in known:
+            raise GymvError(f"vLLM's engine has no argument {key!r}", where=where,
+                            fix="use an argument of vllm.engine.arg_utils.EngineArgs (`vllm serve --help` lists "
+                                "them with dashes), or remove it")
+    return dict(extra)
 
 
 def _torch_dtype(name: str):

@@ -38,6 +38,48 @@ NEMOTRON_FIX_CPU = "use generation.backend: hf (and torch teachers) on CPU; vLLM
 NEMOTRON_FIX_DTYPE = "run the vLLM engine in bfloat16 (model.dtype: bfloat16)"
 
 
+def engine_keys(section: str = "generation.vllm") -> dict[str, tuple[str | None, str]]:
+    """The vLLM engine arguments gymv sets on every engine configured under `section` (`generation.vllm`, or a
+    vllm teacher's `mopd.teachers.<alias>`), which that section's `engine_kwargs` may therefore not set: each
+    with the recipe key that sets it (None: gymv alone decides) and what it is."""
+    teacher = section != "generation.vllm"
+    return {
+        "model": (f"{section}.path" if teacher else "model.path", "the checkpoint"),
+        "tokenizer": (f"{section}.path" if teacher else "model.path", "the checkpoint's own tokenizer"),
+        "dtype": ("training.dtype" if teacher else "model.dtype", "the engine's dtype"),
+        "seed": ("seed", "the engine's seed"),
+        "trust_remote_code": ("model.trust_remote_code", "whether the checkpoint's own code may run"),
+        "tensor_parallel_size": (f"{section}.tensor_parallel_size", "the GPUs one engine spans"),
+        "gpu_memory_utilization": (None, "0.6 for a teacher") if teacher else (
+            "generation.vllm.gpu_memory_utilization", "the GPU memory vLLM may take"),
+        "enforce_eager": (None, "off for a teacher on a GPU, on on a CPU") if teacher else (
+            "generation.vllm.enforce_eager", "no CUDA graphs (always on on a CPU)"),
+        "enable_prefix_caching": (None, "on, off for a Nemotron-H model whose prefills are whole"),
+        "logprobs_mode": (None, "the logprobs gymv reads: the teacher's raw ones" if teacher else
+                          "the logprobs gymv reads (every logit where generation.top_p < 1)"),
+        "worker_extension_cls": (None, "gymv's weight-sync worker extension (refits)"),
+    }
+
+
+# Arguments gymv sets for some models or devices only, and what sets them (a clash shows when the engine is built)
+_SOMETIMES: dict[str, tuple[str | None, str]] = {
+    "max_logprobs": (None, "every logit comes back where generation.top_p < 1; a teacher's top_k"),
+    "load_format": (None, "this checkpoint loads through the refit path"),
+    "enable_expert_parallel": ("{section}.expert_parallel_size", "the MoE experts split over the engine's GPUs"),
+    "limit_mm_per_prompt": (None, "up to 16 images a prompt for a vision model"),
+    "distributed_executor_backend": (None, "on a CPU: the in-process executor"),
+    "enable_chunked_prefill": (None, "on a CPU: whole prefills"),
+    "max_num_batched_tokens": (None, "on a CPU: whole prefills"),
+    "hf_overrides": (None, "the model family's config keys (gymv.backends.generation.vllm_models)"),
+}
+
+
+def engine_key_owner(key: str, section: str = "generation.vllm") -> tuple[str | None, str]:
+    """(the recipe key that sets engine argument `key`, or None where gymv alone decides; what it is)."""
+    gymv_key, what = engine_keys(section).get(key) or _SOMETIMES.get(key, (None, "set for this model and device"))
+    return (gymv_key.format(section=section) if gymv_key else None), what
+
+
 def read_config(path: str | Path) -> dict:
     try:
         return json.loads((Path(path) / "config.json").read_text())
