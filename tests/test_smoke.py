@@ -179,6 +179,14 @@ def test_tiny_keeps_what_the_smoke_run_is_meant_to_exercise(tmp_path):
     assert after["generation"]["reset_encoder_cache_after_weight_update"] is True
 
 
+def test_tiny_turns_overlong_filtering_off_since_a_stand_ins_turns_run_to_the_capped_budget(tmp_path):
+    recipe = REPO / "recipes/vlm/vlm_grpo-nemotron3-nano-omni-30b-a3b-2n8g-fsdp2.yaml"
+    assert load_recipe(recipe, smoke=True).validated.grpo.overlong_filtering
+    p = prepared(tmp_path, recipe, tiny=True)
+    assert run_config(p)["grpo"]["overlong_filtering"] is False
+    assert "grpo.overlong_filtering: True -> False" in p.tiny_changes
+
+
 @pytest.mark.parametrize("recipe, stand_in", [
     ("vlm/vlm_grpo-qwen2.5-vl-7b-1n8g-megatron.yaml", "tiny-qwen2_5vl"),
     ("vlm/vlm_mopd-qwen2.5-vl-3b-2n8g-megatron-noncolocated.yaml", "tiny-qwen2_5vl"),

@@ -168,6 +168,9 @@ def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
     for key, cap in (("prompts_per_step", MAX_PROMPTS), ("generations_per_prompt", MAX_GENERATIONS),
                      ("batch_size", MAX_BATCH), ("val_prompts", MAX_VAL_PROMPTS)):
         _cap(ch, d, f"{base}.{key}", cap)
+    if (d.get(base) or {}).get("overlong_filtering"):
+        # a stand-in's turns run to the capped budget: filtering them would leave no sample to train on
+        _set(ch, d, f"{base}.overlong_filtering", False)
     teachers = (d.get("mopd") or {}).get("teachers") if base == "mopd" else None
     for alias, t in sorted((teachers or {}).items()):
         if not isinstance(t, dict):

@@ -7,17 +7,15 @@ set -euo pipefail
 # ===== BEGIN CONFIG =====
 NUM_NODES=10
 GPUS_PER_NODE=8
-STEPS_PER_RUN=300
-MAX_STEPS=300
+STEPS_PER_RUN=200
+MAX_STEPS=200
 NUM_RUNS=$(( (MAX_STEPS + STEPS_PER_RUN - 1) / STEPS_PER_RUN ))
 NUM_MINUTES=240
 # ===== END CONFIG =====
 
 cd "$(dirname "$0")/../../.."
-for env in circle-count polygon-naming; do
-  [ -f "data/$env/train.jsonl" ] || gymv prepare "$env" --n 8192 --out "data/$env/train.jsonl"
-  [ -f "data/$env/eval.jsonl" ] || gymv prepare "$env" --n 256 --split eval --out "data/$env/eval.jsonl"
-done
+[ -f data/circle-count/train.jsonl ] || gymv prepare circle-count --n 512 --out data/circle-count/train.jsonl
+[ -f data/circle-count/eval.jsonl ] || gymv prepare circle-count --n 256 --split eval --out data/circle-count/eval.jsonl
 exec gymv train recipes/vlm/vlm_mopd-nemotron3-super-omni-10n8g-fsdp2-noncolocated.yaml \
   mopd.max_steps="$MAX_STEPS" \
   checkpoint.steps_per_run="$STEPS_PER_RUN" \

@@ -14,10 +14,8 @@ NUM_MINUTES=60
 # ===== END CONFIG =====
 
 cd "$(dirname "$0")/../../.."
-for env in circle-count polygon-naming; do
-  [ -f "data/$env/train.jsonl" ] || gymv prepare "$env" --n 8192 --out "data/$env/train.jsonl"
-  [ -f "data/$env/eval.jsonl" ] || gymv prepare "$env" --n 256 --split eval --out "data/$env/eval.jsonl"
-done
+[ -f data/circle-count/train.jsonl ] || gymv prepare circle-count --n 512 --out data/circle-count/train.jsonl
+[ -f data/circle-count/eval.jsonl ] || gymv prepare circle-count --n 256 --split eval --out data/circle-count/eval.jsonl
 exec gymv train recipes/vlm/vlm_mopd-nemotron3-super-omni-4n8g-fsdp2-noncolocated-smoke.yaml \
   mopd.max_steps="$MAX_STEPS" \
   checkpoint.steps_per_run="$STEPS_PER_RUN" \
