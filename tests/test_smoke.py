@@ -187,6 +187,15 @@ def test_tiny_turns_overlong_filtering_off_since_a_stand_ins_turns_run_to_the_ca
     assert "grpo.overlong_filtering: True -> False" in p.tiny_changes
 
 
+def test_tiny_drops_a_vllm_teachers_engine_kwargs_with_its_engine(tmp_path):
+    recipe = REPO / "recipes/vlm/vlm_mopd-nemotron3-super-omni-10n8g-fsdp2-noncolocated.yaml"
+    assert load_recipe(recipe, smoke=True).validated.mopd.teachers["self"].engine_kwargs
+    p = prepared(tmp_path, recipe, tiny=True)  # no vLLM build runs the Omni stand-in on a CPU: a torch teacher
+    teacher = run_config(p)["mopd"]["teachers"]["self"]
+    assert teacher["backend"] == "torch" and teacher["engine_kwargs"] == {}
+    assert "mopd.teachers.self.engine_kwargs: {'mamba_ssm_cache_dtype': 'float32'} -> {}" in p.tiny_changes
+
+
 @pytest.mark.parametrize("recipe, stand_in", [
     ("vlm/vlm_grpo-qwen2.5-vl-7b-1n8g-megatron.yaml", "tiny-qwen2_5vl"),
     ("vlm/vlm_mopd-qwen2.5-vl-3b-2n8g-megatron-noncolocated.yaml", "tiny-qwen2_5vl"),

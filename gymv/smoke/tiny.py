@@ -177,6 +177,8 @@ def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
             continue
         _set(ch, d, f"mopd.teachers.{alias}.path", tiny_model)  # a teacher shares the student's tokenizer
         _set(ch, d, f"mopd.teachers.{alias}.backend", "vllm" if t.get("backend") == "vllm" and keep_vllm else "torch")
+        if t.get("engine_kwargs") and d["mopd"]["teachers"][alias]["backend"] != "vllm":
+            _set(ch, d, f"mopd.teachers.{alias}.engine_kwargs", {})  # vLLM's arguments, for a torch stand-in
         _set(ch, d, f"mopd.teachers.{alias}.placement", "colocated")
         _set(ch, d, f"mopd.teachers.{alias}.gpus", None)
         for size in ("tensor_parallel_size", "expert_parallel_size"):  # one CPU replica spans nothing
