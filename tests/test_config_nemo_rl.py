@@ -91,6 +91,26 @@ def test_nemo_rls_overlong_filtering_is_gymvs_key_of_the_same_name_in_grpo_and_m
     assert "gymv's is `mopd.overlong_filtering`" in fixes(mopd)["grpo.overlong_filtering"][1]
 
 
+def test_nemo_rls_multimodal_dedup_is_gymvs_vision_dedup_payloads(tmp_path):
+    recipe = tmp_path / "vlm.yaml"
+    recipe.write_text(f"defaults: {REPO / 'recipes' / 'vlm_grpo.yaml'}\ngrpo:\n  deduplicate_multimodal_data: true\n")
+    assert fixes(recipe)["grpo.deduplicate_multimodal_data"] == (3, "`grpo.deduplicate_multimodal_data` is NeMo RL's "
+                                                                   "name: gymv's is `vision.dedup_payloads` (docs/nemo-rl.md)")
+
+
+@pytest.mark.parametrize("teacher", ["default_teacher_cfg", "teacher_overrides.circle_count_simple_agent"])
+def test_nemo_rls_teacher_tensor_and_expert_parallel_sizes_are_each_teachers_sizes(tmp_path, teacher):
+    recipe = tmp_path / "mopd.yaml"
+    recipe.write_text(f"defaults: {REPO / 'recipes' / 'mopd.yaml'}\non_policy_distillation:\n  non_colocated_teachers:\n"
+                      + "".join(f"    {'  ' * i}{part}:\n" for i, part in enumerate(teacher.split(".")))
+                      + f"    {'  ' * len(teacher.split('.'))}tensor_model_parallel_size: 8\n"
+                      + f"    {'  ' * len(teacher.split('.'))}expert_model_parallel_size: 8\n")
+    got = fixes(recipe)
+    prefix = f"on_policy_distillation.non_colocated_teachers.{teacher}"
+    assert "gymv's is `mopd.teachers.<alias>.tensor_parallel_size`" in got[f"{prefix}.tensor_model_parallel_size"][1]
+    assert "gymv's is `mopd.teachers.<alias>.expert_parallel_size`" in got[f"{prefix}.expert_model_parallel_size"][1]
+
+
 def test_loading_refuses_the_first_nemo_rl_key_with_gymvs_name(tmp_path):
     recipe = tmp_path / "ported.yaml"
     recipe.write_text(GRPO)
@@ -107,7 +127,7 @@ def test_a_nemo_rl_key_on_the_command_line_is_refused_with_gymvs_name():
 
 
 def test_every_gymv_key_the_table_names_exists():
-    known = set(schema_keys(MODELS["grpo"])) | set(schema_keys(MODELS["mopd"])) | {"algorithm"}
+    known = set(schema_keys(MODELS["vlm_grpo"])) | set(schema_keys(MODELS["vlm_mopd"])) | {"algorithm"}
     for nemo, hint in KEYS.items():
         assert hint.split(" ")[0] in known, nemo
 

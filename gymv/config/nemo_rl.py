@@ -1,8 +1,9 @@
 """NeMo RL's recipe keys and where gymv keeps the same setting, so that a recipe ported from NeMo RL is told,
 key by key, what gymv calls it (the loader and `gymv lint`; docs/nemo-rl.md has the table and the metrics).
 
-A value is gymv's dotted key, optionally followed by a note in parentheses. gymv's keys under `grpo.` are
-under `mopd.` in a MOPD recipe, where gymv has them there (NeMo RL's MOPD runs on its GRPO config).
+A value is gymv's dotted key, optionally followed by a note in parentheses; a `<alias>` segment of a NeMo RL key
+stands for any one name. gymv's keys under `grpo.` are under `mopd.` in a MOPD recipe, where gymv has them there
+(NeMo RL's MOPD runs on its GRPO config).
 """
 
 from __future__ import annotations
@@ -91,6 +92,15 @@ KEYS: dict[str, str] = {
     "on_policy_distillation.default_teacher_alias": "mopd.default_teacher_alias",
     "on_policy_distillation.strict_agent_name_match": "mopd.strict_agent_name_match (gymv's default is true)",
     "on_policy_distillation.non_colocated_teachers.enabled": "mopd.teachers.<alias>.placement (true: separate)",
+    "on_policy_distillation.non_colocated_teachers.default_teacher_cfg.tensor_model_parallel_size":
+        "mopd.teachers.<alias>.tensor_parallel_size (each teacher's)",
+    "on_policy_distillation.non_colocated_teachers.default_teacher_cfg.expert_model_parallel_size":
+        "mopd.teachers.<alias>.expert_parallel_size (each teacher's)",
+    "on_policy_distillation.non_colocated_teachers.teacher_overrides.<alias>.tensor_model_parallel_size":
+        "mopd.teachers.<alias>.tensor_parallel_size",
+    "on_policy_distillation.non_colocated_teachers.teacher_overrides.<alias>.expert_model_parallel_size":
+        "mopd.teachers.<alias>.expert_parallel_size",
+    "grpo.deduplicate_multimodal_data": "vision.dedup_payloads",
 }
 
 SECTIONS: dict[str, str] = {
@@ -127,10 +137,22 @@ def _in_section(hint: str, section: str) -> str:
     return f"`{name}`" + (f" {note}" if note else "")
 
 
+_PATTERNS = [k for k in KEYS if "<alias>" in k]
+
+
+def _entry(key: str) -> str | None:
+    """The KEYS entry written for NeMo RL's `key` itself (a `<alias>` segment matching any name)."""
+    if key in KEYS:
+        return key
+    parts = key.split(".")
+    return next((p for p in _PATTERNS if len(p.split(".")) == len(parts)
+                 and all(a in ("<alias>", b) for a, b in zip(p.split("."), parts))), None)
+
+
 def _known(leaf: tuple) -> tuple:
     """The NeMo RL key of the table that `leaf` is, or is an entry of (a mapping-valued key: vllm_kwargs); else
     `leaf` itself."""
-    return next((leaf[:i] for i in range(len(leaf), 0, -1) if ".".join(leaf[:i]) in KEYS), leaf)
+    return next((leaf[:i] for i in range(len(leaf), 0, -1) if _entry(".".join(leaf[:i]))), leaf)
 
 
 def nemo_rl_names(path: tuple, value: Any, section: str = "grpo") -> list[tuple[tuple, str]]:
@@ -139,10 +161,11 @@ def nemo_rl_names(path: tuple, value: Any, section: str = "grpo") -> list[tuple[
     out = []
     for leaf in dict.fromkeys(_known(leaf) for leaf in _leaves(path, value)):
         nemo = ".".join(leaf)
+        entry = _entry(nemo)
         # a key gymv spells the same way is unknown for another reason (a section of another algorithm):
         # "gymv's name is the same name" would be no help
-        if nemo in KEYS and _gymv_name(KEYS[nemo], section)[0] != nemo:
-            out.append((leaf, f"`{nemo}` is NeMo RL's name: gymv's is {_in_section(KEYS[nemo], section)} "
+        if entry and _gymv_name(KEYS[entry], section)[0] != nemo:
+            out.append((leaf, f"`{nemo}` is NeMo RL's name: gymv's is {_in_section(KEYS[entry], section)} "
                               "(docs/nemo-rl.md)"))
     key = ".".join(path)
     if key in SECTIONS:
@@ -154,7 +177,7 @@ def nemo_rl_names(path: tuple, value: Any, section: str = "grpo") -> list[tuple[
 def override_hint(key: str, algorithm: str | None) -> str | None:
     """The fix for a command-line override of NeMo RL's key `key`, or None when it is not one."""
     key = ".".join(_known(tuple(key.split("."))))
-    if key not in KEYS:
+    if _entry(key) is None:
         return None
     names = nemo_rl_names(tuple(key.split(".")), None, base_algorithm(str(algorithm or "grpo")))
     return names[0][1] if names else None
