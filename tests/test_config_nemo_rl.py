@@ -111,6 +111,15 @@ def test_nemo_rls_teacher_tensor_and_expert_parallel_sizes_are_each_teachers_siz
     assert "gymv's is `mopd.teachers.<alias>.expert_parallel_size`" in got[f"{prefix}.expert_model_parallel_size"][1]
 
 
+def test_the_encoder_cache_reset_hint_says_gymvs_default_and_nemo_rls_and_why(tmp_path):
+    recipe = tmp_path / "vlm.yaml"
+    recipe.write_text(f"defaults: {REPO / 'recipes' / 'vlm_grpo.yaml'}\npolicy:\n  generation:\n    vllm_cfg:\n"
+                      "      reset_encoder_cache_after_weight_update: false\n")
+    fix = fixes(recipe)["policy.generation.vllm_cfg.reset_encoder_cache_after_weight_update"][1]
+    assert "gymv's is `generation.reset_encoder_cache_after_weight_update` (true in gymv's exemplars, false by NeMo " \
+           "RL's default: features cached under older weights would be reused)" in fix
+
+
 def test_loading_refuses_the_first_nemo_rl_key_with_gymvs_name(tmp_path):
     recipe = tmp_path / "ported.yaml"
     recipe.write_text(GRPO)

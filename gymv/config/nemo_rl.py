@@ -74,7 +74,8 @@ KEYS: dict[str, str] = {
     "policy.generation.vllm_cfg.tensor_parallel_size": "generation.vllm.tensor_parallel_size",
     "policy.generation.vllm_cfg.enforce_eager": "generation.vllm.enforce_eager",
     "policy.generation.vllm_cfg.reset_encoder_cache_after_weight_update":
-        "generation.reset_encoder_cache_after_weight_update",
+        "generation.reset_encoder_cache_after_weight_update (true in gymv's exemplars, false by NeMo RL's default: "
+        "features cached under older weights would be reused)",
     "policy.generation.colocated.enabled": "cluster.colocated",
     "policy.generation.vllm_kwargs": "generation.vllm.engine_kwargs (the same mapping; gymv refuses the arguments it sets)",
     "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.tool_parser":
