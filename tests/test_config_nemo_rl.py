@@ -1,15 +1,18 @@
 """A recipe ported from NeMo RL: each NeMo RL key the loader or `gymv lint` meets is refused with gymv's name
-for it, at its line; the key table names only keys gymv has, and docs/nemo-rl.md lists every entry."""
+for it, or why gymv has none, at its line; the key table names only keys gymv has, and docs/nemo-rl.md lists
+every entry. Every key of the reference Nemotron Omni recipes (tests/nemo_rl_reference, written from NeMo RL's
+files merged with their parents) is mapped, named by lint, and in docs/nemo-rl.md's parity table."""
 
 from __future__ import annotations
 
 import textwrap
 
 import pytest
+import yaml
 
 from gymv.config import load_recipe
 from gymv.config.lint import lint_paths
-from gymv.config.nemo_rl import KEYS, SECTIONS
+from gymv.config.nemo_rl import KEYS, NO_KEY, SECTIONS, nemo_rl_names
 from gymv.config.schema import MODELS
 from gymv.config.validate import schema_keys
 from gymv.errors import GymvError
@@ -39,9 +42,10 @@ def test_lint_names_gymvs_key_for_each_nemo_rl_key_at_its_line(tmp_path):
         3, "`grpo.num_prompts_per_step` is NeMo RL's name: gymv's is `grpo.prompts_per_step` (docs/nemo-rl.md)")
     assert got["loss_fn.ratio_clip_min"][0] == 5 and "gymv's is `grpo.loss.clip_low`" in got["loss_fn.ratio_clip_min"][1]
     assert got["policy.model_name"][0] == 8 and "gymv's is `model.path`" in got["policy.model_name"][1]
-    # a NeMo RL section also says where gymv keeps its settings (use_cispo has no counterpart: no line of its own)
+    # a NeMo RL section also says where gymv keeps its settings; a key without a counterpart says why
     assert "gymv keeps its settings in `grpo.loss` and `grpo.importance_sampling`" in got["loss_fn"][1]
-    assert "loss_fn.use_cispo" not in got
+    assert got["loss_fn.use_cispo"] == (
+        6, "`loss_fn.use_cispo` is NeMo RL's; gymv has no counterpart: gymv has no CISPO loss (docs/nemo-rl.md)")
 
 
 def test_in_a_mopd_recipe_nemo_rls_grpo_keys_point_to_the_mopd_section(tmp_path):
@@ -120,6 +124,17 @@ def test_the_encoder_cache_reset_hint_says_gymvs_default_and_nemo_rls_and_why(tm
            "RL's default: features cached under older weights would be reused)" in fix
 
 
+def test_a_mapping_nemo_rl_writes_where_gymv_takes_a_value_is_named_key_by_key(tmp_path):
+    recipe = tmp_path / "vlm.yaml"
+    recipe.write_text(f"defaults: {REPO / 'recipes' / 'vlm_grpo.yaml'}\nlogger:\n  wandb:\n    project: p\n"
+                      "data:\n  train:\n    data_path: rows.jsonl\n")
+    got = fixes(recipe)
+    assert got["logger.wandb.project"] == (4, "`logger.wandb.project` is NeMo RL's name: gymv's is "
+                                              "`logger.wandb_project` (docs/nemo-rl.md)")
+    assert got["data.train.data_path"][0] == 7 and "gymv's is `data.train`" in got["data.train.data_path"][1]
+    assert not any(k.startswith("data.train.") and k != "data.train.data_path" for k in got)  # one finding a key
+
+
 def test_loading_refuses_the_first_nemo_rl_key_with_gymvs_name(tmp_path):
     recipe = tmp_path / "ported.yaml"
     recipe.write_text(GRPO)
@@ -175,3 +190,94 @@ def test_a_grpo_section_in_an_sft_recipe_is_named_as_another_algorithms_section(
     with pytest.raises(GymvError) as e:
         load_recipe(REPO / "recipes" / "sft.yaml", ["grpo.val_period=5"])
     assert "NeMo RL" not in str(e.value) and "grpo.val_period" in str(e.value)
+
+
+# -- the reference Nemotron Omni recipes ----------------------------------------------------------------------
+
+REFERENCE = REPO / "tests" / "nemo_rl_reference"
+
+
+def reference(name: str) -> dict:
+    """One reference recipe's keys and values (dotted key -> value); the smoke's are its own over mopd-10n8g."""
+    return yaml.safe_load((REFERENCE / f"{name}.yaml").read_text())
+
+
+def reference_keys() -> set[str]:
+    return set(reference("grpo-circle-click-2n8g")) | set(reference("mopd-10n8g")) | set(reference("mopd-4n8g-smoke"))
+
+
+def nested(flat: dict) -> dict:
+    """The recipe tree of dotted keys; an interpolation NeMo RL resolves becomes plain text (gymv would resolve
+    it against its own keys)."""
+    tree: dict = {}
+    for key, value in flat.items():
+        *parents, last = key.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = "interpolated" if isinstance(value, str) and "${" in value else value
+    return tree
+
+
+def test_the_reference_fixtures_hold_the_omni_experiments_settings():
+    grpo, mopd, smoke = reference("grpo-circle-click-2n8g"), reference("mopd-10n8g"), reference("mopd-4n8g-smoke")
+    assert (len(grpo), len(mopd), len(reference_keys())) == (382, 317, 433)
+    assert (grpo["grpo.num_prompts_per_step"], grpo["grpo.num_generations_per_prompt"], grpo["loss_fn.ratio_clip_max"],
+            grpo["grpo.seq_logprob_error_threshold"], grpo["policy.generation.max_new_tokens"]) == (1, 16, 0.28, 2, 8192)
+    assert (mopd["grpo.async_grpo.enabled"], mopd["grpo.num_prompts_per_step"], mopd["policy.generation.max_new_tokens"],
+            mopd["loss_fn.truncated_importance_sampling_type"]) == (True, 8, 4096, "icepop")
+    assert set(smoke) <= set(mopd) and smoke["grpo.max_num_steps"] == 3
+
+
+def test_every_reference_key_has_gymvs_name_or_the_reason_gymv_has_none():
+    for key in sorted(reference_keys()):
+        names = nemo_rl_names(tuple(key.split(".")), None, "mopd" if "distillation" in key else "grpo")
+        mapped = key in ("grpo.val_period", "grpo.val_at_start", "grpo.seq_logprob_error_threshold",
+                         "grpo.overlong_filtering", "cluster.num_nodes", "cluster.gpus_per_node", "data.shuffle")
+        assert mapped or names, f"{key}: neither gymv's name nor why gymv has none"
+        assert all("(docs/nemo-rl.md)" in fix for _, fix in names), key
+
+
+@pytest.mark.parametrize("name, exemplar", [("grpo-circle-click-2n8g", "vlm_grpo"), ("mopd-10n8g", "mopd")])
+def test_lint_names_a_fix_at_every_reference_key_a_gymv_recipe_cannot_take(tmp_path, name, exemplar):
+    recipe = tmp_path / f"{name}.yaml"
+    recipe.write_text(yaml.safe_dump({"defaults": str(REPO / "recipes" / f"{exemplar}.yaml"), **nested(reference(name))},
+                                     sort_keys=False))
+    findings = [f for f in lint_paths([str(recipe)]).findings if f.rule == "GV006"]
+    named = {f.message.split("`")[1]: f.fix for f in findings}
+    own = set(schema_keys(MODELS[exemplar]))
+    for key in reference(name):
+        parts = key.split(".")
+        covering = [named[k] for k in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if k in named]
+        assert key in own or covering, f"{key}: no finding"
+        assert key in own or "docs/nemo-rl.md" in covering[0], (key, covering[0])
+
+
+def _parity_rows() -> list[list[str]]:
+    text = (REPO / "docs" / "nemo-rl.md").read_text()
+    section = text.split("## The Omni reference recipes, key by key", 1)[1].split("\n## ", 1)[0]
+    return [[c.strip() for c in line.strip("|").split(" | ")] for line in section.splitlines()
+            if line.startswith("| `")]
+
+
+def _keys_of(cell: str) -> set[str]:
+    """The keys a first cell names: `a.b.c` in full, then `.d` for a.b.d (relative to the last full key's parent)."""
+    keys, parent = set(), ""
+    for name in cell.split("`")[1::2]:
+        if name.startswith("."):
+            keys.add(parent + name)
+        else:
+            keys.add(name)
+            parent = name.rpartition(".")[0]
+    return keys
+
+
+def test_docs_parity_table_lists_every_reference_key_with_gymvs_key_and_a_verdict():
+    rows = _parity_rows()
+    listed = set().union(*(_keys_of(r[0]) for r in rows))
+    assert sorted(reference_keys() - listed) == []
+    assert sorted(listed - reference_keys()) == []
+    for row in rows:
+        assert len(row) == 3 and row[1] and row[2], row
+        assert row[2].split(":")[0].split(" ")[0].strip("*") in ("same", "differs", "no", "unused", "the", "as"), row
+

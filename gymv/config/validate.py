@@ -98,6 +98,18 @@ def _clean_loc(data: Any, loc: tuple) -> KeyPath:
     return tuple(out)
 
 
+def _data_path(data: Any, path: KeyPath) -> KeyPath:
+    """The longest start of `path` that names a value in `data` (a type error's location may go on into union
+    tags such as 'str')."""
+    node, out = data, []
+    for p in path:
+        if not isinstance(node, dict) or p not in node:
+            break
+        out.append(p)
+        node = node[p]
+    return tuple(out)
+
+
 def _where(locate: Locate | None, path: KeyPath, fallback: str | None) -> str | None:
     if locate is not None:
         o = locate(path)
@@ -116,10 +128,25 @@ def _errors_to_findings(model: type[BaseModel], data: dict, err: ValidationError
     for e in err.errors():
         grouped.setdefault((_clean_loc(data, e["loc"]), e["type"] == "extra_forbidden"), []).append(e)
     findings = []
+    hinted: set[KeyPath] = set()
     for (path, extra), errs in grouped.items():
         key = dotted(path)
         where = _where(locate, path, fallback)
         e = errs[0]
+        if not extra:
+            # a mapping where gymv takes a value: NeMo RL's `logger.wandb: {project: ...}`, `data.train: {...}`
+            at = _data_path(data, path)
+            value = get_path(data, at, None)
+            nemo = nemo_rl_names(at, value, base_algorithm(str(data.get("algorithm")))) if (
+                isinstance(value, dict) and at not in hinted) else []
+            if nemo:
+                hinted.add(at)
+                findings += [Finding("schema.unknown-key", f"unknown key `{dotted(p)}`" if p != at else
+                                     f"`{dotted(p)}` is a mapping, NeMo RL's form", dotted(p),
+                                     _where(locate, p, fallback), fix) for p, fix in nemo]
+                continue
+            if at in hinted:
+                continue
         if extra:
             section, name = path[:-1], path[-1]
             nemo = nemo_rl_names(path, get_path(data, path, None), base_algorithm(str(data.get("algorithm"))))
