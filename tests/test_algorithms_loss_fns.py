@@ -199,3 +199,16 @@ def test_distillation_applies_the_same_gate():
         {"loss_mask": MASK, "logp_teacher": teacher, "logp_behaviour": behaviour}, logp, None, GlobalCounts.of(MASK))
     loss.backward()
     assert logp.grad.tolist()[0] == pytest.approx([0.0, -L(2) / 2, 0.0])
+
+
+def test_a_null_truncate_max_weighs_each_token_by_its_raw_ratio():
+    """NeMo RL with the correction on and no truncation type: w = rho, however large (rho = 0.25 and 4)."""
+    grpo = load_recipe(REPO / "recipes" / "grpo.yaml", ["grpo.importance_sampling.kind=truncated",
+                                                        "grpo.importance_sampling.truncate_max=null",
+                                                        "grpo.loss.kl_coef=0"]).validated.grpo
+    loss_fn = policy_loss(grpo)
+    assert loss_fn.importance == ISConfig("truncated", 0.0, float("inf"))
+    behaviour = torch.log(torch.tensor([[1.0, 0.4, 0.125]]))
+    loss, metrics = loss_fn(batch(logp_behaviour=behaviour), logp_of(0.1, 0.5), None, GlobalCounts.of(MASK))
+    assert loss.item() == pytest.approx(-(2 * 0.25 + 2 * 4.0) / 2)  # A = 2, ratio 1
+    assert metrics["is_oob_ratio"].item() == 0.0

@@ -9,7 +9,8 @@ def importance_config(is_cfg) -> ISConfig:
     """The IS weights of an `importance_sampling` section (GRPO's and MOPD's)."""
     if is_cfg.kind in ("icepop", "seq_mask_tis"):
         return ISConfig(is_cfg.kind, is_cfg.gate_low, is_cfg.gate_high)
-    return ISConfig(is_cfg.kind, is_cfg.truncate_min, is_cfg.truncate_max)
+    cap = float("inf") if is_cfg.truncate_max is None else is_cfg.truncate_max  # null: the raw ratio
+    return ISConfig(is_cfg.kind, is_cfg.truncate_min, cap)
 
 
 def policy_loss(grpo) -> PolicyLoss:

@@ -44,7 +44,8 @@ KEYS: dict[str, str] = {
     "loss_fn.use_importance_sampling_correction":
         "grpo.importance_sampling.kind (truncated, icepop or seq_mask_tis; false: none)",
     "loss_fn.truncated_importance_sampling_type":
-        "grpo.importance_sampling.kind (tis: truncated, icepop: icepop, seq-mask-tis: seq_mask_tis)",
+        "grpo.importance_sampling.kind (tis: truncated, icepop: icepop, seq-mask-tis: seq_mask_tis; null with the "
+        "correction on: truncated with truncate_max: null, the raw ratio)",
     "loss_fn.truncated_importance_sampling_ratio":
         "grpo.importance_sampling.truncate_max (icepop, seq-mask-tis: gate_high)",
     "loss_fn.truncated_importance_sampling_ratio_min":

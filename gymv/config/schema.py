@@ -326,7 +326,7 @@ class LoggerSection(Section):
 
 class ImportanceSampling(Section):
     kind: Literal["none", "truncated", "icepop", "seq_mask_tis"] = "none"
-    truncate_max: Annotated[float, Field(ge=1)] = 2.0
+    truncate_max: Annotated[float, Field(ge=1)] | None = 2.0  # null: no cap (NeMo RL's correction with no type)
     truncate_min: Annotated[float, Field(ge=0, lt=1)] = 0.0
     gate_low: Annotated[float, Field(gt=0, lt=1)] = 0.2
     gate_high: Annotated[float, Field(gt=1)] = 5.0
