@@ -326,9 +326,20 @@ class PolicyCluster:
     def wait_checked(self, versions) -> None:
         """Wait for the checks of the refits that carried these versions (asynchronous runs call it before
         training on rollouts of those weights); a failed check is raised here."""
+        import ray
+        from ray.exceptions import RayActorError
+
         refs = [r for v in sorted(set(versions)) for r in self._verifies.pop(v, [])]
-        if refs:
-            self._get(refs, "refit check")
+        if not refs:
+            return
+        ray.wait(refs, num_returns=len(refs), timeout=self.deadlines.phase_s)
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError:  # a generation worker that died is replaced; its check went with it
+                continue
+            except Exception:
+                self._get(ref, "refit check")  # raised again as one line (a failed check, a deadline)
 
     def _check_request(self, refit: int, version: int = 0) -> CheckRequest | None:
         """The check of refit number `refit` (carrying step `version`'s weights) when `refit.check` has it due."""
