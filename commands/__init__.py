@@ -1,1 +1,1 @@
-"""Built-in gymv subcommands, installed as gymv_cli.commands; each registers through `gymv.commands`."""
+"""Built-in gymv subcommands, installed as gymv_cli.commands; each is a built-in of `gymv_cli.plugins.COMMANDS`."""

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from gymv_cli.plugins import GROUP
+from gymv_cli.plugins import COMMANDS
 
 PROG = "gymv"
 SHELLS = ("bash", "zsh", "fish")
@@ -169,8 +168,8 @@ def command_tree(root: Any, *, only: set[str] | None = None) -> Command:
 
 
 def builtin_command_names() -> list[str]:
-    """Commands this distribution itself declares (entry points pointing into gymv_cli)."""
-    return [ep.name for ep in entry_points(group=GROUP) if ep.value.startswith("gymv_cli.")]
+    """Commands this distribution itself declares (the command registry's built-ins)."""
+    return list(COMMANDS.builtins)
 
 
 def live_root(root: Any | None = None, *, builtin_only: bool) -> tuple[Command, list[str]]:

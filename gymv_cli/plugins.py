@@ -1,49 +1,59 @@
-"""Discover subcommands from the `gymv.commands` entry-point group.
+"""Subcommands: the built-ins below and the `gymv.commands` entry-point group, through the shared
+`gymv.registry.Registry` (`COMMANDS`).
 
 An entry point's name is the command name; its object is either a `typer.Typer` (mounted as a command
-group, e.g. `gymv env serve`) or a function (mounted as a single command). Built-in commands use this same
-group, so a third-party distribution that declares one appears in `gymv --help` like any other.
+group, e.g. `gymv env serve`) or a function (mounted as a single command). A third-party distribution that
+declares one appears in `gymv --help` like a built-in; a built-in name cannot be taken over.
 """
 
 from __future__ import annotations
 
 import sys
-from importlib.metadata import EntryPoint, entry_points
 
 import typer
 
+from gymv.errors import GymvError
+from gymv.registry import Registry
+
 GROUP = "gymv.commands"
 
+# by name, the order `gymv --help` lists them in (typer puts single commands before command groups)
+BUILTINS: dict[str, str] = {
+    "cluster": "gymv_cli.commands.cluster:app",
+    "completion": "gymv_cli.commands.completion:completion",
+    "dry-run": "gymv_cli.commands.dry_run:dry_run",
+    "env": "gymv_cli.commands.env:app",
+    "lint": "gymv_cli.commands.lint:lint",
+    "model": "gymv_cli.commands.model:app",
+    "prepare": "gymv_cli.commands.prepare:prepare",
+    "report": "gymv_cli.commands.report:report",
+    "smoke": "gymv_cli.commands.smoke:smoke",
+    "train": "gymv_cli.commands.train:train",
+}
+COMMANDS = Registry("command plugin", GROUP, BUILTINS, where=None)
 
-def _ordered(eps: list[EntryPoint]) -> list[EntryPoint]:
-    """Built-ins first in their declared order, then plugins by name; a duplicate name keeps the first."""
-    seen: set[str] = set()
-    builtins = [ep for ep in eps if ep.value.startswith("gymv_cli.")]
-    others = sorted((ep for ep in eps if not ep.value.startswith("gymv_cli.")), key=lambda e: e.name)
-    out = []
-    for ep in builtins + others:
-        if ep.name not in seen:
-            seen.add(ep.name)
-            out.append(ep)
-    return out
+
+def command_names() -> list[str]:
+    """Built-ins first, then the others by name (a plugin's command is listed after gymv's own)."""
+    return [*COMMANDS.builtins, *(n for n in COMMANDS.available() if n not in COMMANDS.builtins)]
 
 
 def mount_plugins(app: typer.Typer, warn=None) -> list[str]:
-    """Mount every command plugin on `app`; a plugin that fails to load warns once and is skipped."""
+    """Mount every command on `app`; one that fails to load warns once and is skipped."""
     warn = warn or (lambda msg: print(msg, file=sys.stderr))
     mounted = []
-    for ep in _ordered(list(entry_points(group=GROUP))):
+    for name in command_names():
         try:
-            obj = ep.load()
-        except Exception as e:  # a broken plugin must not take the CLI down
-            warn(f"warning: command plugin {ep.name!r} ({ep.value}) failed to load: {type(e).__name__}: {e}")
+            obj = COMMANDS.load(name)
+        except GymvError as e:  # a broken plugin must not take the CLI down
+            warn(f"warning: {e.message}")
             continue
         if isinstance(obj, typer.Typer):
-            app.add_typer(obj, name=ep.name)
+            app.add_typer(obj, name=name)
         elif callable(obj):
-            app.command(name=ep.name)(obj)
+            app.command(name=name)(obj)
         else:
-            warn(f"warning: command plugin {ep.name!r} ({ep.value}) is neither a typer.Typer nor a function")
+            warn(f"warning: command plugin {name!r} ({COMMANDS.locate(name)}) is neither a typer.Typer nor a function")
             continue
-        mounted.append(ep.name)
+        mounted.append(name)
     return mounted

@@ -104,3 +104,25 @@ def test_capabilities_are_read_by_name_or_by_the_located_path_a_worker_holds():
     r.register("mine", Thing)
     assert r.capabilities("builtin") == "declared" and r.capabilities("mine") == "none"
     assert r.capabilities(r.locate("mine")) == "none"
+
+
+def _folding() -> Registry:
+    return Registry("widget", "gymv.test-widgets", {"built-in": "json:dumps"}, where="widget",
+                    normalize=lambda n: n.strip().lower().replace("_", "-"), aliases={"Old_Name": "built-in"})
+
+
+def test_a_registry_folds_names_its_own_way_and_an_alias_reaches_its_builtin():
+    r = _folding()
+    assert r.load("Built_In") is r.load("old-name") is json.dumps
+    assert "OLD_NAME" in r and list(r.available()) == ["built-in"]
+
+
+def test_an_alias_of_a_builtin_cannot_be_taken_over():
+    with pytest.raises(GymvError, match="built in"):
+        _folding().register("old_name", Thing)
+
+
+def test_a_located_import_path_is_not_folded():
+    r = _folding()
+    r.register("mine", Thing)
+    assert r.load(r.locate("MINE")) is Thing

@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import typer
 
 import gymv
 from conftest import invoke_gymv, run_gymv
@@ -77,6 +78,22 @@ def test_plugin_that_fails_to_import_warns_once_and_cli_still_works(tmp_path):
     assert r.stderr.count("warning: command plugin 'hello'") == 1
     assert "boom at import" in r.stderr
     assert "prepare" in r.stdout
+
+
+def test_a_command_of_the_gymv_commands_entry_point_group_is_found_through_the_shared_registry_after_the_builtins():
+    from typer.testing import CliRunner
+
+    from gymv_cli.plugins import BUILTINS, COMMANDS, command_names, mount_plugins
+    from train_helpers import plugin_on_path
+
+    with plugin_on_path():
+        assert COMMANDS.available()["hello-plugin"] == "gymv_registry_command:hello"
+        names = command_names()
+        assert names[:len(BUILTINS)] == list(BUILTINS) and "hello-plugin" in names[len(BUILTINS):]
+        app = typer.Typer()
+        assert "hello-plugin" in mount_plugins(app, warn=pytest.fail)
+        r = CliRunner().invoke(app, ["hello-plugin", "--name", "gymv"])
+    assert r.exit_code == 0 and r.output.strip() == "hello gymv"
 
 
 def test_unknown_command_is_a_usage_error_without_traceback():

@@ -101,3 +101,21 @@ def test_rows_without_agent_ref_route_by_their_fields_and_tools():
 
 def test_unrecognisable_row_routes_nowhere():
     assert env_for_row({"foo": 1}) is None
+
+
+def test_an_entry_point_of_gymv_envs_is_found_through_the_shared_registry_under_either_spelling():
+    from gymv.envs.registry import ENVIRONMENTS
+    from train_helpers import plugin_on_path
+
+    with plugin_on_path():
+        assert ENVIRONMENTS.available()["even-length"] == "gymv_train_testenv:EvenLength"
+        assert ENVIRONMENTS.load("Even_Length").__name__ == "EvenLength"
+        assert get_env("even_length").name == "even-length"
+
+
+def test_a_builtin_environment_cannot_be_taken_over_under_its_alias_or_another_spelling():
+    from gymv.envs import register
+
+    for name in ("Circle_Count", "example_multi_turn_gymnasium"):
+        with pytest.raises(GymvError, match="built in"):
+            register(name, object)

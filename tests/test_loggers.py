@@ -129,3 +129,15 @@ def test_a_failing_logger_is_switched_off_with_one_warning_and_metrics_jsonl_kee
     err = capsys.readouterr().err
     assert err.count("warning: logger broken failed at step 1") == 1 and "ConnectionError" in err
     assert [r["step"] for r in run.read_metrics()] == [1, 2, 3]
+
+
+def test_a_logger_of_the_gymv_loggers_entry_point_group_is_found_through_the_shared_registry(tmp_path):
+    from gymv.loggers import LOGGERS
+    from train_helpers import plugin_on_path
+
+    with plugin_on_path():
+        assert LOGGERS.available()["listing"] == "gymv_registry_plugins:ListingLogger"
+        run = _run(tmp_path, _cfg(plugins=["listing"]))
+        with run.metrics_log() as log:
+            log.log(1, {"train/loss": 0.5})
+        assert type(run.loggers[0]).rows == [(1, {"train/loss": 0.5})]

@@ -106,3 +106,23 @@ def test_the_schema_refuses_an_unknown_tool_call_format():
 
     with pytest.raises(GymvError, match="rollout.tool_call_format"):
         load_config(REPO_RECIPE, ["rollout.tool_call_format=xml"])
+
+
+def test_a_format_of_the_gymv_tool_call_formats_entry_point_group_is_found_through_the_shared_registry():
+    from gymv.rollout.tool_formats import TOOL_CALL_FORMATS
+    from train_helpers import plugin_on_path
+
+    with plugin_on_path():
+        assert TOOL_CALL_FORMATS.available()["angle"] == "gymv_registry_plugins:AngleFormat"
+        turn = parse_turn('Clicking. <<click {"x": 2}>>', "c", "angle")
+    assert turn.text == "Clicking." and calls(turn) == [("click", {"x": 2})]
+
+
+def test_a_broken_format_plugin_is_one_error_naming_it(tmp_path, monkeypatch):
+    dist = tmp_path / "broken_fmt-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-fmt\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[gymv.tool_call_formats]\nbroken = no_such_module_here:Fmt\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(GymvError, match="tool-call format 'broken' \\(no_such_module_here:Fmt\\) failed to load"):
+        get_tool_call_format("broken")

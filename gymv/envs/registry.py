@@ -1,4 +1,5 @@
-"""Find environments by name: built-ins, in-process registrations and the entry-point group `gymv.envs`.
+"""Find environments by name: built-ins, in-process registrations and the entry-point group `gymv.envs`, through
+the shared `gymv.registry.Registry` (`ENVIRONMENTS`).
 
 A third-party distribution declares, in its pyproject.toml::
 
@@ -12,14 +13,13 @@ taken over by a plugin.
 
 from __future__ import annotations
 
-import importlib
 import inspect
-from importlib.metadata import entry_points
 from typing import Any
 
 from gymv.envs.protocol import Environment
 from gymv.envs.rows import agent_name
 from gymv.errors import GymvError
+from gymv.registry import Registry
 
 GROUP = "gymv.envs"
 
@@ -36,56 +36,30 @@ BUILTINS: dict[str, str] = {
 ALIASES: dict[str, str] = {
     "example-multi-turn-gymnasium": "scripted",
 }
-_registered: dict[str, Any] = {}
 
 
 def normalize(name: str) -> str:
     return name.strip().lower().replace("_", "-")
 
 
+# where=None: a name comes from env.name, a row's agent_ref.name or the command line
+ENVIRONMENTS = Registry("environment", GROUP, BUILTINS, where=None, normalize=normalize, aliases=ALIASES)
+
+
 def canonical(name: str) -> str:
     """The normalized name with aliases resolved (example_multi_turn_gymnasium -> scripted)."""
-    key = normalize(name)
-    return ALIASES.get(key, key)
+    return ENVIRONMENTS.key(name)
 
 
 def register(name: str, factory: Any) -> None:
     """Register an environment class or factory in this process (tests, notebooks, embedding)."""
-    _registered[normalize(name)] = factory
-    _instances.pop(normalize(name), None)
-
-
-def _plugin_points() -> dict[str, Any]:
-    found: dict[str, Any] = {}
-    for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
-        found.setdefault(normalize(ep.name), ep)
-    return found
+    ENVIRONMENTS.register(name, factory)
+    _instances.pop(canonical(name), None)
 
 
 def available() -> dict[str, str]:
     """Every environment name and where it comes from ('builtin', 'registered' or the entry point value)."""
-    out = {name: "builtin" for name in BUILTINS}
-    for name in _registered:
-        out.setdefault(name, "registered")
-    for name, ep in _plugin_points().items():
-        out.setdefault(name, ep.value)
-    return dict(sorted(out.items()))
-
-
-def _load(name: str) -> Any:
-    if name in BUILTINS:
-        module, _, attr = BUILTINS[name].partition(":")
-        return getattr(importlib.import_module(module), attr)
-    if name in _registered:
-        return _registered[name]
-    ep = _plugin_points().get(name)
-    if ep is None:
-        raise GymvError(f"unknown environment {name!r}", fix=f"use one of: {', '.join(available())}")
-    try:
-        return ep.load()
-    except Exception as e:  # a broken plugin is reported, never a traceback
-        raise GymvError(f"environment plugin {name!r} ({ep.value}) failed to load: {type(e).__name__}: {e}",
-                        fix="reinstall or fix the plugin distribution") from None
+    return ENVIRONMENTS.available()
 
 
 def _check_kwargs(name: str, factory: Any, kwargs: dict) -> None:
@@ -106,8 +80,7 @@ def _check_kwargs(name: str, factory: Any, kwargs: dict) -> None:
 
 def get_env(name: str, **kwargs: Any) -> Environment:
     """An instance of the named environment; keyword arguments go to its constructor."""
-    key = canonical(name)
-    factory = _load(key)
+    factory = ENVIRONMENTS.load(name)
     _check_kwargs(name, factory, kwargs)
     try:
         env = factory(**kwargs) if callable(factory) else factory

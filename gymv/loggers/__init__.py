@@ -4,6 +4,6 @@ metrics.jsonl stays the source of truth: every row is written and fsynced there 
 logger. A logger that fails later (a network error) is switched off with one warning; training goes on.
 """
 
-from gymv.loggers.base import GROUP, MetricsLogger, available, build_loggers, logger_classes, register_logger
+from gymv.loggers.base import GROUP, LOGGERS, MetricsLogger, available, build_loggers, logger_classes, register_logger
 
-__all__ = ["GROUP", "MetricsLogger", "available", "build_loggers", "logger_classes", "register_logger"]
+__all__ = ["GROUP", "LOGGERS", "MetricsLogger", "available", "build_loggers", "logger_classes", "register_logger"]

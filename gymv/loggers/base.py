@@ -1,4 +1,5 @@
-"""The logger interface and its registry (name -> class, open to the entry-point group `gymv.loggers`).
+"""The logger interface and its registry (`LOGGERS`, a `gymv.registry.Registry`: name -> class, open to the
+entry-point group `gymv.loggers`).
 
 A third-party distribution declares, in its pyproject.toml::
 
@@ -11,14 +12,12 @@ and a recipe turns it on with `logger.plugins: [mlflow]`. Built-ins are switched
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Mapping
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from gymv.errors import GymvError
+from gymv.registry import Registry
 
 GROUP = "gymv.loggers"
 
@@ -26,7 +25,8 @@ BUILTINS: dict[str, str] = {
     "tensorboard": "gymv.loggers.tensorboard:TensorBoardLogger",
     "wandb": "gymv.loggers.wandb:WandbLogger",
 }
-_registered: dict[str, type] = {}
+# a built-in is turned on by its own key (logger.<name>); a plugin's name is read from logger.plugins
+LOGGERS = Registry("logger", GROUP, BUILTINS, where="logger.plugins")
 
 
 class MetricsLogger:
@@ -50,38 +50,17 @@ class MetricsLogger:
 
 def register_logger(name: str, cls: type) -> None:
     """Register a logger class in this process (tests, notebooks); `logger.plugins: [name]` turns it on."""
-    _registered[name] = cls
+    LOGGERS.register(name, cls)
 
 
 def available() -> dict[str, str]:
     """Every logger name and where it comes from ('builtin', 'registered' or the entry point's value)."""
-    out = {name: "builtin" for name in BUILTINS}
-    for name in _registered:
-        out.setdefault(name, "registered")
-    for ep in entry_points(group=GROUP):
-        out.setdefault(ep.name, ep.value)
-    return dict(sorted(out.items()))
-
-
-def _load(name: str, where: str) -> type:
-    if name in BUILTINS:
-        module, _, attr = BUILTINS[name].partition(":")
-        return getattr(importlib.import_module(module), attr)
-    if name in _registered:
-        return _registered[name]
-    for ep in entry_points(group=GROUP):
-        if ep.name == name:
-            try:
-                return ep.load()
-            except Exception as e:  # a broken plugin is one line, never a traceback
-                raise GymvError(f"logger plugin {name!r} ({ep.value}) failed to load: {type(e).__name__}: {e}",
-                                where=where, fix="reinstall or fix the plugin distribution") from None
-    raise GymvError(f"unknown logger {name!r}", where=where, fix=f"use one of: {', '.join(available())}")
+    return LOGGERS.available()
 
 
 def enabled_names(cfg: Any) -> list[str]:
     """The loggers a validated recipe turns on, in a stable order."""
-    names = [n for n in BUILTINS if getattr(cfg.logger, n, False)]
+    names = [n for n in LOGGERS.builtins if getattr(cfg.logger, n, False)]
     return names + [n for n in cfg.logger.plugins if n not in names]
 
 
@@ -90,7 +69,7 @@ def logger_classes(cfg: Any) -> list[type]:
     that says how to install it. `gymv train` calls this before it writes anything."""
     classes = []
     for name in enabled_names(cfg):
-        cls = _load(name, f"logger.{name}" if name in BUILTINS else "logger.plugins")
+        cls = LOGGERS.load(name)
         cls.check(cfg)
         classes.append(cls)
     return classes

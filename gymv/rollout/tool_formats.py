@@ -14,7 +14,8 @@ A third-party distribution adds one with an entry point::
     [project.entry-points."gymv.tool_call_formats"]
     my-format = "my_package.fmt:MyFormat"
 
-whose object is a ToolCallFormat subclass (or instance). A built-in name cannot be taken over. A malformed
+whose object is a ToolCallFormat subclass (or instance); in-process code calls `TOOL_CALL_FORMATS.register`
+(a `gymv.registry.Registry`). A built-in name cannot be taken over. A malformed
 call still becomes a call (the environment answers it with a tool error the model can learn from), except where
 the format's reference parser gives up on the whole turn (qwen3_coder, as vLLM's): the text is then a plain
 message with no call.
@@ -25,11 +26,11 @@ from __future__ import annotations
 import ast
 import json
 import re
-from importlib.metadata import entry_points
 from typing import Any
 
 from gymv.envs.protocol import ModelTurn, ToolCall
 from gymv.errors import GymvError
+from gymv.registry import Registry, import_path
 
 GROUP = "gymv.tool_call_formats"
 DEFAULT = "hermes"
@@ -325,16 +326,15 @@ class Qwen3CoderFormat(ToolCallFormat):
         return all(f"<function>\n<name>{_function(t).get('name', '')}</name>" in rendered for t in tools)
 
 
-BUILTINS: dict[str, type[ToolCallFormat]] = {"hermes": HermesFormat, "llama3": Llama3JsonFormat,
-                                             "qwen3_coder": Qwen3CoderFormat}
-
-
-def _plugins() -> dict[str, Any]:
-    return {ep.name: ep for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name) if ep.name not in BUILTINS}
+TOOL_CALL_FORMATS = Registry("tool-call format", GROUP, {
+    "hermes": import_path(HermesFormat),
+    "llama3": import_path(Llama3JsonFormat),
+    "qwen3_coder": import_path(Qwen3CoderFormat),
+}, where="rollout.tool_call_format")
 
 
 def available() -> list[str]:
-    return sorted({*BUILTINS, *_plugins()})
+    return list(TOOL_CALL_FORMATS.available())
 
 
 def get_tool_call_format(name: str | ToolCallFormat | None) -> ToolCallFormat:
@@ -342,15 +342,9 @@ def get_tool_call_format(name: str | ToolCallFormat | None) -> ToolCallFormat:
     if isinstance(name, ToolCallFormat):
         return name
     name = name or DEFAULT
-    if name in BUILTINS:
-        return BUILTINS[name]()
-    ep = _plugins().get(name)
-    if ep is None:
-        raise GymvError(f"unknown tool-call format {name!r}", where="rollout.tool_call_format",
-                        fix=f"use one of: {', '.join(available())} (plugins register under the entry-point group {GROUP})")
-    obj = ep.load()
+    obj = TOOL_CALL_FORMATS.load(name)
     fmt = obj() if isinstance(obj, type) else obj
     if not isinstance(fmt, ToolCallFormat):
-        raise GymvError(f"tool-call format plugin {name!r} ({ep.value}) is not a ToolCallFormat",
-                        fix="point the entry point at a ToolCallFormat subclass")
+        raise GymvError(f"tool-call format {name!r} is not a ToolCallFormat (got {type(fmt).__name__})",
+                        where="rollout.tool_call_format", fix="point the entry point at a ToolCallFormat subclass")
     return fmt
