@@ -2,35 +2,103 @@
 # Install gymv with its test extras into .venv (CPU torch) and run every test this machine can run; then
 # the vLLM backend's tests (tests/vllm_backend, skipped in .venv) in the separate vLLM venv (made once outside the
 # checkout, then reused, by `bash scripts/install.sh vllm`), with the decode-attention kernel tests that need its
-# triton. GYMV_TEST_VLLM=0 leaves the vLLM part out. Each stage's wall time is printed at the end.
+# triton. GYMV_TEST_VLLM=0 leaves the vLLM part out. Each stage's wall time is printed at the end, and a stage more
+# than 25% over its budget (below) fails the run.
 # Usage: bash scripts/test.sh [pytest args...]   (e.g. -m "not slow" for the fast set; they apply to .venv's run)
 # GYMV_TEST_WORKERS sets the number of pytest-xdist workers of .venv's run (default 2; 0 runs the tests in one process).
-set -euo pipefail
-cd "$(dirname "$0")/.."
-stages=()
-t0=$(date +%s)
-stage() { local now; now=$(date +%s); stages+=("$(printf '%-34s %5d s' "$1" $((now - t0)))"); t0=$now; }
-bash scripts/install.sh dev
-stage "install (.venv)"
-set +e
-# Two pytest-xdist workers, one test file at a time each (module fixtures are shared within a file);
-# GYMV_TEST_WORKERS=0 runs in this process.
-.venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 \
-  -n "${GYMV_TEST_WORKERS:-2}" --dist loadfile "$@"
-rc=$?
-set -e
-stage "main suite (.venv)"
-if [ "$rc" -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi
-if [ "${GYMV_TEST_VLLM:-1}" != "0" ]; then
-  bash scripts/install.sh vllm
-  stage "install (vLLM venv)"
+
+# Wall-time budgets on 2 cores, in seconds: the one place they are set (CONTRIBUTING.md states the same figures,
+# and a test holds it to them). A stage passes up to 25% over its budget, machines and their load vary; beyond
+# that the run fails, with a last line naming the stage and by how much.
+declare -A BUDGET=(
+  [fast]=180   # the fast set: the main suite's stage of a run given exactly -m "not slow"
+  [main]=1200  # the main suite (.venv): every other run
+  [ci]=2100    # the whole run of a fresh clone's .ci/run (venvs built from nothing); any run is held to it
+)
+BUDGET_HEADROOM_PCT=25
+# The fast set is checked only on a run given -m "not slow", whose main stage is the fast set's wall time. In a
+# full run the suite-timing summary's fast share is test time summed over the xdist workers, with each shared
+# fixture (a tiny model, the local Ray) charged to whichever test asked first, slow or not: it is not what a
+# fast-only run costs, so a limit on it would fail or pass by where the fixtures fell.
+
+# main_budget PYTEST_ARGS...: the budget the main suite's stage is held to ("fast" or "main").
+main_budget() {
+  local prev="" arg expr
+  for arg in "$@"; do
+    expr=""
+    if [ "$prev" = "-m" ]; then expr=$arg; elif [[ "$arg" == -m?* ]]; then expr=${arg#-m}; fi
+    prev=$arg
+    if [ -n "$expr" ] && [ "$(echo "$expr" | tr -s ' ' | sed 's/^ //; s/ $//')" = "not slow" ]; then
+      echo fast; return
+    fi
+  done
+  echo main
+}
+
+# over_budget [LABEL KEY SECONDS]...: say nothing and succeed when every stage is within its budget plus the
+# headroom; else print one line naming each stage beyond it, how long it took and by how much, and fail.
+over_budget() {
+  local over=() label key secs budget limit
+  while [ "$#" -ge 3 ]; do
+    label=$1 key=$2 secs=$3
+    shift 3
+    budget=${BUDGET[$key]}
+    limit=$((budget * (100 + BUDGET_HEADROOM_PCT) / 100))
+    if [ "$secs" -gt "$limit" ]; then
+      over+=("$label took $secs s, $((secs - budget)) s ($(((100 * (secs - budget) + budget - 1) / budget))%) over its $budget s budget (limit $limit s)")
+    fi
+  done
+  [ "${#over[@]}" -eq 0 ] && return 0
+  local line
+  printf -v line '%s; ' "${over[@]}"
+  echo "FAILED: over budget by more than $BUDGET_HEADROOM_PCT%: ${line%; }"
+  return 1
+}
+
+run_tests() {
+  set -euo pipefail
+  cd "$(dirname "${BASH_SOURCE[0]}")/.."
+  local start=${GYMV_RUN_START:-$(date +%s)}  # .ci/run sets it before its own set-up
+  local stages=() t0 took main_s total_s rc vrc key name
+  t0=$(date +%s)
+  stage() { local now; now=$(date +%s); took=$((now - t0)); stages+=("$(printf '%-34s %5d s' "$1" "$took")"); t0=$now; }
+  bash scripts/install.sh dev
+  stage "install (.venv)"
   set +e
-  "$(bash scripts/install_vllm.sh --path)/bin/python" -m pytest -q -p no:cacheprovider --timeout=900 tests/vllm_backend tests/test_decode_attention.py
-  vrc=$?
+  # Two pytest-xdist workers, one test file at a time each (module fixtures are shared within a file);
+  # GYMV_TEST_WORKERS=0 runs in this process.
+  .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 \
+    -n "${GYMV_TEST_WORKERS:-2}" --dist loadfile "$@"
+  rc=$?
   set -e
-  stage "vLLM backend tests (vLLM venv)"
-  [ "$rc" -eq 0 ] && rc=$vrc
+  stage "main suite (.venv)"
+  main_s=$took
+  if [ "$rc" -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi
+  if [ "${GYMV_TEST_VLLM:-1}" != "0" ]; then
+    bash scripts/install.sh vllm
+    stage "install (vLLM venv)"
+    set +e
+    "$(bash scripts/install_vllm.sh --path)/bin/python" -m pytest -q -p no:cacheprovider --timeout=900 tests/vllm_backend tests/test_decode_attention.py
+    vrc=$?
+    set -e
+    stage "vLLM backend tests (vLLM venv)"
+    [ "$rc" -eq 0 ] && rc=$vrc
+  fi
+  key=$(main_budget "$@")
+  echo "== wall time per stage (budgets on 2 cores, CONTRIBUTING.md: the fast set (-m \"not slow\") <= ${BUDGET[fast]} s," \
+    "the main suite <= ${BUDGET[main]} s, a fresh clone's .ci/run <= ${BUDGET[ci]} s; more than $BUDGET_HEADROOM_PCT% over fails)"
+  printf '%s\n' "${stages[@]}"
+  total_s=$(($(date +%s) - start))
+  printf '%-34s %5d s\n' "whole run" "$total_s"
+  name="main suite (.venv)"
+  [ "$key" = fast ] && name="the fast set (main suite, -m \"not slow\")"
+  if ! over_budget "$name" "$key" "$main_s" "whole run" ci "$total_s"; then
+    [ "$rc" -eq 0 ] && rc=1
+  fi
+  return "$rc"
+}
+
+# Sourced (by its tests), it only defines the budgets and the functions above.
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  run_tests "$@"
 fi
-echo "== wall time per stage (targets, CONTRIBUTING.md: main suite <= 600 s on 2 cores, the fast set <= 180 s)"
-printf '%s\n' "${stages[@]}"
-exit "$rc"

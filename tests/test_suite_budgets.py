@@ -1,0 +1,82 @@
+"""The suite's wall-time budgets: scripts/test.sh fails a run with a stage more than 25% over its budget, holds a
+`-m "not slow"` run to the fast set's budget, and states the figures CONTRIBUTING.md states. The script's own
+functions are called with made-up stage times (sourcing it defines them and runs nothing)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+
+from conftest import REPO
+
+
+def script(*call: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", 'source scripts/test.sh && "$@"', "test.sh", *call], cwd=REPO,
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_a_stage_up_to_a_quarter_over_its_budget_passes_silently():
+    r = script("over_budget", "main suite (.venv)", "main", "1500", "whole run", "ci", "2625")
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
+
+
+def test_a_stage_more_than_a_quarter_over_fails_and_the_last_line_names_it_and_by_how_much():
+    r = script("over_budget", "main suite (.venv)", "main", "1501", "whole run", "ci", "900")
+    assert r.returncode == 1
+    assert r.stdout.splitlines()[-1] == ("FAILED: over budget by more than 25%: main suite (.venv) took 1501 s, "
+                                         "301 s (26%) over its 1200 s budget (limit 1500 s)")
+
+
+def test_every_stage_beyond_its_limit_is_named_on_that_line():
+    r = script("over_budget", "the fast set", "fast", "400", "whole run", "ci", "3000")
+    assert r.returncode == 1
+    assert "the fast set took 400 s, 220 s (123%) over its 180 s budget" in r.stdout.splitlines()[-1]
+    assert "whole run took 3000 s, 900 s (43%) over its 2100 s budget" in r.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("args, budget", [
+    (["-m", "not slow"], "fast"),
+    (["-x", "-m", " not  slow "], "fast"),
+    (["-mnot slow"], "fast"),
+    ([], "main"),
+    (["-m", "slow"], "main"),
+    (["-m", "not slow and not gpu"], "main"),
+    (["tests/test_x.py", "-k", "not slow"], "main"),
+], ids=lambda v: repr(v) if isinstance(v, list) else v)
+def test_a_run_given_not_slow_is_held_to_the_fast_sets_budget_and_any_other_to_the_main_suites(args, budget):
+    assert script("main_budget", *args).stdout.strip() == budget
+
+
+def test_contributing_states_the_budgets_the_script_holds_runs_to():
+    r = script("eval", 'echo "${BUDGET[fast]} ${BUDGET[main]} ${BUDGET[ci]} $BUDGET_HEADROOM_PCT"')
+    fast, main, ci, headroom = map(int, r.stdout.split())
+    stated = re.search(r"- Time budget, on 2 cores: (.*?)\n- ", (REPO / "CONTRIBUTING.md").read_text(), re.S).group(1)
+    stated = " ".join(stated.split())
+    assert f"the main suite within {main // 60} minutes ({main} s)" in stated
+    assert f"the fast set within {fast // 60} ({fast} s)" in stated
+    assert f"within {ci // 60} ({ci} s)" in stated and f"more than {headroom}% over its budget" in stated
+
+
+# The script run for real on a one-test file, its installs skipped and its clock made up (each reading of
+# `date` is 1300 s after the last), so that its main stage is 1300 s long, over the fast set's limit.
+FAKE_RUN = """source scripts/test.sh
+bash() { [ "$1" = scripts/install.sh ] && return 0; command bash "$@"; }
+date() { local t; t=$(( $(cat "$CLOCK") + 1300 )); echo "$t" > "$CLOCK"; echo "$t"; }
+run_tests "$@"
+"""
+
+
+def test_a_run_with_a_stage_over_its_limit_exits_non_zero_with_that_line_last(tmp_path):
+    (tmp_path / "test_one.py").write_text("def test_one():\n    pass\n")
+    (tmp_path / "clock").write_text("0")
+    env = {k: v for k, v in os.environ.items() if k != "GYMV_RUN_START"}
+    env.update(CLOCK=str(tmp_path / "clock"), GYMV_TEST_VLLM="0", GYMV_TEST_WORKERS="0")
+    r = subprocess.run(["bash", "-c", FAKE_RUN, "test.sh", str(tmp_path / "test_one.py"), "-m", "not slow"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert "1 passed" in r.stdout and "slowest 15 durations" in r.stdout
+    assert r.returncode == 1
+    assert r.stdout.splitlines()[-1].startswith('FAILED: over budget by more than 25%: the fast set (main suite, '
+                                                '-m "not slow") took 1300 s, 1120 s (623%) over its 180 s budget')
