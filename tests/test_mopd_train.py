@@ -14,7 +14,7 @@ from gymv.errors import GymvError
 from gymv.runs.rollout_log import model_calls
 from gymv.train import Reporter, train
 from tiny_models import tiny_path
-from train_helpers import ray_session, write_recipe
+from train_helpers import ROLLOUT_RATES, ray_session, step_timing, sync_phases, timing_keys, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -101,6 +101,14 @@ def test_three_steps_train_with_a_reverse_kl_to_each_teacher(mopd_run):
         # other weights than the student (a sampled k1 estimate: nonzero, of either sign on a few tokens)
         assert abs(r["train/kl_teacher/counting"]) > 1e-3 and abs(r["train/kl_teacher/arith"]) > 1e-3
         assert r["train/grad_norm"] > 0
+
+
+def test_every_timing_key_is_a_phase_of_the_steps_timer_teacher_scoring_included(mopd_run):
+    _, _, run, _ = mopd_run
+    for r in _metrics(run):
+        assert timing_keys(r) == step_timing(*sync_phases(), "teacher", rates=ROLLOUT_RATES)
+        inside = ("generation_s", "teacher_s", "logprobs_s", "training_s", "refit_s")
+        assert sum(r[f"timing/{k}"] for k in inside) <= r["timing/step_s"]
 
 
 def test_no_sequence_is_masked_for_logprob_error_when_generator_and_trainer_agree(mopd_run):

@@ -12,7 +12,8 @@ import torch
 from gymv.runs.rollout_log import model_calls, read_rollouts
 from gymv.train import Reporter, train
 from tiny_models import tiny_path
-from train_helpers import model_weights, ray_module, read_weights, tiny_grpo_settings, write_recipe
+from train_helpers import (ROLLOUT_RATES, model_weights, ray_module, read_weights, step_timing, sync_phases, timing_keys,
+                           tiny_grpo_settings, write_recipe)
 
 pytestmark = pytest.mark.slow
 
@@ -62,6 +63,16 @@ def test_three_steps_log_finite_losses_and_every_phase_timing(grpo_run):
                     "timing/step_s", "timing/tokens_per_s", "train/reward_mean", "train/reward_std",
                     "train/accuracy", "train/advantage_mean", "train/clip_fraction", "train/entropy"):
             assert key in r, key
+
+
+def test_every_timing_key_is_a_phase_of_the_steps_timer_and_lies_within_the_step(grpo_run):
+    _, _, run = grpo_run
+    for r in _metrics(run):
+        assert timing_keys(r) == step_timing(*sync_phases(), rates=ROLLOUT_RATES)
+        assert r["timing/env_s"] <= r["timing/generation_s"]  # measured inside the rollout round trip
+        assert r["timing/train_step_s"] <= r["timing/training_s"]
+        inside = ("generation_s", "logprobs_s", "training_s", "refit_s")  # one after another within the step
+        assert sum(r[f"timing/{k}"] for k in inside) <= r["timing/step_s"]
 
 
 def test_some_group_carries_signal_so_the_weights_change(grpo_run):

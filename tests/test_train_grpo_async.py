@@ -13,7 +13,7 @@ import pytest
 from gymv.errors import GymvError
 from gymv.train import Reporter, train
 from tiny_models import tiny_path
-from train_helpers import ray_module, tiny_grpo_settings, write_recipe
+from train_helpers import ROLLOUT_RATES, ray_module, step_timing, timing_keys, tiny_grpo_settings, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -112,6 +112,15 @@ def test_every_async_metric_is_logged_every_step(one_off):
                     "async/buffered_groups", "async/encoder_cache_stale_hits_total", "timing/step_s"):
             assert math.isfinite(r[key]), key
         assert 0.0 <= r["async/overlap_fraction"] <= 1.0
+
+
+def test_every_async_timing_key_is_a_phase_of_the_steps_timer(one_off):
+    _, _, rows = one_off
+    phases = ("wait", "generation", "env", "overlap", "logprobs", "training", "train_step", "refit")
+    for r in rows:
+        assert timing_keys(r) == step_timing(*phases, rates=ROLLOUT_RATES)
+        # back to back: a step's clock runs from the step before's end, so its waits are inside it
+        assert r["timing/wait_s"] + r["timing/logprobs_s"] + r["timing/training_s"] + r["timing/refit_s"] <= r["timing/step_s"]
 
 
 def test_with_the_encoder_cache_reset_no_rollout_uses_features_of_older_weights(tmp_path):

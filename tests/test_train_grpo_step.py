@@ -13,15 +13,16 @@ from gymv.backends.logprobs import right_pad, sequence_logprobs
 from gymv.cluster.workers import SEQ_ERRORS_KEY, TrainingWorker, WorkerSpec
 from gymv.config import load_recipe
 from gymv.config.schema import EnvSection, TrainingSection
+from gymv.timing import PhaseTimer
 from gymv.train.stats import policy_update
 from conftest import REPO
 from tiny_models import chat_ids, noise, tiny_path
 
 
-def worker(micro_batch_tokens: int = 4096) -> TrainingWorker:
+def worker(micro_batch_tokens: int = 4096, kl_reference: bool = False) -> TrainingWorker:
     spec = WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSection(name="circle-count"),
                       training=TrainingSection(lr=1e-2, weight_decay=0.01, dtype="float32",
-                                               micro_batch_tokens=micro_batch_tokens))
+                                               micro_batch_tokens=micro_batch_tokens), kl_reference=kl_reference)
     w = TrainingWorker(spec)
     w.setup()
     return w
@@ -113,6 +114,16 @@ def test_a_step_left_without_samples_trains_on_nothing_and_logs_its_sequence_err
     m = policy_update(w, cfg, [], [], PolicyLoss(), None)
     assert m["train/num_sequences"] == 0.0 and m["train/max_seq_mult_prob_error"] == 0.0
     assert all(torch.equal(before[k], v) for k, v in w.weights().items())
+
+
+def test_a_step_sends_its_phases_seconds_back_for_the_drivers_timer_the_reference_pass_inside_logprobs():
+    w = worker(kl_reference=True)
+    timer = PhaseTimer()
+    metrics = timer.take(w.grpo_step([samples_for(w)], PolicyLoss(kl_coef=0.1)))
+    assert not any(k.startswith("timing/") for k in metrics)
+    assert set(timer.seconds) == {"logprobs", "reference", "training", "train_step"}
+    assert 0.0 < timer.seconds["reference"] <= timer.seconds["logprobs"]
+    assert 0.0 < timer.seconds["train_step"] <= timer.seconds["training"]
 
 
 def test_the_training_worker_plans_micro_batches_that_keep_a_groups_samples_together():

@@ -11,7 +11,8 @@ from gymv.errors import GymvError
 from gymv.runs.checkpoint import list_checkpoints, read_state
 from gymv.train import Reporter, train
 from tiny_models import tiny_path
-from train_helpers import model_weights, ray_module, read_weights, tiny_grpo_settings, write_recipe
+from train_helpers import (model_weights, ray_module, read_weights, step_timing, timing_keys, tiny_grpo_settings,
+                           write_recipe)
 
 pytestmark = pytest.mark.slow
 
@@ -57,6 +58,16 @@ def test_a_few_sft_steps_lower_the_loss_and_validate_with_rollouts(sft_run):
     assert all("val/accuracy" in rows[i] for i in (1, 3)) and "val/accuracy" not in rows[0]
     assert all(r["timing/tokens_per_s"] > 0 for r in rows)
     assert summary["final_dir"] and (tmp_path / "runs" / "sft" / "rollouts" / "val_step_4.jsonl").exists()
+
+
+def test_every_timing_key_is_a_phase_of_the_steps_timer_validations_refit_included(sft_run):
+    tmp_path, _ = sft_run
+    rows = _metrics(tmp_path / "runs" / "sft")
+    for r in rows:
+        validated = r["step"] % 2 == 0  # sft.val_period 2: the generator is refit, then validates
+        phases = ("samples", "training", "train_step", *(("refit", "validation") if validated else ()))
+        assert timing_keys(r) == step_timing(*phases, rates=("tokens",)), r["step"]
+        assert sum(r[f"timing/{p}_s"] for p in phases if p != "train_step") <= r["timing/step_s"]
 
 
 def test_a_nan_loss_stops_the_run_with_a_clear_error_and_the_last_checkpoint_intact(tmp_path):

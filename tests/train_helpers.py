@@ -115,3 +115,27 @@ def model_weights(folder: Path) -> dict:
     from gymv.backends.policy import load_policy
 
     return load_policy(folder).model.state_dict()
+
+
+def step_timing(*phases: str, rates: tuple[str, ...] = ()) -> set[str]:
+    """The `timing/*` keys a step's PhaseTimer (gymv.timing) writes for its clock, these phases and these rates:
+    a row whose timing keys are exactly these has no duration measured outside the timer, and none missing."""
+    from gymv.timing import phase_key
+
+    return {phase_key(p) for p in ("step", *phases)} | {f"timing/{r}_per_s" for r in rates}
+
+
+def timing_keys(row: dict) -> set[str]:
+    return {k for k in row if k.startswith("timing/")}
+
+
+def sync_phases() -> tuple[str, ...]:
+    """The phases of a synchronous GRPO (and MOPD) step: the rollout round trip, the environment's seconds and
+    generation's split inside it (the slowest worker's), the trainer's passes, the refit."""
+    from gymv.rollout.loop import BREAKDOWN
+
+    return ("generation", "env", *(f"generation/{b.removesuffix('_s')}" for b in BREAKDOWN),
+            "logprobs", "training", "train_step", "refit")
+
+
+ROLLOUT_RATES = ("generation_tokens", "tokens")  # generated tokens per generation second, all tokens per step second

@@ -38,7 +38,7 @@ KNOWN_METRICS: frozenset[str] = frozenset(
     + [f"val/{n}" for n in _TRAIN_ROLLOUT]
     # wall-clock phases and throughput
     + [f"timing/{n}" for n in (
-        "step_s", "train_step_s", "generation_s", "env_s", "logprobs_s", "teacher_s", "samples_s", "training_s",
+        "step_s", "train_step_s", "generation_s", "env_s", "logprobs_s", "reference_s", "teacher_s", "samples_s", "training_s",
         "refit_s", "validation_s", "checkpoint_s", "tokens_per_s", "generation_tokens_per_s", "wait_s", "overlap_s")]
     # where generation's time goes (gymv.rollout.loop.BREAKDOWN)
     + [f"timing/generation/{n}" for n in (

@@ -39,6 +39,7 @@ from gymv.cluster.transport_choice import Layout, choose_transport
 from gymv.cluster.workers import SEQ_ERRORS_KEY, GenerationWorker, TrainingWorker, WorkerSpec
 from gymv.errors import GymvError, WriteError
 from gymv.io import is_write_failure, write_error
+from gymv.timing import phase_key
 
 
 def ray_get(refs, phase: str, timeout_s: float | None = None, *, key: str = "cluster.phase_timeout_s"):
@@ -79,6 +80,14 @@ def ray_get(refs, phase: str, timeout_s: float | None = None, *, key: str = "clu
 
 
 REFIT_GROUP = "refit"
+
+
+def rollout_timing(stats: Sequence[dict]) -> dict[str, float]:
+    """The slowest generation worker's environment seconds and split of generation (gymv.rollout.loop.BREAKDOWN)
+    as `timing/` keys for PhaseTimer.take: `env_s` is timing/env_s, `breakdown/render_s` timing/generation/render_s."""
+    names = {"env_s", *(k for st in stats for k in st if k.startswith("breakdown/"))}
+    return {phase_key(n.replace("breakdown/", "generation/").removesuffix("_s")): max(st.get(n, 0.0) for st in stats)
+            for n in names}
 
 
 @dataclass
@@ -247,15 +256,11 @@ class PolicyCluster:
         return call
 
     def rollouts(self, rows: Sequence[tuple[int, dict]], *, seed: int, **kwargs) -> tuple[list, dict]:
-        """Rollouts of every row, split by prompt across generation workers, in row order; also timings."""
-        t0 = time.perf_counter()
+        """Rollouts of every row, split by prompt across generation workers, in row order; also the seconds the
+        workers measured (`timing/` keys for the step's PhaseTimer.take)."""
         calls = self.submit_rollouts(rows, seed=seed, **kwargs)
         out = self._get([c.ref for c in calls], "generation")
-        timing = {"generation_s": time.perf_counter() - t0,
-                  "env_s": max(o["stats"].get("env_s", 0.0) for o in out)}
-        for key in {k for o in out for k in o["stats"] if k.startswith("breakdown/")}:  # the slowest worker's
-            timing[key] = max(o["stats"].get(key, 0.0) for o in out)
-        return [t for o in out for t in o["trajectories"]], timing
+        return [t for o in out for t in o["trajectories"]], rollout_timing([o["stats"] for o in out])
 
     # -- training ------------------------------------------------------------------------------------
     def _shard(self, minibatches: list[list]) -> list[list[list]]:

@@ -52,6 +52,7 @@ from gymv.rollout import ImageCache, build_sft_sample, run_rollouts
 from gymv.rollout.agent_driver import run_agent_rollouts
 from gymv.rollout.policy_server import PolicyServer
 from gymv.runs.checkpoint import capture_rng_state, restore_rng_state
+from gymv.timing import PhaseTimer
 
 
 @dataclass(frozen=True)
@@ -370,23 +371,25 @@ class TrainingWorker:
 
         With `seq_error_threshold`, samples whose sequence-level logprob error exceeds it are left out
         (gymv.algorithms.seq_error) and the metrics carry every sample's error under SEQ_ERRORS_KEY, in
-        the order of `minibatches`."""
-        t0 = time.perf_counter()
-        flat = [as_tensors(s) for mb in minibatches for s in mb]
-        if self.spec.kl_reference and flat:
-            for s, lp in zip(flat, self.backend.compute_logprobs(flat, reference=True)):
-                s["logp_ref"] = lp
-        # later minibatches see moved weights: ratios need the old policy; so does the sequence error
-        if (len(minibatches) > 1 or seq_error_threshold is not None) and flat:
-            for s, lp in zip(flat, self.backend.compute_logprobs(flat)):
-                s["logp_old"] = lp
-        errors = None
-        if seq_error_threshold is not None:
-            minibatches, errors = drop_masked_samples(minibatches, seq_error_threshold)
-        t1 = time.perf_counter()
-        metrics = self._train_minibatches(minibatches, loss_fn)
-        metrics["timing/logprobs_s"] = t1 - t0
-        metrics["timing/training_s"] = time.perf_counter() - t1
+        the order of `minibatches`. Its phases' seconds come back as timing keys (the driver's timer takes them):
+        logprobs (every no-grad pass), reference (the reference policy's pass, inside logprobs), training."""
+        timer = PhaseTimer()
+        with timer.phase("logprobs"):
+            flat = [as_tensors(s) for mb in minibatches for s in mb]
+            if self.spec.kl_reference and flat:
+                with timer.phase("reference"):
+                    for s, lp in zip(flat, self.backend.compute_logprobs(flat, reference=True)):
+                        s["logp_ref"] = lp
+            # later minibatches see moved weights: ratios need the old policy; so does the sequence error
+            if (len(minibatches) > 1 or seq_error_threshold is not None) and flat:
+                for s, lp in zip(flat, self.backend.compute_logprobs(flat)):
+                    s["logp_old"] = lp
+            errors = None
+            if seq_error_threshold is not None:
+                minibatches, errors = drop_masked_samples(minibatches, seq_error_threshold)
+        with timer.phase("training"):
+            metrics = self._train_minibatches(minibatches, loss_fn)
+        metrics.update(timer.metrics())
         if errors is not None:
             metrics[SEQ_ERRORS_KEY] = errors
         return metrics
@@ -409,13 +412,14 @@ class TrainingWorker:
         return out
 
     def sft_step(self, rows: Sequence[tuple[int, dict, str]], loss_fn) -> dict:
-        t0 = time.perf_counter()
-        samples = self.sft_samples(rows)
-        t1 = time.perf_counter()
-        metrics = self._train_minibatches([samples], loss_fn)
+        """One optimizer step on the rows' gold answers; its phases' seconds (samples, training) as timing keys."""
+        timer = PhaseTimer()
+        with timer.phase("samples"):
+            samples = self.sft_samples(rows)
+        with timer.phase("training"):
+            metrics = self._train_minibatches([samples], loss_fn)
         metrics["train/num_input_tokens"] = self.backend.sum_over_ranks(sum(len(s["input_ids"]) for s in samples))
-        metrics["timing/samples_s"] = t1 - t0
-        metrics["timing/training_s"] = time.perf_counter() - t1
+        metrics.update(timer.metrics())
         return metrics
 
     # -- refit ---------------------------------------------------------------------------------------

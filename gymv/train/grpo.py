@@ -21,17 +21,18 @@ from collections.abc import Callable
 from gymv.algorithms.grpo import policy_loss
 from gymv.cluster.group import Placement, PolicyCluster
 from gymv.rollout import to_rollout_record
+from gymv.timing import PhaseTimer
 from gymv.train.failures import FailureGuard
 from gymv.train.loop import TrainingLoop, rollout_throughput
 from gymv.train.setup import RunContext, rollout_kwargs, sampling_params, step_seed, worker_spec
 from gymv.train.stats import TrainBatch, group_advantages, policy_samples, policy_update, rollout_metrics, trained
 
 
-def grpo_batch(grpo, max_seq_len: int) -> Callable[[list], TrainBatch]:
+def grpo_batch(grpo, max_seq_len: int) -> Callable[[list, PhaseTimer], TrainBatch]:
     """GRPO's samples of a step's trajectories (the G of each prompt contiguous): group advantages over all of
     them, samples of those that train (`grpo.overlong_filtering` leaves the overlong ones out)."""
 
-    def make(trajectories: list) -> TrainBatch:
+    def make(trajectories: list, timer: PhaseTimer) -> TrainBatch:
         advantages, adv_stats = group_advantages(trajectories, grpo.generations_per_prompt, grpo.advantage)
         keep, filtered = trained(trajectories, grpo.overlong_filtering, max_seq_len)
         chosen = [i for i, k in enumerate(keep) if k]
@@ -53,10 +54,11 @@ def train_grpo(ctx: RunContext, *, resume: bool) -> dict:
         cluster.shutdown()
 
 
-def run_sync(ctx: RunContext, cluster, section, loss_fn, make_batch: Callable[[list], TrainBatch], *, resume: bool,
-             start_info: dict | None = None) -> dict:
+def run_sync(ctx: RunContext, cluster, section, loss_fn, make_batch: Callable[[list, PhaseTimer], TrainBatch], *,
+             resume: bool, start_info: dict | None = None) -> dict:
     """The synchronous loop of an algorithm section (`grpo` or `mopd`: its sizes and validation keys), whose
-    `make_batch` turns a step's trajectories into training samples and metrics."""
+    `make_batch` turns a step's trajectories into training samples and metrics (timing its phases with the
+    step's timer)."""
     cfg, report = ctx.cfg, ctx.reporter
     loop = TrainingLoop(ctx, cluster, section, resume=resume)
     params = sampling_params(cfg)
@@ -67,17 +69,20 @@ def run_sync(ctx: RunContext, cluster, section, loss_fn, make_batch: Callable[[l
     for step, timer in loop.steps():
         # 1-2. rollouts of this step's prompts
         rows = loop.data.next_batch(section.prompts_per_step)
-        trajectories, timing = cluster.rollouts([(r.index, r.data) for r in rows], group_size=section.generations_per_prompt,
-                                                params=params, seed=step_seed(cfg.seed, step), source=ctx.train_source,
-                                                **limits)
+        with timer.phase("generation"):
+            trajectories, worker_timing = cluster.rollouts(
+                [(r.index, r.data) for r in rows], group_size=section.generations_per_prompt, params=params,
+                seed=step_seed(cfg.seed, step), source=ctx.train_source, **limits)
+        timer.take(worker_timing)  # the environment's seconds and generation's split, the slowest worker's
+        rollout_throughput(timer, trajectories)
         guard.check(step, trajectories)  # before training: a step that trips it is not trained nor counted
 
         # 3. the algorithm's training samples (GRPO: advantages; MOPD: teacher scores)
-        batch = make_batch(trajectories)
+        batch = make_batch(trajectories, timer)
 
         # 4. optimizer step(s)
-        train_metrics = policy_update(cluster, cfg, batch.samples, batch.rewards, loss_fn,
-                                      section.seq_logprob_error_threshold)
+        train_metrics = timer.take(policy_update(cluster, cfg, batch.samples, batch.rewards, loss_fn,
+                                                 section.seq_logprob_error_threshold))
 
         # 5. refit (the generation workers reset their encoder cache after it, when configured)
         with timer.phase("refit"):
@@ -86,12 +91,6 @@ def run_sync(ctx: RunContext, cluster, section, loss_fn, make_batch: Callable[[l
 
         # 6. validation, logs, checkpoint
         metrics = {**batch.metrics, **train_metrics, **loop.validation_if_due(step)}
-        step_s = timer.step_s()
-        metrics.update({
-            "timing/step_s": step_s, "timing/generation_s": timing["generation_s"], "timing/env_s": timing["env_s"],
-            **timer.metrics, **rollout_throughput(trajectories, timing["generation_s"], step_s),
-            **{f"timing/generation/{k.split('/', 1)[1]}": v for k, v in timing.items() if k.startswith("breakdown/")},
-        })
         loop.end_step(metrics, rollouts=batch.records)
 
     return loop.finish()

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from gymv.algorithms.grpo import policy_loss
 from gymv.cluster.group import Placement, PolicyCluster
+from gymv.timing import PhaseTimer
 from gymv.train.failures import FailureGuard
 from gymv.train.grpo import grpo_batch
 from gymv.train.loop import TrainingLoop, rollout_throughput
@@ -44,10 +45,11 @@ def train_grpo_async(ctx: RunContext, *, resume: bool) -> dict:
         cluster.shutdown()
 
 
-def run_async(ctx: RunContext, cluster, section, loss_fn, make_batch: Callable[[list], TrainBatch], *, resume: bool,
-              start_info: dict | None = None) -> dict:
+def run_async(ctx: RunContext, cluster, section, loss_fn, make_batch: Callable[[list, PhaseTimer], TrainBatch], *,
+              resume: bool, start_info: dict | None = None) -> dict:
     """The asynchronous loop of an algorithm section (`grpo` or `mopd`: its sizes, async and validation keys),
-    whose `make_batch` turns a step's trajectories into training samples and metrics."""
+    whose `make_batch` turns a step's trajectories into training samples and metrics (timing its phases with
+    the step's timer)."""
     cfg, report = ctx.cfg, ctx.reporter
     G, P, max_age = section.generations_per_prompt, section.prompts_per_step, section.async_.max_trajectory_age_steps
 
@@ -61,20 +63,21 @@ def run_async(ctx: RunContext, cluster, section, loss_fn, make_batch: Callable[[
     loop.start(**{"async": True, "max_trajectory_age_steps": max_age, **(start_info or {})})
     pipeline.fill()  # generation starts here and from now on runs beside training
 
-    t_prev = time.time()
-    for step, timer in loop.steps():
+    # a step's wall time runs from the end of the step before (waits included)
+    for step, timer in loop.steps(back_to_back=True):
         # 1. this step's groups
-        groups, dropped, wait_s = pipeline.take(step)
+        with timer.phase("wait"):
+            groups, dropped = pipeline.take(step)
         trajectories = [t for g in groups for t in g.trajectories]
         guard.check(step, trajectories)
         ages = Counter(g.age(step) for g in groups for _ in g.trajectories)
 
         # 2-3. samples (advantages; MOPD: teacher scores of exactly these rows), optimizer step(s)
-        batch = make_batch(trajectories)
+        batch = make_batch(trajectories, timer)
         t_train = time.time()
-        train_metrics = policy_update(cluster, cfg, batch.samples, batch.rewards, loss_fn,
-                                      section.seq_logprob_error_threshold)
-        t_trained = time.time()
+        train_metrics = timer.take(policy_update(cluster, cfg, batch.samples, batch.rewards, loss_fn,
+                                                 section.seq_logprob_error_threshold))
+        timer.add("overlap", pipeline.overlap_s(t_train, time.time()))
 
         # 4. new weights to the generators (validation queues right behind them), then the batches they allow
         with timer.phase("refit"):
@@ -83,29 +86,24 @@ def run_async(ctx: RunContext, cluster, section, loss_fn, make_batch: Callable[[
         metrics = {**batch.metrics, **train_metrics, **loop.validation_if_due(step)}
         pipeline.fill()
 
-        # 5. logs, checkpoint; a step's wall time runs from the end of the step before (waits included)
-        now = time.time()
-        metrics.update(_async_metrics(pipeline, trajectories, ages, dropped, max_age, step_s=now - t_prev,
-                                      wait_s=wait_s, refit_s=timer.metrics["timing/refit_s"],
-                                      train_span=(t_train, t_trained)))
+        # 5. logs, checkpoint
+        timer.take(pipeline.timings())  # generation of the batches that finished since the step before
+        rollout_throughput(timer, trajectories)
+        timer.stop()
+        metrics.update(_async_metrics(pipeline, ages, dropped, max_age, timer))
         loop.end_step(metrics, rollouts=batch.records, position=pipeline.positions.get(step, loop.data.position))
-        t_prev = now
 
     pipeline.close()
     return loop.finish()
 
 
-def _async_metrics(pipeline: RolloutPipeline, trajectories: list, ages: Counter, dropped: int, max_age: int, *,
-                   step_s: float, wait_s: float, refit_s: float, train_span: tuple[float, float]) -> dict:
-    """Timing, staleness, drops and faults of one asynchronous step (docs/async.md)."""
-    overlap = pipeline.overlap_s(*train_span)
-    gen_s, env_s = pipeline.timings()
+def _async_metrics(pipeline: RolloutPipeline, ages: Counter, dropped: int, max_age: int, timer: PhaseTimer) -> dict:
+    """Staleness, drops, faults and the share of the (stopped) step that generation overlapped training, of one
+    asynchronous step (docs/async.md)."""
     n = max(sum(ages.values()), 1)
+    seconds = timer.seconds
     return {
-        "timing/step_s": step_s, "timing/wait_s": wait_s, "timing/refit_s": refit_s,
-        "timing/generation_s": gen_s, "timing/env_s": env_s,
-        "timing/overlap_s": overlap, "async/overlap_fraction": overlap / max(step_s, 1e-9),
-        **rollout_throughput(trajectories, gen_s, step_s),
+        "async/overlap_fraction": seconds["overlap"] / max(seconds["step"], 1e-9),
         "async/age_mean": sum(a * k for a, k in ages.items()) / n,
         "async/age_max": float(max(ages, default=0)),
         **{f"async/age_{a}_fraction": ages.get(a, 0) / n for a in range(max_age + 1)},

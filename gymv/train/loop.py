@@ -9,14 +9,13 @@
     return loop.finish()                           # the final export when complete; the loop's result
 
 The loop owns what the algorithms share: where the run continues from (checkpoint, data position), when to
-validate, the metrics log, the rollout log, checkpoints and `checkpoint.steps_per_run`.
+validate, the metrics log, the rollout log, checkpoints and `checkpoint.steps_per_run`, and each step's
+`PhaseTimer` (gymv.timing), whose record is the only source of a row's `timing/*` keys.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,58 +23,38 @@ from gymv.algorithms.seq_error import AllMaskedWatch
 from gymv.cluster.group import TrainerHandle
 from gymv.models.init_path import FINAL_DIR
 from gymv.runs.checkpoint import CheckpointState, DataPosition, unusable_checkpoints
+from gymv.timing import PhaseTimer, step_row
 from gymv.train.data import RowStream
 from gymv.train.logprob_guard import LogprobErrorGuard
 from gymv.train.setup import RunContext, record_placement
 from gymv.train.validation import validate
 
 
-class PhaseTimer:
-    """Seconds of one step and of its named phases, in the manner of verl's `marked_timer`:
-    `with timer.phase("refit"):` adds the block's seconds to `timing/refit_s` in `timer.metrics`."""
-
-    def __init__(self):
-        self.started = time.perf_counter()
-        self.metrics: dict[str, float] = {}
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            key = f"timing/{name}_s"
-            self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - t0
-
-    def step_s(self) -> float:
-        """Seconds since the step began (`timing/step_s`, once the step's work and validation are done)."""
-        return time.perf_counter() - self.started
-
-
-def rollout_throughput(trajectories: Sequence[Any], generation_s: float, step_s: float) -> dict[str, float]:
+def rollout_throughput(timer: PhaseTimer, trajectories: Sequence[Any]) -> None:
     """Generated tokens per generation second, and all tokens of the step's episodes per step second."""
-    generated = sum(sum(t.loss_mask) for t in trajectories)
-    total = sum(len(t.token_ids) for t in trajectories)
-    return {"timing/generation_tokens_per_s": generated / max(generation_s, 1e-9),
-            "timing/tokens_per_s": total / max(step_s, 1e-9)}
+    timer.rate("generation_tokens", sum(sum(t.loss_mask) for t in trajectories), per="generation")
+    timer.rate("tokens", sum(len(t.token_ids) for t in trajectories), per="step")
 
 
 class TrainingLoop:
     """`section` is the algorithm's recipe section (max_steps, val_period, val_at_start, val_prompts).
 
-    `validation(step)` is how this algorithm validates (default: greedy rollouts with the generators' current
-    weights); `validates` False leaves validation out altogether (an SFT run without eval rows)."""
+    `validation(step, timer)` is how this algorithm validates, timing its phases with the step's timer (default:
+    greedy rollouts with the generators' current weights); `validates` False leaves validation out altogether
+    (an SFT run without eval rows)."""
 
     def __init__(self, ctx: RunContext, cluster, section, *, resume: bool,
-                 validation: Callable[[int], dict] | None = None, validates: bool = True):
+                 validation: Callable[[int, PhaseTimer], dict] | None = None, validates: bool = True):
         self.ctx, self.cluster, self.section = ctx, cluster, section
         self.max_steps = section.max_steps
         self.validates = validates
-        self._validation = validation or (lambda at: validate(ctx, cluster, at, section.val_prompts))
+        self._validation = validation or (lambda at, timer: validate(ctx, cluster, at, section.val_prompts, timer))
         self.checkpoints = Checkpointer(ctx, cluster)
         self.restored, self.step, self.data = self.checkpoints.start(resume, cluster)
         self.metrics_log = ctx.run.metrics_log()
         self.last_metrics: dict = {}
+        self.timer = PhaseTimer()  # the current step's
+        self.checkpoint_s = 0.0
         self._stopping = False
         key = f"{ctx.cfg.base_algorithm}.seq_logprob_error_threshold"
         self.masked = AllMaskedWatch(getattr(section, "seq_logprob_error_threshold", None), key,
@@ -94,41 +73,56 @@ class TrainingLoop:
             ctx.reporter.on_message(f"note: refits are not checked: generation backend {ctx.cfg.generation.backend!r} "
                                     "declares no refit check (refit.check.mode: digest or probe asks it anyway)")
         if self.step == 0 and self.section.val_at_start and self.validates:
-            row = self._validation(0)
+            timer = PhaseTimer()  # step 0 is validation alone: no step time
+            row = step_row(self._validation(0, timer), timer)
             self.metrics_log.log(0, row)
             ctx.reporter.on_step(0, row)
 
-    def steps(self) -> Iterator[tuple[int, PhaseTimer]]:
-        """(step, its timer) for each step to run; stops at max_steps or after `checkpoint.steps_per_run`."""
+    def steps(self, *, back_to_back: bool = False) -> Iterator[tuple[int, PhaseTimer]]:
+        """(step, its timer) for each step to run; stops at max_steps or after `checkpoint.steps_per_run`.
+
+        With `back_to_back` a step's clock starts where the step before's stopped: an asynchronous step's time
+        is what it took from the last one, its wait for rollouts generated meanwhile included."""
+        started = None
         while self.step < self.max_steps and not self._stopping:
             self.step += 1
-            yield self.step, PhaseTimer()
+            self.timer = PhaseTimer(started)
+            yield self.step, self.timer
+            started = self.timer.stopped if back_to_back else None
 
     def validation_if_due(self, step: int) -> dict:
         """The validation metrics of this step when `val_period` (or the last step) asks for them, else none."""
         if self.validates and should_validate(step, self.section.val_period, self.max_steps):
-            return self._validation(step)
+            return self._validation(step, self.timer)
         return {}
 
     def end_step(self, metrics: dict, *, rollouts: Callable[[], list[dict]] | None = None,
                  position: DataPosition | None = None) -> None:
-        """Write the step's rollouts (`rollouts()`, called when `logger.log_rollouts`) and metrics row, then
-        checkpoint when due. `position`: where the data stream stands after this step's rows (default: the
-        stream's own position)."""
-        step, ctx = self.step, self.ctx
+        """Stop the step's clock, write the step's rollouts (`rollouts()`, called when `logger.log_rollouts`) and
+        metrics row (with the timer's `timing/*` keys), then checkpoint when due. `position`: where the data
+        stream stands after this step's rows (default: the stream's own position).
+
+        The checkpoint is timed by the step's timer too, but after the row is written (a crash while checkpointing
+        then repeats the step instead of losing its row), so its seconds are the loop result's `checkpoint_s`."""
+        step, ctx, timer = self.step, self.ctx, self.timer
+        timer.stop()
+        metrics = step_row(metrics, timer)
         self.masked.check(step, metrics)  # every sequence masked: a warning, and a stop when it persists
         if rollouts is not None and ctx.cfg.logger.log_rollouts:
             ctx.run.write_rollouts(step, rollouts())
         self.metrics_log.log(step, metrics)
         ctx.reporter.on_step(step, metrics)
         self.last_metrics = metrics
-        self._stopping = self.checkpoints.end_step(step, self.max_steps, position or self.data.position)
+        with timer.phase("checkpoint"):
+            self._stopping = self.checkpoints.end_step(step, self.max_steps, position or self.data.position)
+        self.checkpoint_s += timer.seconds["checkpoint"]
         if self.logprob_guard is not None:  # after the step is logged and checkpointed: a stop loses nothing
             self.logprob_guard.check(step, metrics)
 
     def finish(self) -> dict:
         """Export the final model when the run is complete, close the log; the loop's result."""
-        return self.checkpoints.finish(self.cluster, self.step, self.max_steps, self.metrics_log, self.last_metrics)
+        return {**self.checkpoints.finish(self.cluster, self.step, self.max_steps, self.metrics_log, self.last_metrics),
+                "checkpoint_s": self.checkpoint_s}
 
 
 class Checkpointer:
@@ -138,7 +132,6 @@ class Checkpointer:
         self.ctx = ctx
         self.handle = TrainerHandle(cluster)
         self.manager = ctx.run.checkpoints(ctx.cfg.checkpoint.keep)
-        self.seconds = 0.0
         self.steps_run = 0  # steps taken by this process
 
     def resume(self, resume: bool) -> CheckpointState | None:
@@ -160,10 +153,8 @@ class Checkpointer:
     retry_wait_s = 10.0  # before the one retry of a checkpoint the disk refused: time to free some space
 
     def save(self, step: int, position: DataPosition) -> Path:
-        t0 = time.perf_counter()
         path = self.manager.save_retrying(step, self.handle, position, extra={"algorithm": self.ctx.cfg.algorithm},
                                           wait_s=self.retry_wait_s, say=self.ctx.reporter.on_message)
-        self.seconds += time.perf_counter() - t0
         self.ctx.reporter.on_checkpoint(step, path)
         return path
 
@@ -195,7 +186,7 @@ class Checkpointer:
         final_dir = cluster.export(self.ctx.run.path / FINAL_DIR) if step >= max_steps else None
         metrics_log.close()
         return {"step": step, "steps_run": self.steps_run, "max_steps": max_steps, "final_dir": final_dir,
-                "last_metrics": last_metrics, "checkpoint_s": self.seconds}
+                "last_metrics": last_metrics}
 
 
 def should_validate(step: int, period: int, max_steps: int) -> bool:

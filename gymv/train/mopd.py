@@ -21,7 +21,6 @@ only routing, teacher scoring and the loss (gymv.algorithms.mopd) are MOPD's own
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ from gymv.cluster.group import Placement, PolicyCluster
 from gymv.cluster.teachers import TeacherPool, teacher_specs
 from gymv.envs import get_env
 from gymv.rollout import to_rollout_record
+from gymv.timing import PhaseTimer
 from gymv.train.grpo import run_sync
 from gymv.train.grpo_async import run_async
 from gymv.train.setup import RunContext, worker_spec
@@ -44,15 +44,13 @@ COLOCATED_POLICY_SHARE = 0.35  # of a GPU, for each of generation and training w
 class TeacherScores:
     logprobs: list  # per usable episode, its teacher's scores
     aliases: list[str]  # per usable episode, the teacher that scored it
-    seconds: float
     batches: int  # teacher logprob batches scored (one per teacher replica given rows)
 
 
 def teacher_scores(pool, router: TeacherRouter, usable: Sequence) -> TeacherScores:
     """Route each usable episode to its teacher, score per alias, reassemble in episode order."""
-    t0 = time.perf_counter()
     if not usable:
-        return TeacherScores([], [], 0.0, 0)
+        return TeacherScores([], [], 0)
     routes = router.route([t.agent_name for t in usable], [sample_where(t) for t in usable])
     rows = {alias: [TeacherRow(usable[i].token_ids, list(usable[i].images), sample_where(usable[i])) for i in idx]
             for alias, idx in routes.items()}
@@ -62,19 +60,20 @@ def teacher_scores(pool, router: TeacherRouter, usable: Sequence) -> TeacherScor
     for alias, idx in routes.items():
         for i, lp in zip(idx, scored[alias]):
             logprobs[i], aliases[i] = lp, alias
-    return TeacherScores(logprobs, aliases, time.perf_counter() - t0, batches)
+    return TeacherScores(logprobs, aliases, batches)
 
 
-def distill_batch(pool, router: TeacherRouter, trajectories: Sequence, group_size: int, *,
+def distill_batch(pool, router: TeacherRouter, trajectories: Sequence, group_size: int, timer: PhaseTimer, *,
                   overlong_filtering: bool = False, max_seq_len: int = 0) -> TrainBatch:
     """Route the episodes that train (usable; with `overlong_filtering` not overlong), have their teachers
-    score them (each row with its own images) and make the distillation samples; with the reward advantages
-    of all episodes (the env_reward_coef term)."""
+    score them (each row with its own images; `timer`'s teacher phase) and make the distillation samples; with
+    the reward advantages of all episodes (the env_reward_coef term)."""
     advantages = env_advantages(trajectories, group_size)
     trains, filtered = trained(trajectories, overlong_filtering, max_seq_len)
     keep = [i for i, k in enumerate(trains) if k]
     usable = [trajectories[i] for i in keep]
-    scores = teacher_scores(pool, router, usable)
+    with timer.phase("teacher"):
+        scores = teacher_scores(pool, router, usable)
 
     def records() -> list[dict]:
         out = [to_rollout_record(t) for t in trajectories]
@@ -83,7 +82,7 @@ def distill_batch(pool, router: TeacherRouter, trajectories: Sequence, group_siz
         return out
 
     metrics = {**rollout_metrics(trajectories, "train"), **teacher_metrics(usable, scores.logprobs, scores.aliases),
-               "train/num_teacher_batches": float(scores.batches), "timing/teacher_s": scores.seconds, **filtered}
+               "train/num_teacher_batches": float(scores.batches), **filtered}
     return TrainBatch(distillation_samples(usable, scores.logprobs, [advantages[i] for i in keep]),
                       [t.reward for t in usable], metrics, records)
 
@@ -108,8 +107,8 @@ def train_mopd(ctx: RunContext, *, resume: bool) -> dict:
         report.on_message(f"starting teachers: {', '.join(mopd.teachers)}")
         pool = TeacherPool(cfg, specs, policy_pg=cluster.placement_group)
 
-        def make_batch(trajectories) -> TrainBatch:
-            return distill_batch(pool, router, trajectories, mopd.generations_per_prompt,
+        def make_batch(trajectories, timer: PhaseTimer) -> TrainBatch:
+            return distill_batch(pool, router, trajectories, mopd.generations_per_prompt, timer,
                                  overlong_filtering=mopd.overlong_filtering, max_seq_len=cfg.model.max_seq_len)
 
         run = run_async if mopd.async_.enabled else run_sync

@@ -14,12 +14,12 @@ would take them are dropped and counted (the replay buffer's bound).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from gymv.cluster.group import RolloutCall, ray_get
 from gymv.errors import GymvError
 from gymv.runs.checkpoint import DataPosition
+from gymv.timing import phase_key
 from gymv.train.data import RowStream
 from gymv.train.replay import Group, ReplayBuffer
 from gymv.train.setup import step_seed
@@ -121,12 +121,11 @@ class RolloutPipeline:
                         fix="see the workers' logs for a hang; a slower phase needs a larger cluster.phase_timeout_s")
 
     # -- consuming -----------------------------------------------------------------------------------
-    def take(self, step: int) -> tuple[list[Group], int, float]:
-        """(the groups step `step` trains on, trajectories dropped as too old, seconds spent waiting).
+    def take(self, step: int) -> tuple[list[Group], int]:
+        """(the groups step `step` trains on, trajectories dropped as too old).
 
         Groups are taken in data order, from batches whose every call has finished and with no older batch
         still running, so the same run takes the same groups whichever worker finishes first."""
-        t0 = time.perf_counter()
         self._collect(block=False)
         dropped = self._drop(step)
         while self._settled() < self.P:
@@ -138,7 +137,7 @@ class RolloutPipeline:
         groups = self.buffer.take(self.P)
         # the refits that gave these weights were checked (when due) before the step trains on their rollouts
         self.cluster.wait_checked(g.version for g in groups)
-        return groups, dropped, time.perf_counter() - t0
+        return groups, dropped
 
     def _settled(self) -> int:
         """Buffered groups older than every batch still in flight."""
@@ -205,9 +204,10 @@ class RolloutPipeline:
         self._check_refits(block=True)
 
     # -- accounting ----------------------------------------------------------------------------------
-    def timings(self) -> tuple[float, float]:
-        """(generation seconds, longest env seconds) of the calls finished since the last call."""
-        out = (sum(self._gen_s), max(self._env_s, default=0.0))
+    def timings(self) -> dict[str, float]:
+        """The generation seconds and the longest env seconds of the calls finished since the last call, as
+        the workers measured them (`timing/` keys for the step's PhaseTimer.take)."""
+        out = {phase_key("generation"): sum(self._gen_s), phase_key("env"): max(self._env_s, default=0.0)}
         self._gen_s, self._env_s = [], []
         return out
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from gymv.algorithms.loss_fns import SFTLoss
 from gymv.cluster.group import Placement, PolicyCluster
-from gymv.train.loop import PhaseTimer, TrainingLoop
+from gymv.timing import PhaseTimer
+from gymv.train.loop import TrainingLoop
 from gymv.train.setup import RunContext, worker_spec
 from gymv.train.validation import validate
 
@@ -25,13 +26,12 @@ def train_sft(ctx: RunContext, *, resume: bool) -> dict:
     cluster = PolicyCluster(worker_spec(cfg, ctx.model_path, logprob_temperature=1.0), Placement.from_config(cfg),
                             generation=validates)
     try:
-        def validation(at: int) -> dict:
+        def validation(at: int, timer: PhaseTimer) -> dict:
             """The generators hold the starting weights until a validation refits them."""
-            timer = PhaseTimer()
             with timer.phase("refit"):
                 cluster.refit(at)
             report.on_refit(at, cluster)
-            return {**validate(ctx, cluster, at, sft.val_prompts), **timer.metrics}
+            return validate(ctx, cluster, at, sft.val_prompts, timer)
 
         loop = TrainingLoop(ctx, cluster, sft, resume=resume, validation=validation, validates=validates)
         loss_fn = SFTLoss(aggregation=sft.aggregation)
@@ -39,12 +39,10 @@ def train_sft(ctx: RunContext, *, resume: bool) -> dict:
 
         for step, timer in loop.steps():
             batch = loop.data.next_batch(sft.batch_size)
-            metrics = cluster.sft_step([(r.index, r.data, r.where) for r in batch], loss_fn)
+            metrics = timer.take(cluster.sft_step([(r.index, r.data, r.where) for r in batch], loss_fn))
+            timer.rate("tokens", metrics.get("train/num_input_tokens", 0.0), per="training")
 
             metrics.update(loop.validation_if_due(step))
-            step_s = timer.step_s()
-            metrics["timing/step_s"] = step_s
-            metrics["timing/tokens_per_s"] = metrics.get("train/num_input_tokens", 0.0) / max(metrics.get("timing/training_s", step_s), 1e-9)
             loop.end_step(metrics)
 
         return loop.finish()

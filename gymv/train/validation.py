@@ -6,27 +6,26 @@ differ only because the policy changed. `val/accuracy` is the share of rollouts 
 
 from __future__ import annotations
 
-import time
-
 from gymv.rollout import to_rollout_record
+from gymv.timing import PhaseTimer
 from gymv.train.failures import FailureGuard
 from gymv.train.setup import RunContext, rollout_kwargs, sampling_params, step_seed
 from gymv.train.stats import rollout_metrics
 
 
-def validate(ctx: RunContext, cluster, step: int, val_prompts: int) -> dict[str, float]:
+def validate(ctx: RunContext, cluster, step: int, val_prompts: int, timer: PhaseTimer) -> dict[str, float]:
+    """The validation metrics; its seconds (rollouts, their check and their log) are `timer`'s validation phase."""
     rows = ctx.eval_rows[:val_prompts]
     if not rows:
         return {}
-    t0 = time.perf_counter()
-    trajectories, _ = cluster.rollouts([(r.index, r.data) for r in rows], group_size=1,
-                                       params=sampling_params(ctx.cfg, greedy=True),
-                                       seed=step_seed(ctx.cfg.seed, step, "val"), source=ctx.eval_source,
-                                       **rollout_kwargs(ctx.cfg))
-    FailureGuard.from_config(ctx.cfg, ctx.eval_source, warn=ctx.reporter.on_message).check(step, trajectories, what="validation at step")
-    metrics = rollout_metrics(trajectories, "val")
-    metrics = {k: v for k, v in metrics.items() if not k.endswith(("_std", "_max", "num_rollouts"))}
-    if ctx.cfg.logger.log_rollouts:
-        ctx.run.write_rollouts(step, [to_rollout_record(t) for t in trajectories], split="val")
-    metrics["timing/validation_s"] = time.perf_counter() - t0
+    with timer.phase("validation"):
+        trajectories, _ = cluster.rollouts([(r.index, r.data) for r in rows], group_size=1,
+                                           params=sampling_params(ctx.cfg, greedy=True),
+                                           seed=step_seed(ctx.cfg.seed, step, "val"), source=ctx.eval_source,
+                                           **rollout_kwargs(ctx.cfg))
+        FailureGuard.from_config(ctx.cfg, ctx.eval_source, warn=ctx.reporter.on_message).check(step, trajectories, what="validation at step")
+        metrics = rollout_metrics(trajectories, "val")
+        metrics = {k: v for k, v in metrics.items() if not k.endswith(("_std", "_max", "num_rollouts"))}
+        if ctx.cfg.logger.log_rollouts:
+            ctx.run.write_rollouts(step, [to_rollout_record(t) for t in trajectories], split="val")
     return metrics
