@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gymv.errors import GymvError
+from gymv.recipes.blocks import begin_marker, end_marker, find_marked_block
 from gymv.yamlfile import display_path
 
-BEGIN_CHECKS = "# ===== BEGIN CHECKS ====="
-END_CHECKS = "# ===== END CHECKS ====="
+BEGIN_CHECKS = begin_marker("CHECKS")
+END_CHECKS = end_marker("CHECKS")
 
 
 @dataclass(frozen=True)
@@ -53,26 +54,10 @@ def driver_checks(path: str | os.PathLike) -> list[CheckSource]:
     except (OSError, UnicodeDecodeError) as e:
         raise GymvError(f"cannot read driver: {e}", where=shown,
                         fix="check that the driver file exists and is readable") from None
-    begin = end = None
-    for n, raw in enumerate(lines, 1):
-        s = raw.strip()
-        if s == BEGIN_CHECKS:
-            if begin is not None:
-                raise GymvError(f"second BEGIN CHECKS marker (the first is on line {begin})", where=f"{shown}:{n}",
-                                fix="keep one CHECKS block per driver")
-            begin = n
-        elif s == END_CHECKS:
-            if begin is None:
-                raise GymvError("END CHECKS marker before any BEGIN CHECKS marker", where=f"{shown}:{n}",
-                                fix=f"put '{BEGIN_CHECKS}' above it")
-            if end is not None:
-                raise GymvError(f"second END CHECKS marker (the first is on line {end})", where=f"{shown}:{n}",
-                                fix="keep one CHECKS block per driver")
-            end = n
-    if begin is None:
+    block = find_marked_block(lines, "CHECKS", shown)
+    if block is None:
         return []
-    if end is None:
-        raise GymvError("CHECKS block has no END marker", where=f"{shown}:{begin}", fix=f"close it with '{END_CHECKS}'")
+    begin, end = block
     out: list[CheckSource] = []
     for n in range(begin + 1, end):
         raw = lines[n - 1]

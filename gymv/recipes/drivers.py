@@ -19,10 +19,11 @@ from pathlib import Path
 
 from gymv.errors import GymvError
 from gymv.recipes import arith
+from gymv.recipes.blocks import begin_marker, end_marker, find_marked_block
 from gymv.recipes.shell import Scope, run_block
 
-BEGIN_MARKER = "# ===== BEGIN CONFIG ====="
-END_MARKER = "# ===== END CONFIG ====="
+BEGIN_MARKER = begin_marker("CONFIG")
+END_MARKER = end_marker("CONFIG")
 REQUIRED_KEYS = ("NUM_NODES", "STEPS_PER_RUN", "MAX_STEPS", "NUM_MINUTES")
 INTEGER_KEYS = ("NUM_NODES", "GPUS_PER_NODE", "STEPS_PER_RUN", "MAX_STEPS", "NUM_RUNS", "NUM_MINUTES")
 DEFAULT_GPUS_PER_NODE = 8
@@ -127,28 +128,11 @@ def find_block(path: str | Path) -> ConfigBlock:
     """Locate the CONFIG block and any wrapper `exec`; errors name the file and line."""
     path = Path(path)
     lines = _read(path)
-    begin = end = None
-    for i, raw in enumerate(lines, 1):
-        s = raw.strip()
-        if s == BEGIN_MARKER:
-            if begin is not None:
-                raise GymvError(f"second BEGIN CONFIG marker (the first is on line {begin})", where=f"{path}:{i}",
-                                fix="keep exactly one CONFIG block per driver")
-            begin = i
-        elif s == END_MARKER:
-            if begin is None:
-                raise GymvError("END CONFIG marker before any BEGIN CONFIG marker", where=f"{path}:{i}",
-                                fix=f"put '{BEGIN_MARKER}' above it")
-            if end is not None:
-                raise GymvError(f"second END CONFIG marker (the first is on line {end})", where=f"{path}:{i}",
-                                fix="keep exactly one CONFIG block per driver")
-            end = i
-    if begin is None:
+    block = find_marked_block(lines, "CONFIG", str(path))
+    if block is None:
         raise GymvError("no CONFIG block", where=f"{path}:1",
                         fix=f"add the run sizing between '{BEGIN_MARKER}' and '{END_MARKER}' lines")
-    if end is None:
-        raise GymvError("CONFIG block has no END marker", where=f"{path}:{begin}",
-                        fix=f"close the block with a '{END_MARKER}' line")
+    begin, end = block
     body = tuple((i, lines[i - 1]) for i in range(begin + 1, end))
     outside = [(i, raw) for i, raw in enumerate(lines, 1) if i < begin or i > end]
     target, exec_line = _find_exec(path, outside)
