@@ -173,13 +173,8 @@ class HFGenerationBackend(GenerationBackend):
         prompts = [requests[b] for b in firsts]
         t_enc = time.perf_counter()
 
-        B, U, L = len(requests), len(prompts), max(len(r.prompt_token_ids) for r in prompts)
-        input_ids = torch.full((U, L), pad, dtype=torch.long)
-        mask = torch.zeros((U, L), dtype=torch.long)
-        for b, r in enumerate(prompts):
-            n = len(r.prompt_token_ids)
-            input_ids[b, L - n:] = torch.tensor(r.prompt_token_ids, dtype=torch.long)
-            mask[b, L - n:] = 1
+        B, U = len(requests), len(prompts)
+        input_ids, mask = left_pad(prompts, pad)
         input_ids, mask = input_ids.to(dev), mask.to(dev)
         positions = self.adapter.position_ids(model, input_ids, mask, grid)
         next_pos = self.adapter.next_positions(positions, mask)
@@ -263,6 +258,19 @@ def distinct_prompts(requests: Sequence[GenerationRequest], keys: list[list[str]
     for r in requests:
         starts.append(starts[-1] + len(r.images))
     return row_slot, firsts, [i for b in firsts for i in range(starts[b], starts[b + 1])]
+
+
+def left_pad(prompts: Sequence[GenerationRequest], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention mask), each [U, L]: the prompts right-aligned at their longest length L, so that
+    every row's next token goes in the same column and a prefill's last logits are each row's own."""
+    L = max(len(r.prompt_token_ids) for r in prompts)
+    input_ids = torch.full((len(prompts), L), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), L), dtype=torch.long)
+    for b, r in enumerate(prompts):
+        n = len(r.prompt_token_ids)
+        input_ids[b, L - n:] = torch.tensor(r.prompt_token_ids, dtype=torch.long)
+        mask[b, L - n:] = 1
+    return input_ids, mask
 
 
 def image_keys(requests: Sequence[GenerationRequest]) -> list[list[str]]:

@@ -48,7 +48,7 @@ from gymv.backends.generation import static_hybrid as hybrid
 from gymv.backends.generation.base import GenerationOutput, GenerationRequest, OnOutput, RequestFeed, SamplingParams
 from gymv.backends.generation.decode_attention import available as split_available
 from gymv.backends.generation.decode_attention import split_attention
-from gymv.backends.generation.hf import HFGenerationBackend, _forward_kwargs, distinct_prompts, image_keys
+from gymv.backends.generation.hf import HFGenerationBackend, _forward_kwargs, distinct_prompts, image_keys, left_pad
 from gymv.backends.hf_forward import forward_logits, output_head
 from gymv.backends.sampling import forbidden_mask, policy_logits
 from gymv.errors import GymvError
@@ -547,14 +547,9 @@ class StaticDecodeBackend(HFGenerationBackend):
         if image_idx is not None:
             feats = [feats[i] for i in image_idx]
         prompts = [requests[b] for b in firsts]
-        U, L = len(prompts), max(len(r.prompt_token_ids) for r in prompts)
-        self._times["prefill_rows"] += U
-        input_ids = torch.full((U, L), self._pad, dtype=torch.long)
-        mask = torch.zeros((U, L), dtype=torch.long)
-        for b, r in enumerate(prompts):
-            n = len(r.prompt_token_ids)
-            input_ids[b, L - n:] = torch.tensor(r.prompt_token_ids, dtype=torch.long)
-            mask[b, L - n:] = 1
+        self._times["prefill_rows"] += len(prompts)
+        input_ids, mask = left_pad(prompts, self._pad)
+        L = input_ids.shape[1]
         input_ids, mask = input_ids.to(dev), mask.to(dev)
         positions = self.adapter.position_ids(model, input_ids, mask, grid)
         cache = DynamicCache(config=model.config)
