@@ -88,3 +88,12 @@ def test_nemo_rls_vllm_kwargs_are_named_as_gymvs_engine_kwargs_at_their_key(tmp_
     found = [f for f in lint_paths([str(path)]).findings if "vllm_kwargs" in f.message]
     assert len(found) == 1 and found[0].line == 4
     assert "gymv's is `generation.vllm.engine_kwargs`" in found[0].fix
+
+
+def test_a_prompt_vllm_expanded_differently_is_refused_naming_the_row_and_both_lengths():
+    from gymv.backends.generation.vllm import check_expansion
+
+    check_expansion([1, 7, 7, 2], (1, 7, 7, 2), where="row 3", fix="use hf")  # the same ids pass
+    with pytest.raises(GymvError) as e:
+        check_expansion([1, 7, 7, 7, 2], [1, 7, 7, 2], where="row 3", fix="use hf")
+    assert e.value.where == "row 3" and "5 prompt ids, gymv has 4" in e.value.message

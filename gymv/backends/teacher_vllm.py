@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from gymv.backends.generation.base import GenerationRequest
-from gymv.backends.generation.vllm import VllmGenerationBackend, flat_to_dense
+from gymv.backends.generation.vllm import VllmGenerationBackend, check_expansion, flat_to_dense
 from gymv.backends.sampling import forbidden_mask, policy_logits
 from gymv.backends.teacher import (
     TextOnlyAdapter,
@@ -93,11 +93,8 @@ class VllmTeacher:
         results = self.engine.llm.generate(prompts, params, use_tqdm=False)
         out = []
         for i, (r, res) in enumerate(zip(rows, results)):
-            if list(res.prompt_token_ids) != list(r.input_ids):
-                raise GymvError("vLLM expanded the image placeholders of this row differently from gymv "
-                                f"({len(res.prompt_token_ids)} ids, gymv has {len(r.input_ids)})",
-                                where=r.where or f"teacher row {i}",
-                                fix="the teacher's processor settings and vLLM's disagree; use backend: torch")
+            check_expansion(res.prompt_token_ids, r.input_ids, where=r.where or f"teacher row {i}",
+                            fix="the teacher's processor settings and vLLM's disagree; use backend: torch")
             out.append(self._row_scores(list(r.input_ids), res.prompt_logprobs, k))
         return out
 

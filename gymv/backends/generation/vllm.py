@@ -239,11 +239,8 @@ class VllmGenerationBackend(GenerationBackend):
         results = self.llm.generate([self._prompt(r) for r in requests], sampling, use_tqdm=False)
         outs = []
         for i, (r, res) in enumerate(zip(requests, results)):
-            if list(res.prompt_token_ids) != list(r.prompt_token_ids):
-                raise GymvError("vLLM expanded the image placeholders of this prompt differently from gymv "
-                                f"({len(res.prompt_token_ids)} prompt ids, gymv has {len(r.prompt_token_ids)})",
-                                where=r.where or f"request {i}",
-                                fix="the checkpoint's processor settings and vLLM's disagree; use generation.backend: hf")
+            check_expansion(res.prompt_token_ids, r.prompt_token_ids, where=r.where or f"request {i}",
+                            fix="the checkpoint's processor settings and vLLM's disagree; use generation.backend: hf")
             outs.append(self._output(res.outputs[0], params))
         n_new = sum(len(o.token_ids) for o in outs)
         total = time.perf_counter() - t0
@@ -383,6 +380,14 @@ class VllmGenerationBackend(GenerationBackend):
             import gc
 
             gc.collect()
+
+
+def check_expansion(vllm_ids: Sequence[int], gymv_ids: Sequence[int], *, where: str, fix: str) -> None:
+    """Refuse a prompt whose image placeholders vLLM expanded differently from gymv: its logprobs would
+    belong to other positions than the ones gymv trains on."""
+    if list(vllm_ids) != list(gymv_ids):
+        raise GymvError("vLLM expanded the image placeholders of this prompt differently from gymv "
+                        f"({len(vllm_ids)} prompt ids, gymv has {len(gymv_ids)})", where=where, fix=fix)
 
 
 def flat_to_dense(flat, positions, vocab: int):
