@@ -104,6 +104,17 @@ def test_task_index_outside_the_data_rows_is_a_clear_error(vectors, tmp_path):
         verify_rollouts(path, data=data)
 
 
+def test_a_skipped_malformed_data_row_keeps_its_index_so_later_rows_join_to_their_own(tmp_path):
+    row = {"circles": [{"x": 5, "y": 5, "radius": 3, "color": "red"}], "target_color": "red"}
+    data = _write(tmp_path / "d.jsonl", ["{not json", "", json.dumps(row)])
+    answer = {"output": [{"type": "message", "role": "assistant",
+                          "content": [{"type": "output_text", "text": "\\boxed{1}"}]}]}
+    path = _write(tmp_path / "r.jsonl", [json.dumps({"_ng_task_index": i, "response": answer}) for i in (1, 0)])
+    report = verify_rollouts(path, data=data, env="circle-count", on_error="skip")
+    assert (report.scored, report.mean_reward) == (1, 1.0)
+    assert [e["line"] for e in report.errors] == [2] and "d.jsonl:1: malformed JSON line" in report.errors[0]["error"]
+
+
 def test_rollout_of_an_unknown_environment_asks_for_env(tmp_path):
     path = _write(tmp_path / "r.jsonl", [json.dumps({"response": {"output": []}, "_ng_task_index": 0})])
     data = _write(tmp_path / "d.jsonl", [json.dumps({"question": "?"})])

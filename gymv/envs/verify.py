@@ -19,7 +19,7 @@ from typing import Any
 from gymv.envs.protocol import Environment
 from gymv.envs.registry import env_for_row, get_env
 from gymv.errors import GymvError
-from gymv.io import iter_jsonl, parse_json_line, write_jsonl
+from gymv.io import iter_jsonl, write_jsonl
 
 TASK_INDEX = "_ng_task_index"
 ROLLOUT_INDEX = "_ng_rollout_index"
@@ -81,27 +81,12 @@ class _DataRows:
 
     def __init__(self, path: str | os.PathLike, on_error: str):
         self.path = Path(path)
-        self.rows: list[dict | str] = []  # a string holds why that row is unusable
-        try:
-            text = self.path.read_bytes()
-        except FileNotFoundError:
-            raise GymvError("file not found", where=str(self.path), fix="check the --data path") from None
-        except OSError as e:
-            raise GymvError(f"cannot read: {e.strerror}", where=str(self.path),
-                            fix="check that the file exists and is readable") from None
-        for lineno, line in enumerate(text.split(b"\n"), 1):
-            if not line.strip():
-                continue
-            try:
-                row = parse_json_line(line)
-            except ValueError as e:
-                msg = f"malformed JSON line: {e}"
-                if on_error == "fail":
-                    raise GymvError(msg, where=f"{self.path}:{lineno}",
-                                    fix="repair the line or pass --on-error skip") from None
-                self.rows.append(f"{self.path}:{lineno}: {msg}")
-                continue
-            self.rows.append(row)
+        skipped: list[tuple[int, str]] = []
+        found: dict[int, dict | str] = dict(iter_jsonl(self.path, on_error=on_error, errors=skipped,
+                                                       skip_option="--on-error skip"))
+        found.update((lineno, f"{self.path}:{lineno}: {msg}") for lineno, msg in skipped)
+        # a string holds why that row is unusable; it keeps its place, so later rows keep their index
+        self.rows: list[dict | str] = [found[lineno] for lineno in sorted(found)]
 
     def get(self, index: object, where: str) -> dict:
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(self.rows):
