@@ -3,8 +3,11 @@
     from gymv.train import train
     summary = train("recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", ["grpo.max_steps=3"])
 
-The loops themselves are sft.py, grpo.py, grpo_async.py and mopd.py here (the math they call is
-gymv.algorithms); the builders they share live here too (data, setup, stats, validation).
+Every algorithm runs one loop (loop.py: restore, steps, validation, checkpoints, the step's timer); an
+algorithm's own step is its file, read top to bottom: sft.py, grpo.py, mopd.py, and grpo_async.py with
+generation running ahead in pipeline.py and replay.py. The math they call is gymv.algorithms. The builders
+they share live here too (data, setup, stats, validation), with the guards that stop a bad run (failures,
+logprob_guard) and what surrounds a launch (launch: pre-flight, placement, restarts).
 """
 
 from __future__ import annotations
@@ -178,8 +181,7 @@ def train(recipe: str | os.PathLike | None, overrides: Sequence[str] = (), *, re
     `smoke` applies the recipe's `smoke:` overrides first (what `gymv smoke` runs); `async_grpo` is
     `gymv train --async` (grpo.async.enabled or mopd.async.enabled). After a lost node or worker the run
     resumes from its newest complete checkpoint, at most `max_restarts` times (None: `cluster.max_restarts`).
-    Metrics are in
-    `<summary["run_dir"]>/metrics.jsonl`.
+    Metrics are in `<summary["run_dir"]>/metrics.jsonl`.
     """
     reporter = reporter or Reporter()
     overrides = list(overrides)
