@@ -7,13 +7,14 @@ import torch
 
 from gymv.algorithms.loss_fns import PolicyLoss, SFTLoss
 from gymv.backends.training.adamw_bf16 import AdamWBf16State, round_stochastic
-from gymv.backends.training.torch_trainer import TorchTrainer, TrainerConfig
+from gymv.backends.training.torch_trainer import TorchTrainer
 from gymv.errors import GymvError
+from gymv.sections import TrainingSection
 from test_trainer_guarded_step import NaNGradientLoss, assert_identical, nan_loss_batch, snapshot
 from tiny_lm import logprob_fn, make_samples, tiny_lm
 
-CONFIG = TrainerConfig(lr=1e-2, eps=1e-3, weight_decay=0.01, max_grad_norm=0.05, micro_batch_tokens=24,
-                       precision="fp32", optimizer_state_dtype="bfloat16")
+CONFIG = TrainingSection(lr=1e-2, eps=1e-3, weight_decay=0.01, max_grad_norm=0.05, micro_batch_tokens=24,
+                         dtype="float32", optimizer_state_dtype="bfloat16")
 
 
 def test_stochastic_rounding_is_unbiased_where_round_to_nearest_is_not():

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from gymv.algorithms.loss_fns import PolicyLoss
-from gymv.backends.training.torch_trainer import TorchTrainer, TrainerConfig
+from gymv.backends.training.torch_trainer import TorchTrainer
 from gymv.errors import GymvError
 from gymv.runs.checkpoint import CheckpointManager, DataPosition, find_latest, list_checkpoints, read_state
+from gymv.sections import TrainingSection
 from tiny_lm import logprob_fn, make_samples, tiny_lm
 
 TESTS = Path(__file__).resolve().parent
-CONFIG = TrainerConfig(lr=1e-2, micro_batch_tokens=24)
+CONFIG = TrainingSection(lr=1e-2, micro_batch_tokens=24)
 
 
 def seed_all(seed):
@@ -118,8 +119,9 @@ CRASHING_CHILD = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import torch
     from gymv.algorithms.loss_fns import PolicyLoss
-    from gymv.backends.training.torch_trainer import TorchTrainer, TrainerConfig
+    from gymv.backends.training.torch_trainer import TorchTrainer
     from gymv.runs.checkpoint import CheckpointManager, DataPosition
+    from gymv.sections import TrainingSection
     from tiny_lm import logprob_fn, make_samples, tiny_lm
 
     class KilledMidSave(TorchTrainer):
@@ -129,7 +131,7 @@ CRASHING_CHILD = textwrap.dedent("""
             if self.kill:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    t = KilledMidSave(tiny_lm(0), logprob_fn, TrainerConfig(lr=1e-2))
+    t = KilledMidSave(tiny_lm(0), logprob_fn, TrainingSection(lr=1e-2))
     manager = CheckpointManager({ckpt!r})
     t.train_step(make_samples(4, seed=1), PolicyLoss())
     manager.save(1, t, DataPosition(index=4))

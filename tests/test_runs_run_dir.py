@@ -5,11 +5,12 @@ import torch
 import yaml
 
 from gymv.algorithms.loss_fns import SFTLoss
-from gymv.backends.training.torch_trainer import TorchTrainer, TrainerConfig
+from gymv.backends.training.torch_trainer import TorchTrainer
 from gymv.errors import GymvError
 from gymv.runs.checkpoint import DataPosition
 from gymv.runs.rollout_log import make_rollout_record, rollout_files
 from gymv.runs.run_dir import RunDir, run_path
+from gymv.sections import TrainingSection
 from tiny_lm import logprob_fn, make_samples, tiny_lm
 
 CONFIG = {"algorithm": "grpo", "grpo": {"num_generations": 4}, "trainer": {"lr": 1e-2}}
@@ -41,14 +42,14 @@ def test_run_names_that_escape_or_hide_are_refused(tmp_path, name):
 
 def test_resume_restores_the_checkpoint_and_drops_later_logs(tmp_path):
     run = RunDir.create(tmp_path / "demo", CONFIG)
-    t = TorchTrainer(tiny_lm(0), logprob_fn, TrainerConfig(lr=1e-2))
+    t = TorchTrainer(tiny_lm(0), logprob_fn, TrainingSection(lr=1e-2))
     with run.metrics_log() as log:
         for step in (1, 2, 3):
             log.log(step, t.train_step(make_samples(2, seed=step), SFTLoss()))
             run.write_rollouts(step, [record()])
             if step == 2:
                 run.checkpoints().save(step, t, DataPosition(index=2 * step))
-    fresh = TorchTrainer(tiny_lm(1), logprob_fn, TrainerConfig(lr=1e-2))
+    fresh = TorchTrainer(tiny_lm(1), logprob_fn, TrainingSection(lr=1e-2))
     state = RunDir.create(tmp_path / "demo", CONFIG, resume=True).resume(fresh)
     assert state.step == 2 and fresh.steps == 2
     assert [r["step"] for r in run.read_metrics()] == [1, 2]
@@ -70,7 +71,7 @@ def test_a_config_that_is_not_plain_data_is_an_error(tmp_path):
 
 def _run_with_checkpoint(tmp_path, step=2):
     run = RunDir.create(tmp_path / "demo", CONFIG)
-    t = TorchTrainer(tiny_lm(0), logprob_fn, TrainerConfig(lr=1e-2))
+    t = TorchTrainer(tiny_lm(0), logprob_fn, TrainingSection(lr=1e-2))
     with run.metrics_log() as log:
         for s in range(1, step + 1):
             log.log(s, t.train_step(make_samples(2, seed=s), SFTLoss()))
@@ -102,7 +103,7 @@ def test_a_truncated_weights_file_makes_a_checkpoint_incomplete(tmp_path):
 
 def test_a_checkpoint_of_non_finite_weights_is_refused_and_the_previous_one_kept(tmp_path):
     run = _run_with_checkpoint(tmp_path)
-    t = TorchTrainer(tiny_lm(0), logprob_fn, TrainerConfig(lr=1e-2))
+    t = TorchTrainer(tiny_lm(0), logprob_fn, TrainingSection(lr=1e-2))
     with torch.no_grad():
         next(t.model.parameters()).fill_(float("inf"))
     with pytest.raises(GymvError, match="after step 3 hold non-finite values .* training diverged"):

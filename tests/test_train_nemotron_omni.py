@@ -42,10 +42,11 @@ def _routers(backend):
 
 def test_padding_is_not_routed_in_the_balancing_terms():
     from gymv.backends.logprobs import right_pad, token_scores
-    from gymv.backends.moe_router import MoeSettings, RouterTerms
+    from gymv.backends.moe_router import RouterTerms
+    from gymv.sections import MoeSection
 
     policy = fresh_policy(ARCH)
-    terms = RouterTerms.attach(policy.model, MoeSettings())
+    terms = RouterTerms.attach(policy.model, MoeSection())
     fn = terms.wrap_logprob(lambda model, batch: token_scores(model, policy.adapter, batch))
     short = _samples(policy, [[solid("red")]], seed=1)[0]["input_ids"].tolist()
     long = _samples(policy, [[solid("blue")]], seed=2)[0]["input_ids"].tolist() + [40] * 30

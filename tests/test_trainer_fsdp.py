@@ -14,13 +14,14 @@ from gymv.backends.training.process_group import leave_process_group
 from gymv.algorithms.loss_fns import PolicyLoss
 from gymv.backends.training.fsdp import FSDPTrainer, shard_units
 from gymv.backends.training.micro_batches import plan_micro_batches
-from gymv.backends.training.torch_trainer import TorchTrainer, TrainerConfig
+from gymv.backends.training.torch_trainer import TorchTrainer
 from gymv.errors import GymvError
+from gymv.sections import TrainingSection
 from tiny_lm import VOCAB, logprob_fn, make_samples
 
 pytestmark = pytest.mark.slow
 
-CONFIG = TrainerConfig(lr=1e-2, eps=1e-3, weight_decay=0.01, micro_batch_tokens=24, precision="fp32")
+CONFIG = TrainingSection(lr=1e-2, eps=1e-3, weight_decay=0.01, micro_batch_tokens=24, dtype="float32")
 STEPS = 3
 SAVE_AFTER = 2
 SPLIT = 5  # rank 0 gets 5 samples, rank 1 gets 3: different micro-batch counts per rank

@@ -13,12 +13,13 @@ import torch.multiprocessing as mp
 from gymv.algorithms.loss_fns import PolicyLoss, SFTLoss
 from gymv.backends.training.base import GlobalCounts
 from gymv.backends.training.micro_batches import pad_collate
-from gymv.backends.training.torch_trainer import TorchTrainer, TrainerConfig
+from gymv.backends.training.torch_trainer import TorchTrainer
 from gymv.errors import GymvError
+from gymv.sections import TrainingSection
 from tiny_lm import VOCAB, logprob_fn, make_samples, tiny_lm
 
-CONFIG = TrainerConfig(lr=1e-2, eps=1e-3, weight_decay=0.01, max_grad_norm=0.05, micro_batch_tokens=24,
-                       precision="fp32")
+CONFIG = TrainingSection(lr=1e-2, eps=1e-3, weight_decay=0.01, max_grad_norm=0.05, micro_batch_tokens=24,
+                         dtype="float32")
 
 
 class FusedTrainer(TorchTrainer):
@@ -105,7 +106,7 @@ def test_a_cancelled_first_step_leaves_no_optimizer_state_and_the_next_step_is_a
 @pytest.mark.parametrize("trainer_cls", [TorchTrainer, FusedTrainer], ids=["foreach", "fused"])
 def test_a_clipped_step_is_plain_adamw_after_clip_grad_norm_bit_for_bit(trainer_cls):
     samples = sorted(make_samples(6, seed=13), key=lambda s: -len(s["input_ids"]))  # the trainer's row order
-    cfg = TrainerConfig(**{**CONFIG.__dict__, "micro_batch_tokens": 10_000})
+    cfg = CONFIG.model_copy(update={"micro_batch_tokens": 10_000})
     t = trainer_cls(tiny_lm(0), logprob_fn, cfg)
     got = t.train_step(samples, SFTLoss())
 
@@ -191,14 +192,16 @@ def test_a_nan_loss_leaves_cuda_fused_state_bit_identical():
 
 
 def _offload_worker(rank: int, port: int, out: str) -> None:
-    from gymv.backends.training.fsdp import FSDPTrainer, ShardingConfig
+    from gymv.backends.training.fsdp import FSDPTrainer
+    from gymv.sections import FsdpSection
     from gymv.backends.training.process_group import leave_process_group
     from test_trainer_fsdp import tiny_stack
 
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
-        t = FSDPTrainer(tiny_stack(), logprob_fn, CONFIG, sharding=ShardingConfig(cpu_offload=True), device="cuda")
+        t = FSDPTrainer(tiny_stack(), logprob_fn, CONFIG.model_copy(update={"fsdp": FsdpSection(cpu_offload=True)}),
+                        device="cuda")
         t.train_step(make_samples(6, seed=10), PolicyLoss())
         before = snapshot(t)
         try:

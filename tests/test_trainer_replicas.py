@@ -12,15 +12,16 @@ from gymv.backends.training.process_group import leave_process_group
 from gymv.algorithms.loss_fns import PolicyLoss
 from gymv.backends.training.megatron_tp import ReplicaTrainer
 from gymv.backends.training.micro_batches import plan_micro_batches
-from gymv.backends.training.torch_trainer import TorchTrainer, TrainerConfig
+from gymv.backends.training.torch_trainer import TorchTrainer
 from gymv.errors import GymvError
+from gymv.sections import TrainingSection
 from tiny_lm import logprob_fn, make_samples, tiny_lm
 
 pytestmark = pytest.mark.slow
 
 # Adam divides by |g| + eps: with the default eps 1e-8 a float32 summation-order difference of 1e-9 in a
 # near-zero gradient entry moves the update by up to lr * 1e-9 / 1e-8. eps 1e-3 keeps that below 1e-8.
-CONFIG = TrainerConfig(lr=1e-2, eps=1e-3, weight_decay=0.01, micro_batch_tokens=24, precision="fp32")
+CONFIG = TrainingSection(lr=1e-2, eps=1e-3, weight_decay=0.01, micro_batch_tokens=24, dtype="float32")
 LOSSES = [PolicyLoss(), PolicyLoss(aggregation="seq_mean_token_mean")]
 SPLIT = 5  # rank 0 gets 5 samples, rank 1 gets 3: different micro-batch counts per rank
 

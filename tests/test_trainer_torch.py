@@ -7,14 +7,15 @@ import torch
 from gymv.algorithms.loss_fns import PolicyLoss, SFTLoss
 from gymv.algorithms.losses import GlobalCounts
 from gymv.backends.training.micro_batches import pad_collate
-from gymv.backends.training.torch_trainer import TorchTrainer, TrainerConfig
+from gymv.backends.training.torch_trainer import TorchTrainer
 from gymv.errors import GymvError
+from gymv.sections import TrainingSection
 from tiny_lm import logprob_fn, make_samples, tiny_lm
 
 
 def trainer(budget=10_000, **cfg):
     cfg = {"lr": 1e-2, "weight_decay": 0.0, **cfg}
-    return TorchTrainer(tiny_lm(0), logprob_fn, TrainerConfig(micro_batch_tokens=budget, **cfg))
+    return TorchTrainer(tiny_lm(0), logprob_fn, TrainingSection(micro_batch_tokens=budget, **cfg))
 
 
 def weights(t):
@@ -122,12 +123,12 @@ def test_bf16_without_cuda_is_a_config_error():
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
     with pytest.raises(GymvError, match="bf16"):
-        trainer(precision="bf16")
+        trainer(dtype="bfloat16")
 
 
 @pytest.mark.gpu
 def test_bf16_autocast_on_cuda_trains_with_fp32_master_weights_and_logprobs():
-    t = TorchTrainer(tiny_lm(0), logprob_fn, TrainerConfig(lr=1e-2, precision="auto"), device="cuda")
+    t = TorchTrainer(tiny_lm(0), logprob_fn, TrainingSection(lr=1e-2, dtype="auto"), device="cuda")
     assert t.autocast_dtype == torch.bfloat16
     samples = make_samples(4, seed=9)
     first = t.train_step(samples, SFTLoss())["train/loss"]

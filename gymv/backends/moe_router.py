@@ -25,18 +25,13 @@ attention mask its decoder receives.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from gymv.sections import MoeSection
+
 ROUTERS = ("NemotronHTopkRouter",)  # forward returns (logits, top-k weights, top-k indices); sigmoid scores
 DECODERS = ("NemotronHModel",)  # where each call's padding mask is read
-
-
-@dataclass(frozen=True)
-class MoeSettings:
-    aux_loss_coef: float = 0.0
-    router_bias_update_rate: float = 0.0
 
 
 class _Layer:
@@ -69,7 +64,7 @@ class _Layer:
 class RouterTerms:
     """The routers of one model; `attach` returns None for a model without any."""
 
-    def __init__(self, model: torch.nn.Module, routers: list, settings: MoeSettings):
+    def __init__(self, model: torch.nn.Module, routers: list, settings: MoeSection):
         self.routers = routers
         self.settings = settings
         self.armed = False
@@ -83,7 +78,7 @@ class RouterTerms:
                 m.register_forward_pre_hook(self._decoder_hook, with_kwargs=True)
 
     @classmethod
-    def attach(cls, model: torch.nn.Module, settings: MoeSettings) -> RouterTerms | None:
+    def attach(cls, model: torch.nn.Module, settings: MoeSection) -> RouterTerms | None:
         routers = [m for m in model.modules() if type(m).__name__ in ROUTERS]
         return cls(model, routers, settings) if routers else None
 

@@ -34,15 +34,6 @@ from gymv.cluster.refit_check import (
     engine_account,
     trainer_probe,
 )
-from gymv.config.schema import (
-    EnvSection,
-    GenerationSection,
-    ModelSection,
-    RefitSection,
-    RolloutSection,
-    TrainingSection,
-    VisionSection,
-)
 from gymv.envs.routing import EnvRouter
 from gymv.errors import GymvError
 from gymv.io import as_write_failure, follow_umask
@@ -52,6 +43,15 @@ from gymv.rollout import ImageCache, build_sft_sample, run_rollouts
 from gymv.rollout.agent_driver import run_agent_rollouts
 from gymv.rollout.policy_server import PolicyServer
 from gymv.runs.checkpoint import capture_rng_state, restore_rng_state
+from gymv.sections import (
+    EnvSection,
+    GenerationSection,
+    ModelSection,
+    RefitSection,
+    RolloutSection,
+    TrainingSection,
+    VisionSection,
+)
 from gymv.timing import PhaseTimer
 
 

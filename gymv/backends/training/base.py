@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from gymv.backends.weights import weights_hash
+from gymv.sections import TrainingSection
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,10 @@ PlanFn = Callable[[Sequence[Sample], int], "list[list[int]]"]
 @dataclass(frozen=True)
 class TrainingSetup:
     """Everything a training backend needs to build one rank, pickled into each worker: the recipe's
-    `training:` section as it is, and the run's facts around it. (The backends sit below the config package,
-    so the section's type, gymv.config.schema.TrainingSection, is not imported here.)"""
+    `training:` section as it is, and the run's facts around it."""
 
     model_path: str
-    training: Any  # the `training:` section: optimizer, schedule, precision, packing, compile, fsdp, parallel
+    training: TrainingSection  # optimizer, schedule, precision, packing, compile, fsdp, parallel, moe
     device: str = "cpu"
     seed: int = 0
     temperature: float = 1.0  # logprobs are of the sampling distribution at this temperature

@@ -21,7 +21,6 @@ import datetime
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -35,26 +34,11 @@ from gymv.backends.training.rank_reductions import RankReductions
 from gymv.backends.training.torch_trainer import TRAINER_FILE, TorchTrainer, _fsync_replace
 from gymv.errors import GymvError
 from gymv.net import master_store
+from gymv.sections import FsdpSection, TrainingSection
 
 DCP_FOLDER = "dcp"
 # module names (path components) of the vision side of a VLM: kept replicated
 VISION_MODULES = frozenset({"vision_tower", "visual", "vision_model", "multi_modal_projector", "mm_projector"})
-
-
-@dataclass(frozen=True)
-class ShardingConfig:
-    """cpu_offload: sharded parameters, gradients and optimizer state live in host memory (the GPU holds
-    one unit's gathered weights at a time); reshard_after_forward: free gathered weights after each unit's
-    forward (less memory, one more all-gather in backward)."""
-
-    cpu_offload: bool = False
-    reshard_after_forward: bool = True
-    defer_gradient_reduction: bool | str = "auto"  # one rank: see FSDPTrainer._defers_reduction
-
-    @classmethod
-    def of(cls, fsdp) -> ShardingConfig:
-        """From a recipe's `training.fsdp` section (the same fields)."""
-        return cls(**{f.name: getattr(fsdp, f.name) for f in fields(cls)})
 
 
 _PRIVATE_STORE = None  # (store, listening socket) of a single rank's private group, kept open
@@ -112,7 +96,7 @@ def mixed_precision(device: torch.device, autocast_dtype: torch.dtype | None):
 
 
 def shard_model(model: torch.nn.Module, device: torch.device, autocast_dtype: torch.dtype | None,
-                sharding: ShardingConfig) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
+                sharding: FsdpSection) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
     """fully_shard every unit and the root; returns the model and its replicated (vision) parameters."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -184,9 +168,8 @@ class FSDPTrainer(TorchTrainer):
     lockstep = True
     fused = True  # as on CUDA, also on a CPU: the tests then run the step the GPU runs (DTensor shards)
 
-    def __init__(self, model, logprob_fn, config, *, sharding: ShardingConfig = ShardingConfig(),
-                 trainable: bool = True, **kwargs):
-        self.sharding = sharding
+    def __init__(self, model, logprob_fn, config: TrainingSection, *, trainable: bool = True, **kwargs):
+        self.sharding = config.fsdp
         self.trainable = trainable
         if not trainable:  # a frozen reference: sharded like the policy, never stepped
             model.requires_grad_(False)
@@ -198,7 +181,7 @@ class FSDPTrainer(TorchTrainer):
     def _init_frozen(self, model, logprob_fn, config, *, collate_fn=pad_collate, device=None, plan_fn=None) -> None:
         self.config, self.logprob_fn, self.collate_fn, self.plan_fn = config, logprob_fn, collate_fn, plan_fn
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.autocast_dtype = self._resolve_precision(config.precision)
+        self.autocast_dtype = self._resolve_precision(config.dtype)
         ensure_process_group(self.device)
         self.ranks = RankReductions()
         self.rank, self.world_size = self.ranks.rank, self.ranks.world_size
@@ -336,7 +319,7 @@ class FSDPTrainer(TorchTrainer):
         dcp.save(self._dcp_state(), checkpoint_id=str(path / DCP_FOLDER))
         if self.rank == 0:
             tmp = path / f".{TRAINER_FILE}.tmp"
-            tmp.write_text(json.dumps({"steps": self.steps, "config": asdict(self.config),
+            tmp.write_text(json.dumps({"steps": self.steps, "config": self.config.model_dump(mode="json"),
                                        "world_size": self.world_size, "format": "dcp"}))
             _fsync_replace(tmp, path / TRAINER_FILE)
         dist.barrier()

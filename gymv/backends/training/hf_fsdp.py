@@ -1,7 +1,7 @@
 """The `fsdp2` training backend: the `torch` backend's model, losses and batching, with the policy (and the
 KL reference) sharded over the trainer's ranks by FSDP2 (gymv.backends.training.fsdp).
 
-Options come from `training.fsdp` (ShardingConfig). Checkpoints are sharded
+Options come from `training.fsdp` (the trainer reads its section). Checkpoints are sharded
 (torch.distributed.checkpoint) and resume at another number of ranks; `export_hf` gathers one tensor at a
 time into rank 0's host memory and writes a Hugging Face folder.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
-from gymv.backends.training.fsdp import FSDPTrainer, ShardingConfig
+from gymv.backends.training.fsdp import FSDPTrainer
 from gymv.backends.training.hf_torch import HFTorchBackend, copy_hf_files
 from gymv.models.quiet import quiet_transformers
 
@@ -30,7 +30,7 @@ class HFFSDPBackend(HFTorchBackend):
         layout = self.layout(model)
         self.compile_layers(model, frozen)
         return FSDPTrainer(model, self.trainer_logprob_fn(frozen), self.config, collate_fn=layout.collate, device=device,
-                           plan_fn=layout.plan, sharding=ShardingConfig.of(self.setup.training.fsdp), trainable=not frozen)
+                           plan_fn=layout.plan, trainable=not frozen)
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Each weight gathered in full, one at a time; a collective, so every rank iterates it."""

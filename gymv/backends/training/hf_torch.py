@@ -25,7 +25,7 @@ from gymv.backends.logprobs import (
     recomputes_activations,
     token_scores,
 )
-from gymv.backends.moe_router import MoeSettings, RouterTerms
+from gymv.backends.moe_router import RouterTerms
 from gymv.backends.multimodal import image_hash
 from gymv.backends.pixel_cache import pixel_cache
 from gymv.backends.policy import load_policy
@@ -41,7 +41,7 @@ from gymv.backends.training.micro_batches import (
     shared_prefix_cost,
 )
 from gymv.backends.training.samples import NON_TENSOR_FIELDS, as_tensors
-from gymv.backends.training.torch_trainer import TorchTrainer, TrainerConfig
+from gymv.backends.training.torch_trainer import TorchTrainer
 from gymv.errors import GymvError
 from gymv.models.quiet import quiet_transformers
 
@@ -215,8 +215,8 @@ class HFTorchBackend(TrainingBackend):
             model.gradient_checkpointing_enable()
         self.pad_id = policy.tokenizer.pad_token_id or 0
         self.logprob_fn = logprob_fn(policy.adapter, setup.temperature)
-        self.router_terms = RouterTerms.attach(model, MoeSettings(**setup.training.moe.model_dump()))
-        self.config = TrainerConfig.of(setup.training)
+        self.router_terms = RouterTerms.attach(model, setup.training.moe)
+        self.config = setup.training
         self.trainer = self._make_trainer(model, device)
         self.reference = None
         if setup.kl_reference:

@@ -16,9 +16,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -30,6 +28,7 @@ from gymv.backends.training.guarded_step import drop_fresh_state, finite_or, ski
 from gymv.backends.training.micro_batches import pad_collate, plan_micro_batches
 from gymv.backends.training.rank_reductions import RankReductions
 from gymv.errors import GymvError
+from gymv.sections import TrainingSection
 
 try:
     import safetensors.torch as _st
@@ -41,25 +40,6 @@ MODEL_TORCH = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
 TRAINER_FILE = "trainer.json"
 _LOSS, _MICRO_BATCHES = " loss", " micro_batches"  # not metric names a loss function could return
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    max_grad_norm: float | None = 1.0
-    micro_batch_tokens: int = 4096
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"  # AdamW's moments (adamw_bf16.py)
-
-    @classmethod
-    def of(cls, training) -> TrainerConfig:
-        """From a recipe's `training:` section: its fields of the same names, and its dtype as the precision."""
-        same = {f.name: getattr(training, f.name) for f in fields(cls) if hasattr(training, f.name)}
-        return cls(**{**same, "betas": tuple(training.betas),
-                      "precision": {"auto": "auto", "float32": "fp32", "bfloat16": "bf16"}[training.dtype]})
 
 
 def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
@@ -86,7 +66,7 @@ class TorchTrainer:
         self,
         model: torch.nn.Module,
         logprob_fn: LogprobFn,
-        config: TrainerConfig = TrainerConfig(),
+        config: TrainingSection = TrainingSection(),
         *,
         collate_fn: CollateFn = pad_collate,
         device: torch.device | str | None = None,
@@ -104,7 +84,7 @@ class TorchTrainer:
         if self.ranks.distributed and not self.multi_rank:
             raise GymvError(f"training.backend torch trains on one rank, not {self.world_size}", where="training.backend",
                             fix="set training.backend: fsdp2, which shards the same trainer over the ranks")
-        self.autocast_dtype = self._resolve_precision(config.precision)
+        self.autocast_dtype = self._resolve_precision(config.dtype)
         self.model = self._place(model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
@@ -112,7 +92,7 @@ class TorchTrainer:
         self.optimizer = self._make_optimizer(config)
         self.steps = 0
 
-    def _make_optimizer(self, config: TrainerConfig) -> torch.optim.Optimizer:
+    def _make_optimizer(self, config: TrainingSection) -> torch.optim.Optimizer:
         common = dict(lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay)
         if config.optimizer_state_dtype == "bfloat16":
             return AdamWBf16State(self._param_groups(), **common)
@@ -163,18 +143,19 @@ class TorchTrainer:
         most = self.ranks.max_(torch.tensor([float(mine)], device=self.device))
         return int(most) - mine
 
-    def _resolve_precision(self, precision: str) -> torch.dtype | None:
+    def _resolve_precision(self, dtype: str) -> torch.dtype | None:
+        """training.dtype as the autocast dtype: None for float32; auto is bfloat16 where the GPU has it."""
         cuda = self.device.type == "cuda"
-        if precision == "fp32":
+        if dtype == "float32":
             return None
-        if precision == "auto":
+        if dtype == "auto":
             return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else None
-        if precision == "bf16":
+        if dtype == "bfloat16":
             if not (cuda and torch.cuda.is_bf16_supported()):
                 raise GymvError("training.dtype bfloat16 needs a CUDA device with bf16 support", where="training.dtype",
                                fix="use training.dtype: auto (float32 on CPU)")
             return torch.bfloat16
-        raise ValueError(f"unknown precision {precision!r}: TrainerConfig.precision is auto, fp32 or bf16")
+        raise ValueError(f"unknown training.dtype {dtype!r}: auto, float32 or bfloat16")
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -363,7 +344,7 @@ class TorchTrainer:
         torch.save(self.optimizer.state_dict(), tmp)
         _fsync_replace(tmp, path / OPTIMIZER_FILE)
         tmp = path / f".{TRAINER_FILE}.tmp"
-        tmp.write_text(json.dumps({"steps": self.steps, "config": asdict(self.config)}))
+        tmp.write_text(json.dumps({"steps": self.steps, "config": self.config.model_dump(mode="json")}))
         _fsync_replace(tmp, path / TRAINER_FILE)
 
     def load(self, path: str | os.PathLike) -> None:
