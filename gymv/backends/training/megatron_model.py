@@ -383,11 +383,11 @@ class MegatronCausalLM(torch.nn.Module):
         if attention_mask is None and packing is None:
             attention_mask = torch.ones(b, t, dtype=torch.long, device=ref.device)
         rotary = contextlib.nullcontext()
-        if self.shape.mrope_section:  # 3-D positions [3, B, T], as the adapter computed them
+        if getattr(self.shape, "mrope_section", None):  # 3-D positions [3, B, T], as the adapter computed them
             pos = position_ids if position_ids.dim() == 3 else position_ids[None].expand(3, b, t)
         else:  # megatron's rotary table counts 0..T-1 itself; a packed row's positions are its own
             pos = torch.arange(t, device=ref.device).expand(b, t)
-            if packing is not None:
+            if packing is not None and getattr(self.gpt, "rotary_pos_emb", None) is not None:
                 rotary = _rotary_at(self.gpt, position_ids.reshape(-1))
         if inputs_embeds is None:  # looked up here, with the padding rule, rather than inside GPTModel
             inputs_embeds = self.get_input_embeddings()(input_ids)

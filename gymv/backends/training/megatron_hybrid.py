@@ -1,0 +1,363 @@
+"""Nemotron-H (the hybrid Mamba-2 / attention / MoE decoder of Nemotron 3 Omni) as a Megatron-core model: the
+HF layer pattern, one pre-norm residual block per letter, built from megatron-core's tensor-parallel pieces
+(vocab-parallel embedding and head, column/row-parallel projections, its SelfAttention) and gymv's own
+mixers where megatron-core's need CUDA kernels or compute something else than the HF model.
+
+Why not megatron-core's MambaStack: it builds its final norm from Transformer Engine and its Mamba mixer from
+`mamba_ssm` / `causal_conv1d` kernels, so it cannot run on a CPU; its MoE router has no group-limited sigmoid
+top-k with a correction bias computed as transformers computes it. The modules here compute what
+`NemotronHForCausalLM` computes, in the same order (float32 norms, a float32 scan and router), so TP ranks
+on gloo match the HF model at tight tolerance.
+
+Seam for expert and context parallelism: every mixer is built by a small factory of this module taking its
+process groups -- `build_mamba(shape, config, *, tp_group, cp_group)`, `build_attention(shape, config,
+layer_number, *, tp_group, cp_group)`, `build_moe(shape, config, *, tp_group, ep_group)` -- and
+`HybridModel(..., factories=...)` takes replacements of them. `HybridMoE` splits into routing
+(`HybridTopkRouter`, whole on every rank), the local experts (`HybridExperts`: the EP rank's block of experts,
+each split over TP) and a `dispatch` hook (`LocalDispatch`: every token to the experts this rank holds, the
+single-EP-rank case) that an expert-parallel token exchange replaces.
+
+Shapes: hidden states are [T, B, H] through the stack (megatron's layout); the MoE layer routes tokens in
+batch-major order, as the HF router does, so gymv.backends.moe_router reads its padding mask alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gymv.backends import mamba_scan
+from gymv.backends.packing import PackedAttentionArgs
+from gymv.backends.training.megatron_hybrid_weights import HybridShape
+from gymv.backends.training.megatron_model import SdpaCoreAttention, require_megatron
+
+
+def hybrid_config(shape: HybridShape, *, tensor_parallel: int = 1, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu"):
+    """The TransformerConfig megatron-core's layers read (attention sizes, TP size, dtype, CPU init)."""
+    require_megatron()
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    device = torch.device(device)
+    return TransformerConfig(
+        num_layers=len(shape.pattern), hidden_size=shape.hidden, num_attention_heads=shape.heads,
+        num_query_groups=shape.kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn or shape.hidden,
+        add_bias_linear=False, add_qkv_bias=False, normalization="RMSNorm", layernorm_epsilon=shape.eps,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, tensor_model_parallel_size=tensor_parallel,
+        use_cpu_initialization=device.type != "cuda", perform_initialization=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        apply_rope_fusion=False, attention_softmax_in_fp32=True, bf16=dtype == torch.bfloat16)
+
+
+def _noinit(_: Tensor) -> None:
+    """Weights are loaded from the HF checkpoint (gymv.backends.training.megatron_hybrid_weights)."""
+
+
+class HybridRMSNorm(nn.Module):
+    """RMSNorm in float32 (weight applied in float32, then cast back), as the HF block norms compute it."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """The Mamba-2 output norm: y * silu(z), RMS-normalised per group of `group_size` channels. A TP rank
+    holds whole groups, so the norm needs no communication."""
+
+    def __init__(self, size: int, group_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.group_size, self.eps = group_size, eps
+
+    def forward(self, y: Tensor, z: Tensor) -> Tensor:
+        dtype = y.dtype
+        h = y.float() * F.silu(z.float())
+        g = h.view(*h.shape[:-1], -1, self.group_size)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * g.view(h.shape).to(dtype)
+
+
+class TorchMamba2Mixer(nn.Module):
+    """A Mamba-2 mixer on this TP rank's heads and groups: in_proj (column parallel; this rank's slices of
+    z, x, B, C, dt), a depthwise causal conv and the SSD scan in torch (gymv.backends.mamba_scan, segment
+    starts for packed rows), the gated group norm, out_proj (row parallel: summed over TP)."""
+
+    def __init__(self, shape: HybridShape, config, *, tp_group=None, cp_group=None):
+        super().__init__()
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        if cp_group is not None and cp_group.size() > 1:
+            raise NotImplementedError("context parallelism is not wired into gymv's torch Mamba-2 mixer")
+        tp = config.tensor_model_parallel_size
+        self.heads, self.head_dim = shape.mamba_heads // tp, shape.mamba_head_dim
+        self.groups, self.state = shape.groups // tp, shape.state
+        self.inner = self.heads * self.head_dim
+        self.chunk, self.limit = shape.chunk, shape.time_step_limit
+        conv = self.inner + 2 * self.groups * self.state
+        self.in_proj = ColumnParallelLinear(shape.hidden, 2 * shape.mamba_inner + 2 * shape.groups * shape.state
+                                            + shape.mamba_heads, config=config, init_method=_noinit, bias=False,
+                                            gather_output=False, tp_group=tp_group)
+        dtype = config.params_dtype
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(conv, 1, shape.conv_kernel, dtype=dtype))
+        self.conv1d.bias = nn.Parameter(torch.empty(conv, dtype=dtype)) if shape.conv_bias else None
+        self.A_log = nn.Parameter(torch.empty(self.heads, dtype=dtype))
+        self.D = nn.Parameter(torch.empty(self.heads, dtype=dtype))
+        self.dt_bias = nn.Parameter(torch.empty(self.heads, dtype=dtype))
+        self.norm = GatedRMSNorm(self.inner, shape.mamba_inner // shape.groups, shape.eps)
+        self.out_proj = RowParallelLinear(shape.mamba_inner, shape.hidden, config=config, init_method=_noinit,
+                                          bias=False, input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
+
+    def forward(self, hidden: Tensor, starts: Sequence[int] | None = None) -> Tensor:
+        """hidden [T, B, H] -> [T, B, H]; `starts`: a packed row's segment starts (B == 1)."""
+        proj, _ = self.in_proj(hidden)
+        proj = proj.transpose(0, 1)  # [B, T, local projections]
+        gn = self.groups * self.state
+        z, xbc, dt = proj.split([self.inner, self.inner + 2 * gn, self.heads], dim=-1)
+        xbc = F.silu(mamba_scan.causal_conv(xbc, self.conv1d.weight[:, 0], self.conv1d.bias, starts))
+        x, b, c = xbc.split([self.inner, gn, gn], dim=-1)
+        dt = F.softplus(dt + self.dt_bias.to(dt.dtype)).clamp(self.limit[0], self.limit[1])
+        bsz, t = x.shape[:2]
+        y = mamba_scan.ssd_scan(x.reshape(bsz, t, self.heads, self.head_dim), dt, -torch.exp(self.A_log.float()),
+                                b.reshape(bsz, t, self.groups, self.state), c.reshape(bsz, t, self.groups, self.state),
+                                self.D, self.chunk, starts)
+        y = self.norm(y.reshape(bsz, t, self.inner), z)
+        out, _ = self.out_proj(y.to(hidden.dtype).transpose(0, 1))
+        return out
+
+
+class HybridMLP(nn.Module):
+    """A non-gated relu^2 MLP split over TP (up column parallel, down row parallel): the dense layer and the
+    shared expert."""
+
+    def __init__(self, hidden: int, width: int, config, *, tp_group=None):
+        super().__init__()
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        self.up_proj = ColumnParallelLinear(hidden, width, config=config, init_method=_noinit, bias=False,
+                                            gather_output=False, tp_group=tp_group)
+        self.down_proj = RowParallelLinear(width, hidden, config=config, init_method=_noinit, bias=False,
+                                           input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h, _ = self.up_proj(x)
+        out, _ = self.down_proj(F.relu(h).square())
+        return out
+
+
+class HybridTopkRouter(nn.Module):
+    """Nemotron-H's router in float32: sigmoid scores; the choice adds `e_score_correction_bias` and keeps
+    the best `topk_group` of `n_group` expert groups (each group scored by its two best experts); the weights
+    are the chosen experts' plain scores, normalised when `norm_topk_prob`, times `routed_scaling_factor`.
+    Returns (logits, weights, indices) over tokens, as gymv.backends.moe_router reads a router."""
+
+    def __init__(self, shape: HybridShape):
+        super().__init__()
+        self.top_k, self.experts = shape.top_k, shape.experts
+        self.n_group, self.topk_group = shape.n_group, shape.topk_group
+        self.norm_topk_prob, self.scaling = shape.norm_topk_prob, shape.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(shape.experts, shape.hidden, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(shape.experts, dtype=torch.float32))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            grouped = choice.view(-1, self.n_group, self.experts // self.n_group)
+            best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices
+            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+            choice = choice.masked_fill(~keep[..., None].expand_as(grouped).reshape(choice.shape), float("-inf"))
+        index = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, index)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return logits, weights * self.scaling, index
+
+
+class HybridExperts(nn.Module):
+    """This EP rank's block of routed experts (`first`, the global index of its first), each expert's width
+    split over TP: up_proj [experts, width/tp, H], down_proj [experts, H, width/tp]. `forward` returns this
+    TP rank's partial sum of the weighted expert outputs of the tokens routed here."""
+
+    def __init__(self, shape: HybridShape, config, *, ep_size: int = 1, ep_rank: int = 0):
+        super().__init__()
+        tp = config.tensor_model_parallel_size
+        local = shape.experts // ep_size
+        self.first, self.local = ep_rank * local, local
+        dtype = config.params_dtype
+        self.up_proj = nn.Parameter(torch.empty(local, shape.moe_ffn // tp, shape.hidden, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(local, shape.hidden, shape.moe_ffn // tp, dtype=dtype))
+
+    def forward(self, x: Tensor, index: Tensor, weights: Tensor) -> Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.local):
+            token, slot = torch.where(index == self.first + e)
+            if token.numel() == 0:
+                continue
+            h = F.relu(F.linear(x[token], self.up_proj[e])).square()
+            y = F.linear(h, self.down_proj[e]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+class LocalDispatch:
+    """One EP rank holding every expert: the tokens go to the local experts as they are. An expert-parallel
+    exchange is a callable of the same signature (x, index, weights, experts) -> partial output."""
+
+    def __call__(self, x: Tensor, index: Tensor, weights: Tensor, experts: HybridExperts) -> Tensor:
+        return experts(x, index, weights)
+
+
+class HybridMoE(nn.Module):
+    """Routed experts plus the shared expert, as NemotronHMoE: out = sum_k w_k expert_k(x) + shared(x). Under
+    TP the tokens enter the routed part through megatron's copy-to-TP-region (its backward sums the input's
+    gradient over TP) and leave through a TP all-reduce of the ranks' partial sums."""
+
+    def __init__(self, shape: HybridShape, config, *, tp_group=None, ep_group=None,
+                 dispatch: Callable[..., Tensor] | None = None):
+        super().__init__()
+        ep_size = ep_group.size() if ep_group is not None else 1
+        ep_rank = ep_group.rank() if ep_group is not None else 0
+        self.tp_group = tp_group
+        self.router = HybridTopkRouter(shape)
+        self.experts = HybridExperts(shape, config, ep_size=ep_size, ep_rank=ep_rank)
+        self.dispatch = dispatch or LocalDispatch()
+        if ep_size > 1 and dispatch is None:
+            raise NotImplementedError("expert parallelism needs a token dispatch (HybridMoE(dispatch=...))")
+        self.shared_expert = (HybridMLP(shape.hidden, shape.shared_ffn, config, tp_group=tp_group)
+                              if shape.shared_ffn else None)
+        self.tp = config.tensor_model_parallel_size
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                            reduce_from_tensor_model_parallel_region)
+
+        t, b, h = hidden.shape
+        x = hidden.transpose(0, 1).reshape(-1, h)  # batch-major tokens, as the HF router sees them
+        if self.tp > 1:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        _, weights, index = self.router(x)
+        routed = self.dispatch(x, index, weights, self.experts)
+        if self.tp > 1:
+            routed = reduce_from_tensor_model_parallel_region(routed, self.tp_group)
+        out = routed.view(b, t, h).transpose(0, 1)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(hidden)
+        return out
+
+
+def build_mamba(shape: HybridShape, config, layer_number: int, *, tp_group=None, cp_group=None) -> nn.Module:
+    return TorchMamba2Mixer(shape, config, tp_group=tp_group, cp_group=cp_group)
+
+
+def build_attention(shape: HybridShape, config, layer_number: int, *, tp_group=None, cp_group=None) -> nn.Module:
+    """megatron-core's SelfAttention (local spec: fused QKV column parallel, output row parallel) with gymv's
+    SDPA core (causal; a packed row's segments apart). Nemotron-H attention has no rotary positions."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    if cp_group is not None and cp_group.size() > 1:
+        raise NotImplementedError("context parallelism is not wired into gymv's hybrid attention")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm").submodules.self_attention
+    spec.submodules.core_attention = SdpaCoreAttention
+    return build_module(spec, config=config, layer_number=layer_number)
+
+
+def build_moe(shape: HybridShape, config, layer_number: int, *, tp_group=None, ep_group=None) -> nn.Module:
+    return HybridMoE(shape, config, tp_group=tp_group, ep_group=ep_group)
+
+
+def build_mlp(shape: HybridShape, config, layer_number: int, *, tp_group=None) -> nn.Module:
+    return HybridMLP(shape.hidden, shape.ffn, config, tp_group=tp_group)
+
+
+FACTORIES = {"M": build_mamba, "*": build_attention, "E": build_moe, "-": build_mlp}
+
+
+class HybridLayer(nn.Module):
+    """One block: hidden + mixer(norm(hidden))."""
+
+    def __init__(self, kind: str, shape: HybridShape, mixer: nn.Module):
+        super().__init__()
+        self.kind = kind
+        self.norm = HybridRMSNorm(shape.hidden, shape.eps)
+        self.mixer = mixer
+
+    def forward(self, hidden: Tensor, attention_mask: Any = None, starts: Sequence[int] | None = None) -> Tensor:
+        x = self.norm(hidden)
+        if self.kind == "*":
+            x, _ = self.mixer(x, attention_mask=attention_mask)
+        elif self.kind == "M":
+            x = self.mixer(x, starts)
+        else:
+            x = self.mixer(x)
+        return hidden + x
+
+
+class HybridModel(nn.Module):
+    """The Nemotron-H decoder and head over this process's TP rank, with GPTModel's call and attribute
+    names where gymv reaches into them (`embedding.word_embeddings`, `decoder.layers`, `output_layer`,
+    `config`): forward(input_ids, position_ids, attention_mask, decoder_input) -> logits [B, T, V/tp].
+    `attention_mask`: megatron's boolean mask, or a packed row's PackedAttentionArgs (its segments then
+    also reach the Mamba layers). `groups`: process groups for the factories (tp, cp, ep)."""
+
+    def __init__(self, shape: HybridShape, config, *, groups: dict[str, Any] | None = None,
+                 factories: dict[str, Callable[..., nn.Module]] | None = None):
+        super().__init__()
+        from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+
+        self.shape, self.config = shape, config
+        groups = groups or {}
+        made = {**FACTORIES, **(factories or {})}
+        tp = {"tp_group": groups.get("tp")}
+        extra = {"M": {"cp_group": groups.get("cp")}, "*": {"cp_group": groups.get("cp")},
+                 "E": {"ep_group": groups.get("ep")}, "-": {}}
+        self.embedding = nn.Module()
+        self.embedding.word_embeddings = VocabParallelEmbedding(shape.vocab, shape.hidden, init_method=_noinit,
+                                                                config=config, tp_group=groups.get("tp"))
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleList(
+            HybridLayer(k, shape, made[k](shape, config, i + 1, **tp, **extra[k])) for i, k in enumerate(shape.pattern))
+        self.decoder.final_norm = HybridRMSNorm(shape.hidden, shape.eps)
+        self.output_layer = ColumnParallelLinear(shape.hidden, shape.vocab, config=config, init_method=_noinit,
+                                                 bias=False, gather_output=False,
+                                                 skip_weight_param_allocation=shape.tied, tp_group=groups.get("tp"))
+
+    def forward(self, input_ids: Tensor | None = None, position_ids: Tensor | None = None, attention_mask: Any = None,
+                decoder_input: Tensor | None = None, **_: Any) -> Tensor:
+        hidden = decoder_input if decoder_input is not None else \
+            self.embedding.word_embeddings(input_ids).transpose(0, 1).contiguous()
+        starts = None
+        if isinstance(attention_mask, PackedAttentionArgs):
+            if attention_mask.keys is not None:
+                raise RuntimeError("a packed row with shared prompts reached a Mamba-2 layer (its segments would "
+                                   "not start from the prompt's state)")
+            cu = attention_mask.bounds[0] if attention_mask.bounds is not None else attention_mask.cu_q.tolist()
+            starts = [int(v) for v in cu[:-1]]
+        for layer in self.decoder.layers:
+            hidden = layer(hidden, attention_mask, starts)
+        hidden = self.decoder.final_norm(hidden)
+        weight = self.embedding.word_embeddings.weight if self.shape.tied else None
+        logits, _ = self.output_layer(hidden, weight=weight)
+        return logits.transpose(0, 1).contiguous()
+
+
+def build_hybrid(hf_config: Any, shape: HybridShape, *, tensor_parallel: int = 1, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", groups: dict[str, Any] | None = None,
+                 factories: dict[str, Callable[..., nn.Module]] | None = None) -> HybridModel:
+    """An uninitialised HybridModel of the HF decoder's shape (load its weights with the mapping)."""
+    config = hybrid_config(shape, tensor_parallel=tensor_parallel, dtype=dtype, device=device)
+    model = HybridModel(shape, config, groups=groups, factories=factories)
+    return model.to(device=device)

@@ -1,0 +1,189 @@
+"""Nemotron-H (the Nemotron 3 Omni decoder) in gymv's Megatron hybrid model: HF weights map onto TP/EP shards
+and back bit-exactly, and the model gives the HF model's logprobs and gradients in float32 (TP=1 in process,
+TP=2 over two gloo ranks), packed rows those of padded rows, checkpointed layers the same gradients."""
+
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from gymv.backends.training import megatron_hybrid_weights as W  # noqa: E402
+from gymv.backends.training.megatron_hybrid import build_hybrid  # noqa: E402
+from gymv.backends.training.megatron_model import MegatronCausalLM, init_parallel, release_parallel  # noqa: E402
+from gymv.backends.training.process_group import leave_process_group  # noqa: E402
+from gymv.errors import GymvError  # noqa: E402
+from megatron_helpers import batch, packed_token_logprobs, token_logprobs  # noqa: E402
+
+VOCAB = 96
+
+
+def tiny_nemotron_h(seed: int = 0, pattern=("linear_attention", "moe", "full_attention", "mlp")):
+    """A seeded NemotronH decoder: Mamba-2 (2 groups, 4 heads, chunks of 8 so a row spans two), MoE (4
+    experts, top 2 of 2 expert groups, a shared expert), attention (4 heads, 2 kv heads), relu^2 MLP; every
+    weight and the routers' correction bias random (HF starts some at 0 or 1, which would hide a misplaced
+    one)."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    cfg = NemotronHConfig(vocab_size=VOCAB, hidden_size=32, layers_block_type=list(pattern), num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=4,
+                          mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8,
+                          n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+                          moe_intermediate_size=24, moe_shared_expert_intermediate_size=24, routed_scaling_factor=1.5,
+                          tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = NemotronHForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            centre = 1.0 if ("norm" in name or name.endswith(".D")) else 0.0
+            p.normal_(mean=centre, std=0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(std=0.1)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_parallel():
+    yield
+    release_parallel()
+
+
+def hybrid_twin(hf_model, *, tp=1, rank=0):
+    shape = W.HybridShape.of(hf_model.config)
+    init_parallel(tp, torch.device("cpu"))
+    model = build_hybrid(hf_model.config, shape, tensor_parallel=tp)
+    model.load_state_dict(W.hf_to_megatron(hf_model.state_dict(), shape, tp_rank=rank, tp_size=tp), strict=True)
+    return MegatronCausalLM(model, shape, hf_model.config).eval()
+
+
+def test_hybrid_model_gives_the_hf_logprobs_in_fp32():
+    hf = tiny_nemotron_h()
+    ids, mask = batch()
+    with torch.no_grad():
+        want = token_logprobs(hf(input_ids=ids, attention_mask=mask).logits, ids)
+        got = token_logprobs(hybrid_twin(hf)(input_ids=ids, attention_mask=mask).logits, ids)
+    valid = mask[:, 1:].bool()
+    torch.testing.assert_close(got[valid], want[valid], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (2, 2), (1, 4)])
+def test_hf_weights_round_trip_through_tp_and_ep_shards_bit_exactly(tp, ep):
+    hf = tiny_nemotron_h().state_dict()
+    shape = W.HybridShape.of(tiny_nemotron_h().config)
+    grid = [[W.hf_to_megatron(hf, shape, tp_rank=t, tp_size=tp, ep_rank=e, ep_size=ep) for t in range(tp)]
+            for e in range(ep)]
+    back = dict(W.megatron_to_hf(grid[0], shape, expert_shards=grid))
+    assert back.keys() == hf.keys()
+    for name, t in hf.items():
+        assert torch.equal(back[name], t), name
+
+
+def test_tp_shards_split_mamba_heads_and_groups_and_ep_shards_hold_a_block_of_experts():
+    model = tiny_nemotron_h()
+    shape = W.HybridShape.of(model.config)
+    shard = W.hf_to_megatron(model.state_dict(), shape, tp_rank=1, tp_size=2, ep_rank=1, ep_size=2)
+    hf = model.state_dict()
+    assert torch.equal(shard["decoder.layers.0.mixer.A_log"], hf["model.layers.0.mixer.A_log"][2:])
+    assert shard["decoder.layers.0.mixer.in_proj.weight"].shape[0] == (2 * 32 + 2 * 2 * 16 + 4) // 2
+    assert torch.equal(shard["decoder.layers.1.mixer.experts.up_proj"], hf["model.layers.1.mixer.experts.up_proj"][2:, 12:])
+    assert torch.equal(shard["decoder.layers.1.mixer.router.weight"], hf["model.layers.1.mixer.gate.weight"])
+
+
+def test_a_parallel_size_that_does_not_divide_the_model_is_a_one_line_error():
+    shape = W.HybridShape.of(tiny_nemotron_h().config)
+    with pytest.raises(GymvError, match="tensor parallel size 4 does not divide the model.s key/value heads \\(2\\)"):
+        shape.check_parallel(4)
+    with pytest.raises(GymvError, match="expert parallel size 3"):
+        shape.check_parallel(1, 3)
+
+
+def test_a_packed_row_gives_the_padded_rows_logprobs_no_mamba_state_crossing_sequences():
+    twin = hybrid_twin(tiny_nemotron_h())
+    ids, mask = batch()
+    with torch.no_grad():
+        padded = token_logprobs(twin(input_ids=ids, attention_mask=mask).logits, ids)
+        packed = packed_token_logprobs(twin, ids, mask)
+    valid = mask[:, 1:].bool()
+    torch.testing.assert_close(packed[valid], padded[valid], rtol=0, atol=1e-5)
+
+
+def test_checkpointed_hybrid_layers_give_the_same_gradients():
+    from gymv.backends.training.megatron_model import checkpoint_layers
+
+    hf = tiny_nemotron_h()
+    ids, mask = batch()
+    grads = []
+    for checkpointed in (False, True):
+        twin = hybrid_twin(hf).train()
+        if checkpointed:
+            checkpoint_layers(twin.gpt)
+        (token_logprobs(twin(input_ids=ids, attention_mask=mask).logits, ids) * mask[:, 1:]).sum().backward()
+        grads.append({k: p.grad for k, p in twin.gpt.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=0, atol=1e-6, msg=name)
+
+
+def _full_grads(model) -> dict:
+    """Parameter gradients, and zeros for the state dict's buffers (the routers' correction bias)."""
+    grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+    return {k: grads.get(k, torch.zeros_like(v)) for k, v in model.state_dict().items()}
+
+
+def _tp_rank(rank, world, port, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        twin = hybrid_twin(tiny_nemotron_h(), tp=world, rank=rank)
+        ids, mask = batch()
+        logp = token_logprobs(twin(input_ids=ids, attention_mask=mask).logits, ids)
+        (logp * mask[:, 1:]).sum().backward()
+        grads = _full_grads(twin.gpt)
+        twin.zero_grad(set_to_none=True)
+        packed = packed_token_logprobs(twin, ids, mask)
+        (packed * mask[:, 1:]).sum().backward()
+        torch.save({"logp": logp.detach(), "grads": grads, "packed_logp": packed.detach(),
+                    "packed_grads": _full_grads(twin.gpt)}, f"{out}/{rank}.pt")
+    finally:
+        leave_process_group()
+
+
+@pytest.fixture(scope="module")
+def tp2_ranks(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("hybrid_tp2")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_tp_rank, args=(2, port, str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"{r}.pt") for r in range(2)]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_two_gloo_ranks_give_the_hf_logprobs_and_gradients(tp2_ranks):
+    hf = tiny_nemotron_h()
+    ids, mask = batch()
+    logp = token_logprobs(hf(input_ids=ids, attention_mask=mask).logits, ids)
+    (logp * mask[:, 1:]).sum().backward()
+    valid = mask[:, 1:].bool()
+    for r in tp2_ranks:
+        torch.testing.assert_close(r["logp"][valid], logp.detach()[valid], rtol=0, atol=1e-5)
+    shards = [dict(r["grads"]) for r in tp2_ranks]
+    for name in shards[0]:
+        if any(part in name for part in W.TP_PARTIAL_GRADIENTS):  # each rank's covers its share of the experts
+            shards[0][name] = shards[1][name] = shards[0][name] + shards[1][name]
+    grads = dict(W.megatron_to_hf(shards, W.HybridShape.of(hf.config)))
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_give_a_packed_row_the_padded_rows_logprobs_and_gradients(tp2_ranks):
+    valid = batch()[1][:, 1:].bool()
+    for r in tp2_ranks:
+        torch.testing.assert_close(r["packed_logp"][valid], r["logp"][valid], rtol=0, atol=1e-5)
+        for name, g in r["grads"].items():
+            torch.testing.assert_close(r["packed_grads"][name], g, rtol=1e-4, atol=1e-5, msg=name)
