@@ -2,7 +2,7 @@
 
 Each backend's registry entry (gymv.backends.registry) declares what it can do: the optional package it needs
 and how to install it, the model parallelism it runs, the model families it cannot run. The schema also
-accepts a few values nothing implements yet (a Megatron-core teacher), listed in NOT_WIRED below. A recipe
+accepts a few values nothing implements yet, listed in NOT_WIRED below. A recipe
 that asks for what cannot run is refused before anything starts by `gymv train` (config loading), flagged by
 `gymv lint` when a nightly or release suite lists it, and named by `gymv smoke --tiny` when its stand-ins
 replace it. All three read `gaps(cfg)`; `gymv train` adds `missing_packages(cfg)` and `family_gaps(cfg, ...)`
@@ -25,9 +25,6 @@ from gymv.registry import Registry
 
 # key -> {value: why that value does not run}. A backend registered under the same name wins over its row.
 NOT_WIRED: dict[str, dict[Any, str]] = {
-    "mopd.teachers.*.backend": {
-        "megatron": "Megatron-core teachers are not wired into gymv train yet",
-    },
     "vision.dedup_payloads": {False: "the generation backend always encodes an image shared by a group once"},
 }
 FIXES: dict[str, str] = {
@@ -110,7 +107,14 @@ def _gaps(cfg) -> Iterator[Gap]:
         if t.backend not in TEACHER_BACKENDS:
             yield _not_wired(key, t.backend, TEACHER_KEY) or Gap(
                 key, f"no teacher backend {t.backend!r} is installed", "use backend: torch")
-        elif t.engine_kwargs and not TEACHER_BACKENDS.capabilities(t.backend).reads_engine_kwargs:
+            continue
+        caps = TEACHER_BACKENDS.capabilities(t.backend)  # one that spans no GPUs: lint's teacher.parallel
+        for size, kind in (("tensor_parallel_size", "tensor"), ("expert_parallel_size", "expert")):
+            if caps.spans_gpus and getattr(t, size) > 1 and kind not in caps.model_parallel:
+                able = " or ".join(TEACHER_BACKENDS.having(lambda c, k=kind: k in c.model_parallel))
+                yield Gap(f"mopd.teachers.{alias}.{size}", f"teacher backend {t.backend} scores with {size} 1 here "
+                          f"({kind} parallelism is not wired for it)", f"set {size}: 1, or use backend: {able}")
+        if t.engine_kwargs and not TEACHER_BACKENDS.capabilities(t.backend).reads_engine_kwargs:
             readers = " or ".join(TEACHER_BACKENDS.having(lambda c: c.reads_engine_kwargs))
             yield Gap(f"mopd.teachers.{alias}.engine_kwargs", f"engine_kwargs is read only by teacher backend "
                       f"{readers}, teacher {alias!r} uses {t.backend}", f"remove it, or use backend: {readers}")

@@ -63,6 +63,9 @@ class BackendCapabilities:
     reads_vllm_section: bool = False  # takes generation.vllm, whose tensor_parallel_size spans GPUs per engine
     model_parallel: tuple[str, ...] = ()  # training.parallel sizes (tensor, pipeline, context, expert) it runs > 1
     spans_gpus: bool = False  # a teacher replica may span GPUs (mopd.teachers.*.tensor_parallel_size > 1)
+    # a teacher replica spanning N devices is N ranks (one process each, one process group: megatron), not one
+    # process driving them all (vllm); on a CPU too, where its ranks talk over gloo
+    rank_per_device: bool = False
     reads_engine_kwargs: bool = False  # a teacher that takes mopd.teachers.*.engine_kwargs (vLLM engine arguments)
     compiles: bool = False  # training.compile compiles its decoder layers
     one_rank: bool = False  # trains on one rank only (a recipe that gives it more is refused)
@@ -108,7 +111,11 @@ TEACHER_BACKENDS = Registry("teacher backend", "gymv.teacher_backends", {
     "torch": "gymv.backends.teacher:TeacherModel",
     "vllm": ("gymv.backends.teacher_vllm:VllmTeacher", BackendCapabilities(
         needs=Package("vllm", "vllm", VLLM_VENV_FIX + ", or use backend: torch"), spans_gpus=True,
-        reads_engine_kwargs=True, model_check=VLLM_MODEL_CHECK)),
+        model_parallel=("tensor", "expert"), reads_engine_kwargs=True, model_check=VLLM_MODEL_CHECK)),
+    # the megatron training backend's twin, scoring only; its model parallelism is the trainer's (tensor)
+    "megatron": ("gymv.backends.teacher_megatron:MegatronTeacher", BackendCapabilities(
+        needs=MEGATRON, spans_gpus=True, rank_per_device=True, model_parallel=("tensor",),
+        refused_families=TRAINING_BACKENDS.capabilities("megatron").refused_families)),
 }, where="mopd.teachers.*.backend", default=BackendCapabilities())
 # a transport's entry is its sender class; the sender names its receiver class (`receiver`)
 REFIT_TRANSPORTS = Registry("refit transport", "gymv.refit_transports", {

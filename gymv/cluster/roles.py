@@ -133,19 +133,29 @@ def _gpu_training(p: Placement) -> RolePlan:
     return RolePlan("training", bundles, pin.strategy or "PACK", pin, {"training": slots})
 
 
+def teacher_ranks(teacher) -> int:
+    """Processes per replica of a teacher: its tensor-parallel size for a backend that runs one rank per
+    device (megatron), else 1 (one process drives every GPU of the replica: vllm)."""
+    from gymv.backends.registry import TEACHER_BACKENDS
+
+    caps = TEACHER_BACKENDS.capabilities(teacher.backend)
+    return teacher.tensor_parallel_size if caps.rank_per_device else 1
+
+
 def teacher_plan(alias: str, teacher, pin: Pin, *, gpus_per_node: int) -> RolePlan | None:
     """A teacher's own role: on a CPU its replicas reserve nothing; on GPUs with `placement: separate` one
     bundle of `gpus / data_parallel_size` GPUs per replica. None for a colocated teacher on GPUs (it joins
-    the policy's bundles)."""
-    dp = teacher.data_parallel_size
+    the policy's bundles). A replica of several ranks (`teacher_ranks`) has one worker per rank, replica by
+    replica, each rank with one GPU of its replica's bundle."""
+    dp, ranks = teacher.data_parallel_size, teacher_ranks(teacher)
     role = f"teacher {alias}"
     if gpus_per_node == 0:
-        return RolePlan(role, (), pin.strategy or "PACK", pin, {"teacher": (Slot(None),) * dp})
+        return RolePlan(role, (), pin.strategy or "PACK", pin, {"teacher": (Slot(None),) * (dp * ranks)})
     if teacher.placement == "colocated":
         return None
     per = (teacher.gpus or dp) // dp
-    return RolePlan(role, (_bundle(per, 1, pin),) * dp, pin.strategy or "PACK", pin,
-                    {"teacher": tuple(Slot(r, per) for r in range(dp))})
+    return RolePlan(role, (_bundle(per, ranks, pin),) * dp, pin.strategy or "PACK", pin,
+                    {"teacher": tuple(Slot(r // ranks, per / ranks) for r in range(dp * ranks))})
 
 
 def run_plans(cfg, placement: Placement | None = None) -> list[RolePlan]:

@@ -25,7 +25,7 @@ from gymv.algorithms.teacher_batch import pad_rows, shard_rows, trim
 from gymv.backends.registry import TEACHER_BACKENDS
 from gymv.cluster.placement import Deadlines, Pin
 from gymv.cluster.ray_placement import ROSTER, actor_options, deferred_start, group_for, here, wait_placed
-from gymv.cluster.roles import RolePlan, teacher_plan
+from gymv.cluster.roles import RolePlan, teacher_plan, teacher_ranks
 from gymv.errors import GymvError
 from gymv.models.init_path import resolve_init_path
 # the workers (torch) load in the teacher actors only: `gymv train` resolves teacher_specs here before Ray starts
@@ -50,28 +50,61 @@ class TeacherSpec:
     top_k: int = 0  # > 0: also the teacher's k most likely tokens per position (top-k distillation)
     trust_remote_code: bool = False  # the recipe's model.trust_remote_code, for teachers too
     backend: str = "torch"  # a name in TEACHER_BACKENDS
-    tensor_parallel_size: int = 1  # GPUs one replica's engine spans (vllm)
+    tensor_parallel_size: int = 1  # GPUs one replica spans (vllm: one engine over them; megatron: one rank each)
     expert_parallel_size: int = 1  # > 1: its MoE experts split over those GPUs (vllm's expert parallelism)
     engine_kwargs: dict = field(default_factory=dict)  # vllm: more arguments of its engine (vllm.LLM)
 
 
 class TeacherWorker:
-    """One replica of one teacher (a Ray actor through `ray.remote`; plain class in tests)."""
+    """One replica of one teacher, or one rank of a replica of several (a Ray actor through `ray.remote`;
+    plain class in tests). A single-rank replica builds its scorer at once; the ranks of a larger one build
+    theirs in `join`, once their process group is up (rank 0 serves its rendezvous: `address`)."""
 
-    def __init__(self, spec: TeacherSpec, replica: int = 0):
+    def __init__(self, spec: TeacherSpec, replica: int = 0, rank: int = 0, world_size: int = 1):
         from gymv.cluster.workers import _device, _set_threads
 
         _set_threads(spec.threads)
-        self.spec, self.replica = spec, replica
-        device = _device(spec)  # type: ignore[arg-type]  (reads .device only)
-        scorer = TEACHER_BACKENDS.load(spec.backend)
-        self.teacher = scorer(spec if str(device) == spec.device else _with_device(spec, str(device)))
+        self.spec, self.replica, self.rank, self.world_size = spec, replica, rank, world_size
+        self.device = _device(spec)  # type: ignore[arg-type]  (reads .device only)
+        self.teacher = None
+        if world_size == 1:
+            self._build()
+
+    def _build(self) -> None:
+        scorer = TEACHER_BACKENDS.load(self.spec.backend)
+        device = str(self.device)
+        self.teacher = scorer(self.spec if device == self.spec.device else _with_device(self.spec, device))
+
+    def address(self) -> tuple[str, int]:
+        """(host, port) of the replica's rendezvous store, which its rank 0 (asked this) serves on the node's
+        address only."""
+        import ray.util
+
+        from gymv.net import master_store
+
+        try:
+            host = ray.util.get_node_ip_address()
+        except Exception:
+            host = "127.0.0.1"
+        self._store, self._listener = master_store(host, self.world_size)
+        return host, self._store.port
+
+    def join(self, master: tuple[str, int]) -> None:
+        """Join the replica's process group (nccl on GPUs, gloo on a CPU) and build this rank's scorer."""
+        import torch.distributed as dist
+
+        store = getattr(self, "_store", None)
+        if store is None:
+            store = dist.TCPStore(master[0], master[1], world_size=self.world_size, is_master=False)
+        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=store, rank=self.rank,
+                                world_size=self.world_size)
+        self._build()
 
     def info(self) -> dict:
         count = getattr(self.teacher, "num_parameters", None)  # a teacher without a torch module here says it
         parameters = count() if count is not None else sum(p.numel() for p in self.teacher.model.parameters())
-        return {"alias": self.spec.alias, "replica": self.replica, "text_only": self.teacher.text_only,
-                "parameters": parameters}
+        return {"alias": self.spec.alias, "replica": self.replica, "rank": self.rank,
+                "text_only": self.teacher.text_only, "parameters": parameters}
 
     def score(self, rows) -> dict:
         t0 = time.perf_counter()
@@ -85,6 +118,10 @@ class TeacherWorker:
         close = getattr(self.teacher, "close", None)
         if close is not None:
             close()
+        if self.world_size > 1:
+            from gymv.backends.training.process_group import leave_process_group
+
+            leave_process_group()
 
 
 def _with_device(spec: TeacherSpec, device: str) -> TeacherSpec:
@@ -153,7 +190,8 @@ class TeacherPool:
         self.specs = specs
         self.deadlines = Deadlines.from_config(cfg.cluster)
         self.dp = {a: cfg.mopd.teachers[a].data_parallel_size for a in self.specs}
-        self.replicas: dict[str, list] = {}
+        self.replicas: dict[str, list] = {}  # alias -> every replica's first rank (the one whose scores count)
+        self.ranks: dict[str, list[list]] = {}  # alias -> each replica's ranks, the first one first
         self._pgs = []
         Worker = ray.remote(deferred_start(TeacherWorker))  # a teacher that cannot start says why in one line
         try:
@@ -170,14 +208,20 @@ class TeacherPool:
             if pg is not None:  # a group that is not placed in time is removed by wait_placed
                 wait_placed(pg, RolePlan(f"teacher {alias}", tuple(pg.bundle_specs), "PACK"), self.deadlines.placement_s)
                 self._pgs.append(pg)
-            self.replicas[alias] = [Worker.options(**o).remote(spec, r) for r, o in enumerate(opts)]
-            for r, w in enumerate(self.replicas[alias]):
-                ROSTER.add(w, f"teacher {alias}", r)
-        workers = [w for ws in self.replicas.values() for w in ws]
+            n = teacher_ranks(cfg.mopd.teachers[alias])
+            actors = [Worker.options(**o).remote(spec, i // n, i % n, n) for i, o in enumerate(opts)]
+            self.ranks[alias] = [actors[i:i + n] for i in range(0, len(actors), n)]
+            self.replicas[alias] = [ranks[0] for ranks in self.ranks[alias]]
+            for i, w in enumerate(actors):
+                ROSTER.add(w, f"teacher {alias}" + (f" rank {i % n}" if n > 1 else ""), i // n)
+        workers = [w for groups in self.ranks.values() for ranks in groups for w in ranks]
         start = dict(timeout_s=self.deadlines.start_s, key="cluster.start_timeout_s")
         ROSTER.locate(workers, ray_get([w.where.remote() for w in workers], "starting the teachers", **start))
+        groups = [ranks for g in self.ranks.values() for ranks in g if len(ranks) > 1]
+        masters = ray_get([ranks[0].address.remote() for ranks in groups], "starting the teachers", **start)
+        ray_get([w.join.remote(m) for ranks, m in zip(groups, masters) for w in ranks], "starting the teachers", **start)
         infos = ray_get([w.info.remote() for w in workers], "starting the teachers", **start)
-        self.info = {i["alias"]: i for i in infos}
+        self.info = {i["alias"]: i for i in infos if i["rank"] == 0}
 
     def score(self, rows_by_alias: dict[str, Sequence]) -> tuple[dict[str, list], int]:
         """(logprobs per alias, one `[len]` tensor per real row in row order; the teacher batches scored: one
@@ -192,24 +236,26 @@ class TeacherPool:
                 raise GymvError(f"no teacher {alias!r}", where="mopd.teachers", fix=f"use one of: {', '.join(self.replicas)}")
             padded, n = pad_rows(rows, self.dp[alias])
             shards = shard_rows(padded, self.dp[alias])
-            pending[alias] = (n, [w.score.remote(s) for w, s in zip(self.replicas[alias], shards)])
+            # every rank of a replica scores its shard (their forward passes meet in collectives)
+            pending[alias] = (n, [[w.score.remote(s) for w in ranks] for ranks, s in zip(self.ranks[alias], shards)])
         out = {}
         for alias, (n, refs) in pending.items():
-            parts = ray_get(refs, f"teacher {alias!r} scoring", self.deadlines.phase_s)
-            out[alias] = trim([lp for p in parts for lp in p["logprobs"]], n)
+            parts = ray_get([r for ranks in refs for r in ranks], f"teacher {alias!r} scoring", self.deadlines.phase_s)
+            firsts = parts[::len(refs[0])]  # each replica's first rank
+            out[alias] = trim([lp for p in firsts for lp in p["logprobs"]], n)
         return out, sum(len(refs) for _, refs in pending.values())
 
     def shutdown(self) -> None:
         import ray
 
-        for ws in self.replicas.values():
-            for w in ws:
+        for groups in self.ranks.values():
+            for w in (w for ranks in groups for w in ranks):
                 try:
                     ray.kill(w)
                 except Exception:
                     pass
                 ROSTER.drop(w)
-        self.replicas = {}
+        self.replicas, self.ranks = {}, {}
         if self._pgs:
             from ray.util.placement_group import remove_placement_group
 

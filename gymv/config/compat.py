@@ -309,18 +309,6 @@ def _teacher_parallel(cfg: RecipeBase) -> Iterator[Finding]:
                        f"tensor_parallel_size {tp}", f"set gpus: {t.data_parallel_size * tp}")
 
 
-@rule("backend.needs-gpu", "Megatron teachers run on GPUs only (the megatron training backend, vLLM generation and "
-                           "vLLM teachers also run on CPU)")
-def _backend_gpu(cfg: RecipeBase) -> Iterator[Finding]:
-    if total_gpus(cfg) > 0:
-        return
-    m = _mopd(cfg)
-    for alias, t in (m.teachers.items() if m else ()):
-        if t.backend == "megatron":
-            yield _err("backend.needs-gpu", f"mopd.teachers.{alias}.backend",
-                       f"teacher {alias!r} uses backend {t.backend}, which needs GPUs", "use backend: torch on CPU")
-
-
 @rule("generation.decode-backend", "generation.decode static needs a generation backend that declares a decoder")
 def _decode_backend(cfg: RecipeBase) -> Iterator[Finding]:
     g = cfg.generation

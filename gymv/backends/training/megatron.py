@@ -88,6 +88,24 @@ def check_maps(policy):
     return DecoderShape.of(policy.model.config, **_hf_names(policy.model))
 
 
+def megatron_twin(hf_model, hf_config, shape: DecoderShape, *, tensor_parallel: int, device: torch.device,
+                  dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """This rank's Megatron twin of an HF model (its TP shard of the decoder; a VLM keeps its vision tower),
+    with the HF call gymv's logprob functions make. The trainer and the Megatron teacher build it alike, so a
+    teacher scores with exactly the model a Megatron student trains."""
+    from megatron.core import parallel_state
+
+    gpt = build_gpt(hf_config, shape, tensor_parallel=tensor_parallel, device=device, dtype=dtype)
+    state = hf_to_megatron(hf_model.state_dict(), shape,
+                           tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=tensor_parallel)
+    gpt.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True)
+    pad = getattr(hf_model.get_input_embeddings(), "padding_idx", None)
+    if getattr(hf_config, "vision_config", None) is not None:
+        vision = strip_language_model(hf_model, shape).to(device=device, dtype=dtype)
+        return MegatronVLM(gpt, shape, hf_config, vision, pad)
+    return MegatronCausalLM(gpt, shape, hf_config, pad)
+
+
 class MegatronBackend(HFTorchBackend):
     """One data-parallel rank whose policy (and KL reference) is a GPTModel twin of the HF decoder."""
 
@@ -114,16 +132,7 @@ class MegatronBackend(HFTorchBackend):
         return cls(policy, setup, device=device, rank=rank, world_size=world_size)
 
     def _twin(self, hf_model) -> torch.nn.Module:
-        from megatron.core import parallel_state
-
-        gpt = build_gpt(self.hf_config, self.shape, tensor_parallel=self.tp, device=self.device)
-        state = hf_to_megatron(hf_model.state_dict(), self.shape,
-                               tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=self.tp)
-        gpt.load_state_dict({k: v.to(self.device) for k, v in state.items()}, strict=True)
-        pad = getattr(hf_model.get_input_embeddings(), "padding_idx", None)
-        if self.vision:
-            return MegatronVLM(gpt, self.shape, self.hf_config, strip_language_model(hf_model, self.shape), pad)
-        return MegatronCausalLM(gpt, self.shape, self.hf_config, pad)
+        return megatron_twin(hf_model, self.hf_config, self.shape, tensor_parallel=self.tp, device=self.device)
 
     def compile_layers(self, model, frozen: bool) -> None:
         if self.setup.training.compile:

@@ -1,0 +1,97 @@
+"""The megatron teacher (Megatron-core's twin of the checkpoint, scoring only) scores row-aligned batches
+exactly as the torch teacher does: a mixed batch of image and text rows, a text-only cut of a VLM, top-k
+candidates; float32 on the CPU, one rank (tensor-parallel ranks: tests/test_mopd_train_megatron.py)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from gymv.algorithms.teacher_batch import TeacherRow  # noqa: E402
+from gymv.backends.registry import TEACHER_BACKENDS  # noqa: E402
+from gymv.backends.teacher import TeacherModel  # noqa: E402
+from gymv.cluster.teachers import TeacherSpec  # noqa: E402
+from gymv.errors import GymvError  # noqa: E402
+from tiny_models import chat_ids, noise, shared_policy, tiny_path  # noqa: E402
+
+
+def _rows() -> list[TeacherRow]:
+    """Image row, text row, image row (another image, another length), text row."""
+    p = shared_policy("tiny-llava")
+    g = torch.Generator().manual_seed(3)
+
+    def gen(k):
+        return torch.randint(10, 200, (k,), generator=g).tolist()
+
+    a, b = noise(1), noise(2, size=(40, 70))
+    return [TeacherRow(chat_ids(p, "How many red circles?", [a]) + gen(5), [a], "row 0"),
+            TeacherRow(chat_ids(p, "3 + 4=?", []) + gen(9), [], "row 1"),
+            TeacherRow(chat_ids(p, "Count the blue ones.", [b]) + gen(3), [b], "row 2"),
+            TeacherRow(chat_ids(p, "7 + 1=?", []) + gen(2), [], "row 3")]
+
+
+def _spec(**kw) -> TeacherSpec:
+    llava = str(tiny_path("tiny-llava"))
+    return TeacherSpec("count", llava, llava, backend="megatron", temperature=0.7, **kw)
+
+
+@lru_cache(maxsize=None)
+def _teachers(text_of: bool = False, top_k: int = 0):
+    spec = _spec(text_of=text_of, top_k=top_k)
+    return TEACHER_BACKENDS.load("megatron")(spec), TeacherModel(spec)
+
+
+def _assert_same(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if isinstance(w, dict):
+            assert torch.equal(g["topk_ids"], w["topk_ids"])
+            torch.testing.assert_close(g["topk_logp"], w["topk_logp"], rtol=0, atol=2e-5)
+            g, w = g["logp"], w["logp"]
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=0, atol=2e-5)
+
+
+def test_a_megatron_teacher_scores_a_mixed_image_batch_as_the_torch_teacher():
+    megatron, hf = _teachers()
+    rows = _rows()
+    scores = megatron.score(rows)
+    _assert_same(scores, hf.score(rows))
+    assert all(s[1:].ne(0).any() for s in scores)  # real scores, not a zeroed row
+
+
+def test_a_megatron_teacher_scores_each_row_with_its_own_images():
+    megatron, _ = _teachers()
+    rows = _rows()
+    swapped = TeacherRow(rows[0].input_ids, rows[2].images, "row 0 with row 2's image")
+    assert not torch.allclose(megatron.score([swapped])[0], megatron.score(rows[:1])[0])
+
+
+def test_the_text_cut_of_a_vlm_scores_text_rows_as_the_torch_teachers_cut():
+    megatron, hf = _teachers(text_of=True)
+    rows = [r for r in _rows() if not r.images]
+    assert megatron.text_only and not megatron.model.gpt.config.tensor_model_parallel_size > 1
+    _assert_same(megatron.score(rows), hf.score(rows))
+
+
+def test_top_k_candidates_are_the_torch_teachers():
+    megatron, hf = _teachers(top_k=3)
+    rows = _rows()
+    _assert_same(megatron.score(rows), hf.score(rows))
+
+
+def test_the_teacher_holds_a_megatron_model_with_no_trainable_weights_and_counts_the_checkpoints_parameters():
+    megatron, hf = _teachers()
+    assert type(megatron.model).__name__ == "MegatronVLM"
+    assert not any(p.requires_grad for p in megatron.model.parameters())
+    assert megatron.num_parameters() == sum(p.numel() for p in hf.model.parameters())
+
+
+def test_expert_parallelism_is_refused_naming_the_key():
+    with pytest.raises(GymvError) as e:
+        TEACHER_BACKENDS.load("megatron")(_spec(expert_parallel_size=2))
+    assert e.value.where == "mopd.teachers.count.expert_parallel_size" and "expert_parallel_size: 1" in e.value.fix

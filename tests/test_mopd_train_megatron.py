@@ -1,0 +1,71 @@
+"""`gymv train` MOPD with a megatron teacher on a real local Ray: the tiny LLaVA student distils from a tiny
+LLaVA teacher whose replica is two tensor-parallel ranks (one Ray actor each, gloo). The same run with the
+torch teacher scores the same rows alike: every step's teacher advantages and losses agree (float32)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from gymv.envs.mix import MixPart, write_mixed_dataset  # noqa: E402
+from gymv.train import train  # noqa: E402
+from tiny_models import tiny_path  # noqa: E402
+from train_helpers import ray_session, write_recipe  # noqa: E402
+
+pytestmark = pytest.mark.slow
+STEPS = 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray():
+    stop = ray_session()
+    yield
+    stop()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from gymv.models.tiny import init_tiny
+
+    tmp = tmp_path_factory.mktemp("mopd-megatron")
+    data = {split: tmp / f"{split}.jsonl" for split in ("train", "eval")}
+    for split, path in data.items():
+        write_mixed_dataset(path, [MixPart("circle-count", "tiny", 4)], split=split)
+    teacher = tmp / "teacher"
+    init_tiny("tiny-llava", teacher, hidden=64, layers=1)  # the student's tokenizer, other weights
+    out = {}
+    for name, extra in (("torch", {}), ("megatron", {"backend": "megatron", "tensor_parallel_size": 2,
+                                                      "placement": "separate"})):
+        settings = {
+            "model.path": str(tiny_path("tiny-llava")), "model.max_seq_len": 256,
+            "env.name": "circle-count", "env.max_turns": 1,
+            "data.train": str(data["train"]), "data.eval": str(data["eval"]), "data.prepare": None,
+            "generation.max_new_tokens": 6, "training.lr": 1.0e-3, "training.dtype": "float32",
+            "mopd.prompts_per_step": 2, "mopd.max_steps": STEPS, "mopd.val_period": 0,
+            "mopd.teachers": {"_override_": True, "teacher": {"path": str(teacher), **extra}},
+            "checkpoint.dir": str(tmp / "runs"), "checkpoint.period": STEPS, "cluster.ray_address": None,
+        }
+        summary = train(write_recipe(tmp, f"mopd-{name}", "vlm/vlm_mopd-tinyllava-1n0g-torch.yaml", settings))
+        lines = (tmp / "runs" / f"mopd-{name}" / "metrics.jsonl").read_text().splitlines()
+        out[name] = (summary, [json.loads(line) for line in lines])
+    return out
+
+
+def test_a_mopd_run_with_a_tensor_parallel_megatron_teacher_completes(runs):
+    summary, rows = runs["megatron"]
+    assert summary["complete"] and [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for r in rows:
+        assert r["train/num_teacher_batches"] == 1  # one replica (of two ranks) scored each step
+        assert abs(r["train/kl_teacher/teacher"]) > 1e-3  # another model than the student scored
+
+
+def test_its_teacher_scores_equal_the_torch_teachers_step_by_step(runs):
+    (_, megatron), (_, torch_) = runs["megatron"], runs["torch"]
+    assert len(megatron) == len(torch_) == STEPS
+    for m, t in zip(megatron, torch_):
+        for key in ("train/teacher_advantage", "train/teacher_advantage_min", "train/teacher_advantage_max",
+                    "train/kl_teacher/teacher", "train/loss"):
+            assert m[key] == pytest.approx(t[key], rel=1e-4, abs=1e-5), key
