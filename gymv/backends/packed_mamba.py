@@ -1,20 +1,28 @@
-"""Mamba-2 layers over packed rows: every sequence of the row starts from a zero state.
+"""Mamba-2 layers over packed rows: every sequence of the row starts from a zero state, in one call per row.
 
 A Mamba-2 mixer runs through its input in order, carrying a convolution window and an SSM state, so over a
 packed row each sequence would start from the state the one before it left. transformers' NemotronH mixer
-takes no segment boundaries on its torch path (its `seq_idx` keyword reaches only the CUDA kernels of
-`mamba_ssm` and `causal_conv1d`, which gymv does not install), so `install` wraps each mixer of the model:
-in a packed forward (the row's segments arrive as gymv's packed-attention keyword, which transformers hands
-to every layer) the mixer runs once per segment and the outputs are joined; any other call is the
-mixer's own. A segment that continues a shared prompt would need the prompt's final state: rows of a model
-with these layers are packed without sharing prompts (gymv.backends.training.hf_torch.BatchLayout).
+takes no segment boundaries on its torch path, so `install` wraps each mixer of the model: in a packed
+forward (the row's segments arrive as gymv's packed-attention keyword, which transformers hands to every
+layer) the mixer runs as `mixer_forward` over the whole row with the row's sequence index (`seq_idx`):
+projections, a causal convolution whose windows stop at each sequence's start, the chunked SSD scan whose
+state restarts there, the gated norm and the output projection, with the mixer's own parameters. Any other
+call (padded batches, generation with a cache) is the mixer's own.
+
+The convolution and the scan run on `mamba_ssm`'s Triton kernels on CUDA when they import
+(gymv.backends.mamba_kernels; `causal_conv1d` for the convolution when installed), else on gymv's torch
+scan (gymv.backends.ssd_scan), which is the reference the kernels are tested against and the path on CPU.
+A segment that continues a shared prompt would need the prompt's final state: rows of a model with these
+layers are packed without sharing prompts (gymv.backends.training.hf_torch.BatchLayout).
 """
 
 from __future__ import annotations
 
 import torch
 
+from gymv.backends import mamba_kernels
 from gymv.backends.packed_attention import KEYWORD
+from gymv.backends.ssd_scan import chunk_scan, segment_conv1d, seq_idx_from_bounds
 
 MIXERS = ("NemotronHMamba2Mixer",)
 
@@ -28,12 +36,43 @@ def install(model) -> bool:
     found = mixers(model)
     for m in found:
         if not getattr(m, "gymv_packed", False):
-            m.forward = _per_segment(m.forward)
+            m.forward = _one_call(m, m.forward)
             m.gymv_packed = True
     return bool(found)
 
 
-def _per_segment(forward):
+def path(device: torch.device | str) -> str:
+    """Which scan a packed forward on `device` runs: "triton" (mamba_ssm's kernels) or "torch"."""
+    return "triton" if mamba_kernels.load(device) is not None else "torch"
+
+
+def mixer_forward(m, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
+                  kernels: mamba_kernels.Kernels | None = None) -> torch.Tensor:
+    """NemotronH's Mamba-2 mixer `m` over hidden_states [B, L, D] with no padding and no cache, each run of
+    equal `seq_idx` [B, L] (int32) a sequence of its own; `kernels`: mamba_ssm's (CUDA), None for the torch
+    scan. Computes what the mixer's own forward computes for each sequence alone."""
+    b, L, _ = hidden_states.shape
+    dtype = hidden_states.dtype
+    proj = m.in_proj(hidden_states)
+    gate, xbc, dt = proj.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+    weight = m.conv1d.weight.squeeze(1)
+    if kernels is not None and kernels.conv is not None:
+        xbc = kernels.conv(xbc.transpose(1, 2), weight, m.conv1d.bias, seq_idx=seq_idx,
+                           activation=m.activation).transpose(1, 2)
+    else:
+        xbc = segment_conv1d(xbc, weight, m.conv1d.bias, seq_idx, activation=m.activation)
+    groups_state = m.n_groups * m.ssm_state_size
+    x, B, C = xbc.split([m.intermediate_size, groups_state, groups_state], dim=-1)
+    scan = kernels.chunk_scan if kernels is not None else chunk_scan
+    y = scan(x.reshape(b, L, m.num_heads, m.head_dim), dt, -torch.exp(m.A_log.float()),
+             B.reshape(b, L, m.n_groups, m.ssm_state_size), C.reshape(b, L, m.n_groups, m.ssm_state_size),
+             m.chunk_size, D=m.D, dt_bias=m.dt_bias, dt_softplus=True, dt_limit=tuple(m.time_step_limit),
+             seq_idx=seq_idx)
+    y = m.norm(y.reshape(b, L, m.intermediate_size), gate)
+    return m.out_proj(y.to(dtype))
+
+
+def _one_call(mixer, forward):
     def packed_forward(hidden_states, *args, **kwargs):
         packing = kwargs.pop(KEYWORD, None)
         if packing is None or hidden_states.shape[0] != 1 or args or kwargs.get("cache") is not None:
@@ -41,8 +80,8 @@ def _per_segment(forward):
         if packing.keys is not None:
             raise RuntimeError("a packed row with shared prompts reached a Mamba-2 layer (its segments would not "
                                "start from the prompt's state)")
-        cu = packing.bounds[0] if packing.bounds is not None else packing.cu_q.tolist()
-        kwargs["attention_mask"] = None  # a packed row has no padding
-        parts = [forward(hidden_states[:, a:b], **kwargs) for a, b in zip(cu[:-1], cu[1:]) if b > a]
-        return torch.cat(parts, dim=1)
+        # the host copy of the bounds where the batch has one (no device read per layer), else the device's
+        bounds = packing.bounds[0] if packing.bounds is not None else packing.cu_q
+        seq_idx = seq_idx_from_bounds(bounds, hidden_states.shape[1], hidden_states.device)
+        return mixer_forward(mixer, hidden_states, seq_idx, mamba_kernels.load(hidden_states.device))
     return packed_forward

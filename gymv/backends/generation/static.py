@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gymv.backends import mamba_kernels
 from gymv.backends.compile_limits import lift_recompile_limit
 from gymv.backends.generation import static_hybrid as hybrid
 from gymv.backends.generation.base import GenerationOutput, GenerationRequest, OnOutput, RequestFeed, SamplingParams
@@ -340,13 +341,17 @@ class StaticDecodeBackend(HFGenerationBackend):
     COMPILED_VARIANTS = len(BATCH_BUCKETS) * 3  # per function: a graph per batch bucket and sampling mode
 
     def _set_functions(self, compiled: bool) -> None:
-        fns = (_layer_pre, _layer_post, _lm_head, _draw, _attn_out, hybrid.mamba_step, hybrid.moe_step, hybrid.mlp_step)
+        # the SSM state's update through mamba_ssm's Triton kernel on CUDA where it imports (else the torch step)
+        kernels = mamba_kernels.load(self.device) if "mamba" in self.tm.kinds else None
+        mamba = hybrid.mamba_step if kernels is None else \
+            partial(hybrid.mamba_step, ssm_update=hybrid.ssm_update_triton(kernels.state_update))
+        fns = (_layer_pre, _layer_post, _lm_head, _draw, _attn_out, mamba, hybrid.moe_step, hybrid.mlp_step)
         if compiled:
             lift_recompile_limit(self.COMPILED_VARIANTS)
             # grouped experts stay uncompiled: two grouped matrix products and a few routing kernels, little to
-            # fuse, and inductor takes grouped_mm in bfloat16 only
-            fns = tuple(f if f is hybrid.moe_step and self._grouped_moe else torch.compile(f, dynamic=False)
-                        for f in fns)
+            # fuse, and inductor takes grouped_mm in bfloat16 only; so does a Mamba step with its Triton kernel
+            fns = tuple(f if (f is hybrid.moe_step and self._grouped_moe) or (f is mamba and kernels is not None)
+                        else torch.compile(f, dynamic=False) for f in fns)
         self._pre, self._post, self._head, self._draw, self._attn_out, self._mamba, self._moe, self._mlp = fns
 
     # -- the decode step -----------------------------------------------------------------------------

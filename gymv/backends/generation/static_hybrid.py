@@ -123,8 +123,9 @@ def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def mamba_step(x, conv_state, ssm_state, ln, w_in, b_in, conv_w, conv_b, dt_bias, a_log, d, norm_w, w_out, b_out, *,
-               shape: MambaShape, eps: float):
-    """One token per row through a Mamba-2 block (norm, mixer, residual); updates both states in place."""
+               shape: MambaShape, eps: float, ssm_update=None):
+    """One token per row through a Mamba-2 block (norm, mixer, residual); updates both states in place.
+    `ssm_update`: the SSM state's one-token update (`ssm_update_torch` when None, or `ssm_update_triton`)."""
     B, s = x.shape[0], shape
     proj = F.linear(rms(x, ln, eps), w_in, b_in)
     gate, xbc, dt = proj.split([s.inner, s.conv_dim, s.heads], dim=-1)
@@ -132,18 +133,36 @@ def mamba_step(x, conv_state, ssm_state, ln, w_in, b_in, conv_w, conv_b, dt_bias
     conv_state.copy_(window)
     xbc = F.silu(F.conv1d(window.to(conv_w.dtype), conv_w, conv_b, groups=s.conv_dim)).to(x.dtype).transpose(1, 2)
     xs, b, c = xbc.split([s.inner, s.groups * s.state, s.groups * s.state], dim=-1)
-    xs = xs.reshape(B, s.heads, s.head_dim)
-    dt = F.softplus(dt.transpose(1, 2).expand(-1, -1, s.head_dim) + dt_bias[:, None].to(dt.dtype))[..., None]
+    y = (ssm_update or ssm_update_torch)(ssm_state, xs.reshape(B, s.heads, s.head_dim), dt[:, 0], a_log,
+                                         b.reshape(B, s.groups, s.state), c.reshape(B, s.groups, s.state), d, dt_bias)
+    return x + F.linear(_gated_norm(y.reshape(B, 1, s.inner), gate, norm_w, s).to(x.dtype), w_out, b_out)
+
+
+def ssm_update_torch(state, x, dt, a_log, b, c, d, dt_bias):
+    """The Mamba-2 SSM state after one token (updated in place) and its output [B, H, P] with the D skip, as
+    transformers' torch `selective_state_update` computes them: state [B, H, P, N], x [B, H, P], dt [B, H]
+    (before `dt_bias` and softplus), b and c [B, G, N]."""
+    B, H, P = x.shape
+    G, N = b.shape[1], b.shape[2]
+    dt = F.softplus(dt[..., None].expand(-1, -1, P) + dt_bias[:, None].to(dt.dtype))[..., None]
     a = -torch.exp(a_log.float())[:, None, None]
-    per = s.heads // s.groups
-    b = b.reshape(B, s.groups, 1, s.state).expand(B, s.groups, per, s.state).reshape(B, s.heads, 1, s.state)
-    c = c.reshape(B, s.groups, 1, s.state).expand(B, s.groups, per, s.state).reshape(B, s.heads, s.state)
-    state = ssm_state * torch.exp(dt.float() * a) + dt * b * xs[..., None]
-    ssm_state.copy_(state.to(ssm_state.dtype))
-    y = torch.bmm(state.to(c.dtype).view(B * s.heads, s.head_dim, s.state), c.reshape(B * s.heads, s.state, 1))
-    y = y.view(B, s.heads, s.head_dim)
-    y = (y + xs * d[:, None]).to(y.dtype).to(xs.dtype).reshape(B, 1, s.inner)
-    return x + F.linear(_gated_norm(y, gate, norm_w, s).to(x.dtype), w_out, b_out)
+    b = b.reshape(B, G, 1, N).expand(B, G, H // G, N).reshape(B, H, 1, N)
+    c = c.reshape(B, G, 1, N).expand(B, G, H // G, N).reshape(B, H, N)
+    new = state * torch.exp(dt.float() * a) + dt * b * x[..., None]
+    state.copy_(new.to(state.dtype))
+    y = torch.bmm(new.to(c.dtype).view(B * H, P, N), c.reshape(B * H, N, 1)).view(B, H, P)
+    return (y + x * d[:, None]).to(y.dtype).to(x.dtype)
+
+
+def ssm_update_triton(state_update):
+    """`ssm_update_torch` through mamba_ssm's Triton `selective_state_update` (gymv.backends.mamba_kernels):
+    one kernel per layer and step, which a CUDA graph captures like any other."""
+    def update(state, x, dt, a_log, b, c, d, dt_bias):
+        H, P, N = x.shape[1], x.shape[2], state.shape[-1]
+        a = -torch.exp(a_log.float())[:, None, None].expand(H, P, N)
+        return state_update(state, x, dt[..., None].expand(-1, -1, P), a, b, c, d[:, None].expand(H, P),
+                            z=None, dt_bias=dt_bias[:, None].expand(H, P), dt_softplus=True)
+    return update
 
 
 def _gated_norm(y, gate, weight, s: MambaShape):

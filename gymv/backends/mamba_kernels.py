@@ -1,0 +1,121 @@
+"""`mamba_ssm`'s Triton kernels for Mamba-2, reached without running the package's `__init__`.
+
+The chunked SSD scan (`mamba_chunk_scan_combined`, which takes a packed row's `seq_idx`) and the one-token
+state update (`selective_state_update`) are Triton kernels: they need no compiled extension. The PyPI
+release of `mamba_ssm` installs without building its CUDA extension (`MAMBA_SKIP_CUDA_BUILD=TRUE
+MAMBA_FORCE_BUILD=TRUE pip install --no-build-isolation`, see the `kernels` extra), but its package
+`__init__` imports the Mamba-1 modules, which import that missing extension, so `import mamba_ssm` fails.
+`load` imports the Triton modules under their own names with the package's `__init__` skipped (empty
+package modules standing in for `mamba_ssm`, `mamba_ssm.ops` and `mamba_ssm.ops.triton` while they import),
+then takes the stand-ins out of `sys.modules` again, so that nothing else (transformers' own kernel lookup
+included) sees a half-imported `mamba_ssm`. The causal convolution comes from `causal_conv1d` when it
+imports (a compiled extension of its own), else gymv's torch convolution with segment masking does it.
+
+The kernels run on CUDA only; `load` returns None with the reason in `why_not` anywhere else.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PACKAGE = "mamba_ssm"
+SCAN_MODULE = "mamba_ssm.ops.triton.ssd_combined"
+UPDATE_MODULE = "mamba_ssm.ops.triton.selective_state_update"
+INSTALL = ("MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip install --no-build-isolation 'gymv[kernels]'")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The CUDA kernels of a Mamba-2 mixer; `conv` is None where `causal_conv1d` is not installed."""
+
+    chunk_scan: Callable  # mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=, dt_bias=, seq_idx=, ...)
+    state_update: Callable  # selective_state_update(state, x, dt, A, B, C, D=, dt_bias=, dt_softplus=)
+    conv: Callable | None  # causal_conv1d_fn(x [B, C, L], weight [C, K], bias, seq_idx=, activation=)
+
+
+def _stand_ins(spec) -> dict[str, types.ModuleType]:
+    """Empty package modules for mamba_ssm and its ops packages, with the real search paths."""
+    made = {}
+    root = list(spec.submodule_search_locations)
+    for name, sub in ((PACKAGE, ()), (f"{PACKAGE}.ops", ("ops",)), (f"{PACKAGE}.ops.triton", ("ops", "triton")),
+                      (f"{PACKAGE}.utils", ("utils",))):
+        mod = types.ModuleType(name)
+        mod.__path__ = [os.path.join(r, *sub) for r in root]
+        mod.__package__ = name
+        made[name] = mod
+    return made
+
+
+def _import_triton_modules() -> tuple[types.ModuleType, types.ModuleType]:
+    """(ssd_combined, selective_state_update) modules, the package `__init__` skipped (module docstring)."""
+    if PACKAGE in sys.modules and not getattr(sys.modules[PACKAGE], "__gymv_stand_in__", False):
+        # a full install already imported (with its extension): use it as it is
+        return importlib.import_module(SCAN_MODULE), importlib.import_module(UPDATE_MODULE)
+    spec = importlib.util.find_spec(PACKAGE)  # a top-level find_spec does not run the package
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"{PACKAGE} is not installed")
+    before = {k: v for k, v in sys.modules.items() if k == PACKAGE or k.startswith(PACKAGE + ".")}
+    stand_ins = _stand_ins(spec)
+    for mod in stand_ins.values():
+        mod.__gymv_stand_in__ = True
+    sys.modules.update(stand_ins)
+    try:
+        return importlib.import_module(SCAN_MODULE), importlib.import_module(UPDATE_MODULE)
+    finally:
+        for k in [k for k in sys.modules if k == PACKAGE or k.startswith(PACKAGE + ".")]:
+            del sys.modules[k]
+        sys.modules.update(before)
+
+
+def _conv() -> Callable | None:
+    try:
+        from causal_conv1d import causal_conv1d_fn  # type: ignore[import-not-found]
+    except Exception:  # noqa: BLE001 - absent, or its extension does not load: the torch convolution
+        return None
+    return causal_conv1d_fn
+
+
+@lru_cache(maxsize=None)
+def _load() -> tuple[Kernels | None, str | None]:
+    if not torch.cuda.is_available():
+        return None, "no CUDA device (the Triton kernels run on CUDA only)"
+    try:
+        scan, update = _import_triton_modules()
+    except Exception as e:  # noqa: BLE001 - any import failure means the torch path, with the reason
+        return None, f"{PACKAGE}'s Triton kernels do not import ({type(e).__name__}: {e}); install: {INSTALL}"
+    return Kernels(scan.mamba_chunk_scan_combined, update.selective_state_update, _conv()), None
+
+
+def load(device: torch.device | str | None = None) -> Kernels | None:
+    """The Mamba-2 CUDA kernels for `device` (None: any CUDA device), or None (see `why_not`); the reason for
+    None is logged once."""
+    if device is not None and torch.device(device).type != "cuda":
+        return None
+    kernels, reason = _load()
+    if kernels is None:
+        _log_once(reason)
+    return kernels
+
+
+def why_not(device: torch.device | str | None = None) -> str | None:
+    """Why `load(device)` gives None, or None when the kernels are there."""
+    if device is not None and torch.device(device).type != "cuda":
+        return f"the inputs are on {torch.device(device).type}, the kernels run on CUDA only"
+    return _load()[1]
+
+
+@lru_cache(maxsize=None)
+def _log_once(reason: str | None) -> None:
+    log.warning("Mamba-2 layers run on gymv's torch scan, not mamba_ssm's Triton kernels: %s", reason)

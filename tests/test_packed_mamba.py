@@ -1,0 +1,144 @@
+"""gymv.backends.packed_mamba's one-call mixer over a packed row: transformers' NemotronH Mamba-2 mixer (real
+class, tiny widths, float32) run once per sequence is the reference; the torch scan runs here, mamba_ssm's
+Triton kernels on a GPU (the `gpu` tests at the end)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import NemotronHConfig
+from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+from gymv.backends import mamba_kernels, packed_mamba
+from gymv.backends.ssd_scan import seq_idx_from_bounds
+
+BOUNDS = [0, 7, 8, 30, 45]  # a one-token sequence; sequences across the 16-token chunks
+
+
+def mixer(seed: int = 0, dtype=torch.float32, device="cpu") -> NemotronHMamba2Mixer:
+    cfg = NemotronHConfig(hidden_size=32, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
+                          conv_kernel=4, chunk_size=16, layers_block_type=["mamba"], vocab_size=16)
+    torch.manual_seed(seed)
+    m = NemotronHMamba2Mixer(cfg, layer_idx=0)
+    with torch.no_grad():  # weights that make every part matter: a slow decay, a varied step and skip
+        m.A_log.copy_(torch.linspace(-2.0, 0.5, 4))
+        m.dt_bias.copy_(torch.linspace(-1.0, 1.0, 4))
+        m.D.copy_(torch.linspace(0.5, 1.5, 4))
+        m.norm.weight.copy_(1 + 0.1 * torch.randn(m.norm.weight.shape))
+    return m.to(device=device, dtype=dtype)
+
+
+def per_sequence(m, h: torch.Tensor) -> torch.Tensor:
+    return torch.cat([m(h[:, a:b]) for a, b in zip(BOUNDS[:-1], BOUNDS[1:])], dim=1)
+
+
+def test_one_call_over_a_packed_row_equals_the_mixer_on_each_sequence():
+    m = mixer()
+    h = torch.randn(1, 45, 32)
+    with torch.no_grad():
+        got = packed_mamba.mixer_forward(m, h, seq_idx_from_bounds(BOUNDS, 45))
+        want = per_sequence(m, h)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_without_segments_it_is_the_mixers_own_forward():
+    m = mixer()
+    h = torch.randn(2, 45, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(packed_mamba.mixer_forward(m, h, None), m(h), rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_of_the_packed_call_equal_those_of_each_sequence_alone():
+    m = mixer().train()
+    h = torch.randn(1, 45, 32, requires_grad=True)
+    w = torch.randn(1, 45, 32)
+    (packed_mamba.mixer_forward(m, h, seq_idx_from_bounds(BOUNDS, 45)) * w).sum().backward()
+    got = {n: p.grad.clone() for n, p in m.named_parameters()} | {"input": h.grad.clone()}
+    m.zero_grad()
+    h.grad = None
+    (per_sequence(m, h) * w).sum().backward()
+    want = {n: p.grad for n, p in m.named_parameters()} | {"input": h.grad}
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_later_sequence_does_not_see_what_came_before_it():
+    m = mixer()
+    h = torch.randn(1, 45, 32)
+    seq = seq_idx_from_bounds(BOUNDS, 45)
+    with torch.no_grad():
+        base = packed_mamba.mixer_forward(m, h, seq)
+        h[:, :30] = torch.randn(1, 30, 32)
+        moved = packed_mamba.mixer_forward(m, h, seq)
+    torch.testing.assert_close(moved[:, 30:], base[:, 30:], rtol=0, atol=1e-6)
+
+
+def test_on_cpu_the_torch_scan_runs_and_says_why_not_the_kernels():
+    assert packed_mamba.path("cpu") == "torch"
+    assert mamba_kernels.load("cpu") is None
+    assert "CUDA" in mamba_kernels.why_not("cpu")
+
+
+def test_the_kernels_are_reached_without_leaving_a_half_imported_mamba_ssm_behind():
+    import sys
+
+    mamba_kernels.load()  # None here (no CUDA, or mamba_ssm not installed)
+    assert "mamba_ssm" not in sys.modules or not getattr(sys.modules["mamba_ssm"], "__gymv_stand_in__", False)
+
+
+# -- the Triton kernels (CUDA, with the `kernels` extra installed) ---------------------------------------------
+
+def _kernels():
+    k = mamba_kernels.load("cuda") if torch.cuda.is_available() else None
+    if k is None:
+        pytest.skip(f"mamba_ssm's kernels: {mamba_kernels.why_not('cuda' if torch.cuda.is_available() else 'cpu')}")
+    return k
+
+
+@pytest.mark.gpu
+def test_gpu_the_triton_scan_over_a_packed_row_equals_the_torch_scan_forward_and_backward():
+    k = _kernels()
+    m = mixer(device="cuda").train()
+    h = torch.randn(1, 45, 32, device="cuda", requires_grad=True)
+    w = torch.randn(1, 45, 32, device="cuda")
+    seq = seq_idx_from_bounds(BOUNDS, 45, "cuda")
+    outs, grads = [], []
+    for kernels in (k, None):
+        m.zero_grad()
+        h.grad = None
+        y = packed_mamba.mixer_forward(m, h, seq, kernels)
+        (y * w).sum().backward()
+        outs.append(y.detach())
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()} | {"input": h.grad.clone()})
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-3, atol=1e-3)
+    for name in grads[1]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-2, atol=1e-3, msg=name)
+
+
+@pytest.mark.gpu
+def test_gpu_the_triton_scan_keeps_packed_sequences_apart():
+    k = _kernels()
+    m = mixer(device="cuda")
+    h = torch.randn(1, 45, 32, device="cuda")
+    with torch.no_grad():
+        got = packed_mamba.mixer_forward(m, h, seq_idx_from_bounds(BOUNDS, 45, "cuda"), k)
+        want = per_sequence(m, h)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_the_triton_state_update_is_the_static_decoders_torch_step():
+    k = _kernels()
+    from gymv.backends.generation import static_hybrid as hybrid
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, P, N, G = 3, 4, 8, 8, 2
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    state, x, dt, b, c = r(B, H, P, N), r(B, H, P), r(B, H), r(B, G, N), r(B, G, N)
+    a_log, d, dt_bias = r(H), r(H), r(H)
+    want_state = state.clone()
+    want = hybrid.ssm_update_torch(want_state, x, dt, a_log, b, c, d, dt_bias)
+    got = hybrid.ssm_update_triton(k.state_update)(state, x, dt, a_log, b, c, d, dt_bias)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
