@@ -128,7 +128,7 @@ def test_checkpointed_hybrid_layers_give_the_same_gradients():
 def _full_grads(model) -> dict:
     """Parameter gradients, and zeros for the state dict's buffers (the routers' correction bias)."""
     grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
-    return {k: grads.get(k, torch.zeros_like(v)) for k, v in model.state_dict().items()}
+    return {k: grads.get(k, torch.zeros_like(v)) for k, v in model.state_dict().items() if torch.is_tensor(v)}
 
 
 def _tp_rank(rank, world, port, out):
@@ -176,8 +176,9 @@ def test_tensor_parallel_two_gloo_ranks_give_the_hf_logprobs_and_gradients(tp2_r
         if any(part in name for part in W.TP_PARTIAL_GRADIENTS):  # each rank's covers its share of the experts
             shards[0][name] = shards[1][name] = shards[0][name] + shards[1][name]
     grads = dict(W.megatron_to_hf(shards, W.HybridShape.of(hf.config)))
-    for name, p in hf.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
+    for name, p in hf.named_parameters():  # float32 rounding, relative to the gradient's scale (up to ~60)
+        scale = max(1.0, float(p.grad.abs().max()))
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
 
 
 @pytest.mark.slow

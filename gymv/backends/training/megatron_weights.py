@@ -77,12 +77,17 @@ TP_SHARDED = ("embedding.word_embeddings.", "output_layer.", "self_attention.lin
 
 
 def tp_partial_gradient(name: str) -> bool:
-    return any(part in name for part in TP_PARTIAL_GRADIENTS)
+    """A weight of GPTModel or of the hybrid model (megatron_hybrid_weights) whose TP ranks' gradients sum."""
+    from gymv.backends.training import megatron_hybrid_weights as hybrid
+
+    return any(part in name for part in TP_PARTIAL_GRADIENTS + hybrid.TP_PARTIAL_GRADIENTS)
 
 
 def tp_sharded(name: str) -> bool:
-    """A GPTModel weight split over the TP ranks (the rest, norms, are whole on every rank)."""
-    return any(part in name for part in TP_SHARDED)
+    """A GPTModel (or hybrid model) weight split over the TP ranks (the rest, norms, are whole on every rank)."""
+    from gymv.backends.training import megatron_hybrid_weights as hybrid
+
+    return any(part in name for part in TP_SHARDED + hybrid.TP_SHARDED)
 
 
 def _mrope_section(text) -> tuple[int, ...] | None:
