@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gymv.backends import moe_experts
 from gymv.backends.multimodal import SUPPORTED_PROCESSORS, TextAdapter, make_adapter, supported_text
 from gymv.errors import GymvError
 from gymv.models.config_check import check_checkpoint
@@ -190,6 +191,7 @@ def _eval_model(auto_class, ckpt: Path, device, kwargs: dict, what: str, fix: st
     _own_storage(model)
     model.to(device)
     model.eval()
+    moe_experts.install(model)  # Nemotron-H's routed experts: grouped, no host sync (gymv.backends.moe_experts)
     return model
 
 

@@ -8,7 +8,7 @@ SSM state [heads, head dim, state size]. The functions below compute what transf
 path computes (the PyTorch reference of `causal_conv1d_update` and `selective_state_update`, the router of
 `NemotronHTopkRouter`), reading the model's parameters, with every shape fixed so that a CUDA graph can
 replay them. The experts run either grouped (`torch.nn.functional.grouped_mm` over the token-expert pairs
-sorted by expert, as transformers' `grouped_mm` experts do: only the chosen experts' weights are read) or
+sorted by expert, gymv.backends.moe_experts, as in training: only the chosen experts' weights are read) or
 dense (every expert on every row, weighted by the router; no grouped kernel needed).
 """
 
@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from gymv.backends import moe_experts
 
 KINDS = {"linear_attention": "mamba", "full_attention": "attention", "moe": "moe", "mlp": "mlp",
          "mamba": "mamba", "attention": "attention"}  # the block types' names in transformers 5.x, older and newer
@@ -193,18 +195,9 @@ def route(h, weight, correction, shape: MoeShape) -> tuple[torch.Tensor, torch.T
 
 
 def experts_grouped(h, ids, w, up, down, act):
-    """The chosen experts of each row, as grouped matrix products over the (row, expert) pairs sorted by expert."""
-    T, k = ids.shape
-    order_ids, order = torch.sort(ids.reshape(-1))
-    counts = torch.histc(order_ids.float() if h.device.type == "cpu" else order_ids.int(), bins=up.shape[0], min=0,
-                         max=up.shape[0] - 1)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
-    out = mm(act(mm(h[order // k], up.transpose(-2, -1), offs=offsets)), down.transpose(-2, -1), offs=offsets)
-    out = out * w.reshape(-1)[order].unsqueeze(-1)
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel(), device=order.device)
-    return out[back].view(T, k, -1).sum(dim=1).to(h.dtype)
+    """The chosen experts of each row, as grouped matrix products over the (row, expert) pairs sorted by expert:
+    the trainer's experts path (gymv.backends.moe_experts), with no host sync inside the CUDA graph."""
+    return moe_experts.experts(h, ids, w, up, down, act, grouped=True)
 
 
 def experts_dense(h, ids, w, up, down, act):

@@ -1,0 +1,96 @@
+"""Nemotron-H's routed experts (non-gated, relu²) as two grouped matrix products, with no host sync.
+
+transformers' default `NemotronHExperts.forward` loops over the experts in Python: it asks the device which
+experts got tokens (a sync per layer) and runs two small matrix products per expert. Here the (token,
+expert) pairs are sorted by expert id on the device, each expert's slice found by `searchsorted` over the
+sorted ids (offsets stay on the device: nothing is read back, so the forward, the backward and a CUDA
+graph capture run without a sync), and the up and down projections of every expert run as one
+`torch.nn.functional.grouped_mm` each (CUDA sm80+ in bfloat16; on CPU where the rows are 16-byte aligned),
+autograd giving the backward. Outputs are weighted, put back in token order and summed over each token's
+top-k, in a fixed order (no atomics). Elsewhere (float32 on CUDA, odd widths on CPU) the same permutation
+feeds a loop over the experts' slices: the reference the grouped path is tested against.
+
+transformers' own `experts_implementation="grouped_mm"` computes the same (sort, `histc`, `grouped_mm`);
+gymv keeps its own so that what training, logprobs and the static decoder's CUDA graph run does not move
+with the transformers version or the checkpoint's config, and so that one function serves all three
+(gymv.backends.generation.static_hybrid uses it too). `install` hooks it into every `NemotronHExperts` of a
+model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+EXPERTS = ("NemotronHExperts",)
+
+
+def _mm():
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def permutation(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [T*k]: the flat (token, slot) pairs sorted by expert id, offsets [E] int32: the end of each
+    expert's run in that order), computed on the device: no value is read back."""
+    ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
+    bounds = torch.arange(1, num_experts + 1, device=ids.device, dtype=ids.dtype)
+    return order, torch.searchsorted(ids, bounds, right=False).to(torch.int32)
+
+
+def grouped_available(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether `grouped_mm` runs on these tensors: CUDA sm80+ in bfloat16, or CPU with every row 16-byte
+    aligned (the CPU kernel's requirement)."""
+    if _mm() is None:
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == up.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    if x.device.type == "cpu":
+        size = up.element_size()
+        return all(t.shape[-1] * size % 16 == 0 and t.shape[-2] * size % 16 == 0 for t in (up, down)) \
+            and all(t.data_ptr() % 16 == 0 for t in (x, up, down))
+    return False
+
+
+def _loop(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """grouped_mm's product (x rows of expert e times weight[e]) one expert at a time: the reference."""
+    ends = offsets.tolist()
+    parts = [x[a:b] @ weight[e] for e, (a, b) in enumerate(zip([0, *ends[:-1]], ends))]
+    return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[-1])
+
+
+def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, up: torch.Tensor,
+            down: torch.Tensor, act: Callable, grouped: bool | None = None) -> torch.Tensor:
+    """Σ_k w[t, k] · down[e] act(up[e] h_t) for e = top_k_index[t, k]: hidden [T, D], up [E, I, D],
+    down [E, D, I] (transformers' (out, in) layout), top_k weights [T, k]. `grouped`: None picks
+    `grouped_available`; False runs the loop reference."""
+    T, k = top_k_index.shape
+    order, offsets = permutation(top_k_index, up.shape[0])
+    x = hidden[order // k]
+    if grouped is None:
+        grouped = grouped_available(hidden, up, down)
+    mm = (lambda a, w: _mm()(a, w, offs=offsets)) if grouped else (lambda a, w: _loop(a, w, offsets))  # noqa: E731
+    y = mm(act(mm(x.to(up.dtype), up.transpose(-2, -1))), down.transpose(-2, -1))
+    y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    back = torch.empty_like(y).index_copy(0, order, y)  # each pair back in (token, slot) order: unique indices
+    return back.view(T, k, -1).sum(dim=1).to(hidden.dtype)
+
+
+def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """`NemotronHExperts.forward` through `experts`."""
+    return experts(hidden_states, top_k_index, top_k_weights, module.up_proj, module.down_proj, module.act_fn)
+
+
+def install(model) -> int:
+    """Route every NemotronH experts module of `model` through `experts_forward` (once); how many there are.
+    Experts without fused [E, out, in] weight tensors (older transformers) keep their own forward."""
+    n = 0
+    for m in model.modules():
+        if type(m).__name__ in EXPERTS and isinstance(getattr(m, "up_proj", None), torch.nn.Parameter) \
+                and m.up_proj.dim() == 3 and not getattr(m, "gymv_experts", False):
+            m.forward = experts_forward.__get__(m)
+            m.gymv_experts = True
+            n += 1
+    return n

@@ -1,0 +1,114 @@
+"""gymv.backends.moe_experts: Nemotron-H's routed experts as grouped matrix products over expert-sorted
+(token, expert) pairs, against transformers' own expert loop (real `NemotronHExperts`, tiny widths, float32),
+experts that get no token included; the bfloat16 CUDA kernel in the `gpu` tests at the end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import NemotronHConfig
+from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+from gymv.backends import moe_experts
+
+E, D, I, T, K = 6, 32, 16, 20, 2
+
+
+def transformers_experts(device="cpu", dtype=torch.float32) -> NemotronHExperts:
+    cfg = NemotronHConfig(hidden_size=D, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K,
+                          layers_block_type=["moe"], vocab_size=16)
+    m = NemotronHExperts(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        m.up_proj.copy_(torch.randn(m.up_proj.shape, generator=g) / D ** 0.5)
+        m.down_proj.copy_(torch.randn(m.down_proj.shape, generator=g) / I ** 0.5)
+    return m.to(device=device, dtype=dtype)
+
+
+def routing(device="cpu"):
+    """Top-2 of experts 0-3 only (4 and 5 get no token; expert 2 gets most), with router-like weights."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randint(0, 4, (T,), generator=g), torch.full((T,), 2)], dim=1)
+    ids[ids[:, 0] == 2, 0] = 0
+    return ids.to(device), torch.rand(T, K, generator=g).to(device)
+
+
+def _run(fn, m, h, ids, w):
+    m.zero_grad()
+    h = h.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    out = fn(h, ids, w)
+    (out * torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)).sum().backward()
+    return out.detach(), {"hidden": h.grad, "weights": w.grad, "up": m.up_proj.grad.clone(), "down": m.down_proj.grad.clone()}
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped_mm"])
+def test_experts_equal_transformers_loop_forward_and_gradients(grouped):
+    m = transformers_experts()
+    h, (ids, w) = torch.randn(T, D), routing()
+    want, want_grads = _run(m.forward, m, h, ids, w)
+    got, grads = _run(lambda a, b, c: moe_experts.experts(a, b, c, m.up_proj, m.down_proj, m.act_fn, grouped=grouped),
+                      m, h, ids, w)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for name in want_grads:
+        torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert grads["up"][4:].abs().sum() == 0 and grads["down"][5].abs().sum() == 0  # unused experts: no gradient
+
+
+def test_the_permutation_sorts_pairs_by_expert_and_ends_each_experts_run():
+    ids = torch.tensor([[3, 0], [0, 1], [3, 3]])
+    order, offsets = moe_experts.permutation(ids, 5)
+    assert ids.reshape(-1)[order].tolist() == [0, 0, 1, 3, 3, 3]
+    assert offsets.tolist() == [2, 3, 3, 6, 6] and offsets.dtype == torch.int32
+
+
+def test_on_cpu_grouped_mm_is_used_for_aligned_float32_widths_only():
+    m = transformers_experts()
+    assert moe_experts.grouped_available(torch.randn(T, D), m.up_proj, m.down_proj)
+    odd = torch.randn(E, 6, 10)
+    assert not moe_experts.grouped_available(torch.randn(T, 10), odd, odd.transpose(1, 2).contiguous())
+
+
+def test_a_loaded_policy_runs_its_experts_here_and_scores_as_transformers_loop():
+    from tiny_models import fresh_policy
+
+    policy = fresh_policy("tiny-nemotron-omni")
+    found = [m for m in policy.model.modules() if type(m).__name__ == "NemotronHExperts"]
+    assert found and all(getattr(m, "gymv_experts", False) for m in found)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        got = policy.model(input_ids=ids).logits
+        for m in found:  # back to transformers' own forward, on its expert loop
+            del m.forward
+            m.config._experts_implementation = "eager"
+        want = policy.model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# -- the grouped kernel on CUDA (bfloat16) --------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_bfloat16_grouped_experts_match_the_float32_loop():
+    m32 = transformers_experts("cuda")
+    m16 = transformers_experts("cuda", torch.bfloat16)
+    h, (ids, w) = torch.randn(T, D, device="cuda"), routing("cuda")
+    assert moe_experts.grouped_available(h.bfloat16(), m16.up_proj, m16.down_proj)
+    want, want_grads = _run(lambda a, b, c: moe_experts.experts(a, b, c, m32.up_proj, m32.down_proj, m32.act_fn,
+                                                               grouped=False), m32, h, ids, w)
+    got, grads = _run(lambda a, b, c: moe_experts.experts(a, b, c, m16.up_proj, m16.down_proj, m16.act_fn),
+                      m16, h.bfloat16(), ids, w)
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+    for name in want_grads:
+        torch.testing.assert_close(grads[name].float(), want_grads[name], rtol=5e-2, atol=5e-2, msg=name)
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_experts_forward_and_backward_read_nothing_back_from_the_device():
+    m = transformers_experts("cuda", torch.bfloat16)
+    h, (ids, w) = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True), routing("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe_experts.experts(h, ids, w, m.up_proj, m.down_proj, m.act_fn).float().pow(2).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
