@@ -142,3 +142,40 @@ def test_gpu_the_triton_state_update_is_the_static_decoders_torch_step():
     got = hybrid.ssm_update_triton(k.state_update)(state, x, dt, a_log, b, c, d, dt_bias)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
+
+
+def test_the_environment_switch_turns_the_kernels_off_with_its_name_as_the_reason(monkeypatch):
+    monkeypatch.setenv("GYMV_MAMBA_KERNELS", "0")
+    assert mamba_kernels.load("cuda") is None
+    assert mamba_kernels.why_not("cuda") == "GYMV_MAMBA_KERNELS=0 in the environment"
+
+
+@pytest.mark.gpu
+def test_gpu_packed_logprobs_on_the_kernels_match_the_torch_scan_in_bfloat16(monkeypatch):
+    """The tiny Omni model's packed logprobs (bf16, CUDA) with mamba_ssm's kernels and with gymv's torch scan:
+    token_mult_prob_error <= 1.01 between the two, and each sequence as it scores alone."""
+    _kernels()
+    from family_checks import token_mult_prob_error
+    from tiny_models import chat_ids, solid, tiny_path
+
+    from gymv.backends import packed_attention
+    from gymv.backends.logprobs import MultimodalBatch, right_pad, token_scores
+    from gymv.backends.policy import load_policy
+
+    policy = load_policy(tiny_path("tiny-nemotron-omni"), device="cuda", dtype=torch.bfloat16)
+    images = [[solid("red", (64, 48))], [], [solid("blue", (30, 90))]]
+    rows = [chat_ids(policy, "How many?", images[0]) + [40, 41, 42], chat_ids(policy, "No picture", images[1]) + [45, 46],
+            chat_ids(policy, "Which colour is it?", images[2]) + [43, 44, 47, 48]]
+    batch = right_pad(rows, images, 0)
+    assert packed_attention.install(policy.model) and packed_mamba.install(policy.model)
+
+    def packed():
+        with torch.no_grad():
+            return token_scores(policy.model, policy.adapter, MultimodalBatch(
+                batch.input_ids.cuda(), batch.attention_mask.cuda(), images), packed=True).logp.float().cpu()
+
+    on_kernels = packed()
+    monkeypatch.setenv("GYMV_MAMBA_KERNELS", "0")
+    on_torch = packed()
+    mask = batch.attention_mask.bool()[:, 1:] if on_torch.shape[1] == batch.input_ids.shape[1] - 1 else batch.attention_mask.bool()
+    assert token_mult_prob_error(on_kernels, on_torch, mask) <= 1.01

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 PACKAGE = "mamba_ssm"
 SCAN_MODULE = "mamba_ssm.ops.triton.ssd_combined"
 UPDATE_MODULE = "mamba_ssm.ops.triton.selective_state_update"
+SWITCH = "GYMV_MAMBA_KERNELS"
 INSTALL = ("MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip install --no-build-isolation 'gymv[kernels]'")
 
 
@@ -100,8 +101,11 @@ def _load() -> tuple[Kernels | None, str | None]:
 
 def load(device: torch.device | str | None = None) -> Kernels | None:
     """The Mamba-2 CUDA kernels for `device` (None: any CUDA device), or None (see `why_not`); the reason for
-    None is logged once."""
+    None is logged once. `GYMV_MAMBA_KERNELS=0` in the environment turns them off (the torch path then runs
+    everywhere, as benchmarks compare)."""
     if device is not None and torch.device(device).type != "cuda":
+        return None
+    if _off():
         return None
     kernels, reason = _load()
     if kernels is None:
@@ -113,7 +117,13 @@ def why_not(device: torch.device | str | None = None) -> str | None:
     """Why `load(device)` gives None, or None when the kernels are there."""
     if device is not None and torch.device(device).type != "cuda":
         return f"the inputs are on {torch.device(device).type}, the kernels run on CUDA only"
+    if _off():
+        return f"{SWITCH}=0 in the environment"
     return _load()[1]
+
+
+def _off() -> bool:
+    return os.environ.get(SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
 
 
 @lru_cache(maxsize=None)

@@ -94,3 +94,14 @@ def install(model) -> int:
             m.gymv_experts = True
             n += 1
     return n
+
+
+def uninstall(model) -> int:
+    """Give every experts module `install` routed back its own (transformers') forward; how many."""
+    n = 0
+    for m in model.modules():
+        if getattr(m, "gymv_experts", False):
+            del m.forward
+            m.gymv_experts = False
+            n += 1
+    return n
