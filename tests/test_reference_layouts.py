@@ -96,3 +96,8 @@ def test_the_preflight_placement_check_passes_on_a_cluster_of_the_layouts_shape(
 def test_a_cluster_a_node_short_is_refused_before_anything_starts(name, n):
     with pytest.raises(GymvError):
         preflight(recipe(name), n - 1)
+
+
+def test_the_megatron_teachers_replica_is_eight_ranks_each_with_one_gpu_of_its_nodes_bundle():
+    [plan] = [p for p in run_plans(recipe(MOPD)) if p.role == "teacher self"]
+    assert [(s.bundle, s.gpus) for s in plan.workers["teacher"]] == [(0, 1.0)] * 8

@@ -52,5 +52,7 @@ class MegatronTeacher(TeacherModel):
         from gymv.backends.training.megatron_weights import tp_sharded
 
         tp = self.spec.tensor_parallel_size
+        if tp == 1:
+            return sum(p.numel() for p in self.model.parameters())
         return sum(p.numel() * (tp if name.startswith("gpt.") and tp_sharded(name) else 1)
                    for name, p in self.model.named_parameters())
