@@ -188,3 +188,38 @@ def test_tensor_parallel_ranks_give_a_packed_row_the_padded_rows_logprobs_and_gr
         torch.testing.assert_close(r["packed_logp"][valid], r["logp"][valid], rtol=0, atol=1e-5)
         for name, g in r["grads"].items():
             torch.testing.assert_close(r["packed_grads"][name], g, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _omni_backends(**training):
+    from gymv.backends.training.base import TrainingSetup
+    from gymv.backends.training.hf_torch import HFTorchBackend
+    from gymv.backends.training.megatron import MegatronBackend
+    from gymv.config.schema import TrainingSection
+    from tiny_models import tiny_path
+
+    section = TrainingSection(lr=1e-2, eps=1e-3, weight_decay=0.0, dtype="float32", micro_batch_tokens=4096, **training)
+    setup = TrainingSetup(model_path=str(tiny_path("tiny-nemotron-omni")), training=section)
+    return MegatronBackend.create(setup, device="cpu"), HFTorchBackend.create(setup, device="cpu")
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_omni_trains_its_radio_tower_and_hybrid_decoder_as_the_torch_backend_does(packing):
+    """Image samples through the RADIO tower and projector (HF torch modules) into the hybrid decoder: the
+    logprobs, the step's gradient norm and router metrics, and the weights after it are the torch backend's."""
+    import copy
+
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from test_megatron_model import _image_samples
+
+    megatron, plain = _omni_backends(sequence_packing=packing)
+    samples = _image_samples(plain.policy)
+    for got, want in zip(megatron.compute_logprobs(copy.deepcopy(samples)), plain.compute_logprobs(copy.deepcopy(samples))):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    m, p = (b.train_step(copy.deepcopy(samples), PolicyLoss()) for b in (megatron, plain))
+    assert m["train/grad_norm"] > 0 and m["train/grad_norm"] == pytest.approx(p["train/grad_norm"], rel=1e-4)
+    for key in ("train/moe_aux_loss", "train/moe_load_max"):
+        assert m[key] == pytest.approx(p[key], rel=1e-5), key
+    want, got = dict(plain.named_weights()), dict(megatron.named_weights())
+    assert got.keys() == want.keys() and any(k.startswith("vision_model.") for k in got)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5, msg=name)

@@ -30,8 +30,10 @@ import torch
 
 from gymv.sections import MoeSection
 
-ROUTERS = ("NemotronHTopkRouter",)  # forward returns (logits, top-k weights, top-k indices); sigmoid scores
-DECODERS = ("NemotronHModel",)  # where each call's padding mask is read
+# forward returns (logits, top-k weights, top-k indices); sigmoid scores. HybridTopkRouter: the Megatron
+# backend's (gymv.backends.training.megatron_hybrid), whose MegatronCausalLM / MegatronVLM take the HF call
+ROUTERS = ("NemotronHTopkRouter", "HybridTopkRouter")
+DECODERS = ("NemotronHModel", "MegatronCausalLM", "MegatronVLM")  # where each call's padding mask is read
 
 
 class _Layer:

@@ -24,17 +24,20 @@ from gymv.backends import mamba_kernels
 from gymv.backends.packed_attention import KEYWORD
 from gymv.backends.ssd_scan import chunk_scan, segment_conv1d, seq_idx_from_bounds
 
-MIXERS = ("NemotronHMamba2Mixer",)
+MIXERS = ("NemotronHMamba2Mixer",)  # wrapped here: run once per segment
+# take a packed row's segment starts themselves (gymv's Megatron hybrid model: gymv.backends.mamba_scan)
+SEGMENT_AWARE = ("TorchMamba2Mixer",)
 
 
 def mixers(model) -> list:
-    return [m for m in model.modules() if type(m).__name__ in MIXERS]
+    """The Mamba-2 mixers of `model` that restart at each packed sequence (wrapped or on their own)."""
+    return [m for m in model.modules() if type(m).__name__ in MIXERS + SEGMENT_AWARE]
 
 
 def install(model) -> bool:
-    """Wrap every Mamba-2 mixer of `model` (once); False when it has none."""
+    """Wrap every Mamba-2 mixer of `model` that needs it (once); False when it has no Mamba-2 mixer."""
     found = mixers(model)
-    for m in found:
+    for m in (m for m in found if type(m).__name__ in MIXERS):
         if not getattr(m, "gymv_packed", False):
             m.forward = _one_call(m, m.forward)
             m.gymv_packed = True

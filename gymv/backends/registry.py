@@ -99,12 +99,7 @@ TRAINING_BACKENDS = Registry("training backend", "gymv.training_backends", {
     "torch": ("gymv.backends.training.hf_torch:HFTorchBackend", BackendCapabilities(compiles=True, one_rank=True)),
     "fsdp2": ("gymv.backends.training.hf_fsdp:HFFSDPBackend", BackendCapabilities(compiles=True)),
     "megatron": ("gymv.backends.training.megatron:MegatronBackend", BackendCapabilities(
-        needs=MEGATRON, model_parallel=("tensor",), refused_families={
-            "nemotron_h_omni": (
-                "Nemotron 3 Omni's Mamba-2 and MoE layers have no Megatron twin in gymv: megatron-core 0.16.1's "
-                "hybrid MambaModel builds its layers from Transformer Engine modules and runs the CUDA kernels of "
-                "the mamba-ssm and causal-conv1d packages (compiled against the CUDA toolkit; no CPU path), none of "
-                "which gymv installs")})),
+        needs=MEGATRON, model_parallel=("tensor",))),
 }, where="training.backend", default=BackendCapabilities())
 # a MOPD teacher's scorer, built from a gymv.cluster.teachers.TeacherSpec
 TEACHER_BACKENDS = Registry("teacher backend", "gymv.teacher_backends", {

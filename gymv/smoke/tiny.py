@@ -93,7 +93,7 @@ def megatron_runs_here() -> bool:
 
 
 MEGATRON_STAND_INS = ("tiny-llava", "tiny-llava-next", "tiny-llava-onevision", "tiny-qwen2vl", "tiny-qwen2_5vl",
-                      "tiny-smolvlm", "tiny-qwen3", "tiny-llama")
+                      "tiny-smolvlm", "tiny-qwen3", "tiny-llama", "tiny-nemotron-omni")
 """The tiny models gymv's Megatron twin maps (a test checks this list against the backend's own check)."""
 
 

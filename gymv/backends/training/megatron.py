@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from gymv.backends import packed_attention
+from gymv.backends.moe_router import RouterTerms
 from gymv.backends.multimodal import GridAdapter, MultimodalAdapter
 from gymv.backends.policy import load_policy
 from gymv.backends.training.base import TrainingSetup
@@ -40,7 +41,10 @@ from gymv.backends.training.megatron_model import (
     strip_language_model,
 )
 from gymv.backends.training.megatron_tp import ReplicaTrainer, TensorParallelTrainer, gather_state, union_over_tp
-from gymv.backends.training.megatron_weights import DecoderShape, hf_to_megatron, megatron_to_hf
+from gymv.backends.training import megatron_hybrid_weights, megatron_weights
+from gymv.backends.training.megatron_hybrid import build_hybrid
+from gymv.backends.training.megatron_hybrid_weights import HybridShape
+from gymv.backends.training.megatron_weights import DecoderShape
 from gymv.backends.training.torch_trainer import MODEL_SAFETENSORS, OPTIMIZER_FILE, TRAINER_FILE, _fsync_replace
 from gymv.errors import GymvError
 
@@ -56,16 +60,28 @@ def _check_setup(setup: TrainingSetup) -> None:
                             fix="set it to 1 (data parallel over the training GPUs), or use training.backend: fsdp2")
 
 
+def _hybrid(config) -> bool:
+    """A Nemotron-H decoder (Nemotron 3 Omni's): gymv's Megatron hybrid model (megatron_hybrid), not GPTModel."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "model_type", "") in megatron_hybrid_weights.MODEL_TYPES
+
+
+def mapping(shape):
+    """The HF <-> Megatron mapping module of a decoder shape (GPTModel's or the hybrid model's)."""
+    return megatron_hybrid_weights if isinstance(shape, HybridShape) else megatron_weights
+
+
 def _hf_names(model) -> dict:
     """Where the decoder's weights and the head sit in this HF model's state dict."""
     keys = list(model.state_dict())
-    embed = [k for k in keys if k.endswith("embed_tokens.weight")]
+    table = ".embeddings.weight" if _hybrid(model.config) else "embed_tokens.weight"
+    embed = [k for k in keys if k.endswith(table) and (table[0] != "." or k.endswith("model" + table))]
     if len(embed) != 1:
         raise GymvError("cannot find the language model's token embedding in the checkpoint", where="model.path",
                         fix="use training.backend: torch or fsdp2 for this model")
     head = "lm_head.weight" if "lm_head.weight" in keys else next((k for k in keys if k.endswith("lm_head.weight")),
                                                                   "lm_head.weight")
-    return {"hf_prefix": embed[0][: -len("embed_tokens.weight")], "hf_head": head}
+    return {"hf_prefix": embed[0][: -len(table.lstrip("."))], "hf_head": head}
 
 
 def _check_vlm(adapter) -> None:
@@ -85,19 +101,23 @@ def check_maps(policy):
     decoder and, for a VLM, how its image features reach the decoder."""
     if getattr(policy.model.config, "vision_config", None) is not None:
         _check_vlm(policy.adapter)
-    return DecoderShape.of(policy.model.config, **_hf_names(policy.model))
+    shape_class = HybridShape if _hybrid(policy.model.config) else DecoderShape
+    return shape_class.of(policy.model.config, **_hf_names(policy.model))
 
 
-def megatron_twin(hf_model, hf_config, shape: DecoderShape, *, tensor_parallel: int, device: torch.device,
-                  dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """This rank's Megatron twin of an HF model (its TP shard of the decoder; a VLM keeps its vision tower),
-    with the HF call gymv's logprob functions make. The trainer and the Megatron teacher build it alike, so a
-    teacher scores with exactly the model a Megatron student trains."""
+def megatron_twin(hf_model, hf_config, shape: DecoderShape | HybridShape, *, tensor_parallel: int,
+                  device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """This rank's Megatron twin of an HF model (its TP shard of the decoder: GPTModel, or for Nemotron-H
+    gymv's hybrid model; a VLM keeps its vision tower), with the HF call gymv's logprob functions make. The
+    trainer and the Megatron teacher build it alike, so a teacher scores with exactly the model a Megatron
+    student trains."""
     from megatron.core import parallel_state
 
-    gpt = build_gpt(hf_config, shape, tensor_parallel=tensor_parallel, device=device, dtype=dtype)
-    state = hf_to_megatron(hf_model.state_dict(), shape,
-                           tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=tensor_parallel)
+    build = build_hybrid if isinstance(shape, HybridShape) else build_gpt
+    gpt = build(hf_config, shape, tensor_parallel=tensor_parallel, device=device, dtype=dtype)
+    state = mapping(shape).hf_to_megatron(hf_model.state_dict(), shape,
+                                          tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                                          tp_size=tensor_parallel)
     gpt.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True)
     pad = getattr(hf_model.get_input_embeddings(), "padding_idx", None)
     if getattr(hf_config, "vision_config", None) is not None:
@@ -120,6 +140,12 @@ class MegatronBackend(HFTorchBackend):
         self.device = torch.device(device)
         self.tp = setup.training.parallel.tensor
         self.gathers_weights = self.tp > 1
+        if isinstance(self.shape, HybridShape) and self.tp > 1 and setup.training.moe.aux_loss_coef > 0:
+            # every TP rank computes the same aux loss from its whole router, but the router's gradient is
+            # summed over TP (each rank's expert share): the aux term's would count once per rank
+            raise GymvError("training.backend megatron adds the MoE aux loss at tensor parallel size 1 only",
+                            where="training.moe.aux_loss_coef", fix="set it to 0 (the bias update balances load), "
+                            "or training.parallel.tensor: 1")
         super().__init__(policy, setup, device=device, rank=rank, world_size=world_size)
         policy.model = self.trainer.model  # the HF copy is not kept
 
@@ -142,6 +168,8 @@ class MegatronBackend(HFTorchBackend):
     def _make_trainer(self, model, device, *, frozen: bool = False):
         self.compile_layers(model, frozen)
         twin = self._twin(model)
+        if not frozen:  # the twin's routers (the HF model's are never called)
+            self.router_terms = RouterTerms.attach(twin, self.setup.training.moe)
         if self.setup.training.gradient_checkpointing and not frozen:
             checkpoint_layers(twin.gpt)
         if self.tp == 1:
@@ -151,7 +179,7 @@ class MegatronBackend(HFTorchBackend):
         if frozen:
             twin.requires_grad_(True)  # TorchTrainer refuses a model without trainable parameters; never stepped
         layout = self.layout(twin)
-        return TensorParallelTrainer(twin, self.logprob_fn, self.config, collate_fn=layout.collate, device=device,
+        return TensorParallelTrainer(twin, self.trainer_logprob_fn(frozen), self.config, collate_fn=layout.collate, device=device,
                                      process_group=parallel_state.get_data_parallel_group(), plan_fn=layout.plan)
 
     def layout(self, model):
@@ -196,11 +224,12 @@ class MegatronBackend(HFTorchBackend):
         if self.vision:
             yield from ((k, v.detach()) for k, v in model.vision_model.state_dict().items())
         state = {k: v.detach() for k, v in model.gpt.state_dict().items() if isinstance(v, Tensor)}
+        to_hf = mapping(self.shape).megatron_to_hf
         if self.tp == 1:
-            yield from megatron_to_hf([state], self.shape, include_tied_head=include_tied_head)
+            yield from to_hf([state], self.shape, include_tied_head=include_tied_head)
             return
 
-        yield from megatron_to_hf(gather_state(state), self.shape, include_tied_head=include_tied_head)
+        yield from to_hf(gather_state(state), self.shape, include_tied_head=include_tied_head)
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         yield from self._hf_weights(include_tied_head=self.sends_tied_head)
@@ -228,8 +257,6 @@ class MegatronBackend(HFTorchBackend):
     def save(self, path: str | os.PathLike) -> None:
         """Rank 0 writes the weights under HF names (the folder loads as a model, and as this backend's
         checkpoint) and the step count; each TP rank of the first replica its optimizer state."""
-        from dataclasses import asdict
-
         from megatron.core import parallel_state
 
         path = Path(path)
@@ -244,7 +271,7 @@ class MegatronBackend(HFTorchBackend):
             return
         self._write_hf_weights(path, state)
         tmp = path / f".{TRAINER_FILE}.tmp"
-        tmp.write_text(json.dumps({"steps": self.trainer.steps, "config": asdict(self.trainer.config),
+        tmp.write_text(json.dumps({"steps": self.trainer.steps, "config": self.trainer.config.model_dump(mode="json"),
                                    "tensor_parallel": self.tp}))
         _fsync_replace(tmp, path / TRAINER_FILE)
         copy_hf_files(self.setup.model_path, path)
@@ -263,7 +290,7 @@ class MegatronBackend(HFTorchBackend):
             if self.vision:
                 vision = self.trainer.model.vision_model
                 vision.load_state_dict({k: hf[k] for k in vision.state_dict()}, strict=True)
-            shard = hf_to_megatron(hf, self.shape, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            shard = mapping(self.shape).hf_to_megatron(hf, self.shape, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                                    tp_size=self.tp)
             self.trainer.model.gpt.load_state_dict(shard, strict=True)
         except (KeyError, RuntimeError) as e:
