@@ -124,6 +124,16 @@ def test_parallel_sizes_divide_the_training_gpus_when_not_colocated():
     assert "parallel.divides-gpus" not in rules_hit(cfg(training={"backend": "megatron", "parallel": {"tensor": 2}}, **split))
 
 
+def test_megatron_tensor_parallelism_on_a_cpu_runs_over_its_training_ranks():
+    assert rules_hit(cfg(training={"backend": "megatron", "parallel": {"tensor": 2}},
+                         cluster={"cpu_training_ranks": 2})) == set()
+
+
+def test_megatron_tensor_parallelism_on_a_cpu_needs_ranks_it_divides_naming_the_key():
+    [f] = check_compatibility(cfg(training={"backend": "megatron", "parallel": {"tensor": 2}}))
+    assert f.rule == "parallel.divides-gpus" and "1 training ranks (cluster.cpu_training_ranks)" in f.message
+
+
 def test_model_parallelism_with_the_torch_backend_is_an_error():
     assert "parallel.backend" in rules_hit(cfg(training={"backend": "torch", "parallel": {"tensor": 2}}, **GPU))
 

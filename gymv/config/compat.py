@@ -225,17 +225,20 @@ def _placement_colocated(cfg: RecipeBase) -> Iterator[Finding]:
                    "or set cluster.colocated: false")
 
 
-@rule("parallel.divides-gpus", "tensor*pipeline*context must divide the training GPUs")
+@rule("parallel.divides-gpus", "tensor*pipeline*context must divide the training GPUs (on a CPU, the training ranks)")
 def _parallel_divides(cfg: RecipeBase) -> Iterator[Finding]:
-    gpus, mp = training_gpus(cfg), model_parallel_size(cfg)
-    if gpus > 0 and gpus % mp:
+    mp = model_parallel_size(cfg)
+    ranks, key = training_ranks(cfg)
+    if ranks % mp:
         p = cfg.training.parallel
+        what = f"{ranks} training GPUs" if total_gpus(cfg) else f"{ranks} training ranks ({key})"
         yield _err("parallel.divides-gpus", "training.parallel",
-                   f"tensor {p.tensor} x pipeline {p.pipeline} x context {p.context} = {mp} does not divide the {gpus} training GPUs",
-                   "choose sizes whose product divides the GPU count (data parallel takes the rest)")
+                   f"tensor {p.tensor} x pipeline {p.pipeline} x context {p.context} = {mp} does not divide the {what}",
+                   "choose sizes whose product divides the rank count (data parallel takes the rest)")
 
 
-@rule("parallel.backend", "model parallelism needs the megatron backend and GPUs")
+@rule("parallel.backend", "model parallelism needs a training backend that declares it (megatron; on GPUs or, over "
+                          "gloo, on a CPU)")
 def _parallel_backend(cfg: RecipeBase) -> Iterator[Finding]:
     p = cfg.training.parallel
     used = [k for k in ("tensor", "pipeline", "context", "expert") if getattr(p, k) > 1]
@@ -247,9 +250,6 @@ def _parallel_backend(cfg: RecipeBase) -> Iterator[Finding]:
         yield _err("parallel.backend", f"training.parallel.{used[0]}",
                    f"training.parallel.{used[0]} > 1 needs training.backend: {able} ({backend} has no model parallelism)",
                    f"set training.backend: {able} or the parallel sizes to 1")
-    if total_gpus(cfg) == 0:
-        yield _err("parallel.backend", f"training.parallel.{used[0]}", f"training.parallel.{used[0]} > 1 needs GPUs",
-                   "set cluster.gpus_per_node, or the parallel sizes to 1")
 
 
 def training_ranks(cfg: RecipeBase) -> tuple[int, str]:
