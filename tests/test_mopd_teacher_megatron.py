@@ -95,3 +95,28 @@ def test_expert_parallelism_is_refused_naming_the_key():
     with pytest.raises(GymvError) as e:
         TEACHER_BACKENDS.load("megatron")(_spec(expert_parallel_size=2))
     assert e.value.where == "mopd.teachers.count.expert_parallel_size" and "expert_parallel_size: 1" in e.value.fix
+
+
+def _omni_rows() -> list[TeacherRow]:
+    p = shared_policy("tiny-nemotron-omni")
+    g = torch.Generator().manual_seed(5)
+
+    def gen(k):
+        return torch.randint(10, 200, (k,), generator=g).tolist()
+
+    a, b = noise(1, size=(48, 64)), noise(2, size=(40, 40))
+    return [TeacherRow(chat_ids(p, "How many red circles?", [a]) + gen(6), [a], "row 0"),
+            TeacherRow(chat_ids(p, "3 + 4=?", []) + gen(4), [], "row 1"),
+            TeacherRow(chat_ids(p, "Count the blue ones.", [b]) + gen(3), [b], "row 2")]
+
+
+def test_a_megatron_teacher_of_nemotron_3_omni_scores_image_rows_as_the_torch_teacher():
+    """Mamba-2, attention and MoE layers in gymv's Megatron hybrid model, the RADIO tower beside it."""
+    omni = str(tiny_path("tiny-nemotron-omni"))
+    spec = TeacherSpec("self", omni, omni, backend="megatron")
+    megatron, hf = TEACHER_BACKENDS.load("megatron")(spec), TeacherModel(spec)
+    assert type(megatron.model.gpt).__name__ == "HybridModel"
+    rows = _omni_rows()
+    scores = megatron.score(rows)
+    _assert_same(scores, hf.score(rows))
+    assert all(s[1:].ne(0).any() for s in scores)
