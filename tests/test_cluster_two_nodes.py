@@ -172,14 +172,13 @@ def _spec(backend: str, **extra):
 
 def _samples():
     from gymv.backends.generation import SamplingParams
-    from gymv.cluster.workers import GenerationWorker
+    from gymv.cluster.workers import GenerationWorker, RolloutRequest
     from gymv.train.stats import policy_samples
 
     gen = GenerationWorker(_spec("torch"))
     env = gen.router.default
     rows = [(i, env.make_row(random.Random(i), env.presets["tiny"], i)) for i in range(2)]
-    out = gen.rollouts(rows, group_size=2, params=SamplingParams(max_new_tokens=8), seed=5, max_turns=1,
-                       max_rollout_tokens=64, max_seq_len=1024)
+    out = gen.rollouts(rows, RolloutRequest(group_size=2, params=SamplingParams(max_new_tokens=8), seed=5))
     return policy_samples(out["trajectories"], [1.0, -1.0, 0.5, -0.5])
 
 

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from gymv.cluster.group import Placement, PolicyCluster
+from gymv.cluster.workers import RolloutRequest
 from gymv.config import load_recipe
 from gymv.envs import get_env
 from gymv.envs.server import EnvServer
@@ -33,15 +34,14 @@ def server():
         yield srv
 
 
-def cluster_for(server, *, in_flight: bool) -> tuple[PolicyCluster, dict]:
+def cluster_for(server, *, in_flight: bool) -> tuple[PolicyCluster, RolloutRequest]:
     cfg = load_recipe(REPO / "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch.yaml",
                       [f"model.path={tiny_path('tiny-llava')}", f"env.url={server.url}", "generation.max_new_tokens=4",
+                       "env.max_turns=1", "env.max_rollout_tokens=8", "model.max_seq_len=512",
                        "cluster.ray_address=null"]).validated
     cluster = PolicyCluster(worker_spec(cfg, str(tiny_path("tiny-llava"))), Placement.from_config(cfg),
                             in_flight_refit=in_flight)
-    kwargs = {"group_size": 1, "params": sampling_params(cfg), "max_turns": 1, "max_rollout_tokens": 8,
-              "max_seq_len": 512}
-    return cluster, kwargs
+    return cluster, RolloutRequest(group_size=1, params=sampling_params(cfg), seed=1)
 
 
 def row():
@@ -55,11 +55,11 @@ def row():
 @pytest.mark.parametrize("in_flight", [False, True])
 def test_an_async_refit_lands_after_the_running_rollout_unless_in_flight(server, in_flight):
     with ray_module():
-        cluster, kwargs = cluster_for(server, in_flight=in_flight)
+        cluster, request = cluster_for(server, in_flight=in_flight)
         try:
             cluster.refit(0)  # transports connect once, synchronously, before the run starts
             server.step_started.clear()
-            [call] = cluster.submit_rollouts([(0, row())], seed=1, **kwargs)
+            [call] = cluster.submit_rollouts([(0, row())], request)
             assert server.step_started.wait(timeout=120)  # the rollout now waits on the server's slow step
             import ray
 

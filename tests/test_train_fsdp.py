@@ -40,14 +40,13 @@ def _spec(backend: str, generation_dtype: str = "float32", *, kl_reference: bool
 @pytest.fixture(scope="module")
 def image_samples():
     from gymv.backends.generation import SamplingParams
-    from gymv.cluster.workers import GenerationWorker
+    from gymv.cluster.workers import GenerationWorker, RolloutRequest
     from gymv.train.stats import policy_samples
 
     gen = GenerationWorker(_spec("torch"))
     env = gen.router.default
     rows = [(i, env.make_row(random.Random(i), env.presets["tiny"], i)) for i in range(3)]
-    out = gen.rollouts(rows, group_size=2, params=SamplingParams(max_new_tokens=8), seed=3, max_turns=1,
-                       max_rollout_tokens=64, max_seq_len=1024)
+    out = gen.rollouts(rows, RolloutRequest(group_size=2, params=SamplingParams(max_new_tokens=8), seed=3))
     samples = policy_samples(out["trajectories"], [1.0, -1.0, 0.5, -0.5, 0.25, -0.25])
     assert len(samples) == 6 and all(s.get("images") for s in samples)
     # rank 1 gets the last three, cut to text only: one rank embeds image features, the other does not

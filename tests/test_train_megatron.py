@@ -76,7 +76,7 @@ def test_two_tensor_parallel_ranks_on_ray_take_one_ranks_step_and_refit_the_gene
     from gymv.algorithms.loss_fns import PolicyLoss
     from gymv.backends.generation import SamplingParams
     from gymv.cluster.group import Placement, PolicyCluster
-    from gymv.cluster.workers import GenerationWorker, TrainingWorker, WorkerSpec
+    from gymv.cluster.workers import GenerationWorker, RolloutRequest, TrainingWorker, WorkerSpec
     from gymv.config.schema import EnvSection, ParallelSection, TrainingSection
     from gymv.train.stats import policy_samples
 
@@ -88,8 +88,7 @@ def test_two_tensor_parallel_ranks_on_ray_take_one_ranks_step_and_refit_the_gene
     gen = GenerationWorker(spec())
     env = gen.router.default
     rows = [(i, env.make_row(random.Random(i), env.presets["default"], i)) for i in range(3)]
-    out = gen.rollouts(rows, group_size=2, params=SamplingParams(max_new_tokens=8), seed=3, max_turns=1,
-                       max_rollout_tokens=64, max_seq_len=512)
+    out = gen.rollouts(rows, RolloutRequest(group_size=2, params=SamplingParams(max_new_tokens=8), seed=3))
     samples = policy_samples(out["trajectories"], [1.0, -1.0, 0.5, -0.5, 0.25, -0.25])
 
     one = TrainingWorker(spec())

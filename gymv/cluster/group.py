@@ -36,7 +36,7 @@ from gymv.cluster.refit import shares_sending
 from gymv.cluster.refit_check import CheckRequest, plan_checks
 from gymv.cluster.roles import policy_plans
 from gymv.cluster.transport_choice import Layout, choose_transport
-from gymv.cluster.workers import SEQ_ERRORS_KEY, GenerationWorker, TrainingWorker, WorkerSpec
+from gymv.cluster.workers import SEQ_ERRORS_KEY, GenerationWorker, RolloutRequest, TrainingWorker, WorkerSpec
 from gymv.errors import GymvError, WriteError
 from gymv.io import is_write_failure, write_error
 from gymv.timing import phase_key
@@ -96,8 +96,7 @@ class RolloutCall:
 
     worker: int
     rows: list
-    seed: int
-    kwargs: dict
+    request: RolloutRequest  # this worker's share: its own seed
     ref: object = None
     submitted_at: float = 0.0
     attempts: int = 0
@@ -183,13 +182,20 @@ class PolicyCluster:
             raise
 
     def _start(self, lagging_receivers: bool) -> None:
+        """Every worker starts at once: the training ranks build their backends (once rank 0's rendezvous is
+        known) while the generation workers are still loading their engines, so the two model loads overlap
+        instead of one waiting for the other. A worker's failed constructor surfaces from its `where`."""
         start = dict(timeout_s=self.deadlines.start_s, key="cluster.start_timeout_s")
         everyone = self.trainers + self.generators
-        ROSTER.locate(everyone, ray_get([a.where.remote() for a in everyone], "starting the workers", **start))
+        located = [a.where.remote() for a in everyone]
         world = len(self.trainers)
-        master = ray_get(self.trainers[0].address.remote(), "starting the training workers", **start) if world > 1 else None
+        master = None
+        if world > 1:
+            ROSTER.locate(self.trainers, ray_get(located[:world], "starting the workers", **start))
+            master = ray_get(self.trainers[0].address.remote(), "starting the training workers", **start)
         refs = [t.setup.remote(master) for t in self.trainers]
         refs += [g.stats.remote() for g in self.generators]  # waits for the generation workers to load
+        ROSTER.locate(everyone, ray_get(located, "starting the workers", **start))
         self.info = ray_get(refs, "starting the workers", **start)[0]
         self.transport = self._choose_transport(lagging_receivers)
         self.check_weights()
@@ -236,7 +242,7 @@ class PolicyCluster:
         return ray_get(refs, phase, self.deadlines.phase_s)
 
     # -- generation ----------------------------------------------------------------------------------
-    def submit_rollouts(self, rows: Sequence[tuple[int, dict]], *, seed: int, **kwargs) -> list[RolloutCall]:
+    def submit_rollouts(self, rows: Sequence[tuple[int, dict]], request: RolloutRequest) -> list[RolloutCall]:
         """Start rollouts of every row, split by prompt across generation workers; returns at once."""
         if not self.generators:
             raise GymvError("this run has no generation worker", where="cluster",
@@ -244,21 +250,20 @@ class PolicyCluster:
         calls = []
         for i, chunk in enumerate(_split(list(rows), len(self.generators))):
             if chunk:
-                call = RolloutCall(i, chunk, seed + 104729 * i, kwargs)
-                calls.append(self.resubmit(call))
+                calls.append(self.resubmit(RolloutCall(i, chunk, request.split(i))))
         return calls
 
     def resubmit(self, call: RolloutCall) -> RolloutCall:
         """(Re)start one rollout call on its generation worker."""
         call.attempts += 1
-        call.ref = self.generators[call.worker].rollouts.remote(call.rows, seed=call.seed, **call.kwargs)
+        call.ref = self.generators[call.worker].rollouts.remote(call.rows, call.request)
         call.submitted_at = time.time()
         return call
 
-    def rollouts(self, rows: Sequence[tuple[int, dict]], *, seed: int, **kwargs) -> tuple[list, dict]:
+    def rollouts(self, rows: Sequence[tuple[int, dict]], request: RolloutRequest) -> tuple[list, dict]:
         """Rollouts of every row, split by prompt across generation workers, in row order; also the seconds the
         workers measured (`timing/` keys for the step's PhaseTimer.take)."""
-        calls = self.submit_rollouts(rows, seed=seed, **kwargs)
+        calls = self.submit_rollouts(rows, request)
         out = self._get([c.ref for c in calls], "generation")
         return [t for o in out for t in o["trajectories"]], rollout_timing([o["stats"] for o in out])
 

@@ -15,10 +15,11 @@ import shutil
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gymv.algorithms.seq_error import drop_masked_samples
+from gymv.backends.generation import SamplingParams
 from gymv.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
 from gymv.backends.training.base import TrainingSetup
 from gymv.backends.training.process_group import leave_process_group
@@ -79,8 +80,6 @@ class WorkerSpec:
     def located(self) -> WorkerSpec:
         """This spec with backend names turned into import paths that resolve in any process (a backend
         registered in the driver's process only is then found by its Ray workers too)."""
-        from dataclasses import replace
-
         return replace(self, generation=self.generation.model_copy(
                            update={"backend": GENERATION_BACKENDS.locate(self.generation.backend)}),
                        training=self.training.model_copy(
@@ -89,6 +88,10 @@ class WorkerSpec:
     @property
     def max_image_pixels(self) -> int | None:
         return self.vision.max_image_pixels if self.vision is not None else None
+
+    @property
+    def max_images(self) -> int | None:
+        return self.vision.max_images_per_sample if self.vision is not None else None
 
     @property
     def agents(self) -> dict[str, str]:
@@ -110,6 +113,25 @@ class WorkerSpec:
         takes = GENERATION_BACKENDS.capabilities(g.backend).reads_vllm_section  # a name, or located
         out = {**g.vllm.model_dump(), "full_logits": g.top_p < 1.0} if takes else {}
         return {**out, **({"trust_remote_code": True} if self.model.trust_remote_code else {})}
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """What one call for rollouts carries: what changes from call to call. The episode's budgets (turns,
+    tokens, sequence length, images), the chat template's variables, the tool-call format and how turns are
+    batched are the run's, read by the worker from the sections of its WorkerSpec."""
+
+    group_size: int  # episodes of each row
+    params: SamplingParams  # the step's sampling (validation: greedy)
+    seed: int | None = None  # the call's sampling seed (None: params.seed)
+    source: str | None = None  # the rows' file, for "FILE line N" in errors
+
+    def split(self, worker: int) -> RolloutRequest:
+        """This request as worker `worker`'s share of a batch: its own seed, so shares do not sample alike."""
+        return replace(self, seed=None if self.seed is None else self.seed + 104729 * worker)
+
+
+STREAMED = {"auto": None, "streamed": True, "synchronous": False}  # rollout.turns -> run_rollouts' `streamed`
 
 
 def _set_threads(threads: int | None) -> None:
@@ -167,23 +189,27 @@ class GenerationWorker:
         self._weights_lock = threading.Lock()
 
     # -- rollouts ------------------------------------------------------------------------------------
-    def rollouts(self, rows: Sequence[tuple[int, dict]], *, group_size: int, params, seed: int | None,
-                 **limits) -> dict:
-        """Run the agent loop on `rows` (G episodes each); `limits` are run_rollouts' budget keywords."""
+    def rollouts(self, rows: Sequence[tuple[int, dict]], request: RolloutRequest) -> dict:
+        """Run the agent loop on `rows` (`request.group_size` episodes each), within the run's budgets."""
         t0, started = time.perf_counter(), time.time()
-        b = self.backend
+        b, spec = self.backend, self.spec
         stats: dict = {}
         version = self.weights_version
         cache_before = self.backend.stats()
-        if self.spec.agents:
-            trajectories = run_agent_rollouts(self._policy_server(params), self.spec.agents, list(rows),
-                                              group_size=group_size, params=params, seed=seed,
-                                              weights_version=version,
-                                              timeout_s=self.spec.rollout.agent_timeout_s, stats=stats)
+        if spec.agents:
+            trajectories = run_agent_rollouts(self._policy_server(request.params), spec.agents, list(rows),
+                                              group_size=request.group_size, params=request.params, seed=request.seed,
+                                              weights_version=version, timeout_s=spec.rollout.agent_timeout_s,
+                                              stats=stats)
         else:
-            trajectories = run_rollouts(_Locked(self.backend, self._weights_lock), b.adapter, b.tokenizer,
-                                        b.chat_template, self.router, list(rows), group_size=group_size,
-                                        params=params, seed=seed, weights_version=version, stats=stats, **limits)
+            trajectories = run_rollouts(
+                _Locked(self.backend, self._weights_lock), b.adapter, b.tokenizer, b.chat_template, self.router,
+                list(rows), group_size=request.group_size, params=request.params, seed=request.seed,
+                source=request.source, weights_version=version, stats=stats, max_turns=spec.env.max_turns,
+                max_rollout_tokens=spec.env.max_rollout_tokens, max_seq_len=spec.model.max_seq_len,
+                max_images=spec.max_images, max_image_pixels=spec.max_image_pixels,
+                chat_template_kwargs=dict(spec.generation.chat_template_kwargs) or None,
+                tool_call_format=spec.rollout.tool_call_format, streamed=STREAMED[spec.rollout.turns])
         cache_after = self.backend.stats()
         self.episodes += len(trajectories)
         stale = "encoder_cache_stale_hits"

@@ -17,14 +17,16 @@ Steps 1-2 and 4-6 are `run_sync`, which MOPD runs too with its own batches (gymv
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from gymv.algorithms.grpo import policy_loss
 from gymv.cluster.group import Placement, PolicyCluster
+from gymv.cluster.workers import RolloutRequest
 from gymv.rollout import to_rollout_record
 from gymv.timing import PhaseTimer
 from gymv.train.failures import FailureGuard
 from gymv.train.loop import TrainingLoop, rollout_throughput
-from gymv.train.setup import RunContext, rollout_kwargs, sampling_params, step_seed, worker_spec
+from gymv.train.setup import RunContext, sampling_params, step_seed, worker_spec
 from gymv.train.stats import TrainBatch, group_advantages, policy_samples, policy_update, rollout_metrics, trained
 
 
@@ -61,8 +63,8 @@ def run_sync(ctx: RunContext, cluster, section, loss_fn, make_batch: Callable[[l
     step's timer)."""
     cfg, report = ctx.cfg, ctx.reporter
     loop = TrainingLoop(ctx, cluster, section, resume=resume)
-    params = sampling_params(cfg)
-    limits = rollout_kwargs(cfg)
+    request = RolloutRequest(group_size=section.generations_per_prompt, params=sampling_params(cfg),
+                             source=ctx.train_source)
     guard = FailureGuard.from_config(cfg, ctx.train_source, warn=report.on_message)
     loop.start(**(start_info or {}))
 
@@ -70,9 +72,8 @@ def run_sync(ctx: RunContext, cluster, section, loss_fn, make_batch: Callable[[l
         # 1-2. rollouts of this step's prompts
         rows = loop.data.next_batch(section.prompts_per_step)
         with timer.phase("generation"):
-            trajectories, worker_timing = cluster.rollouts(
-                [(r.index, r.data) for r in rows], group_size=section.generations_per_prompt, params=params,
-                seed=step_seed(cfg.seed, step), source=ctx.train_source, **limits)
+            trajectories, worker_timing = cluster.rollouts([(r.index, r.data) for r in rows],
+                                                           replace(request, seed=step_seed(cfg.seed, step)))
         timer.take(worker_timing)  # the environment's seconds and generation's split, the slowest worker's
         rollout_throughput(timer, trajectories)
         guard.check(step, trajectories)  # before training: a step that trips it is not trained nor counted

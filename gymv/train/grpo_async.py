@@ -23,13 +23,14 @@ from collections.abc import Callable
 
 from gymv.algorithms.grpo import policy_loss
 from gymv.cluster.group import Placement, PolicyCluster
+from gymv.cluster.workers import RolloutRequest
 from gymv.timing import PhaseTimer
 from gymv.train.failures import FailureGuard
 from gymv.train.grpo import grpo_batch
 from gymv.train.loop import TrainingLoop, rollout_throughput
 from gymv.train.pipeline import RolloutPipeline
 from gymv.train.replay import ReplayBuffer
-from gymv.train.setup import RunContext, rollout_kwargs, sampling_params, worker_spec
+from gymv.train.setup import RunContext, sampling_params, worker_spec
 from gymv.train.stats import TrainBatch, policy_update
 
 
@@ -55,10 +56,9 @@ def run_async(ctx: RunContext, cluster, section, loss_fn, make_batch: Callable[[
 
     # ---- setup -----------------------------------------------------------------------------------
     loop = TrainingLoop(ctx, cluster, section, resume=resume)
-    pipeline = RolloutPipeline(cluster, loop.data, ReplayBuffer.for_run(P, max_age), prompts_per_step=P, group_size=G,
-                               max_steps=section.max_steps, seed=cfg.seed, start_step=loop.step,
-                               rollout_kwargs={"params": sampling_params(cfg), "source": ctx.train_source,
-                                               **rollout_kwargs(cfg)})
+    pipeline = RolloutPipeline(cluster, loop.data, ReplayBuffer.for_run(P, max_age), prompts_per_step=P,
+                               request=RolloutRequest(group_size=G, params=sampling_params(cfg), source=ctx.train_source),
+                               max_steps=section.max_steps, seed=cfg.seed, start_step=loop.step)
     guard = FailureGuard.from_config(cfg, ctx.train_source, warn=report.on_message)
     loop.start(**{"async": True, "max_trajectory_age_steps": max_age, **(start_info or {})})
     pipeline.fill()  # generation starts here and from now on runs beside training

@@ -14,9 +14,10 @@ would take them are dropped and counted (the replay buffer's bound).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gymv.cluster.group import RolloutCall, ray_get
+from gymv.cluster.workers import RolloutRequest
 from gymv.errors import GymvError
 from gymv.runs.checkpoint import DataPosition
 from gymv.timing import phase_key
@@ -57,11 +58,12 @@ class PipelineStats:
 
 
 class RolloutPipeline:
-    def __init__(self, cluster, data: RowStream, buffer: ReplayBuffer, *, prompts_per_step: int, group_size: int,
-                 max_steps: int, seed: int, start_step: int, rollout_kwargs: dict, max_attempts: int = 2):
+    def __init__(self, cluster, data: RowStream, buffer: ReplayBuffer, *, prompts_per_step: int, request: RolloutRequest,
+                 max_steps: int, seed: int, start_step: int, max_attempts: int = 2):
+        """`request`: every batch's rollout call, each batch with its own seed (of `seed` and the batch)."""
         self.cluster, self.data, self.buffer = cluster, data, buffer
-        self.P, self.G, self.max_steps, self.seed = prompts_per_step, group_size, max_steps, seed
-        self.kwargs, self.max_attempts = rollout_kwargs, max_attempts
+        self.P, self.G, self.max_steps, self.seed = prompts_per_step, request.group_size, max_steps, seed
+        self.request, self.max_attempts = request, max_attempts
         self.version = start_step  # newest weights queued to the generators
         self.next_batch = start_step + 1
         self.positions: dict[int, DataPosition] = {}  # data position right after drawing batch j
@@ -89,8 +91,7 @@ class RolloutPipeline:
         rows = self.data.next_batch(self.P)
         self.positions[index] = self.data.position
         batch = _Batch(index)
-        for call in self.cluster.submit_rollouts([(r.index, r.data) for r in rows], group_size=self.G, seed=seed,
-                                                 **self.kwargs):
+        for call in self.cluster.submit_rollouts([(r.index, r.data) for r in rows], replace(self.request, seed=seed)):
             batch.calls.append(call)
             self._inflight.append((batch, call))
 

@@ -159,17 +159,6 @@ def sampling_params(cfg, *, greedy: bool = False):
                           max_new_tokens=g.max_new_tokens, stop_strings=tuple(g.stop_strings))
 
 
-def rollout_kwargs(cfg) -> dict:
-    vision = getattr(cfg, "vision", None)
-    return {"max_turns": cfg.env.max_turns, "max_rollout_tokens": cfg.env.max_rollout_tokens,
-            "max_seq_len": cfg.model.max_seq_len,
-            "max_images": vision.max_images_per_sample if vision is not None else None,
-            "max_image_pixels": vision.max_image_pixels if vision is not None else None,
-            "chat_template_kwargs": dict(cfg.generation.chat_template_kwargs) or None,
-            "tool_call_format": cfg.rollout.tool_call_format,
-            "streamed": {"auto": None, "streamed": True, "synchronous": False}[cfg.rollout.turns]}
-
-
 def step_seed(seed: int, step: int, kind: str = "train") -> int:
     """The sampling seed of one step: a pure function of (run seed, step, kind), so a resumed run samples
     exactly what the uninterrupted one would have."""

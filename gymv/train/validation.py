@@ -6,10 +6,11 @@ differ only because the policy changed. `val/accuracy` is the share of rollouts 
 
 from __future__ import annotations
 
+from gymv.cluster.workers import RolloutRequest
 from gymv.rollout import to_rollout_record
 from gymv.timing import PhaseTimer
 from gymv.train.failures import FailureGuard
-from gymv.train.setup import RunContext, rollout_kwargs, sampling_params, step_seed
+from gymv.train.setup import RunContext, sampling_params, step_seed
 from gymv.train.stats import rollout_metrics
 
 
@@ -19,10 +20,9 @@ def validate(ctx: RunContext, cluster, step: int, val_prompts: int, timer: Phase
     if not rows:
         return {}
     with timer.phase("validation"):
-        trajectories, _ = cluster.rollouts([(r.index, r.data) for r in rows], group_size=1,
-                                           params=sampling_params(ctx.cfg, greedy=True),
-                                           seed=step_seed(ctx.cfg.seed, step, "val"), source=ctx.eval_source,
-                                           **rollout_kwargs(ctx.cfg))
+        request = RolloutRequest(group_size=1, params=sampling_params(ctx.cfg, greedy=True),
+                                 seed=step_seed(ctx.cfg.seed, step, "val"), source=ctx.eval_source)
+        trajectories, _ = cluster.rollouts([(r.index, r.data) for r in rows], request)
         FailureGuard.from_config(ctx.cfg, ctx.eval_source, warn=ctx.reporter.on_message).check(step, trajectories, what="validation at step")
         metrics = rollout_metrics(trajectories, "val")
         metrics = {k: v for k, v in metrics.items() if not k.endswith(("_std", "_max", "num_rollouts"))}
