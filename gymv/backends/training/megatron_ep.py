@@ -72,73 +72,88 @@ def relu2(x: Tensor) -> Tensor:
     return F.relu(x).square()
 
 
-class ExpertParallelExperts(nn.Module):
-    """This rank's share of the routed experts (HF's `experts.up_proj` [E, I, H] and `down_proj` [E, H, I],
-    rows `first:first + local`), called as HF's NemotronHExperts: `(hidden [T, H], index [T, k],
-    weights [T, k]) -> [T, H]`. Every rank of `group` must call it together (the same layers, in the same
-    order), including ranks with no tokens."""
+class AllToAllDispatch:
+    """The expert-parallel token exchange: `(hidden [T, H], index [T, k], weights [T, k], experts) -> [T, H]`,
+    the weighted sum of each token's experts' outputs. `experts` is this rank's block of experts (global
+    indices `[rank * E/ep, (rank + 1) * E/ep)`), called as HF's NemotronHExperts on the rows it receives,
+    one expert per row with weight 1 (a TP rank's experts may return partial sums: the caller reduces them).
+    Every rank of `group` calls it together (the same layers, in the same order), ranks with no tokens too."""
 
-    def __init__(self, up_proj: Tensor, down_proj: Tensor, *, num_experts: int, group=None, act=relu2):
-        super().__init__()
-        self.ep = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
-        self.rank = dist.get_rank(group) if self.ep > 1 else 0
+    def __init__(self, num_experts: int, group=None):
+        self.group = group
+        self.ep = dist.get_world_size(group) if dist.is_initialized() else 1
         if num_experts % self.ep:
             raise GymvError(f"{num_experts} routed experts do not split over {self.ep} expert-parallel ranks",
                             where="training.parallel.expert", fix="use an expert parallel size that divides it")
         self.num_experts, self.local = num_experts, num_experts // self.ep
+        self.first = (dist.get_rank(group) if self.ep > 1 else 0) * self.local
+
+    def __call__(self, hidden: Tensor, index: Tensor, weights: Tensor, experts) -> Tensor:
+        tokens, k = index.shape
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = torch.arange(tokens, device=hidden.device).repeat_interleave(k)[order]
+        x = hidden[token_of]
+        ids = flat[order]
+        if self.ep > 1:
+            per_expert = torch.bincount(flat, minlength=self.num_experts)
+            got = torch.empty_like(per_expert)  # per source rank, the rows each of my experts gets from it
+            dist.all_to_all_single(got, per_expert, group=self.group)
+            send = per_expert.view(self.ep, self.local).sum(1).tolist()
+            recv = got.view(self.ep, self.local).sum(1).tolist()
+            x = all_to_all(x, recv, send, self.group)
+            ids = self.first + torch.arange(self.local, device=x.device).repeat(self.ep).repeat_interleave(got)
+        y = experts(x, ids[:, None], torch.ones_like(ids[:, None], dtype=weights.dtype))
+        if isinstance(experts, nn.Module):
+            # rows for none of this rank's experts: the output still depends on the received rows and on the
+            # weights, so this rank's backward joins both exchanges and its gradients are zeros, not None
+            y = y + 0 * x + 0 * sum(p.sum() for p in experts.parameters())
+        if self.ep > 1:
+            y = all_to_all(y, send, recv, self.group)
+        y = y * weights.reshape(-1)[order, None].to(y.dtype)
+        return hidden.new_zeros(hidden.shape).index_add(0, token_of, y.to(hidden.dtype))
+
+
+class ExpertParallelExperts(nn.Module):
+    """This rank's block of the routed experts (HF's `experts.up_proj` [E, I, H] and `down_proj` [E, H, I],
+    rows `first:first + local`), called as HF's NemotronHExperts: `(hidden [T, H], index [T, k],
+    weights [T, k]) -> [T, H]`, through `AllToAllDispatch` over `group`."""
+
+    def __init__(self, up_proj: Tensor, down_proj: Tensor, *, num_experts: int, group=None, act=relu2):
+        super().__init__()
+        self.dispatch = AllToAllDispatch(num_experts, group)
+        self.first, self.local = self.dispatch.first, self.dispatch.local
         if up_proj.shape[0] != self.local or down_proj.shape[0] != self.local:
             raise ValueError(f"expected {self.local} local experts, got {up_proj.shape[0]} and {down_proj.shape[0]}")
         self.up_proj = nn.Parameter(up_proj)
         self.down_proj = nn.Parameter(down_proj)
-        self.group, self.act = group, act
-        self.first = self.rank * self.local
+        self.act = act
 
     @classmethod
     def from_full(cls, up_proj: Tensor, down_proj: Tensor, *, group=None, act=relu2) -> ExpertParallelExperts:
         """This rank's rows of the full [E, ...] expert tensors (copies, so the full ones can be freed)."""
         ep = dist.get_world_size(group) if dist.is_initialized() else 1
-        rank = dist.get_rank(group) if ep > 1 else 0
         n = up_proj.shape[0]
-        local = n // ep if n % ep == 0 else n
-        rows = slice(rank * local, (rank + 1) * local)
+        rows = expert_rows(n, ep, dist.get_rank(group) if ep > 1 else 0) if n % ep == 0 else slice(None)
         return cls(up_proj[rows].detach().clone(), down_proj[rows].detach().clone(), num_experts=n, group=group,
                    act=act)
 
-    def _experts(self, x: Tensor, counts: Tensor) -> Tensor:
-        """Rows of `x` grouped by local expert (`counts[e]` rows each, in order) through their experts."""
-        outs = [F.linear(self.act(F.linear(rows, self.up_proj[e])), self.down_proj[e])
-                for e, rows in enumerate(x.split(counts.tolist())) if rows.shape[0]]
-        if not outs:
-            # no rows for any of this rank's experts: the output still depends on the received rows and the
-            # weights, so this rank's backward joins both exchanges and its gradients are zeros, not None
-            return x * 0 + 0 * (self.up_proj.sum() + self.down_proj.sum())
-        return torch.cat(outs)
+    def local_experts(self, x: Tensor, index: Tensor, weights: Tensor) -> Tensor:
+        """HF's expert loop over this rank's experts alone (indices are global)."""
+        out = torch.zeros_like(x)
+        for e in range(self.local):
+            token, slot = torch.where(index == self.first + e)
+            if token.numel():
+                y = F.linear(self.act(F.linear(x[token], self.up_proj[e])), self.down_proj[e])
+                out = out.index_add(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        return out
 
     def forward(self, hidden: Tensor, index: Tensor, weights: Tensor) -> Tensor:
-        tokens, k = index.shape
-        flat = index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token_of = torch.arange(tokens, device=hidden.device).repeat_interleave(k)[order]
-        per_expert = torch.bincount(flat, minlength=self.num_experts)
-        x = hidden[token_of]
-        if self.ep == 1:
-            y = self._experts(x, per_expert)
-        else:
-            # per source rank, how many rows each of my experts gets from it
-            got = torch.empty_like(per_expert)
-            dist.all_to_all_single(got, per_expert, group=self.group)
-            got = got.view(self.ep, self.local)
-            send = per_expert.view(self.ep, self.local).sum(1).tolist()
-            recv = got.sum(1).tolist()
-            x = all_to_all(x, recv, send, self.group)
-            # rows arrive by source rank, then expert: regroup them by expert for the matmuls and back
-            expert_of = torch.arange(self.local, device=x.device).repeat(self.ep).repeat_interleave(got.reshape(-1))
-            by_expert = torch.argsort(expert_of, stable=True)
-            y = self._experts(x[by_expert], got.sum(0))
-            y = torch.empty_like(y).index_copy(0, by_expert, y)
-            y = all_to_all(y, send, recv, self.group)
-        y = y * weights.reshape(-1)[order, None].to(y.dtype)
-        return hidden.new_zeros(hidden.shape).index_add(0, token_of, y.to(hidden.dtype))
+        return self.dispatch(hidden, index, weights, self._local)
+
+    def _local(self, x: Tensor, index: Tensor, weights: Tensor) -> Tensor:
+        y = self.local_experts(x, index, weights)
+        return y + 0 * x + 0 * (self.up_proj.sum() + self.down_proj.sum())  # see AllToAllDispatch
 
 
 class ExpertParallelMoE(nn.Module):
