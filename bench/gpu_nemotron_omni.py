@@ -29,9 +29,29 @@ decode  batch 64 (8 prompts x 8 samples), text prompts of about 300 tokens, 128 
         decoder: greedy agreement with gymv's HF loop (first divergence per row) and token_mult_prob_error
         against the trainer's logprobs.
 
+layers  one MoE layer and one Mamba-2 mixer at the Nano widths, 16,384 tokens (8 sequences of 2,048),
+        forward and backward, median ms and peak memory, each path beside the others: MoE `hf_eager`
+        (transformers' expert loop), `hf_grouped_mm` (its `experts_implementation="grouped_mm"`), `gymv`
+        (gymv.backends.moe_experts), with the layer's MFU; Mamba `hf_per_segment` (transformers' mixer once
+        per sequence, gymv's old packed path), `hf_rows` (transformers' mixer on 8 rows of 2,048),
+        `gymv_torch` (one call over the packed row, gymv's torch scan), `gymv_triton` (the same on
+        mamba_ssm's kernels; skipped with the reason where they do not import).
+
+Kernel paths beside transformers': the trainer runs `--train-paths` (`gymv`: gymv's experts and packed rows
+with one Mamba call per row on the kernels; `hf`: transformers' expert loop, rows not packed, torch scan),
+the decoder `--paths` (`static` on the kernels where they import, `static_torch` with GYMV_MAMBA_KERNELS=0,
+`hf_generate`, ...). Each part (layers, each train path, decode) runs in a process of its own (`--part`),
+since one starves the next of memory; `--part all` (the default) runs them one after another and merges
+their results. `--profile` adds the trainer step's time split by layer kind (Mamba, MoE, attention, MLP, the
+vision tower and projector; forward, recomputation and backward, timed by CUDA events around each module).
+The decode rows carry the bandwidth limit: the bytes one step must read (every decoder weight but the routed
+experts, the routed experts a batch of this size touches in expectation under uniform routing, the LM head,
+the KV cache and the Mamba states) over --hbm-tbps.
+
 Usage:
-  python bench/gpu_nemotron_omni.py --device cuda --out /tmp/omni_bench     # one H200: under 8 minutes
+  python bench/gpu_nemotron_omni.py --device cuda --out /tmp/omni_bench     # one H200: under 10 minutes
   python bench/gpu_nemotron_omni.py --device cpu --out /tmp/omni_bench      # tiny widths: checks the script
+  python bench/gpu_nemotron_omni.py --device cpu --out /tmp/omni_bench --part layers   # the CPU layer figures
 Results: --json (default bench/results/gpu_nemotron_omni_h200.json on CUDA, OUT/gpu_nemotron_omni.json on CPU).
 """
 
@@ -45,6 +65,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -70,6 +91,13 @@ TINY_VISION = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, m
 TINY_OMNI = dict(vision_hidden_size=32, projector_hidden_size=128)
 GROUP = 8
 DECODE_BATCH = 64
+HBM_TBPS = 4.8  # H200 HBM3e, the data sheet's figure
+# the layers part on a CPU: widths a CPU runs in seconds, the Nano's shape otherwise
+CPU_LAYER_TEXT = dict(NANO_TEXT, hidden_size=256, mamba_num_heads=8, mamba_head_dim=32, n_groups=2,
+                      ssm_state_size=32, chunk_size=64, n_routed_experts=32, num_experts_per_tok=4,
+                      moe_intermediate_size=128, moe_shared_expert_intermediate_size=256)
+KIND_OF = {"linear_attention": "mamba", "mamba": "mamba", "moe": "moe", "full_attention": "attention",
+           "attention": "attention", "mlp": "mlp"}
 
 
 @dataclasses.dataclass
@@ -198,11 +226,30 @@ def rollouts(policy, mode: Mode, groups: int, seed: int) -> list[dict]:
     return out
 
 
-def train(base, mode: Mode, layers: int, a) -> dict:
+def use_path(model, path: str) -> bool | str:
+    """Set `model` up for a trainer path (module docstring); returns its sequence_packing setting."""
+    from gymv.backends import moe_experts
+
+    if path == "gymv":
+        os.environ.pop("GYMV_MAMBA_KERNELS", None)
+        moe_experts.install(model)
+        return "auto"
+    if path not in ("hf", "hf_grouped_mm"):
+        raise SystemExit(f"unknown train path {path!r}: gymv, hf or hf_grouped_mm")
+    os.environ["GYMV_MAMBA_KERNELS"] = "0"
+    moe_experts.uninstall(model)
+    for m in model.modules():
+        if type(m).__name__ == "NemotronHExperts":
+            m.config._experts_implementation = "eager" if path == "hf" else "grouped_mm"
+    return False
+
+
+def train(base, mode: Mode, layers: int, a, path: str = "gymv") -> dict:
     """One GRPO trainer configuration: warm-up step, then the median of `a.steps` timed steps."""
     import torch
 
     from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.backends import mamba_kernels, packed_mamba
     from gymv.backends.training.base import TrainingSetup
     from gymv.backends.training.hf_fsdp import HFFSDPBackend
     from gymv.backends.training.hf_torch import HFTorchBackend
@@ -210,11 +257,12 @@ def train(base, mode: Mode, layers: int, a) -> dict:
     from gymv.config.schema import TrainingSection
 
     policy = build_policy(base, mode, layers, torch.float32)
+    packing = use_path(policy.model, path)
     counts = param_counts(policy.model)
     policy.model.gradient_checkpointing_enable()
     training = TrainingSection(lr=1e-6, weight_decay=0.01, dtype={"fp32": "float32", "bf16": "bfloat16"}[mode.precision],
                                micro_batch_tokens=a.micro_batch_tokens, gradient_checkpointing=True,
-                               sequence_packing=False)
+                               sequence_packing=packing)
     setup = TrainingSetup(model_path=str(policy.path), training=training, device=mode.device, seed=0)
     cls = HFFSDPBackend if a.backend == "fsdp2" else HFTorchBackend
     backend = cls(policy, setup, device=mode.device, rank=0, world_size=1)
@@ -232,7 +280,11 @@ def train(base, mode: Mode, layers: int, a) -> dict:
     t = statistics.median(times[1:])
     flops = 6 * counts["active_decoder"] * unique + 6 * counts["head"] * generated
     flops_all = 6 * counts["active_decoder"] * total + 6 * counts["head"] * generated
-    row = {"layers": layers, "pattern": PATTERN[:layers], "backend": a.backend, "params": counts,
+    profile = kind_profile(policy.model, mode, lambda: backend.train_step(
+        [as_tensors(dict(s)) for s in samples], loss)) if a.profile else None
+    row = {"path": path, "layers": layers, "pattern": PATTERN[:layers], "backend": a.backend, "params": counts,
+           "sequence_packing": packing, "mamba_scan": packed_mamba.path(mode.device) if packing else "transformers",
+           "mamba_kernels_why_not": mamba_kernels.why_not(mode.device), "profile_s_by_kind": profile,
            "samples": len(samples), "tokens": total, "unique_tokens": unique, "generated_tokens": generated,
            "first_step_s": times[0], "step_s": t, "step_s_all": times[1:], "tokens_per_s": total / t,
            "unique_tokens_per_s": unique / t, "mfu": flops / t / PEAK_FLOPS,
@@ -246,6 +298,182 @@ def train(base, mode: Mode, layers: int, a) -> dict:
     del backend, policy
     free(mode)
     return row
+
+
+def kind_profile(model, mode: Mode, step) -> dict:
+    """Seconds of one `step()` spent in each layer kind and in the vision tower and projector, forward (with
+    activation recomputation) and backward apart: CUDA events (CPU: the clock) around each module, from
+    forward and full backward hooks; `step_s` is the whole step, `other` what no module accounts for."""
+    import torch
+
+    from collections import defaultdict
+
+    stacks: dict = defaultdict(list)
+    spans: dict = defaultdict(list)
+
+    def stamp():
+        if mode.device == "cuda":
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def opener(key):
+        return lambda *_: stacks[key].append(stamp())
+
+    def closer(key):
+        def close(*_):
+            if stacks[key]:
+                spans[key].append((stacks[key].pop(), stamp()))
+        return close
+
+    handles = []
+    watched = [(layer, KIND_OF.get(layer.block_type, layer.block_type)) for layer in model.language_model.model.layers]
+    watched += [(model.vision_model, "vision"), (model.multi_modal_projector, "projector")]
+    for module, kind in watched:
+        handles += [module.register_forward_pre_hook(opener((kind, "forward"))),
+                    module.register_forward_hook(closer((kind, "forward"))),
+                    module.register_full_backward_pre_hook(opener((kind, "backward"))),
+                    module.register_full_backward_hook(closer((kind, "backward")))]
+    try:
+        total = timed(mode, step)
+    finally:
+        for h in handles:
+            h.remove()
+    sync(mode)
+
+    def seconds(a, b):
+        return a.elapsed_time(b) / 1e3 if mode.device == "cuda" else b - a
+    out = {f"{kind}/{part}": sum(seconds(a, b) for a, b in v) for (kind, part), v in sorted(spans.items())}
+    out["other"] = total - sum(out.values())
+    out["step_s"] = total
+    return out
+
+
+def layer_text(mode: Mode) -> dict:
+    return NANO_TEXT if mode.device == "cuda" else CPU_LAYER_TEXT
+
+
+def fwd_bwd(mode: Mode, fn, reps: int) -> dict:
+    """Median ms of `fn()` (a forward and backward) after a warm-up call, and its peak memory on CUDA."""
+    import torch
+
+    fn()
+    if mode.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    ms = statistics.median(timed(mode, fn) for _ in range(reps)) * 1e3
+    row = {"ms": ms}
+    if mode.device == "cuda":
+        row["peak_extra_gb"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return row
+
+
+def moe_layer_rows(mode: Mode, tokens: int, reps: int) -> list[dict]:
+    """One NemotronH MoE layer (router, routed and shared experts), forward and backward over `tokens`."""
+    import torch
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
+
+    from gymv.backends import moe_experts
+
+    text = layer_text(mode)
+    dtype = torch.bfloat16 if mode.device == "cuda" else torch.float32
+    cfg = NemotronHConfig(**{**text, "layers_block_type": ["moe"]})
+    torch.manual_seed(0)
+    layer = NemotronHMoE(cfg).to(mode.device, dtype)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.02)
+        layer.gate.weight.normal_(0, 1.0)  # routes spread over the experts (a zero router ties them all)
+    x = torch.randn(1, tokens, text["hidden_size"], device=mode.device, dtype=dtype, requires_grad=True)
+    d, k, i, si = text["hidden_size"], text["num_experts_per_tok"], text["moe_intermediate_size"], \
+        text["moe_shared_expert_intermediate_size"]
+    flops = 6 * tokens * (k * 2 * d * i + 2 * d * si + d * text["n_routed_experts"])
+    rows = []
+    for path in ("hf_eager", "hf_grouped_mm", "gymv"):
+        moe_experts.uninstall(layer)
+        if path == "gymv":
+            moe_experts.install(layer)
+        else:
+            cfg._experts_implementation = path[3:]
+        try:
+            r = fwd_bwd(mode, lambda: layer(x).float().pow(2).mean().backward(), reps)
+            r["mfu"] = flops / (r["ms"] / 1e3) / PEAK_FLOPS if mode.device == "cuda" else None
+        except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
+            r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        rows.append({"layer": "moe", "path": path, "tokens": tokens, "flops": flops, **r})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def mamba_layer_rows(mode: Mode, tokens: int, segments: int, reps: int) -> list[dict]:
+    """One NemotronH Mamba-2 mixer (projections, conv, scan, gated norm, out projection), forward and
+    backward over a packed row of `segments` sequences of `tokens / segments` (module docstring's paths)."""
+    import torch
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    from gymv.backends import mamba_kernels
+    from gymv.backends.packed_mamba import mixer_forward
+    from gymv.backends.ssd_scan import seq_idx_from_bounds
+
+    text = layer_text(mode)
+    dtype = torch.bfloat16 if mode.device == "cuda" else torch.float32
+    cfg = NemotronHConfig(**{**text, "layers_block_type": ["mamba"]})
+    torch.manual_seed(0)
+    m = NemotronHMamba2Mixer(cfg, layer_idx=0).to(mode.device, dtype).train()
+    x = torch.randn(1, tokens, text["hidden_size"], device=mode.device, dtype=dtype, requires_grad=True)
+    bounds = [j * tokens // segments for j in range(segments + 1)]
+    seq_idx = seq_idx_from_bounds(bounds, tokens, mode.device)
+    kernels = mamba_kernels.load(mode.device)
+    paths = {
+        "hf_per_segment": lambda: torch.cat([m(x[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])], dim=1),
+        "hf_rows": lambda: m(x.view(segments, tokens // segments, -1)),
+        "gymv_torch": lambda: mixer_forward(m, x, seq_idx, None),
+        "gymv_triton": lambda: mixer_forward(m, x, seq_idx, kernels),
+    }
+    rows = []
+    for path, fn in paths.items():
+        row = {"layer": "mamba", "path": path, "tokens": tokens, "segments": segments}
+        if path == "gymv_triton" and kernels is None:
+            row["error"] = f"skipped: {mamba_kernels.why_not(mode.device)}"
+        else:
+            try:
+                row.update(fwd_bwd(mode, lambda: fn().float().pow(2).mean().backward(), reps))
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def decode_limit(model, batch: int, context: int, hbm_tbps: float) -> dict:
+    """The bandwidth limit of one decode step (module docstring): bytes read and the ms they take."""
+    lm = model.language_model
+    cfg = lm.config
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    touched = e * (1 - (1 - k / e) ** batch)  # routed experts at least one of `batch` rows picks, expected
+    weights = experts = kv = states = 0
+    for layer in lm.model.layers:
+        size = {p.dtype.itemsize for p in layer.parameters()}.pop()
+        routed = 0
+        if KIND_OF.get(layer.block_type) == "moe":
+            ex = layer.mixer.experts
+            routed = ex.up_proj.numel() + ex.down_proj.numel()
+            experts += routed / e * touched * size
+        weights += (sum(p.numel() for p in layer.parameters()) - routed) * size
+        if KIND_OF.get(layer.block_type) == "attention":
+            kv += 2 * cfg.num_key_value_heads * cfg.head_dim * context * batch * size
+        if KIND_OF.get(layer.block_type) == "mamba":
+            mx = layer.mixer
+            # fp32 SSM state read and written, the conv window in the model's dtype
+            states += batch * (2 * 4 * mx.num_heads * mx.head_dim * mx.ssm_state_size + mx.conv_dim * mx.conv_kernel_size * size)
+    head = lm.lm_head.weight.numel() * lm.lm_head.weight.element_size()
+    total = weights + experts + kv + states + head
+    return {"bytes": total, "weights_bytes": weights, "routed_expert_bytes": experts, "experts_touched": touched,
+            "kv_bytes": kv, "mamba_state_bytes": states, "head_bytes": head, "hbm_tbps": hbm_tbps,
+            "limit_ms": total / (hbm_tbps * 1e12) * 1e3}
 
 
 def free(mode: Mode) -> None:
@@ -276,8 +504,16 @@ def gymv_path(policy, mode: Mode, path: str, reqs) -> tuple[dict, object]:
 
     if path == "gymv_hf":
         backend = HFGenerationBackend.from_policy(policy)
-    else:
-        backend = StaticDecodeBackend.from_policy(policy, compile=None if path == "static" else False)
+    else:  # static_torch: the SSM update on the torch step, chosen when the backend is built
+        before = os.environ.get("GYMV_MAMBA_KERNELS")
+        if path == "static_torch":
+            os.environ["GYMV_MAMBA_KERNELS"] = "0"
+        try:
+            backend = StaticDecodeBackend.from_policy(policy, compile=None if path != "static_eager" else False)
+        finally:
+            os.environ.pop("GYMV_MAMBA_KERNELS", None)
+            if before is not None:
+                os.environ["GYMV_MAMBA_KERNELS"] = before
 
     def run(n):
         return lambda: backend.generate(reqs, SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True, seed=1))
@@ -348,7 +584,9 @@ def decode(base, mode: Mode, layers: int, a, result: dict, save) -> None:
     reqs = decode_requests(policy, a.decode_batch)
     result["decode"] = {"layers": layers, "pattern": PATTERN[:layers], "batch": a.decode_batch,
                         "new_tokens": mode.new_tokens, "prompt_tokens": len(reqs[0].prompt_token_ids),
-                        "params": param_counts(policy.model), "rows": []}
+                        "params": param_counts(policy.model), "rows": [],
+                        "limit": decode_limit(policy.model, a.decode_batch,
+                                              len(reqs[0].prompt_token_ids) + mode.new_tokens // 2, a.hbm_tbps)}
     for path in a.paths.split(","):
         row = {"path": path}
         if time.time() - a.t0 > a.budget_s:
@@ -368,6 +606,7 @@ def decode(base, mode: Mode, layers: int, a, result: dict, save) -> None:
                 del backend
             row["ms_per_step"] = (row["tn_s"] - row["t1_s"]) / (mode.new_tokens - 1) * 1e3
             row["tokens_per_s"] = a.decode_batch / row["ms_per_step"] * 1e3
+            row["x_bandwidth_limit"] = row["ms_per_step"] / result["decode"]["limit"]["limit_ms"]
         except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             traceback.print_exc()
@@ -392,7 +631,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
     ap.add_argument("--decode-batch", type=int, default=DECODE_BATCH)
-    ap.add_argument("--paths", default="static,hf_generate,static_eager,gymv_hf")
+    ap.add_argument("--paths", default="static,static_torch,hf_generate,static_eager,gymv_hf")
+    ap.add_argument("--train-paths", default="gymv,hf", help="trainer paths: gymv, hf, hf_grouped_mm")
+    ap.add_argument("--part", default="all", choices=["all", "layers", "train", "decode"],
+                    help="all: each part (and each train path) in a process of its own, results merged")
+    ap.add_argument("--layer-tokens", type=int, help="tokens of the layers part (default 16384 on CUDA, 4096 on CPU)")
+    ap.add_argument("--layer-reps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="the trainer step's time by layer kind")
+    ap.add_argument("--hbm-tbps", type=float, default=HBM_TBPS, help="HBM bandwidth for the decode limit")
     ap.add_argument("--no-parity", action="store_true")
     ap.add_argument("--budget-s", type=float, default=400.0, help="start no decode path after this many seconds")
     a = ap.parse_args()
@@ -423,10 +669,22 @@ def main() -> None:
         out_json.write_text(json.dumps(result, indent=2))
 
     print(f"{result['device']}, torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
+    if a.part == "all":
+        run_parts(a, result, save)
+        save()
+        report(result, out_json)
+        return
+    result["layers"] = []
+    if a.part == "layers":
+        tokens = a.layer_tokens or (16384 if cuda else 4096)
+        result["layers"] = moe_layer_rows(mode, tokens, a.layer_reps) + mamba_layer_rows(mode, tokens, 8, a.layer_reps)
+        save()
+        report(result, out_json)
+        return
     base = base_policy(a.out, mode)
-    for layers in train_layers:
+    for layers in train_layers if a.part == "train" else ():
         try:
-            row = train(base, mode, layers, a)
+            row = train(base, mode, layers, a, a.train_paths.split(",")[0])
         except torch.OutOfMemoryError as e:
             row = {"layers": layers, "error": f"out of memory: {str(e)[:200]}"}
         except Exception as e:  # noqa: BLE001
@@ -437,20 +695,62 @@ def main() -> None:
         save()
         if "error" not in row or "out of memory" not in row["error"]:
             break
-    decode(base, mode, decode_layers, a, result, save)
+    if a.part == "decode":
+        decode(base, mode, decode_layers, a, result, save)
     save()
     report(result, out_json)
 
 
+def run_parts(a, result: dict, save) -> None:
+    """Each part in a fresh interpreter (one starves the next of memory in one process), merged into `result`:
+    the layers, the trainer once per train path, the decoder."""
+    argv, skip = [], False
+    for arg in sys.argv[1:]:  # this run's options, less the part and results file each child gets
+        if skip:
+            skip = False
+        elif arg in ("--part", "--json", "--train-paths"):
+            skip = True
+        elif not arg.startswith(("--part=", "--json=", "--train-paths=")):
+            argv.append(arg)
+    result["layers"] = []
+    jobs = [("layers", [])] + [("train", ["--train-paths", p]) for p in a.train_paths.split(",") if p] + [("decode", [])]
+    for part, extra in jobs:
+        if part == "train" and a.train_layers.strip() == "0":
+            continue
+        out = a.out / f"part_{part}{'_' + extra[1] if extra else ''}.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--part", part, "--json", str(out), *extra]
+        print("$", " ".join(cmd[1:]), flush=True)
+        code = subprocess.run(cmd).returncode
+        if not out.exists():
+            result.setdefault("errors", []).append(f"{part} {' '.join(extra)}: exit {code}, no results")
+            continue
+        got = json.loads(out.read_text())
+        result["layers"] += got.get("layers") or []
+        result["train"] += got.get("train") or []
+        result["decode"] = got.get("decode") or result["decode"]
+        save()
+
+
 def report(result: dict, out_json: Path) -> None:
+    for r in result.get("layers") or []:
+        if "error" in r:
+            print(f"layer {r['layer']:<5} {r['path']:<15} {r['error'][:100]}")
+            continue
+        extra = f", MFU {r['mfu']:.1%}" if r.get("mfu") else ""
+        mem = f", +{r['peak_extra_gb']:.1f} GB" if "peak_extra_gb" in r else ""
+        print(f"layer {r['layer']:<5} {r['path']:<15} {r['tokens']} tokens fwd+bwd: {r['ms']:.1f} ms{extra}{mem}")
     for r in result["train"]:
         if "error" in r:
             print(f"train {r['layers']} layers: {r['error'][:100]}")
             continue
         mem = f"{r['peak_mem_gb']:.1f} GB" if "peak_mem_gb" in r else "-"
-        print(f"train {r['layers']} layers {r['pattern']}: {r['step_s']:.2f} s/step, {r['tokens_per_s']:.0f} tok/s, "
+        print(f"train {r.get('path', 'gymv')} {r['layers']} layers {r['pattern']}: {r['step_s']:.2f} s/step, {r['tokens_per_s']:.0f} tok/s, "
               f"{r['unique_tokens_per_s']:.0f} unique tok/s, MFU {r['mfu']:.1%} (active params), peak {mem}")
     d = result["decode"] or {"rows": []}
+    if d.get("limit"):
+        lim = d["limit"]
+        print(f"decode bandwidth limit: {lim['limit_ms']:.2f} ms/step ({lim['bytes'] / 1e9:.2f} GB a step at "
+              f"{lim['hbm_tbps']} TB/s; {lim['experts_touched']:.1f} routed experts touched per MoE layer)")
     for r in d["rows"]:
         if "error" in r:
             print(f"decode {r['path']:<13} {r['error'][:100]}")
