@@ -49,20 +49,37 @@ def test_local_ray_cluster_binds_every_listener_to_loopback(tmp_path):
 
 
 _PRIVATE = textwrap.dedent("""
+    import ray
     from gymv.cluster.ray_cluster import start_ray, stop_ray
 
     info = start_ray(num_cpus=1)
     print("STARTED", info.started_here)
+    raylet = ray._private.worker._global_node.all_processes["raylet"][0].process.pid
+    env = dict(v.split("=", 1) for v in open(f"/proc/{raylet}/environ").read().split("\\0") if "=" in v)
+    print("PRESTART", env.get("RAY_prestart_worker_first_driver"))
     stop_ray()
 """)
 
 
-@pytest.mark.slow
-def test_a_local_cluster_is_started_even_where_another_one_is_advertised(tmp_path):
+@pytest.fixture(scope="module")
+def private_start(tmp_path_factory) -> str:
+    """What a local start prints where another cluster is advertised in RAY_ADDRESS (one Ray start for the module)."""
     # Ray's own default would join the cluster in RAY_ADDRESS or in /tmp/ray/ray_current_cluster (another
     # user's `ray start` on a shared machine) and fail there; gymv's local cluster is its own
     env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:1"}
-    out = subprocess.run([sys.executable, "-c", _PRIVATE], capture_output=True, text=True, timeout=240, cwd=tmp_path,
-                         env=env)
+    env.pop("RAY_prestart_worker_first_driver", None)
+    out = subprocess.run([sys.executable, "-c", _PRIVATE], capture_output=True, text=True, timeout=240,
+                         cwd=tmp_path_factory.mktemp("private"), env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "STARTED True" in out.stdout
+    return out.stdout
+
+
+@pytest.mark.slow
+def test_a_local_cluster_is_started_even_where_another_one_is_advertised(private_start):
+    assert "STARTED True" in private_start
+
+
+@pytest.mark.slow
+def test_a_local_cluster_prestarts_no_idle_workers_since_gymvs_actors_start_their_own(private_start):
+    # Ray would start one idle worker per CPU, each importing Ray, at the moment the run's actors start
+    assert "PRESTART 0" in private_start

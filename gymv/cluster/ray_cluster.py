@@ -27,6 +27,7 @@ from gymv.cluster.reaper import start_reaper, stop_reaper
 from gymv.errors import GymvError
 
 CONNECT_TIMEOUT_S = 60.0  # cluster.connect_timeout_s's default
+NO_PRESTART = "RAY_prestart_worker_first_driver"  # read by the raylet this process starts
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,9 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None, num_gp
         else:
             if num_gpus is None:
                 num_gpus = _local_gpu_count()
+            # Ray starts one idle worker per CPU for the first driver; gymv's actors start workers of their own
+            # (a CPU actor's runtime_env never matches an idle one), so those would only take CPU from them
+            os.environ.setdefault(NO_PRESTART, "0")
             ray.init(
                 address="local",  # a new cluster: never the machine's `ray start` one, nor RAY_ADDRESS's
                 num_cpus=num_cpus or os.cpu_count() or 1,
