@@ -302,3 +302,9 @@ class TeacherSection(Section):
     placement: Literal["colocated", "separate"] = "colocated"
     gpus: NonNegInt | None = None
     engine_kwargs: dict[str, Any] = {}  # vllm: more arguments of its engine, as generation.vllm.engine_kwargs
+
+
+def default(section: type[Section], key: str) -> Any:
+    """The default of `section`'s field `key`: what an interface below the recipe (a backend's keyword, a
+    per-call type) offers as its own default, so that a knob has one default, its section's."""
+    return section.model_fields[key].default

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gymv.backends.registry import GENERATION_BACKENDS
+from gymv.sections import ClusterSection, default
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,9 @@ class Pin:
 class Deadlines:
     """Seconds a wait on Ray may take before gymv stops it with an error naming what it waited for."""
 
-    placement_s: float = 300.0  # placement groups ready (and a launcher's nodes joined)
-    start_s: float = 1800.0  # workers built (models loaded)
-    phase_s: float = 3600.0  # one phase of a step (rollouts, training, refit, checkpoint)
+    placement_s: float = default(ClusterSection, "placement_timeout_s")  # placement groups ready (and nodes joined)
+    start_s: float = default(ClusterSection, "start_timeout_s")  # workers built (models loaded)
+    phase_s: float = default(ClusterSection, "phase_timeout_s")  # one phase of a step (rollouts, training, ...)
 
     @classmethod
     def from_config(cls, c) -> Deadlines:

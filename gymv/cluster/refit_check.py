@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gymv.errors import GymvError
+from gymv.sections import RefitCheckSection, default
 
 CHECK_MODES = ("auto", "digest", "probe", "off")
 # mean |engine - trainer| over the probe's scored tokens (raw log-softmax) allowed by default, per dtype of
@@ -39,9 +40,9 @@ class CheckPlan:
     """When and how refits are checked (the recipe's `refit.check`, the backend's declared kind resolved)."""
 
     kind: str | None  # "digest", "probe", or None: not checked
-    first: int = 3
-    every: int = 10
-    probe_tokens: int = 32
+    first: int = default(RefitCheckSection, "first")
+    every: int = default(RefitCheckSection, "every")
+    probe_tokens: int = default(RefitCheckSection, "probe_tokens")
     tolerance: float = PROBE_TOLERANCE["float32"]
 
     def due(self, refit: int) -> bool:

@@ -28,6 +28,7 @@ from gymv.cluster.ray_placement import ROSTER, actor_options, deferred_start, gr
 from gymv.cluster.roles import RolePlan, teacher_plan, teacher_ranks
 from gymv.errors import GymvError
 from gymv.models.init_path import resolve_init_path
+from gymv.sections import TeacherSection, default
 # the workers (torch) load in the teacher actors only: `gymv train` resolves teacher_specs here before Ray starts
 
 TEXT_PREFIX = "text:"  # a teacher path `text:<checkpoint>` scores with that VLM's language model alone
@@ -49,9 +50,11 @@ class TeacherSpec:
     seed: int = 0
     top_k: int = 0  # > 0: also the teacher's k most likely tokens per position (top-k distillation)
     trust_remote_code: bool = False  # the recipe's model.trust_remote_code, for teachers too
-    backend: str = "torch"  # a name in TEACHER_BACKENDS
-    tensor_parallel_size: int = 1  # GPUs one replica spans (vllm: one engine over them; megatron: one rank each)
-    expert_parallel_size: int = 1  # > 1: its MoE experts split over those GPUs (vllm's expert parallelism)
+    backend: str = default(TeacherSection, "backend")  # a name in TEACHER_BACKENDS
+    # GPUs one replica spans (vllm: one engine over them; megatron: one rank each)
+    tensor_parallel_size: int = default(TeacherSection, "tensor_parallel_size")
+    # > 1: its MoE experts split over those GPUs (vllm's expert parallelism)
+    expert_parallel_size: int = default(TeacherSection, "expert_parallel_size")
     engine_kwargs: dict = field(default_factory=dict)  # vllm: more arguments of its engine (vllm.LLM)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from gymv.errors import GymvError
+from gymv.sections import GenerationSection, default
 
 
 @dataclass
@@ -39,9 +40,9 @@ class SamplingParams:
     """`temperature` 0 is greedy. Stop token ids and stop strings end a sequence and stay in its output;
     the model's end-of-turn token always stops unless `ignore_eos`."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
+    temperature: float = default(GenerationSection, "temperature")
+    top_p: float = default(GenerationSection, "top_p")
+    max_new_tokens: int = default(GenerationSection, "max_new_tokens")
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False

@@ -53,6 +53,7 @@ from gymv.backends.generation.hf import HFGenerationBackend, _forward_kwargs, di
 from gymv.backends.hf_forward import forward_logits, output_head
 from gymv.backends.sampling import forbidden_mask, policy_logits
 from gymv.errors import GymvError
+from gymv.sections import GenerationSection, default
 
 _M32 = 0xFFFFFFFF
 ATTENTION_KERNELS = ("auto", "split", "sdpa")
@@ -291,7 +292,8 @@ class StaticDecodeBackend(HFGenerationBackend):
     def __init__(self, model, tokenizer, adapter, *, seed: int = 0, max_cached_images: int = 4096,
                  cuda_graphs: bool | None = None, sync_every: int = 16, max_states: int = 4,
                  compile: bool | None = None, fuse_weights: bool = True, chat_template: str | None = None,
-                 attention: str = "auto", max_batch: int = 256, max_cache_fraction: float | None = 0.4,
+                 attention: str = "auto", max_batch: int = default(GenerationSection, "max_batch"),
+                 max_cache_fraction: float | None = 0.4,
                  join_every: int | None = None, moe: str = "auto", eager_layers: tuple[str, ...] = ()):
         super().__init__(model, tokenizer, adapter, seed=seed, max_cached_images=max_cached_images,
                          chat_template=chat_template)
@@ -1160,7 +1162,8 @@ def _cache_states(cache, tm: TextModel) -> list[tuple]:
 DECODE_MODES = ("auto", "eager", "static")
 
 
-def with_decode(backend, decode: str = "auto", *, seed: int = 0, max_batch: int = 256):
+def with_decode(backend, decode: str = "auto", *, seed: int = 0,
+                max_batch: int = default(GenerationSection, "max_batch")):
     """`backend` with the decode loop `decode` asks for (`generation.decode`): `static` turns an
     `HFGenerationBackend` into a `StaticDecodeBackend` on the same model (static cache, CUDA graphs on a
     GPU), `eager` keeps it, `auto` is static on CUDA where the model allows it and eager otherwise. Other

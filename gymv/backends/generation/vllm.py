@@ -47,6 +47,7 @@ from gymv.backends.policy import load_policy, load_processors
 from gymv.errors import GymvError
 from gymv.models.load import resolve_model_path
 from gymv.models.quiet import quiet_transformers
+from gymv.sections import VllmSection, default
 # torch loads on first use: a driver that only looks this backend up by name does not pay for it
 
 WORKER_EXTENSION = "gymv.backends.generation.vllm_worker.GymvWeightSync"
@@ -99,7 +100,8 @@ class VllmGenerationBackend(GenerationBackend):
 
     @classmethod
     def create(cls, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0,
-               gpu_memory_utilization: float = 0.6, tensor_parallel_size: int = 1, enforce_eager: bool = False,
+               gpu_memory_utilization: float = default(VllmSection, "gpu_memory_utilization"),
+               tensor_parallel_size: int = 1, enforce_eager: bool = False,
                max_model_len: int | None = None, max_images_per_prompt: int = 16,
                trust_remote_code: bool = False, full_logits: bool = False, logprobs_mode: str | None = None,
                max_logprobs: int | None = None, enable_expert_parallel: bool = False,

@@ -22,6 +22,8 @@ import math
 import torch
 from torch import Tensor
 
+from gymv.sections import TrainingSection, default
+
 _M32 = 0xFFFFFFFF
 
 
@@ -97,8 +99,10 @@ class AdamWBf16State(torch.optim.Optimizer):
 
     honours_found_inf = True
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, seed: int = 0):
+    def __init__(self, params, lr: float = default(TrainingSection, "lr"),
+                 betas: tuple[float, float] = tuple(default(TrainingSection, "betas")),
+                 eps: float = default(TrainingSection, "eps"), weight_decay: float = default(TrainingSection, "weight_decay"),
+                 seed: int = 0):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.seed = int(seed)
         self.calls = 0  # steps asked for, cancelled ones included: with the parameter index, the noise's key
