@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gymv.backends.registry import GENERATION_BACKENDS
-from gymv.sections import ClusterSection, default
+from gymv.sections import ClusterSection, RolePlacement, default
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Pin:
     resources: tuple[tuple[str, float], ...] = ()
 
     @classmethod
-    def from_section(cls, s) -> Pin:
+    def from_section(cls, s: RolePlacement) -> Pin:
         return cls(s.strategy, tuple(sorted(s.labels.items())), tuple(sorted(s.resources.items())))
 
     def __bool__(self) -> bool:
@@ -67,7 +67,7 @@ class Deadlines:
     phase_s: float = default(ClusterSection, "phase_timeout_s")  # one phase of a step (rollouts, training, ...)
 
     @classmethod
-    def from_config(cls, c) -> Deadlines:
+    def from_config(cls, c: ClusterSection) -> Deadlines:
         return cls(c.placement_timeout_s, c.start_timeout_s, c.phase_timeout_s)
 
 

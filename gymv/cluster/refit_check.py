@@ -23,7 +23,6 @@ initial weights are checked too, before the first step).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from gymv.errors import GymvError
 from gymv.sections import RefitCheckSection, default
@@ -52,7 +51,7 @@ class CheckPlan:
         return refit <= self.first or (self.every > 0 and refit % self.every == 0)
 
 
-def plan_checks(section: Any, declared: str | None, dtype: str) -> CheckPlan:
+def plan_checks(section: RefitCheckSection, declared: str | None, dtype: str) -> CheckPlan:
     """The plan of a run: `section` is `refit.check`, `declared` the generation backend's own kind (None: it
     declares none), `dtype` the generation dtype."""
     mode = section.mode

@@ -11,6 +11,7 @@ from gymv.envs.registry import available, env_for_agent, get_env, normalize
 from gymv.envs.remote import RemoteEnv
 from gymv.envs.rows import agent_name
 from gymv.errors import GymvError
+from gymv.sections import EnvSection
 
 
 class EnvRouter:
@@ -20,8 +21,8 @@ class EnvRouter:
     their EpisodeState).
     """
 
-    def __init__(self, spec: Any):
-        """`spec`: the recipe's `env:` section (gymv.config.schema.EnvSection)."""
+    def __init__(self, spec: EnvSection):
+        """`spec`: the recipe's `env:` section."""
         self.spec = spec
         try:
             self.default = make_env(spec)

@@ -9,18 +9,22 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gymv.backends.generation import SamplingParams
 from gymv.cluster.placement_record import placement_lines, placement_record, write_placement
 from gymv.cluster.ray_placement import ROSTER
+from gymv.config.schema import RecipeBase
 from gymv.errors import GymvError
 from gymv.models.init_path import resolve_init_path  # noqa: F401  (train and tests import it here)
 from gymv.runs.checkpoint import find_latest
 from gymv.runs.config_history import CHANGES_FILE, LAUNCH_KEYS, describe, diff
 from gymv.runs.run_dir import RunDir, run_path
 from gymv.train.data import DATA_DIR, Row
+
 # the workers (torch) load where the spec is built: gymv.train's pre-flight imports this module first
+if TYPE_CHECKING:
+    from gymv.cluster.workers import WorkerSpec
 
 
 class Reporter:
@@ -44,7 +48,7 @@ class Reporter:
 class RunContext:
     """A run ready to train: its validated config, directory, data and where the policy starts."""
 
-    cfg: Any
+    cfg: RecipeBase
     run: RunDir
     model_path: str
     train_rows: list[Row]
@@ -59,7 +63,7 @@ class RunContext:
 # ------------------------------------------------------------------------------------------ model path
 
 
-def generation_dtype(cfg, model_path: str) -> str:
+def generation_dtype(cfg: RecipeBase, model_path: str) -> str:
     """`model.dtype`, where auto is the checkpoint's dtype on GPU and float32 on CPU."""
     if cfg.model.dtype != "auto":
         return cfg.model.dtype
@@ -76,7 +80,7 @@ def generation_dtype(cfg, model_path: str) -> str:
 # ------------------------------------------------------------------------------------------ run directory
 
 
-def open_run(cfg, config_dict: dict, resume_dir: str | None) -> tuple[RunDir, bool]:
+def open_run(cfg: RecipeBase, config_dict: dict, resume_dir: str | None) -> tuple[RunDir, bool]:
     """(the run directory, whether to resume from it). `--resume DIR` names it; else `<checkpoint.dir>/<name>`."""
     if resume_dir is not None:
         path = Path(resume_dir).absolute()
@@ -131,7 +135,8 @@ def shown_path(path: Path) -> Path:
 # ------------------------------------------------------------------------------------------ workers
 
 
-def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, logprob_temperature: float | None = None):
+def worker_spec(cfg: RecipeBase, model_path: str, *, kl_reference: bool = False,
+                logprob_temperature: float | None = None) -> WorkerSpec:
     """The workers' spec: the recipe's sections as they are, with this run's facts (resolved model path,
     device, generation dtype, the schedule's length) and what the loop asks for (a KL reference; SFT's
     logprobs at temperature 1)."""
@@ -144,7 +149,7 @@ def worker_spec(cfg, model_path: str, *, kl_reference: bool = False, logprob_tem
         logprob_temperature=logprob_temperature, total_steps=cfg.optimizer_steps, kl_reference=kl_reference)
 
 
-def check_agent_driver(cfg) -> None:
+def check_agent_driver(cfg: RecipeBase) -> None:
     """`rollout.driver: nemo_gym_agents` runs one generation worker (the agents call one model server)."""
     if cfg.rollout.driver != "nemo_gym_agents":
         return
@@ -153,7 +158,7 @@ def check_agent_driver(cfg) -> None:
                         "server)", where="cluster.generation_workers_per_gpu", fix="set it to 1")
 
 
-def sampling_params(cfg, *, greedy: bool = False):
+def sampling_params(cfg: RecipeBase, *, greedy: bool = False) -> SamplingParams:
     g = cfg.generation
     return SamplingParams(temperature=0.0 if greedy else g.temperature, top_p=1.0 if greedy else g.top_p,
                           max_new_tokens=g.max_new_tokens, stop_strings=tuple(g.stop_strings))
