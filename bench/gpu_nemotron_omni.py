@@ -354,19 +354,33 @@ def layer_text(mode: Mode) -> dict:
     return NANO_TEXT if mode.device == "cuda" else CPU_LAYER_TEXT
 
 
-def fwd_bwd(mode: Mode, fn, reps: int) -> dict:
-    """Median ms of `fn()` (a forward and backward) after a warm-up call, and its peak memory on CUDA."""
+def fwd_bwd(mode: Mode, fns: dict, reps: int) -> dict[str, dict]:
+    """Per path: the median ms of its `fn()` (a forward and backward), the paths taking turns round by round
+    after a warm-up call each (so that a load that comes and goes touches them alike), and on CUDA its peak
+    memory beyond what was allocated before, from one more call; a path that fails gets its error."""
     import torch
 
-    fn()
-    if mode.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    ms = statistics.median(timed(mode, fn) for _ in range(reps)) * 1e3
-    row = {"ms": ms}
-    if mode.device == "cuda":
-        row["peak_extra_gb"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return row
+    out: dict[str, dict] = {}
+    times: dict[str, list] = {}
+    for path, fn in fns.items():
+        try:
+            fn()
+            times[path] = []
+        except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
+            out[path] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            free(mode)
+    for _ in range(reps):
+        for path in times:
+            times[path].append(timed(mode, fns[path]))
+    for path, ts in times.items():
+        out[path] = {"ms": statistics.median(ts) * 1e3}
+        if mode.device == "cuda":
+            free(mode)
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fns[path]()
+            out[path]["peak_extra_gb"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return out
 
 
 def moe_layer_rows(mode: Mode, tokens: int, reps: int) -> list[dict]:
@@ -390,20 +404,39 @@ def moe_layer_rows(mode: Mode, tokens: int, reps: int) -> list[dict]:
     d, k, i, si = text["hidden_size"], text["num_experts_per_tok"], text["moe_intermediate_size"], \
         text["moe_shared_expert_intermediate_size"]
     flops = 6 * tokens * (k * 2 * d * i + 2 * d * si + d * text["n_routed_experts"])
+
+    def run(path):
+        def go():
+            moe_experts.uninstall(layer)
+            if path == "gymv":
+                moe_experts.install(layer)
+            else:
+                cfg._experts_implementation = path[3:]
+            layer(x).float().pow(2).mean().backward()
+        return go
     rows = []
-    for path in ("hf_eager", "hf_grouped_mm", "gymv"):
-        moe_experts.uninstall(layer)
-        if path == "gymv":
-            moe_experts.install(layer)
-        else:
-            cfg._experts_implementation = path[3:]
-        try:
-            r = fwd_bwd(mode, lambda: layer(x).float().pow(2).mean().backward(), reps)
-            r["mfu"] = flops / (r["ms"] / 1e3) / PEAK_FLOPS if mode.device == "cuda" else None
-        except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
-            r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        rows.append({"layer": "moe", "path": path, "tokens": tokens, "flops": flops, **r})
-        print(json.dumps(rows[-1]), flush=True)
+    for what in ("moe", "moe_experts"):  # the whole layer, then its routed experts alone (the same routes)
+        if what == "moe_experts":
+            with torch.no_grad():
+                _, w, ids = layer.gate(x.detach())
+            h = x.detach().view(tokens, -1).requires_grad_()
+            flops = 6 * tokens * k * 2 * d * i
+
+            def run(path):
+                def go():
+                    moe_experts.uninstall(layer)
+                    if path == "gymv":
+                        moe_experts.install(layer)
+                    else:
+                        cfg._experts_implementation = path[3:]
+                    layer.experts(h, ids, w).float().pow(2).mean().backward()
+                return go
+        measured = fwd_bwd(mode, {p: run(p) for p in ("hf_eager", "hf_grouped_mm", "gymv")}, reps)
+        for path, r in measured.items():
+            if "ms" in r and mode.device == "cuda":
+                r["mfu"] = flops / (r["ms"] / 1e3) / PEAK_FLOPS
+            rows.append({"layer": what, "path": path, "tokens": tokens, "flops": flops, **r})
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -431,20 +464,16 @@ def mamba_layer_rows(mode: Mode, tokens: int, segments: int, reps: int) -> list[
         "hf_per_segment": lambda: torch.cat([m(x[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])], dim=1),
         "hf_rows": lambda: m(x.view(segments, tokens // segments, -1)),
         "gymv_torch": lambda: mixer_forward(m, x, seq_idx, None),
-        "gymv_triton": lambda: mixer_forward(m, x, seq_idx, kernels),
     }
+    if kernels is not None:
+        paths["gymv_triton"] = lambda: mixer_forward(m, x, seq_idx, kernels)
+    measured = fwd_bwd(mode, {p: (lambda f=f: f().float().pow(2).mean().backward()) for p, f in paths.items()}, reps)
+    if kernels is None:
+        measured["gymv_triton"] = {"error": f"skipped: {mamba_kernels.why_not(mode.device)}"}
     rows = []
-    for path, fn in paths.items():
-        row = {"layer": "mamba", "path": path, "tokens": tokens, "segments": segments}
-        if path == "gymv_triton" and kernels is None:
-            row["error"] = f"skipped: {mamba_kernels.why_not(mode.device)}"
-        else:
-            try:
-                row.update(fwd_bwd(mode, lambda: fn().float().pow(2).mean().backward(), reps))
-            except Exception as e:  # noqa: BLE001
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    for path, r in measured.items():
+        rows.append({"layer": "mamba", "path": path, "tokens": tokens, "segments": segments, **r})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -677,6 +706,9 @@ def main() -> None:
     result["layers"] = []
     if a.part == "layers":
         tokens = a.layer_tokens or (16384 if cuda else 4096)
+        if not cuda:  # one thread: on a shared CPU, more threads than free cores make every figure noise
+            torch.set_num_threads(1)
+            result["cpu_threads"] = 1
         result["layers"] = moe_layer_rows(mode, tokens, a.layer_reps) + mamba_layer_rows(mode, tokens, 8, a.layer_reps)
         save()
         report(result, out_json)
@@ -734,11 +766,11 @@ def run_parts(a, result: dict, save) -> None:
 def report(result: dict, out_json: Path) -> None:
     for r in result.get("layers") or []:
         if "error" in r:
-            print(f"layer {r['layer']:<5} {r['path']:<15} {r['error'][:100]}")
+            print(f"layer {r['layer']:<11} {r['path']:<15} {r['error'][:100]}")
             continue
         extra = f", MFU {r['mfu']:.1%}" if r.get("mfu") else ""
         mem = f", +{r['peak_extra_gb']:.1f} GB" if "peak_extra_gb" in r else ""
-        print(f"layer {r['layer']:<5} {r['path']:<15} {r['tokens']} tokens fwd+bwd: {r['ms']:.1f} ms{extra}{mem}")
+        print(f"layer {r['layer']:<11} {r['path']:<15} {r['tokens']} tokens fwd+bwd: {r['ms']:.1f} ms{extra}{mem}")
     for r in result["train"]:
         if "error" in r:
             print(f"train {r['layers']} layers: {r['error'][:100]}")
