@@ -1,6 +1,7 @@
-"""`gymv train` MOPD with a megatron teacher on a real local Ray: the tiny LLaVA student distils from a tiny
-LLaVA teacher whose replica is two tensor-parallel ranks (one Ray actor each, gloo). The same run with the
-torch teacher scores the same rows alike: every step's teacher advantages and losses agree (float32)."""
+"""`gymv train` MOPD in Megatron on a real local Ray: the tiny LLaVA student trains over two tensor-parallel
+CPU ranks and distils from a tiny LLaVA teacher whose replica is two tensor-parallel ranks (one Ray actor each,
+gloo). The same run with the torch teacher and the torch trainer scores the same rows alike and takes the same
+steps (float32)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,11 @@ def runs(tmp_path_factory):
     teacher = tmp / "teacher"
     init_tiny("tiny-llava", teacher, hidden=64, layers=1)  # the student's tokenizer, other weights
     out = {}
-    for name, extra in (("torch", {}), ("megatron", {"backend": "megatron", "tensor_parallel_size": 2,
-                                                      "placement": "separate"})):
+    megatron_teacher = {"backend": "megatron", "tensor_parallel_size": 2, "placement": "separate"}
+    runs = (("torch", {}, {}),
+            ("megatron", megatron_teacher, {"training.backend": "megatron", "training.parallel.tensor": 2,
+                                            "cluster.cpu_training_ranks": 2}))
+    for name, extra, student in runs:
         settings = {
             "model.path": str(tiny_path("tiny-llava")), "model.max_seq_len": 256,
             "env.name": "circle-count", "env.max_turns": 1,
@@ -46,7 +50,7 @@ def runs(tmp_path_factory):
             "generation.max_new_tokens": 6, "training.lr": 1.0e-3, "training.dtype": "float32",
             "mopd.prompts_per_step": 2, "mopd.max_steps": STEPS, "mopd.val_period": 0,
             "mopd.teachers": {"_override_": True, "teacher": {"path": str(teacher), **extra}},
-            "checkpoint.dir": str(tmp / "runs"), "checkpoint.period": STEPS, "cluster.ray_address": None,
+            "checkpoint.dir": str(tmp / "runs"), "checkpoint.period": STEPS, "cluster.ray_address": None, **student,
         }
         summary = train(write_recipe(tmp, f"mopd-{name}", "vlm/vlm_mopd-tinyllava-1n0g-torch.yaml", settings))
         lines = (tmp / "runs" / f"mopd-{name}" / "metrics.jsonl").read_text().splitlines()
@@ -62,10 +66,13 @@ def test_a_mopd_run_with_a_tensor_parallel_megatron_teacher_completes(runs):
         assert abs(r["train/kl_teacher/teacher"]) > 1e-3  # another model than the student scored
 
 
-def test_its_teacher_scores_equal_the_torch_teachers_step_by_step(runs):
+def test_its_teacher_scores_and_the_students_steps_equal_the_torch_runs(runs):
+    """The same rows (the first batch is sampled by the same weights): the teacher's advantages and KL, and
+    the student's losses and gradient norms, equal the torch teacher's and torch trainer's."""
     (_, megatron), (_, torch_) = runs["megatron"], runs["torch"]
     assert len(megatron) == len(torch_) == STEPS
     for m, t in zip(megatron, torch_):
         for key in ("train/teacher_advantage", "train/teacher_advantage_min", "train/teacher_advantage_max",
-                    "train/kl_teacher/teacher", "train/loss"):
+                    "train/kl_teacher/teacher", "train/loss", "train/grad_norm"):
             assert m[key] == pytest.approx(t[key], rel=1e-4, abs=1e-5), key
+        assert m["train/token_mult_prob_error"] < 1.05  # the gathered refit reached the generator

@@ -137,15 +137,20 @@ def test_tiny_turns_every_gpu_recipe_into_a_valid_cpu_recipe(tmp_path, recipe):
 
     assert cfg["model"]["path"] in {f"embedded:{a}" for a in ARCHES}  # the family's stand-in (test below)
     assert (cfg["cluster"]["gpus_per_node"], cfg["cluster"]["num_nodes"], cfg["cluster"]["ray_address"]) == (0, 1, None)
-    own = load_recipe(recipe, smoke=True).validated.to_dict()["training"]["backend"]
+    before = load_recipe(recipe, smoke=True).validated.to_dict()
+    own = before["training"]["backend"]
     assert cfg["training"]["backend"] == (own if own in ("fsdp2", "megatron") else "torch")
     assert cfg["generation"]["backend"] == "hf"
     assert set(cfg["training"]["parallel"].values()) == {1}
     assert cfg["refit"]["transport"] not in ("cuda_ipc", "nccl")
     assert cfg["model"]["max_seq_len"] <= 512 and cfg["generation"]["max_new_tokens"] <= 16
     assert cfg["data"]["prepare"]["n_train"] <= 8 and cfg["data"]["train"] is None
-    for teacher in (cfg.get("mopd") or {}).get("teachers", {}).values():
-        assert (teacher["path"], teacher["backend"], teacher["placement"]) == (cfg["model"]["path"], "torch", "colocated")
+    for alias, teacher in (cfg.get("mopd") or {}).get("teachers", {}).items():
+        # a megatron teacher stays where the megatron trainer does (the same twin scores)
+        kept = before["mopd"]["teachers"][alias]["backend"] == "megatron" == cfg["training"]["backend"]
+        assert (teacher["path"], teacher["backend"], teacher["placement"]) == (
+            cfg["model"]["path"], "megatron" if kept else "torch", "colocated")
+        assert teacher["tensor_parallel_size"] == teacher["expert_parallel_size"] == 1
 
 
 @pytest.mark.parametrize("recipe, backend", [
@@ -158,6 +163,13 @@ def test_tiny_keeps_the_sharded_training_backends_which_run_on_a_cpu(tmp_path, r
     assert cfg["training"]["backend"] == backend
     assert not any(c.startswith("training.backend") for c in p.tiny_changes)
     assert cfg["training"]["fsdp"]["cpu_offload"] is False
+
+
+def test_tiny_keeps_a_megatron_teacher_where_the_megatron_trainer_stays(tmp_path):
+    pytest.importorskip("megatron.core")
+    recipe = REPO / "recipes/vlm/vlm_mopd-nemotron3-super-omni-10n8g-megatron-tp8ep16cp2-async-noncolocated.yaml"
+    cfg = run_config(prepared(tmp_path, recipe, tiny=True))
+    assert (cfg["training"]["backend"], cfg["mopd"]["teachers"]["self"]["backend"]) == ("megatron", "megatron")
 
 
 def test_tiny_runs_megatron_as_torch_when_its_twin_does_not_map_the_stand_in(tmp_path):
@@ -222,12 +234,14 @@ def test_the_tiny_stand_in_of_every_gpu_recipe_is_something_gymv_train_runs(tmp_
 
 
 def test_tiny_says_it_checks_plumbing_with_stand_ins_and_names_what_it_stood_in_for(tmp_path):
-    # its Megatron teacher is what gymv train cannot run here
-    p = prepared(tmp_path, REPO / "recipes/llm/mopd-qwen3-1.7b-1n8g-megatron.yaml", tiny=True)
+    # a payload dedup turned off is what gymv train cannot run (gymv.capabilities.NOT_WIRED)
+    p = prepared(tmp_path, REPO / "recipes/vlm/vlm_mopd-qwen2.5-vl-3b-2n8g-megatron-noncolocated.yaml", tiny=True,
+                 overrides=["vision.dedup_payloads=false"])
     assert p.notes[0].startswith("--tiny checks the plumbing with stand-ins")
     stood_in = [n for n in p.notes if n.startswith("stand-in for what gymv train cannot run here")]
-    assert any("mopd.teachers.teacher.backend" in n for n in stood_in)
-    assert not any("generation.backend" in n for n in stood_in)  # its vllm runs here (docs/vllm.md)
+    assert any("vision.dedup_payloads" in n for n in stood_in)
+    # its vllm generation and Megatron teachers run here (docs/vllm.md, docs/mopd.md)
+    assert not any("generation.backend" in n or "mopd.teachers" in n for n in stood_in)
 
 
 def test_tiny_records_each_change_it_made(tmp_path):

@@ -5,7 +5,8 @@ Qwen3 -> tiny-qwen3, Llama -> tiny-llama, ...), and every teacher the student's 
 must share the student's tokenizer. What stays is what a smoke run is meant to exercise: the algorithm, the
 environment and its turns and tools, async generation and importance sampling, MOPD routing and teachers (their count, aliases and data-parallel
 padding), validation, checkpointing and the checks. What changes is everything that needs the cluster:
-model and teacher weights, GPUs and parallel sizes, Megatron, GPU-only refit transports, remote environments
+model and teacher weights, GPUs and parallel sizes, Megatron where its twin does not map the stand-in (a
+Megatron teacher stays where the Megatron trainer does), GPU-only refit transports, remote environments
 and data files, and the sizes (sequence length, batch, data) shrink to seconds of CPU work. vLLM (generation
 and teachers) stays where it imports in the running interpreter and its CPU build runs the stand-in, and
 becomes hf/torch elsewhere (and for Nemotron 3 Omni, whose mixture-of-experts layers vLLM's CPU build cannot
@@ -107,6 +108,16 @@ def _tiny_training_backend(backend: str | None, tiny_model: str) -> str:
     return "torch"
 
 
+def _tiny_teacher_backend(backend: str | None, tiny_model: str, keep_vllm: bool) -> str:
+    """A teacher keeps vllm where vLLM runs the stand-in, and megatron where the megatron training backend stays
+    (the same twin scores); anything else scores with torch."""
+    if backend == "vllm" and keep_vllm:
+        return backend
+    if backend == "megatron" and _tiny_training_backend(backend, tiny_model) == "megatron":
+        return backend
+    return "torch"
+
+
 def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
     """A copy of a resolved recipe with the tiny CPU settings, and the changes made (`key: old -> new`)."""
     d = copy.deepcopy(config)
@@ -176,7 +187,7 @@ def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
         if not isinstance(t, dict):
             continue
         _set(ch, d, f"mopd.teachers.{alias}.path", tiny_model)  # a teacher shares the student's tokenizer
-        _set(ch, d, f"mopd.teachers.{alias}.backend", "vllm" if t.get("backend") == "vllm" and keep_vllm else "torch")
+        _set(ch, d, f"mopd.teachers.{alias}.backend", _tiny_teacher_backend(t.get("backend"), tiny_model, keep_vllm))
         if t.get("engine_kwargs") and d["mopd"]["teachers"][alias]["backend"] != "vllm":
             _set(ch, d, f"mopd.teachers.{alias}.engine_kwargs", {})  # vLLM's arguments, for a torch stand-in
         _set(ch, d, f"mopd.teachers.{alias}.placement", "colocated")
