@@ -178,3 +178,33 @@ def test_gpu_packed_logprobs_on_the_kernels_match_the_torch_scan_in_bfloat16(mon
     monkeypatch.setenv("GYMV_MAMBA_KERNELS", "0")
     on_torch = packed()
     assert token_mult_prob_error(on_kernels, on_torch, batch.attention_mask.bool()) <= 1.01
+
+
+def test_the_triton_modules_import_with_the_packages_init_skipped_and_nothing_left_behind(tmp_path, monkeypatch):
+    """A package laid out as mamba_ssm's release (an `__init__` that needs a compiled extension, Triton
+    modules under ops/triton importing each other by absolute name) imports through the loader, and
+    afterwards `import mamba_ssm` fails as it did before (transformers' own lookup sees no stand-in)."""
+    import importlib
+    import sys
+
+    root = tmp_path / "mamba_ssm"
+    (root / "ops" / "triton").mkdir(parents=True)
+    (root / "utils").mkdir()
+    (root / "__init__.py").write_text("import selective_scan_cuda  # the extension a pure-Python build lacks\n")
+    for pkg in (root / "ops", root / "ops" / "triton", root / "utils"):
+        (pkg / "__init__.py").write_text("")
+    (root / "utils" / "determinism.py").write_text("DETERMINISTIC = False\n")
+    (root / "ops" / "triton" / "ssd_combined.py").write_text(
+        "from mamba_ssm.utils.determinism import DETERMINISTIC\n"
+        "def mamba_chunk_scan_combined(*args, **kwargs):\n    return 'scan'\n")
+    (root / "ops" / "triton" / "selective_state_update.py").write_text(
+        "def selective_state_update(*args, **kwargs):\n    return 'update'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+
+    scan, update = mamba_kernels._import_triton_modules()
+    assert scan.mamba_chunk_scan_combined() == "scan" and update.selective_state_update() == "update"
+    assert not [k for k in sys.modules if k == "mamba_ssm" or k.startswith("mamba_ssm.")]
+    with pytest.raises(ImportError, match="selective_scan_cuda"):
+        importlib.import_module("mamba_ssm")
+    sys.modules.pop("mamba_ssm", None)
