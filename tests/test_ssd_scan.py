@@ -96,3 +96,20 @@ def test_seq_idx_of_the_wrong_shape_is_refused():
     t = _inputs(batch=1)
     with pytest.raises(ValueError, match="seq_idx must be"):
         chunk_scan(**t, chunk_size=CHUNK, seq_idx=torch.zeros(1, 5, dtype=torch.int32))
+
+
+def test_a_row_of_one_sequence_is_all_zeros():
+    assert seq_idx_from_bounds([0, 4], 4).tolist() == [[0, 0, 0, 0]]
+
+
+def test_initial_states_start_the_first_sequence_only():
+    t = _inputs(batch=1)
+    init = torch.randn(1, H, P, N)
+    seq = seq_idx_from_bounds(BOUNDS, 37)
+    got = chunk_scan(**t, chunk_size=CHUNK, dt_softplus=True, seq_idx=seq, initial_states=init)
+    first = {k: (v[:, :5] if v.dim() > 1 else v) for k, v in t.items()}
+    want_first = mamba2_chunk_scan(first["x"], first["dt"], first["A"], first["B"], first["C"], CHUNK, D=first["D"],
+                                   dt_bias=first["dt_bias"], dt_softplus=True, initial_states=init)
+    torch.testing.assert_close(got[:, :5], want_first, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[:, 5:], chunk_scan(**t, chunk_size=CHUNK, dt_softplus=True, seq_idx=seq)[:, 5:],
+                               rtol=1e-5, atol=1e-5)
