@@ -329,7 +329,10 @@ def kind_profile(model, mode: Mode, step) -> dict:
 
     handles = []
     watched = [(layer, KIND_OF.get(layer.block_type, layer.block_type)) for layer in model.language_model.model.layers]
-    watched += [(model.vision_model, "vision"), (model.multi_modal_projector, "projector")]
+    # the tower's encoder, not the whole tower: a full backward hook fires only on a module whose input needs
+    # a gradient, and the tower's input (pixels) does not
+    watched += [(getattr(model.vision_model, "encoder", model.vision_model), "vision"),
+                (model.multi_modal_projector, "projector")]
     for module, kind in watched:
         handles += [module.register_forward_pre_hook(opener((kind, "forward"))),
                     module.register_forward_hook(closer((kind, "forward"))),
