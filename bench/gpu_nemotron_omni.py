@@ -329,10 +329,11 @@ def kind_profile(model, mode: Mode, step) -> dict:
 
     handles = []
     watched = [(layer, KIND_OF.get(layer.block_type, layer.block_type)) for layer in model.language_model.model.layers]
-    # the tower's encoder, not the whole tower: a full backward hook fires only on a module whose input needs
-    # a gradient, and the tower's input (pixels) does not
-    watched += [(getattr(model.vision_model, "encoder", model.vision_model), "vision"),
-                (model.multi_modal_projector, "projector")]
+    # the tower's blocks, not the whole tower: a full backward hook fires only on a module whose input needs a
+    # gradient and whose output is a tensor, and the tower's input is pixels, its output a ModelOutput
+    tower = model.vision_model
+    blocks = getattr(getattr(tower, "encoder", None), "layer", None) or [tower]
+    watched += [(block, "vision") for block in blocks] + [(model.multi_modal_projector, "projector")]
     for module, kind in watched:
         handles += [module.register_forward_pre_hook(opener((kind, "forward"))),
                     module.register_forward_hook(closer((kind, "forward"))),
