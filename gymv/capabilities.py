@@ -94,7 +94,6 @@ def _gaps(cfg) -> Iterator[Gap]:
             yield Gap(f"training.parallel.{size}",
                       f"training.backend {training.backend} trains with training.parallel.{size} 1 here (only "
                       f"{' and '.join(wired)} parallelism is wired)", f"set training.parallel.{size} to 1")
-            break
     g = cfg.generation
     if not GENERATION_BACKENDS.capabilities(g.backend).reads_vllm_section and g.vllm != type(g.vllm)():
         readers = " or ".join(GENERATION_BACKENDS.having(lambda c: c.reads_vllm_section))

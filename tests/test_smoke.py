@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from gymv.config import load_recipe
+from gymv.backends.registry import TRAINING_BACKENDS
 from gymv.errors import GymvError
 from gymv.smoke import (
     DEFAULT_STEPS,
@@ -141,16 +142,20 @@ def test_tiny_turns_every_gpu_recipe_into_a_valid_cpu_recipe(tmp_path, recipe):
     own = before["training"]["backend"]
     assert cfg["training"]["backend"] == (own if own in ("fsdp2", "megatron") else "torch")
     assert cfg["generation"]["backend"] == "hf"
-    assert set(cfg["training"]["parallel"].values()) == {1}
+    # a size the kept backend runs on a CPU keeps its structure at tiny size (at most 2), the rest become 1
+    wired = TRAINING_BACKENDS.capabilities(cfg["training"]["backend"]).model_parallel
+    assert cfg["training"]["parallel"] == {k: min(v, 2) if k in wired else 1
+                                           for k, v in before["training"]["parallel"].items()}
     assert cfg["refit"]["transport"] not in ("cuda_ipc", "nccl")
     assert cfg["model"]["max_seq_len"] <= 512 and cfg["generation"]["max_new_tokens"] <= 16
     assert cfg["data"]["prepare"]["n_train"] <= 8 and cfg["data"]["train"] is None
     for alias, teacher in (cfg.get("mopd") or {}).get("teachers", {}).items():
         # a megatron teacher stays where the megatron trainer does (the same twin scores)
         kept = before["mopd"]["teachers"][alias]["backend"] == "megatron" == cfg["training"]["backend"]
+        tp = min(before["mopd"]["teachers"][alias]["tensor_parallel_size"], 2) if kept else 1
         assert (teacher["path"], teacher["backend"], teacher["placement"]) == (
-            cfg["model"]["path"], "megatron" if kept else "torch", "colocated")
-        assert teacher["tensor_parallel_size"] == teacher["expert_parallel_size"] == 1
+            cfg["model"]["path"], "megatron" if kept else "torch", "separate" if tp > 1 else "colocated")
+        assert (teacher["tensor_parallel_size"], teacher["expert_parallel_size"]) == (tp, 1)
 
 
 @pytest.mark.parametrize("recipe, backend", [
@@ -170,6 +175,24 @@ def test_tiny_keeps_a_megatron_teacher_where_the_megatron_trainer_stays(tmp_path
     recipe = REPO / "recipes/vlm/vlm_mopd-nemotron3-super-omni-10n8g-megatron-tp8ep16cp2-async-noncolocated.yaml"
     cfg = run_config(prepared(tmp_path, recipe, tiny=True))
     assert (cfg["training"]["backend"], cfg["mopd"]["teachers"]["self"]["backend"]) == ("megatron", "megatron")
+
+
+def test_tiny_keeps_the_tensor_parallel_layout_at_size_2_over_gloo_ranks_and_names_the_rest(tmp_path):
+    """TP8 x EP16 x CP2 with a TP8 x EP8 teacher: the trainer keeps TP 2 over 2 CPU ranks, the teacher's
+    replica 2 ranks; what megatron does not run on a CPU yet becomes 1, each named as a stand-in."""
+    pytest.importorskip("megatron.core")
+    recipe = REPO / "recipes/vlm/vlm_mopd-nemotron3-super-omni-10n8g-megatron-tp8ep16cp2-async-noncolocated.yaml"
+    p = prepared(tmp_path, recipe, tiny=True)
+    cfg = run_config(p)
+    wired = TRAINING_BACKENDS.capabilities("megatron").model_parallel
+    want = {k: (2 if k in wired else 1) for k in ("tensor", "expert", "context")}
+    assert {k: cfg["training"]["parallel"][k] for k in want} == want
+    assert cfg["cluster"]["cpu_training_ranks"] == want["tensor"] * want["context"]
+    teacher = cfg["mopd"]["teachers"]["self"]
+    assert (teacher["tensor_parallel_size"], teacher["placement"]) == (2, "separate")
+    stood_in = " ".join(n for n in p.notes if n.startswith("stand-in for what gymv train cannot run here"))
+    for k in ("expert", "context"):
+        assert (f"training.parallel.{k}" in stood_in) == (k not in wired)
 
 
 def test_tiny_runs_megatron_as_torch_when_its_twin_does_not_map_the_stand_in(tmp_path):

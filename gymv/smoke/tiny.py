@@ -5,7 +5,8 @@ Qwen3 -> tiny-qwen3, Llama -> tiny-llama, ...), and every teacher the student's 
 must share the student's tokenizer. What stays is what a smoke run is meant to exercise: the algorithm, the
 environment and its turns and tools, async generation and importance sampling, MOPD routing and teachers (their count, aliases and data-parallel
 padding), validation, checkpointing and the checks. What changes is everything that needs the cluster:
-model and teacher weights, GPUs and parallel sizes, Megatron where its twin does not map the stand-in (a
+model and teacher weights, GPUs, parallel sizes (those the kept backend runs on a CPU shrink to 2, the
+layout's structure at tiny size; the rest become 1), Megatron where its twin does not map the stand-in (a
 Megatron teacher stays where the Megatron trainer does), GPU-only refit transports, remote environments
 and data files, and the sizes (sequence length, batch, data) shrink to seconds of CPU work. vLLM (generation
 and teachers) stays where it imports in the running interpreter and its CPU build runs the stand-in, and
@@ -18,7 +19,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from gymv.backends.registry import GENERATION_BACKENDS, REFIT_TRANSPORTS, TRAINING_BACKENDS
+from gymv.backends.registry import GENERATION_BACKENDS, REFIT_TRANSPORTS, TEACHER_BACKENDS, TRAINING_BACKENDS
 from gymv.config.schema import PlacementSection, VllmSection
 from gymv.envs import get_env
 from gymv.models.families import tiny_stand_in
@@ -33,6 +34,10 @@ MAX_VAL_PROMPTS = 4
 N_TRAIN = 8
 N_EVAL = 4
 MAX_TEACHER_REPLICAS = 2
+# a model-parallel size the kept backend runs on a CPU shrinks to this (the layout's structure at tiny size:
+# TP8 x CP2 becomes TP2 x CP2 over 4 gloo ranks); one it does not run becomes 1
+MAX_PARALLEL = 2
+PARALLEL_SIZES = ("tensor", "pipeline", "context", "expert")
 
 
 def _set(changes: list[str], d: dict, path: str, value: Any) -> None:
@@ -108,6 +113,11 @@ def _tiny_training_backend(backend: str | None, tiny_model: str) -> str:
     return "torch"
 
 
+def _tiny_size(size: int, runs: bool) -> int:
+    """A parallel size at tiny size: at most MAX_PARALLEL where the kept backend runs it on a CPU, else 1."""
+    return min(int(size), MAX_PARALLEL) if runs else 1
+
+
 def _tiny_teacher_backend(backend: str | None, tiny_model: str, keep_vllm: bool) -> str:
     """A teacher keeps vllm where vLLM runs the stand-in, and megatron where the megatron training backend stays
     (the same twin scores); anything else scores with torch."""
@@ -162,8 +172,14 @@ def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
     if training_backend == "fsdp2":
         _set(ch, d, "training.fsdp.cpu_offload", False)  # host memory is where a CPU run's weights already are
     _set(ch, d, "training.dtype", "auto")
-    for k in ("tensor", "pipeline", "context", "expert"):
-        _set(ch, d, f"training.parallel.{k}", 1)
+    wired = TRAINING_BACKENDS.capabilities(training_backend).model_parallel
+    sizes = {k: _tiny_size(((d.get("training") or {}).get("parallel") or {}).get(k, 1), k in wired)
+             for k in PARALLEL_SIZES}
+    for k, size in sizes.items():
+        _set(ch, d, f"training.parallel.{k}", size)
+    model_parallel = sizes["tensor"] * sizes["pipeline"] * sizes["context"]
+    if model_parallel > 1:  # one data-parallel replica of the kept layout
+        _set(ch, d, "cluster.cpu_training_ranks", model_parallel)
     _set(ch, d, "training.global_batch_size", None)  # refilled: the samples of one (smaller) step
 
     if d.get("refit", {}).get("transport") in _gpu_transports():
@@ -190,11 +206,17 @@ def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
         _set(ch, d, f"mopd.teachers.{alias}.backend", _tiny_teacher_backend(t.get("backend"), tiny_model, keep_vllm))
         if t.get("engine_kwargs") and d["mopd"]["teachers"][alias]["backend"] != "vllm":
             _set(ch, d, f"mopd.teachers.{alias}.engine_kwargs", {})  # vLLM's arguments, for a torch stand-in
-        _set(ch, d, f"mopd.teachers.{alias}.placement", "colocated")
-        _set(ch, d, f"mopd.teachers.{alias}.gpus", None)
-        for size in ("tensor_parallel_size", "expert_parallel_size"):  # one CPU replica spans nothing
+        teacher_backend = d["mopd"]["teachers"][alias]["backend"]
+        caps = TEACHER_BACKENDS.capabilities(teacher_backend)
+        spans = {}
+        for size, kind in (("tensor_parallel_size", "tensor"), ("expert_parallel_size", "expert")):
+            # a CPU replica of several ranks (megatron) keeps its structure at tiny size; an engine spans nothing
+            spans[size] = _tiny_size(t.get(size, 1), caps.rank_per_device and kind in caps.model_parallel)
             if size in t:
-                _set(ch, d, f"mopd.teachers.{alias}.{size}", 1)
+                _set(ch, d, f"mopd.teachers.{alias}.{size}", spans[size])
+        ranks = spans["tensor_parallel_size"] > 1
+        _set(ch, d, f"mopd.teachers.{alias}.placement", "separate" if ranks else "colocated")
+        _set(ch, d, f"mopd.teachers.{alias}.gpus", None)
         _cap(ch, d, f"mopd.teachers.{alias}.data_parallel_size", MAX_TEACHER_REPLICAS)
 
     _set(ch, d, "logger.wandb", False)  # no network in a smoke run
