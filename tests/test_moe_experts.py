@@ -97,15 +97,18 @@ def test_gpu_bfloat16_grouped_experts_match_the_float32_loop():
                                                                grouped=False), m32, h, ids, w)
     got, grads = _run(lambda a, b, c: moe_experts.experts(a, b, c, m16.up_proj, m16.down_proj, m16.act_fn),
                       m16, h.bfloat16(), ids, w)
-    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+    def rel(a, b):  # bfloat16 against float32: the norm of the difference against the norm
+        return float((a.float() - b).norm() / b.norm())
+    assert rel(got, want) < 2e-2
     for name in want_grads:
-        torch.testing.assert_close(grads[name].float(), want_grads[name], rtol=5e-2, atol=5e-2, msg=name)
+        assert rel(grads[name], want_grads[name]) < 3e-2, name
 
 
 @pytest.mark.gpu
 def test_gpu_grouped_experts_forward_and_backward_read_nothing_back_from_the_device():
     m = transformers_experts("cuda", torch.bfloat16)
     h, (ids, w) = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True), routing("cuda")
+    moe_experts.experts(h, ids, w, m.up_proj, m.down_proj, m.act_fn).float().pow(2).sum().backward()  # warm-up
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -67,7 +67,7 @@ def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     `grouped_available`; False runs the loop reference."""
     T, k = top_k_index.shape
     order, offsets = permutation(top_k_index, up.shape[0])
-    x = hidden[order // k]
+    x = hidden.index_select(0, order // k)  # its backward is an index_add: no host sync either
     if grouped is None:
         grouped = grouped_available(hidden, up, down)
     mm = (lambda a, w: _mm()(a, w, offs=offsets)) if grouped else (lambda a, w: _loop(a, w, offsets))  # noqa: E731

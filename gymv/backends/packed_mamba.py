@@ -59,8 +59,9 @@ def mixer_forward(m, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
     proj = m.in_proj(hidden_states)
     gate, xbc, dt = proj.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
     weight = m.conv1d.weight.squeeze(1)
-    if kernels is not None and kernels.conv is not None:
-        xbc = kernels.conv(xbc.transpose(1, 2), weight, m.conv1d.bias, seq_idx=seq_idx,
+    if kernels is not None and kernels.conv is not None and m.conv_dim % 8 == 0:
+        # causal_conv1d takes seq_idx in the channel-last layout only, its channel stride a multiple of 8
+        xbc = kernels.conv(xbc.contiguous().transpose(1, 2), weight, m.conv1d.bias, seq_idx=seq_idx,
                            activation=m.activation).transpose(1, 2)
     else:
         xbc = segment_conv1d(xbc, weight, m.conv1d.bias, seq_idx, activation=m.activation)
