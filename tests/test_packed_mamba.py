@@ -15,8 +15,9 @@ from gymv.backends.ssd_scan import seq_idx_from_bounds
 BOUNDS = [0, 7, 8, 30, 45]  # a one-token sequence; sequences across the 16-token chunks
 
 
-def mixer(seed: int = 0, dtype=torch.float32, device="cpu") -> NemotronHMamba2Mixer:
-    cfg = NemotronHConfig(hidden_size=32, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
+def mixer(seed: int = 0, dtype=torch.float32, device="cpu", width: int = 8) -> NemotronHMamba2Mixer:
+    """`width`: the head dim and state size (16 on the GPU, where Triton's matrix products take 16 at least)."""
+    cfg = NemotronHConfig(hidden_size=32, mamba_num_heads=4, mamba_head_dim=width, ssm_state_size=width, n_groups=2,
                           conv_kernel=4, chunk_size=16, layers_block_type=["mamba"], vocab_size=16)
     torch.manual_seed(seed)
     m = NemotronHMamba2Mixer(cfg, layer_idx=0)
@@ -104,7 +105,7 @@ def _kernels():
 @pytest.mark.gpu
 def test_gpu_the_triton_scan_over_a_packed_row_equals_the_torch_scan_forward_and_backward():
     k = _kernels()
-    m = mixer(device="cuda").train()
+    m = mixer(device="cuda", width=16).train()
     h = torch.randn(1, 45, 32, device="cuda", requires_grad=True)
     w = torch.randn(1, 45, 32, device="cuda")
     seq = seq_idx_from_bounds(BOUNDS, 45, "cuda")
@@ -125,7 +126,7 @@ def test_gpu_the_triton_scan_over_a_packed_row_equals_the_torch_scan_forward_and
 @pytest.mark.gpu
 def test_gpu_the_triton_scan_keeps_packed_sequences_apart():
     k = _kernels()
-    m = mixer(device="cuda")
+    m = mixer(device="cuda", width=16)
     h = torch.randn(1, 45, 32, device="cuda")
     with torch.no_grad():
         got = packed_mamba.mixer_forward(m, h, seq_idx_from_bounds(BOUNDS, 45, "cuda"), k)
@@ -139,7 +140,7 @@ def test_gpu_the_triton_state_update_is_the_static_decoders_torch_step():
     from gymv.backends.generation import static_hybrid as hybrid
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    B, H, P, N, G = 3, 4, 8, 8, 2
+    B, H, P, N, G = 3, 4, 16, 16, 2
     r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
     state, x, dt, b, c = r(B, H, P, N), r(B, H, P), r(B, H), r(B, G, N), r(B, G, N)
     a_log, d, dt_bias = r(H), r(H), r(H)
