@@ -223,3 +223,61 @@ def test_the_omni_trains_its_radio_tower_and_hybrid_decoder_as_the_torch_backend
     assert got.keys() == want.keys() and any(k.startswith("vision_model.") for k in got)
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+def _backend_rank(rank, world, port, out, model_path):
+    """A TP2 training backend rank on the tiny Omni: the step's metrics and the gathered HF weights after it."""
+    import copy
+    import datetime
+
+    import torch.distributed as dist
+
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.backends.training.base import TrainingSetup
+    from gymv.backends.training.megatron import MegatronBackend
+    from gymv.config.schema import ParallelSection, TrainingSection
+    from test_megatron_model import _image_samples
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=3))
+    try:
+        section = TrainingSection(lr=1e-2, eps=1e-3, weight_decay=0.0, dtype="float32", micro_batch_tokens=4096,
+                                  parallel=ParallelSection(tensor=world))
+        setup = TrainingSetup(model_path=model_path, training=section)
+        backend = MegatronBackend.create(setup, device="cpu", rank=rank, world_size=world)
+        samples = _image_samples(backend.policy)
+        mine = samples[rank::world]  # each rank is handed its share; the TP group runs them all
+        metrics = backend.train_step(copy.deepcopy(mine), PolicyLoss())
+        weights = {k: v.clone() for k, v in backend.named_weights()}
+        if rank == 0:
+            torch.save({"metrics": metrics, "weights": weights}, f"{out}/backend.pt")
+    finally:
+        leave_process_group()
+        release_parallel()
+
+
+@pytest.mark.slow
+def test_a_tp2_backend_step_on_the_omni_equals_the_torch_backends(tmp_path):
+    import copy
+    import torch.multiprocessing as mp
+
+    from gymv.algorithms.loss_fns import PolicyLoss
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from tiny_models import tiny_path
+
+    mp.spawn(_backend_rank, args=(2, port, str(tmp_path), str(tiny_path("tiny-nemotron-omni"))), nprocs=2, join=True)
+    got = torch.load(tmp_path / "backend.pt")
+    _, plain = _omni_backends()
+    from test_megatron_model import _image_samples
+
+    want = plain.train_step(copy.deepcopy(_image_samples(plain.policy)), PolicyLoss())
+    assert got["metrics"]["train/grad_norm"] == pytest.approx(want["train/grad_norm"], rel=1e-4)
+    for key in ("train/moe_aux_loss", "train/moe_load_max"):
+        assert got["metrics"][key] == pytest.approx(want[key], rel=1e-5), key
+    weights = dict(plain.named_weights())
+    assert got["weights"].keys() == weights.keys()
+    for name, tensor in weights.items():
+        torch.testing.assert_close(got["weights"][name], tensor, rtol=0, atol=1e-5, msg=name)

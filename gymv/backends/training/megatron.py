@@ -9,10 +9,15 @@ folders (weights under HF names, so a checkpoint loads with `from_pretrained` to
 
 Wired here: text decoders (Llama, Qwen2, Qwen3) and LLaVA-style, Qwen2-VL and Qwen2.5-VL vision-language
 models (the vision tower and projector stay torch modules, trained too; their image features reach GPTModel
-as its decoder_input; 3-D rotary positions go through megatron's mrope), with tensor parallelism
+as its decoder_input; 3-D rotary positions go through megatron's mrope), Nemotron 3 Omni (its Nemotron-H
+decoder as gymv's hybrid Megatron model, gymv.backends.training.megatron_hybrid), with tensor parallelism
 (gymv.backends.training.megatron_tp), and sequence packing (`training.sequence_packing`: one row per
-micro-batch, each sequence attending to itself alone through SdpaCoreAttention). Pipeline, context and
-expert parallelism are refused, as are VLMs with other decoder inputs (Qwen3-VL, Gemma 3).
+micro-batch, each sequence attending to itself alone through SdpaCoreAttention). Context parallelism runs
+the Nemotron-H hybrid model (gymv.backends.training.megatron_cp: a replica's TP x CP ranks train the union of
+their samples, gradients summed over data x context ranks). Pipeline and expert parallelism are refused (the
+hybrid model runs EP, gymv.backends.training.megatron_parallel, but the ranks of an EP group hold different
+samples and would need the same number of micro-batches), as are VLMs with other decoder inputs (Qwen3-VL,
+Gemma 3).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from gymv.backends.training.megatron_model import (
     init_parallel,
     strip_language_model,
 )
+from gymv.backends.training.megatron_cp import ContextParallelCausalLM, ContextParallelVLM, build_context_parallel_hybrid
+from gymv.backends.training.megatron_parallel import init_model_parallel
 from gymv.backends.training.megatron_tp import ReplicaTrainer, TensorParallelTrainer, gather_state, union_over_tp
 from gymv.backends.training import megatron_hybrid_weights, megatron_weights
 from gymv.backends.training.megatron_hybrid import build_hybrid
@@ -48,7 +55,7 @@ from gymv.backends.training.megatron_weights import DecoderShape
 from gymv.backends.training.torch_trainer import MODEL_SAFETENSORS, OPTIMIZER_FILE, TRAINER_FILE, _fsync_replace
 from gymv.errors import GymvError
 
-REFUSED_PARALLEL = ("pipeline", "context", "expert")
+REFUSED_PARALLEL = ("pipeline", "expert")
 
 
 def _check_setup(setup: TrainingSetup) -> None:
@@ -106,14 +113,17 @@ def check_maps(policy):
 
 
 def megatron_twin(hf_model, hf_config, shape: DecoderShape | HybridShape, *, tensor_parallel: int,
-                  device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+                  device: torch.device, dtype: torch.dtype = torch.float32, context_parallel: int = 1) -> torch.nn.Module:
     """This rank's Megatron twin of an HF model (its TP shard of the decoder: GPTModel, or for Nemotron-H
     gymv's hybrid model; a VLM keeps its vision tower), with the HF call gymv's logprob functions make. The
     trainer and the Megatron teacher build it alike, so a teacher scores with exactly the model a Megatron
-    student trains."""
+    student trains. `context_parallel` > 1: the hybrid model over megatron's CP group (megatron_cp)."""
     from megatron.core import parallel_state
 
     build = build_hybrid if isinstance(shape, HybridShape) else build_gpt
+    if context_parallel > 1:
+        def build(*args, **kwargs):
+            return build_context_parallel_hybrid(*args, cp_group=parallel_state.get_context_parallel_group(), **kwargs)
     gpt = build(hf_config, shape, tensor_parallel=tensor_parallel, device=device, dtype=dtype)
     state = mapping(shape).hf_to_megatron(hf_model.state_dict(), shape,
                                           tp_rank=parallel_state.get_tensor_model_parallel_rank(),
@@ -122,8 +132,8 @@ def megatron_twin(hf_model, hf_config, shape: DecoderShape | HybridShape, *, ten
     pad = getattr(hf_model.get_input_embeddings(), "padding_idx", None)
     if getattr(hf_config, "vision_config", None) is not None:
         vision = strip_language_model(hf_model, shape).to(device=device, dtype=dtype)
-        return MegatronVLM(gpt, shape, hf_config, vision, pad)
-    return MegatronCausalLM(gpt, shape, hf_config, pad)
+        return (ContextParallelVLM if context_parallel > 1 else MegatronVLM)(gpt, shape, hf_config, vision, pad)
+    return (ContextParallelCausalLM if context_parallel > 1 else MegatronCausalLM)(gpt, shape, hf_config, pad)
 
 
 class MegatronBackend(HFTorchBackend):
@@ -139,7 +149,17 @@ class MegatronBackend(HFTorchBackend):
         self.sends_tied_head = self.shape.tied and self.shape.hf_head in policy.model.state_dict()
         self.device = torch.device(device)
         self.tp = setup.training.parallel.tensor
+        self.cp = setup.training.parallel.context
         self.gathers_weights = self.tp > 1
+        if self.cp > 1 and not isinstance(self.shape, HybridShape):
+            raise GymvError("training.backend megatron runs context parallelism for Nemotron-H decoders only",
+                            where="training.parallel.context", fix="set it to 1 for this model")
+        if self.cp > 1 and setup.training.moe.aux_loss_coef > 0:
+            # each CP rank's routers see its own positions: the sum of the ranks' aux-loss gradients is not
+            # the gradient of the whole row's aux loss
+            raise GymvError("training.backend megatron adds the MoE aux loss at context parallel size 1 only",
+                            where="training.moe.aux_loss_coef", fix="set it to 0 (the bias update balances load), "
+                            "or training.parallel.context: 1")
         if isinstance(self.shape, HybridShape) and self.tp > 1 and setup.training.moe.aux_loss_coef > 0:
             # every TP rank computes the same aux loss from its whole router, but the router's gradient is
             # summed over TP (each rank's expert share): the aux term's would count once per rank
@@ -152,13 +172,22 @@ class MegatronBackend(HFTorchBackend):
     @classmethod
     def create(cls, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1) -> MegatronBackend:
         _check_setup(setup)
-        init_parallel(setup.training.parallel.tensor, torch.device(device), seed=setup.seed)
+        parallel = setup.training.parallel
+        if parallel.context > 1:
+            init_model_parallel(parallel.tensor, parallel.context, device=device)
+            if torch.device(device).type == "cuda":
+                from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+                model_parallel_cuda_manual_seed(setup.seed)
+        else:
+            init_parallel(parallel.tensor, torch.device(device), seed=setup.seed)
         policy = load_policy(setup.model_path, device="cpu", dtype=torch.float32, seed=setup.seed,
                              trust_remote_code=setup.trust_remote_code)
         return cls(policy, setup, device=device, rank=rank, world_size=world_size)
 
     def _twin(self, hf_model) -> torch.nn.Module:
-        return megatron_twin(hf_model, self.hf_config, self.shape, tensor_parallel=self.tp, device=self.device)
+        return megatron_twin(hf_model, self.hf_config, self.shape, tensor_parallel=self.tp, device=self.device,
+                             context_parallel=self.cp)
 
     def compile_layers(self, model, frozen: bool) -> None:
         if self.setup.training.compile:
@@ -172,7 +201,7 @@ class MegatronBackend(HFTorchBackend):
             self.router_terms = RouterTerms.attach(twin, self.setup.training.moe)
         if self.setup.training.gradient_checkpointing and not frozen:
             checkpoint_layers(twin.gpt)
-        if self.tp == 1:
+        if self.tp == 1 and self.cp == 1:
             return super()._make_trainer(twin, device, frozen=frozen)
         from megatron.core import parallel_state
 
@@ -180,7 +209,8 @@ class MegatronBackend(HFTorchBackend):
             twin.requires_grad_(True)  # TorchTrainer refuses a model without trainable parameters; never stepped
         layout = self.layout(twin)
         return TensorParallelTrainer(twin, self.trainer_logprob_fn(frozen), self.config, collate_fn=layout.collate, device=device,
-                                     process_group=parallel_state.get_data_parallel_group(), plan_fn=layout.plan)
+                                     process_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+                                     plan_fn=layout.plan)
 
     def layout(self, model):
         """Padded or packed rows, as the torch backend lays them out. A packed row needs gymv's packed
@@ -197,17 +227,22 @@ class MegatronBackend(HFTorchBackend):
             packing = False
         return BatchLayout(self.adapter, model, self.pad_id, packing)
 
-    def train_step(self, samples, loss_fn):
-        if self.tp > 1:  # a replica's TP ranks run the same samples: all of theirs
+    def _replica_group(self):
+        """The ranks that run one replica's samples together: its TP x CP ranks."""
+        from megatron.core import parallel_state
 
-            samples = union_over_tp(samples)[0]
+        return parallel_state.get_tensor_and_context_parallel_group()
+
+    def train_step(self, samples, loss_fn):
+        if self.tp > 1 or self.cp > 1:  # a replica's TP and CP ranks run the same samples: all of theirs
+            samples = union_over_tp(samples, self._replica_group())[0]
         return super().train_step(samples, loss_fn)
 
     def compute_logprobs(self, samples, *, reference: bool = False):
-        if self.tp == 1:
+        if self.tp == 1 and self.cp == 1:
             return super().compute_logprobs(samples, reference=reference)
 
-        everyone, mine = union_over_tp(samples)
+        everyone, mine = union_over_tp(samples, self._replica_group())
         return super().compute_logprobs(everyone, reference=reference)[mine]
 
     def sum_over_ranks(self, value: float) -> float:
@@ -261,7 +296,7 @@ class MegatronBackend(HFTorchBackend):
 
         path = Path(path)
         state = self._hf_state_for_files()
-        if parallel_state.get_data_parallel_rank() != 0:
+        if parallel_state.get_data_parallel_rank(with_context_parallel=True) != 0:
             return
         path.mkdir(parents=True, exist_ok=True)
         tmp = path / f".{self._optimizer_file()}.tmp"
