@@ -125,8 +125,8 @@ def vectors() -> Path:
 # starting the biggest file last.
 HEAVY_FIRST = ("test_train_env_learning.py", "test_learning_nemotron_omni.py", "test_train_agents.py",
                "test_train_fsdp.py", "test_smoke_e2e.py", "test_train_grpo_async.py", "test_cluster_two_nodes.py",
-               "test_mopd_train.py", "test_mopd_train_megatron.py", "test_model_families_train.py",
-               "test_train_megatron.py", "test_cluster_slurm.py")
+               "test_mopd_train.py", "test_mopd_train_megatron.py", "test_reference_layouts_smoke.py",
+               "test_model_families_train.py", "test_train_megatron.py", "test_cluster_slurm.py")
 
 
 def pytest_collection_modifyitems(config, items):
