@@ -215,16 +215,17 @@ def _omni_backends(**training):
     return MegatronBackend.create(setup, device="cpu"), HFTorchBackend.create(setup, device="cpu")
 
 
-@pytest.mark.parametrize("packing", [False, True])
-def test_the_omni_trains_its_radio_tower_and_hybrid_decoder_as_the_torch_backend_does(packing):
-    """Image samples through the RADIO tower and projector (HF torch modules) into the hybrid decoder: the
-    logprobs, the step's gradient norm and router metrics, and the weights after it are the torch backend's."""
+@pytest.mark.parametrize("packing,checkpointing", [(False, False), (True, False), (True, True)])
+def test_the_omni_trains_its_radio_tower_and_hybrid_decoder_as_the_torch_backend_does(packing, checkpointing):
+    """Image samples through the RADIO tower and projector (HF torch modules) into the hybrid decoder, padded
+    or packed, with or without activation checkpointing: the logprobs, the step's gradient norm and router
+    metrics, and the weights after it are the torch backend's."""
     import copy
 
     from gymv.algorithms.loss_fns import PolicyLoss
     from test_megatron_model import _image_samples
 
-    megatron, plain = _omni_backends(sequence_packing=packing)
+    megatron, plain = _omni_backends(sequence_packing=packing, gradient_checkpointing=checkpointing)
     samples = _image_samples(plain.policy)
     for got, want in zip(megatron.compute_logprobs(copy.deepcopy(samples)), plain.compute_logprobs(copy.deepcopy(samples))):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
