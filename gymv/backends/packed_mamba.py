@@ -25,7 +25,7 @@ from gymv.backends.packed_attention import KEYWORD
 from gymv.backends.ssd_scan import chunk_scan, segment_conv1d, seq_idx_from_bounds
 
 MIXERS = ("NemotronHMamba2Mixer",)  # wrapped here: one call per packed row, with its sequence index
-# take a packed row's segment starts themselves (gymv's Megatron hybrid model: gymv.backends.mamba_scan)
+# take a packed row's segment bounds themselves (gymv's Megatron hybrid model, over gymv.backends.ssd_scan)
 SEGMENT_AWARE = ("TorchMamba2Mixer",)
 
 

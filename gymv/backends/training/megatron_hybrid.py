@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gymv.backends import mamba_scan
+from gymv.backends import mamba_kernels
 from gymv.backends.packing import PackedAttentionArgs
+from gymv.backends.ssd_scan import chunk_scan, segment_conv1d, seq_idx_from_bounds
 from gymv.backends.training.megatron_hybrid_weights import HybridShape
 from gymv.backends.training.megatron_model import SdpaCoreAttention, require_megatron
 
@@ -90,8 +91,11 @@ class GatedRMSNorm(nn.Module):
 
 class TorchMamba2Mixer(nn.Module):
     """A Mamba-2 mixer on this TP rank's heads and groups: in_proj (column parallel; this rank's slices of
-    z, x, B, C, dt), a depthwise causal conv and the SSD scan in torch (gymv.backends.mamba_scan, segment
-    starts for packed rows), the gated group norm, out_proj (row parallel: summed over TP)."""
+    z, x, B, C, dt), the depthwise causal convolution and the chunked SSD scan, the gated group norm,
+    out_proj (row parallel: summed over TP). Convolution and scan are gymv's shared torch ones
+    (gymv.backends.ssd_scan: one call over a packed row, restarting at each sequence), or on CUDA
+    mamba_ssm's Triton scan and causal_conv1d where installed (gymv.backends.mamba_kernels), as the HF
+    trainer's packed path runs them."""
 
     def __init__(self, shape: HybridShape, config, *, tp_group=None, cp_group=None):
         super().__init__()
@@ -119,19 +123,27 @@ class TorchMamba2Mixer(nn.Module):
         self.out_proj = RowParallelLinear(shape.mamba_inner, shape.hidden, config=config, init_method=_noinit,
                                           bias=False, input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
 
-    def forward(self, hidden: Tensor, starts: Sequence[int] | None = None) -> Tensor:
-        """hidden [T, B, H] -> [T, B, H]; `starts`: a packed row's segment starts (B == 1)."""
+    def forward(self, hidden: Tensor, bounds: Sequence[int] | Tensor | None = None) -> Tensor:
+        """hidden [T, B, H] -> [T, B, H]; `bounds`: a packed row's cumulative segment starts (B == 1)."""
         proj, _ = self.in_proj(hidden)
         proj = proj.transpose(0, 1)  # [B, T, local projections]
+        bsz, t = proj.shape[:2]
+        seq_idx = seq_idx_from_bounds(bounds, t, proj.device) if bounds is not None else None
+        kernels = mamba_kernels.load(proj.device)
         gn = self.groups * self.state
         z, xbc, dt = proj.split([self.inner, self.inner + 2 * gn, self.heads], dim=-1)
-        xbc = F.silu(mamba_scan.causal_conv(xbc, self.conv1d.weight[:, 0], self.conv1d.bias, starts))
+        weight = self.conv1d.weight[:, 0]
+        if kernels is not None and kernels.conv is not None and xbc.shape[-1] % 8 == 0:
+            # causal_conv1d takes seq_idx in the channel-last layout only, its channel stride a multiple of 8
+            xbc = kernels.conv(xbc.contiguous().transpose(1, 2), weight, self.conv1d.bias, seq_idx=seq_idx,
+                               activation="silu").transpose(1, 2)
+        else:
+            xbc = segment_conv1d(xbc, weight, self.conv1d.bias, seq_idx, activation="silu")
         x, b, c = xbc.split([self.inner, gn, gn], dim=-1)
-        dt = F.softplus(dt + self.dt_bias.to(dt.dtype)).clamp(self.limit[0], self.limit[1])
-        bsz, t = x.shape[:2]
-        y = mamba_scan.ssd_scan(x.reshape(bsz, t, self.heads, self.head_dim), dt, -torch.exp(self.A_log.float()),
-                                b.reshape(bsz, t, self.groups, self.state), c.reshape(bsz, t, self.groups, self.state),
-                                self.D, self.chunk, starts)
+        scan = kernels.chunk_scan if kernels is not None else chunk_scan
+        y = scan(x.reshape(bsz, t, self.heads, self.head_dim), dt, -torch.exp(self.A_log.float()),
+                 b.reshape(bsz, t, self.groups, self.state), c.reshape(bsz, t, self.groups, self.state), self.chunk,
+                 D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.limit, seq_idx=seq_idx)
         y = self.norm(y.reshape(bsz, t, self.inner), z)
         out, _ = self.out_proj(y.to(hidden.dtype).transpose(0, 1))
         return out
@@ -295,12 +307,13 @@ class HybridLayer(nn.Module):
         self.norm = HybridRMSNorm(shape.hidden, shape.eps)
         self.mixer = mixer
 
-    def forward(self, hidden: Tensor, attention_mask: Any = None, starts: Sequence[int] | None = None) -> Tensor:
+    def forward(self, hidden: Tensor, attention_mask: Any = None, bounds: Sequence[int] | Tensor | None = None
+                ) -> Tensor:
         x = self.norm(hidden)
         if self.kind == "*":
             x, _ = self.mixer(x, attention_mask=attention_mask)
         elif self.kind == "M":
-            x = self.mixer(x, starts)
+            x = self.mixer(x, bounds)
         else:
             x = self.mixer(x)
         return hidden + x
@@ -339,15 +352,15 @@ class HybridModel(nn.Module):
                 decoder_input: Tensor | None = None, **_: Any) -> Tensor:
         hidden = decoder_input if decoder_input is not None else \
             self.embedding.word_embeddings(input_ids).transpose(0, 1).contiguous()
-        starts = None
+        bounds = None
         if isinstance(attention_mask, PackedAttentionArgs):
             if attention_mask.keys is not None:
                 raise RuntimeError("a packed row with shared prompts reached a Mamba-2 layer (its segments would "
                                    "not start from the prompt's state)")
-            cu = attention_mask.bounds[0] if attention_mask.bounds is not None else attention_mask.cu_q.tolist()
-            starts = [int(v) for v in cu[:-1]]
+            # the host copy of the bounds where the batch has one (no device read per layer), else the device's
+            bounds = attention_mask.bounds[0] if attention_mask.bounds is not None else attention_mask.cu_q
         for layer in self.decoder.layers:
-            hidden = layer(hidden, attention_mask, starts)
+            hidden = layer(hidden, attention_mask, bounds)
         hidden = self.decoder.final_norm(hidden)
         weight = self.embedding.word_embeddings.weight if self.shape.tied else None
         logits, _ = self.output_layer(hidden, weight=weight)
