@@ -213,15 +213,16 @@ class HybridExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(local, shape.hidden, shape.moe_ffn // tp, dtype=dtype))
 
     def forward(self, x: Tensor, index: Tensor, weights: Tensor) -> Tensor:
-        out = torch.zeros_like(x)
-        for e in range(self.local):
-            token, slot = torch.where(index == self.first + e)
-            if token.numel() == 0:
-                continue
-            h = F.relu(F.linear(x[token], self.up_proj[e])).square()
-            y = F.linear(h, self.down_proj[e]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+        """x [T, H], index [T, k] (global expert ids, every one among this rank's: the dispatch sends a rank
+        only its experts' rows), weights [T, k]. Through gymv.backends.moe_experts (sorted by expert on the
+        device, grouped matrix products where they run, no host sync), as the HF trainer runs the experts."""
+        from gymv.backends.moe_experts import experts
+
+        return experts(x, index - self.first, weights, self.up_proj, self.down_proj, _relu2)
+
+
+def _relu2(h: Tensor) -> Tensor:
+    return F.relu(h).square()
 
 
 class LocalDispatch:
