@@ -76,3 +76,25 @@ def test_its_teacher_scores_and_the_students_steps_equal_the_torch_runs(runs):
                     "train/kl_teacher/teacher", "train/loss", "train/grad_norm"):
             assert m[key] == pytest.approx(t[key], rel=1e-4, abs=1e-5), key
         assert m["train/token_mult_prob_error"] < 1.05  # the gathered refit reached the generator
+
+
+def test_a_megatron_teacher_on_gpus_asks_one_bundle_a_replica_and_one_gpu_a_rank():
+    from ray.util.placement_group import remove_placement_group
+
+    from gymv.cluster.teachers import replica_options
+    from gymv.config import load_recipe
+    from train_helpers import REPO
+
+    teacher = ("{t: {path: embedded:tiny-llava, backend: megatron, placement: separate, data_parallel_size: 2, "
+               "tensor_parallel_size: 2, gpus: 4}}")
+    cfg = load_recipe(REPO / "recipes/vlm/vlm_mopd-tinyllava-1n0g-torch.yaml", [
+        "cluster.gpus_per_node=8", "training.backend=fsdp2", "mopd.prompts_per_step=8", f"mopd.teachers={teacher}",
+        "mopd.agent_to_teacher={circle_count_simple_agent: t}", "cluster.colocated=false",
+        "cluster.generation_gpus=2", "cluster.training_gpus=2"]).validated
+    opts, pg = replica_options(cfg, "t")
+    try:
+        assert pg.bundle_specs == [{"GPU": 2.0, "CPU": 2.0}] * 2  # a replica's ranks never span nodes
+        assert [o["num_gpus"] for o in opts] == [1, 1, 1, 1]
+        assert [o["scheduling_strategy"].placement_group_bundle_index for o in opts] == [0, 0, 1, 1]
+    finally:
+        remove_placement_group(pg)
