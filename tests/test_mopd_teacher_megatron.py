@@ -120,3 +120,14 @@ def test_a_megatron_teacher_of_nemotron_3_omni_scores_image_rows_as_the_torch_te
     scores = megatron.score(rows)
     _assert_same(scores, hf.score(rows))
     assert all(s[1:].ne(0).any() for s in scores)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["tiny-llava", "tiny-nemotron-omni"])
+def test_on_cuda_in_bfloat16_a_megatron_teacher_scores_as_the_torch_teacher_within_bf16_error(arch):
+    path = str(tiny_path(arch))
+    spec = TeacherSpec("t", path, path, backend="megatron", device="cuda", dtype="bfloat16")
+    megatron, hf = TEACHER_BACKENDS.load("megatron")(spec), TeacherModel(spec)
+    rows = _rows() if arch == "tiny-llava" else _omni_rows()
+    for g, w in zip(megatron.score(rows), hf.score(rows)):
+        assert g.shape == w.shape and (g - w).abs().max() < 0.05
