@@ -295,3 +295,41 @@ def test_a_tp2_backend_step_on_the_omni_equals_the_torch_backends(tmp_path):
     assert got["weights"].keys() == weights.keys()
     for name, tensor in weights.items():
         torch.testing.assert_close(got["weights"][name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+def _aux_loss_rank(rank, world, port, out, model_path):
+    import datetime
+
+    import torch.distributed as dist
+
+    from gymv.backends.training.base import TrainingSetup
+    from gymv.backends.training.megatron import MegatronBackend
+    from gymv.config.schema import MoeSection, ParallelSection, TrainingSection
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=3))
+    try:
+        section = TrainingSection(parallel=ParallelSection(tensor=world), moe=MoeSection(aux_loss_coef=0.01))
+        try:
+            MegatronBackend.create(TrainingSetup(model_path=model_path, training=section), device="cpu", rank=rank,
+                                   world_size=world)
+        except GymvError as e:
+            torch.save({"where": e.where, "message": e.message}, f"{out}/refused{rank}.pt")
+    finally:
+        leave_process_group()
+        release_parallel()
+
+
+@pytest.mark.slow
+def test_the_moe_aux_loss_at_tensor_parallel_two_is_refused_naming_its_key(tmp_path):
+    import torch.multiprocessing as mp
+
+    from tiny_models import tiny_path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_aux_loss_rank, args=(2, port, str(tmp_path), str(tiny_path("tiny-nemotron-omni"))), nprocs=2, join=True)
+    for rank in range(2):
+        refused = torch.load(tmp_path / f"refused{rank}.pt")
+        assert refused["where"] == "training.moe.aux_loss_coef" and "tensor parallel size 1" in refused["message"]
