@@ -26,7 +26,7 @@ from gymv.backends.ssd_scan import chunk_scan, segment_conv1d, seq_idx_from_boun
 
 MIXERS = ("NemotronHMamba2Mixer",)  # wrapped here: one call per packed row, with its sequence index
 # take a packed row's segment bounds themselves (gymv's Megatron hybrid model, over gymv.backends.ssd_scan)
-SEGMENT_AWARE = ("TorchMamba2Mixer",)
+SEGMENT_AWARE = ("TorchMamba2Mixer", "ContextParallelMamba2Mixer")
 
 
 def mixers(model) -> list:

@@ -45,7 +45,12 @@ from gymv.backends.training.megatron_model import (
     init_parallel,
     strip_language_model,
 )
-from gymv.backends.training.megatron_cp import ContextParallelCausalLM, ContextParallelVLM, build_context_parallel_hybrid
+from gymv.backends.training.megatron_cp import (
+    ContextParallelCausalLM,
+    ContextParallelTrainer,
+    ContextParallelVLM,
+    build_context_parallel_hybrid,
+)
 from gymv.backends.training.megatron_parallel import init_model_parallel
 from gymv.backends.training.megatron_tp import ReplicaTrainer, TensorParallelTrainer, gather_state, union_over_tp
 from gymv.backends.training import megatron_hybrid_weights, megatron_weights
@@ -208,9 +213,12 @@ class MegatronBackend(HFTorchBackend):
         if frozen:
             twin.requires_grad_(True)  # TorchTrainer refuses a model without trainable parameters; never stepped
         layout = self.layout(twin)
+        if self.cp > 1:
+            return ContextParallelTrainer(twin, self.trainer_logprob_fn(frozen), self.config, collate_fn=layout.collate,
+                                          device=device, process_group=parallel_state.get_data_parallel_group(),
+                                          plan_fn=layout.plan, cp_group=parallel_state.get_context_parallel_group())
         return TensorParallelTrainer(twin, self.trainer_logprob_fn(frozen), self.config, collate_fn=layout.collate, device=device,
-                                     process_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
-                                     plan_fn=layout.plan)
+                                     process_group=parallel_state.get_data_parallel_group(), plan_fn=layout.plan)
 
     def layout(self, model):
         """Padded or packed rows, as the torch backend lays them out. A packed row needs gymv's packed

@@ -32,12 +32,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from gymv.backends import mamba_scan
+from gymv.backends import mamba_scan, packed_attention
 from gymv.backends.packing import PackedAttentionArgs
 from gymv.backends.training.megatron_ep import all_to_all
 from gymv.backends.training.megatron_hybrid import HybridModel, TorchMamba2Mixer, hybrid_config
 from gymv.backends.training.megatron_hybrid_weights import HybridShape
-from gymv.backends.training.megatron_model import MegatronCausalLM, SdpaCoreAttention
+from gymv.backends.training.megatron_model import MegatronCausalLM, MegatronVLM, SdpaCoreAttention
+from gymv.backends.training.megatron_tp import TensorParallelTrainer
 from gymv.errors import GymvError
 
 
@@ -185,6 +186,8 @@ class ContextParallelCoreAttention(SdpaCoreAttention):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask=None, **_: Any) -> Tensor:
         sq, b = query.shape[:2]
         q, k, v = (t.to(value.dtype).permute(1, 2, 0, 3) for t in (query, key, value))
+        if isinstance(attention_mask, PackedAttentionArgs):
+            packed_attention.calls += 1  # the packed row's segments reached attention (packed_attention.check_reached)
         out = context_attention(q, k, v, self.cp, self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
@@ -321,6 +324,28 @@ class ContextParallelCausalLM(MegatronCausalLM):
         elif logits_to_keep:
             out.logits = out.logits[:, -logits_to_keep:]
         return out
+
+
+class ContextParallelVLM(ContextParallelCausalLM, MegatronVLM):
+    """MegatronVLM (the HF vision tower and projector feeding the decoder) over a ContextParallelHybridModel:
+    the image features are computed whole on every CP rank and the row is split after them."""
+
+
+class ContextParallelTrainer(TensorParallelTrainer):
+    """The TP trainer for a replica whose TP x CP ranks train the same samples: counts and metrics over the
+    data-parallel group (one rank per replica and TP x CP position: each replica's once), gradients summed
+    over data x context ranks, since each CP rank's gradient covers its own positions."""
+
+    def __init__(self, *args: Any, cp_group, **kwargs: Any):
+        self.cp_group = cp_group
+        super().__init__(*args, **kwargs)
+
+    def _sync_grads(self) -> None:
+        super()._sync_grads()
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.cp_group)
 
 
 def build_context_parallel_hybrid(hf_config: Any, shape: HybridShape, *, cp_group, tensor_parallel: int = 1,

@@ -38,9 +38,10 @@ def tp_size() -> int:
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
-def union_over_tp(samples: Sequence[Any]) -> tuple[list[Any], slice]:
-    """Every TP rank's samples, in TP rank order, and where this rank's own sit in that list."""
-    group = tp_group()
+def union_over_tp(samples: Sequence[Any], group=None) -> tuple[list[Any], slice]:
+    """Every TP rank's samples (or every rank's of `group`: a replica's TP x CP ranks), in rank order, and
+    where this rank's own sit in that list."""
+    group = group if group is not None else tp_group()
     parts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, list(samples), group=group)
     me = dist.get_rank(group)
