@@ -36,7 +36,8 @@ def _cp_rank(rank, world, port, out, paths):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         for packing in PACKING:
-            backend = MegatronBackend.create(setup(2, packing, paths["omni"]), device="cpu", rank=rank, world_size=world)
+            backend = MegatronBackend.create(setup(2, packing, paths["omni"]), device="cpu", rank=rank,
+                                             world_size=world)
             mine = _image_samples(backend.policy)[rank::2]  # the driver hands each rank its share
             logp = backend.compute_logprobs(copy.deepcopy(mine))
             metrics = backend.train_step(copy.deepcopy(mine), PolicyLoss())

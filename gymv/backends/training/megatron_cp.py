@@ -202,7 +202,8 @@ class ContextParallelMamba2Mixer(TorchMamba2Mixer):
         n = cp.size
         if self.heads % n:
             raise GymvError(f"context parallel size {n} does not divide the Mamba heads of a TP rank ({self.heads})",
-                            where="training.parallel.context", fix=f"use a context parallel size that divides {self.heads}")
+                            where="training.parallel.context",
+                            fix=f"use a context parallel size that divides {self.heads}")
         if self.groups % n and n % self.groups:
             raise GymvError(f"context parallel size {n} and the Mamba groups of a TP rank ({self.groups}) do not "
                             f"divide one another", where="training.parallel.context",
