@@ -118,7 +118,8 @@ def check_maps(policy):
 
 
 def megatron_twin(hf_model, hf_config, shape: DecoderShape | HybridShape, *, tensor_parallel: int,
-                  device: torch.device, dtype: torch.dtype = torch.float32, context_parallel: int = 1) -> torch.nn.Module:
+                  device: torch.device, dtype: torch.dtype = torch.float32,
+                  context_parallel: int = 1) -> torch.nn.Module:
     """This rank's Megatron twin of an HF model (its TP shard of the decoder: GPTModel, or for Nemotron-H
     gymv's hybrid model; a VLM keeps its vision tower), with the HF call gymv's logprob functions make. The
     trainer and the Megatron teacher build it alike, so a teacher scores with exactly the model a Megatron
