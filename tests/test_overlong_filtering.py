@@ -9,6 +9,7 @@ import pytest
 
 from gymv.config import load_recipe
 from gymv.rollout.types import Trajectory
+from gymv.timing import PhaseTimer
 from gymv.train.grpo import grpo_batch
 from gymv.train.stats import overlong, trained
 from conftest import REPO
@@ -44,7 +45,7 @@ def test_a_filtered_episode_leaves_the_samples_but_its_reward_stays_in_the_basel
     the cut reward in the baseline, sample 0 sees (0, 0, 1): A = (2/3) / sqrt(1/3); recomputed without it, it
     would see (0, 0) and get A = 1."""
     eps = [episode(1.0, sample=0), episode(0.0, sample=1), episode(0.0, sample=2), episode(1.0, "length", sample=3)]
-    batch = grpo_batch(grpo_section(True), MAX_SEQ_LEN)(eps)
+    batch = grpo_batch(grpo_section(True), MAX_SEQ_LEN)(eps, PhaseTimer())
     a = (2 / 3) * math.sqrt(3)
     assert [float(s["advantages"]) for s in batch.samples] == pytest.approx([a, -a, -a], rel=1e-5)
     assert batch.rewards == [1.0, 0.0, 0.0]
@@ -54,7 +55,7 @@ def test_a_filtered_episode_leaves_the_samples_but_its_reward_stays_in_the_basel
 
 def test_without_overlong_filtering_a_cut_episode_trains_and_nothing_is_counted():
     eps = [episode(1.0, sample=0), episode(0.0, sample=1), episode(0.0, sample=2), episode(1.0, "length", sample=3)]
-    batch = grpo_batch(grpo_section(False), MAX_SEQ_LEN)(eps)
+    batch = grpo_batch(grpo_section(False), MAX_SEQ_LEN)(eps, PhaseTimer())
     assert len(batch.samples) == 4 and "train/num_overlong_filtered" not in batch.metrics
 
 
