@@ -139,7 +139,7 @@ def init_parallel(tensor_parallel: int, device: torch.device, seed: int = 0) -> 
         held = parallel_state.get_tensor_model_parallel_world_size()
         if held != tensor_parallel:
             raise GymvError(f"this process already runs megatron with tensor parallel size {held}, not {tensor_parallel}",
-                            where="training.sharding.tensor_parallel", fix="use one tensor parallel size per process")
+                            where="training.parallel.tensor", fix="use one tensor parallel size per process")
         if _MODE == device.type:
             return
         if _PRIVATE_STORE is None:
@@ -152,7 +152,7 @@ def init_parallel(tensor_parallel: int, device: torch.device, seed: int = 0) -> 
                                 world_size=1, timeout=datetime.timedelta(minutes=30))
     if dist.get_world_size() % tensor_parallel:
         raise GymvError(f"tensor parallel size {tensor_parallel} does not divide the {dist.get_world_size()} "
-                        "trainer ranks", where="training.sharding.tensor_parallel", fix="use a divisor of the rank count")
+                        "trainer ranks", where="training.parallel.tensor", fix="use a divisor of the rank count")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
     _MODE = device.type
     if device.type == "cuda":

@@ -63,7 +63,7 @@ class DecoderShape:
                         ("MLP width", self.ffn), ("vocabulary", self.vocab)):
             if n % tp:
                 raise GymvError(f"tensor parallel size {tp} does not divide the model's {what} ({n})",
-                                where="training.sharding.tensor_parallel",
+                                where="training.parallel.tensor",
                                 fix=f"use a tensor parallel size that divides {n}")
 
 
