@@ -14,10 +14,12 @@ decoder as gymv's hybrid Megatron model, gymv.backends.training.megatron_hybrid)
 (gymv.backends.training.megatron_tp), and sequence packing (`training.sequence_packing`: one row per
 micro-batch, each sequence attending to itself alone through SdpaCoreAttention). Context parallelism runs
 the Nemotron-H hybrid model (gymv.backends.training.megatron_cp: a replica's TP x CP ranks train the union of
-their samples, gradients summed over data x context ranks). Pipeline and expert parallelism are refused (the
-hybrid model runs EP, gymv.backends.training.megatron_parallel, but the ranks of an EP group hold different
-samples and would need the same number of micro-batches), as are VLMs with other decoder inputs (Qwen3-VL,
-Gemma 3).
+their samples, gradients summed over data x context ranks). Expert parallelism runs the hybrid model too
+(gymv.backends.training.megatron_ep_trainer: lock-step micro-batches over ranks holding different samples,
+expert gradients summed over the expert-data-parallel ranks; weights out gather the experts over EP; one
+optimizer file per TP x EP rank). The MoE aux loss at EP is each rank's micro-batches' own, as under data
+parallelism (the router is whole on every EP rank and sees that rank's tokens). Pipeline parallelism is
+refused, as are VLMs with other decoder inputs (Qwen3-VL, Gemma 3).
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ from gymv.backends.training.megatron_cp import (
     ContextParallelVLM,
     build_context_parallel_hybrid,
 )
-from gymv.backends.training.megatron_parallel import init_model_parallel
+from gymv.backends.training.megatron_ep_trainer import ExpertParallelTrainer
+from gymv.backends.training.megatron_parallel import expert_parallel_factories, groups, init_model_parallel
 from gymv.backends.training.megatron_tp import ReplicaTrainer, TensorParallelTrainer, gather_state, union_over_tp
 from gymv.backends.training import megatron_hybrid_weights, megatron_weights
 from gymv.backends.training.megatron_hybrid import build_hybrid
@@ -60,7 +63,7 @@ from gymv.backends.training.megatron_weights import DecoderShape
 from gymv.backends.training.torch_trainer import MODEL_SAFETENSORS, OPTIMIZER_FILE, TRAINER_FILE, _fsync_replace
 from gymv.errors import GymvError
 
-REFUSED_PARALLEL = ("pipeline", "expert")
+REFUSED_PARALLEL = ("pipeline",)
 
 
 def _check_setup(setup: TrainingSetup) -> None:
@@ -70,6 +73,23 @@ def _check_setup(setup: TrainingSetup) -> None:
             raise GymvError(f"training.backend megatron runs training.parallel.{name} 1 here, not {size}",
                             where=f"training.parallel.{name}",
                             fix="set it to 1 (data parallel over the training GPUs), or use training.backend: fsdp2")
+
+
+def gather_experts(shards: list[dict[str, Tensor]]) -> list[list[dict[str, Tensor]]]:
+    """`[ep rank][tp rank]` state dicts of the routed experts, gathered over megatron's EP group from every
+    rank's TP shards (`shards`, every TP rank's, as gather_state returns them), as megatron_to_hf takes them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_expert_model_parallel_group()
+    grid: list[list[dict[str, Tensor]]] = [[{} for _ in shards] for _ in range(dist.get_world_size(group))]
+    for t, shard in enumerate(shards):
+        for name in sorted(k for k in shard if any(p in k for p in megatron_hybrid_weights.EXPERT_SHARDED)):
+            parts = [torch.empty_like(shard[name]) for _ in grid]
+            dist.all_gather(parts, shard[name].contiguous(), group=group)
+            for row, part in zip(grid, parts):
+                row[t][name] = part
+    return grid
 
 
 def _hybrid(config) -> bool:
@@ -119,21 +139,30 @@ def check_maps(policy):
 
 def megatron_twin(hf_model, hf_config, shape: DecoderShape | HybridShape, *, tensor_parallel: int,
                   device: torch.device, dtype: torch.dtype = torch.float32,
-                  context_parallel: int = 1) -> torch.nn.Module:
+                  context_parallel: int = 1, expert_parallel: int = 1) -> torch.nn.Module:
     """This rank's Megatron twin of an HF model (its TP shard of the decoder: GPTModel, or for Nemotron-H
     gymv's hybrid model; a VLM keeps its vision tower), with the HF call gymv's logprob functions make. The
     trainer and the Megatron teacher build it alike, so a teacher scores with exactly the model a Megatron
-    student trains. `context_parallel` > 1: the hybrid model over megatron's CP group (megatron_cp)."""
+    student trains. `context_parallel` > 1: the hybrid model over megatron's CP group (megatron_cp);
+    `expert_parallel` > 1: its experts split over megatron's EP group (megatron_parallel)."""
     from megatron.core import parallel_state
 
     build = build_hybrid if isinstance(shape, HybridShape) else build_gpt
+    extra: dict[str, Any] = {}
+    if expert_parallel > 1:
+        shape.check_parallel(tensor_parallel, expert_parallel)
+        ep = {k: v for k, v in groups().items() if k != "cp"}
+        extra = {"groups": ep, "factories": expert_parallel_factories(shape, ep["ep"]),
+                 "ep_rank": parallel_state.get_expert_model_parallel_rank(), "ep_size": expert_parallel}
     if context_parallel > 1:
         def build(*args, **kwargs):
             return build_context_parallel_hybrid(*args, cp_group=parallel_state.get_context_parallel_group(), **kwargs)
-    gpt = build(hf_config, shape, tensor_parallel=tensor_parallel, device=device, dtype=dtype)
+    gpt = build(hf_config, shape, tensor_parallel=tensor_parallel, device=device, dtype=dtype,
+                **{k: v for k, v in extra.items() if k in ("groups", "factories")})
     state = mapping(shape).hf_to_megatron(hf_model.state_dict(), shape,
                                           tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-                                          tp_size=tensor_parallel)
+                                          tp_size=tensor_parallel,
+                                          **{k: v for k, v in extra.items() if k in ("ep_rank", "ep_size")})
     gpt.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True)
     pad = getattr(hf_model.get_input_embeddings(), "padding_idx", None)
     if getattr(hf_config, "vision_config", None) is not None:
@@ -156,7 +185,11 @@ class MegatronBackend(HFTorchBackend):
         self.device = torch.device(device)
         self.tp = setup.training.parallel.tensor
         self.cp = setup.training.parallel.context
-        self.gathers_weights = self.tp > 1
+        self.ep = setup.training.parallel.expert
+        self.gathers_weights = self.tp > 1 or self.ep > 1
+        if self.ep > 1 and not isinstance(self.shape, HybridShape):
+            raise GymvError("training.backend megatron runs expert parallelism for Nemotron-H decoders only",
+                            where="training.parallel.expert", fix="set it to 1 for this model")
         if self.cp > 1 and not isinstance(self.shape, HybridShape):
             raise GymvError("training.backend megatron runs context parallelism for Nemotron-H decoders only",
                             where="training.parallel.context", fix="set it to 1 for this model")
@@ -179,8 +212,8 @@ class MegatronBackend(HFTorchBackend):
     def create(cls, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1) -> MegatronBackend:
         _check_setup(setup)
         parallel = setup.training.parallel
-        if parallel.context > 1:
-            init_model_parallel(parallel.tensor, parallel.context, device=device)
+        if parallel.context > 1 or parallel.expert > 1:
+            init_model_parallel(parallel.tensor, parallel.context, parallel.expert, device=device)
             if torch.device(device).type == "cuda":
                 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -193,7 +226,7 @@ class MegatronBackend(HFTorchBackend):
 
     def _twin(self, hf_model) -> torch.nn.Module:
         return megatron_twin(hf_model, self.hf_config, self.shape, tensor_parallel=self.tp, device=self.device,
-                             context_parallel=self.cp)
+                             context_parallel=self.cp, expert_parallel=self.ep)
 
     def compile_layers(self, model, frozen: bool) -> None:
         if self.setup.training.compile:
@@ -207,13 +240,19 @@ class MegatronBackend(HFTorchBackend):
             self.router_terms = RouterTerms.attach(twin, self.setup.training.moe)
         if self.setup.training.gradient_checkpointing and not frozen:
             checkpoint_layers(twin.gpt)
-        if self.tp == 1 and self.cp == 1:
+        if self.tp == 1 and self.cp == 1 and self.ep == 1:
             return super()._make_trainer(twin, device, frozen=frozen)
         from megatron.core import parallel_state
 
         if frozen:
             twin.requires_grad_(True)  # TorchTrainer refuses a model without trainable parameters; never stepped
         layout = self.layout(twin)
+        if self.ep > 1:
+            return ExpertParallelTrainer(twin, self.trainer_logprob_fn(frozen), self.config, collate_fn=layout.collate,
+                                         device=device, process_group=parallel_state.get_data_parallel_group(),
+                                         plan_fn=layout.plan, ep_group=parallel_state.get_expert_model_parallel_group(),
+                                         expert_dp_group=parallel_state.get_expert_data_parallel_group(),
+                                         cp_group=parallel_state.get_context_parallel_group() if self.cp > 1 else None)
         if self.cp > 1:
             return ContextParallelTrainer(twin, self.trainer_logprob_fn(frozen), self.config, collate_fn=layout.collate,
                                           device=device, process_group=parallel_state.get_data_parallel_group(),
@@ -269,11 +308,12 @@ class MegatronBackend(HFTorchBackend):
             yield from ((k, v.detach()) for k, v in model.vision_model.state_dict().items())
         state = {k: v.detach() for k, v in model.gpt.state_dict().items() if isinstance(v, Tensor)}
         to_hf = mapping(self.shape).megatron_to_hf
-        if self.tp == 1:
-            yield from to_hf([state], self.shape, include_tied_head=include_tied_head)
+        shards = gather_state(state) if self.tp > 1 else [state]
+        if self.ep == 1:
+            yield from to_hf(shards, self.shape, include_tied_head=include_tied_head)
             return
 
-        yield from to_hf(gather_state(state), self.shape, include_tied_head=include_tied_head)
+        yield from to_hf(shards, self.shape, include_tied_head=include_tied_head, expert_shards=gather_experts(shards))
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         yield from self._hf_weights(include_tied_head=self.sends_tied_head)
@@ -293,10 +333,23 @@ class MegatronBackend(HFTorchBackend):
         _fsync_replace(tmp, path / MODEL_SAFETENSORS)
 
     def _optimizer_file(self) -> str:
-        """Optimizer state is per TP shard: one file per TP rank of the first data-parallel replica."""
+        """Optimizer state is per TP (and EP) shard: one file per TP x EP rank of the first data-parallel
+        replica (of the first expert-data-parallel one under EP)."""
         from megatron.core import parallel_state
 
-        return OPTIMIZER_FILE if self.tp == 1 else f"optimizer_tp{parallel_state.get_tensor_model_parallel_rank()}.pt"
+        tp = parallel_state.get_tensor_model_parallel_rank()
+        if self.ep > 1:
+            return f"optimizer_tp{tp}_ep{parallel_state.get_expert_model_parallel_rank()}.pt"
+        return OPTIMIZER_FILE if self.tp == 1 else f"optimizer_tp{tp}.pt"
+
+    def _writes_optimizer(self) -> bool:
+        """Whether this rank writes its optimizer shard: the first replica's ranks (under EP, the first
+        expert-data-parallel replica's: each holds a different block of experts)."""
+        from megatron.core import parallel_state
+
+        if self.ep > 1:
+            return parallel_state.get_expert_data_parallel_rank() == 0
+        return parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
 
     def save(self, path: str | os.PathLike) -> None:
         """Rank 0 writes the weights under HF names (the folder loads as a model, and as this backend's
@@ -305,7 +358,7 @@ class MegatronBackend(HFTorchBackend):
 
         path = Path(path)
         state = self._hf_state_for_files()
-        if parallel_state.get_data_parallel_rank(with_context_parallel=True) != 0:
+        if not self._writes_optimizer():
             return
         path.mkdir(parents=True, exist_ok=True)
         tmp = path / f".{self._optimizer_file()}.tmp"
@@ -316,7 +369,7 @@ class MegatronBackend(HFTorchBackend):
         self._write_hf_weights(path, state)
         tmp = path / f".{TRAINER_FILE}.tmp"
         tmp.write_text(json.dumps({"steps": self.trainer.steps, "config": self.trainer.config.model_dump(mode="json"),
-                                   "tensor_parallel": self.tp}))
+                                   "tensor_parallel": self.tp, "expert_parallel": self.ep}))
         _fsync_replace(tmp, path / TRAINER_FILE)
         copy_hf_files(self.setup.model_path, path)
 
@@ -328,14 +381,16 @@ class MegatronBackend(HFTorchBackend):
         for name in (MODEL_SAFETENSORS, self._optimizer_file()):
             if not (path / name).exists():
                 raise GymvError(f"no {name} in the checkpoint", where=str(path),
-                                fix="resume from a checkpoint written by gymv train at the same tensor parallel size")
+                                fix="resume from a checkpoint written by gymv train at the same tensor and expert "
+                                    "parallel sizes")
         hf = load_file(str(path / MODEL_SAFETENSORS), device=str(self.device))
         try:
             if self.vision:
                 vision = self.trainer.model.vision_model
                 vision.load_state_dict({k: hf[k] for k in vision.state_dict()}, strict=True)
+            ep = {"ep_rank": parallel_state.get_expert_model_parallel_rank(), "ep_size": self.ep} if self.ep > 1 else {}
             shard = mapping(self.shape).hf_to_megatron(hf, self.shape, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-                                   tp_size=self.tp)
+                                                       tp_size=self.tp, **ep)
             self.trainer.model.gpt.load_state_dict(shard, strict=True)
         except (KeyError, RuntimeError) as e:
             raise GymvError(f"checkpoint does not match the model ({str(e).splitlines()[0][:200]})",

@@ -1,0 +1,126 @@
+"""training.parallel.expert on the megatron backend: two gloo ranks of one expert-parallel group train the tiny
+Nemotron 3 Omni (RADIO tower, hybrid decoder, its routed experts split over the two ranks) exactly as one rank
+of the torch backend does: the same logprobs, loss, gradient norm and weights after a step, padded and packed,
+with the ranks holding different numbers of samples and micro-batches. A checkpoint written at EP2 resumes to
+the same next step, and an export at EP2 loads in HF and equals the model it came from bit for bit."""
+
+import copy
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from gymv.backends.training.process_group import leave_process_group  # noqa: E402
+
+PACKING = (False, True)
+SPLIT = (slice(0, 3), slice(3, 4))  # rank 0: three samples (three micro-batches), rank 1: one
+
+
+def setup(expert: int, packing: bool, path: str | None = None):
+    from gymv.backends.training.base import TrainingSetup
+    from gymv.config.schema import ParallelSection, TrainingSection
+    from tiny_models import tiny_path
+
+    # a budget of one token: every sample is a micro-batch of its own
+    section = TrainingSection(lr=1e-2, eps=1e-3, weight_decay=0.0, dtype="float32", micro_batch_tokens=1,
+                              sequence_packing=packing, parallel=ParallelSection(expert=expert))
+    return TrainingSetup(model_path=path or str(tiny_path("tiny-nemotron-omni")), training=section)
+
+
+def _ep_rank(rank, world, port, out, path):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.backends.training.megatron import MegatronBackend
+    from test_megatron_model import _image_samples
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        for packing in PACKING:
+            backend = MegatronBackend.create(setup(2, packing, path), device="cpu", rank=rank, world_size=world)
+            mine = _image_samples(backend.policy, n=4)[SPLIT[rank]]
+            got = {"logp": backend.compute_logprobs(copy.deepcopy(mine))}
+            if not packing:
+                backend.export_hf(f"{out}/export")
+            got["metrics"] = backend.train_step(copy.deepcopy(mine), PolicyLoss())
+            got["weights"] = {k: v.clone() for k, v in backend.named_weights()}
+            if not packing:
+                backend.save(f"{out}/ckpt")
+                got["next"] = backend.train_step(copy.deepcopy(mine), PolicyLoss())
+                parallel_state.destroy_model_parallel()
+                resumed = MegatronBackend.create(setup(2, packing, path), device="cpu", rank=rank, world_size=world)
+                resumed.load(f"{out}/ckpt")
+                got["resumed"] = resumed.train_step(copy.deepcopy(mine), PolicyLoss())
+                got["resumed_steps"] = resumed.trainer.steps
+            torch.save(got, f"{out}/{int(packing)}{rank}.pt")
+            parallel_state.destroy_model_parallel()
+    finally:
+        leave_process_group()
+
+
+@pytest.fixture(scope="module")
+def ep2(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("ep2_backend")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from tiny_models import tiny_path
+
+    path = str(tiny_path("tiny-nemotron-omni"))  # built once, before the ranks start
+    mp.spawn(_ep_rank, args=(2, port, str(out), path), nprocs=2, join=True)
+    got = {p: [torch.load(out / f"{int(p)}{r}.pt") for r in range(2)] for p in PACKING}
+    got["out"], got["path"] = out, path
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packing", PACKING, ids=["padded", "packed"])
+def test_two_expert_parallel_ranks_with_uneven_micro_batches_take_the_torch_backends_step(packing, ep2):
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.backends.training.hf_torch import HFTorchBackend
+    from test_megatron_model import _image_samples
+
+    plain = HFTorchBackend.create(setup(1, packing), device="cpu")
+    samples = _image_samples(plain.policy, n=4)
+    want = plain.compute_logprobs(copy.deepcopy(samples))
+    for r, got in enumerate(ep2[packing]):
+        for g, w in zip(got["logp"], want[SPLIT[r]], strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+    metrics = plain.train_step(copy.deepcopy(samples), PolicyLoss())
+    assert [got["metrics"]["train/num_micro_batches"] for got in ep2[packing]] == [4.0, 4.0]  # 3 + 1, summed
+    for got in ep2[packing]:
+        assert got["metrics"]["train/grad_norm"] == pytest.approx(metrics["train/grad_norm"], rel=1e-4)
+        assert got["metrics"]["train/loss"] == pytest.approx(metrics["train/loss"], rel=1e-5, abs=1e-7)
+    weights = ep2[packing][0]["weights"]
+    for name, tensor in plain.named_weights():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_at_ep2_resumes_to_the_same_next_step(ep2):
+    for got in ep2[False]:
+        assert got["resumed_steps"] == 2
+        for key in ("train/loss", "train/grad_norm"):
+            assert got["resumed"][key] == pytest.approx(got["next"][key], rel=1e-6, abs=1e-9)
+    assert sorted(p.name for p in (ep2["out"] / "ckpt").glob("optimizer*")) == ["optimizer_tp0_ep0.pt",
+                                                                              "optimizer_tp0_ep1.pt"]
+
+
+@pytest.mark.slow
+def test_an_export_at_ep2_loads_in_hf_and_equals_the_model_bit_for_bit(ep2):
+    from safetensors.torch import load_file
+
+    from gymv.backends.policy import load_policy
+
+    exported = load_policy(str(ep2["out"] / "export"), device="cpu", dtype=torch.float32)
+    original = load_policy(ep2["path"], device="cpu", dtype=torch.float32)
+    want = original.model.state_dict()
+    written = load_file(str(ep2["out"] / "export" / "model.safetensors"))
+    assert any(".experts." in k for k in written)
+    for name, tensor in exported.model.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
