@@ -99,7 +99,7 @@ TRAINING_BACKENDS = Registry("training backend", "gymv.training_backends", {
     "torch": ("gymv.backends.training.hf_torch:HFTorchBackend", BackendCapabilities(compiles=True, one_rank=True)),
     "fsdp2": ("gymv.backends.training.hf_fsdp:HFFSDPBackend", BackendCapabilities(compiles=True)),
     "megatron": ("gymv.backends.training.megatron:MegatronBackend", BackendCapabilities(
-        needs=MEGATRON, model_parallel=("tensor", "context"))),  # context: Nemotron-H's hybrid model
+        needs=MEGATRON, model_parallel=("tensor", "context", "expert"))),  # context, expert: Nemotron-H's hybrid model
 }, where="training.backend", default=BackendCapabilities())
 # a MOPD teacher's scorer, built from a gymv.cluster.teachers.TeacherSpec
 TEACHER_BACKENDS = Registry("teacher backend", "gymv.teacher_backends", {

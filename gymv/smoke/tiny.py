@@ -17,6 +17,7 @@ run).
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 from gymv.backends.registry import GENERATION_BACKENDS, REFIT_TRANSPORTS, TEACHER_BACKENDS, TRAINING_BACKENDS
@@ -177,8 +178,9 @@ def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
              for k in PARALLEL_SIZES}
     for k, size in sizes.items():
         _set(ch, d, f"training.parallel.{k}", size)
-    model_parallel = sizes["tensor"] * sizes["pipeline"] * sizes["context"]
-    if model_parallel > 1:  # one data-parallel replica of the kept layout
+    # one data-parallel replica of the kept layout (expert parallelism folds over data x context ranks)
+    model_parallel = math.lcm(sizes["tensor"] * sizes["pipeline"] * sizes["context"], sizes["tensor"] * sizes["expert"])
+    if model_parallel > 1:
         _set(ch, d, "cluster.cpu_training_ranks", model_parallel)
     _set(ch, d, "training.global_batch_size", None)  # refilled: the samples of one (smaller) step
 
