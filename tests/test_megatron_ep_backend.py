@@ -29,15 +29,17 @@ def setup(expert: int, packing: bool, path: str | None = None):
     return TrainingSetup(model_path=path or str(tiny_path("tiny-nemotron-omni")), training=section)
 
 
-def _ep_rank(rank, world, port, out, path):
+def _ep_rank(rank, world, port, out, paths):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     from gymv.algorithms.loss_fns import PolicyLoss
     from gymv.backends.training.megatron import MegatronBackend
+    from gymv.errors import GymvError
     from test_megatron_model import _image_samples
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    path = paths["omni"]
     try:
         for packing in PACKING:
             backend = MegatronBackend.create(setup(2, packing, path), device="cpu", rank=rank, world_size=world)
@@ -57,6 +59,12 @@ def _ep_rank(rank, world, port, out, path):
                 got["resumed_steps"] = resumed.trainer.steps
             torch.save(got, f"{out}/{int(packing)}{rank}.pt")
             parallel_state.destroy_model_parallel()
+        try:
+            MegatronBackend.create(setup(2, False, paths["qwen3"]), device="cpu", rank=rank, world_size=world)
+            refused = None
+        except GymvError as e:
+            refused = (str(e), e.where)
+        torch.save(refused, f"{out}/refused{rank}.pt")
     finally:
         leave_process_group()
 
@@ -71,10 +79,10 @@ def ep2(tmp_path_factory):
         port = s.getsockname()[1]
     from tiny_models import tiny_path
 
-    path = str(tiny_path("tiny-nemotron-omni"))  # built once, before the ranks start
-    mp.spawn(_ep_rank, args=(2, port, str(out), path), nprocs=2, join=True)
+    paths = {"omni": str(tiny_path("tiny-nemotron-omni")), "qwen3": str(tiny_path("tiny-qwen3"))}  # built once
+    mp.spawn(_ep_rank, args=(2, port, str(out), paths), nprocs=2, join=True)
     got = {p: [torch.load(out / f"{int(p)}{r}.pt") for r in range(2)] for p in PACKING}
-    got["out"], got["path"] = out, path
+    got["out"], got["path"], got["refused"] = out, paths["omni"], torch.load(out / "refused0.pt")
     return got
 
 
@@ -124,3 +132,9 @@ def test_an_export_at_ep2_loads_in_hf_and_equals_the_model_bit_for_bit(ep2):
     assert any(".experts." in k for k in written)
     for name, tensor in exported.model.state_dict().items():
         assert torch.equal(tensor, want[name]), name
+
+
+@pytest.mark.slow
+def test_expert_parallelism_is_refused_for_a_gptmodel_decoder_naming_the_key(ep2):
+    message, where = ep2["refused"]
+    assert "expert parallelism" in message and where == "training.parallel.expert"

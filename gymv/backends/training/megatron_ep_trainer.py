@@ -60,13 +60,13 @@ class ExpertParallelTrainer(TensorParallelTrainer):
 
     def _sync_grads(self) -> None:
         dense, experts = self._split()
+        for _, p in dense + experts:  # a group of one reduces nothing, but every rank joins the others
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         self.ranks.sum_grads_([p for _, p in dense])
         if self.cp_group is not None:
             for _, p in dense:
                 dist.all_reduce(p.grad, group=self.cp_group)
-        for _, p in experts:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
         self.expert_ranks.sum_grads_([p for _, p in experts])
         for name, p in dense:
             if tp_partial_gradient(name):
