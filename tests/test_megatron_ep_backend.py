@@ -2,7 +2,8 @@
 Nemotron 3 Omni (RADIO tower, hybrid decoder, its routed experts split over the two ranks) exactly as one rank
 of the torch backend does: the same logprobs, loss, gradient norm and weights after a step, padded and packed,
 with the ranks holding different numbers of samples and micro-batches. A checkpoint written at EP2 resumes to
-the same next step, and an export at EP2 loads in HF and equals the model it came from bit for bit."""
+the same next step, and an export at EP2 loads in HF and equals the model it came from bit for bit. On four
+ranks, TP2 x EP2 and CP2 x EP2 (replicas of three samples and of one, a rank handed none) take the same step."""
 
 import copy
 import socket
@@ -138,3 +139,65 @@ def test_an_export_at_ep2_loads_in_hf_and_equals_the_model_bit_for_bit(ep2):
 def test_expert_parallelism_is_refused_for_a_gptmodel_decoder_naming_the_key(ep2):
     message, where = ep2["refused"]
     assert "expert parallelism" in message and where == "training.parallel.expert"
+
+
+SPLIT4 = (slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 4))  # replicas of 3 and 1 samples; rank 3 gets none
+LAYOUTS = {"tp2xep2": {"tensor": 2, "expert": 2}, "cp2xep2": {"context": 2, "expert": 2}}
+
+
+def _combined_rank(rank, world, port, out, path):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.backends.training.base import TrainingSetup
+    from gymv.backends.training.megatron import MegatronBackend
+    from gymv.config.schema import ParallelSection
+    from test_megatron_model import _image_samples
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        for name, sizes in LAYOUTS.items():
+            base = setup(2, False, path)
+            training = base.training.model_copy(update={"parallel": ParallelSection(**sizes)})
+            backend = MegatronBackend.create(TrainingSetup(model_path=path, training=training), device="cpu",
+                                             rank=rank, world_size=world)
+            mine = _image_samples(backend.policy, n=4)[SPLIT4[rank]]
+            metrics = backend.train_step(copy.deepcopy(mine), PolicyLoss())
+            weights = {k: v.clone() for k, v in backend.named_weights()}
+            torch.save({"metrics": metrics, "weights": weights if rank == 0 else None}, f"{out}/{name}{rank}.pt")
+            parallel_state.destroy_model_parallel()
+    finally:
+        leave_process_group()
+
+
+@pytest.fixture(scope="module")
+def combined(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("ep2_combined")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from tiny_models import tiny_path
+
+    path = str(tiny_path("tiny-nemotron-omni"))
+    mp.spawn(_combined_rank, args=(4, port, str(out), path), nprocs=4, join=True)
+    return {n: [torch.load(out / f"{n}{r}.pt") for r in range(4)] for n in LAYOUTS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_expert_parallelism_with_tensor_or_context_parallelism_takes_the_torch_backends_step(layout, combined):
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.backends.training.hf_torch import HFTorchBackend
+    from test_megatron_model import _image_samples
+
+    plain = HFTorchBackend.create(setup(1, False), device="cpu")
+    metrics = plain.train_step(copy.deepcopy(_image_samples(plain.policy, n=4)), PolicyLoss())
+    for got in combined[layout]:
+        assert got["metrics"]["train/grad_norm"] == pytest.approx(metrics["train/grad_norm"], rel=1e-4)
+        assert got["metrics"]["train/loss"] == pytest.approx(metrics["train/loss"], rel=1e-5, abs=1e-7)
+    weights = combined[layout][0]["weights"]
+    for name, tensor in plain.named_weights():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=name)
