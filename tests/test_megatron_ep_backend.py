@@ -17,16 +17,19 @@ from gymv.backends.training.process_group import leave_process_group  # noqa: E4
 
 PACKING = (False, True)
 SPLIT = (slice(0, 3), slice(3, 4))  # rank 0: three samples (three micro-batches), rank 1: one
+AUX = 0.5
 
 
-def setup(expert: int, packing: bool, path: str | None = None):
+def setup(expert: int, packing: bool, path: str | None = None, aux: float = 0.0):
     from gymv.backends.training.base import TrainingSetup
     from gymv.config.schema import ParallelSection, TrainingSection
+    from gymv.sections import MoeSection
     from tiny_models import tiny_path
 
     # a budget of one token: every sample is a micro-batch of its own
     section = TrainingSection(lr=1e-2, eps=1e-3, weight_decay=0.0, dtype="float32", micro_batch_tokens=1,
-                              sequence_packing=packing, parallel=ParallelSection(expert=expert))
+                              sequence_packing=packing, parallel=ParallelSection(expert=expert),
+                              moe=MoeSection(aux_loss_coef=aux))
     return TrainingSetup(model_path=path or str(tiny_path("tiny-nemotron-omni")), training=section)
 
 
@@ -60,6 +63,10 @@ def _ep_rank(rank, world, port, out, paths):
                 got["resumed_steps"] = resumed.trainer.steps
             torch.save(got, f"{out}/{int(packing)}{rank}.pt")
             parallel_state.destroy_model_parallel()
+        backend = MegatronBackend.create(setup(2, False, path, aux=AUX), device="cpu", rank=rank, world_size=world)
+        mine = _image_samples(backend.policy, n=4)[SPLIT[rank]]
+        torch.save(backend.train_step(mine, PolicyLoss()), f"{out}/aux{rank}.pt")
+        parallel_state.destroy_model_parallel()
         try:
             MegatronBackend.create(setup(2, False, paths["qwen3"]), device="cpu", rank=rank, world_size=world)
             refused = None
@@ -84,6 +91,7 @@ def ep2(tmp_path_factory):
     mp.spawn(_ep_rank, args=(2, port, str(out), paths), nprocs=2, join=True)
     got = {p: [torch.load(out / f"{int(p)}{r}.pt") for r in range(2)] for p in PACKING}
     got["out"], got["path"], got["refused"] = out, paths["omni"], torch.load(out / "refused0.pt")
+    got["aux"] = [torch.load(out / f"aux{r}.pt") for r in range(2)]
     return got
 
 
@@ -139,6 +147,19 @@ def test_an_export_at_ep2_loads_in_hf_and_equals_the_model_bit_for_bit(ep2):
 def test_expert_parallelism_is_refused_for_a_gptmodel_decoder_naming_the_key(ep2):
     message, where = ep2["refused"]
     assert "expert parallelism" in message and where == "training.parallel.expert"
+
+
+@pytest.mark.slow
+def test_the_router_aux_loss_at_ep2_is_the_torch_backends_when_each_sample_is_a_micro_batch(ep2):
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.backends.training.hf_torch import HFTorchBackend
+    from test_megatron_model import _image_samples
+
+    plain = HFTorchBackend.create(setup(1, False, aux=AUX), device="cpu")
+    metrics = plain.train_step(_image_samples(plain.policy, n=4), PolicyLoss())
+    for got in ep2["aux"]:
+        for key in ("train/loss", "train/grad_norm", "train/moe_aux_loss"):
+            assert got[key] == pytest.approx(metrics[key], rel=1e-4), key
 
 
 SPLIT4 = (slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 4))  # replicas of 3 and 1 samples; rank 3 gets none
