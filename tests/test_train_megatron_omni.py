@@ -2,7 +2,12 @@
 the CPU: RADIO tower and projector as HF modules, Mamba-2 / attention / MoE decoder): three GRPO steps of the
 tiny Omni (a picture and a prompt a row, reasoning off; the even-length test environment, whose rewards vary
 from the first step) equal the torch backend's on the same rollouts, with the router's balancing terms logged
-under the same names, and refits keep the generator in agreement with the trainer."""
+under the same names, and refits keep the generator in agreement with the trainer. So do they at
+training.parallel.expert 2, the routed experts split over two gloo trainer ranks that hold different samples
+(experts gathered over the EP ranks at each refit).
+
+Every run takes one sample a micro-batch, so each micro-batch's router terms are the same tokens' on both
+sides; the three runs share one torch run and one local Ray."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from train_helpers import ray_module, tiny_grpo_settings, write_recipe  # noqa: 
 
 pytestmark = pytest.mark.slow
 RECIPE = "vlm_grpo.yaml"
+LAYOUTS = {"torch": ("torch", 1), "megatron": ("megatron", 1), "megatron-ep2": ("megatron", 2)}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,22 +32,25 @@ def ray():
         yield
 
 
-def run(tmp, backend: str) -> list[dict]:
+def run(tmp, name: str) -> list[dict]:
+    backend, expert = LAYOUTS[name]
     settings = tiny_grpo_settings(tmp, tiny_path("tiny-nemotron-omni"), **{
-        "generation.chat_template_kwargs": {"enable_thinking": False}, "training.backend": backend, "training.dtype": "float32",
-        "training.eps": 1.0e-3, "checkpoint.period": 3})
-    train(write_recipe(tmp, f"omni-{backend}", RECIPE, settings))
-    lines = (tmp / "runs" / f"omni-{backend}" / "metrics.jsonl").read_text().splitlines()
+        "generation.chat_template_kwargs": {"enable_thinking": False}, "training.backend": backend,
+        "training.dtype": "float32", "training.eps": 1.0e-3, "training.micro_batch_tokens": 1,
+        "training.parallel.expert": expert, "cluster.cpu_training_ranks": expert, "checkpoint.period": 3})
+    train(write_recipe(tmp, f"omni-{name}", RECIPE, settings))
+    lines = (tmp / "runs" / f"omni-{name}" / "metrics.jsonl").read_text().splitlines()
     return [m for m in map(json.loads, lines) if "train/loss" in m]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return {b: run(tmp_path_factory.mktemp(b), b) for b in ("megatron", "torch")}
+    return {name: run(tmp_path_factory.mktemp(name), name) for name in LAYOUTS}
 
 
-def test_three_grpo_steps_equal_the_torch_backends_with_the_same_router_metrics(runs):
-    megatron, torch_ = runs["megatron"], runs["torch"]
+@pytest.mark.parametrize("layout", ["megatron", "megatron-ep2"])
+def test_three_grpo_steps_equal_the_torch_backends_with_the_same_router_metrics(runs, layout):
+    megatron, torch_ = runs[layout], runs["torch"]
     assert len(megatron) == len(torch_) == 3
     for m, t in zip(megatron, torch_):
         assert m["train/loss"] == pytest.approx(t["train/loss"], abs=1e-5)
@@ -51,6 +60,7 @@ def test_three_grpo_steps_equal_the_torch_backends_with_the_same_router_metrics(
             assert m[key] == pytest.approx(t[key], rel=1e-4), key
 
 
-def test_refits_keep_the_generator_in_agreement_with_the_trainer(runs):
-    for m in runs["megatron"]:
+@pytest.mark.parametrize("layout", ["megatron", "megatron-ep2"])
+def test_refits_keep_the_generator_in_agreement_with_the_trainer(runs, layout):
+    for m in runs[layout]:
         assert m["train/token_mult_prob_error"] < 1.05
