@@ -32,7 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from gymv.backends import mamba_scan, packed_attention
+from gymv.backends import packed_attention
+from gymv.backends.ssd_scan import chunk_scan, segment_conv1d, seq_idx_from_bounds
 from gymv.backends.packing import PackedAttentionArgs
 from gymv.backends.training.megatron_ep import all_to_all
 from gymv.backends.training.megatron_hybrid import HybridModel, TorchMamba2Mixer, hybrid_config
@@ -68,48 +69,42 @@ class ContextLayout:
         return x.index_select(dim, self.positions().to(x.device))
 
 
+def _seq_idx(starts, batch: int, length: int, device) -> Tensor | None:
+    """ssd_scan's sequence index of a row whose segments begin at `starts` (0 first); none for one segment."""
+    if not starts or len(starts) == 1:
+        return None
+    return seq_idx_from_bounds([*starts, length], length, device).expand(batch, length).contiguous()
+
+
 def _rank_blocks(x: Tensor, dim: int, group) -> Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 
 
-class _GatherSummed(torch.autograd.Function):
-    """All ranks' blocks end to end; the backward sums the gradient over the group (every rank's own
-    computation used every block) and keeps this rank's block."""
+class _Gather(torch.autograd.Function):
+    """All ranks' blocks end to end. Backward: with `summed` the gradient is summed over the group first (every
+    rank's own computation used every block); without, every rank repeated the same computation (megatron's
+    gather-from-region rule). Either way each rank keeps its block."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, dim: int, group) -> Tensor:
-        ctx.dim, ctx.group, ctx.size = dim, group, x.shape[dim]
+    def forward(ctx, x: Tensor, dim: int, group, summed: bool) -> Tensor:
+        ctx.dim, ctx.group, ctx.size, ctx.summed = dim, group, x.shape[dim], summed
         return _rank_blocks(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad.narrow(ctx.dim, dist.get_rank(ctx.group) * ctx.size, ctx.size), None, None
-
-
-class _GatherKept(torch.autograd.Function):
-    """All ranks' blocks end to end, for a computation every rank repeats identically: the backward keeps
-    this rank's block of the gradient (megatron's gather-from-region rule)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, dim: int, group) -> Tensor:
-        ctx.dim, ctx.group, ctx.size = dim, group, x.shape[dim]
-        return _rank_blocks(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad.narrow(ctx.dim, dist.get_rank(ctx.group) * ctx.size, ctx.size), None, None
+        if ctx.summed:
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=ctx.group)
+        return grad.narrow(ctx.dim, dist.get_rank(ctx.group) * ctx.size, ctx.size), None, None, None
 
 
 def gather_sequence(x: Tensor, layout: ContextLayout, group, dim: int, *, repeated: bool = False) -> Tensor:
     """The whole row from every rank's shard, in order along `dim`. `repeated`: what follows is computed
     identically on every rank (the loss), so each rank keeps its positions' gradient; otherwise each rank's
     use differs (keys and values) and the gradients are summed over the group."""
-    fn = _GatherKept if repeated else _GatherSummed
-    return fn.apply(x, dim, group).index_select(dim, layout.natural().to(x.device))
+    return _Gather.apply(x, dim, group, not repeated).index_select(dim, layout.natural().to(x.device))
 
 
 def _exchange(blocks: Tensor, group) -> Tensor:
@@ -246,15 +241,16 @@ class ContextParallelMamba2Mixer(TorchMamba2Mixer):
         xbc, dt = whole.split([inner_cp + 2 * gn_cp, self.cp_heads], dim=-1)
         rows = self._conv_rows().to(xbc.device)
         bias = self.conv1d.bias.index_select(0, rows) if self.conv1d.bias is not None else None
-        xbc = F.silu(mamba_scan.causal_conv(xbc, self.conv1d.weight[:, 0].index_select(0, rows), bias, starts))
+        xbc = F.silu(segment_conv1d(xbc, self.conv1d.weight[:, 0].index_select(0, rows), bias,
+                                      _seq_idx(starts, xbc.shape[0], xbc.shape[1], xbc.device)))
         x, b, c = xbc.split([inner_cp, gn_cp, gn_cp], dim=-1)
         heads = slice(cp.rank * self.cp_heads, (cp.rank + 1) * self.cp_heads)
         dt = F.softplus(dt + self.dt_bias[heads].to(dt.dtype)).clamp(self.limit[0], self.limit[1])
         length = x.shape[1]
-        y = mamba_scan.ssd_scan(x.reshape(bsz, length, self.cp_heads, self.head_dim), dt,
-                                -torch.exp(self.A_log[heads].float()),
-                                b.reshape(bsz, length, self.cp_groups, self.state),
-                                c.reshape(bsz, length, self.cp_groups, self.state), self.D[heads], self.chunk, starts)
+        y = chunk_scan(x.reshape(bsz, length, self.cp_heads, self.head_dim), dt.float(),
+                       -torch.exp(self.A_log[heads].float()), b.reshape(bsz, length, self.cp_groups, self.state),
+                       c.reshape(bsz, length, self.cp_groups, self.state), self.chunk, D=self.D[heads],
+                       seq_idx=_seq_idx(starts, bsz, length, x.device)).to(torch.float32)
         y = heads_to_sequence(y.reshape(bsz, length, inner_cp), layout, cp.group)  # [B, L/cp, inner]
         y = self.norm(y, z)
         out, _ = self.out_proj(y.to(hidden.dtype).transpose(0, 1))
