@@ -17,6 +17,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 VECTORS = REPO.parent / "shared" / "vectors"
+
+# Under pytest-xdist's `--dist loadfile` (scripts/test.sh), a scheduler that ends the run when a worker crashes
+# instead of waiting forever (tests/xdist_scheduling.py says why); without xdist it does nothing.
+pytest_plugins = ["xdist_scheduling"]
+
 CLI_ENV = {"COLUMNS": "200", "NO_COLOR": "1"}
 os.environ.update(CLI_ENV)  # before rich's consoles are made: in-process output is laid out as a subprocess's
 
