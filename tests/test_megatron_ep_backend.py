@@ -163,7 +163,10 @@ def test_the_router_aux_loss_at_ep2_is_the_torch_backends_when_each_sample_is_a_
 
 
 SPLIT4 = (slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 4))  # replicas of 3 and 1 samples; rank 3 gets none
-LAYOUTS = {"tp2xep2": {"tensor": 2, "expert": 2}, "cp2xep2": {"context": 2, "expert": 2}}
+# experts whole (expert TP 1): TP2 x EP2 folds each EP group onto a TP group; TP2 x CP2 x EP4 is the reference
+# layouts' shape (one EP group over the TP and CP ranks of a replica)
+LAYOUTS = {"tp2xep2": {"tensor": 2, "expert": 2}, "cp2xep2": {"context": 2, "expert": 2},
+           "tp2xcp2xep4": {"tensor": 2, "context": 2, "expert": 4}}
 
 
 def _combined_rank(rank, world, port, out, path):

@@ -81,26 +81,30 @@ def test_bf16_hybrid_logprobs_match_hf_on_cuda():
     assert (got[valid] - want[valid]).abs().max().item() < 0.05  # bf16 rounding of two implementations' sums
 
 
-@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (2, 2), (1, 4)])
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (2, 2), (1, 4), (2, 4)])
 def test_hf_weights_round_trip_through_tp_and_ep_shards_bit_exactly(tp, ep):
     hf = tiny_nemotron_h().state_dict()
     shape = W.HybridShape.of(tiny_nemotron_h().config)
     grid = [[W.hf_to_megatron(hf, shape, tp_rank=t, tp_size=tp, ep_rank=e, ep_size=ep) for t in range(tp)]
             for e in range(ep)]
-    back = dict(W.megatron_to_hf(grid[0], shape, expert_shards=grid))
+    experts = [row[: W.expert_tensor_size(tp, ep)] for row in grid]  # under EP each expert is whole on a rank
+    back = dict(W.megatron_to_hf(grid[0], shape, expert_shards=experts))
     assert back.keys() == hf.keys()
     for name, t in hf.items():
         assert torch.equal(back[name], t), name
 
 
-def test_tp_shards_split_mamba_heads_and_groups_and_ep_shards_hold_a_block_of_experts():
+def test_tp_shards_split_mamba_heads_and_groups_and_ep_shards_hold_a_block_of_whole_experts():
     model = tiny_nemotron_h()
     shape = W.HybridShape.of(model.config)
     shard = W.hf_to_megatron(model.state_dict(), shape, tp_rank=1, tp_size=2, ep_rank=1, ep_size=2)
     hf = model.state_dict()
     assert torch.equal(shard["decoder.layers.0.mixer.A_log"], hf["model.layers.0.mixer.A_log"][2:])
     assert shard["decoder.layers.0.mixer.in_proj.weight"].shape[0] == (2 * 32 + 2 * 2 * 16 + 4) // 2
-    assert torch.equal(shard["decoder.layers.1.mixer.experts.up_proj"], hf["model.layers.1.mixer.experts.up_proj"][2:, 12:])
+    # expert TP 1 under EP (megatron's folding): the block of experts whole, not split over TP
+    assert torch.equal(shard["decoder.layers.1.mixer.experts.up_proj"], hf["model.layers.1.mixer.experts.up_proj"][2:])
+    no_ep = W.hf_to_megatron(model.state_dict(), shape, tp_rank=1, tp_size=2)  # EP 1: each expert split over TP
+    assert torch.equal(no_ep["decoder.layers.1.mixer.experts.up_proj"], hf["model.layers.1.mixer.experts.up_proj"][:, 12:])
     assert torch.equal(shard["decoder.layers.1.mixer.router.weight"], hf["model.layers.1.mixer.gate.weight"])
 
 

@@ -1,7 +1,9 @@
 """The hybrid model (Nemotron-H) over megatron's TP x CP x EP groups on four gloo ranks
 (gymv.backends.training.megatron_parallel): every layout gives each data-parallel replica HF's logprobs for its
-own batch, and at TP 1 the gradients, summed as megatron sums them (dense weights over data x context ranks,
-experts over the ranks holding the same experts), equal one rank's over all the batches."""
+own batch, and the gradients, summed as megatron sums them (dense weights over data x context ranks, the
+router over TP too, experts over the ranks holding the same experts), equal one rank's over all the batches.
+Under EP the experts are whole (expert TP 1): TP2 x EP2 folds the EP group onto the TP group, TP2 x EP4 and
+TP2 x CP2 x EP4 spread one expert per rank over TP, data and context ranks."""
 
 import socket
 
@@ -16,7 +18,8 @@ from gymv.backends.training.process_group import leave_process_group  # noqa: E4
 from megatron_helpers import batch, packed_token_logprobs, token_logprobs  # noqa: E402
 from test_megatron_cp import tiny_hybrid  # noqa: E402
 
-LAYOUTS = {"ep2": (1, 1, 2), "ep2_cp2": (1, 2, 2), "tp2_ep2": (2, 1, 2), "tp2_cp2": (2, 2, 1)}  # (tp, cp, ep)
+LAYOUTS = {"ep2": (1, 1, 2), "ep2_cp2": (1, 2, 2), "tp2_ep2": (2, 1, 2), "tp2_cp2": (2, 2, 1),  # (tp, cp, ep)
+           "tp2_ep4": (2, 1, 4), "tp2_cp2_ep4": (2, 2, 4)}
 WORLD = 4
 
 
@@ -34,9 +37,13 @@ def _rank(rank, world, port, out):
             ids, mask = batch(seed=1 + dp)
             logp = token_logprobs(model(input_ids=ids, attention_mask=mask).logits, ids)
             (logp * mask[:, 1:]).sum().backward()
-            packed = packed_token_logprobs(model, ids, mask).detach()
-            torch.save({"dp": dp, "ep": ps.get_expert_model_parallel_rank(), "logp": logp.detach(), "packed": packed,
-                        "grads": {k: p.grad for k, p in model.gpt.named_parameters()}}, f"{out}/{name}{rank}.pt")
+            grads = {k: p.grad.clone() for k, p in model.gpt.named_parameters()}
+            model.zero_grad()
+            packed = packed_token_logprobs(model, ids, mask)  # one row of 21 tokens: TP does not divide it
+            (packed * mask[:, 1:]).sum().backward()
+            torch.save({"dp": dp, "ep": ps.get_expert_model_parallel_rank(), "tp": ps.get_tensor_model_parallel_rank(),
+                        "logp": logp.detach(), "packed": packed.detach(),
+                        "grads": grads, "packed_grads": {k: p.grad for k, p in model.gpt.named_parameters()}}, f"{out}/{name}{rank}.pt")
             ps.destroy_model_parallel()
     finally:
         leave_process_group()
@@ -72,24 +79,33 @@ def test_every_rank_gives_hfs_logprobs_for_its_replicas_batch_padded_and_packed(
         torch.testing.assert_close(r["packed"][valid], want[valid], rtol=0, atol=1e-5)
 
 
+def _add(into: dict, name: str, grad) -> None:
+    into[name] = into[name] + grad if name in into else grad
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ep2", "ep2_cp2"])
-def test_gradients_summed_as_megatron_sums_them_equal_hfs_over_every_batch(layout, ranks):
+@pytest.mark.parametrize("rows", ["padded", "packed"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gradients_summed_as_megatron_sums_them_equal_hfs_over_every_batch(layout, rows, ranks):
     shape = W.HybridShape.of(tiny_hybrid().config)
     want: dict = {}
     for dp in sorted({r["dp"] for r in ranks[layout]}):
         for k, g in hf_reference(dp)[1].items():
-            want[k] = want[k] + g if k in want else g
-    ep = LAYOUTS[layout][2]
-    summed: list[dict] = [{} for _ in range(ep)]  # per EP rank: the sum over the ranks holding its experts
+            _add(want, k, g)
+    tp, _, ep = LAYOUTS[layout]
+    et = W.expert_tensor_size(tp, ep)
+    dense: list[dict] = [{} for _ in range(tp)]  # per TP rank: the sum over data x context ranks
+    experts: list[list[dict]] = [[{} for _ in range(et)] for _ in range(ep)]  # over the ranks holding them
     for r in ranks[layout]:
-        for k, g in r["grads"].items():
-            mine = summed[r["ep"]]
-            mine[k] = mine[k] + g if k in mine else g
-    dense = {k: sum(s[k] for s in summed) for k in summed[0] if ".experts." not in k}  # data x context ranks
-    names = W.hf_to_megatron(tiny_hybrid().state_dict(), shape)  # buffers too, which have no gradient
-    grid = [[{**{k: torch.zeros_like(v) for k, v in names.items() if ".experts." not in k}, **dense,
-              **{k: g for k, g in s.items() if ".experts." in k}}] for s in summed]
-    got = dict(W.megatron_to_hf(grid[0], shape, expert_shards=grid))
+        for k, g in r["grads" if rows == "padded" else "packed_grads"].items():
+            _add(experts[r["ep"]][r["tp"] % et] if ".experts." in k else dense[r["tp"]], k, g)
+    for k in [k for k in dense[0] if k.endswith("router.weight")]:  # each TP rank's covers its share: over TP
+        total = sum(d[k] for d in dense)
+        for d in dense:
+            d[k] = total
+    shards = [{**{k: torch.zeros_like(v) for k, v in W.hf_to_megatron(tiny_hybrid().state_dict(), shape, tp_rank=t,
+                                                                       tp_size=tp).items()},  # buffers too
+               **dense[t]} for t in range(tp)]
+    got = dict(W.megatron_to_hf(shards, shape, expert_shards=experts))
     for name, g in want.items():
         torch.testing.assert_close(got[name], g, rtol=0, atol=5e-6 * g.abs().max().item(), msg=name)

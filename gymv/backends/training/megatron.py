@@ -75,20 +75,19 @@ def _check_setup(setup: TrainingSetup) -> None:
                             fix="set it to 1 (data parallel over the training GPUs), or use training.backend: fsdp2")
 
 
-def gather_experts(shards: list[dict[str, Tensor]]) -> list[list[dict[str, Tensor]]]:
-    """`[ep rank][tp rank]` state dicts of the routed experts, gathered over megatron's EP group from every
-    rank's TP shards (`shards`, every TP rank's, as gather_state returns them), as megatron_to_hf takes them."""
+def gather_experts(state: dict[str, Tensor]) -> list[list[dict[str, Tensor]]]:
+    """`[ep rank][0]` state dicts of the routed experts (each whole: expert TP 1), gathered over megatron's
+    EP group from this rank's own, as megatron_to_hf takes them (`expert_shards`)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     group = parallel_state.get_expert_model_parallel_group()
-    grid: list[list[dict[str, Tensor]]] = [[{} for _ in shards] for _ in range(dist.get_world_size(group))]
-    for t, shard in enumerate(shards):
-        for name in sorted(k for k in shard if any(p in k for p in megatron_hybrid_weights.EXPERT_SHARDED)):
-            parts = [torch.empty_like(shard[name]) for _ in grid]
-            dist.all_gather(parts, shard[name].contiguous(), group=group)
-            for row, part in zip(grid, parts):
-                row[t][name] = part
+    grid: list[list[dict[str, Tensor]]] = [[{}] for _ in range(dist.get_world_size(group))]
+    for name in sorted(k for k in state if any(p in k for p in megatron_hybrid_weights.EXPERT_SHARDED)):
+        parts = [torch.empty_like(state[name]) for _ in grid]
+        dist.all_gather(parts, state[name].contiguous(), group=group)
+        for row, part in zip(grid, parts):
+            row[0][name] = part
     return grid
 
 
@@ -308,12 +307,16 @@ class MegatronBackend(HFTorchBackend):
             yield from ((k, v.detach()) for k, v in model.vision_model.state_dict().items())
         state = {k: v.detach() for k, v in model.gpt.state_dict().items() if isinstance(v, Tensor)}
         to_hf = mapping(self.shape).megatron_to_hf
-        shards = gather_state(state) if self.tp > 1 else [state]
         if self.ep == 1:
+            shards = gather_state(state) if self.tp > 1 else [state]
             yield from to_hf(shards, self.shape, include_tied_head=include_tied_head)
             return
 
-        yield from to_hf(shards, self.shape, include_tied_head=include_tied_head, expert_shards=gather_experts(shards))
+        # under EP each expert is whole on one rank: gathered once over the EP group, not over TP as well
+        experts = gather_experts(state)
+        dense = {k: v for k, v in state.items() if not any(p in k for p in megatron_hybrid_weights.EXPERT_SHARDED)}
+        shards = gather_state(dense) if self.tp > 1 else [dense]
+        yield from to_hf(shards, self.shape, include_tied_head=include_tied_head, expert_shards=experts)
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         yield from self._hf_weights(include_tied_head=self.sends_tied_head)

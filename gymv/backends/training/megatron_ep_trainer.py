@@ -7,10 +7,11 @@ of its last micro-batch, or of one unscored token, with a zero loss whose backwa
 exchanges), so no sample is re-planned and the loss is unchanged.
 
 Gradients: a dense weight (held whole, or TP-split, on every EP rank) is summed over the data-parallel
-ranks (and the context-parallel ranks), as without EP. A routed expert is held by one EP rank of each EP
-group and its gradient already covers every token the group sent it: it is summed over the ranks holding
-the same experts, megatron's expert-data-parallel group. The gradient norm counts each expert shard once:
-its squares are summed over the EP group (and over TP, where experts are TP-split too).
+ranks (and the context-parallel ranks), as without EP; the router's is summed over TP too (each TP rank
+dispatches its share of the tokens, HybridMoE). A routed expert is held whole by one EP rank of each EP
+group (expert TP 1) and its gradient already covers every token the group sent it: it is summed over the
+ranks holding the same experts, megatron's expert-data-parallel group (world / EP). The gradient norm
+counts each expert once: its squares are summed over the EP group.
 """
 
 from __future__ import annotations
@@ -86,7 +87,6 @@ class ExpertParallelTrainer(TensorParallelTrainer):
                 sharded += sq
             else:
                 replicated += sq
-        dist.all_reduce(expert, op=dist.ReduceOp.SUM, group=self.ep_group)
-        sharded += expert  # experts are TP-split as well (expert TP = TP)
+        dist.all_reduce(expert, op=dist.ReduceOp.SUM, group=self.ep_group)  # every expert once, whole
         dist.all_reduce(sharded, op=dist.ReduceOp.SUM, group=tp_group())
-        return (sharded + replicated).sqrt()
+        return (sharded + replicated + expert).sqrt()

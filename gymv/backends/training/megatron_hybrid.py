@@ -27,13 +27,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gymv.backends import mamba_kernels
 from gymv.backends.packing import PackedAttentionArgs
 from gymv.backends.ssd_scan import chunk_scan, segment_conv1d, seq_idx_from_bounds
-from gymv.backends.training.megatron_hybrid_weights import HybridShape
+from gymv.backends.training.megatron_hybrid_weights import HybridShape, expert_tensor_size
 from gymv.backends.training.megatron_model import SdpaCoreAttention, require_megatron
 
 
@@ -200,12 +201,13 @@ class HybridTopkRouter(nn.Module):
 
 class HybridExperts(nn.Module):
     """This EP rank's block of routed experts (`first`, the global index of its first), each expert's width
-    split over TP: up_proj [experts, width/tp, H], down_proj [experts, H, width/tp]. `forward` returns this
-    TP rank's partial sum of the weighted expert outputs of the tokens routed here."""
+    split over the expert-TP ranks (`expert_tensor_size`: TP at EP 1, else 1, experts whole): up_proj
+    [experts, width/etp, H], down_proj [experts, H, width/etp]. `forward` returns the weighted expert outputs
+    of the tokens routed here (a TP rank's partial sum where the experts are TP-split)."""
 
     def __init__(self, shape: HybridShape, config, *, ep_size: int = 1, ep_rank: int = 0):
         super().__init__()
-        tp = config.tensor_model_parallel_size
+        tp = expert_tensor_size(config.tensor_model_parallel_size, ep_size)
         local = shape.experts // ep_size
         self.first, self.local = ep_rank * local, local
         dtype = config.params_dtype
@@ -233,10 +235,47 @@ class LocalDispatch:
         return experts(x, index, weights)
 
 
+def token_share(tokens: int, tp: int, rank: int) -> slice:
+    """TP rank `rank`'s share of `tokens` rows: contiguous blocks of ceil(tokens / tp), the last ones shorter
+    or empty where tp does not divide the count."""
+    per = -(-tokens // tp)
+    return slice(min(rank * per, tokens), min((rank + 1) * per, tokens))
+
+
+class _GatherTokenShares(torch.autograd.Function):
+    """Forward: every TP rank's share of the rows (`token_share`), all-gathered in rank order (each padded to
+    the largest share, so a plain all-gather serves uneven counts). Backward: the gradient of the gathered
+    rows is the same on every TP rank (the activations after the layer are replicated), so this rank keeps
+    its own share's."""
+
+    @staticmethod
+    def forward(ctx, part: Tensor, tokens: int, group) -> Tensor:
+        tp, rank = dist.get_world_size(group), dist.get_rank(group)
+        ctx.share = token_share(tokens, tp, rank)
+        per = -(-tokens // tp)
+        padded = part.new_zeros((per, *part.shape[1:]))
+        padded[: part.shape[0]] = part
+        parts = [torch.empty_like(padded) for _ in range(tp)]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat(parts)[:tokens]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad[ctx.share].contiguous(), None, None
+
+
 class HybridMoE(nn.Module):
-    """Routed experts plus the shared expert, as NemotronHMoE: out = sum_k w_k expert_k(x) + shared(x). Under
-    TP the tokens enter the routed part through megatron's copy-to-TP-region (its backward sums the input's
-    gradient over TP) and leave through a TP all-reduce of the ranks' partial sums."""
+    """Routed experts plus the shared expert, as NemotronHMoE: out = sum_k w_k expert_k(x) + shared(x).
+
+    The tokens enter through megatron's copy-to-TP-region (its backward sums the input's gradient over TP)
+    and every TP rank routes all of them (the router is whole, its metrics see every token). Then:
+    - EP 1, experts TP-split: every rank runs all tokens through its share of each expert's width and a TP
+      all-reduce sums the partial outputs;
+    - EP > 1, experts whole (expert TP 1, megatron's folding): the hidden states are replicated over TP (no
+      sequence parallelism), so each TP rank dispatches only its share of the tokens (`token_share`, with
+      their routing) to the EP group and the combined outputs are all-gathered over TP. Each TP rank's
+      router gradient then covers its share's routing weights: the trainer sums it over TP, as it does
+      where the experts are TP-split (megatron_hybrid_weights.TP_PARTIAL_GRADIENTS)."""
 
     def __init__(self, shape: HybridShape, config, *, tp_group=None, ep_group=None,
                  dispatch: Callable[..., Tensor] | None = None):
@@ -252,8 +291,10 @@ class HybridMoE(nn.Module):
         self.shared_expert = (HybridMLP(shape.hidden, shape.shared_ffn, config, tp_group=tp_group)
                               if shape.shared_ffn else None)
         self.tp = config.tensor_model_parallel_size
+        self.shares_tokens = self.tp > 1 and expert_tensor_size(self.tp, ep_size) == 1
 
     def forward(self, hidden: Tensor) -> Tensor:
+        from megatron.core import parallel_state
         from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                             reduce_from_tensor_model_parallel_region)
 
@@ -262,9 +303,15 @@ class HybridMoE(nn.Module):
         if self.tp > 1:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         _, weights, index = self.router(x)
-        routed = self.dispatch(x, index, weights, self.experts)
-        if self.tp > 1:
-            routed = reduce_from_tensor_model_parallel_region(routed, self.tp_group)
+        if self.shares_tokens:
+            group = self.tp_group if self.tp_group is not None else parallel_state.get_tensor_model_parallel_group()
+            mine = token_share(x.shape[0], self.tp, dist.get_rank(group))
+            part = self.dispatch(x[mine], index[mine], weights[mine], self.experts)
+            routed = _GatherTokenShares.apply(part, x.shape[0], group)
+        else:
+            routed = self.dispatch(x, index, weights, self.experts)
+            if self.tp > 1:
+                routed = reduce_from_tensor_model_parallel_region(routed, self.tp_group)
         out = routed.view(b, t, h).transpose(0, 1)
         if self.shared_expert is not None:
             out = out + self.shared_expert(hidden)

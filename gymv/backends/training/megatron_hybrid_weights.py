@@ -8,8 +8,10 @@ Megatron names (gymv.backends.training.megatron_hybrid): `decoder.layers.{i}.nor
   the gated norm (whose groups are rank-local) split by heads; `out_proj` by input columns.
 - attention: megatron's fused `linear_qkv` (per kv group: its query heads, key, value) and `linear_proj`.
 - MoE: `router.weight` and `router.e_score_correction_bias` whole on every rank; `experts.up_proj` /
-  `experts.down_proj` [local experts, ...]: experts split over EP ranks (contiguous blocks), each expert's
-  width over TP ranks; `shared_expert.up_proj` / `.down_proj` split over TP like a dense MLP.
+  `experts.down_proj` [local experts, ...]: under expert parallelism the experts split over EP ranks
+  (contiguous blocks), each expert whole (megatron's expert tensor parallel size 1, `expert_tensor_size`);
+  at EP 1 each expert's width splits over TP ranks instead; `shared_expert.up_proj` / `.down_proj` split
+  over TP like a dense MLP.
 - MLP: `up_proj` (rows) and `down_proj` (columns) over TP.
 Every split is a slice and every merge a concatenation, so a round trip is bit-exact.
 """
@@ -103,8 +105,8 @@ class HybridShape:
         if "-" in self.pattern:
             sizes.append(("MLP width", self.ffn))
         if "E" in self.pattern:
-            sizes += [("expert width", self.moe_ffn)] + ([("shared expert width", self.shared_ffn)]
-                                                          if self.shared_ffn else [])
+            sizes += ([("expert width", self.moe_ffn)] if expert_tensor_size(tp, ep) > 1 else []) + (
+                [("shared expert width", self.shared_ffn)] if self.shared_ffn else [])
         for what, n in sizes:
             if n % tp:
                 raise GymvError(f"tensor parallel size {tp} does not divide the model's {what} ({n})",
@@ -114,12 +116,18 @@ class HybridShape:
                             where="training.parallel.expert", fix=f"use an expert parallel size that divides {self.experts}")
 
 
+def expert_tensor_size(tp: int, ep: int) -> int:
+    """How many ranks each routed expert's width is split over (megatron's expert tensor parallel size): 1
+    under expert parallelism (experts whole, as the reference runs set `expert_tensor_parallel_size`), else TP."""
+    return 1 if ep > 1 else tp
+
+
 # Weights split over TP ranks (substrings of Megatron names); everything else is whole on every rank.
 TP_SHARDED = ("mixer.in_proj.", "mixer.conv1d.", "mixer.A_log", "mixer.D", "mixer.dt_bias", "mixer.norm.",
               "mixer.out_proj.", "mixer.linear_qkv.", "mixer.linear_proj.", "mixer.experts.",
               "mixer.shared_expert.", "mixer.up_proj.", "mixer.down_proj.")
-# Whole on every TP rank, but each rank's gradient covers only its share of the experts' width: summed over
-# the TP group before a step.
+# Whole on every TP rank, but each rank's gradient covers only its share of the experts' width (EP 1), or of
+# the tokens it dispatches (EP > 1, experts whole): summed over the TP group before a step.
 TP_PARTIAL_GRADIENTS = ("mixer.router.weight",)
 EXPERT_SHARDED = ("mixer.experts.",)  # split over EP ranks too
 
@@ -196,8 +204,9 @@ def hf_to_megatron(hf: Mapping[str, Tensor], shape: HybridShape, *, tp_rank: int
             out[m + "router.weight"] = hf[h + "gate.weight"]
             out[m + "router.e_score_correction_bias"] = hf[h + "gate.e_score_correction_bias"]
             mine = slice(ep_rank * shape.experts // ep_size, (ep_rank + 1) * shape.experts // ep_size)
-            out[m + "experts.up_proj"] = hf[h + "experts.up_proj"][mine].chunk(tp, dim=1)[r]
-            out[m + "experts.down_proj"] = _cols(hf[h + "experts.down_proj"][mine], r, tp)
+            et = expert_tensor_size(tp, ep_size)
+            out[m + "experts.up_proj"] = hf[h + "experts.up_proj"][mine].chunk(et, dim=1)[r % et]
+            out[m + "experts.down_proj"] = _cols(hf[h + "experts.down_proj"][mine], r % et, et)
             if shape.shared_ffn:
                 out[m + "shared_expert.up_proj.weight"] = _rows(hf[h + "shared_experts.up_proj.weight"], r, tp)
                 out[m + "shared_expert.down_proj.weight"] = _cols(hf[h + "shared_experts.down_proj.weight"], r, tp)
@@ -214,7 +223,8 @@ def megatron_layer_to_hf(shards: Sequence[Mapping[str, Tensor]], shape: HybridSh
                          expert_shards: Sequence[Sequence[Mapping[str, Tensor]]] | None = None
                          ) -> Iterator[tuple[str, Tensor]]:
     """The HF tensors of layer `i` from every TP rank's state dict (rank order). `expert_shards[e][t]`: the
-    state dicts of EP rank e, TP rank t, for the experts (default: `shards` alone, one EP rank)."""
+    state dicts of EP rank e, expert-TP rank t, for the experts (default: `shards` alone, one EP rank whose
+    experts split over TP); under EP each row holds one state dict (experts whole)."""
     tp = len(shards)
     h, m = _hf_layer(shape, i), f"decoder.layers.{i}."
     yield h + "norm.weight", shards[0][m + "norm.weight"]

@@ -2,12 +2,14 @@
 
 Ranks are laid out as megatron-core's parallel_state lays them out (its default order `tp-cp-ep-dp-pp`):
 consecutive ranks form a TP group; CP groups join ranks TP apart; the data-parallel dimension is what is
-left (world / (TP * CP)). Expert parallelism folds over the data x context ranks: with expert TP equal to
-TP, consecutive groups of TP * EP ranks form an EP group per TP rank, so an EP group's ranks hold different
-tokens (of other sequences, or other chunks of the same one) and exchange them by all-to-all
-(gymv.backends.training.megatron_ep). Gradients: dense weights are summed over data x context ranks;
-expert weights over the ranks that hold the same experts (megatron's expert-data-parallel group, world /
-(TP * EP)).
+left (world / (TP * CP)). Expert parallelism folds over all the ranks with each expert whole (megatron's
+expert tensor parallel size 1, as the reference runs set it): megatron's expert grid is ETP x EP x EDP over the
+same world, order tp-ep-dp, so with ETP 1 consecutive blocks of EP ranks form an EP group, spanning TP, CP
+and data ranks alike (TP2 x EP8 x CP2 on 8 ranks: one EP group of all 8). An EP group's ranks hold different
+tokens (a TP rank dispatches its 1/TP share of the replicated hidden states, HybridMoE) and exchange them by
+all-to-all (gymv.backends.training.megatron_ep). Gradients: dense weights are summed over data x context
+ranks; expert weights over the ranks that hold the same experts (megatron's expert-data-parallel group,
+world / EP). At EP 1 there is no expert grid: the experts split over TP like the dense MLPs.
 """
 
 from __future__ import annotations
@@ -19,9 +21,21 @@ import torch
 from gymv.backends.training.megatron_cp import ContextParallelCausalLM, build_context_parallel_hybrid
 from gymv.backends.training.megatron_ep import AllToAllDispatch
 from gymv.backends.training.megatron_hybrid import HybridMoE, build_hybrid
-from gymv.backends.training.megatron_hybrid_weights import HybridShape, hf_to_megatron
+from gymv.backends.training.megatron_hybrid_weights import HybridShape, expert_tensor_size, hf_to_megatron
 from gymv.backends.training.megatron_model import MegatronCausalLM, allow_cpu, require_megatron
 from gymv.errors import GymvError
+
+
+def check_divides(world: int, *, tensor: int = 1, context: int = 1, expert: int = 1) -> None:
+    """GymvError unless TP x CP and EP (x expert TP 1) each divide the `world` trainer ranks."""
+    if world % (tensor * context):
+        raise GymvError(f"tensor ({tensor}) x context ({context}) parallel sizes do not divide the {world} trainer "
+                        "ranks", where="training.parallel.tensor",
+                        fix="choose tensor and context sizes whose product divides the number of training ranks")
+    if world % expert:
+        raise GymvError(f"expert parallel size {expert} does not divide the {world} trainer ranks",
+                        where="training.parallel.expert",
+                        fix="choose an expert parallel size that divides the number of training ranks")
 
 
 def init_model_parallel(tensor: int = 1, context: int = 1, expert: int = 1, device: torch.device | str = "cpu") -> None:
@@ -33,12 +47,10 @@ def init_model_parallel(tensor: int = 1, context: int = 1, expert: int = 1, devi
     from megatron.core import parallel_state
 
     world = dist.get_world_size()
-    if world % (tensor * context) or world % (tensor * expert):
-        raise GymvError(f"tensor ({tensor}) x context ({context}) and tensor x expert ({expert}) parallel sizes "
-                        f"must divide the {world} trainer ranks", where="training.parallel",
-                        fix="choose sizes whose products divide the number of training ranks")
+    check_divides(world, tensor=tensor, context=context, expert=expert)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor, context_parallel_size=context,
-                                             expert_model_parallel_size=expert)
+                                             expert_model_parallel_size=expert,
+                                             expert_tensor_parallel_size=expert_tensor_size(tensor, expert))
     if torch.device(device).type == "cpu":
         allow_cpu()
 
