@@ -16,6 +16,10 @@ declare -A BUDGET=(
   [ci]=2100    # the whole run of a fresh clone's .ci/run (venvs built from nothing); any run is held to it
 )
 BUDGET_HEADROOM_PCT=25
+# The main suite's pytest still running at this share of its stage's budget is taken for hung (a deadlocked
+# pytest-xdist session waits forever) and stopped, so that the run fails saying so rather than running into the
+# CI job's own limit with nothing said.
+HANG_LIMIT_PCT=250
 # The fast set is checked only on a run given -m "not slow", whose main stage is the fast set's wall time. In a
 # full run the suite-timing summary's fast share is test time summed over the xdist workers, with each shared
 # fixture (a tiny model, the local Ray) charged to whichever test asked first, slow or not: it is not what a
@@ -55,6 +59,33 @@ over_budget() {
   return 1
 }
 
+# hang_limit KEY: the seconds after which the stage held to budget KEY is stopped as hung.
+hang_limit() {
+  echo $((BUDGET[$1] * HANG_LIMIT_PCT / 100))
+}
+
+# guarded LIMIT LABEL COMMAND...: run COMMAND (its output shown, stderr merged into stdout), stopped after LIMIT
+# seconds (TERM to its process group, KILL a minute later) with a line saying so; pytest-xdist's lines about a
+# crashed worker are repeated after it, and both are kept in GUARD_NOTES for the run's summary. COMMAND's status.
+GUARD_NOTES=()
+guarded() {
+  local limit=$1 label=$2 log rc t0=$SECONDS line
+  shift 2
+  log=$(mktemp)
+  timeout --kill-after=60 "$limit" "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  while IFS= read -r line; do
+    GUARD_NOTES+=("$label: $line")
+  done < <(grep -aoE "\[gw[0-9]+\] node down: .*|worker '[^']+' crashed while running '[^']+'|maximum crashed workers.*" \
+    "$log" | sort -u)
+  rm -f "$log"
+  if [ "$rc" -eq 124 ] || { [ "$rc" -eq 137 ] && [ $((SECONDS - t0)) -ge "$limit" ]; }; then
+    GUARD_NOTES+=("FAILED: $label still running after $limit s ($HANG_LIMIT_PCT% of its budget): stopped as hung")
+  fi
+  [ "${#GUARD_NOTES[@]}" -gt 0 ] && echo && printf '%s\n' "${GUARD_NOTES[@]}"  # pytest's last line may be open
+  return "$rc"
+}
+
 run_tests() {
   set -euo pipefail
   cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -64,11 +95,12 @@ run_tests() {
   stage() { local now; now=$(date +%s); took=$((now - t0)); stages+=("$(printf '%-34s %5d s' "$1" "$took")"); t0=$now; }
   bash scripts/install.sh dev
   stage "install (.venv)"
+  key=$(main_budget "$@")
   set +e
   # Two pytest-xdist workers, one test file at a time each (module fixtures are shared within a file);
   # GYMV_TEST_WORKERS=0 runs in this process.
-  .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 \
-    -n "${GYMV_TEST_WORKERS:-2}" --dist loadfile "$@"
+  guarded "$(hang_limit "$key")" "main suite (.venv)" .venv/bin/python -m pytest -q -p no:cacheprovider \
+    --timeout=900 --durations=15 -n "${GYMV_TEST_WORKERS:-2}" --dist loadfile "$@"
   rc=$?
   set -e
   stage "main suite (.venv)"
@@ -84,12 +116,12 @@ run_tests() {
     stage "vLLM backend tests (vLLM venv)"
     [ "$rc" -eq 0 ] && rc=$vrc
   fi
-  key=$(main_budget "$@")
   echo "== wall time per stage (budgets on 2 cores, CONTRIBUTING.md: the fast set (-m \"not slow\") <= ${BUDGET[fast]} s," \
     "the main suite <= ${BUDGET[main]} s, a fresh clone's .ci/run <= ${BUDGET[ci]} s; more than $BUDGET_HEADROOM_PCT% over fails)"
   printf '%s\n' "${stages[@]}"
   total_s=$(($(date +%s) - start))
   printf '%-34s %5d s\n' "whole run" "$total_s"
+  [ "${#GUARD_NOTES[@]}" -gt 0 ] && printf '%s\n' "${GUARD_NOTES[@]}"
   name="main suite (.venv)"
   [ "$key" = fast ] && name="the fast set (main suite, -m \"not slow\")"
   if ! over_budget "$name" "$key" "$main_s" "whole run" ci "$total_s"; then

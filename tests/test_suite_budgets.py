@@ -80,3 +80,31 @@ def test_a_run_with_a_stage_over_its_limit_exits_non_zero_with_that_line_last(tm
     assert r.returncode == 1
     assert r.stdout.splitlines()[-1].startswith('FAILED: over budget by more than 25%: the fast set (main suite, '
                                                 '-m "not slow") took 1300 s, 1120 s (623%) over its 180 s budget')
+
+
+# The main suite's pytest runs under a hang guard: stopped at 2.5 times its stage's budget, with pytest-xdist's
+# lines about crashed workers repeated after its output.
+
+def test_a_stage_is_taken_for_hung_at_two_and_a_half_times_its_budget():
+    assert [script("hang_limit", key).stdout.strip() for key in ("main", "fast")] == ["3000", "450"]
+
+
+def test_a_command_past_its_hang_limit_is_stopped_and_fails_with_a_line_saying_so():
+    r = script("guarded", "1", "main suite (.venv)", "sleep", "20")
+    assert r.returncode == 124
+    assert r.stdout.splitlines()[-1] == ("FAILED: main suite (.venv) still running after 1 s (250% of its budget): "
+                                         "stopped as hung")
+
+
+def test_a_crashed_xdist_worker_is_named_after_the_output_and_the_status_is_kept():
+    out = ("..[gw1] node down: Not properly terminated\nF..\n"
+           "FAILED a.py::t - worker 'gw1' crashed while running 'a.py::t'\n1 failed, 4 passed")
+    r = script("guarded", "30", "main suite (.venv)", "bash", "-c", f'printf "%s" "{out}"; exit 1')
+    assert r.returncode == 1
+    assert r.stdout.splitlines()[-2:] == ["main suite (.venv): [gw1] node down: Not properly terminated",
+                                          "main suite (.venv): worker 'gw1' crashed while running 'a.py::t'"]
+
+
+def test_a_command_that_ends_in_time_without_a_crash_adds_nothing():
+    r = script("guarded", "30", "main suite (.venv)", "bash", "-c", "echo 5 passed")
+    assert (r.returncode, r.stdout) == (0, "5 passed\n")
