@@ -124,6 +124,17 @@ def test_parallel_sizes_divide_the_training_gpus_when_not_colocated():
     assert "parallel.divides-gpus" not in rules_hit(cfg(training={"backend": "megatron", "parallel": {"tensor": 2}}, **split))
 
 
+def test_expert_parallelism_folds_over_tensor_and_context_ranks_so_tp2_ep8_cp2_fits_8_gpus():
+    # experts whole (expert TP 1): EP need only divide the GPUs, not TP x EP (16 here)
+    parallel = {"tensor": 2, "expert": 8, "context": 2}
+    assert rules_hit(cfg(training={"backend": "megatron", "parallel": parallel}, **GPU)) == set()
+
+
+def test_an_expert_parallel_size_that_does_not_divide_the_gpus_is_an_error_naming_the_key():
+    [f] = check_compatibility(cfg(training={"backend": "megatron", "parallel": {"tensor": 2, "expert": 16}}, **GPU))
+    assert (f.rule, f.key) == ("parallel.divides-gpus", "training.parallel.expert") and "expert 16" in f.message
+
+
 def test_megatron_tensor_parallelism_on_a_cpu_runs_over_its_training_ranks():
     assert rules_hit(cfg(training={"backend": "megatron", "parallel": {"tensor": 2}},
                          cluster={"cpu_training_ranks": 2})) == set()

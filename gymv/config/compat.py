@@ -225,16 +225,22 @@ def _placement_colocated(cfg: RecipeBase) -> Iterator[Finding]:
                    "or set cluster.colocated: false")
 
 
-@rule("parallel.divides-gpus", "tensor*pipeline*context must divide the training GPUs (on a CPU, the training ranks)")
+@rule("parallel.divides-gpus", "tensor*pipeline*context, and expert (each expert whole, megatron's expert tensor "
+                               "parallel size 1), must each divide the training GPUs (on a CPU, the training ranks)")
 def _parallel_divides(cfg: RecipeBase) -> Iterator[Finding]:
     mp = model_parallel_size(cfg)
     ranks, key = training_ranks(cfg)
+    p = cfg.training.parallel
+    what = f"{ranks} training GPUs" if total_gpus(cfg) else f"{ranks} training ranks ({key})"
     if ranks % mp:
-        p = cfg.training.parallel
-        what = f"{ranks} training GPUs" if total_gpus(cfg) else f"{ranks} training ranks ({key})"
         yield _err("parallel.divides-gpus", "training.parallel",
                    f"tensor {p.tensor} x pipeline {p.pipeline} x context {p.context} = {mp} does not divide the {what}",
                    "choose sizes whose product divides the rank count (data parallel takes the rest)")
+    if ranks % p.expert:
+        # the EP group folds over tensor, context and data ranks alike (expert tensor parallel size 1)
+        yield _err("parallel.divides-gpus", "training.parallel.expert",
+                   f"expert {p.expert} does not divide the {what}",
+                   "choose an expert parallel size that divides the rank count")
 
 
 @rule("parallel.backend", "model parallelism needs a training backend that declares it (megatron; on GPUs or, over "
