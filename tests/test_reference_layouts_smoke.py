@@ -1,7 +1,7 @@
 """`gymv smoke --tiny` of the reference layouts' recipes: the Nano Omni GRPO run and the Super Omni MOPD smoke
-run on the CPU as the tiny Omni in Megatron, keeping what of their layout a CPU runs at size 2 (the student's
-tensor, context and expert parallelism over four gloo ranks, the Megatron teacher's replica of two ranks) and
-naming the rest."""
+run on the CPU as the tiny Omni in Megatron, keeping what of their layout a CPU runs at tiny size (the
+student's tensor and context parallelism at 2 over four gloo ranks, its expert parallelism at 4 folded over
+those ranks, the Megatron teacher's replica of two ranks) and naming the rest."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_the_student_keeps_tensor_parallel_2_and_the_teacher_a_replica_of_2_rank
     assert f"cluster.cpu_training_ranks: 1 -> {ranks}" in grpo
 
 
-def test_the_student_keeps_expert_parallel_2_folded_over_the_same_ranks(results):
-    _, by_name = results
-    assert "training.parallel.expert: 16 -> 2" in by_name[SMOKE.name]["tiny_changes"]
-    assert "training.parallel.expert: 8 -> 2" in by_name[GRPO.name]["tiny_changes"]
+def test_the_student_keeps_expert_parallel_4_folded_over_its_tensor_and_context_ranks(results):
+    _, by_name = results  # experts whole (expert TP 1): one EP group of the four TP2 x CP2 ranks, an expert each
+    assert "training.parallel.expert: 16 -> 4" in by_name[SMOKE.name]["tiny_changes"]
+    assert "training.parallel.expert: 8 -> 4" in by_name[GRPO.name]["tiny_changes"]

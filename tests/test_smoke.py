@@ -142,10 +142,14 @@ def test_tiny_turns_every_gpu_recipe_into_a_valid_cpu_recipe(tmp_path, recipe):
     own = before["training"]["backend"]
     assert cfg["training"]["backend"] == (own if own in ("fsdp2", "megatron") else "torch")
     assert cfg["generation"]["backend"] == "hf"
-    # a size the kept backend runs on a CPU keeps its structure at tiny size (at most 2), the rest become 1
+    # a size the kept backend runs on a CPU keeps its structure at tiny size (at most 2), the rest become 1;
+    # expert parallelism folds over the tensor x context ranks kept (experts whole), up to the tiny 4 experts
     wired = TRAINING_BACKENDS.capabilities(cfg["training"]["backend"]).model_parallel
-    assert cfg["training"]["parallel"] == {k: min(v, 2) if k in wired else 1
-                                           for k, v in before["training"]["parallel"].items()}
+    want = {k: min(v, 2) if k in wired else 1 for k, v in before["training"]["parallel"].items()}
+    if "expert" in wired:
+        want["expert"] = min(before["training"]["parallel"]["expert"],
+                             max(2, want["tensor"] * want["pipeline"] * want["context"]), 4)
+    assert cfg["training"]["parallel"] == want
     assert cfg["refit"]["transport"] not in ("cuda_ipc", "nccl")
     assert cfg["model"]["max_seq_len"] <= 512 and cfg["generation"]["max_new_tokens"] <= 16
     assert cfg["data"]["prepare"]["n_train"] <= 8 and cfg["data"]["train"] is None
@@ -178,14 +182,16 @@ def test_tiny_keeps_a_megatron_teacher_where_the_megatron_trainer_stays(tmp_path
 
 
 def test_tiny_keeps_the_tensor_parallel_layout_at_size_2_over_gloo_ranks_and_names_the_rest(tmp_path):
-    """TP8 x EP16 x CP2 with a TP8 x EP8 teacher: the trainer keeps TP 2 over 2 CPU ranks, the teacher's
-    replica 2 ranks; what megatron does not run on a CPU yet becomes 1, each named as a stand-in."""
+    """TP8 x EP16 x CP2 with a TP8 x EP8 teacher: the trainer keeps TP 2 x CP 2 over 4 CPU ranks and EP 4
+    folded over them (each expert whole), the teacher's replica 2 ranks; what megatron does not run on a CPU
+    yet becomes 1, each named as a stand-in."""
     pytest.importorskip("megatron.core")
     recipe = REPO / "recipes/vlm/vlm_mopd-nemotron3-super-omni-10n8g-megatron-tp8ep16cp2-async-noncolocated.yaml"
     p = prepared(tmp_path, recipe, tiny=True)
     cfg = run_config(p)
     wired = TRAINING_BACKENDS.capabilities("megatron").model_parallel
     want = {k: (2 if k in wired else 1) for k in ("tensor", "expert", "context")}
+    want["expert"] = 2 * want["context"] if "expert" in wired else 1
     assert {k: cfg["training"]["parallel"][k] for k in want} == want
     assert cfg["cluster"]["cpu_training_ranks"] == want["tensor"] * want["context"]
     teacher = cfg["mopd"]["teachers"]["self"]

@@ -24,6 +24,7 @@ from gymv.backends.registry import GENERATION_BACKENDS, REFIT_TRANSPORTS, TEACHE
 from gymv.config.schema import PlacementSection, VllmSection
 from gymv.envs import get_env
 from gymv.models.families import tiny_stand_in
+from gymv.models.tiny_build import TinyKnobs
 
 TINY_MODEL = "embedded:tiny-llava"  # the stand-in of a VLM recipe whose model family gymv has no tiny twin of
 MAX_SEQ_LEN = 512
@@ -174,12 +175,18 @@ def tiny_config(config: dict, algo: str) -> tuple[dict, list[str]]:
         _set(ch, d, "training.fsdp.cpu_offload", False)  # host memory is where a CPU run's weights already are
     _set(ch, d, "training.dtype", "auto")
     wired = TRAINING_BACKENDS.capabilities(training_backend).model_parallel
-    sizes = {k: _tiny_size(((d.get("training") or {}).get("parallel") or {}).get(k, 1), k in wired)
-             for k in PARALLEL_SIZES}
+    asked = ((d.get("training") or {}).get("parallel") or {})
+    sizes = {k: _tiny_size(asked.get(k, 1), k in wired) for k in PARALLEL_SIZES}
+    replica = sizes["tensor"] * sizes["pipeline"] * sizes["context"]
+    if "expert" in wired:
+        # each expert whole (expert TP 1): the EP group folds over the replica's tensor and context ranks, so
+        # it keeps up to as many ranks as those, and as the tiny Omni's routed experts (TP2 x CP2 x EP4 on four
+        # ranks: one expert a rank)
+        sizes["expert"] = min(int(asked.get("expert", 1)), max(MAX_PARALLEL, replica), TinyKnobs.experts)
     for k, size in sizes.items():
         _set(ch, d, f"training.parallel.{k}", size)
-    # one data-parallel replica of the kept layout (expert parallelism folds over data x context ranks)
-    model_parallel = math.lcm(sizes["tensor"] * sizes["pipeline"] * sizes["context"], sizes["tensor"] * sizes["expert"])
+    # one data-parallel replica of the kept layout, and whole EP groups
+    model_parallel = math.lcm(replica, sizes["expert"])
     if model_parallel > 1:
         _set(ch, d, "cluster.cpu_training_ranks", model_parallel)
     _set(ch, d, "training.global_batch_size", None)  # refilled: the samples of one (smaller) step
