@@ -4,10 +4,11 @@ tiny Omni (a picture and a prompt a row, reasoning off; the even-length test env
 from the first step) equal the torch backend's on the same rollouts, with the router's balancing terms logged
 under the same names, and refits keep the generator in agreement with the trainer. So do they at
 training.parallel.expert 2, the routed experts split over two gloo trainer ranks that hold different samples
-(experts gathered over the EP ranks at each refit).
+(experts gathered over the EP ranks at each refit), and at tensor 2 x expert 2 on the same two ranks, where
+each expert is whole (expert TP 1) and the EP group is the TP group: each TP rank dispatches half the tokens.
 
 Every run takes one sample a micro-batch, so each micro-batch's router terms are the same tokens' on both
-sides; the three runs share one torch run and one local Ray."""
+sides; the megatron runs share one torch run and one local Ray."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from train_helpers import ray_module, tiny_grpo_settings, write_recipe  # noqa: 
 
 pytestmark = pytest.mark.slow
 RECIPE = "vlm_grpo.yaml"
-LAYOUTS = {"torch": ("torch", 1), "megatron": ("megatron", 1), "megatron-ep2": ("megatron", 2)}
+LAYOUTS = {"torch": ("torch", 1, 1), "megatron": ("megatron", 1, 1), "megatron-ep2": ("megatron", 1, 2),
+           "megatron-tp2-ep2": ("megatron", 2, 2)}  # (backend, tensor, expert) over `expert` trainer ranks
+MEGATRON = [name for name in LAYOUTS if name != "torch"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,11 +36,12 @@ def ray():
 
 
 def run(tmp, name: str) -> list[dict]:
-    backend, expert = LAYOUTS[name]
+    backend, tensor, expert = LAYOUTS[name]
     settings = tiny_grpo_settings(tmp, tiny_path("tiny-nemotron-omni"), **{
         "generation.chat_template_kwargs": {"enable_thinking": False}, "training.backend": backend,
         "training.dtype": "float32", "training.eps": 1.0e-3, "training.micro_batch_tokens": 1,
-        "training.parallel.expert": expert, "cluster.cpu_training_ranks": expert, "checkpoint.period": 3})
+        "training.parallel.tensor": tensor, "training.parallel.expert": expert, "cluster.cpu_training_ranks": expert,
+        "checkpoint.period": 3})
     train(write_recipe(tmp, f"omni-{name}", RECIPE, settings))
     lines = (tmp / "runs" / f"omni-{name}" / "metrics.jsonl").read_text().splitlines()
     return [m for m in map(json.loads, lines) if "train/loss" in m]
@@ -48,7 +52,7 @@ def runs(tmp_path_factory):
     return {name: run(tmp_path_factory.mktemp(name), name) for name in LAYOUTS}
 
 
-@pytest.mark.parametrize("layout", ["megatron", "megatron-ep2"])
+@pytest.mark.parametrize("layout", MEGATRON)
 def test_three_grpo_steps_equal_the_torch_backends_with_the_same_router_metrics(runs, layout):
     megatron, torch_ = runs[layout], runs["torch"]
     assert len(megatron) == len(torch_) == 3
@@ -60,7 +64,7 @@ def test_three_grpo_steps_equal_the_torch_backends_with_the_same_router_metrics(
             assert m[key] == pytest.approx(t[key], rel=1e-4), key
 
 
-@pytest.mark.parametrize("layout", ["megatron", "megatron-ep2"])
+@pytest.mark.parametrize("layout", MEGATRON)
 def test_refits_keep_the_generator_in_agreement_with_the_trainer(runs, layout):
     for m in runs[layout]:
         assert m["train/token_mult_prob_error"] < 1.05
