@@ -225,3 +225,13 @@ def test_expert_parallelism_with_tensor_or_context_parallelism_takes_the_torch_b
     weights = combined[layout][0]["weights"]
     for name, tensor in plain.named_weights():
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+def test_every_tp_and_ep_shard_pair_is_written_once_even_where_ep_is_below_tp():
+    from gymv.backends.training.megatron import first_holder
+
+    # expert TP 1: EP groups are consecutive blocks of EP ranks, so rank r holds TP shard r % TP, experts r % EP
+    tp4_ep2 = [(r % 4, r % 2) for r in range(4)]  # no replica of EP ranks covers TP shards 2 and 3: all write
+    assert [first_holder(tp4_ep2, r) for r in range(4)] == [True, True, True, True]
+    tp2_ep2 = [(r % 2, r % 2) for r in range(4)]  # ranks 2 and 3 repeat 0 and 1
+    assert [first_holder(tp2_ep2, r) for r in range(4)] == [True, True, False, False]

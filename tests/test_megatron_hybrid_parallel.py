@@ -109,3 +109,18 @@ def test_gradients_summed_as_megatron_sums_them_equal_hfs_over_every_batch(layou
     got = dict(W.megatron_to_hf(shards, shape, expert_shards=experts))
     for name, g in want.items():
         torch.testing.assert_close(got[name], g, rtol=0, atol=5e-6 * g.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("sizes, key", [({"tensor": 2, "context": 2, "expert": 4}, None),  # folded: 4 ranks
+                                        ({"tensor": 2, "context": 1, "expert": 8}, "training.parallel.expert"),
+                                        ({"tensor": 4, "context": 2, "expert": 2}, "training.parallel.tensor")])
+def test_tp_x_cp_and_ep_must_each_divide_the_ranks_naming_the_key(sizes, key):
+    from gymv.backends.training.megatron_parallel import check_divides
+    from gymv.errors import GymvError
+
+    if key is None:
+        check_divides(WORLD, **sizes)  # TP x EP = 8 ranks would be needed with the experts TP-split
+        return
+    with pytest.raises(GymvError) as e:
+        check_divides(WORLD, **sizes)
+    assert e.value.where == key

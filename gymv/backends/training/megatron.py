@@ -91,6 +91,11 @@ def gather_experts(state: dict[str, Tensor]) -> list[list[dict[str, Tensor]]]:
     return grid
 
 
+def first_holder(keys: list[Any], rank: int) -> bool:
+    """Whether `rank` is the lowest rank whose shard key (`keys[rank]`, every rank's in rank order) it holds."""
+    return keys.index(keys[rank]) == rank
+
+
 def _hybrid(config) -> bool:
     """A Nemotron-H decoder (Nemotron 3 Omni's): gymv's Megatron hybrid model (megatron_hybrid), not GPTModel."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -346,12 +351,17 @@ class MegatronBackend(HFTorchBackend):
         return OPTIMIZER_FILE if self.tp == 1 else f"optimizer_tp{tp}.pt"
 
     def _writes_optimizer(self) -> bool:
-        """Whether this rank writes its optimizer shard: the first replica's ranks (under EP, the first
-        expert-data-parallel replica's: each holds a different block of experts)."""
+        """Whether this rank writes its optimizer shard: the first replica's ranks (under EP, the lowest rank
+        holding each (TP rank, EP rank) pair: its dense TP shard and its block of experts, which no single
+        replica covers when EP is below TP)."""
+        import torch.distributed as dist
         from megatron.core import parallel_state
 
         if self.ep > 1:
-            return parallel_state.get_expert_data_parallel_rank() == 0
+            keys: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(keys, (parallel_state.get_tensor_model_parallel_rank(),
+                                          parallel_state.get_expert_model_parallel_rank()))
+            return first_holder(keys, dist.get_rank())
         return parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
 
     def save(self, path: str | os.PathLike) -> None:
