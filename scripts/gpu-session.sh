@@ -89,7 +89,8 @@ if ! cli_ok; then
   # the tests run `python -m gymv_cli.main` from their own folders: gymv must import from anywhere, with the
   # commands/ folder that an install maps to gymv_cli.commands
   if "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target "$work/gymv" . >"$work/pip.log" 2>&1; then
-    export PYTHONPATH="$work/gymv${PYTHONPATH:+:$PYTHONPATH}"
+    # the copy's recipe roots are its own: the tests' recipes name this checkout's recipes/ in `defaults:`
+    export PYTHONPATH="$work/gymv${PYTHONPATH:+:$PYTHONPATH}" GYMV_RECIPE_ROOTS="$REPO/recipes${GYMV_RECIPE_ROOTS:+:$GYMV_RECIPE_ROOTS}"
   else
     ln -s ../commands gymv_cli/commands && made_link=1
     export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
