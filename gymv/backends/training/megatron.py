@@ -15,9 +15,10 @@ decoder as gymv's hybrid Megatron model, gymv.backends.training.megatron_hybrid)
 micro-batch, each sequence attending to itself alone through SdpaCoreAttention). Context parallelism runs
 the Nemotron-H hybrid model (gymv.backends.training.megatron_cp: a replica's TP x CP ranks train the union of
 their samples, gradients summed over data x context ranks). Expert parallelism runs the hybrid model too
-(gymv.backends.training.megatron_ep_trainer: lock-step micro-batches over ranks holding different samples,
-expert gradients summed over the expert-data-parallel ranks; weights out gather the experts over EP; one
-optimizer file per TP x EP rank). The MoE aux loss at EP is each rank's micro-batches' own, as under data
+(gymv.backends.training.megatron_ep_trainer: each expert whole, megatron's expert TP 1, the EP group folded
+over TP, CP and data ranks; lock-step micro-batches over ranks holding different samples, expert gradients
+summed over the expert-data-parallel ranks; weights out gather the experts over EP; one optimizer file per
+TP x EP shard pair). The MoE aux loss at EP is each rank's micro-batches' own, as under data
 parallelism (the router is whole on every EP rank and sees that rank's tokens). Pipeline parallelism is
 refused, as are VLMs with other decoder inputs (Qwen3-VL, Gemma 3).
 """
@@ -341,8 +342,8 @@ class MegatronBackend(HFTorchBackend):
         _fsync_replace(tmp, path / MODEL_SAFETENSORS)
 
     def _optimizer_file(self) -> str:
-        """Optimizer state is per TP (and EP) shard: one file per TP x EP rank of the first data-parallel
-        replica (of the first expert-data-parallel one under EP)."""
+        """Optimizer state is per TP (and EP) shard: one file per TP rank, or per (TP rank, EP rank) pair
+        under EP (see `_writes_optimizer` for who writes it)."""
         from megatron.core import parallel_state
 
         tp = parallel_state.get_tensor_model_parallel_rank()

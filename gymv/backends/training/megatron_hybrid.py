@@ -14,7 +14,7 @@ process groups -- `build_mamba(shape, config, *, tp_group, cp_group)`, `build_at
 layer_number, *, tp_group, cp_group)`, `build_moe(shape, config, *, tp_group, ep_group)` -- and
 `HybridModel(..., factories=...)` takes replacements of them. `HybridMoE` splits into routing
 (`HybridTopkRouter`, whole on every rank), the local experts (`HybridExperts`: the EP rank's block of experts,
-each split over TP) and a `dispatch` hook (`LocalDispatch`: every token to the experts this rank holds, the
+each whole under EP, split over TP at EP 1) and a `dispatch` hook (`LocalDispatch`: every token to the experts this rank holds, the
 single-EP-rank case) that an expert-parallel token exchange replaces.
 
 Shapes: hidden states are [T, B, H] through the stack (megatron's layout); the MoE layer routes tokens in
