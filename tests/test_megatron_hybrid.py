@@ -104,7 +104,8 @@ def test_tp_shards_split_mamba_heads_and_groups_and_ep_shards_hold_a_block_of_wh
     # expert TP 1 under EP (megatron's folding): the block of experts whole, not split over TP
     assert torch.equal(shard["decoder.layers.1.mixer.experts.up_proj"], hf["model.layers.1.mixer.experts.up_proj"][2:])
     no_ep = W.hf_to_megatron(model.state_dict(), shape, tp_rank=1, tp_size=2)  # EP 1: each expert split over TP
-    assert torch.equal(no_ep["decoder.layers.1.mixer.experts.up_proj"], hf["model.layers.1.mixer.experts.up_proj"][:, 12:])
+    assert torch.equal(no_ep["decoder.layers.1.mixer.experts.up_proj"],
+                       hf["model.layers.1.mixer.experts.up_proj"][:, 12:])
     assert torch.equal(shard["decoder.layers.1.mixer.router.weight"], hf["model.layers.1.mixer.gate.weight"])
 
 

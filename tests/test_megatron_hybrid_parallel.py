@@ -43,7 +43,8 @@ def _rank(rank, world, port, out):
             (packed * mask[:, 1:]).sum().backward()
             torch.save({"dp": dp, "ep": ps.get_expert_model_parallel_rank(), "tp": ps.get_tensor_model_parallel_rank(),
                         "logp": logp.detach(), "packed": packed.detach(),
-                        "grads": grads, "packed_grads": {k: p.grad for k, p in model.gpt.named_parameters()}}, f"{out}/{name}{rank}.pt")
+                        "grads": grads, "packed_grads": {k: p.grad for k, p in model.gpt.named_parameters()}},
+                       f"{out}/{name}{rank}.pt")
             ps.destroy_model_parallel()
     finally:
         leave_process_group()

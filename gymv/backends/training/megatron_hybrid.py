@@ -14,8 +14,8 @@ process groups -- `build_mamba(shape, config, *, tp_group, cp_group)`, `build_at
 layer_number, *, tp_group, cp_group)`, `build_moe(shape, config, *, tp_group, ep_group)` -- and
 `HybridModel(..., factories=...)` takes replacements of them. `HybridMoE` splits into routing
 (`HybridTopkRouter`, whole on every rank), the local experts (`HybridExperts`: the EP rank's block of experts,
-each whole under EP, split over TP at EP 1) and a `dispatch` hook (`LocalDispatch`: every token to the experts this rank holds, the
-single-EP-rank case) that an expert-parallel token exchange replaces.
+each whole under EP, split over TP at EP 1) and a `dispatch` hook (`LocalDispatch`: every token to the
+experts this rank holds, the single-EP-rank case) that an expert-parallel token exchange replaces.
 
 Shapes: hidden states are [T, B, H] through the stack (megatron's layout); the MoE layer routes tokens in
 batch-major order, as the HF router does, so gymv.backends.moe_router reads its padding mask alike.
@@ -83,6 +83,10 @@ class GatedRMSNorm(nn.Module):
         self.group_size, self.eps = group_size, eps
 
     def forward(self, y: Tensor, z: Tensor) -> Tensor:
+        kernels = mamba_kernels.load(y.device)
+        if kernels is not None and kernels.gated_norm is not None:  # one Triton pass each way on CUDA
+            return kernels.gated_norm(y, self.weight, None, z=z, eps=self.eps, group_size=self.group_size,
+                                      norm_before_gate=False)
         dtype = y.dtype
         h = y.float() * F.silu(z.float())
         g = h.view(*h.shape[:-1], -1, self.group_size)
