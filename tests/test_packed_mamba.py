@@ -151,6 +151,29 @@ def test_gpu_the_triton_state_update_is_the_static_decoders_torch_step():
     torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.gpu
+def test_gpu_the_triton_gated_norm_is_the_mixers_norm_forward_and_backward():
+    k = _kernels()
+    if k.gated_norm is None:
+        pytest.skip("this mamba_ssm has no Triton gated norm (ops/triton/layernorm_gated.rmsnorm_fn)")
+    norm = mixer(device="cuda", width=16).norm  # 2 groups of 32 channels
+    y = torch.randn(1, 45, 64, device="cuda", requires_grad=True)
+    z = torch.randn(1, 45, 64, device="cuda", requires_grad=True)
+    w = torch.randn(1, 45, 64, device="cuda")
+    outs, grads = [], []
+    for kernel in (True, False):
+        for t in (y, z, norm.weight):
+            t.grad = None
+        out = (k.gated_norm(y, norm.weight, None, z=z, eps=norm.variance_epsilon, group_size=norm.group_size,
+                            norm_before_gate=False) if kernel else norm(y, z))
+        (out * w).sum().backward()
+        outs.append(out.detach())
+        grads.append([t.grad.clone() for t in (y, z, norm.weight)])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
 def test_the_environment_switch_turns_the_kernels_off_with_its_name_as_the_reason(monkeypatch):
     monkeypatch.setenv("GYMV_MAMBA_KERNELS", "0")
     assert mamba_kernels.load("cuda") is None

@@ -44,6 +44,8 @@ class Kernels:
     chunk_scan: Callable  # mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=, dt_bias=, seq_idx=, ...)
     state_update: Callable  # selective_state_update(state, x, dt, A, B, C, D=, dt_bias=, dt_softplus=)
     conv: Callable | None  # causal_conv1d_fn(x [B, C, L], weight [C, K], bias, seq_idx=, activation=)
+    # rmsnorm_fn(x, weight, bias, z=, eps=, group_size=, norm_before_gate=): the gated norm in one kernel each way
+    gated_norm: Callable | None = None
 
 
 def _stand_ins(spec) -> dict[str, types.ModuleType]:
@@ -96,7 +98,8 @@ def _load() -> tuple[Kernels | None, str | None]:
         scan, update = _import_triton_modules()
     except Exception as e:  # noqa: BLE001 - any import failure means the torch path, with the reason
         return None, f"{PACKAGE}'s Triton kernels do not import ({type(e).__name__}: {e}); install: {INSTALL}"
-    return Kernels(scan.mamba_chunk_scan_combined, update.selective_state_update, _conv()), None
+    return Kernels(scan.mamba_chunk_scan_combined, update.selective_state_update, _conv(),
+                   getattr(scan, "rmsnorm_fn", None)), None
 
 
 def load(device: torch.device | str | None = None) -> Kernels | None:

@@ -9,7 +9,7 @@ projections, a causal convolution whose windows stop at each sequence's start, t
 state restarts there, the gated norm and the output projection, with the mixer's own parameters. Any other
 call (padded batches, generation with a cache) is the mixer's own.
 
-The convolution and the scan run on `mamba_ssm`'s Triton kernels on CUDA when they import
+The scan and the gated norm run on `mamba_ssm`'s Triton kernels on CUDA when they import
 (gymv.backends.mamba_kernels; `causal_conv1d` for the convolution when installed), else on gymv's torch
 scan (gymv.backends.ssd_scan), which is the reference the kernels are tested against and the path on CPU.
 A segment that continues a shared prompt would need the prompt's final state: rows of a model with these
@@ -72,7 +72,14 @@ def mixer_forward(m, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
              B.reshape(b, L, m.n_groups, m.ssm_state_size), C.reshape(b, L, m.n_groups, m.ssm_state_size),
              m.chunk_size, D=m.D, dt_bias=m.dt_bias, dt_softplus=True, dt_limit=tuple(m.time_step_limit),
              seq_idx=seq_idx)
-    y = m.norm(y.reshape(b, L, m.intermediate_size), gate)
+    y = y.reshape(b, L, m.intermediate_size)
+    if kernels is not None and kernels.gated_norm is not None:
+        # silu(gate) times y, RMS-normalised per group and scaled, in one pass each way (the torch norm makes
+        # about ten float32 passes over [L, intermediate] in each direction)
+        y = kernels.gated_norm(y, m.norm.weight, None, z=gate, eps=m.norm.variance_epsilon,
+                               group_size=m.norm.group_size, norm_before_gate=False)
+    else:
+        y = m.norm(y, gate)
     return m.out_proj(y.to(dtype))
 
 
