@@ -281,3 +281,10 @@ def test_docs_parity_table_lists_every_reference_key_with_gymvs_key_and_a_verdic
         assert len(row) == 3 and row[1] and row[2], row
         assert row[2].split(":")[0].split(" ")[0].strip("*") in ("same", "differs", "no", "unused", "the", "as"), row
 
+
+def test_nemo_rls_expert_tensor_parallel_size_is_explained_as_gymvs_whole_experts(tmp_path):
+    recipe = tmp_path / "vlm.yaml"
+    recipe.write_text(f"defaults: {REPO / 'recipes' / 'vlm_grpo.yaml'}\npolicy:\n  megatron_cfg:\n"
+                      "    expert_tensor_parallel_size: 1\n")
+    line, fix = fixes(recipe)["policy.megatron_cfg.expert_tensor_parallel_size"]
+    assert line == 4 and "keeps each expert whole" in fix and "expert tensor parallel size 1" in fix

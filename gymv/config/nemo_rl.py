@@ -221,6 +221,10 @@ NO_KEY: dict[str, str] = {
     "policy.megatron_cfg": "a Megatron-core setting gymv does not expose (its sizes are training.parallel.*, its "
                            "optimizer training.*)",
     "policy.megatron_cfg.optimizer": "gymv's AdamW: training.lr, weight_decay, betas, eps, max_grad_norm",
+    "policy.megatron_cfg.expert_tensor_parallel_size": "gymv's megatron backend keeps each expert whole under "
+                                                       "training.parallel.expert > 1 (expert tensor parallel size 1, "
+                                                       "the reference's); at expert 1 experts split over "
+                                                       "training.parallel.tensor",
     "policy.megatron_cfg.scheduler": "gymv's schedule: training.warmup_steps (from 0), lr_schedule, min_lr_ratio",
     "policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32": "gymv's FSDP2 reduces gradients "
                                                                                  "in float32",
