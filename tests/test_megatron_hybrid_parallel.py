@@ -125,3 +125,43 @@ def test_tp_x_cp_and_ep_must_each_divide_the_ranks_naming_the_key(sizes, key):
     with pytest.raises(GymvError) as e:
         check_divides(WORLD, **sizes)
     assert e.value.where == key
+
+
+def _nccl_rank(rank, world, port, out):
+    """TP2 x EP2 on two GPUs (each expert whole, the EP group the TP group): the padded batch's logprobs."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # float32 against the CPU
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        init_model_parallel(2, 1, 2, device=device)
+        model_parallel_cuda_manual_seed(0)
+        hf = tiny_hybrid()
+        model = build_parallel_hybrid(hf.config, W.HybridShape.of(hf.config), hf.state_dict(), device=device)
+        ids, mask = batch(seed=1 + ps.get_data_parallel_rank())
+        logp = token_logprobs(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits, ids.to(device))
+        torch.save({"dp": ps.get_data_parallel_rank(), "logp": logp.detach().cpu()}, f"{out}/nccl{rank}.pt")
+        ps.destroy_model_parallel()
+    finally:
+        leave_process_group()
+
+
+@pytest.mark.gpu
+def test_tp2_x_ep2_with_whole_experts_over_nccl_gives_hfs_logprobs(tmp_path):
+    import torch.multiprocessing as mp
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_nccl_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        got = torch.load(tmp_path / f"nccl{r}.pt")
+        want, _ = hf_reference(got["dp"])
+        valid = batch(seed=1 + got["dp"])[1][:, 1:].bool()
+        torch.testing.assert_close(got["logp"][valid], want[valid], rtol=0, atol=1e-4)
