@@ -66,10 +66,11 @@ hang_limit() {
 
 # guarded LIMIT LABEL COMMAND...: run COMMAND (its output shown, stderr merged into stdout), stopped after LIMIT
 # seconds (TERM to its process group, KILL a minute later) with a line saying so; pytest-xdist's lines about a
-# crashed worker are repeated after it, and both are kept in GUARD_NOTES for the run's summary. COMMAND's status.
+# crashed worker are repeated after it, with the Python stacks a test process that died left in
+# $GYMV_TEST_CRASH_DIR (tests/crash_dumps.py), and kept in GUARD_NOTES for the run's summary. COMMAND's status.
 GUARD_NOTES=()
 guarded() {
-  local limit=$1 label=$2 log rc t0=$SECONDS line
+  local limit=$1 label=$2 log rc t0=$SECONDS line dump
   shift 2
   log=$(mktemp)
   timeout --kill-after=60 "$limit" "$@" 2>&1 | tee "$log"
@@ -79,6 +80,12 @@ guarded() {
   done < <(grep -aoE "\[gw[0-9]+\] node down: .*|worker '[^']+' crashed while running '[^']+'|maximum crashed workers.*" \
     "$log" | sort -u)
   rm -f "$log"
+  for dump in "${GYMV_TEST_CRASH_DIR:-/nonexistent}"/*.txt; do  # tests/crash_dumps.py: a process's fatal signal
+    [ -s "$dump" ] || continue
+    echo "== $label: $(basename "$dump" .txt) died; its Python stacks:"
+    cat "$dump"
+    GUARD_NOTES+=("$label: $(basename "$dump" .txt): $(head -n 1 "$dump") (its stacks are printed above)")
+  done
   if [ "$rc" -eq 124 ] || { [ "$rc" -eq 137 ] && [ $((SECONDS - t0)) -ge "$limit" ]; }; then
     GUARD_NOTES+=("FAILED: $label still running after $limit s ($HANG_LIMIT_PCT% of its budget): stopped as hung")
   fi
@@ -90,18 +97,20 @@ run_tests() {
   set -euo pipefail
   cd "$(dirname "${BASH_SOURCE[0]}")/.."
   local start=${GYMV_RUN_START:-$(date +%s)}  # .ci/run sets it before its own set-up
-  local stages=() t0 took main_s total_s rc vrc key name
+  local stages=() t0 took main_s total_s rc vrc key name crash_dir
   t0=$(date +%s)
   stage() { local now; now=$(date +%s); took=$((now - t0)); stages+=("$(printf '%-34s %5d s' "$1" "$took")"); t0=$now; }
   bash scripts/install.sh dev
   stage "install (.venv)"
   key=$(main_budget "$@")
+  crash_dir=$(mktemp -d)
   set +e
   # Two pytest-xdist workers, one test file at a time each (module fixtures are shared within a file);
   # GYMV_TEST_WORKERS=0 runs in this process.
-  guarded "$(hang_limit "$key")" "main suite (.venv)" .venv/bin/python -m pytest -q -p no:cacheprovider \
-    --timeout=900 --durations=15 -n "${GYMV_TEST_WORKERS:-2}" --dist loadfile "$@"
+  GYMV_TEST_CRASH_DIR=$crash_dir guarded "$(hang_limit "$key")" "main suite (.venv)" .venv/bin/python -m pytest -q \
+    -p no:cacheprovider --timeout=900 --durations=15 -n "${GYMV_TEST_WORKERS:-2}" --dist loadfile "$@"
   rc=$?
+  rm -rf "$crash_dir"
   set -e
   stage "main suite (.venv)"
   main_s=$took

@@ -19,8 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 VECTORS = REPO.parent / "shared" / "vectors"
 
 # Under pytest-xdist's `--dist loadfile` (scripts/test.sh), a scheduler that ends the run when a worker crashes
-# instead of waiting forever (tests/xdist_scheduling.py says why); without xdist it does nothing.
-pytest_plugins = ["xdist_scheduling"]
+# instead of waiting forever (tests/xdist_scheduling.py says why; without xdist it does nothing); and with
+# GYMV_TEST_CRASH_DIR set, the Python stacks of a test process killed by a fatal signal (tests/crash_dumps.py).
+pytest_plugins = ["xdist_scheduling", "crash_dumps"]
 
 CLI_ENV = {"COLUMNS": "200", "NO_COLOR": "1"}
 os.environ.update(CLI_ENV)  # before rich's consoles are made: in-process output is laid out as a subprocess's

@@ -108,3 +108,16 @@ def test_a_crashed_xdist_worker_is_named_after_the_output_and_the_status_is_kept
 def test_a_command_that_ends_in_time_without_a_crash_adds_nothing():
     r = script("guarded", "30", "main suite (.venv)", "bash", "-c", "echo 5 passed")
     assert (r.returncode, r.stdout) == (0, "5 passed\n")
+
+
+def test_the_python_stacks_a_dead_test_process_left_are_printed_and_named_on_the_last_line(tmp_path):
+    (tmp_path / "gw1-4242.txt").write_text("Fatal Python error: Aborted\n\nThread 0x01 (most recent call first):\n"
+                                           '  File "tests/test_x.py", line 3 in test_x\n')
+    (tmp_path / "gw0-4241.txt").write_text("")  # a process that died without a fatal signal wrote nothing
+    r = subprocess.run(["bash", "-c", 'source scripts/test.sh && GYMV_TEST_CRASH_DIR="$1" guarded 30 "main suite" true',
+                        "test.sh", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0
+    assert "== main suite: gw1-4242 died; its Python stacks:\nFatal Python error: Aborted\n" in r.stdout
+    assert '  File "tests/test_x.py", line 3 in test_x' in r.stdout and "gw0-4241" not in r.stdout
+    assert r.stdout.splitlines()[-1] == ("main suite: gw1-4242: Fatal Python error: Aborted "
+                                         "(its stacks are printed above)")

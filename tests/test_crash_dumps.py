@@ -1,0 +1,59 @@
+"""A test process killed by a fatal signal leaves the Python stacks of all its threads in GYMV_TEST_CRASH_DIR
+(tests/crash_dumps.py), even when something pointed faulthandler at pytest's capture before: a real child pytest
+on a pytest-xdist worker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+DIES = '''import faulthandler
+import os
+import threading
+
+
+def test_a_library_points_faulthandler_at_the_captured_stderr():
+    faulthandler.disable()
+    faulthandler.enable()  # on sys.stderr of the moment: this test's capture
+
+
+def test_a_thread_aborts_the_process():
+    thread = threading.Thread(target=os.abort)
+    thread.start()
+    thread.join()
+'''
+
+
+def child_pytest(folder, crash_dir, *plugins: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "GYMV_TEST_CRASH_DIR": str(crash_dir)}
+    args = [a for p in plugins for a in ("-p", p)]
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args, "-q", "-n", "1",
+                           "--dist", "loadfile"], cwd=folder, env=env, capture_output=True, text=True, timeout=60)
+
+
+def suite(tmp_path):
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_dies.py").write_text(DIES)
+    return tmp_path
+
+
+def test_an_aborted_worker_leaves_every_threads_stack_in_a_file_of_its_own(tmp_path):
+    crash_dir = tmp_path / "crashes"
+    r = child_pytest(suite(tmp_path), crash_dir, "crash_dumps", "xdist_scheduling")
+    assert "1 failed, 1 passed" in r.stdout, r.stdout + r.stderr
+    [dump] = list(crash_dir.iterdir())  # the replacement worker and the controller ended normally: no file
+    assert dump.name.startswith("gw0-")
+    text = dump.read_text()
+    assert text.startswith("Fatal Python error: Aborted")
+    assert "in test_a_thread_aborts_the_process" in text  # the main thread, waiting on the one that aborted
+    assert text.count("Thread 0x") + text.count("Current thread 0x") >= 2
+
+
+def test_without_the_plugin_the_same_abort_leaves_no_stacks_anywhere(tmp_path):
+    crash_dir = tmp_path / "crashes"
+    r = child_pytest(suite(tmp_path), crash_dir, "xdist_scheduling")
+    assert "1 failed, 1 passed" in r.stdout
+    assert "Fatal Python error" not in r.stdout + r.stderr and not crash_dir.exists()
