@@ -75,10 +75,10 @@ guarded() {
   log=$(mktemp)
   timeout --kill-after=60 "$limit" "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
+  local crashed="\[gw[0-9]+\] node down: .*|worker '[^']+' crashed while running '[^']+'|maximum crashed workers.*"
   while IFS= read -r line; do
     GUARD_NOTES+=("$label: $line")
-  done < <(grep -aoE "\[gw[0-9]+\] node down: .*|worker '[^']+' crashed while running '[^']+'|maximum crashed workers.*" \
-    "$log" | sort -u)
+  done < <(grep -aoE "$crashed" "$log" | sort -u)
   rm -f "$log"
   for dump in "${GYMV_TEST_CRASH_DIR:-/nonexistent}"/*.txt; do  # tests/crash_dumps.py: a process's fatal signal
     [ -s "$dump" ] || continue

@@ -3,11 +3,13 @@ plugin; it does nothing unless GYMV_TEST_CRASH_DIR names a folder, as scripts/te
 
 Why: a pytest-xdist worker that aborts mid-test (CI saw SIGABRT in a worker driving a local Ray, right after a
 test's actors were killed) leaves only "node down: Not properly terminated" in the log. What it wrote to stderr
-went into pytest's capture file, which dies with it, and no faulthandler dump reached the log either (Ray turns
-faulthandler on, on the stderr of the moment, when it finds it off; torch's elastic error handler re-points it).
-Here each test process points faulthandler, with every thread's stack, at a file of its own in that folder
-before each phase of each test (setup, call, teardown), so that whatever re-pointed it before, the next fatal
-signal is written there; scripts/test.sh prints the files it finds after the run.
+went into pytest's capture file, which dies with it, and no faulthandler dump reached the log either: once Ray
+has been stopped and started again in a process (test modules do, between them), a fatal signal no longer
+reaches faulthandler's handler (Ray's own handlers, installed anew, do not lead to it), and a library may also
+point faulthandler at pytest's capture (Ray turns it on, on the stderr of the moment, when it finds it off).
+Here each test process installs faulthandler afresh, with every thread's stack, on a file of its own in that
+folder at the start of each phase of each test (setup, call, teardown); scripts/test.sh prints the files it
+finds after the run. Ray's own one-line note of the signal in its log is what this gives up.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ def crash_file(config: pytest.Config) -> Path | None:
 
 
 def _arm() -> None:
+    """faulthandler's handlers installed afresh, on this process's file: enable() alone only changes the file,
+    and Ray's signal handlers, installed again when Ray starts again in this process, no longer lead to them."""
     if _FILE:
+        faulthandler.disable()
         faulthandler.enable(file=_FILE[0], all_threads=True)
 
 

@@ -1,12 +1,14 @@
 """A test process killed by a fatal signal leaves the Python stacks of all its threads in GYMV_TEST_CRASH_DIR
-(tests/crash_dumps.py), even when something pointed faulthandler at pytest's capture before: a real child pytest
-on a pytest-xdist worker."""
+(tests/crash_dumps.py), even when something pointed faulthandler at pytest's capture before, or Ray was stopped
+and started again in it: a real child pytest on a pytest-xdist worker."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+
+import pytest
 
 from conftest import REPO
 
@@ -34,9 +36,25 @@ def child_pytest(folder, crash_dir, *plugins: str) -> subprocess.CompletedProces
                            "--dist", "loadfile"], cwd=folder, env=env, capture_output=True, text=True, timeout=60)
 
 
-def suite(tmp_path):
+RAY_RESTARTED = '''import os
+
+from gymv.cluster.ray_cluster import start_ray, stop_ray
+
+
+def test_ray_is_stopped_and_started_again():
+    start_ray()
+    stop_ray()
+    start_ray()
+
+
+def test_the_process_aborts():
+    os.abort()
+'''
+
+
+def suite(tmp_path, text: str = DIES):
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    (tmp_path / "test_dies.py").write_text(DIES)
+    (tmp_path / "test_dies.py").write_text(text)
     return tmp_path
 
 
@@ -57,3 +75,14 @@ def test_without_the_plugin_the_same_abort_leaves_no_stacks_anywhere(tmp_path):
     r = child_pytest(suite(tmp_path), crash_dir, "xdist_scheduling")
     assert "1 failed, 1 passed" in r.stdout
     assert "Fatal Python error" not in r.stdout + r.stderr and not crash_dir.exists()
+
+
+@pytest.mark.slow
+def test_an_abort_after_ray_started_a_second_time_in_the_process_still_leaves_the_stacks(tmp_path):
+    # without the plugin this run prints no stacks: Ray's handlers, installed anew, no longer lead to faulthandler's
+    crash_dir = tmp_path / "crashes"
+    r = child_pytest(suite(tmp_path, RAY_RESTARTED), crash_dir, "crash_dumps", "xdist_scheduling")
+    assert "1 failed, 1 passed" in r.stdout, r.stdout + r.stderr
+    [dump] = list(crash_dir.iterdir())
+    text = dump.read_text()
+    assert text.startswith("Fatal Python error: Aborted") and "in test_the_process_aborts" in text
