@@ -41,9 +41,13 @@ def _rank(rank, world, port, out):
             model.zero_grad()
             packed = packed_token_logprobs(model, ids, mask)  # one row of 21 tokens: TP does not divide it
             (packed * mask[:, 1:]).sum().backward()
-            torch.save({"dp": dp, "ep": ps.get_expert_model_parallel_rank(), "tp": ps.get_tensor_model_parallel_rank(),
+            packed_grads = {k: p.grad.clone() for k, p in model.gpt.named_parameters()}
+            model.zero_grad()
+            one = model(input_ids=ids[:1, :1], attention_mask=mask[:1, :1]).logits.float().log_softmax(-1)
+            one[..., 0].sum().backward()  # one token: a TP rank's share of it is empty, yet it joins every exchange
+            torch.save({"one": one.detach(), "dp": dp, "ep": ps.get_expert_model_parallel_rank(), "tp": ps.get_tensor_model_parallel_rank(),
                         "logp": logp.detach(), "packed": packed.detach(),
-                        "grads": grads, "packed_grads": {k: p.grad for k, p in model.gpt.named_parameters()}},
+                        "grads": grads, "packed_grads": packed_grads},
                        f"{out}/{name}{rank}.pt")
             ps.destroy_model_parallel()
     finally:
@@ -82,6 +86,16 @@ def test_every_rank_gives_hfs_logprobs_for_its_replicas_batch_padded_and_packed(
 
 def _add(into: dict, name: str, grad) -> None:
     into[name] = into[name] + grad if name in into else grad
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_single_token_fewer_than_the_tp_ranks_gives_hfs_distribution(layout, ranks):
+    hf = tiny_hybrid()
+    for r in ranks[layout]:
+        ids, mask = batch(seed=1 + r["dp"])
+        want = hf(input_ids=ids[:1, :1], attention_mask=mask[:1, :1]).logits.float().log_softmax(-1)
+        torch.testing.assert_close(r["one"], want.detach(), rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -74,7 +74,7 @@ def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     y = mm(act(mm(x.to(up.dtype), up.transpose(-2, -1))), down.transpose(-2, -1))
     y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1)
     back = torch.empty_like(y).index_copy(0, order, y)  # each pair back in (token, slot) order: unique indices
-    return back.view(T, k, -1).sum(dim=1).to(hidden.dtype)
+    return back.view(T, k, back.shape[-1]).sum(dim=1).to(hidden.dtype)  # T may be 0: an EP rank given no rows
 
 
 def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
