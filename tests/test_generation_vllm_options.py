@@ -1,38 +1,63 @@
-"""What `gymv train` asks of a vLLM engine: the recipe's generation.vllm keywords, and every logit back where
-top_p < 1 (so that logprobs keep the trainer's definition, taken before the nucleus cut); engine_kwargs (NeMo
-RL's vllm_kwargs) as written, except the engine arguments gymv sets itself."""
+"""What `gymv train` asks of a vLLM engine: the recipe's generation.vllm section itself, and every logit back
+where top_p < 1 (so that logprobs keep the trainer's definition, taken before the nucleus cut); engine_kwargs
+(NeMo RL's vllm_kwargs) as written, except the engine arguments gymv sets itself."""
 
 from __future__ import annotations
 
 import pytest
 
 from conftest import REPO
+from gymv.backends.generation.hf import HFGenerationBackend
+from gymv.backends.registry import GENERATION_BACKENDS, BackendCapabilities
 from gymv.capabilities import gaps
 from gymv.cluster.workers import WorkerSpec
 from gymv.config import load_config, load_recipe
 from gymv.config.lint import lint_paths
 from gymv.config.schema import MODELS
 from gymv.errors import GymvError
+from gymv.sections import VllmSection
+from tiny_models import tiny_path
 
 
-def options(**generation) -> dict:
-    cfg = MODELS["vlm_grpo"].model_validate({"algorithm": "vlm_grpo", "vision": {},
-                                             "generation": {"backend": "vllm", **generation}})
-    return WorkerSpec(model_path="unused", env=cfg.env, generation=cfg.generation).generation_options()
+class SectionReader(HFGenerationBackend):
+    """A plugin generation backend whose registry entry declares that it reads generation.vllm (as the vllm
+    backend's does): the HF engine, keeping what its create() was handed."""
+
+    @classmethod
+    def create(cls, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0,
+               vllm: VllmSection, full_logits: bool) -> SectionReader:
+        backend = super().create(model_path, device=device, dtype=dtype, seed=seed)
+        backend.vllm, backend.full_logits = vllm, full_logits
+        return backend
 
 
-def test_top_p_below_one_asks_the_engine_for_full_logits():
-    assert options(top_p=0.9)["full_logits"] is True
+@pytest.fixture(scope="module")
+def section_reader():
+    GENERATION_BACKENDS.register("section-reader", SectionReader,
+                                 capabilities=BackendCapabilities(reads_vllm_section=True))
+    yield "section-reader"
+    GENERATION_BACKENDS.unregister("section-reader")
 
 
-def test_top_p_one_keeps_vllms_own_logprobs_and_the_recipes_keywords():
-    opts = options(vllm={"gpu_memory_utilization": 0.4})
-    assert opts["full_logits"] is False and opts["gpu_memory_utilization"] == 0.4
+def built(**generation):
+    """(the generation section of a recipe, the backend a generation worker builds from it)."""
+    cfg = MODELS["vlm_grpo"].model_validate({"algorithm": "vlm_grpo", "vision": {}, "generation": generation})
+    spec = WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=cfg.env, generation=cfg.generation)
+    return cfg.generation, spec.build_generation(device="cpu", seed=0)
 
 
-def test_an_hf_engine_gets_no_vllm_keywords():
-    cfg = MODELS["vlm_grpo"].model_validate({"algorithm": "vlm_grpo", "vision": {}})
-    assert WorkerSpec(model_path="unused", env=cfg.env, generation=cfg.generation).generation_options() == {}
+@pytest.mark.parametrize("top_p, full_logits", [(0.9, True), (1.0, False)])
+def test_a_backend_reading_generation_vllm_gets_the_section_itself_and_full_logits_below_top_p_one(
+        section_reader, top_p, full_logits):
+    vllm = {"gpu_memory_utilization": 0.4, "engine_kwargs": {"mamba_ssm_cache_dtype": "float32"}}
+    generation, backend = built(backend=section_reader, top_p=top_p, vllm=vllm)
+    assert backend.vllm is generation.vllm  # the typed section as the recipe gave it, engine_kwargs as written
+    assert backend.full_logits is full_logits
+
+
+def test_an_hf_engine_is_built_without_vllm_keywords():
+    _, backend = built(backend="hf")  # HFGenerationBackend.create takes no vllm or full_logits keyword
+    assert type(backend) is HFGenerationBackend
 
 
 # ---- generation.vllm.engine_kwargs: NeMo RL's vllm_kwargs ---------------------------------------------------
@@ -41,11 +66,6 @@ def recipe(tmp_path, body: str, parent: str = "grpo.yaml"):
     path = tmp_path / "r.yaml"
     path.write_text(f"defaults: {REPO / 'recipes' / parent}\n{body}")
     return path
-
-
-def test_engine_kwargs_reach_the_engines_create_keywords_as_written():
-    opts = options(vllm={"engine_kwargs": {"mamba_ssm_cache_dtype": "float32", "compilation_config": {"backend": "eager"}}})
-    assert opts["engine_kwargs"] == {"mamba_ssm_cache_dtype": "float32", "compilation_config": {"backend": "eager"}}
 
 
 def test_engine_kwargs_must_be_a_mapping():

@@ -12,6 +12,7 @@ from gymv.algorithms.teacher_batch import TeacherRow, pad_rows, shard_rows, trim
 from gymv.backends.teacher import TeacherModel, TextOnlyAdapter, check_same_tokenizer, save_text_model, teacher_logprobs
 from gymv.cluster.teachers import TeacherSpec
 from gymv.errors import GymvError
+from gymv.sections import TeacherSection
 from tiny_models import chat_ids, noise, shared_policy, tiny_path
 
 
@@ -145,7 +146,8 @@ def test_a_text_only_teacher_refuses_a_row_with_images_naming_the_row():
 
 
 def test_the_text_model_of_a_vlm_scores_text_rows_like_the_vlm():
-    spec = TeacherSpec("arith", str(_text_teacher_dir()), str(tiny_path("tiny-llava")))
+    text_lm = str(_text_teacher_dir())
+    spec = TeacherSpec("arith", text_lm, str(tiny_path("tiny-llava")), section=TeacherSection(path=text_lm))
     teacher = TeacherModel(spec)
     assert teacher.text_only and teacher.forbidden_ids == shared_policy("tiny-llava").adapter.vision_token_ids
     text_rows = [r for r in _rows() if not r.images]
@@ -154,7 +156,8 @@ def test_the_text_model_of_a_vlm_scores_text_rows_like_the_vlm():
 
 
 def test_a_text_prefixed_teacher_is_the_language_model_of_a_vlm_and_gets_text_only():
-    spec = TeacherSpec("arith", str(tiny_path("tiny-llava")), str(tiny_path("tiny-llava")), text_of=True)
+    spec = TeacherSpec("arith", str(tiny_path("tiny-llava")), str(tiny_path("tiny-llava")), text_of=True,
+                       section=TeacherSection(path=f"text:{tiny_path('tiny-llava')}"))
     teacher = TeacherModel(spec)
     text_rows = [r for r in _rows() if not r.images]
     assert teacher.text_only and type(teacher.model).__name__ == "LlamaForCausalLM"
@@ -165,7 +168,8 @@ def test_a_text_prefixed_teacher_is_the_language_model_of_a_vlm_and_gets_text_on
 
 
 def test_a_vlm_teacher_loads_as_one_and_scores_images():
-    spec = TeacherSpec("count", str(tiny_path("tiny-llava")), str(tiny_path("tiny-llava")))
+    spec = TeacherSpec("count", str(tiny_path("tiny-llava")), str(tiny_path("tiny-llava")),
+                       section=TeacherSection(path=str(tiny_path("tiny-llava"))))
     teacher = TeacherModel(spec)
     assert not teacher.text_only
     torch.testing.assert_close(teacher.score(_rows())[2], _vlm_scores(_rows())[2], atol=1e-5, rtol=0)

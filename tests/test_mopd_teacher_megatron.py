@@ -16,6 +16,7 @@ from gymv.backends.registry import TEACHER_BACKENDS  # noqa: E402
 from gymv.backends.teacher import TeacherModel  # noqa: E402
 from gymv.cluster.teachers import TeacherSpec  # noqa: E402
 from gymv.errors import GymvError  # noqa: E402
+from gymv.sections import TeacherSection  # noqa: E402
 from tiny_models import chat_ids, noise, shared_policy, tiny_path  # noqa: E402
 
 
@@ -34,9 +35,10 @@ def _rows() -> list[TeacherRow]:
             TeacherRow(chat_ids(p, "7 + 1=?", []) + gen(2), [], "row 3")]
 
 
-def _spec(**kw) -> TeacherSpec:
+def _spec(expert_parallel_size: int = 1, **kw) -> TeacherSpec:
     llava = str(tiny_path("tiny-llava"))
-    return TeacherSpec("count", llava, llava, backend="megatron", temperature=0.7, **kw)
+    section = TeacherSection(path=llava, backend="megatron", expert_parallel_size=expert_parallel_size)
+    return TeacherSpec("count", llava, llava, temperature=0.7, section=section, **kw)
 
 
 @lru_cache(maxsize=None)
@@ -113,7 +115,7 @@ def _omni_rows() -> list[TeacherRow]:
 def test_a_megatron_teacher_of_nemotron_3_omni_scores_image_rows_as_the_torch_teacher():
     """Mamba-2, attention and MoE layers in gymv's Megatron hybrid model, the RADIO tower beside it."""
     omni = str(tiny_path("tiny-nemotron-omni"))
-    spec = TeacherSpec("self", omni, omni, backend="megatron")
+    spec = TeacherSpec("self", omni, omni, section=TeacherSection(path=omni, backend="megatron"))
     megatron, hf = TEACHER_BACKENDS.load("megatron")(spec), TeacherModel(spec)
     assert type(megatron.model.gpt).__name__ == "HybridModel"
     rows = _omni_rows()
@@ -126,7 +128,8 @@ def test_a_megatron_teacher_of_nemotron_3_omni_scores_image_rows_as_the_torch_te
 @pytest.mark.parametrize("arch", ["tiny-llava", "tiny-nemotron-omni"])
 def test_on_cuda_in_bfloat16_a_megatron_teacher_scores_as_the_torch_teacher_within_bf16_error(arch):
     path = str(tiny_path(arch))
-    spec = TeacherSpec("t", path, path, backend="megatron", device="cuda", dtype="bfloat16")
+    spec = TeacherSpec("t", path, path, device="cuda", dtype="bfloat16",
+                       section=TeacherSection(path=path, backend="megatron"))
     megatron, hf = TEACHER_BACKENDS.load("megatron")(spec), TeacherModel(spec)
     rows = _rows() if arch == "tiny-llava" else _omni_rows()
     for g, w in zip(megatron.score(rows), hf.score(rows)):

@@ -4,7 +4,9 @@ defaulted to 0.01 where the schema said 0.0).
 
 The backends and workers (gymv/backends, gymv/cluster) are read as source, so that optional engines need not
 import. Two shapes are refused:
-- a mirror: a class whose fields restate the defaults of two or more fields of one section, under their names;
+- a mirror: a class whose fields copy two or more fields of one section, restating their defaults under their
+  names or reading them (`default(Section, "key")`): such a class holds the section's values a second time, where
+  it could hold the section itself;
 - a repeat: a field or keyword default that restates the default of a section field of the same name, where
   that default is a choice (a number other than 0 and 1, a name other than "auto"); an off, unset or identity
   value (False, None, 0, 1, "auto", empty) says nothing two places could disagree on.
@@ -29,6 +31,8 @@ MIRROR_FIELDS = 2
 # classes that share field names with a section without standing for it, and why
 NOT_MIRRORS = {
     "TrainerMesh": "the sizes of a rank mesh (1: not split), built from training.parallel or the rank count",
+    "SamplingParams": "the sampling of one call (a step's, validation's greedy one, a model-server request's "
+                      "own): per-call values, starting from generation's defaults",
 }
 
 
@@ -80,6 +84,20 @@ def written_defaults(tree: ast.AST):
             yield owner, name, literal, value.lineno
 
 
+def section_reads(tree: ast.AST):
+    """(class name, section name, key) of every class field whose default reads a section's default
+    (`default(Section, "key")`): a field that copies that section field."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for s in node.body:
+            v = s.value if isinstance(s, ast.AnnAssign) else None
+            if (isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "default"
+                    and len(v.args) == 2 and isinstance(v.args[0], ast.Name)
+                    and isinstance(v.args[1], ast.Constant) and isinstance(v.args[1].value, str)):
+                yield node.name, v.args[0].id, v.args[1].value
+
+
 def engine_files() -> list[Path]:
     return sorted(p for layer in LAYERS for p in (ENGINE / layer).rglob("*.py"))
 
@@ -108,12 +126,16 @@ def mirrors(defaults: dict, files: list[Path]) -> list[str]:
     found = []
     for path in files:
         by_class: dict[str, dict[str, set[str]]] = {}  # class -> section -> its fields the class restates
-        for owner, name, value, _ in written_defaults(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        for owner, name, value, _ in written_defaults(tree):
             if owner is None or owner in NOT_MIRRORS:
                 continue
             for section, d in defaults.get(name, ()):
                 if d == value and type(d) is type(value):
                     by_class.setdefault(owner, {}).setdefault(section, set()).add(name)
+        for owner, section, key in section_reads(tree):
+            if owner not in NOT_MIRRORS:
+                by_class.setdefault(owner, {}).setdefault(section, set()).add(key)
         for owner, restated in by_class.items():
             for section, names in restated.items():
                 if len(names) >= MIRROR_FIELDS:
@@ -134,6 +156,10 @@ def test_no_backend_or_worker_mirrors_a_section_in_a_class_of_its_own():
     ("from dataclasses import dataclass\n@dataclass\nclass TrainerConfig:\n    lr: float = 1e-6\n"
      "    eps: float = 1e-8\n    weight_decay: float = 0.01\n", "TrainerConfig restates TrainingSection's eps, lr"),
     ("def make(max_new_tokens: int = 64): ...\n", "max_new_tokens=64 restates GenerationSection.max_new_tokens"),
+    ("from dataclasses import dataclass\nfrom gymv.sections import TeacherSection, default\n@dataclass\n"
+     "class Spec:\n    alias: str\n    backend: str = default(TeacherSection, 'backend')\n"
+     "    tp: int = default(TeacherSection, 'tensor_parallel_size')\n",
+     "Spec restates TeacherSection's backend, tensor_parallel_size"),
 ])
 def test_the_check_finds_a_mirror_and_a_repeated_default(tmp_path, source, finding):
     path = ENGINE / "backends" / "_probe_of_the_check.py"

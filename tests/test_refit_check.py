@@ -139,10 +139,10 @@ def test_an_engine_whose_probe_did_not_move_while_the_trainers_did_loaded_nothin
 
 
 def test_the_plan_checks_the_first_refits_then_every_nth():
-    plan = CheckPlan("digest", first=3, every=10)
+    plan = CheckPlan("digest", RefitCheckSection(first=3, every=10))
     assert [r for r in range(0, 31) if plan.due(r)] == [0, 1, 2, 3, 10, 20, 30]
     assert not CheckPlan(None).due(0)
-    assert [r for r in range(6) if CheckPlan("probe", first=1, every=0).due(r)] == [0, 1]
+    assert [r for r in range(6) if CheckPlan("probe", RefitCheckSection(first=1, every=0)).due(r)] == [0, 1]
 
 
 def test_auto_takes_the_backends_declared_check_and_the_tolerance_follows_the_dtype():

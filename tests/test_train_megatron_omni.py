@@ -2,10 +2,10 @@
 the CPU: RADIO tower and projector as HF modules, Mamba-2 / attention / MoE decoder): three GRPO steps of the
 tiny Omni (a picture and a prompt a row, reasoning off; the even-length test environment, whose rewards vary
 from the first step) equal the torch backend's on the same rollouts, with the router's balancing terms logged
-under the same names, and refits keep the generator in agreement with the trainer. So do they at
-training.parallel.expert 2, the routed experts split over two gloo trainer ranks that hold different samples
-(experts gathered over the EP ranks at each refit), and at tensor 2 x expert 2 on the same two ranks, where
-each expert is whole (expert TP 1) and the EP group is the TP group: each TP rank dispatches half the tokens.
+under the same names, and refits keep the generator in agreement with the trainer. So do they at tensor 2 x
+expert 4 over four gloo trainer ranks: each expert whole on its rank (expert TP 1), one EP group spanning both
+data-parallel replicas, which hold different samples, and both TP ranks of each, which dispatch half the
+tokens each (experts gathered over the EP ranks at each refit).
 
 Every run takes one sample a micro-batch, so each micro-batch's router terms are the same tokens' on both
 sides; the megatron runs share one torch run and one local Ray."""
@@ -24,8 +24,8 @@ from train_helpers import ray_module, tiny_grpo_settings, write_recipe  # noqa: 
 
 pytestmark = pytest.mark.slow
 RECIPE = "vlm_grpo.yaml"
-LAYOUTS = {"torch": ("torch", 1, 1), "megatron": ("megatron", 1, 1), "megatron-ep2": ("megatron", 1, 2),
-           "megatron-tp2-ep2": ("megatron", 2, 2)}  # (backend, tensor, expert) over `expert` trainer ranks
+LAYOUTS = {"torch": ("torch", 1, 1), "megatron": ("megatron", 1, 1),
+           "megatron-tp2-ep4": ("megatron", 2, 4)}  # (backend, tensor, expert) over `expert` trainer ranks
 MEGATRON = [name for name in LAYOUTS if name != "torch"]
 
 

@@ -60,7 +60,9 @@ class BackendCapabilities:
     no optional package, no model parallelism, no training.compile, every model family."""
 
     needs: Package | None = None
-    reads_vllm_section: bool = False  # takes generation.vllm, whose tensor_parallel_size spans GPUs per engine
+    # takes generation.vllm: its create() gets the section itself (`vllm=`) and `full_logits=`; the section's
+    # tensor_parallel_size spans GPUs per engine
+    reads_vllm_section: bool = False
     model_parallel: tuple[str, ...] = ()  # training.parallel sizes (tensor, pipeline, context, expert) it runs > 1
     spans_gpus: bool = False  # a teacher replica may span GPUs (mopd.teachers.*.tensor_parallel_size > 1)
     # a teacher replica spanning N devices is N ranks (one process each, one process group: megatron), not one

@@ -29,19 +29,20 @@ class MegatronTeacher(TeacherModel):
         from gymv.backends.training.megatron import check_maps, megatron_twin
         from gymv.backends.training.megatron_model import init_parallel
 
-        if spec.expert_parallel_size > 1:
+        section = spec.section  # mopd.teachers.<alias>
+        if section.expert_parallel_size > 1:
             raise GymvError(f"teacher {spec.alias!r}: the megatron teacher splits no experts here "
-                            f"(expert_parallel_size {spec.expert_parallel_size})",
+                            f"(expert_parallel_size {section.expert_parallel_size})",
                             where=f"mopd.teachers.{spec.alias}.expert_parallel_size",
                             fix="set expert_parallel_size: 1 (tensor parallelism is wired), or use backend: vllm")
         device = torch.device(spec.device)
-        init_parallel(spec.tensor_parallel_size, device, seed=spec.seed)
+        init_parallel(section.tensor_parallel_size, device, seed=spec.seed)
         # the HF model is read on the host in float32 (as the megatron trainer reads its checkpoint) and
         # dropped once its weights are in the twin
         super().__init__(replace(spec, device="cpu", dtype="float32"))
         self.spec = spec
         shape = check_maps(SimpleNamespace(model=self.model, adapter=self.adapter))
-        twin = megatron_twin(self.model, self.model.config, shape, tensor_parallel=spec.tensor_parallel_size,
+        twin = megatron_twin(self.model, self.model.config, shape, tensor_parallel=section.tensor_parallel_size,
                              device=device, dtype=getattr(torch, spec.dtype))
         twin.eval()
         twin.requires_grad_(False)
@@ -51,7 +52,7 @@ class MegatronTeacher(TeacherModel):
         """The whole model's parameter count (this rank holds 1/T of the decoder's sharded weights)."""
         from gymv.backends.training.megatron_weights import tp_sharded
 
-        tp = self.spec.tensor_parallel_size
+        tp = self.spec.section.tensor_parallel_size
         if tp == 1:
             return sum(p.numel() for p in self.model.parameters())
         return sum(p.numel() * (tp if name.startswith("gpt.") and tp_sharded(name) else 1)

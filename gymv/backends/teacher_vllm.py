@@ -33,6 +33,14 @@ from gymv.backends.teacher import (
 )
 from gymv.errors import GymvError
 from gymv.models.quiet import quiet_transformers
+from gymv.sections import TeacherSection, VllmSection
+
+
+def engine_section(teacher: TeacherSection) -> VllmSection:
+    """The engine a teacher's section (`mopd.teachers.<alias>`) asks for: the GPUs it spans and its engine
+    arguments. A teacher's section sets no memory share and no eager switch, so those stay at generation.vllm's
+    defaults."""
+    return VllmSection(tensor_parallel_size=teacher.tensor_parallel_size, engine_kwargs=teacher.engine_kwargs)
 
 
 class VllmTeacher:
@@ -57,13 +65,10 @@ class VllmTeacher:
         # raw logprobs are the definition when nothing is masked and nothing is rescaled
         self.direct = not self.forbidden_in_vocab and temperature in (0.0, 1.0)
         self.engine = VllmGenerationBackend.create(
-            path, device=spec.device, dtype=spec.dtype, seed=spec.seed,
-            trust_remote_code=getattr(spec, "trust_remote_code", False),
-            tensor_parallel_size=getattr(spec, "tensor_parallel_size", 1),
-            enable_expert_parallel=getattr(spec, "expert_parallel_size", 1) > 1,
+            path, device=spec.device, dtype=spec.dtype, seed=spec.seed, trust_remote_code=spec.trust_remote_code,
+            vllm=engine_section(spec.section), enable_expert_parallel=spec.section.expert_parallel_size > 1,
             logprobs_mode="raw_logprobs" if self.direct else "raw_logits",
-            max_logprobs=max(spec.top_k, 1) if self.direct else -1,
-            engine_kwargs=getattr(spec, "engine_kwargs", None), engine_section=f"mopd.teachers.{spec.alias}")
+            max_logprobs=max(spec.top_k, 1) if self.direct else -1, engine_section=f"mopd.teachers.{spec.alias}")
         self.tokenizer = self.engine.tokenizer
         check_same_tokenizer(self.tokenizer, student_tok, spec.alias)
         self.vocab_size = config_vocab

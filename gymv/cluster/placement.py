@@ -7,10 +7,10 @@ training share every GPU; separate, generation takes the first `generation_gpus`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gymv.backends.registry import GENERATION_BACKENDS
-from gymv.sections import ClusterSection, RolePlacement, default
+from gymv.sections import ClusterSection, RolePlacement
 
 
 @dataclass(frozen=True)
@@ -60,15 +60,29 @@ class Pin:
 
 @dataclass(frozen=True)
 class Deadlines:
-    """Seconds a wait on Ray may take before gymv stops it with an error naming what it waited for."""
+    """Seconds a wait on Ray may take before gymv stops it with an error naming what it waited for: the
+    `cluster` section's timeouts, read from the section itself."""
 
-    placement_s: float = default(ClusterSection, "placement_timeout_s")  # placement groups ready (and nodes joined)
-    start_s: float = default(ClusterSection, "start_timeout_s")  # workers built (models loaded)
-    phase_s: float = default(ClusterSection, "phase_timeout_s")  # one phase of a step (rollouts, training, ...)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+
+    @property
+    def placement_s(self) -> float:
+        """Placement groups ready (and nodes joined)."""
+        return self.cluster.placement_timeout_s
+
+    @property
+    def start_s(self) -> float:
+        """Workers built (models loaded)."""
+        return self.cluster.start_timeout_s
+
+    @property
+    def phase_s(self) -> float:
+        """One phase of a step (rollouts, training, ...)."""
+        return self.cluster.phase_timeout_s
 
     @classmethod
     def from_config(cls, c: ClusterSection) -> Deadlines:
-        return cls(c.placement_timeout_s, c.start_timeout_s, c.phase_timeout_s)
+        return cls(c)
 
 
 @dataclass(frozen=True)

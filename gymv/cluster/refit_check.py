@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gymv.errors import GymvError
-from gymv.sections import RefitCheckSection, default
+from gymv.sections import RefitCheckSection
 
 CHECK_MODES = ("auto", "digest", "probe", "off")
 # mean |engine - trainer| over the probe's scored tokens (raw log-softmax) allowed by default, per dtype of
@@ -36,19 +36,23 @@ PROBE_TEXT_BEFORE = 8  # text tokens before the probe's image
 
 @dataclass(frozen=True)
 class CheckPlan:
-    """When and how refits are checked (the recipe's `refit.check`, the backend's declared kind resolved)."""
+    """When and how refits are checked: the recipe's `refit.check` section itself, with the backend's declared
+    kind and the tolerance resolved."""
 
     kind: str | None  # "digest", "probe", or None: not checked
-    first: int = default(RefitCheckSection, "first")
-    every: int = default(RefitCheckSection, "every")
-    probe_tokens: int = default(RefitCheckSection, "probe_tokens")
+    section: RefitCheckSection = field(default_factory=RefitCheckSection)  # refit.check
     tolerance: float = PROBE_TOLERANCE["float32"]
+
+    @property
+    def probe_tokens(self) -> int:
+        return self.section.probe_tokens
 
     def due(self, refit: int) -> bool:
         """Whether refit number `refit` (0: the engines' initial weights; 1: after the first step) is checked."""
         if self.kind is None:
             return False
-        return refit <= self.first or (self.every > 0 and refit % self.every == 0)
+        first, every = self.section.first, self.section.every
+        return refit <= first or (every > 0 and refit % every == 0)
 
 
 def plan_checks(section: RefitCheckSection, declared: str | None, dtype: str) -> CheckPlan:
@@ -57,7 +61,7 @@ def plan_checks(section: RefitCheckSection, declared: str | None, dtype: str) ->
     mode = section.mode
     kind = declared if mode == "auto" else (None if mode == "off" else mode)
     tolerance = section.probe_tolerance if section.probe_tolerance is not None else PROBE_TOLERANCE.get(dtype, 5e-2)
-    return CheckPlan(kind, section.first, section.every, section.probe_tokens, tolerance)
+    return CheckPlan(kind, section, tolerance)
 
 
 # ------------------------------------------------------------------------------------------------- probe

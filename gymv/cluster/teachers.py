@@ -28,7 +28,7 @@ from gymv.cluster.ray_placement import ROSTER, actor_options, deferred_start, gr
 from gymv.cluster.roles import RolePlan, teacher_plan, teacher_ranks
 from gymv.errors import GymvError
 from gymv.models.init_path import resolve_init_path
-from gymv.sections import TeacherSection, default
+from gymv.sections import TeacherSection
 # the workers (torch) load in the teacher actors only: `gymv train` resolves teacher_specs here before Ray starts
 
 TEXT_PREFIX = "text:"  # a teacher path `text:<checkpoint>` scores with that VLM's language model alone
@@ -36,10 +36,12 @@ TEXT_PREFIX = "text:"  # a teacher path `text:<checkpoint>` scores with that VLM
 
 @dataclass(frozen=True)
 class TeacherSpec:
-    """Everything a teacher replica needs to build itself (plain data, pickled into the actor)."""
+    """Everything a teacher replica needs to build itself (plain data, pickled into the actor): the recipe's
+    `mopd.teachers.<alias>` section as it is (`section`: its backend, parallel sizes and engine arguments),
+    and the facts of this run around it."""
 
     alias: str
-    path: str  # resolved checkpoint folder
+    path: str  # resolved checkpoint folder (the section's path, `text:` and `embedded:` resolved)
     student_path: str  # the student's checkpoint: its tokenizer must equal the teacher's
     text_of: bool = False  # score with only the language model of this (vision-language) checkpoint
     device: str = "cpu"
@@ -50,12 +52,7 @@ class TeacherSpec:
     seed: int = 0
     top_k: int = 0  # > 0: also the teacher's k most likely tokens per position (top-k distillation)
     trust_remote_code: bool = False  # the recipe's model.trust_remote_code, for teachers too
-    backend: str = default(TeacherSection, "backend")  # a name in TEACHER_BACKENDS
-    # GPUs one replica spans (vllm: one engine over them; megatron: one rank each)
-    tensor_parallel_size: int = default(TeacherSection, "tensor_parallel_size")
-    # > 1: its MoE experts split over those GPUs (vllm's expert parallelism)
-    expert_parallel_size: int = default(TeacherSection, "expert_parallel_size")
-    engine_kwargs: dict = field(default_factory=dict)  # vllm: more arguments of its engine (vllm.LLM)
+    section: TeacherSection = field(kw_only=True)  # mopd.teachers.<alias>
 
 
 class TeacherWorker:
@@ -74,7 +71,7 @@ class TeacherWorker:
             self._build()
 
     def _build(self) -> None:
-        scorer = TEACHER_BACKENDS.load(self.spec.backend)
+        scorer = TEACHER_BACKENDS.load(self.spec.section.backend)
         device = str(self.device)
         self.teacher = scorer(self.spec if device == self.spec.device else _with_device(self.spec, device))
 
@@ -151,9 +148,7 @@ def teacher_specs(cfg, student_path: str) -> dict[str, TeacherSpec]:
                                  device="cuda" if gpu else "cpu",
                                  dtype=dtype, temperature=cfg.generation.temperature,
                                  max_tokens=cfg.training.micro_batch_tokens, seed=cfg.seed, top_k=cfg.mopd.top_k,
-                                 backend=t.backend, trust_remote_code=cfg.model.trust_remote_code,
-                                 tensor_parallel_size=t.tensor_parallel_size,
-                                 expert_parallel_size=t.expert_parallel_size, engine_kwargs=dict(t.engine_kwargs))
+                                 trust_remote_code=cfg.model.trust_remote_code, section=t)
     return out
 
 

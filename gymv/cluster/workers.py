@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gymv.algorithms.seq_error import drop_masked_samples
-from gymv.backends.generation import SamplingParams
+from gymv.backends.generation import GenerationBackend, SamplingParams
 from gymv.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
 from gymv.backends.training.base import TrainingSetup
 from gymv.backends.training.process_group import leave_process_group
@@ -105,14 +105,19 @@ class WorkerSpec:
                              total_steps=self.total_steps, kl_reference=self.kl_reference,
                              trust_remote_code=self.model.trust_remote_code)
 
-    def generation_options(self) -> dict:
-        """The generation backend's own create() keywords: generation.vllm, plus full_logits where top_p < 1 (the
-        engine then returns every logit and gymv computes the logprobs before the nucleus cut, as the trainer
-        does); and trust_remote_code when the model asks for it."""
+    def build_generation(self, *, device: str, seed: int) -> GenerationBackend:
+        """The generation backend of generation.backend, built through the registry's create() contract: every
+        backend gets the checkpoint, device, dtype and seed (and trust_remote_code, only when the model asks for
+        it); one whose entry declares that it reads generation.vllm (`reads_vllm_section`) also gets that section
+        itself and `full_logits`, set where top_p < 1 (the engine then returns every logit and gymv computes the
+        logprobs before the nucleus cut, as the trainer does)."""
         g = self.generation
-        takes = GENERATION_BACKENDS.capabilities(g.backend).reads_vllm_section  # a name, or located
-        out = {**g.vllm.model_dump(), "full_logits": g.top_p < 1.0} if takes else {}
-        return {**out, **({"trust_remote_code": True} if self.model.trust_remote_code else {})}
+        backend_cls = GENERATION_BACKENDS.load(g.backend)  # a name, or located
+        remote = {"trust_remote_code": True} if self.model.trust_remote_code else {}
+        if GENERATION_BACKENDS.capabilities(g.backend).reads_vllm_section:
+            return backend_cls.create(self.model_path, device=device, dtype=self.generation_dtype, seed=seed,
+                                      vllm=g.vllm, full_logits=g.top_p < 1.0, **remote)
+        return backend_cls.create(self.model_path, device=device, dtype=self.generation_dtype, seed=seed, **remote)
 
 
 @dataclass(frozen=True)
@@ -172,9 +177,7 @@ class GenerationWorker:
         self.spec, self.index = spec, index
         self.device = _device(spec)
         g = spec.generation
-        backend_cls = GENERATION_BACKENDS.load(g.backend)
-        self.backend = backend_cls.create(spec.model_path, device=str(self.device), dtype=spec.generation_dtype,
-                                          seed=spec.seed + 7919 * index, **spec.generation_options())
+        self.backend = spec.build_generation(device=str(self.device), seed=spec.seed + 7919 * index)
         decoder = GENERATION_BACKENDS.capabilities(g.backend).decoder  # the decode loop its entry declares
         if decoder:  # hf's static decoder (and its Triton kernels) loads in the workers that decode with it only
             self.backend = import_object(decoder)(self.backend, g.decode, seed=spec.seed + 7919 * index,

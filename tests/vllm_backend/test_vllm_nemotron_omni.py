@@ -31,6 +31,7 @@ from gymv.backends.policy import load_policy  # noqa: E402
 from gymv.backends.weights import weights_hash  # noqa: E402
 from gymv.errors import GymvError  # noqa: E402
 from gymv.rollout import run_rollouts  # noqa: E402
+from gymv.sections import VllmSection  # noqa: E402
 from rollout_helpers import PictureEnv, picture_row  # noqa: E402
 from tiny_models import chat_ids, noise, solid, tiny_path  # noqa: E402
 from train_helpers import no_shared_ray  # noqa: E402
@@ -282,7 +283,7 @@ def test_the_tiny_omni_with_its_moe_layers_on_a_gpu():
     path = tiny_path("tiny-nemotron-omni")
     policy = load_policy(path, device="cuda")
     engine = VllmGenerationBackend.create(str(path), device="cuda", dtype="bfloat16", seed=0,
-                                          gpu_memory_utilization=0.3)
+                                          vllm=VllmSection(gpu_memory_utilization=0.3))
     try:
         reqs = requests(policy)
         outs = engine.generate(reqs, GREEDY)

@@ -18,11 +18,17 @@ from gymv.backends.teacher import TeacherModel  # noqa: E402
 from gymv.backends.teacher_vllm import VllmTeacher  # noqa: E402
 from gymv.cluster.teachers import TeacherSpec  # noqa: E402
 from gymv.errors import GymvError  # noqa: E402
+from gymv.sections import TeacherSection  # noqa: E402
 from tiny_models import chat_ids, noise, shared_policy, solid, tiny_path  # noqa: E402
 from vllm_helpers import tiny_text_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
 GAP = 1e-3  # the generation parity tests' tolerance on logprobs
+
+
+def vllm_section(path: str) -> TeacherSection:
+    """A recipe's `mopd.teachers.<alias>` on the vllm backend."""
+    return TeacherSection(path=path, backend="vllm")
 
 
 def student_rows(policy, images_too: bool = True) -> list[TeacherRow]:
@@ -58,7 +64,7 @@ def both(spec: TeacherSpec, rows):
 def test_a_vlm_teachers_scores_with_images_equal_the_torch_teachers_at_a_temperature_with_top_k():
     llava = str(tiny_path("tiny-llava"))
     rows = student_rows(shared_policy("tiny-llava"))
-    spec = TeacherSpec("count", llava, llava, temperature=0.7, top_k=4, backend="vllm")
+    spec = TeacherSpec("count", llava, llava, temperature=0.7, top_k=4, section=vllm_section(llava))
     got, want, teacher = both(spec, rows)
     assert not teacher.text_only and not teacher.direct  # the student's vision ids: every logit comes back
     assert_same_scores(got, want)
@@ -68,7 +74,7 @@ def test_a_vlm_teachers_scores_with_images_equal_the_torch_teachers_at_a_tempera
 def test_a_text_teacher_cut_from_a_vlm_scores_text_rows_as_the_torch_one_and_refuses_images():
     llava = str(tiny_path("tiny-llava"))
     rows = student_rows(shared_policy("tiny-llava"), images_too=False)
-    spec = TeacherSpec("arith", llava, llava, text_of=True, backend="vllm")
+    spec = TeacherSpec("arith", llava, llava, text_of=True, section=vllm_section(llava))
     teacher = VllmTeacher(spec)
     try:
         assert teacher.text_only and teacher.num_parameters() > 0
@@ -82,7 +88,7 @@ def test_a_text_teacher_cut_from_a_vlm_scores_text_rows_as_the_torch_one_and_ref
 def test_a_text_lm_with_a_text_student_is_scored_from_vllms_own_logprobs(tmp_path_factory):
     lm = str(tiny_text_llama(tmp_path_factory.mktemp("text-lm") / "lm"))
     rows = student_rows(shared_policy("tiny-llava"), images_too=False)  # same tokenizer, text only
-    spec = TeacherSpec("arith", lm, lm, top_k=3, backend="vllm")
+    spec = TeacherSpec("arith", lm, lm, top_k=3, section=vllm_section(lm))
     got, want, teacher = both(spec, rows)
     assert teacher.direct  # temperature 1 and nothing masked: vLLM's raw logprobs are the definition
     assert_same_scores(got, want)

@@ -47,7 +47,7 @@ from gymv.backends.policy import load_policy, load_processors
 from gymv.errors import GymvError
 from gymv.models.load import resolve_model_path
 from gymv.models.quiet import quiet_transformers
-from gymv.sections import VllmSection, default
+from gymv.sections import VllmSection
 # torch loads on first use: a driver that only looks this backend up by name does not pay for it
 
 WORKER_EXTENSION = "gymv.backends.generation.vllm_worker.GymvWeightSync"
@@ -100,24 +100,25 @@ class VllmGenerationBackend(GenerationBackend):
 
     @classmethod
     def create(cls, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0,
-               gpu_memory_utilization: float = default(VllmSection, "gpu_memory_utilization"),
-               tensor_parallel_size: int = 1, enforce_eager: bool = False,
+               vllm: VllmSection | None = None, full_logits: bool = False,
                max_model_len: int | None = None, max_images_per_prompt: int = 16,
-               trust_remote_code: bool = False, full_logits: bool = False, logprobs_mode: str | None = None,
+               trust_remote_code: bool = False, logprobs_mode: str | None = None,
                max_logprobs: int | None = None, enable_expert_parallel: bool = False,
-               engine_kwargs: dict[str, Any] | None = None,
                engine_section: str = "generation.vllm") -> VllmGenerationBackend:
-        """`full_logits`: every logit of every sampled position comes back and gymv computes the logprobs
-        (what top_p < 1 needs: vLLM's processed logprobs are the renormalised nucleus's, its raw ones lack the
-        temperature and the vision-token mask). `logprobs_mode`/`max_logprobs` are vLLM's, for callers that
-        read vLLM's outputs themselves (the vllm teacher). `engine_kwargs` (the recipe's
-        `<engine_section>.engine_kwargs`, NeMo RL's `vllm_kwargs`) go to `vllm.LLM` as they are; an argument
-        gymv sets itself here, or one vLLM's engine does not have, is an error naming it."""
+        """`vllm` is the engine's section as the recipe gives it (`generation.vllm`; a vllm teacher builds one
+        from its own section), None: its defaults. Its `engine_kwargs` (NeMo RL's `vllm_kwargs`) go to
+        `vllm.LLM` as they are; an argument gymv sets itself here, or one vLLM's engine does not have, is an
+        error naming it at `<engine_section>.engine_kwargs`. `full_logits`: every logit of every sampled
+        position comes back and gymv computes the logprobs (what top_p < 1 needs: vLLM's processed logprobs
+        are the renormalised nucleus's, its raw ones lack the temperature and the vision-token mask).
+        `logprobs_mode`/`max_logprobs` are vLLM's, for callers that read vLLM's outputs themselves (the vllm
+        teacher)."""
+        section = vllm if vllm is not None else VllmSection()
         path = resolve_model_path(model_path, seed=seed)
         refused = refusal(path, "cpu" if device == "cpu" else "cuda", dtype)
         if refused:
             raise GymvError(refused[0], where="generation.backend", fix=refused[1])
-        vllm = import_vllm()
+        vllm_lib = import_vllm()
         tokenizer, adapter, template, config, shapes, ties = load_processing(path, trust_remote_code=trust_remote_code)
         family = vllm_model(config, path)
         # a checkpoint vLLM's loader cannot read as saved (LLaVA's CLIP tower under transformers 5's names)
@@ -127,7 +128,7 @@ class VllmGenerationBackend(GenerationBackend):
             model=str(path), tokenizer=str(path), dtype=dtype, seed=seed, enable_prefix_caching=True,
             logprobs_mode=logprobs_mode or ("raw_logits" if full_logits else "processed_logprobs"),
             worker_extension_cls=WORKER_EXTENSION,
-            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_size=section.tensor_parallel_size,
         )
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
@@ -147,13 +148,13 @@ class VllmGenerationBackend(GenerationBackend):
             kwargs.update(enforce_eager=True, distributed_executor_backend="uni", enable_chunked_prefill=False,
                           max_num_batched_tokens=max(longest, 8192))
         else:
-            kwargs.update(enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization)
+            kwargs.update(enforce_eager=section.enforce_eager, gpu_memory_utilization=section.gpu_memory_utilization)
         kwargs.update(family.engine_kwargs(device=device, dtype=dtype,
                                            chunked_prefill=kwargs.get("enable_chunked_prefill", True)))
-        kwargs.update(checked_engine_kwargs(engine_kwargs or {}, kwargs, engine_section))
+        kwargs.update(checked_engine_kwargs(section.engine_kwargs, kwargs, engine_section))
 
         with quiet_transformers():
-            llm = vllm.LLM(**kwargs)
+            llm = vllm_lib.LLM(**kwargs)
         import logging
 
         # in-process, vLLM's CPU worker turns torch.set_num_threads into a no-op that warns on every call
