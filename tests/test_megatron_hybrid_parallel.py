@@ -179,3 +179,27 @@ def test_tp2_x_ep2_with_whole_experts_over_nccl_gives_hfs_logprobs(tmp_path):
         want, _ = hf_reference(got["dp"])
         valid = batch(seed=1 + got["dp"])[1][:, 1:].bool()
         torch.testing.assert_close(got["logp"][valid], want[valid], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("recipe, ep_groups", [
+    ("vlm_grpo-nemotron3-nano-omni-30b-a3b-2n8g-megatron-tp2ep8cp2.yaml", 1),  # 8 policy GPUs: one EP group
+    ("vlm_mopd-nemotron3-super-omni-10n8g-megatron-tp8ep16cp2-async-noncolocated.yaml", 4),  # 64: four
+])
+def test_the_reference_layouts_pass_the_trainer_start_with_ep_groups_folded_over_tp_and_cp(recipe, ep_groups):
+    from megatron.core.parallel_state import RankGenerator
+
+    from conftest import REPO
+    from gymv.backends.training.megatron_parallel import check_divides
+    from gymv.config.compat import training_ranks
+    from gymv.config.loader import load_recipe
+
+    cfg = load_recipe(REPO / "recipes" / "vlm" / recipe).validated
+    ranks, _ = training_ranks(cfg)
+    p = cfg.training.parallel
+    check_divides(ranks, tensor=p.tensor, context=p.context, expert=p.expert)  # what init_model_parallel checks
+    assert ranks % (p.tensor * p.expert)  # experts split over TP (TP x EP ranks an EP group) would not fit
+    # megatron's expert grid as init_model_parallel asks for it: expert TP 1, order tp-ep-dp
+    grid = RankGenerator(tp=W.expert_tensor_size(p.tensor, p.expert), ep=p.expert, dp=ranks // p.expert, pp=1,
+                         cp=1, order="tp-cp-ep-dp-pp")
+    groups = grid.get_ranks("ep")
+    assert len(groups) == ep_groups and groups[0] == list(range(p.expert))
