@@ -442,6 +442,11 @@ class PolicyCluster:
         return self._get([t.export.remote(str(path)) for t in self.trainers], "exporting the final model")[0]
 
     def shutdown(self) -> None:
+        """Close and kill every worker, then keep no handle or ref of them (the refit's sending ranks, its
+        pending checks, its probe): they are released here, on the caller's thread. A cluster still reachable
+        afterwards, as a failed run's traceback keeps it, in a reference cycle, would otherwise hand their
+        release to the cyclic collector, in whichever thread next allocates (often Ray's log printer, woken by
+        the killed workers' last lines)."""
         import ray
 
         for a in self.trainers + self.generators:
@@ -451,7 +456,9 @@ class PolicyCluster:
                 pass
             ray.kill(a)
             ROSTER.drop(a)
-        self.trainers, self.generators = [], []
+        self.trainers, self.generators, self._senders = [], [], []
+        self._verifies.clear()
+        self._probe = None
         self._remove_groups()
 
 
