@@ -10,7 +10,7 @@ import torch
 
 from gymv.algorithms.teacher_batch import TeacherRow, pad_rows, shard_rows, trim
 from gymv.backends.teacher import TeacherModel, TextOnlyAdapter, check_same_tokenizer, save_text_model, teacher_logprobs
-from gymv.cluster.teachers import TeacherSpec
+from gymv.backends.teacher_spec import TeacherSpec
 from gymv.errors import GymvError
 from gymv.sections import TeacherSection
 from tiny_models import chat_ids, noise, shared_policy, tiny_path

@@ -103,7 +103,7 @@ TRAINING_BACKENDS = Registry("training backend", "gymv.training_backends", {
     "megatron": ("gymv.backends.training.megatron:MegatronBackend", BackendCapabilities(
         needs=MEGATRON, model_parallel=("tensor", "context", "expert"))),  # context, expert: Nemotron-H's hybrid model
 }, where="training.backend", default=BackendCapabilities())
-# a MOPD teacher's scorer, built from a gymv.cluster.teachers.TeacherSpec
+# a MOPD teacher's scorer, built from a gymv.backends.teacher_spec.TeacherSpec
 TEACHER_BACKENDS = Registry("teacher backend", "gymv.teacher_backends", {
     "torch": "gymv.backends.teacher:TeacherModel",
     "vllm": ("gymv.backends.teacher_vllm:VllmTeacher", BackendCapabilities(

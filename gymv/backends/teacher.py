@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from gymv.backends.logprobs import right_pad, sequence_logprobs, sequence_topk
 from gymv.backends.multimodal import make_adapter
 from gymv.backends.policy import check_remote_code, load_policy, load_processors, load_weights
+from gymv.backends.teacher_spec import TeacherSpec
 from gymv.backends.training.micro_batches import plan_micro_batches
 from gymv.errors import GymvError
 from gymv.models.config_check import check_checkpoint
@@ -66,7 +66,7 @@ def check_same_tokenizer(teacher_tok, student_tok, alias: str) -> None:
 class TeacherModel:
     """A loaded teacher: model, tokenizer, the adapter it scores with, and whether it is text-only."""
 
-    def __init__(self, spec: Any):  # a gymv.cluster.teachers.TeacherSpec
+    def __init__(self, spec: TeacherSpec):
         from transformers import AutoTokenizer
 
         self.spec = spec
@@ -78,7 +78,7 @@ class TeacherModel:
         if self.text_only:
             from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-            trust = getattr(spec, "trust_remote_code", False)
+            trust = spec.trust_remote_code
             check_remote_code(Path(spec.path), trust)
             check_checkpoint(spec.path)
             with quiet_transformers():
@@ -94,7 +94,7 @@ class TeacherModel:
             self.adapter = TextOnlyAdapter(self.forbidden_ids, spec.alias)
         else:
             policy = load_policy(spec.path, device="cpu", dtype=dtype, seed=spec.seed,
-                                 trust_remote_code=getattr(spec, "trust_remote_code", False))
+                                 trust_remote_code=spec.trust_remote_code)
             self.model, self.tokenizer, self.adapter = policy.model, policy.tokenizer, policy.adapter
         check_same_tokenizer(self.tokenizer, student_tok, spec.alias)
         self.model.to(spec.device)

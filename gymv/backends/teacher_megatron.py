@@ -14,18 +14,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 from types import SimpleNamespace
-from typing import Any
 
 import torch
 
 from gymv.backends.teacher import TeacherModel
+from gymv.backends.teacher_spec import TeacherSpec
 from gymv.errors import GymvError
 
 
 class MegatronTeacher(TeacherModel):
-    """One rank of a Megatron teacher replica; built from a gymv.cluster.teachers.TeacherSpec."""
+    """One rank of a Megatron teacher replica; built from a TeacherSpec."""
 
-    def __init__(self, spec: Any):
+    def __init__(self, spec: TeacherSpec):
         from gymv.backends.training.megatron import check_maps, megatron_twin
         from gymv.backends.training.megatron_model import init_parallel
 

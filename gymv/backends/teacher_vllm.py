@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import tempfile
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -31,6 +30,7 @@ from gymv.backends.teacher import (
     save_text_model,
     student_vision_ids,
 )
+from gymv.backends.teacher_spec import TeacherSpec
 from gymv.errors import GymvError
 from gymv.models.quiet import quiet_transformers
 from gymv.sections import TeacherSection, VllmSection
@@ -44,9 +44,9 @@ def engine_section(teacher: TeacherSection) -> VllmSection:
 
 
 class VllmTeacher:
-    """A teacher served by one in-process vLLM engine; built from a gymv.cluster.teachers.TeacherSpec."""
+    """A teacher served by one in-process vLLM engine; built from a TeacherSpec."""
 
-    def __init__(self, spec: Any):
+    def __init__(self, spec: TeacherSpec):
         from transformers import AutoTokenizer
 
         self.spec = spec

@@ -19,40 +19,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from gymv.algorithms.teacher_batch import pad_rows, shard_rows, trim
 from gymv.backends.registry import TEACHER_BACKENDS
+from gymv.backends.teacher_spec import TeacherSpec
 from gymv.cluster.placement import Deadlines, Pin
 from gymv.cluster.ray_placement import ROSTER, actor_options, deferred_start, group_for, here, wait_placed
 from gymv.cluster.roles import RolePlan, teacher_plan, teacher_ranks
 from gymv.errors import GymvError
 from gymv.models.init_path import resolve_init_path
-from gymv.sections import TeacherSection
 # the workers (torch) load in the teacher actors only: `gymv train` resolves teacher_specs here before Ray starts
 
 TEXT_PREFIX = "text:"  # a teacher path `text:<checkpoint>` scores with that VLM's language model alone
-
-
-@dataclass(frozen=True)
-class TeacherSpec:
-    """Everything a teacher replica needs to build itself (plain data, pickled into the actor): the recipe's
-    `mopd.teachers.<alias>` section as it is (`section`: its backend, parallel sizes and engine arguments),
-    and the facts of this run around it."""
-
-    alias: str
-    path: str  # resolved checkpoint folder (the section's path, `text:` and `embedded:` resolved)
-    student_path: str  # the student's checkpoint: its tokenizer must equal the teacher's
-    text_of: bool = False  # score with only the language model of this (vision-language) checkpoint
-    device: str = "cpu"
-    dtype: str = "float32"
-    temperature: float = 1.0
-    max_tokens: int = 8192  # padded tokens per forward pass
-    threads: int | None = None
-    seed: int = 0
-    top_k: int = 0  # > 0: also the teacher's k most likely tokens per position (top-k distillation)
-    trust_remote_code: bool = False  # the recipe's model.trust_remote_code, for teachers too
-    section: TeacherSection = field(kw_only=True)  # mopd.teachers.<alias>
 
 
 class TeacherWorker:

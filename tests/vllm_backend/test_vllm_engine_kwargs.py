@@ -54,8 +54,8 @@ def test_an_argument_vllms_engine_does_not_have_is_refused():
 
 
 def test_a_vllm_teachers_engine_kwargs_reach_its_engine_under_the_teachers_key():
+    from gymv.backends.teacher_spec import TeacherSpec
     from gymv.backends.teacher_vllm import VllmTeacher
-    from gymv.cluster.teachers import TeacherSpec
     from gymv.sections import TeacherSection
 
     llava = str(tiny_path("tiny-llava"))

@@ -15,8 +15,8 @@ import torch  # noqa: E402
 
 from gymv.algorithms.teacher_batch import TeacherRow  # noqa: E402
 from gymv.backends.teacher import TeacherModel  # noqa: E402
+from gymv.backends.teacher_spec import TeacherSpec  # noqa: E402
 from gymv.backends.teacher_vllm import VllmTeacher  # noqa: E402
-from gymv.cluster.teachers import TeacherSpec  # noqa: E402
 from gymv.errors import GymvError  # noqa: E402
 from gymv.sections import TeacherSection  # noqa: E402
 from tiny_models import chat_ids, noise, shared_policy, solid, tiny_path  # noqa: E402
