@@ -9,7 +9,7 @@ reaches faulthandler's handler (Ray's own handlers, installed anew, do not lead 
 point faulthandler at pytest's capture (Ray turns it on, on the stderr of the moment, when it finds it off).
 Here each test process installs faulthandler afresh, with every thread's stack, on a file of its own in that
 folder at the start of each phase of each test (setup, call, teardown); scripts/test.sh prints the files it
-finds after the run. Ray's own one-line note of the signal in its log is what this gives up.
+finds after the run. Ray's own note of the signal in its session log may be lost in exchange.
 """
 
 from __future__ import annotations
