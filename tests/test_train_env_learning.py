@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 # env -> (SFT steps, GRPO steps, window in steps, margin the last window's mean reward must clear the first's by)
 PLANS = {
-    "circle-click": (200, 100, 20, 0.1),
+    "circle-click": (150, 60, 15, 0.1),
     "tangram": (100, 80, 20, 0.1),
 }
 
