@@ -1,7 +1,14 @@
 """Tiny in-memory HF decoders for the Megatron mapping and model tests (seeded; Qwen2 with non-zero q/k/v
-biases and tied embeddings, Qwen3 with per-head q/k norms and its own head_dim, Llama with a separate head)."""
+biases and tied embeddings, Qwen3 with per-head q/k norms and its own head_dim, Llama with a separate head),
+and the spawn of gloo ranks that the parallel tests share."""
+
+import socket
+import tempfile
+from typing import Any, Callable, TypeVar
 
 import torch
+
+R = TypeVar("R")
 
 VOCAB = 96
 
@@ -49,3 +56,28 @@ def packed_token_logprobs(model, ids, mask):
     real = mask.bool()
     full = logits.new_zeros((*mask.shape, logits.shape[-1])).index_put(real.nonzero(as_tuple=True), logits)
     return token_logprobs(full, ids)
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing holds now, for a gloo group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_result(rank: int, worker: Callable[..., Any], world: int, port: int, folder: str, args: tuple) -> None:
+    torch.save(worker(rank, world, port, *args), f"{folder}/{rank}.pt")
+
+
+def spawn_ranks(worker: Callable[..., R], world: int, *args: Any) -> list[R]:
+    """Run `worker(rank, world, port, *args)` in `world` spawned processes and return what each rank returned,
+    in rank order. A spawned process hands nothing back by itself, so each rank's result travels through a
+    file of a temporary folder (torch.save / torch.load); the worker joins its gloo group at the given port
+    (tcp://127.0.0.1:port) and leaves it. `worker` is a module-level function (spawn pickles it by name), and
+    anything costly that every rank needs (a tiny model's folder) is built before and passed in `args`: a
+    spawned rank would otherwise build its own. A rank that raises fails the spawn with its traceback."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="gloo_ranks_") as folder:
+        mp.spawn(_rank_result, args=(worker, world, free_port(), folder, args), nprocs=world, join=True)
+        return [torch.load(f"{folder}/{r}.pt") for r in range(world)]

@@ -3,8 +3,6 @@ gloo ranks (load-balanced chunks; attention over gathered keys and values, Mamba
 head shards) gives one rank's logprobs and, summed over the ranks, its gradients, in float32; packed rows keep
 their segments apart across ranks."""
 
-import socket
-
 import pytest
 import torch
 
@@ -16,7 +14,7 @@ from gymv.backends.training.megatron_cp import (  # noqa: E402
 from gymv.backends.training.megatron_hybrid import build_hybrid  # noqa: E402
 from gymv.backends.training.megatron_model import MegatronCausalLM, init_parallel, release_parallel  # noqa: E402
 from gymv.backends.training.process_group import leave_process_group  # noqa: E402
-from megatron_helpers import batch, packed_token_logprobs, token_logprobs  # noqa: E402
+from megatron_helpers import batch, packed_token_logprobs, spawn_ranks, token_logprobs  # noqa: E402
 
 VOCAB = 96
 
@@ -67,28 +65,21 @@ def run(model) -> dict:
     return out
 
 
-def _cp_rank(rank, world, port, out):
+def _cp_rank(rank, world, port):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         init_parallel(1, torch.device("cpu"))
-        for groups in (2, 1):
-            torch.save(run(twin(tiny_hybrid(groups), cp_group=dist.group.WORLD)), f"{out}/g{groups}r{rank}.pt")
+        return {groups: run(twin(tiny_hybrid(groups), cp_group=dist.group.WORLD)) for groups in (2, 1)}
     finally:
         leave_process_group()
 
 
 @pytest.fixture(scope="module")
-def cp2(tmp_path_factory):
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("cp2")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_cp_rank, args=(2, port, str(out)), nprocs=2, join=True)
-    return {g: [torch.load(out / f"g{g}r{r}.pt") for r in range(2)] for g in (2, 1)}
+def cp2():
+    ranks = spawn_ranks(_cp_rank, 2)
+    return {g: [r[g] for r in ranks] for g in (2, 1)}
 
 
 @pytest.fixture(scope="module", autouse=True)
