@@ -2,8 +2,6 @@
 and back bit-exactly, and the model gives the HF model's logprobs and gradients in float32 (TP=1 in process,
 TP=2 over two gloo ranks), packed rows those of padded rows, checkpointed layers the same gradients."""
 
-import socket
-
 import pytest
 import torch
 
@@ -14,7 +12,7 @@ from gymv.backends.training.megatron_hybrid import build_hybrid  # noqa: E402
 from gymv.backends.training.megatron_model import MegatronCausalLM, init_parallel, release_parallel  # noqa: E402
 from gymv.backends.training.process_group import leave_process_group  # noqa: E402
 from gymv.errors import GymvError  # noqa: E402
-from megatron_helpers import batch, packed_token_logprobs, token_logprobs  # noqa: E402
+from megatron_helpers import batch, packed_token_logprobs, spawn_ranks, token_logprobs  # noqa: E402
 
 VOCAB = 96
 
@@ -149,7 +147,7 @@ def _full_grads(model) -> dict:
     return {k: grads.get(k, torch.zeros_like(v)) for k, v in model.state_dict().items() if torch.is_tensor(v)}
 
 
-def _tp_rank(rank, world, port, out):
+def _tp_rank(rank, world, port):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -162,22 +160,15 @@ def _tp_rank(rank, world, port, out):
         twin.zero_grad(set_to_none=True)
         packed = packed_token_logprobs(twin, ids, mask)
         (packed * mask[:, 1:]).sum().backward()
-        torch.save({"logp": logp.detach(), "grads": grads, "packed_logp": packed.detach(),
-                    "packed_grads": _full_grads(twin.gpt)}, f"{out}/{rank}.pt")
+        return {"logp": logp.detach(), "grads": grads, "packed_logp": packed.detach(),
+                "packed_grads": _full_grads(twin.gpt)}
     finally:
         leave_process_group()
 
 
 @pytest.fixture(scope="module")
-def tp2_ranks(tmp_path_factory):
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("hybrid_tp2")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_tp_rank, args=(2, port, str(out)), nprocs=2, join=True)
-    return [torch.load(out / f"{r}.pt") for r in range(2)]
+def tp2_ranks():
+    return spawn_ranks(_tp_rank, 2)
 
 
 @pytest.mark.slow
@@ -244,7 +235,7 @@ def test_the_omni_trains_its_radio_tower_and_hybrid_decoder_as_the_torch_backend
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
-def _backend_rank(rank, world, port, out, model_path):
+def _backend_rank(rank, world, port, model_path):
     """A TP2 training backend rank on the tiny Omni: the step's metrics and the gathered HF weights after it."""
     import copy
     import datetime
@@ -268,27 +259,20 @@ def _backend_rank(rank, world, port, out, model_path):
         mine = samples[rank::world]  # each rank is handed its share; the TP group runs them all
         metrics = backend.train_step(copy.deepcopy(mine), PolicyLoss())
         weights = {k: v.clone() for k, v in backend.named_weights()}
-        if rank == 0:
-            torch.save({"metrics": metrics, "weights": weights}, f"{out}/backend.pt")
+        return {"metrics": metrics, "weights": weights} if rank == 0 else None
     finally:
         leave_process_group()
         release_parallel()
 
 
 @pytest.mark.slow
-def test_a_tp2_backend_step_on_the_omni_equals_the_torch_backends(tmp_path):
+def test_a_tp2_backend_step_on_the_omni_equals_the_torch_backends():
     import copy
-    import torch.multiprocessing as mp
 
     from gymv.algorithms.loss_fns import PolicyLoss
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     from tiny_models import tiny_path
 
-    mp.spawn(_backend_rank, args=(2, port, str(tmp_path), str(tiny_path("tiny-nemotron-omni"))), nprocs=2, join=True)
-    got = torch.load(tmp_path / "backend.pt")
+    got = spawn_ranks(_backend_rank, 2, str(tiny_path("tiny-nemotron-omni")))[0]
     _, plain = _omni_backends()
     from test_megatron_model import _image_samples
 
@@ -302,7 +286,7 @@ def test_a_tp2_backend_step_on_the_omni_equals_the_torch_backends(tmp_path):
         torch.testing.assert_close(got["weights"][name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
-def _aux_loss_rank(rank, world, port, out, model_path):
+def _aux_loss_rank(rank, world, port, model_path):
     import datetime
 
     import torch.distributed as dist
@@ -319,22 +303,17 @@ def _aux_loss_rank(rank, world, port, out, model_path):
             MegatronBackend.create(TrainingSetup(model_path=model_path, training=section), device="cpu", rank=rank,
                                    world_size=world)
         except GymvError as e:
-            torch.save({"where": e.where, "message": e.message}, f"{out}/refused{rank}.pt")
+            return {"where": e.where, "message": e.message}
+        return None
     finally:
         leave_process_group()
         release_parallel()
 
 
 @pytest.mark.slow
-def test_the_moe_aux_loss_at_tensor_parallel_two_is_refused_naming_its_key(tmp_path):
-    import torch.multiprocessing as mp
-
+def test_the_moe_aux_loss_at_tensor_parallel_two_is_refused_naming_its_key():
     from tiny_models import tiny_path
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_aux_loss_rank, args=(2, port, str(tmp_path), str(tiny_path("tiny-nemotron-omni"))), nprocs=2, join=True)
-    for rank in range(2):
-        refused = torch.load(tmp_path / f"refused{rank}.pt")
-        assert refused["where"] == "training.moe.aux_loss_coef" and "tensor parallel size 1" in refused["message"]
+    for refused in spawn_ranks(_aux_loss_rank, 2, str(tiny_path("tiny-nemotron-omni"))):
+        assert refused is not None and refused["where"] == "training.moe.aux_loss_coef"
+        assert "tensor parallel size 1" in refused["message"]
