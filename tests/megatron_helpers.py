@@ -72,8 +72,8 @@ def _rank_result(rank: int, worker: Callable[..., Any], world: int, port: int, f
 def spawn_ranks(worker: Callable[..., R], world: int, *args: Any) -> list[R]:
     """Run `worker(rank, world, port, *args)` in `world` spawned processes and return what each rank returned,
     in rank order. A spawned process hands nothing back by itself, so each rank's result travels through a
-    file of a temporary folder (torch.save / torch.load); the worker joins its gloo group at the given port
-    (tcp://127.0.0.1:port) and leaves it. `worker` is a module-level function (spawn pickles it by name), and
+    file of a temporary folder (torch.save / torch.load; a CUDA tensor comes back moved to the CPU by the
+    worker); the worker joins its process group (gloo, or NCCL on GPUs) at tcp://127.0.0.1:port and leaves it. `worker` is a module-level function (spawn pickles it by name), and
     anything costly that every rank needs (a tiny model's folder) is built before and passed in `args`: a
     spawned rank would otherwise build its own. A rank that raises fails the spawn with its traceback."""
     import torch.multiprocessing as mp

@@ -5,8 +5,6 @@ router over TP too, experts over the ranks holding the same experts), equal one 
 Under EP the experts are whole (expert TP 1): TP2 x EP2 folds the EP group onto the TP group, TP2 x EP4 and
 TP2 x CP2 x EP4 spread one expert per rank over TP, data and context ranks."""
 
-import socket
-
 import pytest
 import torch
 
@@ -15,7 +13,7 @@ pytest.importorskip("megatron.core")
 from gymv.backends.training import megatron_hybrid_weights as W  # noqa: E402
 from gymv.backends.training.megatron_parallel import build_parallel_hybrid, init_model_parallel  # noqa: E402
 from gymv.backends.training.process_group import leave_process_group  # noqa: E402
-from megatron_helpers import batch, packed_token_logprobs, token_logprobs  # noqa: E402
+from megatron_helpers import batch, packed_token_logprobs, spawn_ranks, token_logprobs  # noqa: E402
 from test_megatron_cp import tiny_hybrid  # noqa: E402
 
 LAYOUTS = {"ep2": (1, 1, 2), "ep2_cp2": (1, 2, 2), "tp2_ep2": (2, 1, 2), "tp2_cp2": (2, 2, 1),  # (tp, cp, ep)
@@ -23,13 +21,14 @@ LAYOUTS = {"ep2": (1, 1, 2), "ep2_cp2": (1, 2, 2), "tp2_ep2": (2, 1, 2), "tp2_cp
 WORLD = 4
 
 
-def _rank(rank, world, port, out):
+def _rank(rank, world, port):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         hf = tiny_hybrid()
+        result = {}
         for name, (tp, cp, ep) in LAYOUTS.items():
             init_model_parallel(tp, cp, ep)
             dp = ps.get_data_parallel_rank()
@@ -45,25 +44,19 @@ def _rank(rank, world, port, out):
             model.zero_grad()
             one = model(input_ids=ids[:1, :1], attention_mask=mask[:1, :1]).logits.float().log_softmax(-1)
             one[..., 0].sum().backward()  # one token: a TP rank's share of it is empty, yet it joins every exchange
-            torch.save({"one": one.detach(), "dp": dp, "ep": ps.get_expert_model_parallel_rank(), "tp": ps.get_tensor_model_parallel_rank(),
-                        "logp": logp.detach(), "packed": packed.detach(),
-                        "grads": grads, "packed_grads": packed_grads},
-                       f"{out}/{name}{rank}.pt")
+            result[name] = {"one": one.detach(), "dp": dp, "ep": ps.get_expert_model_parallel_rank(),
+                            "tp": ps.get_tensor_model_parallel_rank(), "logp": logp.detach(), "packed": packed.detach(),
+                            "grads": grads, "packed_grads": packed_grads}
             ps.destroy_model_parallel()
+        return result
     finally:
         leave_process_group()
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("hybrid_parallel")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(WORLD, port, str(out)), nprocs=WORLD, join=True)
-    return {name: [torch.load(out / f"{name}{r}.pt") for r in range(WORLD)] for name in LAYOUTS}
+def ranks():
+    results = spawn_ranks(_rank, WORLD)
+    return {name: [r[name] for r in results] for name in LAYOUTS}
 
 
 def hf_reference(dp: int):
@@ -141,7 +134,7 @@ def test_tp_x_cp_and_ep_must_each_divide_the_ranks_naming_the_key(sizes, key):
     assert e.value.where == key
 
 
-def _nccl_rank(rank, world, port, out):
+def _nccl_rank(rank, world, port):
     """TP2 x EP2 on two GPUs (each expert whole, the EP group the TP group): the padded batch's logprobs."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -158,24 +151,18 @@ def _nccl_rank(rank, world, port, out):
         model = build_parallel_hybrid(hf.config, W.HybridShape.of(hf.config), hf.state_dict(), device=device)
         ids, mask = batch(seed=1 + ps.get_data_parallel_rank())
         logp = token_logprobs(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits, ids.to(device))
-        torch.save({"dp": ps.get_data_parallel_rank(), "logp": logp.detach().cpu()}, f"{out}/nccl{rank}.pt")
+        result = {"dp": ps.get_data_parallel_rank(), "logp": logp.detach().cpu()}
         ps.destroy_model_parallel()
+        return result
     finally:
         leave_process_group()
 
 
 @pytest.mark.gpu
-def test_tp2_x_ep2_with_whole_experts_over_nccl_gives_hfs_logprobs(tmp_path):
-    import torch.multiprocessing as mp
-
+def test_tp2_x_ep2_with_whole_experts_over_nccl_gives_hfs_logprobs():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_nccl_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
-    for r in range(2):
-        got = torch.load(tmp_path / f"nccl{r}.pt")
+    for got in spawn_ranks(_nccl_rank, 2):
         want, _ = hf_reference(got["dp"])
         valid = batch(seed=1 + got["dp"])[1][:, 1:].bool()
         torch.testing.assert_close(got["logp"][valid], want[valid], rtol=0, atol=1e-4)

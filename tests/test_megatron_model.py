@@ -1,8 +1,6 @@
 """Megatron-core's GPTModel loaded through gymv's mapping gives the HF model's logprobs: fp32 on CPU (TP=1 in
 process, TP=2 over two gloo ranks, gradients included), bf16 on CUDA."""
 
-import socket
-
 import pytest
 import torch
 
@@ -13,7 +11,7 @@ from gymv.backends.training.megatron_model import MegatronCausalLM, build_gpt, i
 from gymv.backends.training.megatron_weights import (  # noqa: E402
     DecoderShape, hf_to_megatron, megatron_to_hf, tp_partial_gradient)
 from gymv.config.schema import TrainingSection  # noqa: E402
-from megatron_helpers import batch, packed_token_logprobs, tiny_hf, token_logprobs  # noqa: E402
+from megatron_helpers import batch, packed_token_logprobs, spawn_ranks, tiny_hf, token_logprobs  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -55,11 +53,12 @@ def test_input_embeddings_feed_the_decoder_as_token_ids_do():
 FAMILIES = ("qwen2", "qwen3", "llama")
 
 
-def _tp_rank(rank, world, port, out):
+def _tp_rank(rank, world, port):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
+        result = {}
         for family in FAMILIES:
             twin = megatron_twin(tiny_hf(family), tp=world, rank=rank)
             ids, mask = batch()
@@ -70,23 +69,18 @@ def _tp_rank(rank, world, port, out):
             packed = packed_token_logprobs(twin, ids, mask)
             (packed * mask[:, 1:]).sum().backward()
             packed_grads = {k: p.grad.detach().clone() for k, p in twin.gpt.named_parameters()}
-            torch.save({"logp": logp.detach(), "grads": grads, "packed_logp": packed.detach(),
-                        "packed_grads": packed_grads}, f"{out}/{family}{rank}.pt")
+            result[family] = {"logp": logp.detach(), "grads": grads, "packed_logp": packed.detach(),
+                              "packed_grads": packed_grads}
+        return result
     finally:
         leave_process_group()
 
 
 @pytest.fixture(scope="module")
-def tp2_ranks(tmp_path_factory):
-    """Both families' logprobs and gradient shards from one run of two gloo TP ranks."""
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("tp2")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_tp_rank, args=(2, port, str(out)), nprocs=2, join=True)
-    return {f: [torch.load(out / f"{f}{r}.pt") for r in range(2)] for f in FAMILIES}
+def tp2_ranks():
+    """Every family's logprobs and gradient shards from one run of two gloo TP ranks."""
+    ranks = spawn_ranks(_tp_rank, 2)
+    return {f: [r[f] for r in ranks] for f in FAMILIES}
 
 
 @pytest.mark.slow
@@ -295,7 +289,7 @@ def test_a_backend_step_equals_the_torch_backends_and_never_trains_the_padding_r
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
-def _tp_cuda_rank(rank, world, port, out):
+def _tp_cuda_rank(rank, world, port):
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
@@ -310,24 +304,18 @@ def _tp_cuda_rank(rank, world, port, out):
                 got = token_logprobs(twin(input_ids=ids, attention_mask=mask).logits, ids)
                 want = token_logprobs(hf(input_ids=ids, attention_mask=mask).logits, ids)
             result[family] = (got.cpu(), want.cpu())
-        torch.save(result, f"{out}/cuda{rank}.pt")
+        return result
     finally:
         leave_process_group()
 
 
 @pytest.mark.gpu
-def test_tensor_parallel_two_cuda_ranks_match_hf_in_bf16(tmp_path):
-    import torch.multiprocessing as mp
-
+def test_tensor_parallel_two_cuda_ranks_match_hf_in_bf16():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_tp_cuda_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
     valid = batch()[1][:, 1:].bool()
-    for r in range(2):
-        for family, (got, want) in torch.load(tmp_path / f"cuda{r}.pt").items():
+    for result in spawn_ranks(_tp_cuda_rank, 2):
+        for family, (got, want) in result.items():
             assert (got[valid] - want[valid]).abs().max().item() < 0.05, family  # bf16 rounding of two kernels
 
 
