@@ -3,7 +3,6 @@ tiny Nemotron 3 Omni (RADIO tower, hybrid decoder) exactly as one rank of the to
 logprobs, gradient norm and weights after a step, padded and packed."""
 
 import copy
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from gymv.backends.training.process_group import leave_process_group  # noqa: E402
+from megatron_helpers import spawn_ranks  # noqa: E402
 
 PACKING = (False, True)
 
@@ -25,7 +25,7 @@ def setup(context: int, packing: bool, path: str | None = None):
     return TrainingSetup(model_path=path or str(tiny_path("tiny-nemotron-omni")), training=section)
 
 
-def _cp_rank(rank, world, port, out, paths):
+def _cp_rank(rank, world, port, paths):
     import torch.distributed as dist
 
     from gymv.algorithms.loss_fns import PolicyLoss
@@ -35,6 +35,7 @@ def _cp_rank(rank, world, port, out, paths):
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
+        got = {}
         for packing in PACKING:
             backend = MegatronBackend.create(setup(2, packing, paths["omni"]), device="cpu", rank=rank,
                                              world_size=world)
@@ -42,36 +43,29 @@ def _cp_rank(rank, world, port, out, paths):
             logp = backend.compute_logprobs(copy.deepcopy(mine))
             metrics = backend.train_step(copy.deepcopy(mine), PolicyLoss())
             weights = {k: v.clone() for k, v in backend.named_weights()}
-            torch.save({"logp": logp, "metrics": metrics, "weights": weights if rank == 0 else None},
-                       f"{out}/{int(packing)}{rank}.pt")
+            got[packing] = {"logp": logp, "metrics": metrics, "weights": weights if rank == 0 else None}
             from megatron.core import parallel_state
 
             parallel_state.destroy_model_parallel()
         try:
             gpt = setup(2, False, paths["qwen3"])
             MegatronBackend.create(gpt, device="cpu", rank=rank, world_size=world)
-            refused = None
+            got["refused"] = None
         except GymvError as e:
-            refused = str(e)
-        torch.save(refused, f"{out}/refused{rank}.pt")
+            got["refused"] = str(e)
+        return got
     finally:
         leave_process_group()
 
 
 @pytest.fixture(scope="module")
-def cp2(tmp_path_factory):
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("cp2_backend")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def cp2():
     from tiny_models import tiny_path
 
     paths = {"omni": str(tiny_path("tiny-nemotron-omni")), "qwen3": str(tiny_path("tiny-qwen3"))}  # built once
-    mp.spawn(_cp_rank, args=(2, port, str(out), paths), nprocs=2, join=True)
-    got = {p: [torch.load(out / f"{int(p)}{r}.pt") for r in range(2)] for p in PACKING}
-    got["refused"] = torch.load(out / "refused0.pt")
+    ranks = spawn_ranks(_cp_rank, 2, paths)
+    got = {p: [r[p] for r in ranks] for p in PACKING}
+    got["refused"] = ranks[0]["refused"]
     return got
 
 
