@@ -1,6 +1,7 @@
 """The megatron teacher (Megatron-core's twin of the checkpoint, scoring only) scores row-aligned batches
 exactly as the torch teacher does: a mixed batch of image and text rows, a text-only cut of a VLM, top-k
-candidates; float32 on the CPU, one rank (tensor-parallel ranks: tests/test_mopd_train_megatron.py)."""
+candidates; float32 on the CPU, one rank (tensor-parallel ranks: tests/test_mopd_train_megatron.py), and a
+replica of two gloo ranks of tensor x expert parallel size 2 x 2 on the tiny Nemotron 3 Omni."""
 
 from __future__ import annotations
 
@@ -93,9 +94,17 @@ def test_the_teacher_holds_a_megatron_model_with_no_trainable_weights_and_counts
     assert megatron.num_parameters() == sum(p.numel() for p in hf.model.parameters())
 
 
-def test_expert_parallelism_is_refused_naming_the_key():
+def test_an_expert_parallel_size_not_dividing_the_tensor_parallel_size_is_refused_naming_the_key():
     with pytest.raises(GymvError) as e:
-        TEACHER_BACKENDS.load("megatron")(_spec(expert_parallel_size=2))
+        TEACHER_BACKENDS.load("megatron")(_spec(expert_parallel_size=2))  # TP 1: one rank, two expert shares
+    assert e.value.where == "mopd.teachers.count.expert_parallel_size" and "divisor of 1" in e.value.fix
+
+
+def test_expert_parallelism_on_a_decoder_without_moe_layers_is_refused_naming_the_key():
+    llava = str(tiny_path("tiny-llava"))
+    section = TeacherSection(path=llava, backend="megatron", tensor_parallel_size=2, expert_parallel_size=2)
+    with pytest.raises(GymvError) as e:  # refused before any process group is asked for
+        TEACHER_BACKENDS.load("megatron")(TeacherSpec("count", llava, llava, section=section))
     assert e.value.where == "mopd.teachers.count.expert_parallel_size" and "expert_parallel_size: 1" in e.value.fix
 
 
@@ -134,3 +143,57 @@ def test_on_cuda_in_bfloat16_a_megatron_teacher_scores_as_the_torch_teacher_with
     rows = _rows() if arch == "tiny-llava" else _omni_rows()
     for g, w in zip(megatron.score(rows), hf.score(rows)):
         assert g.shape == w.shape and (g - w).abs().max() < 0.05
+
+
+def _omni_spec(omni: str, **section) -> TeacherSpec:
+    return TeacherSpec("self", omni, omni, temperature=0.7, top_k=3,
+                       section=TeacherSection(path=omni, backend="megatron", **section))
+
+
+def _ep_rank(rank: int, world: int, port: int, omni: str, rows: list[TeacherRow]) -> dict:
+    """One rank of a TP 2 x EP 2 teacher replica, its process group up as gymv.cluster.teachers joins it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from gymv.backends.training.megatron_model import release_parallel
+    from gymv.backends.training.process_group import leave_process_group
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=2))
+    try:
+        teacher = TEACHER_BACKENDS.load("megatron")(_omni_spec(omni, tensor_parallel_size=world, expert_parallel_size=world))
+        experts = {k: len(p) for k, p in teacher.model.named_parameters() if ".mixer.experts." in k}  # [expert, ...]
+        return {"scores": teacher.score(rows), "alone": teacher.score(rows[2:]), "experts": experts,
+                "parameters": teacher.num_parameters()}
+    finally:
+        release_parallel()
+        leave_process_group()
+
+
+@pytest.fixture(scope="module")
+def ep_ranks():
+    from megatron_helpers import spawn_ranks
+
+    omni = str(tiny_path("tiny-nemotron-omni"))
+    return spawn_ranks(_ep_rank, 2, omni, _omni_rows()), TeacherModel(_omni_spec(omni))
+
+
+@pytest.mark.slow
+def test_a_tp2_ep2_teacher_of_nemotron_3_omni_scores_image_rows_and_top_k_as_the_torch_teacher(ep_ranks):
+    """Two gloo ranks, the experts split between them and exchanged by all-to-all: every rank's scores (and
+    top-k candidates) are the torch teacher's, for a batch of rows and for one row alone (another shape)."""
+    ranks, hf = ep_ranks
+    rows = _omni_rows()
+    for r in ranks:
+        _assert_same(r["scores"], hf.score(rows))
+        _assert_same(r["alone"], hf.score(rows[2:]))
+
+
+@pytest.mark.slow
+def test_a_tp2_ep2_teacher_holds_half_the_experts_on_each_rank_and_counts_the_whole_model(ep_ranks):
+    ranks, hf = ep_ranks
+    experts = hf.model.config.get_text_config().n_routed_experts
+    for r in ranks:
+        assert r["experts"] and set(r["experts"].values()) == {experts // 2}
+    assert [r["parameters"] for r in ranks] == [sum(p.numel() for p in hf.model.parameters())] * 2
