@@ -6,7 +6,6 @@ the same next step, and an export at EP2 loads in HF and equals the model it cam
 ranks, TP2 x EP2 and CP2 x EP2 (replicas of three samples and of one, a rank handed none) take the same step."""
 
 import copy
-import socket
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from gymv.backends.training.process_group import leave_process_group  # noqa: E402
+from megatron_helpers import spawn_ranks  # noqa: E402
 
 PACKING = (False, True)
 SPLIT = (slice(0, 3), slice(3, 4))  # rank 0: three samples (three micro-batches), rank 1: one
@@ -44,6 +44,7 @@ def _ep_rank(rank, world, port, out, paths):
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     path = paths["omni"]
+    result = {}
     try:
         for packing in PACKING:
             backend = MegatronBackend.create(setup(2, packing, path), device="cpu", rank=rank, world_size=world)
@@ -61,37 +62,32 @@ def _ep_rank(rank, world, port, out, paths):
                 resumed.load(f"{out}/ckpt")
                 got["resumed"] = resumed.train_step(copy.deepcopy(mine), PolicyLoss())
                 got["resumed_steps"] = resumed.trainer.steps
-            torch.save(got, f"{out}/{int(packing)}{rank}.pt")
+            result[packing] = got
             parallel_state.destroy_model_parallel()
         backend = MegatronBackend.create(setup(2, False, path, aux=AUX), device="cpu", rank=rank, world_size=world)
         mine = _image_samples(backend.policy, n=4)[SPLIT[rank]]
-        torch.save(backend.train_step(mine, PolicyLoss()), f"{out}/aux{rank}.pt")
+        result["aux"] = backend.train_step(mine, PolicyLoss())
         parallel_state.destroy_model_parallel()
         try:
             MegatronBackend.create(setup(2, False, paths["qwen3"]), device="cpu", rank=rank, world_size=world)
-            refused = None
+            result["refused"] = None
         except GymvError as e:
-            refused = (str(e), e.where)
-        torch.save(refused, f"{out}/refused{rank}.pt")
+            result["refused"] = (str(e), e.where)
+        return result
     finally:
         leave_process_group()
 
 
 @pytest.fixture(scope="module")
 def ep2(tmp_path_factory):
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("ep2_backend")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     from tiny_models import tiny_path
 
+    out = tmp_path_factory.mktemp("ep2_backend")  # the checkpoint and export the ranks write, read by the tests
     paths = {"omni": str(tiny_path("tiny-nemotron-omni")), "qwen3": str(tiny_path("tiny-qwen3"))}  # built once
-    mp.spawn(_ep_rank, args=(2, port, str(out), paths), nprocs=2, join=True)
-    got = {p: [torch.load(out / f"{int(p)}{r}.pt") for r in range(2)] for p in PACKING}
-    got["out"], got["path"], got["refused"] = out, paths["omni"], torch.load(out / "refused0.pt")
-    got["aux"] = [torch.load(out / f"aux{r}.pt") for r in range(2)]
+    ranks = spawn_ranks(_ep_rank, 2, str(out), paths)
+    got = {p: [r[p] for r in ranks] for p in PACKING}
+    got["out"], got["path"], got["refused"] = out, paths["omni"], ranks[0]["refused"]
+    got["aux"] = [r["aux"] for r in ranks]
     return got
 
 
@@ -169,7 +165,7 @@ LAYOUTS = {"tp2xep2": {"tensor": 2, "expert": 2}, "cp2xep2": {"context": 2, "exp
            "tp2xcp2xep4": {"tensor": 2, "context": 2, "expert": 4}}
 
 
-def _combined_rank(rank, world, port, out, path):
+def _combined_rank(rank, world, port, path):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -181,6 +177,7 @@ def _combined_rank(rank, world, port, out, path):
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
+        result = {}
         for name, sizes in LAYOUTS.items():
             base = setup(2, False, path)
             training = base.training.model_copy(update={"parallel": ParallelSection(**sizes)})
@@ -189,25 +186,19 @@ def _combined_rank(rank, world, port, out, path):
             mine = _image_samples(backend.policy, n=4)[SPLIT4[rank]]
             metrics = backend.train_step(copy.deepcopy(mine), PolicyLoss())
             weights = {k: v.clone() for k, v in backend.named_weights()}
-            torch.save({"metrics": metrics, "weights": weights if rank == 0 else None}, f"{out}/{name}{rank}.pt")
+            result[name] = {"metrics": metrics, "weights": weights if rank == 0 else None}
             parallel_state.destroy_model_parallel()
+        return result
     finally:
         leave_process_group()
 
 
 @pytest.fixture(scope="module")
-def combined(tmp_path_factory):
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("ep2_combined")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def combined():
     from tiny_models import tiny_path
 
-    path = str(tiny_path("tiny-nemotron-omni"))
-    mp.spawn(_combined_rank, args=(4, port, str(out), path), nprocs=4, join=True)
-    return {n: [torch.load(out / f"{n}{r}.pt") for r in range(4)] for n in LAYOUTS}
+    ranks = spawn_ranks(_combined_rank, 4, str(tiny_path("tiny-nemotron-omni")))
+    return {n: [r[n] for r in ranks] for n in LAYOUTS}
 
 
 @pytest.mark.slow
