@@ -1,13 +1,12 @@
 """Expert parallelism (gymv.backends.training.megatron_ep): Nemotron-H's MoE layer with its routed experts split
 over two gloo ranks gives one rank's outputs and gradients (float32), experts without tokens included."""
 
-import socket
-
 import pytest
 import torch
 
 from gymv.backends.training.megatron_ep import ExpertParallelMoE, expert_rows, route
 from gymv.backends.training.process_group import leave_process_group
+from megatron_helpers import spawn_ranks
 
 TOKENS = 7  # per rank
 
@@ -48,7 +47,7 @@ def set_case(moe, case: str):
     return moe
 
 
-def _ep_rank(rank, world, port, out, backend="gloo"):
+def _ep_rank(rank, world, port, backend="gloo"):
     import torch.distributed as dist
 
     device = torch.device("cpu")
@@ -57,30 +56,27 @@ def _ep_rank(rank, world, port, out, backend="gloo"):
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
+        result = {}
         for case in CASES:
             layer = ExpertParallelMoE(set_case(tiny_moe(), case).to(device))
             x = tokens(rank).to(device).requires_grad_(True)
             y = layer(x)
             (y * torch.linspace(-1, 1, y.numel(), device=device).view_as(y)).sum().backward()
-            torch.save({"y": y.detach().cpu(), "dx": x.grad.cpu(),
-                        "grads": {k: p.grad.cpu() for k, p in layer.named_parameters()}}, f"{out}/{case}{rank}.pt")
+            result[case] = {"y": y.detach().cpu(), "dx": x.grad.cpu(),
+                            "grads": {k: p.grad.cpu() for k, p in layer.named_parameters()}}
+        return result
     finally:
         leave_process_group()
 
 
-def spawn_ep2(out, backend: str) -> dict:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ep_rank, args=(2, port, str(out), backend), nprocs=2, join=True)
-    return {case: [torch.load(out / f"{case}{r}.pt") for r in range(2)] for case in CASES}
+def spawn_ep2(backend: str) -> dict:
+    ranks = spawn_ranks(_ep_rank, 2, backend)
+    return {case: [r[case] for r in ranks] for case in CASES}
 
 
 @pytest.fixture(scope="module")
-def ep2(tmp_path_factory):
-    return spawn_ep2(tmp_path_factory.mktemp("ep2"), "gloo")
+def ep2():
+    return spawn_ep2("gloo")
 
 
 def reference(case: str):
@@ -137,10 +133,10 @@ def test_an_expert_that_receives_no_tokens_gets_a_zero_gradient_not_none(ep2):
 
 
 @pytest.mark.gpu
-def test_the_same_exchange_over_nccl_gives_one_ranks_outputs_and_gradients(tmp_path):
+def test_the_same_exchange_over_nccl_gives_one_ranks_outputs_and_gradients():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    got = spawn_ep2(tmp_path, "nccl")
+    got = spawn_ep2("nccl")
     for case in CASES:
         y, dx, params = reference(case)
         torch.testing.assert_close(torch.cat([r["y"] for r in got[case]], dim=1), y, rtol=1e-5, atol=1e-4)
