@@ -59,7 +59,7 @@ def packed_token_logprobs(model, ids, mask):
 
 
 def free_port() -> int:
-    """A port on 127.0.0.1 that nothing holds now, for a gloo group's rendezvous."""
+    """A port on 127.0.0.1 that nothing holds now, for a process group's rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -72,10 +72,11 @@ def _rank_result(rank: int, worker: Callable[..., Any], world: int, port: int, f
 def spawn_ranks(worker: Callable[..., R], world: int, *args: Any) -> list[R]:
     """Run `worker(rank, world, port, *args)` in `world` spawned processes and return what each rank returned,
     in rank order. A spawned process hands nothing back by itself, so each rank's result travels through a
-    file of a temporary folder (torch.save / torch.load; a CUDA tensor comes back moved to the CPU by the
-    worker); the worker joins its process group (gloo, or NCCL on GPUs) at tcp://127.0.0.1:port and leaves it. `worker` is a module-level function (spawn pickles it by name), and
-    anything costly that every rank needs (a tiny model's folder) is built before and passed in `args`: a
-    spawned rank would otherwise build its own. A rank that raises fails the spawn with its traceback."""
+    file of a temporary folder (torch.save / torch.load; the worker moves CUDA tensors to the CPU first). The
+    worker joins its process group (gloo, or NCCL on GPUs) at tcp://127.0.0.1:port and leaves it. It is a
+    module-level function (spawn pickles it by name), and anything costly that every rank needs (a tiny
+    model's folder) is built before and passed in `args`: a spawned rank would otherwise build its own. A
+    rank that raises fails the spawn with its traceback."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="gloo_ranks_") as folder:
