@@ -335,9 +335,20 @@ def test_a_vllm_teacher_spans_tensor_parallel_gpus_with_its_experts_split_over_t
     assert rules_hit(_split_teacher(backend="vllm", gpus=2, tensor_parallel_size=2)) == set()
 
 
+def test_a_megatron_teachers_experts_split_over_any_divisor_of_its_tensor_parallel_ranks():
+    cluster = {"gpus_per_node": 8, "num_nodes": 2, "colocated": False, "generation_gpus": 4, "training_gpus": 4}
+    for ep in (8, 4, 1):  # the Super Omni teacher is TP 8 x EP 8 on a node of its own: its EP group is its TP group
+        teacher = {"path": "x", "placement": "separate", "backend": "megatron", "gpus": 8, "tensor_parallel_size": 8,
+                   "expert_parallel_size": ep}
+        c = cfg(algorithm="mopd", mopd={"teachers": {"a": teacher}}, cluster=cluster, refit={"transport": "nccl"})
+        assert rules_hit(c) == set()
+
+
 @pytest.mark.parametrize("teacher,key", [
     ({"backend": "torch", "gpus": 2, "tensor_parallel_size": 2}, "tensor_parallel_size"),  # one device a replica
     ({"backend": "vllm", "gpus": 2, "tensor_parallel_size": 2, "expert_parallel_size": 4}, "expert_parallel_size"),
+    ({"backend": "vllm", "gpus": 4, "tensor_parallel_size": 4, "expert_parallel_size": 2}, "expert_parallel_size"),
+    ({"backend": "megatron", "gpus": 4, "tensor_parallel_size": 4, "expert_parallel_size": 3}, "expert_parallel_size"),
     ({"backend": "vllm", "gpus": 1, "data_parallel_size": 1, "tensor_parallel_size": 2}, "gpus"),  # dp x tp GPUs
 ])
 def test_teacher_parallel_sizes_that_do_not_fit_are_refused_naming_the_key(teacher, key):

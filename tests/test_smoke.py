@@ -156,10 +156,11 @@ def test_tiny_turns_every_gpu_recipe_into_a_valid_cpu_recipe(tmp_path, recipe):
     for alias, teacher in (cfg.get("mopd") or {}).get("teachers", {}).items():
         # a megatron teacher stays where the megatron trainer does (the same twin scores)
         kept = before["mopd"]["teachers"][alias]["backend"] == "megatron" == cfg["training"]["backend"]
-        tp = min(before["mopd"]["teachers"][alias]["tensor_parallel_size"], 2) if kept else 1
+        tp, ep = ((min(before["mopd"]["teachers"][alias][f"{k}_parallel_size"], 2) for k in ("tensor", "expert"))
+                  if kept else (1, 1))
         assert (teacher["path"], teacher["backend"], teacher["placement"]) == (
             cfg["model"]["path"], "megatron" if kept else "torch", "separate" if tp > 1 else "colocated")
-        assert (teacher["tensor_parallel_size"], teacher["expert_parallel_size"]) == (tp, 1)
+        assert (teacher["tensor_parallel_size"], teacher["expert_parallel_size"]) == (tp, ep)
 
 
 @pytest.mark.parametrize("recipe, backend", [
@@ -183,7 +184,7 @@ def test_tiny_keeps_a_megatron_teacher_where_the_megatron_trainer_stays(tmp_path
 
 def test_tiny_keeps_the_tensor_parallel_layout_at_size_2_over_gloo_ranks_and_names_the_rest(tmp_path):
     """TP8 x EP16 x CP2 with a TP8 x EP8 teacher: the trainer keeps TP 2 x CP 2 over 4 CPU ranks and EP 4
-    folded over them (each expert whole), the teacher's replica 2 ranks; what megatron does not run on a CPU
+    folded over them (each expert whole), the teacher's replica 2 ranks of TP 2 x EP 2; what megatron does not run on a CPU
     yet becomes 1, each named as a stand-in."""
     pytest.importorskip("megatron.core")
     recipe = REPO / "recipes/vlm/vlm_mopd-nemotron3-super-omni-10n8g-megatron-tp8ep16cp2-async-noncolocated.yaml"
@@ -195,7 +196,7 @@ def test_tiny_keeps_the_tensor_parallel_layout_at_size_2_over_gloo_ranks_and_nam
     assert {k: cfg["training"]["parallel"][k] for k in want} == want
     assert cfg["cluster"]["cpu_training_ranks"] == want["tensor"] * want["context"]
     teacher = cfg["mopd"]["teachers"]["self"]
-    assert (teacher["tensor_parallel_size"], teacher["placement"]) == (2, "separate")
+    assert (teacher["tensor_parallel_size"], teacher["expert_parallel_size"], teacher["placement"]) == (2, 2, "separate")
     stood_in = " ".join(n for n in p.notes if n.startswith("stand-in for what gymv train cannot run here"))
     for k in ("expert", "context"):
         assert (f"training.parallel.{k}" in stood_in) == (k not in wired)

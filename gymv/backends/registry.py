@@ -109,9 +109,10 @@ TEACHER_BACKENDS = Registry("teacher backend", "gymv.teacher_backends", {
     "vllm": ("gymv.backends.teacher_vllm:VllmTeacher", BackendCapabilities(
         needs=Package("vllm", "vllm", VLLM_VENV_FIX + ", or use backend: torch"), spans_gpus=True,
         model_parallel=("tensor", "expert"), reads_engine_kwargs=True, model_check=VLLM_MODEL_CHECK)),
-    # the megatron training backend's twin, scoring only; its model parallelism is the trainer's (tensor)
+    # the megatron training backend's twin, scoring only; its model parallelism is the trainer's (tensor, and
+    # expert for Nemotron-H's hybrid model, folded over a replica's TP ranks)
     "megatron": ("gymv.backends.teacher_megatron:MegatronTeacher", BackendCapabilities(
-        needs=MEGATRON, spans_gpus=True, rank_per_device=True, model_parallel=("tensor",),
+        needs=MEGATRON, spans_gpus=True, rank_per_device=True, model_parallel=("tensor", "expert"),
         refused_families=TRAINING_BACKENDS.capabilities("megatron").refused_families)),
 }, where="mopd.teachers.*.backend", default=BackendCapabilities())
 # a transport's entry is its sender class; the sender names its receiver class (`receiver`)

@@ -14,7 +14,7 @@ E of the replica's ranks, each expert whole (megatron's expert tensor parallel s
 trainer splits them (gymv.backends.training.megatron_parallel): the EP groups are consecutive blocks of E
 ranks, so at E = T (the reference Super Omni teacher, TP 8 x EP 8) the EP group is the TP group. A TP rank
 dispatches its share of the replicated tokens by all-to-all. Every rank scores the same rows, so every rank
-plans the same micro-batches (gymv.backends.teacher.score_rows: by the rows' lengths alone) and runs the same
+plans the same micro-batches (gymv.backends.teacher.teacher_logprobs: by the rows' lengths alone) and runs the same
 forward passes with the same shapes: the all-to-alls meet in lock step.
 """
 

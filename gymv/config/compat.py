@@ -300,7 +300,13 @@ def _teacher_parallel(cfg: RecipeBase) -> Iterator[Finding]:
             yield _err("teacher.parallel", f"{key}.tensor_parallel_size" if tp > 1 else f"{key}.expert_parallel_size",
                        f"teacher {alias!r} uses backend {t.backend}, whose replicas run on one device each",
                        f"use backend: {able} for a teacher split over GPUs, or sizes of 1")
-        if ep > 1 and ep != tp:
+        ranks = t.backend in TEACHER_BACKENDS and TEACHER_BACKENDS.capabilities(t.backend).rank_per_device
+        if ep > 1 and ranks and tp % ep:  # megatron: EP groups are blocks of the replica's TP ranks
+            yield _err("teacher.parallel", f"{key}.expert_parallel_size",
+                       f"teacher {alias!r}: expert_parallel_size {ep} does not divide tensor_parallel_size {tp} (a "
+                       f"replica's experts are split over blocks of its {tp} ranks)",
+                       f"use a divisor of {tp} ({tp}: the experts split over all the replica's GPUs, or 1)")
+        elif ep > 1 and not ranks and ep != tp:  # an engine (vllm) splits them over all of its GPUs
             yield _err("teacher.parallel", f"{key}.expert_parallel_size",
                        f"teacher {alias!r}: expert_parallel_size {ep} differs from tensor_parallel_size {tp} (a "
                        "replica's experts are split over the GPUs it spans)",
