@@ -1,7 +1,7 @@
 """`gymv smoke --tiny` of the reference layouts' recipes: the Nano Omni GRPO run and the Super Omni MOPD smoke
 run on the CPU as the tiny Omni in Megatron, keeping what of their layout a CPU runs at tiny size (the
 student's tensor and context parallelism at 2 over four gloo ranks, its expert parallelism at 4 folded over
-those ranks, the Megatron teacher's replica of two ranks) and naming the rest."""
+those ranks, the Megatron teacher's replica of two ranks with its experts split over them) and naming the rest."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_both_layouts_pass_their_smoke_on_the_cpu_in_megatron(results):
         assert not any(c.startswith("training.backend") for c in res["tiny_changes"])  # megatron itself
 
 
-def test_the_student_keeps_tensor_parallel_2_and_the_teacher_a_replica_of_2_ranks(results):
+def test_the_student_keeps_tensor_parallel_2_and_the_teacher_a_replica_of_2_ranks_of_tp2_x_ep2(results):
     from gymv.backends.registry import TRAINING_BACKENDS
 
     _, by_name = results
@@ -41,6 +41,7 @@ def test_the_student_keeps_tensor_parallel_2_and_the_teacher_a_replica_of_2_rank
     changes = by_name[SMOKE.name]["tiny_changes"]
     assert "training.parallel.tensor: 8 -> 2" in changes and f"cluster.cpu_training_ranks: 1 -> {ranks}" in changes
     assert "mopd.teachers.self.tensor_parallel_size: 8 -> 2" in changes
+    assert "mopd.teachers.self.expert_parallel_size: 8 -> 2" in changes  # its experts split over its 2 ranks
     grpo = by_name[GRPO.name]["tiny_changes"]
     assert not any(c.startswith("training.parallel.tensor") for c in grpo)  # TP 2 is tiny already: kept
     assert f"cluster.cpu_training_ranks: 1 -> {ranks}" in grpo
