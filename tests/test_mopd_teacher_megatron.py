@@ -145,13 +145,19 @@ def test_on_cuda_in_bfloat16_a_megatron_teacher_scores_as_the_torch_teacher_with
         assert g.shape == w.shape and (g - w).abs().max() < 0.05
 
 
-def _omni_spec(omni: str, **section) -> TeacherSpec:
-    return TeacherSpec("self", omni, omni, temperature=0.7, top_k=3,
+def _omni_spec(omni: str, device: str = "cpu", dtype: str = "float32", **section) -> TeacherSpec:
+    return TeacherSpec("self", omni, omni, temperature=0.7, top_k=3, device=device, dtype=dtype,
                        section=TeacherSection(path=omni, backend="megatron", **section))
 
 
-def _ep_rank(rank: int, world: int, port: int, omni: str, rows: list[TeacherRow]) -> dict:
-    """One rank of a TP 2 x EP 2 teacher replica, its process group up as gymv.cluster.teachers joins it."""
+def _on_cpu(scores: list) -> list:
+    return [{k: v.cpu() for k, v in s.items()} if isinstance(s, dict) else s.cpu() for s in scores]
+
+
+def _ep_rank(rank: int, world: int, port: int, omni: str, rows: list[TeacherRow], device: str = "cpu",
+             dtype: str = "float32") -> dict:
+    """One rank of a TP 2 x EP 2 teacher replica, its process group up as gymv.cluster.teachers joins it
+    (gloo on the CPU, nccl on GPUs)."""
     import datetime
 
     import torch.distributed as dist
@@ -159,13 +165,16 @@ def _ep_rank(rank: int, world: int, port: int, omni: str, rows: list[TeacherRow]
     from gymv.backends.training.megatron_model import release_parallel
     from gymv.backends.training.process_group import leave_process_group
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=2))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=datetime.timedelta(minutes=2))
     try:
-        teacher = TEACHER_BACKENDS.load("megatron")(_omni_spec(omni, tensor_parallel_size=world, expert_parallel_size=world))
+        spec = _omni_spec(omni, device, dtype, tensor_parallel_size=world, expert_parallel_size=world)
+        teacher = TEACHER_BACKENDS.load("megatron")(spec)
         experts = {k: len(p) for k, p in teacher.model.named_parameters() if ".mixer.experts." in k}  # [expert, ...]
-        return {"scores": teacher.score(rows), "alone": teacher.score(rows[2:]), "experts": experts,
-                "parameters": teacher.num_parameters()}
+        return {"scores": _on_cpu(teacher.score(rows)), "alone": _on_cpu(teacher.score(rows[2:])),
+                "experts": experts, "parameters": teacher.num_parameters()}
     finally:
         release_parallel()
         leave_process_group()
@@ -197,3 +206,17 @@ def test_a_tp2_ep2_teacher_holds_half_the_experts_on_each_rank_and_counts_the_wh
     for r in ranks:
         assert r["experts"] and set(r["experts"].values()) == {experts // 2}
     assert [r["parameters"] for r in ranks] == [sum(p.numel() for p in hf.model.parameters())] * 2
+
+
+@pytest.mark.gpu
+def test_on_two_gpus_a_tp2_ep2_teacher_scores_over_nccl_as_the_torch_teacher_within_bf16_error():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    from megatron_helpers import spawn_ranks
+
+    omni, rows = str(tiny_path("tiny-nemotron-omni")), _omni_rows()
+    hf = TeacherModel(_omni_spec(omni, "cuda", "bfloat16"))
+    want = [w["logp"].float().cpu() for w in hf.score(rows)]
+    for r in spawn_ranks(_ep_rank, 2, omni, rows, "cuda", "bfloat16"):
+        for g, w in zip(r["scores"], want):
+            assert g["logp"].shape == w.shape and (g["logp"].float() - w).abs().max() < 0.05
