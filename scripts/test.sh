@@ -105,10 +105,12 @@ run_tests() {
   key=$(main_budget "$@")
   crash_dir=$(mktemp -d)
   set +e
-  # Two pytest-xdist workers, one test file at a time each (module fixtures are shared within a file);
-  # GYMV_TEST_WORKERS=0 runs in this process.
+  # Two pytest-xdist workers, one test file at a time each (module fixtures are shared within a file), the files
+  # handed out in collection order (tests/conftest.py puts the longest first: xdist's own reorder, by test count,
+  # would leave them for the end); GYMV_TEST_WORKERS=0 runs in this process.
   GYMV_TEST_CRASH_DIR=$crash_dir guarded "$(hang_limit "$key")" "main suite (.venv)" .venv/bin/python -m pytest -q \
-    -p no:cacheprovider --timeout=900 --durations=15 -n "${GYMV_TEST_WORKERS:-2}" --dist loadfile "$@"
+    -p no:cacheprovider --timeout=900 --durations=15 -n "${GYMV_TEST_WORKERS:-2}" --dist loadfile \
+    --no-loadscope-reorder "$@"
   rc=$?
   rm -rf "$crash_dir"
   set -e
