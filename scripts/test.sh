@@ -64,8 +64,16 @@ hang_limit() {
   echo $((BUDGET[$1] * HANG_LIMIT_PCT / 100))
 }
 
+# run_left START: the seconds the run begun at epoch START has left of its own hang limit (the whole run's budget,
+# `ci`, times the same factor), at least 60: the limit of a stage without a budget of its own (the vLLM tests).
+run_left() {
+  local left=$(($(hang_limit ci) - ($(date +%s) - $1)))
+  echo $((left < 60 ? 60 : left))
+}
+
 # guarded LIMIT LABEL COMMAND...: run COMMAND (its output shown, stderr merged into stdout), stopped after LIMIT
-# seconds (TERM to its process group, KILL a minute later) with a line saying so; pytest-xdist's lines about a
+# seconds (TERM to its process group, KILL a minute later) with a line saying so (GUARD_WHY: what the limit is);
+# pytest-xdist's lines about a
 # crashed worker are repeated after it, with the Python stacks a test process that died left in
 # $GYMV_TEST_CRASH_DIR (tests/crash_dumps.py), and kept in GUARD_NOTES for the run's summary. COMMAND's status.
 GUARD_NOTES=()
@@ -87,7 +95,7 @@ guarded() {
     GUARD_NOTES+=("$label: $(basename "$dump" .txt): $(head -n 1 "$dump") (its stacks are printed above)")
   done
   if [ "$rc" -eq 124 ] || { [ "$rc" -eq 137 ] && [ $((SECONDS - t0)) -ge "$limit" ]; }; then
-    GUARD_NOTES+=("FAILED: $label still running after $limit s ($HANG_LIMIT_PCT% of its budget): stopped as hung")
+    GUARD_NOTES+=("FAILED: $label still running after $limit s (${GUARD_WHY:-$HANG_LIMIT_PCT% of its budget}): stopped as hung")
   fi
   [ "${#GUARD_NOTES[@]}" -gt 0 ] && echo && printf '%s\n' "${GUARD_NOTES[@]}"  # pytest's last line may be open
   return "$rc"
@@ -121,7 +129,9 @@ run_tests() {
     bash scripts/install.sh vllm
     stage "install (vLLM venv)"
     set +e
-    "$(bash scripts/install_vllm.sh --path)/bin/python" -m pytest -q -p no:cacheprovider --timeout=900 tests/vllm_backend tests/test_decode_attention.py
+    GUARD_WHY="what the whole run had left of its $HANG_LIMIT_PCT%" guarded "$(run_left "$start")" \
+      "vLLM backend tests (vLLM venv)" "$(bash scripts/install_vllm.sh --path)/bin/python" -m pytest -q \
+      -p no:cacheprovider --timeout=900 tests/vllm_backend tests/test_decode_attention.py
     vrc=$?
     set -e
     stage "vLLM backend tests (vLLM venv)"

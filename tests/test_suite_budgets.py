@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
 
 import pytest
 
@@ -87,6 +88,12 @@ def test_a_run_with_a_stage_over_its_limit_exits_non_zero_with_that_line_last(tm
 
 def test_a_stage_is_taken_for_hung_at_two_and_a_half_times_its_budget():
     assert [script("hang_limit", key).stdout.strip() for key in ("main", "fast")] == ["3000", "450"]
+
+
+def test_a_stage_without_a_budget_may_run_for_what_the_whole_run_has_left_of_its_hang_limit():
+    started = int(time.time()) - 1000
+    assert int(script("run_left", str(started)).stdout) in (5250 - 1000, 5250 - 1001)
+    assert script("run_left", str(int(time.time()) - 6000)).stdout.strip() == "60"
 
 
 def test_a_command_past_its_hang_limit_is_stopped_and_fails_with_a_line_saying_so():
