@@ -35,7 +35,12 @@ layers  one MoE layer and one Mamba-2 mixer at the Nano widths, 16,384 tokens (8
         (gymv.backends.moe_experts), with the layer's MFU; Mamba `hf_per_segment` (transformers' mixer once
         per sequence, gymv's old packed path), `hf_rows` (transformers' mixer on 8 rows of 2,048),
         `gymv_torch` (one call over the packed row, gymv's torch scan), `gymv_triton` (the same on
-        mamba_ssm's kernels; skipped with the reason where they do not import).
+        mamba_ssm's kernels, the convolution on causal_conv1d where it imports, else on gymv's Triton
+        convolution; skipped with the reason where they do not import), `gymv_triton_torch_conv` (the same
+        with gymv's torch convolution, where the Triton one runs). Before the mixer, its causal convolution
+        alone (`mamba_conv`: conv_dim channels, bias, silu, the packed row's seq_idx): `torch`
+        (ssd_scan.segment_conv1d), `triton` (gymv.backends.conv_kernel, with its largest error against the
+        torch convolution), `causal_conv1d` (where it imports).
 
 Kernel paths beside transformers': the trainer runs `--train-paths` (`gymv`: gymv's experts and packed rows
 with one Mamba call per row on the kernels; `hf`: transformers' expert loop, rows not packed, torch scan),
@@ -444,6 +449,57 @@ def moe_layer_rows(mode: Mode, tokens: int, reps: int) -> list[dict]:
     return rows
 
 
+def conv_rows(mode: Mode, tokens: int, segments: int, reps: int) -> list[dict]:
+    """The Mamba-2 mixer's causal convolution alone (conv_dim channels, a slice of the input projection's
+    output as in the mixer, with bias, silu and a packed row's seq_idx), forward and backward: `torch`
+    (gymv.backends.ssd_scan.segment_conv1d), `triton` (gymv.backends.conv_kernel), `causal_conv1d` (when it
+    imports); a path that cannot run here gets the reason."""
+    import torch
+
+    from gymv.backends import conv_kernel, mamba_kernels
+    from gymv.backends.ssd_scan import segment_conv1d, seq_idx_from_bounds
+
+    text = layer_text(mode)
+    dtype = torch.bfloat16 if mode.device == "cuda" else torch.float32
+    inner = text["mamba_num_heads"] * text["mamba_head_dim"]
+    channels = inner + 2 * text["n_groups"] * text["ssm_state_size"]
+    torch.manual_seed(0)
+    proj = torch.randn(1, tokens, 2 * inner + channels + text["mamba_num_heads"], device=mode.device, dtype=dtype)
+    x = proj[..., inner:inner + channels].requires_grad_()
+    weight = (torch.randn(channels, text["conv_kernel"], device=mode.device) * 0.5).to(dtype).requires_grad_()
+    bias = torch.randn(channels, device=mode.device, dtype=dtype).requires_grad_()
+    bounds = [j * tokens // segments for j in range(segments + 1)]
+    seq_idx = seq_idx_from_bounds(bounds, tokens, mode.device)
+    kernels = mamba_kernels.load(mode.device)
+    paths = {"torch": lambda: segment_conv1d(x, weight, bias, seq_idx, activation="silu")}
+    skipped = {}
+    if mode.device == "cuda" and conv_kernel.available():
+        paths["triton"] = lambda: conv_kernel.segment_conv1d_triton(x, weight, bias, seq_idx, activation="silu")
+    else:
+        skipped["triton"] = "needs CUDA" if conv_kernel.available() else "triton is not installed"
+    if kernels is not None and kernels.conv is not None:
+        paths["causal_conv1d"] = lambda: mamba_kernels.causal_conv(kernels, x, weight, bias, seq_idx, "silu")
+    else:
+        skipped["causal_conv1d"] = "causal_conv1d is not installed" if kernels else mamba_kernels.why_not(mode.device)
+    grad = torch.randn(1, tokens, channels, device=mode.device, dtype=dtype)
+    measured = fwd_bwd(mode, {p: (lambda f=f: f().backward(grad)) for p, f in paths.items()}, reps)
+    if "triton" in paths:  # the kernel against the torch convolution on these inputs (max error / max value)
+        got, want = [], []
+        for f, into in ((paths["triton"], got), (paths["torch"], want)):
+            x.grad = weight.grad = bias.grad = None
+            out = f()
+            out.backward(grad)
+            into += [t.detach().float() for t in (out, x.grad, weight.grad, bias.grad)]
+        measured["triton"]["rel_error"] = {n: ((a - b).abs().max() / b.abs().max().clamp(min=1)).item()
+                                           for n, a, b in zip(("out", "dx", "dweight", "dbias"), got, want)}
+    rows = []
+    for path, r in {**measured, **{p: {"error": f"skipped: {why}"} for p, why in skipped.items()}}.items():
+        rows.append({"layer": "mamba_conv", "path": path, "tokens": tokens, "segments": segments,
+                     "channels": channels, **r})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def mamba_layer_rows(mode: Mode, tokens: int, segments: int, reps: int) -> list[dict]:
     """One NemotronH Mamba-2 mixer (projections, conv, scan, gated norm, out projection), forward and
     backward over a packed row of `segments` sequences of `tokens / segments` (module docstring's paths)."""
@@ -471,6 +527,9 @@ def mamba_layer_rows(mode: Mode, tokens: int, segments: int, reps: int) -> list[
     }
     if kernels is not None:
         paths["gymv_triton"] = lambda: mixer_forward(m, x, seq_idx, kernels)
+        if kernels.conv is None and kernels.segment_conv is not None:  # the same, its conv on torch
+            torch_conv = dataclasses.replace(kernels, segment_conv=None)
+            paths["gymv_triton_torch_conv"] = lambda: mixer_forward(m, x, seq_idx, torch_conv)
     measured = fwd_bwd(mode, {p: (lambda f=f: f().float().pow(2).mean().backward()) for p, f in paths.items()}, reps)
     if kernels is None:
         measured["gymv_triton"] = {"error": f"skipped: {mamba_kernels.why_not(mode.device)}"}
@@ -713,7 +772,8 @@ def main() -> None:
         if not cuda:  # one thread: on a shared CPU, more threads than free cores make every figure noise
             torch.set_num_threads(1)
             result["cpu_threads"] = 1
-        result["layers"] = moe_layer_rows(mode, tokens, a.layer_reps) + mamba_layer_rows(mode, tokens, 8, a.layer_reps)
+        result["layers"] = (moe_layer_rows(mode, tokens, a.layer_reps) + conv_rows(mode, tokens, 8, a.layer_reps)
+                            + mamba_layer_rows(mode, tokens, 8, a.layer_reps))
         save()
         report(result, out_json)
         return

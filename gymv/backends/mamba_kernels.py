@@ -8,8 +8,9 @@ MAMBA_FORCE_BUILD=TRUE pip install --no-build-isolation`, see the `kernels` extr
 `load` imports the Triton modules under their own names with the package's `__init__` skipped (empty
 package modules standing in for `mamba_ssm`, `mamba_ssm.ops` and `mamba_ssm.ops.triton` while they import),
 then takes the stand-ins out of `sys.modules` again, so that nothing else (transformers' own kernel lookup
-included) sees a half-imported `mamba_ssm`. The causal convolution comes from `causal_conv1d` when it
-imports (a compiled extension of its own), else gymv's torch convolution with segment masking does it.
+included) sees a half-imported `mamba_ssm`. The causal convolution (`causal_conv`) comes from `causal_conv1d`
+when it imports (a compiled extension of its own), else from gymv's Triton kernel with segment masking
+(gymv.backends.conv_kernel); gymv's torch convolution (ssd_scan.segment_conv1d) runs where there are no kernels.
 
 The kernels run on CUDA only; `load` returns None with the reason in `why_not` anywhere else.
 """
@@ -28,6 +29,8 @@ from functools import lru_cache
 
 import torch
 
+from gymv.backends.ssd_scan import segment_conv1d
+
 log = logging.getLogger(__name__)
 
 PACKAGE = "mamba_ssm"
@@ -39,13 +42,17 @@ INSTALL = ("MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip install --no-b
 
 @dataclass(frozen=True)
 class Kernels:
-    """The CUDA kernels of a Mamba-2 mixer; `conv` is None where `causal_conv1d` is not installed."""
+    """The CUDA kernels of a Mamba-2 mixer; `conv` is None where `causal_conv1d` is not installed (then
+    `segment_conv`, gymv's Triton convolution, runs it: see `causal_conv`)."""
 
     chunk_scan: Callable  # mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=, dt_bias=, seq_idx=, ...)
     state_update: Callable  # selective_state_update(state, x, dt, A, B, C, D=, dt_bias=, dt_softplus=)
     conv: Callable | None  # causal_conv1d_fn(x [B, C, L], weight [C, K], bias, seq_idx=, activation=)
     # rmsnorm_fn(x, weight, bias, z=, eps=, group_size=, norm_before_gate=): the gated norm in one kernel each way
     gated_norm: Callable | None = None
+    # segment_conv1d_triton(x [B, L, C], weight [C, K], bias, seq_idx, activation=): ssd_scan.segment_conv1d's
+    # contract in one Triton kernel each way
+    segment_conv: Callable | None = None
 
 
 def _stand_ins(spec) -> dict[str, types.ModuleType]:
@@ -82,6 +89,12 @@ def _import_triton_modules() -> tuple[types.ModuleType, types.ModuleType]:
         sys.modules.update(before)
 
 
+def _segment_conv() -> Callable | None:
+    from gymv.backends import conv_kernel
+
+    return conv_kernel.segment_conv1d_triton if conv_kernel.available() else None
+
+
 def _conv() -> Callable | None:
     try:
         from causal_conv1d import causal_conv1d_fn  # type: ignore[import-not-found]
@@ -99,7 +112,7 @@ def _load() -> tuple[Kernels | None, str | None]:
     except Exception as e:  # noqa: BLE001 - any import failure means the torch path, with the reason
         return None, f"{PACKAGE}'s Triton kernels do not import ({type(e).__name__}: {e}); install: {INSTALL}"
     return Kernels(scan.mamba_chunk_scan_combined, update.selective_state_update, _conv(),
-                   getattr(scan, "rmsnorm_fn", None)), None
+                   getattr(scan, "rmsnorm_fn", None), _segment_conv()), None
 
 
 def load(device: torch.device | str | None = None) -> Kernels | None:
@@ -114,6 +127,20 @@ def load(device: torch.device | str | None = None) -> Kernels | None:
     if kernels is None:
         _log_once(reason)
     return kernels
+
+
+def causal_conv(kernels: Kernels | None, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                seq_idx: torch.Tensor | None, activation: str | None) -> torch.Tensor:
+    """A mixer's causal depthwise convolution of x [B, L, C] (weight [C, K], seq_idx [B, L]; the contract of
+    ssd_scan.segment_conv1d) on the fastest path `kernels` has: causal_conv1d (which takes seq_idx in the
+    channel-last layout only, its channel stride a multiple of 8), else gymv's Triton kernel, else (no kernels:
+    CPU, or GYMV_MAMBA_KERNELS=0) the torch convolution."""
+    if kernels is not None and kernels.conv is not None and x.shape[-1] % 8 == 0:
+        return kernels.conv(x.contiguous().transpose(1, 2), weight, bias, seq_idx=seq_idx,
+                            activation=activation).transpose(1, 2)
+    if kernels is not None and kernels.segment_conv is not None:
+        return kernels.segment_conv(x, weight, bias, seq_idx, activation=activation)
+    return segment_conv1d(x, weight, bias, seq_idx, activation=activation)
 
 
 def why_not(device: torch.device | str | None = None) -> str | None:

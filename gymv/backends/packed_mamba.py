@@ -10,8 +10,9 @@ state restarts there, the gated norm and the output projection, with the mixer's
 call (padded batches, generation with a cache) is the mixer's own.
 
 The scan and the gated norm run on `mamba_ssm`'s Triton kernels on CUDA when they import
-(gymv.backends.mamba_kernels; `causal_conv1d` for the convolution when installed), else on gymv's torch
-scan (gymv.backends.ssd_scan), which is the reference the kernels are tested against and the path on CPU.
+(gymv.backends.mamba_kernels; the convolution on `causal_conv1d` when installed, else on gymv's Triton
+kernel, gymv.backends.conv_kernel), else on gymv's torch scan and convolution (gymv.backends.ssd_scan), which
+are the reference the kernels are tested against and the path on CPU.
 A segment that continues a shared prompt would need the prompt's final state: rows of a model with these
 layers are packed without sharing prompts (gymv.backends.training.hf_torch.BatchLayout).
 """
@@ -22,7 +23,7 @@ import torch
 
 from gymv.backends import mamba_kernels
 from gymv.backends.packed_attention import KEYWORD
-from gymv.backends.ssd_scan import chunk_scan, segment_conv1d, seq_idx_from_bounds
+from gymv.backends.ssd_scan import chunk_scan, seq_idx_from_bounds
 
 MIXERS = ("NemotronHMamba2Mixer",)  # wrapped here: one call per packed row, with its sequence index
 # take a packed row's segment bounds themselves (gymv's Megatron hybrid model, over gymv.backends.ssd_scan)
@@ -59,12 +60,7 @@ def mixer_forward(m, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
     proj = m.in_proj(hidden_states)
     gate, xbc, dt = proj.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
     weight = m.conv1d.weight.squeeze(1)
-    if kernels is not None and kernels.conv is not None and m.conv_dim % 8 == 0:
-        # causal_conv1d takes seq_idx in the channel-last layout only, its channel stride a multiple of 8
-        xbc = kernels.conv(xbc.contiguous().transpose(1, 2), weight, m.conv1d.bias, seq_idx=seq_idx,
-                           activation=m.activation).transpose(1, 2)
-    else:
-        xbc = segment_conv1d(xbc, weight, m.conv1d.bias, seq_idx, activation=m.activation)
+    xbc = mamba_kernels.causal_conv(kernels, xbc, weight, m.conv1d.bias, seq_idx, m.activation)
     groups_state = m.n_groups * m.ssm_state_size
     x, B, C = xbc.split([m.intermediate_size, groups_state, groups_state], dim=-1)
     scan = kernels.chunk_scan if kernels is not None else chunk_scan

@@ -32,8 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from gymv.backends import packed_attention
-from gymv.backends.ssd_scan import chunk_scan, segment_conv1d, seq_idx_from_bounds
+from gymv.backends import mamba_kernels, packed_attention
+from gymv.backends.ssd_scan import chunk_scan, seq_idx_from_bounds
 from gymv.backends.packing import PackedAttentionArgs
 from gymv.backends.training.megatron_ep import all_to_all
 from gymv.backends.training.megatron_hybrid import HybridModel, TorchMamba2Mixer, hybrid_config
@@ -241,8 +241,10 @@ class ContextParallelMamba2Mixer(TorchMamba2Mixer):
         xbc, dt = whole.split([inner_cp + 2 * gn_cp, self.cp_heads], dim=-1)
         rows = self._conv_rows().to(xbc.device)
         bias = self.conv1d.bias.index_select(0, rows) if self.conv1d.bias is not None else None
-        xbc = F.silu(segment_conv1d(xbc, self.conv1d.weight[:, 0].index_select(0, rows), bias,
-                                      _seq_idx(starts, xbc.shape[0], xbc.shape[1], xbc.device)))
+        # the convolution on CUDA's kernels where they load (mamba_kernels.causal_conv), the scan on torch's
+        xbc = mamba_kernels.causal_conv(mamba_kernels.load(xbc.device), xbc,
+                                        self.conv1d.weight[:, 0].index_select(0, rows), bias,
+                                        _seq_idx(starts, xbc.shape[0], xbc.shape[1], xbc.device), "silu")
         x, b, c = xbc.split([inner_cp, gn_cp, gn_cp], dim=-1)
         heads = slice(cp.rank * self.cp_heads, (cp.rank + 1) * self.cp_heads)
         dt = F.softplus(dt + self.dt_bias[heads].to(dt.dtype)).clamp(self.limit[0], self.limit[1])

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from gymv.backends import mamba_kernels
 from gymv.backends.packing import PackedAttentionArgs
-from gymv.backends.ssd_scan import chunk_scan, segment_conv1d, seq_idx_from_bounds
+from gymv.backends.ssd_scan import chunk_scan, seq_idx_from_bounds
 from gymv.backends.training.megatron_hybrid_weights import HybridShape, expert_tensor_size
 from gymv.backends.training.megatron_model import SdpaCoreAttention, require_megatron
 
@@ -99,8 +99,8 @@ class TorchMamba2Mixer(nn.Module):
     z, x, B, C, dt), the depthwise causal convolution and the chunked SSD scan, the gated group norm,
     out_proj (row parallel: summed over TP). Convolution and scan are gymv's shared torch ones
     (gymv.backends.ssd_scan: one call over a packed row, restarting at each sequence), or on CUDA
-    mamba_ssm's Triton scan and causal_conv1d where installed (gymv.backends.mamba_kernels), as the HF
-    trainer's packed path runs them."""
+    mamba_ssm's Triton scan with causal_conv1d where installed, else gymv's Triton convolution
+    (gymv.backends.mamba_kernels.causal_conv), as the HF trainer's packed path runs them."""
 
     def __init__(self, shape: HybridShape, config, *, tp_group=None, cp_group=None):
         super().__init__()
@@ -138,12 +138,7 @@ class TorchMamba2Mixer(nn.Module):
         gn = self.groups * self.state
         z, xbc, dt = proj.split([self.inner, self.inner + 2 * gn, self.heads], dim=-1)
         weight = self.conv1d.weight[:, 0]
-        if kernels is not None and kernels.conv is not None and xbc.shape[-1] % 8 == 0:
-            # causal_conv1d takes seq_idx in the channel-last layout only, its channel stride a multiple of 8
-            xbc = kernels.conv(xbc.contiguous().transpose(1, 2), weight, self.conv1d.bias, seq_idx=seq_idx,
-                               activation="silu").transpose(1, 2)
-        else:
-            xbc = segment_conv1d(xbc, weight, self.conv1d.bias, seq_idx, activation="silu")
+        xbc = mamba_kernels.causal_conv(kernels, xbc, weight, self.conv1d.bias, seq_idx, "silu")
         x, b, c = xbc.split([self.inner, gn, gn], dim=-1)
         scan = kernels.chunk_scan if kernels is not None else chunk_scan
         y = scan(x.reshape(bsz, t, self.heads, self.head_dim), dt, -torch.exp(self.A_log.float()),
