@@ -834,6 +834,8 @@ def report(result: dict, out_json: Path) -> None:
             continue
         extra = f", MFU {r['mfu']:.1%}" if r.get("mfu") else ""
         mem = f", +{r['peak_extra_gb']:.1f} GB" if "peak_extra_gb" in r else ""
+        if r.get("rel_error"):
+            extra += f", largest error against torch {max(r['rel_error'].values()):.1e}"
         print(f"layer {r['layer']:<11} {r['path']:<15} {r['tokens']} tokens fwd+bwd: {r['ms']:.1f} ms{extra}{mem}")
     for r in result["train"]:
         if "error" in r:
