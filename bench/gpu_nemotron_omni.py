@@ -40,7 +40,8 @@ layers  one MoE layer and one Mamba-2 mixer at the Nano widths, 16,384 tokens (8
         with gymv's torch convolution, where the Triton one runs). Before the mixer, its causal convolution
         alone (`mamba_conv`: conv_dim channels, bias, silu, the packed row's seq_idx): `torch`
         (ssd_scan.segment_conv1d), `triton` (gymv.backends.conv_kernel, with its largest error against the
-        torch convolution), `causal_conv1d` (where it imports).
+        torch convolution), `causal_conv1d` (where it imports), each also forward alone (`..._forward`),
+        and the Triton kernel with other tiles (`triton_tiles_<forward>_<backward>`, CONV_TILES).
 
 Kernel paths beside transformers': the trainer runs `--train-paths` (`gymv`: gymv's experts and packed rows
 with one Mamba call per row on the kernels; `hf`: transformers' expert loop, rows not packed, torch scan),
@@ -101,6 +102,9 @@ HBM_TBPS = 4.8  # H200 HBM3e, the data sheet's figure
 CPU_LAYER_TEXT = dict(NANO_TEXT, hidden_size=256, mamba_num_heads=8, mamba_head_dim=32, n_groups=2,
                       ssm_state_size=32, chunk_size=64, n_routed_experts=32, num_experts_per_tok=4,
                       moe_intermediate_size=128, moe_shared_expert_intermediate_size=256)
+# (rows, channels, warps) of the Triton convolution's forward and backward tiles the layers part times
+CONV_TILES = [((32, 64, 8), (16, 64, 4)), ((16, 64, 4), (16, 64, 8)), ((32, 128, 8), (8, 128, 4)),
+              ((64, 64, 8), (32, 64, 8))]
 KIND_OF = {"linear_attention": "mamba", "mamba": "mamba", "moe": "moe", "full_attention": "attention",
            "attention": "attention", "mlp": "mlp"}
 
@@ -482,7 +486,26 @@ def conv_rows(mode: Mode, tokens: int, segments: int, reps: int) -> list[dict]:
     else:
         skipped["causal_conv1d"] = "causal_conv1d is not installed" if kernels else mamba_kernels.why_not(mode.device)
     grad = torch.randn(1, tokens, channels, device=mode.device, dtype=dtype)
-    measured = fwd_bwd(mode, {p: (lambda f=f: f().backward(grad)) for p, f in paths.items()}, reps)
+    timed_fns = {p: (lambda f=f: f().backward(grad)) for p, f in paths.items()}
+
+    def forward_only(f):
+        with torch.no_grad():
+            f()
+    timed_fns.update({f"{p}_forward": (lambda f=f: forward_only(f)) for p, f in paths.items()})
+    if "triton" in paths:  # other tiles of the kernel (conv_kernel.FORWARD_TILE, BACKWARD_TILE)
+        chosen = conv_kernel.FORWARD_TILE, conv_kernel.BACKWARD_TILE
+
+        def tiled(tiles):
+            conv_kernel.FORWARD_TILE, conv_kernel.BACKWARD_TILE = tiles
+            try:
+                paths["triton"]().backward(grad)
+            finally:
+                conv_kernel.FORWARD_TILE, conv_kernel.BACKWARD_TILE = chosen
+        for tiles in CONV_TILES:
+            if tiles != chosen:
+                name = "triton_tiles_" + "_".join("x".join(map(str, t)) for t in tiles)
+                timed_fns[name] = lambda tiles=tiles: tiled(tiles)
+    measured = fwd_bwd(mode, timed_fns, reps)
     if "triton" in paths:  # the kernel against the torch convolution on these inputs (max error / max value)
         got, want = [], []
         for f, into in ((paths["triton"], got), (paths["torch"], want)):
@@ -836,7 +859,8 @@ def report(result: dict, out_json: Path) -> None:
         mem = f", +{r['peak_extra_gb']:.1f} GB" if "peak_extra_gb" in r else ""
         if r.get("rel_error"):
             extra += f", largest error against torch {max(r['rel_error'].values()):.1e}"
-        print(f"layer {r['layer']:<11} {r['path']:<15} {r['tokens']} tokens fwd+bwd: {r['ms']:.1f} ms{extra}{mem}")
+        what = "fwd" if r["path"].endswith("_forward") else "fwd+bwd"
+        print(f"layer {r['layer']:<11} {r['path']:<15} {r['tokens']} tokens {what}: {r['ms']:.1f} ms{extra}{mem}")
     for r in result["train"]:
         if "error" in r:
             print(f"train {r['layers']} layers: {r['error'][:100]}")

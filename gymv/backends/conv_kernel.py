@@ -27,8 +27,11 @@ try:  # triton is optional: CPU installs run gymv.backends.ssd_scan.segment_conv
 except Exception:  # noqa: BLE001 - a broken triton install must not break the CPU path
     triton = None
 
-BLOCK_L = 32  # rows per tile
-BLOCK_C = 64  # channels per tile (contiguous: one coalesced load per row)
+# (rows, channels, warps) of a tile: 8 bf16 channels (16 bytes) a thread. The backward holds more tiles at
+# once (the pre-activation of each tap recomputed), so it takes fewer rows to stay near 128 registers a thread
+# (sm_90: 58 forward, 128 backward, no spills); bench/gpu_nemotron_omni.py times other tiles beside these.
+FORWARD_TILE = (32, 64, 8)
+BACKWARD_TILE = (16, 64, 4)
 TARGET_PROGRAMS = 1024  # backward programs to aim for: several per SM, and few partial sums to add
 
 
@@ -88,7 +91,9 @@ if triton is not None:
             xt = tl.load(X + b * s_xb + t.to(tl.int64)[:, None] * s_xl + c[None, :],
                          mask=tm[:, None] & cm[None, :], other=0.0).to(tl.float32)
             dx = tl.zeros([BLOCK_L, BLOCK_C], tl.float32)
-            for d in tl.static_range(K):  # out[u], u = t + d, reads x[t] through tap K - 1 - d
+            # out[u], u = t + d, reads x[t] through tap K - 1 - d; a loop, not unrolled (unrolled, every tap's
+            # loads are live at once: half again the registers)
+            for d in range(K):
                 u = t + d
                 um = u < L
                 if HAS_SEQ:
@@ -112,14 +117,12 @@ if triton is not None:
                     g = g * s * (1.0 + z * (1.0 - s))
                 pair = tm & um
                 if HAS_SEQ:
-                    if d > 0:
-                        pair = pair & (seg_u == seg_t)
+                    pair = pair & (seg_u == seg_t)
                 g = tl.where(pair[:, None], g, 0.0)
                 dx += g * tl.load(W + c * K + (K - 1 - d), mask=cm, other=0.0).to(tl.float32)[None, :]
                 part = tl.sum(g * xt, axis=0)
                 dw += tl.where(taps[None, :] == K - 1 - d, part[:, None], 0.0)
-                if d == 0:
-                    db += tl.sum(g, axis=0)
+                db += tl.where(d == 0, tl.sum(g, axis=0), 0.0)
             tl.store(DX + b * s_dxb + t.to(tl.int64)[:, None] * s_dxl + c[None, :], dx.to(DX.dtype.element_ty),
                      mask=tm[:, None] & cm[None, :])
         row = b * tl.num_programs(0) + pid_l  # this program's partial sums: [row, KP, C] and [row, C]
@@ -157,11 +160,11 @@ class _SegmentConv(torch.autograd.Function):
         w = weight.contiguous()
         sq = seq_idx.contiguous() if seq_idx is not None else None
         out = torch.empty(B, L, C, dtype=x.dtype, device=x.device)
-        grid = (triton.cdiv(L, BLOCK_L), triton.cdiv(C, BLOCK_C), B)
-        _forward[grid](x, w, bias if bias is not None else w, sq if sq is not None else w, out, L, C,
+        block_l, block_c, warps = FORWARD_TILE
+        _forward[(triton.cdiv(L, block_l), triton.cdiv(C, block_c), B)](x, w, bias if bias is not None else w, sq if sq is not None else w, out, L, C,
                        x.stride(0), x.stride(1), out.stride(0), out.stride(1), sq.stride(0) if sq is not None else 0,
                        K=K, HAS_BIAS=bias is not None, HAS_SEQ=sq is not None, SILU=silu,
-                       BLOCK_L=BLOCK_L, BLOCK_C=BLOCK_C)
+                       BLOCK_L=block_l, BLOCK_C=block_c, num_warps=warps)
         ctx.save_for_backward(x, w, bias, sq)
         ctx.silu = silu
         ctx.weight_dtype = weight.dtype
@@ -175,15 +178,16 @@ class _SegmentConv(torch.autograd.Function):
         KP = triton.next_power_of_2(K)
         dy = _channels_contiguous(dy)
         dx = torch.empty(B, L, C, dtype=x.dtype, device=x.device)
-        along, span = _spans(B, L, C, BLOCK_L, BLOCK_C)
+        block_l, block_c, warps = BACKWARD_TILE
+        along, span = _spans(B, L, C, block_l, block_c)
         dw = torch.empty(B * along, KP, C, dtype=torch.float32, device=x.device)
         db = torch.empty(B * along, C, dtype=torch.float32, device=x.device)
-        _backward[(along, triton.cdiv(C, BLOCK_C), B)](
+        _backward[(along, triton.cdiv(C, block_c), B)](
             x, w, bias if bias is not None else w, sq if sq is not None else w, dy, dx, dw, db, L, C, span,
             x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1),
             sq.stride(0) if sq is not None else 0,
             K=K, KP=KP, HAS_BIAS=bias is not None, HAS_SEQ=sq is not None, SILU=ctx.silu,
-            BLOCK_L=BLOCK_L, BLOCK_C=BLOCK_C)
+            BLOCK_L=block_l, BLOCK_C=block_c, num_warps=warps)
         dweight = dw.sum(0)[:K].t().to(ctx.weight_dtype)
         dbias = db.sum(0).to(bias.dtype) if bias is not None else None
         return dx, dweight, dbias, None, None
