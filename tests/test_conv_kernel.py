@@ -85,6 +85,7 @@ CHILD = textwrap.dedent("""
         y.square().sum().backward()
         mixed.append((y.detach(), x.grad))
     out["mixer"] = [(a - b).abs().max().item() for a, b in zip(*mixed)]
+    out["empty"] = list(segment_conv1d_triton(torch.zeros(2, 0, 8), torch.zeros(8, 4), activation="silu").shape)
     try:
         segment_conv1d_triton(torch.zeros(1, 4, 8), torch.zeros(8, 4), activation="gelu")
         out["refused"] = None
@@ -145,6 +146,10 @@ def test_a_backward_program_walking_several_tiles_sums_its_gradients_across_them
 
 def test_the_mixer_runs_its_convolution_on_the_kernel_where_causal_conv1d_is_absent(interpreted):
     assert max(interpreted["mixer"]) < 1e-5, interpreted["mixer"]
+
+
+def test_an_empty_row_gives_an_empty_result(interpreted):
+    assert interpreted["empty"] == [2, 0, 8]
 
 
 def test_an_activation_other_than_silu_is_refused(interpreted):

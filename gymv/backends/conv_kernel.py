@@ -158,13 +158,15 @@ class _SegmentConv(torch.autograd.Function):
         K = weight.shape[-1]
         x = _channels_contiguous(x)
         w = weight.contiguous()
+        bias = bias.contiguous() if bias is not None else None
         sq = seq_idx.contiguous() if seq_idx is not None else None
         out = torch.empty(B, L, C, dtype=x.dtype, device=x.device)
         block_l, block_c, warps = FORWARD_TILE
-        _forward[(triton.cdiv(L, block_l), triton.cdiv(C, block_c), B)](x, w, bias if bias is not None else w, sq if sq is not None else w, out, L, C,
-                       x.stride(0), x.stride(1), out.stride(0), out.stride(1), sq.stride(0) if sq is not None else 0,
-                       K=K, HAS_BIAS=bias is not None, HAS_SEQ=sq is not None, SILU=silu,
-                       BLOCK_L=block_l, BLOCK_C=block_c, num_warps=warps)
+        _forward[(triton.cdiv(L, block_l), triton.cdiv(C, block_c), B)](
+            x, w, bias if bias is not None else w, sq if sq is not None else w, out, L, C,
+            x.stride(0), x.stride(1), out.stride(0), out.stride(1), sq.stride(0) if sq is not None else 0,
+            K=K, HAS_BIAS=bias is not None, HAS_SEQ=sq is not None, SILU=silu,
+            BLOCK_L=block_l, BLOCK_C=block_c, num_warps=warps)
         ctx.save_for_backward(x, w, bias, sq)
         ctx.silu = silu
         ctx.weight_dtype = weight.dtype
@@ -207,4 +209,8 @@ def segment_conv1d_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if seq_idx is not None and tuple(seq_idx.shape) != tuple(x.shape[:2]):
         raise ValueError(f"segment_conv1d_triton: seq_idx must be [batch, length] = {tuple(x.shape[:2])}, got "
                          f"{tuple(seq_idx.shape)}")
+    if x.numel() == 0:
+        from gymv.backends.ssd_scan import segment_conv1d
+
+        return segment_conv1d(x, weight, bias, seq_idx, activation)
     return _SegmentConv.apply(x, weight, bias, seq_idx, silu)
