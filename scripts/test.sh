@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Install gymv with its test extras into .venv (CPU torch) and run every test this machine can run; then
 # the vLLM backend's tests (tests/vllm_backend, skipped in .venv) in the separate vLLM venv (made once outside the
-# checkout, then reused, by `bash scripts/install.sh vllm`), with the Triton kernel tests (decode attention, the Mamba convolution) that need its
-# triton. GYMV_TEST_VLLM=0 leaves the vLLM part out. Each stage's wall time is printed at the end, and a stage more
-# than 25% over its budget (below) fails the run.
+# checkout, then reused, by `bash scripts/install.sh vllm`), with the Triton kernel tests (decode attention, the
+# Mamba convolution) that need its triton. GYMV_TEST_VLLM=0 leaves the vLLM part out. Each stage's wall time is
+# printed at the end, and a stage more than 25% over its budget (below) fails the run.
 # Usage: bash scripts/test.sh [pytest args...]   (e.g. -m "not slow" for the fast set; they apply to .venv's run)
 # GYMV_TEST_WORKERS sets the number of pytest-xdist workers of .venv's run (default 2; 0 runs the tests in one process).
 
