@@ -61,7 +61,8 @@ OWN_IMAGE_PROCESSORS = {"NemotronH_Omni_Reasoning_V3Processor": _omni_image_proc
 
 def load_policy(path: str | os.PathLike, device: str = "cpu", dtype: Any = None, *,
                 cache_dir: str | os.PathLike | None = None, seed: int = 0,
-                attn_implementation: str | None = None, trust_remote_code: bool = False) -> Policy:
+                attn_implementation: str | None = None, trust_remote_code: bool = False,
+                skeleton: bool = False) -> Policy:
     """Load model + tokenizer + image processor, and choose the multimodal adapter from the processor.
 
     A checkpoint whose config has no `vision_config` is a text-only causal LM: it loads with
@@ -72,6 +73,9 @@ def load_policy(path: str | os.PathLike, device: str = "cpu", dtype: Any = None,
 
     `trust_remote_code` (the recipe's `model.trust_remote_code`, off by default) lets every from_pretrained
     run modelling code shipped inside the checkpoint; a checkpoint that needs it fails here in one line.
+
+    `skeleton`: the model is built on the meta device and no weight is read, for a caller that reads its own
+    share of them (a Megatron rank: gymv.backends.model_weights).
     """
     import torch
 
@@ -82,7 +86,7 @@ def load_policy(path: str | os.PathLike, device: str = "cpu", dtype: Any = None,
     check_remote_code(ckpt, trust_remote_code)
     check_checkpoint(ckpt)
     with quiet_transformers():
-        return _load(ckpt, device, dtype, attn_implementation, trust_remote_code)
+        return _load(ckpt, device, dtype, attn_implementation, trust_remote_code, skeleton)
 
 
 def check_remote_code(ckpt: Path, trust_remote_code: bool) -> None:
@@ -145,6 +149,26 @@ def load_weights(auto_class, ckpt: str | os.PathLike, what: str, fix: str, **kwa
     return model
 
 
+def meta_model(auto_class, ckpt: str | os.PathLike, what: str, fix: str, **kwargs):
+    """The model of the checkpoint's config.json on the meta device: its modules, names, shapes and dtypes, and no
+    memory for its weights. A config transformers refuses is one line, as in `load_weights`."""
+    import torch
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(ckpt, trust_remote_code=kwargs.get("trust_remote_code", False))
+        with torch.device("meta"):
+            return auto_class.from_config(config, **kwargs)
+    except StrictDataclassError as e:
+        reason = " ".join(str(e).split())
+        raise GymvError(f"transformers refuses config.json: {reason[:300]}", where=str(Path(ckpt) / "config.json"),
+                        fix="restore the key it names to the value the weights were saved with") from None
+    except (ValueError, OSError) as e:
+        raise GymvError(f"cannot build {what}: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                        where=str(ckpt), fix=fix) from None
+
+
 @contextmanager
 def _no_load_report():
     """transformers' loading report (a table of unexpected, missing and mis-shaped tensors) kept off stderr."""
@@ -185,8 +209,11 @@ def check_loading_info(info: dict, where: str) -> None:
                         where=where, fix="re-save the checkpoint")
 
 
-def _eval_model(auto_class, ckpt: Path, device, kwargs: dict, what: str, fix: str):
-    """`auto_class.from_pretrained` on `device` in eval mode; a checkpoint it cannot load is one line naming it."""
+def _eval_model(auto_class, ckpt: Path, device, kwargs: dict, what: str, fix: str, skeleton: bool = False):
+    """`auto_class.from_pretrained` on `device` in eval mode; a checkpoint it cannot load is one line naming it.
+    `skeleton`: the model of the checkpoint's config on the meta device instead, its weights unread."""
+    if skeleton:
+        return meta_model(auto_class, ckpt, what, fix, **kwargs).eval()
     model = load_weights(auto_class, ckpt, what, fix, **kwargs)
     _own_storage(model)
     model.to(device)
@@ -204,13 +231,14 @@ def _own_storage(model) -> None:
             t.data = t.detach().clone()
 
 
-def _load_text(ckpt: Path, device, dtype, attn_implementation, trust: bool) -> Policy:
+def _load_text(ckpt: Path, device, dtype, attn_implementation, trust: bool, skeleton: bool = False) -> Policy:
     """A text-only causal LM: tokenizer and AutoModelForCausalLM, no processor looked for."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=trust)
     model = _eval_model(AutoModelForCausalLM, ckpt, device, _model_kwargs(dtype, attn_implementation, trust),
-                        "a causal language model", "a text-only checkpoint must load with AutoModelForCausalLM")
+                        "a causal language model", "a text-only checkpoint must load with AutoModelForCausalLM",
+                        skeleton)
     adapter = TextAdapter(tokenizer, config=model.config)
     info = {"processor_class": None, "style": adapter.style, "model_class": type(model).__name__}
     return Policy(model=model, tokenizer=tokenizer, image_processor=None, adapter=adapter, processor=None, path=ckpt,
@@ -244,15 +272,15 @@ def load_processors(ckpt: Path, trust: bool = False):
     return processor_class, hf_processor, tokenizer, image_processor, why
 
 
-def _load(ckpt: Path, device, dtype, attn_implementation, trust: bool = False) -> Policy:
+def _load(ckpt: Path, device, dtype, attn_implementation, trust: bool = False, skeleton: bool = False) -> Policy:
     from transformers import AutoModelForImageTextToText
 
     if is_text_only(ckpt):
-        return _load_text(ckpt, device, dtype, attn_implementation, trust)
+        return _load_text(ckpt, device, dtype, attn_implementation, trust, skeleton)
     processor_class, hf_processor, tokenizer, image_processor, why = load_processors(ckpt, trust)
     model = _eval_model(AutoModelForImageTextToText, ckpt, device, _model_kwargs(dtype, attn_implementation, trust),
                         "an image-text-to-text model",
-                        "gymv trains vision-language models loadable with AutoModelForImageTextToText")
+                        "gymv trains vision-language models loadable with AutoModelForImageTextToText", skeleton)
     adapter = make_adapter(processor_class, tokenizer, image_processor, model.config, hf_processor)
     template = getattr(hf_processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
     info = {"processor_class": processor_class, "style": adapter.style, "model_class": type(model).__name__}

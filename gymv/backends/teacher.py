@@ -76,31 +76,38 @@ class TeacherModel:
             student_tok = AutoTokenizer.from_pretrained(spec.student_path)
         self.forbidden_ids = student_vision_ids(spec.student_path)
         if self.text_only:
-            from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
             trust = spec.trust_remote_code
             check_remote_code(Path(spec.path), trust)
             check_checkpoint(spec.path)
             with quiet_transformers():
                 self.tokenizer = AutoTokenizer.from_pretrained(spec.path, trust_remote_code=trust)
-                if spec.text_of and not is_text_only(spec.path):
-                    vlm = load_weights(AutoModelForImageTextToText, spec.path, "the teacher's vision-language model",
-                                       _TEACHER_FIX, dtype=dtype, trust_remote_code=trust)
-                    self.model = text_model_of(vlm, where=spec.path)
-                    del vlm
-                else:
-                    self.model = load_weights(AutoModelForCausalLM, spec.path, "the teacher's causal language model",
-                                              _TEACHER_FIX, dtype=dtype, trust_remote_code=trust)
+            self.model = self._text_model(spec, dtype)
             self.adapter = TextOnlyAdapter(self.forbidden_ids, spec.alias)
         else:
-            policy = load_policy(spec.path, device="cpu", dtype=dtype, seed=spec.seed,
-                                 trust_remote_code=spec.trust_remote_code)
+            policy = self._policy(spec, dtype)
             self.model, self.tokenizer, self.adapter = policy.model, policy.tokenizer, policy.adapter
         check_same_tokenizer(self.tokenizer, student_tok, spec.alias)
         self.model.to(spec.device)
         self.model.eval()
         self.model.requires_grad_(False)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    def _text_model(self, spec: TeacherSpec, dtype: torch.dtype):
+        """The text-only teacher's model: a causal LM checkpoint, or the text cut of a VLM checkpoint."""
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+        with quiet_transformers():
+            if spec.text_of and not is_text_only(spec.path):
+                vlm = load_weights(AutoModelForImageTextToText, spec.path, "the teacher's vision-language model",
+                                   _TEACHER_FIX, dtype=dtype, trust_remote_code=spec.trust_remote_code)
+                return text_model_of(vlm, where=spec.path)
+            return load_weights(AutoModelForCausalLM, spec.path, "the teacher's causal language model",
+                                _TEACHER_FIX, dtype=dtype, trust_remote_code=spec.trust_remote_code)
+
+    def _policy(self, spec: TeacherSpec, dtype: torch.dtype):
+        """A vision-language teacher's model, tokenizer and adapter."""
+        return load_policy(spec.path, device="cpu", dtype=dtype, seed=spec.seed,
+                           trust_remote_code=spec.trust_remote_code)
 
     def score(self, rows) -> list:
         return teacher_logprobs(self.model, self.adapter, rows, pad_id=self.pad_id, temperature=self.spec.temperature,
@@ -110,13 +117,18 @@ class TeacherModel:
 # --------------------------------------------------------------------------------- text-only checkpoints
 
 
+def check_text_cut(config, where: str | None = None) -> None:
+    """GymvError unless a text-only model can be cut out of a VLM of this config (a Llama text model)."""
+    if config.text_config.model_type != "llama":
+        raise GymvError(f"cannot take a text-only model out of a {config.model_type} checkpoint", where=where,
+                        fix="text:<checkpoint> supports LLaVA-style checkpoints (Llama text model)")
+
+
 def text_model_of(vlm, *, where: str | None = None):
     """The language model of a LLaVA-style VLM as a text-only Llama causal LM (weights copied)."""
     from transformers import LlamaForCausalLM
 
-    if vlm.config.text_config.model_type != "llama":
-        raise GymvError(f"cannot take a text-only model out of a {vlm.config.model_type} checkpoint", where=where,
-                        fix="text:<checkpoint> supports LLaVA-style checkpoints (Llama text model)")
+    check_text_cut(vlm.config, where)
     lm = LlamaForCausalLM(vlm.config.text_config).to(next(vlm.parameters()).dtype)
     lm.model.load_state_dict(vlm.model.language_model.state_dict())
     lm.lm_head.load_state_dict(vlm.lm_head.state_dict())

@@ -20,9 +20,6 @@ forward passes with the same shapes: the all-to-alls meet in lock step.
 
 from __future__ import annotations
 
-from dataclasses import replace
-from types import SimpleNamespace
-
 import torch
 
 from gymv.backends.teacher import TeacherModel
@@ -53,35 +50,54 @@ def _as_teacher_error(err: GymvError, alias: str) -> GymvError:
 
 
 class MegatronTeacher(TeacherModel):
-    """One rank of a Megatron teacher replica; built from a TeacherSpec."""
+    """One rank of a Megatron teacher replica; built from a TeacherSpec. Like the megatron trainer, the rank reads
+    only its shard of the checkpoint (gymv.backends.training.megatron.shard_source): the HF model stays on the
+    meta device but for its vision tower and projector, and its twin reads its TP slices and EP experts alone."""
 
     def __init__(self, spec: TeacherSpec):
-        from gymv.backends.training.megatron import check_maps, megatron_twin
-        from gymv.backends.training.megatron_hybrid_weights import HybridShape
-
         section = spec.section  # mopd.teachers.<alias>
-        tp, ep = section.tensor_parallel_size, section.expert_parallel_size
         check_sizes(spec)
-        device = torch.device(spec.device)
-        # the HF model is read on the host in float32 (as the megatron trainer reads its checkpoint) and
-        # dropped once its weights are in the twin
-        super().__init__(replace(spec, device="cpu", dtype="float32"))
+        if section.expert_parallel_size > 1:
+            _check_experts(spec)
+        _init_groups(section.tensor_parallel_size, section.expert_parallel_size, torch.device(spec.device), spec.seed)
+        # the shard is read on the host in float32 (as the megatron trainer reads its checkpoint) and cast as the
+        # twin takes it; the twin is the teacher's model
+        super().__init__(spec)
         self.spec = spec
-        shape = check_maps(SimpleNamespace(model=self.model, adapter=self.adapter))
-        if ep > 1 and not isinstance(shape, HybridShape):
-            raise GymvError(f"teacher {spec.alias!r}: expert parallelism splits the MoE layers of Nemotron-H "
-                            f"decoders, and this checkpoint's decoder ({shape.__class__.__name__}) has none",
-                            where=f"mopd.teachers.{spec.alias}.expert_parallel_size",
-                            fix="set expert_parallel_size: 1 for this teacher")
-        _init_groups(tp, ep, device, spec.seed)
+
+    def _policy(self, spec: TeacherSpec, dtype: torch.dtype):
+        from gymv.backends.training.megatron import shard_source
+
+        policy, weights = shard_source(spec.path, seed=spec.seed, trust_remote_code=spec.trust_remote_code)
+        policy.model = self._twin(spec, policy, weights, policy.model.config)
+        return policy
+
+    def _text_model(self, spec: TeacherSpec, dtype: torch.dtype):
+        """The twin of a text-only checkpoint, or of the text cut of a VLM checkpoint (its decoder read from the
+        VLM's names; no vision tower)."""
+        from gymv.backends.teacher import check_text_cut, is_text_only
+        from gymv.backends.training.megatron import shard_source
+
+        policy, weights = shard_source(spec.path, seed=spec.seed, trust_remote_code=spec.trust_remote_code)
+        config = policy.model.config
+        if spec.text_of and not is_text_only(spec.path):
+            check_text_cut(config, where=spec.path)
+            config = config.text_config
+        return self._twin(spec, policy, weights, config)
+
+    def _twin(self, spec: TeacherSpec, policy, weights, hf_config):
+        from gymv.backends.training.megatron import check_maps, megatron_twin
+
+        tp, ep = spec.section.tensor_parallel_size, spec.section.expert_parallel_size
+        shape = check_maps(policy)
         try:
-            twin = megatron_twin(self.model, self.model.config, shape, tensor_parallel=tp, device=device,
-                                 dtype=getattr(torch, spec.dtype), expert_parallel=ep)
+            twin = megatron_twin(policy.model, hf_config, shape, tensor_parallel=tp, device=torch.device(spec.device),
+                                 dtype=getattr(torch, spec.dtype), expert_parallel=ep, weights=weights)
         except GymvError as e:
             raise _as_teacher_error(e, spec.alias) from None
-        twin.eval()
-        twin.requires_grad_(False)
-        self.model = twin
+        finally:
+            weights.files.close()
+        return twin
 
     def num_parameters(self) -> int:
         """The whole model's parameter count (this rank holds 1/T of the decoder's TP-sharded weights and
@@ -101,6 +117,21 @@ class MegatronTeacher(TeacherModel):
             return tp if tp_sharded(name) else 1
 
         return sum(p.numel() * copies(name) for name, p in self.model.named_parameters())
+
+
+def _check_experts(spec: TeacherSpec) -> None:
+    """GymvError naming the teacher's key where expert parallelism is asked of a decoder without MoE layers (from
+    its config alone: before any process group is asked for)."""
+    from transformers import AutoConfig
+
+    from gymv.backends.training.megatron import is_hybrid
+
+    config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
+    if not is_hybrid(config):
+        raise GymvError(f"teacher {spec.alias!r}: expert parallelism splits the MoE layers of Nemotron-H decoders, and "
+                        f"this checkpoint's decoder ({config.get_text_config().model_type}) has none",
+                        where=f"mopd.teachers.{spec.alias}.expert_parallel_size",
+                        fix="set expert_parallel_size: 1 for this teacher")
 
 
 def _init_groups(tp: int, ep: int, device: torch.device, seed: int) -> None:

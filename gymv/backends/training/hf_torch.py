@@ -218,11 +218,13 @@ class HFTorchBackend(TrainingBackend):
         self.router_terms = RouterTerms.attach(model, setup.training.moe)
         self.config = setup.training
         self.trainer = self._make_trainer(model, device)
-        self.reference = None
-        if setup.kl_reference:
-            ref = load_policy(setup.model_path, device=str(device), dtype=torch.float32, seed=setup.seed,
-                             trust_remote_code=setup.trust_remote_code).model
-            self.reference = self._make_trainer(ref, device, frozen=True)
+        self.reference = self._make_reference(device) if setup.kl_reference else None
+
+    def _make_reference(self, device):
+        """The frozen KL reference's trainer: the checkpoint loaded again."""
+        ref = load_policy(self.setup.model_path, device=str(device), dtype=torch.float32, seed=self.setup.seed,
+                          trust_remote_code=self.setup.trust_remote_code).model
+        return self._make_trainer(ref, device, frozen=True)
 
     def _make_trainer(self, model, device, *, frozen: bool = False):
         if frozen:

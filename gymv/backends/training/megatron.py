@@ -21,13 +21,18 @@ summed over the expert-data-parallel ranks; weights out gather the experts over 
 TP x EP shard pair). The MoE aux loss at EP is each rank's micro-batches' own, as under data
 parallelism (the router is whole on every EP rank and sees that rank's tokens). Pipeline parallelism is
 refused, as are VLMs with other decoder inputs (Qwen3-VL, Gemma 3).
+
+Each rank reads only its shard of the checkpoint (`shard_source`): the HF model is built on the meta device,
+its vision tower and projector are read whole, and the twin asks the checkpoint's safetensors for its TP
+slices and its EP block of experts alone (gymv.backends.model_weights), so a rank's host memory holds its
+shard and one tensor, not the model. A checkpoint without safetensors is refused, naming its folder.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +40,11 @@ import torch
 from torch import Tensor
 
 from gymv.backends import packed_attention
+from gymv.backends.checkpoint_files import CheckpointFiles
+from gymv.backends.model_weights import ModelWeights, fill_except
 from gymv.backends.moe_router import RouterTerms
 from gymv.backends.multimodal import GridAdapter, MultimodalAdapter
-from gymv.backends.policy import load_policy
+from gymv.backends.policy import Policy, load_policy
 from gymv.backends.training.base import TrainingSetup
 from gymv.backends.training.hf_torch import BatchLayout, HFTorchBackend, copy_hf_files
 from gymv.backends.training.megatron_model import (
@@ -97,7 +104,7 @@ def first_holder(keys: list[Any], rank: int) -> bool:
     return keys.index(keys[rank]) == rank
 
 
-def _hybrid(config) -> bool:
+def is_hybrid(config) -> bool:
     """A Nemotron-H decoder (Nemotron 3 Omni's): gymv's Megatron hybrid model (megatron_hybrid), not GPTModel."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(text, "model_type", "") in megatron_hybrid_weights.MODEL_TYPES
@@ -111,7 +118,7 @@ def mapping(shape):
 def _hf_names(model) -> dict:
     """Where the decoder's weights and the head sit in this HF model's state dict."""
     keys = list(model.state_dict())
-    table = ".embeddings.weight" if _hybrid(model.config) else "embed_tokens.weight"
+    table = ".embeddings.weight" if is_hybrid(model.config) else "embed_tokens.weight"
     embed = [k for k in keys if k.endswith(table) and (table[0] != "." or k.endswith("model" + table))]
     if len(embed) != 1:
         raise GymvError("cannot find the language model's token embedding in the checkpoint", where="model.path",
@@ -138,18 +145,35 @@ def check_maps(policy):
     decoder and, for a VLM, how its image features reach the decoder."""
     if getattr(policy.model.config, "vision_config", None) is not None:
         _check_vlm(policy.adapter)
-    shape_class = HybridShape if _hybrid(policy.model.config) else DecoderShape
+    shape_class = HybridShape if is_hybrid(policy.model.config) else DecoderShape
     return shape_class.of(policy.model.config, **_hf_names(policy.model))
+
+
+def shard_source(path: str | os.PathLike, *, seed: int = 0, trust_remote_code: bool = False,
+                 dtype: torch.dtype = torch.float32) -> tuple[Policy, ModelWeights]:
+    """The policy of checkpoint `path` with its HF model's decoder and head left on the meta device and the rest
+    (vision tower, projector) read whole, and the checkpoint under that model's names, from which
+    `megatron_twin` reads this rank's shard alone. GymvError naming the checkpoint where it has no safetensors
+    or its tensors do not fill the model."""
+    policy = load_policy(path, device="cpu", dtype=dtype, seed=seed, trust_remote_code=trust_remote_code,
+                         skeleton=True)
+    shape = check_maps(policy)
+    weights = ModelWeights(CheckpointFiles(policy.path), policy.model)
+    fill_except(policy.model, weights, (shape.hf_prefix, shape.hf_head))
+    return policy, weights
 
 
 def megatron_twin(hf_model, hf_config, shape: DecoderShape | HybridShape, *, tensor_parallel: int,
                   device: torch.device, dtype: torch.dtype = torch.float32,
-                  context_parallel: int = 1, expert_parallel: int = 1) -> torch.nn.Module:
+                  context_parallel: int = 1, expert_parallel: int = 1,
+                  weights: Mapping[str, torch.Tensor] | None = None) -> torch.nn.Module:
     """This rank's Megatron twin of an HF model (its TP shard of the decoder: GPTModel, or for Nemotron-H
     gymv's hybrid model; a VLM keeps its vision tower), with the HF call gymv's logprob functions make. The
     trainer and the Megatron teacher build it alike, so a teacher scores with exactly the model a Megatron
     student trains. `context_parallel` > 1: the hybrid model over megatron's CP group (megatron_cp);
-    `expert_parallel` > 1: its experts split over megatron's EP group (megatron_parallel)."""
+    `expert_parallel` > 1: its experts split over megatron's EP group (megatron_parallel). `weights`: where the
+    decoder's HF weights are read (`shard_source`'s, for a model whose decoder is on the meta device; default
+    the model's own state dict)."""
     from megatron.core import parallel_state
 
     build = build_hybrid if isinstance(shape, HybridShape) else build_gpt
@@ -164,7 +188,7 @@ def megatron_twin(hf_model, hf_config, shape: DecoderShape | HybridShape, *, ten
             return build_context_parallel_hybrid(*args, cp_group=parallel_state.get_context_parallel_group(), **kwargs)
     gpt = build(hf_config, shape, tensor_parallel=tensor_parallel, device=device, dtype=dtype,
                 **{k: v for k, v in extra.items() if k in ("groups", "factories")})
-    state = mapping(shape).hf_to_megatron(hf_model.state_dict(), shape,
+    state = mapping(shape).hf_to_megatron(hf_model.state_dict() if weights is None else weights, shape,
                                           tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                                           tp_size=tensor_parallel,
                                           **{k: v for k, v in extra.items() if k in ("ep_rank", "ep_size")})
@@ -181,7 +205,11 @@ class MegatronBackend(HFTorchBackend):
 
     trainer_class = ReplicaTrainer
 
-    def __init__(self, policy, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1):
+    def __init__(self, policy, setup: TrainingSetup, *, device: Any, rank: int = 0, world_size: int = 1,
+                 weights: Mapping[str, Tensor] | None = None):
+        """`weights`: the policy's weights as `shard_source` reads them (default: its HF model holds them)."""
+        self._weights = weights
+        self.checkpoint_reads: dict[str, int] = {}  # what building the policy's twin read, bytes by stored name
         self.shape = check_maps(policy)
         self.hf_config = policy.model.config
         self.vision = getattr(self.hf_config, "vision_config", None) is not None
@@ -225,22 +253,35 @@ class MegatronBackend(HFTorchBackend):
                 model_parallel_cuda_manual_seed(setup.seed)
         else:
             init_parallel(parallel.tensor, torch.device(device), seed=setup.seed)
-        policy = load_policy(setup.model_path, device="cpu", dtype=torch.float32, seed=setup.seed,
-                             trust_remote_code=setup.trust_remote_code)
-        return cls(policy, setup, device=device, rank=rank, world_size=world_size)
+        policy, weights = shard_source(setup.model_path, seed=setup.seed, trust_remote_code=setup.trust_remote_code)
+        return cls(policy, setup, device=device, rank=rank, world_size=world_size, weights=weights)
 
-    def _twin(self, hf_model) -> torch.nn.Module:
-        return megatron_twin(hf_model, self.hf_config, self.shape, tensor_parallel=self.tp, device=self.device,
-                             context_parallel=self.cp, expert_parallel=self.ep)
+    def _make_reference(self, device):
+        """The KL reference's twin, read from the checkpoint as the policy's is: this rank's shard alone."""
+        policy, weights = shard_source(self.setup.model_path, seed=self.setup.seed,
+                                       trust_remote_code=self.setup.trust_remote_code)
+        return self._make_trainer(policy.model, device, frozen=True, weights=weights)
+
+    def _twin(self, hf_model, weights: Mapping[str, Tensor] | None) -> torch.nn.Module:
+        twin = megatron_twin(hf_model, self.hf_config, self.shape, tensor_parallel=self.tp, device=self.device,
+                             context_parallel=self.cp, expert_parallel=self.ep, weights=weights)
+        if isinstance(weights, ModelWeights):
+            weights.files.close()
+        return twin
 
     def compile_layers(self, model, frozen: bool) -> None:
         if self.setup.training.compile:
             raise GymvError("training.compile is not wired for training.backend megatron", where="training.compile",
                             fix="set training.compile: false (it compiles the torch and fsdp2 backends' layers)")
 
-    def _make_trainer(self, model, device, *, frozen: bool = False):
+    def _make_trainer(self, model, device, *, frozen: bool = False, weights: Mapping[str, Tensor] | None = None):
         self.compile_layers(model, frozen)
-        twin = self._twin(model)
+        if not frozen:
+            weights = self._weights
+            self._weights = None  # read once: the twin holds them now
+        twin = self._twin(model, weights)
+        if not frozen and isinstance(weights, ModelWeights):
+            self.checkpoint_reads = dict(weights.files.read_bytes)
         if not frozen:  # the twin's routers (the HF model's are never called)
             self.router_terms = RouterTerms.attach(twin, self.setup.training.moe)
         if self.setup.training.gradient_checkpointing and not frozen:
@@ -389,7 +430,6 @@ class MegatronBackend(HFTorchBackend):
 
     def load(self, path: str | os.PathLike) -> None:
         from megatron.core import parallel_state
-        from safetensors.torch import load_file
 
         path = Path(path)
         for name in (MODEL_SAFETENSORS, self._optimizer_file()):
@@ -397,7 +437,7 @@ class MegatronBackend(HFTorchBackend):
                 raise GymvError(f"no {name} in the checkpoint", where=str(path),
                                 fix="resume from a checkpoint written by gymv train at the same tensor and expert "
                                     "parallel sizes")
-        hf = load_file(str(path / MODEL_SAFETENSORS), device=str(self.device))
+        hf = CheckpointFiles(path)  # HF names as written; this rank's shard is read alone
         try:
             if self.vision:
                 vision = self.trainer.model.vision_model
@@ -406,6 +446,7 @@ class MegatronBackend(HFTorchBackend):
             shard = mapping(self.shape).hf_to_megatron(hf, self.shape, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                                                        tp_size=self.tp, **ep)
             self.trainer.model.gpt.load_state_dict(shard, strict=True)
+            hf.close()
         except (KeyError, RuntimeError) as e:
             raise GymvError(f"checkpoint does not match the model ({str(e).splitlines()[0][:200]})",
                             where=str(path / MODEL_SAFETENSORS),

@@ -13,7 +13,9 @@ Megatron names (gymv.backends.training.megatron_hybrid): `decoder.layers.{i}.nor
   at EP 1 each expert's width splits over TP ranks instead; `shared_expert.up_proj` / `.down_proj` split
   over TP like a dense MLP.
 - MLP: `up_proj` (rows) and `down_proj` (columns) over TP.
-Every split is a slice and every merge a concatenation, so a round trip is bit-exact.
+Every split is a slice and every merge a concatenation, so a round trip is bit-exact. `hf_to_megatron` asks
+for each rank's slices alone (its rows, columns, experts), so a lazy mapping of the checkpoint
+(gymv.backends.model_weights) reads the rank's shard and not the model.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gymv.backends.model_weights import chunk, cols, read, rows
 from gymv.errors import GymvError
 
 MODEL_TYPES = ("nemotron_h",)
@@ -146,9 +149,10 @@ def _conv_parts(shape: HybridShape) -> list[int]:
     return [shape.mamba_inner, gn, gn]
 
 
-def _slice_parts(t: Tensor, parts: list[int], r: int, tp: int) -> Tensor:
-    """Rank r's slice of each of the concatenated `parts` (rows), concatenated."""
-    return torch.cat([p.chunk(tp, dim=0)[r] for p in t.split(parts, dim=0)])
+def _slice_parts(hf: Mapping[str, Tensor], name: str, parts: list[int], r: int, tp: int) -> Tensor:
+    """Rank r's slice of each of the concatenated `parts` (rows) of `hf[name]`, concatenated."""
+    starts = [sum(parts[:j]) for j in range(len(parts))]
+    return torch.cat([read(hf, name, (slice(s + r * n // tp, s + (r + 1) * n // tp),)) for s, n in zip(starts, parts)])
 
 
 def _merge_parts(shards: Sequence[Tensor], parts: list[int], tp: int) -> Tensor:
@@ -157,9 +161,9 @@ def _merge_parts(shards: Sequence[Tensor], parts: list[int], tp: int) -> Tensor:
     return torch.cat([torch.cat([p[j] for p in pieces]) for j in range(len(parts))])
 
 
-def _fuse_qkv(q: Tensor, k: Tensor, v: Tensor, shape: HybridShape) -> Tensor:
-    g, d = shape.kv_heads, shape.head_dim
-    per = shape.heads // g
+def _fuse_qkv(q: Tensor, k: Tensor, v: Tensor, shape: HybridShape, groups: int) -> Tensor:
+    g, d = groups, shape.head_dim
+    per = shape.heads // shape.kv_heads
     return torch.cat([q.reshape(g, per * d, -1), k.reshape(g, d, -1), v.reshape(g, d, -1)], dim=1).reshape(-1, q.shape[1])
 
 
@@ -170,52 +174,45 @@ def _split_qkv(qkv: Tensor, shape: HybridShape, groups: int) -> tuple[Tensor, Te
     return q.reshape(-1, cols), k.reshape(-1, cols), v.reshape(-1, cols)
 
 
-def _rows(t: Tensor, r: int, tp: int) -> Tensor:
-    return t.chunk(tp, dim=0)[r]
-
-
-def _cols(t: Tensor, r: int, tp: int) -> Tensor:
-    return t.chunk(tp, dim=-1)[r]
-
-
 def hf_to_megatron(hf: Mapping[str, Tensor], shape: HybridShape, *, tp_rank: int = 0, tp_size: int = 1,
                    ep_rank: int = 0, ep_size: int = 1) -> dict[str, Tensor]:
-    """One (TP rank, EP rank)'s state dict of the hybrid decoder from a full HF state dict."""
+    """One (TP rank, EP rank)'s state dict of the hybrid decoder from the HF weights (a state dict, or a lazy
+    mapping that then reads this rank's slices and experts alone)."""
     shape.check_parallel(tp_size, ep_size)
     r, tp = tp_rank, tp_size
-    out = {"embedding.word_embeddings.weight": _rows(hf[f"{shape.hf_prefix}embeddings.weight"], r, tp)}
+    out = {"embedding.word_embeddings.weight": rows(hf, f"{shape.hf_prefix}embeddings.weight", r, tp)}
     for i, kind in enumerate(shape.pattern):
         h, m = _hf_layer(shape, i), f"decoder.layers.{i}."
         out[m + "norm.weight"] = hf[h + "norm.weight"]
         h, m = h + "mixer.", m + "mixer."
         if kind == "M":
-            out[m + "in_proj.weight"] = _slice_parts(hf[h + "in_proj.weight"], _mamba_in_parts(shape), r, tp)
-            out[m + "conv1d.weight"] = _slice_parts(hf[h + "conv1d.weight"], _conv_parts(shape), r, tp)
+            out[m + "in_proj.weight"] = _slice_parts(hf, h + "in_proj.weight", _mamba_in_parts(shape), r, tp)
+            out[m + "conv1d.weight"] = _slice_parts(hf, h + "conv1d.weight", _conv_parts(shape), r, tp)
             if shape.conv_bias:
-                out[m + "conv1d.bias"] = _slice_parts(hf[h + "conv1d.bias"], _conv_parts(shape), r, tp)
+                out[m + "conv1d.bias"] = _slice_parts(hf, h + "conv1d.bias", _conv_parts(shape), r, tp)
             for name in ("A_log", "D", "dt_bias", "norm.weight"):
-                out[m + name] = _rows(hf[h + name], r, tp)
-            out[m + "out_proj.weight"] = _cols(hf[h + "out_proj.weight"], r, tp)
+                out[m + name] = rows(hf, h + name, r, tp)
+            out[m + "out_proj.weight"] = cols(hf, h + "out_proj.weight", r, tp)
         elif kind == "*":
-            fused = _fuse_qkv(hf[h + "q_proj.weight"], hf[h + "k_proj.weight"], hf[h + "v_proj.weight"], shape)
-            out[m + "linear_qkv.weight"] = _rows(fused, r, tp)
-            out[m + "linear_proj.weight"] = _cols(hf[h + "o_proj.weight"], r, tp)
+            out[m + "linear_qkv.weight"] = _fuse_qkv(*(rows(hf, h + f"{p}_proj.weight", r, tp) for p in "qkv"), shape,
+                                                     shape.kv_heads // tp)
+            out[m + "linear_proj.weight"] = cols(hf, h + "o_proj.weight", r, tp)
         elif kind == "E":
             out[m + "router.weight"] = hf[h + "gate.weight"]
             out[m + "router.e_score_correction_bias"] = hf[h + "gate.e_score_correction_bias"]
-            mine = slice(ep_rank * shape.experts // ep_size, (ep_rank + 1) * shape.experts // ep_size)
+            mine = (slice(ep_rank * shape.experts // ep_size, (ep_rank + 1) * shape.experts // ep_size),)
             et = expert_tensor_size(tp, ep_size)
-            out[m + "experts.up_proj"] = hf[h + "experts.up_proj"][mine].chunk(et, dim=1)[r % et]
-            out[m + "experts.down_proj"] = _cols(hf[h + "experts.down_proj"][mine], r % et, et)
+            out[m + "experts.up_proj"] = chunk(hf, h + "experts.up_proj", r % et, et, 1, lead=mine)
+            out[m + "experts.down_proj"] = chunk(hf, h + "experts.down_proj", r % et, et, -1, lead=mine)
             if shape.shared_ffn:
-                out[m + "shared_expert.up_proj.weight"] = _rows(hf[h + "shared_experts.up_proj.weight"], r, tp)
-                out[m + "shared_expert.down_proj.weight"] = _cols(hf[h + "shared_experts.down_proj.weight"], r, tp)
+                out[m + "shared_expert.up_proj.weight"] = rows(hf, h + "shared_experts.up_proj.weight", r, tp)
+                out[m + "shared_expert.down_proj.weight"] = cols(hf, h + "shared_experts.down_proj.weight", r, tp)
         else:
-            out[m + "up_proj.weight"] = _rows(hf[h + "up_proj.weight"], r, tp)
-            out[m + "down_proj.weight"] = _cols(hf[h + "down_proj.weight"], r, tp)
+            out[m + "up_proj.weight"] = rows(hf, h + "up_proj.weight", r, tp)
+            out[m + "down_proj.weight"] = cols(hf, h + "down_proj.weight", r, tp)
     out["decoder.final_norm.weight"] = hf[f"{shape.hf_prefix}norm_f.weight"]
     if not shape.tied:
-        out["output_layer.weight"] = _rows(hf[shape.hf_head], r, tp)
+        out["output_layer.weight"] = rows(hf, shape.hf_head, r, tp)
     return {k: v.contiguous() for k, v in out.items()}
 
 

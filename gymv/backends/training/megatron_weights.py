@@ -7,6 +7,10 @@ then its value head. Tensor parallelism splits whole groups over ranks (column p
 down projections by input columns (row parallel), the vocabulary by rows; the fused gate/up weight holds
 each rank's gate slice followed by its up slice. Everything here is pure tensor arithmetic (no
 megatron-core import), so the mapping is tested without the library.
+
+`hf_to_megatron` takes HF weights as a state dict or as a lazy mapping (gymv.backends.model_weights, which
+reads a checkpoint tensor when asked for it): it asks for each rank's slice alone (`rows`, `cols`), so a rank
+reading the checkpoint that way reads its shard and not the model.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gymv.backends.model_weights import cols, rows
 from gymv.errors import GymvError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen2_5_vl_text", "qwen2_vl_text", "mistral")
@@ -101,18 +106,11 @@ def _layer(shape: DecoderShape, i: int) -> str:
     return f"{shape.hf_prefix}layers.{i}."
 
 
-def _rows(t: Tensor, rank: int, tp: int) -> Tensor:
-    return t.chunk(tp, dim=0)[rank]
-
-
-def _cols(t: Tensor, rank: int, tp: int) -> Tensor:
-    return t.chunk(tp, dim=1)[rank]
-
-
-def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, shape: DecoderShape) -> Tensor:
-    """[q; k; v] rows (weight or bias) -> Megatron's grouped layout: per kv group, its q heads, k, v."""
-    g, d = shape.kv_heads, shape.head_dim
-    per = shape.heads // g
+def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, shape: DecoderShape, groups: int | None = None) -> Tensor:
+    """[q; k; v] rows (weight or bias) -> Megatron's grouped layout: per kv group, its q heads, k, v. A TP
+    rank's rows of each (`groups` = kv_heads / tp of them) fuse to its rows of the whole fused tensor."""
+    g, d = shape.kv_heads if groups is None else groups, shape.head_dim
+    per = shape.heads // shape.kv_heads
     rest = q.shape[1:]
     q = q.reshape(g, per * d, *rest)
     k = k.reshape(g, d, *rest)
@@ -131,32 +129,31 @@ def split_qkv(qkv: Tensor, shape: DecoderShape, groups: int | None = None) -> tu
 
 
 def hf_to_megatron(hf: Mapping[str, Tensor], shape: DecoderShape, *, tp_rank: int = 0, tp_size: int = 1) -> dict[str, Tensor]:
-    """One tensor-parallel rank's GPTModel state dict from a full HF state dict."""
+    """One tensor-parallel rank's GPTModel state dict from the HF weights (a state dict, or a lazy mapping that
+    then reads this rank's slices alone)."""
     shape.check_tp(tp_size)
     r, tp = tp_rank, tp_size
-    embed = hf[f"{shape.hf_prefix}embed_tokens.weight"]
-    out = {"embedding.word_embeddings.weight": _rows(embed, r, tp)}
+    groups = shape.kv_heads // tp
+    out = {"embedding.word_embeddings.weight": rows(hf, f"{shape.hf_prefix}embed_tokens.weight", r, tp)}
     for i in range(shape.layers):
         h, m = _layer(shape, i), f"decoder.layers.{i}."
-        fused = fuse_qkv(hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"],
-                         hf[h + "self_attn.v_proj.weight"], shape)
         out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
-        out[m + "self_attention.linear_qkv.weight"] = _rows(fused, r, tp)
+        out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            *(rows(hf, h + f"self_attn.{p}_proj.weight", r, tp) for p in "qkv"), shape, groups)
         if shape.qkv_bias:
-            bias = fuse_qkv(hf[h + "self_attn.q_proj.bias"], hf[h + "self_attn.k_proj.bias"],
-                            hf[h + "self_attn.v_proj.bias"], shape)
-            out[m + "self_attention.linear_qkv.bias"] = _rows(bias, r, tp)
+            out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(
+                *(rows(hf, h + f"self_attn.{p}_proj.bias", r, tp) for p in "qkv"), shape, groups)
         if shape.qk_norm:
             out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
             out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
-        out[m + "self_attention.linear_proj.weight"] = _cols(hf[h + "self_attn.o_proj.weight"], r, tp)
+        out[m + "self_attention.linear_proj.weight"] = cols(hf, h + "self_attn.o_proj.weight", r, tp)
         out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([_rows(hf[h + "mlp.gate_proj.weight"], r, tp),
-                                                      _rows(hf[h + "mlp.up_proj.weight"], r, tp)])
-        out[m + "mlp.linear_fc2.weight"] = _cols(hf[h + "mlp.down_proj.weight"], r, tp)
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([rows(hf, h + "mlp.gate_proj.weight", r, tp),
+                                                      rows(hf, h + "mlp.up_proj.weight", r, tp)])
+        out[m + "mlp.linear_fc2.weight"] = cols(hf, h + "mlp.down_proj.weight", r, tp)
     out["decoder.final_layernorm.weight"] = hf[f"{shape.hf_prefix}norm.weight"]
     if not shape.tied:
-        out["output_layer.weight"] = _rows(hf[shape.hf_head], r, tp)
+        out["output_layer.weight"] = rows(hf, shape.hf_head, r, tp)
     return {k: v.contiguous() for k, v in out.items()}
 
 
