@@ -82,3 +82,17 @@ def spawn_ranks(worker: Callable[..., R], world: int, *args: Any) -> list[R]:
     with tempfile.TemporaryDirectory(prefix="gloo_ranks_") as folder:
         mp.spawn(_rank_result, args=(worker, world, free_port(), folder, args), nprocs=world, join=True)
         return [torch.load(f"{folder}/{r}.pt") for r in range(world)]
+
+
+def keep_router_grads(backend) -> list[torch.Tensor]:
+    """A list that each optimizer step of `backend` fills, before it applies them, with its MoE routers'
+    gradients in layer order (summed over the ranks that sum them, clipped): an HF backend's and a Megatron
+    backend's compare router by router."""
+    kept: list[torch.Tensor] = []
+    routers = backend.router_terms.routers
+
+    def keep(optimizer, args, kwargs):
+        kept[:] = [r.weight.grad.detach().clone() for r in routers]
+
+    backend.trainer.optimizer.register_step_pre_hook(keep)
+    return kept

@@ -1,6 +1,8 @@
 """training.parallel.context on the megatron backend: two gloo ranks of one context-parallel replica train the
 tiny Nemotron 3 Omni (RADIO tower, hybrid decoder) exactly as one rank of the torch backend does: the same
-logprobs, gradient norm and weights after a step, padded and packed."""
+logprobs, gradient norm and weights after a step, padded and packed, with the MoE aux loss in the loss and the
+routers' bias update on: the same aux loss and busiest-expert load (each rank routes its own positions, the
+figures are the rows'), the same router gradients and correction biases."""
 
 import copy
 
@@ -10,18 +12,22 @@ import torch
 pytest.importorskip("megatron.core")
 
 from gymv.backends.training.process_group import leave_process_group  # noqa: E402
-from megatron_helpers import spawn_ranks  # noqa: E402
+from megatron_helpers import keep_router_grads, spawn_ranks  # noqa: E402
 
 PACKING = (False, True)
+AUX = 0.5  # the aux term's share of the router gradient is then as large as the loss's
+BIAS_RATE = 0.01
 
 
 def setup(context: int, packing: bool, path: str | None = None):
     from gymv.backends.training.base import TrainingSetup
     from gymv.config.schema import ParallelSection, TrainingSection
+    from gymv.sections import MoeSection
     from tiny_models import tiny_path
 
     section = TrainingSection(lr=1e-2, eps=1e-3, weight_decay=0.0, dtype="float32", micro_batch_tokens=4096,
-                              sequence_packing=packing, parallel=ParallelSection(context=context))
+                              sequence_packing=packing, parallel=ParallelSection(context=context),
+                              moe=MoeSection(aux_loss_coef=AUX, router_bias_update_rate=BIAS_RATE))
     return TrainingSetup(model_path=path or str(tiny_path("tiny-nemotron-omni")), training=section)
 
 
@@ -41,9 +47,11 @@ def _cp_rank(rank, world, port, paths):
                                              world_size=world)
             mine = _image_samples(backend.policy)[rank::2]  # the driver hands each rank its share
             logp = backend.compute_logprobs(copy.deepcopy(mine))
+            router_grads = keep_router_grads(backend)
             metrics = backend.train_step(copy.deepcopy(mine), PolicyLoss())
             weights = {k: v.clone() for k, v in backend.named_weights()}
-            got[packing] = {"logp": logp, "metrics": metrics, "weights": weights if rank == 0 else None}
+            got[packing] = {"logp": logp, "metrics": metrics, "weights": weights if rank == 0 else None,
+                            "router_grads": router_grads}
             from megatron.core import parallel_state
 
             parallel_state.destroy_model_parallel()
@@ -82,10 +90,15 @@ def test_two_context_parallel_ranks_take_the_torch_backends_step(packing, cp2):
     for r, got in enumerate(cp2[packing]):
         for g, w in zip(got["logp"], want[r::2]):
             torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+    router_grads = keep_router_grads(plain)
     metrics = plain.train_step(copy.deepcopy(samples), PolicyLoss())
     for got in cp2[packing]:
         assert got["metrics"]["train/grad_norm"] == pytest.approx(metrics["train/grad_norm"], rel=1e-4)
         assert got["metrics"]["train/loss"] == pytest.approx(metrics["train/loss"], rel=1e-5, abs=1e-7)
+        for key in ("train/moe_aux_loss", "train/moe_load_max", "train/moe_bias_absmax"):
+            assert got["metrics"][key] == pytest.approx(metrics[key], rel=1e-5), key
+        for g, w in zip(got["router_grads"], router_grads, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-5 * w.abs().max().item())
     weights = cp2[packing][0]["weights"]
     for name, tensor in plain.named_weights():
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=name)

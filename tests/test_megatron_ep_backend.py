@@ -3,7 +3,9 @@ Nemotron 3 Omni (RADIO tower, hybrid decoder, its routed experts split over the 
 of the torch backend does: the same logprobs, loss, gradient norm and weights after a step, padded and packed,
 with the ranks holding different numbers of samples and micro-batches. A checkpoint written at EP2 resumes to
 the same next step, and an export at EP2 loads in HF and equals the model it came from bit for bit. On four
-ranks, TP2 x EP2 and CP2 x EP2 (replicas of three samples and of one, a rank handed none) take the same step."""
+ranks, TP2 x EP2, CP2 x EP2 and TP2 x CP2 x EP4 (replicas of three samples and of one, a rank handed none)
+take the same step with the MoE aux loss in the loss and the routers' bias update on: the same aux loss,
+busiest-expert load, router gradients and correction biases too."""
 
 import copy
 
@@ -13,14 +15,15 @@ import torch
 pytest.importorskip("megatron.core")
 
 from gymv.backends.training.process_group import leave_process_group  # noqa: E402
-from megatron_helpers import spawn_ranks  # noqa: E402
+from megatron_helpers import keep_router_grads, spawn_ranks  # noqa: E402
 
 PACKING = (False, True)
 SPLIT = (slice(0, 3), slice(3, 4))  # rank 0: three samples (three micro-batches), rank 1: one
 AUX = 0.5
+BIAS_RATE = 0.01  # the routers' bias update, on in the combined layouts
 
 
-def setup(expert: int, packing: bool, path: str | None = None, aux: float = 0.0):
+def setup(expert: int, packing: bool, path: str | None = None, aux: float = 0.0, bias_rate: float = 0.0):
     from gymv.backends.training.base import TrainingSetup
     from gymv.config.schema import ParallelSection, TrainingSection
     from gymv.sections import MoeSection
@@ -29,7 +32,7 @@ def setup(expert: int, packing: bool, path: str | None = None, aux: float = 0.0)
     # a budget of one token: every sample is a micro-batch of its own
     section = TrainingSection(lr=1e-2, eps=1e-3, weight_decay=0.0, dtype="float32", micro_batch_tokens=1,
                               sequence_packing=packing, parallel=ParallelSection(expert=expert),
-                              moe=MoeSection(aux_loss_coef=aux))
+                              moe=MoeSection(aux_loss_coef=aux, router_bias_update_rate=bias_rate))
     return TrainingSetup(model_path=path or str(tiny_path("tiny-nemotron-omni")), training=section)
 
 
@@ -179,14 +182,16 @@ def _combined_rank(rank, world, port, path):
     try:
         result = {}
         for name, sizes in LAYOUTS.items():
-            base = setup(2, False, path)
+            base = setup(2, False, path, aux=AUX, bias_rate=BIAS_RATE)
             training = base.training.model_copy(update={"parallel": ParallelSection(**sizes)})
             backend = MegatronBackend.create(TrainingSetup(model_path=path, training=training), device="cpu",
                                              rank=rank, world_size=world)
             mine = _image_samples(backend.policy, n=4)[SPLIT4[rank]]
+            router_grads = keep_router_grads(backend)
             metrics = backend.train_step(copy.deepcopy(mine), PolicyLoss())
             weights = {k: v.clone() for k, v in backend.named_weights()}
-            result[name] = {"metrics": metrics, "weights": weights if rank == 0 else None}
+            result[name] = {"metrics": metrics, "weights": weights if rank == 0 else None,
+                            "router_grads": router_grads}
             parallel_state.destroy_model_parallel()
         return result
     finally:
@@ -201,20 +206,34 @@ def combined():
     return {n: [r[n] for r in ranks] for n in LAYOUTS}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_expert_parallelism_with_tensor_or_context_parallelism_takes_the_torch_backends_step(layout, combined):
+@pytest.fixture(scope="module")
+def one_rank_step():
+    """The torch backend's step over the four samples, each a micro-batch: its metrics, router gradients and
+    weights after it."""
     from gymv.algorithms.loss_fns import PolicyLoss
     from gymv.backends.training.hf_torch import HFTorchBackend
     from test_megatron_model import _image_samples
 
-    plain = HFTorchBackend.create(setup(1, False), device="cpu")
+    plain = HFTorchBackend.create(setup(1, False, aux=AUX, bias_rate=BIAS_RATE), device="cpu")
+    router_grads = keep_router_grads(plain)
     metrics = plain.train_step(copy.deepcopy(_image_samples(plain.policy, n=4)), PolicyLoss())
+    return metrics, router_grads, dict(plain.named_weights())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_tensor_context_and_expert_parallelism_combined_take_the_torch_backends_step_with_the_aux_loss(
+        layout, combined, one_rank_step):
+    metrics, router_grads, want = one_rank_step
     for got in combined[layout]:
         assert got["metrics"]["train/grad_norm"] == pytest.approx(metrics["train/grad_norm"], rel=1e-4)
         assert got["metrics"]["train/loss"] == pytest.approx(metrics["train/loss"], rel=1e-5, abs=1e-7)
+        for key in ("train/moe_aux_loss", "train/moe_load_max", "train/moe_bias_absmax"):
+            assert got["metrics"][key] == pytest.approx(metrics[key], rel=1e-5), key
+        for g, w in zip(got["router_grads"], router_grads, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-5 * w.abs().max().item())
     weights = combined[layout][0]["weights"]
-    for name, tensor in plain.named_weights():
+    for name, tensor in want.items():
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=name)
 
 

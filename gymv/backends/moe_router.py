@@ -15,6 +15,14 @@ computes neither that update nor an auxiliary loss, so gymv does both here:
   optimizer step, from the step's loads summed over data-parallel ranks (every rank applies the same
   update; `train/moe_bias_absmax` is logged). 0, the default, keeps the bias frozen, as RL recipes do.
 
+Under Megatron's model parallelism (the decoder's `router_replica`, a `RouterReplica`) the terms are the
+replica's, as one rank would compute them: context-parallel ranks route different positions of the same rows,
+so their slot counts, score sums and token counts are summed over the CP group (each rank's padding mask cut
+to its own positions), every rank logs the whole rows' figures and counts the step's loads once, and the aux
+term's gradient reaches the router through this rank's own scores alone (its value is the whole rows', its
+gradient this rank's part, which the trainer's sum over CP ranks completes, as for the loss); tensor-parallel
+ranks route the same tokens and sum the router's gradient over TP, so each adds 1/TP of the aux gradient.
+
 The terms cover the tokens the forward pass routes: a GRPO group's shared prompt counts once per sample in
 packed rows and unshared padded rows, once on the padded shared-prompt path.
 Routers are recorded by forward hooks while the training forward runs (not during the recomputation of
@@ -25,6 +33,8 @@ attention mask its decoder receives.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,17 +43,34 @@ from gymv.sections import MoeSection
 # forward returns (logits, top-k weights, top-k indices); sigmoid scores. HybridTopkRouter: the Megatron
 # backend's (gymv.backends.training.megatron_hybrid), whose MegatronCausalLM / MegatronVLM take the HF call
 ROUTERS = ("NemotronHTopkRouter", "HybridTopkRouter")
-DECODERS = ("NemotronHModel", "MegatronCausalLM", "MegatronVLM")  # where each call's padding mask is read
+# where each call's padding mask is read (their subclasses too: the context-parallel Megatron wrappers)
+DECODERS = ("NemotronHModel", "MegatronCausalLM", "MegatronVLM")
+
+
+@dataclass(frozen=True)
+class RouterReplica:
+    """How this rank's routers share their model replica's tokens with other ranks (one rank: nothing shared).
+    `tensor`: the ranks routing the same tokens whose router gradients the trainer sums; `context_group`: the
+    ranks routing other positions of the same rows, `positions(length)` this rank's positions of a row of
+    that length (padded: those at `length` or beyond are padding)."""
+
+    tensor: int = 1
+    context_group: Any = None
+    positions: Callable[[int], torch.Tensor] | None = None
+
+
+def _is_decoder(module: torch.nn.Module) -> bool:
+    return any(c.__name__ in DECODERS for c in type(module).__mro__)
 
 
 class _Layer:
     """One router's sums over the calls of one forward pass (a shared-prompt pass calls it twice)."""
 
-    def __init__(self, experts: int):
+    def __init__(self, experts: int, device: torch.device):
         self.experts = experts
         self.tokens = 0
-        self.slots: torch.Tensor | None = None  # routed slots per expert [E]
-        self.scores: torch.Tensor | None = None  # normalised scores summed over tokens [E]
+        self.slots = torch.zeros(experts, device=device)  # routed slots per expert [E]
+        self.scores = torch.zeros(experts, device=device)  # normalised scores summed over tokens [E]
 
     def add(self, logits: torch.Tensor, index: torch.Tensor, mask: torch.Tensor | None) -> None:
         if mask is not None:
@@ -52,15 +79,14 @@ class _Layer:
             return
         scores = logits.float().sigmoid()
         probs = scores / scores.sum(-1, keepdim=True)
-        slots = torch.zeros(self.experts, device=index.device).index_add_(
-            0, index.reshape(-1), torch.ones(index.numel(), device=index.device))
-        self.slots = slots if self.slots is None else self.slots + slots
-        self.scores = probs.sum(0) if self.scores is None else self.scores + probs.sum(0)
+        self.slots = self.slots.index_add(0, index.reshape(-1), torch.ones(index.numel(), device=index.device))
+        self.scores = self.scores + probs.sum(0)
         self.tokens += int(logits.shape[0])
 
-    def aux(self, top_k: int) -> torch.Tensor:
-        f = self.slots / (self.tokens * top_k)
-        return self.experts * (f * (self.scores / self.tokens)).sum()
+
+def _aux(experts: int, top_k: int, slots: torch.Tensor, scores: torch.Tensor, tokens) -> torch.Tensor:
+    f = slots / (tokens * top_k)
+    return experts * (f * (scores / tokens)).sum()
 
 
 class RouterTerms:
@@ -75,9 +101,10 @@ class RouterTerms:
         self._step_slots: dict[int, torch.Tensor] = {}
         for i, r in enumerate(routers):
             r.register_forward_hook(self._router_hook(i))
-        for m in model.modules():
-            if type(m).__name__ in DECODERS:
-                m.register_forward_pre_hook(self._decoder_hook, with_kwargs=True)
+        decoders = [m for m in model.modules() if _is_decoder(m)]
+        for m in decoders:
+            m.register_forward_pre_hook(self._decoder_hook, with_kwargs=True)
+        self.replica = next((m.router_replica() for m in decoders if hasattr(m, "router_replica")), RouterReplica())
 
     @classmethod
     def attach(cls, model: torch.nn.Module, settings: MoeSection) -> RouterTerms | None:
@@ -91,10 +118,13 @@ class RouterTerms:
         mask = kwargs.get("attention_mask")
         x = kwargs.get("inputs_embeds")
         x = x if x is not None else kwargs.get("input_ids", args[0] if args else None)
-        if mask is None or mask.ndim != 2 or x is None:
-            self._mask = None
-        else:
-            self._mask = mask[:, -x.shape[1]:].reshape(-1).bool()
+        mask = mask[:, -x.shape[1]:].bool() if mask is not None and mask.ndim == 2 and x is not None else None
+        if self.replica.positions is not None and x is not None:  # this CP rank's positions; beyond the row: padding
+            length = x.shape[1]
+            at = self.replica.positions(length).to(x.device)
+            real = (at < length).expand(x.shape[0], -1)
+            mask = real if mask is None else mask[:, at.clamp(max=length - 1)] & real
+        self._mask = mask.reshape(-1) if mask is not None else None
         return None
 
     def _router_hook(self, i: int):
@@ -120,9 +150,39 @@ class RouterTerms:
     def _take_layers(self) -> list[tuple[int, _Layer]]:
         layers: dict[int, _Layer] = {}
         for i, logits, index, mask in self._calls:
-            layers.setdefault(i, _Layer(logits.shape[-1])).add(logits, index, mask)
+            layers.setdefault(i, _Layer(logits.shape[-1], logits.device)).add(logits, index, mask)
         self._calls = []
-        return [(i, layer) for i, layer in sorted(layers.items()) if layer.tokens]
+        return sorted(layers.items())
+
+    def _balance(self, layers: list[tuple[int, _Layer]]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(router, aux loss, slots) of each layer that routed a real token of the replica's rows: the aux
+        loss's value the rows', its gradient this rank's share (module docstring)."""
+        replica = self.replica
+        if not layers:
+            return []
+        slots = [layer.slots for _, layer in layers]
+        scores = [layer.scores.detach() for _, layer in layers]
+        tokens = [float(layer.tokens) for _, layer in layers]
+        if replica.context_group is not None:  # one collective: every layer's slots, scores and tokens
+            import torch.distributed as dist
+
+            flat = torch.cat([*slots, *scores, torch.tensor(tokens, device=slots[0].device)])
+            dist.all_reduce(flat, group=replica.context_group)
+            sizes = [s.numel() for s in slots]
+            parts = flat.split([*sizes, *sizes, len(tokens)])
+            slots, scores, tokens = list(parts[:len(sizes)]), list(parts[len(sizes):-1]), parts[-1].tolist()
+        out = []
+        for (i, layer), s, p, n in zip(layers, slots, scores, tokens):
+            if n == 0:
+                continue
+            top_k = self.routers[i].top_k
+            if replica.context_group is None and replica.tensor == 1:
+                aux = _aux(layer.experts, top_k, s, layer.scores, n)
+            else:
+                mine = _aux(layer.experts, top_k, s, layer.scores, n)
+                aux = _aux(layer.experts, top_k, s, p, n) + (mine - mine.detach()) / replica.tensor
+            out.append((i, aux, s))
+        return out
 
     # -- loss and metrics ---------------------------------------------------------------------------------
     def wrap_loss(self, loss_fn: Callable) -> Callable:
@@ -130,16 +190,16 @@ class RouterTerms:
         tokens, so its sum over micro-batches is the step's mean) and the router metrics."""
         def wrapped(mb, logp, entropy, counts, **extra):
             loss, metrics = loss_fn(mb, logp, entropy, counts, **extra)
-            layers = self._take_layers()
+            layers = self._balance(self._take_layers())
             if not layers:
                 return loss, metrics
-            aux = torch.stack([layer.aux(self.routers[i].top_k) for i, layer in layers]).mean()
+            aux = torch.stack([a for _, a, _ in layers]).mean()
             share = float(mb["loss_mask"].sum()) / max(counts.tokens, 1.0)
             if self.settings.aux_loss_coef > 0:
                 loss = loss + self.settings.aux_loss_coef * share * aux.to(loss.dtype)
-            load = torch.stack([layer.slots.max() * layer.experts / layer.slots.sum() for _, layer in layers]).max()
-            for i, layer in layers:
-                self._step_slots[i] = self._step_slots.get(i, 0) + layer.slots.detach()
+            load = torch.stack([s.max() * s.numel() / s.sum() for _, _, s in layers]).max()
+            for i, _, s in layers:
+                self._step_slots[i] = self._step_slots.get(i, 0) + s.detach()
             metrics = {**metrics, "moe_aux_loss": aux.detach() * share, "moe_load_max": load.detach()}
             return loss, metrics
         return wrapped

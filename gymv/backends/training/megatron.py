@@ -226,18 +226,6 @@ class MegatronBackend(HFTorchBackend):
         if self.cp > 1 and not isinstance(self.shape, HybridShape):
             raise GymvError("training.backend megatron runs context parallelism for Nemotron-H decoders only",
                             where="training.parallel.context", fix="set it to 1 for this model")
-        if self.cp > 1 and setup.training.moe.aux_loss_coef > 0:
-            # each CP rank's routers see its own positions: the sum of the ranks' aux-loss gradients is not
-            # the gradient of the whole row's aux loss
-            raise GymvError("training.backend megatron adds the MoE aux loss at context parallel size 1 only",
-                            where="training.moe.aux_loss_coef", fix="set it to 0 (the bias update balances load), "
-                            "or training.parallel.context: 1")
-        if isinstance(self.shape, HybridShape) and self.tp > 1 and setup.training.moe.aux_loss_coef > 0:
-            # every TP rank computes the same aux loss from its whole router, but the router's gradient is
-            # summed over TP (each rank's expert share): the aux term's would count once per rank
-            raise GymvError("training.backend megatron adds the MoE aux loss at tensor parallel size 1 only",
-                            where="training.moe.aux_loss_coef", fix="set it to 0 (the bias update balances load), "
-                            "or training.parallel.tensor: 1")
         super().__init__(policy, setup, device=device, rank=rank, world_size=world_size)
         policy.model = self.trainer.model  # the HF copy is not kept
 

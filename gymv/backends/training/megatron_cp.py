@@ -14,7 +14,9 @@ into 2*CP chunks and rank r holds chunks r and 2*CP-1-r, so every rank has as ma
   a second all-to-all returns the scan's output to sequence shards of all heads for the gated norm and
   the output projection. Collectives: all_gather, all_reduce and all_to_all_single with equal splits, all
   on gloo and NCCL.
-- MoE and MLP layers are per token and need nothing (expert parallel dispatch takes any token count).
+- MoE and MLP layers are per token and need nothing (expert parallel dispatch takes any token count); the
+  routers' load-balancing terms are summed over the group (gymv.backends.moe_router, through the wrapper's
+  `router_replica`: the group and this rank's positions), so they are the whole rows'.
 - The logits of a rank's positions are gathered over the group at the end (backward: each rank keeps the
   gradient of its own positions), so every CP rank sees the whole row's logits and computes the same loss;
   each rank's parameter gradients then cover its own positions and are summed over the CP group, as
@@ -24,7 +26,7 @@ into 2*CP chunks and rank r holds chunks r and 2*CP-1-r, so every rank has as ma
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gymv.backends import mamba_kernels, packed_attention
+from gymv.backends.moe_router import RouterReplica
 from gymv.backends.ssd_scan import chunk_scan, seq_idx_from_bounds
 from gymv.backends.packing import PackedAttentionArgs
 from gymv.backends.training.megatron_ep import all_to_all
@@ -315,6 +318,15 @@ class ContextParallelHybridModel(HybridModel):
 class ContextParallelCausalLM(MegatronCausalLM):
     """MegatronCausalLM over a ContextParallelHybridModel: the head runs at every position of each rank's
     shard, so `logits_to_keep` picks the kept positions from the gathered row."""
+
+    def router_replica(self) -> RouterReplica:
+        """Its routers see this rank's positions of each row (ContextLayout), TP ranks the same tokens."""
+        cp = self.gpt.cp
+
+        def positions(length: int) -> Tensor:
+            return ContextLayout(ContextLayout.padded(length, cp.size), cp.size, cp.rank).positions()
+
+        return replace(super().router_replica(), context_group=cp.group, positions=positions)
 
     def forward(self, *args: Any, logits_to_keep: int | Tensor | None = None, **kwargs: Any):
         out = super().forward(*args, logits_to_keep=None, **kwargs)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from gymv.backends import packed_attention
+from gymv.backends.moe_router import RouterReplica
 from gymv.backends.packing import PackedAttentionArgs
 from gymv.backends.registry import MEGATRON
 from gymv.backends.training.megatron_weights import DecoderShape
@@ -367,6 +368,11 @@ class MegatronCausalLM(torch.nn.Module):
 
     def get_input_embeddings(self):
         return _PaddingIdxEmbedding(self.gpt.embedding.word_embeddings, self.padding_idx)
+
+    def router_replica(self) -> RouterReplica:
+        """How its routers share tokens (gymv.backends.moe_router): every TP rank routes all of them and the
+        trainer sums the router's gradient over TP."""
+        return RouterReplica(tensor=self.gpt.config.tensor_model_parallel_size)
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 inputs_embeds: Tensor | None = None, position_ids: Tensor | None = None, use_cache: bool = False,
