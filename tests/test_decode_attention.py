@@ -7,13 +7,11 @@ compiled kernel.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from triton_interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -50,10 +48,7 @@ TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    p = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_interpreted(CHILD)
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
