@@ -176,11 +176,8 @@ class RouterTerms:
             if n == 0:
                 continue
             top_k = self.routers[i].top_k
-            if replica.context_group is None and replica.tensor == 1:
-                aux = _aux(layer.experts, top_k, s, layer.scores, n)
-            else:
-                mine = _aux(layer.experts, top_k, s, layer.scores, n)
-                aux = _aux(layer.experts, top_k, s, p, n) + (mine - mine.detach()) / replica.tensor
+            mine = _aux(layer.experts, top_k, s, layer.scores, n)  # one rank alone: the value and gradient
+            aux = _aux(layer.experts, top_k, s, p, n) + (mine - mine.detach()) / replica.tensor
             out.append((i, aux, s))
         return out
 
