@@ -78,9 +78,11 @@ class MegatronTeacher(TeacherModel):
         from gymv.backends.teacher import check_text_cut, is_text_only
         from gymv.backends.training.megatron import shard_source
 
-        policy, weights = shard_source(spec.path, seed=spec.seed, trust_remote_code=spec.trust_remote_code)
+        cut = spec.text_of and not is_text_only(spec.path)
+        policy, weights = shard_source(spec.path, seed=spec.seed, trust_remote_code=spec.trust_remote_code,
+                                       decoder_only=cut)
         config = policy.model.config
-        if spec.text_of and not is_text_only(spec.path):
+        if cut:
             check_text_cut(config, where=spec.path)
             config = config.text_config
         return self._twin(spec, policy, weights, config)

@@ -150,16 +150,17 @@ def check_maps(policy):
 
 
 def shard_source(path: str | os.PathLike, *, seed: int = 0, trust_remote_code: bool = False,
-                 dtype: torch.dtype = torch.float32) -> tuple[Policy, ModelWeights]:
+                 dtype: torch.dtype = torch.float32, decoder_only: bool = False) -> tuple[Policy, ModelWeights]:
     """The policy of checkpoint `path` with its HF model's decoder and head left on the meta device and the rest
     (vision tower, projector) read whole, and the checkpoint under that model's names, from which
     `megatron_twin` reads this rank's shard alone. GymvError naming the checkpoint where it has no safetensors
-    or its tensors do not fill the model."""
+    or its tensors do not fill the model. `decoder_only`: the rest stays unread too (a text-only cut of a VLM)."""
     policy = load_policy(path, device="cpu", dtype=dtype, seed=seed, trust_remote_code=trust_remote_code,
                          skeleton=True)
     shape = check_maps(policy)
     weights = ModelWeights(CheckpointFiles(policy.path), policy.model)
-    fill_except(policy.model, weights, (shape.hf_prefix, shape.hf_head))
+    if not decoder_only:
+        fill_except(policy.model, weights, (shape.hf_prefix, shape.hf_head))
     return policy, weights
 
 
@@ -434,11 +435,12 @@ class MegatronBackend(HFTorchBackend):
             shard = mapping(self.shape).hf_to_megatron(hf, self.shape, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                                                        tp_size=self.tp, **ep)
             self.trainer.model.gpt.load_state_dict(shard, strict=True)
-            hf.close()
         except (KeyError, RuntimeError) as e:
             raise GymvError(f"checkpoint does not match the model ({str(e).splitlines()[0][:200]})",
                             where=str(path / MODEL_SAFETENSORS),
                             fix="load a checkpoint written by the same model architecture") from None
+        finally:
+            hf.close()
         self.trainer.optimizer.load_state_dict(torch.load(path / self._optimizer_file(), map_location=self.device,
                                                           weights_only=True))
         meta = path / TRAINER_FILE
