@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from gymv.backends.model_weights import chunk, cols, read, rows
+from gymv.backends.training.megatron_qkv import fuse_qkv, split_qkv
 from gymv.errors import GymvError
 
 MODEL_TYPES = ("nemotron_h",)
@@ -161,19 +162,6 @@ def _merge_parts(shards: Sequence[Tensor], parts: list[int], tp: int) -> Tensor:
     return torch.cat([torch.cat([p[j] for p in pieces]) for j in range(len(parts))])
 
 
-def _fuse_qkv(q: Tensor, k: Tensor, v: Tensor, shape: HybridShape, groups: int) -> Tensor:
-    g, d = groups, shape.head_dim
-    per = shape.heads // shape.kv_heads
-    return torch.cat([q.reshape(g, per * d, -1), k.reshape(g, d, -1), v.reshape(g, d, -1)], dim=1).reshape(-1, q.shape[1])
-
-
-def _split_qkv(qkv: Tensor, shape: HybridShape, groups: int) -> tuple[Tensor, Tensor, Tensor]:
-    d, per = shape.head_dim, shape.heads // shape.kv_heads
-    q, k, v = qkv.reshape(groups, (per + 2) * d, -1).split([per * d, d, d], dim=1)
-    cols = qkv.shape[1]
-    return q.reshape(-1, cols), k.reshape(-1, cols), v.reshape(-1, cols)
-
-
 def hf_to_megatron(hf: Mapping[str, Tensor], shape: HybridShape, *, tp_rank: int = 0, tp_size: int = 1,
                    ep_rank: int = 0, ep_size: int = 1) -> dict[str, Tensor]:
     """One (TP rank, EP rank)'s state dict of the hybrid decoder from the HF weights (a state dict, or a lazy
@@ -194,7 +182,7 @@ def hf_to_megatron(hf: Mapping[str, Tensor], shape: HybridShape, *, tp_rank: int
                 out[m + name] = rows(hf, h + name, r, tp)
             out[m + "out_proj.weight"] = cols(hf, h + "out_proj.weight", r, tp)
         elif kind == "*":
-            out[m + "linear_qkv.weight"] = _fuse_qkv(*(rows(hf, h + f"{p}_proj.weight", r, tp) for p in "qkv"), shape,
+            out[m + "linear_qkv.weight"] = fuse_qkv(*(rows(hf, h + f"{p}_proj.weight", r, tp) for p in "qkv"), shape,
                                                      shape.kv_heads // tp)
             out[m + "linear_proj.weight"] = cols(hf, h + "o_proj.weight", r, tp)
         elif kind == "E":
@@ -238,7 +226,7 @@ def megatron_layer_to_hf(shards: Sequence[Mapping[str, Tensor]], shape: HybridSh
         yield h + "norm.weight", torch.cat([s[m + "norm.weight"] for s in shards])
         yield h + "out_proj.weight", torch.cat([s[m + "out_proj.weight"] for s in shards], dim=1)
     elif kind == "*":
-        parts = [_split_qkv(s[m + "linear_qkv.weight"], shape, shape.kv_heads // tp) for s in shards]
+        parts = [split_qkv(s[m + "linear_qkv.weight"], shape, shape.kv_heads // tp) for s in shards]
         for n, name in enumerate(("q_proj", "k_proj", "v_proj")):
             yield h + f"{name}.weight", torch.cat([p[n] for p in parts])
         yield h + "o_proj.weight", torch.cat([s[m + "linear_proj.weight"] for s in shards], dim=1)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from gymv.backends.model_weights import cols, rows
+from gymv.backends.training.megatron_qkv import fuse_qkv, split_qkv
 from gymv.errors import GymvError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen2_5_vl_text", "qwen2_vl_text", "mistral")
@@ -104,28 +105,6 @@ def _mrope_section(text) -> tuple[int, ...] | None:
 
 def _layer(shape: DecoderShape, i: int) -> str:
     return f"{shape.hf_prefix}layers.{i}."
-
-
-def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, shape: DecoderShape, groups: int | None = None) -> Tensor:
-    """[q; k; v] rows (weight or bias) -> Megatron's grouped layout: per kv group, its q heads, k, v. A TP
-    rank's rows of each (`groups` = kv_heads / tp of them) fuse to its rows of the whole fused tensor."""
-    g, d = shape.kv_heads if groups is None else groups, shape.head_dim
-    per = shape.heads // shape.kv_heads
-    rest = q.shape[1:]
-    q = q.reshape(g, per * d, *rest)
-    k = k.reshape(g, d, *rest)
-    v = v.reshape(g, d, *rest)
-    return torch.cat([q, k, v], dim=1).reshape(g * (per + 2) * d, *rest)
-
-
-def split_qkv(qkv: Tensor, shape: DecoderShape, groups: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Inverse of `fuse_qkv` over `groups` kv groups (a TP shard holds kv_heads / tp of them)."""
-    g = shape.kv_heads if groups is None else groups
-    d, per = shape.head_dim, shape.heads // shape.kv_heads
-    rest = qkv.shape[1:]
-    grouped = qkv.reshape(g, (per + 2) * d, *rest)
-    q, k, v = grouped.split([per * d, d, d], dim=1)
-    return q.reshape(g * per * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest)
 
 
 def hf_to_megatron(hf: Mapping[str, Tensor], shape: DecoderShape, *, tp_rank: int = 0, tp_size: int = 1) -> dict[str, Tensor]:
