@@ -47,14 +47,22 @@ def origin_allowed(bind_host: str, origin: str | None) -> bool:
 
 def master_store(host: str, world_size: int):
     """(a TCPStore server listening on `host` only, its socket): torch's own server listens on every
-    interface whatever host it is given, so it is handed a socket bound here (keep the socket open)."""
+    interface whatever host it is given, so it is handed a socket bound here. The store owns that socket's
+    descriptor from then on and closes it when it goes, so the socket returned is detached (closing it does
+    nothing): closed twice, the descriptor's number, by then another file's or socket's, would be closed
+    under its new owner."""
     import socket
 
     from torch.distributed import TCPStore
 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.bind((host, 0))
-    sock.listen()
-    store = TCPStore(host, sock.getsockname()[1], world_size=world_size, is_master=True, wait_for_workers=False,
-                     master_listen_fd=sock.fileno())
+    try:
+        sock.bind((host, 0))
+        sock.listen()
+        store = TCPStore(host, sock.getsockname()[1], world_size=world_size, is_master=True, wait_for_workers=False,
+                         master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()
     return store, sock
