@@ -44,7 +44,9 @@ layers  one MoE layer and one Mamba-2 mixer at the Nano widths, 16,384 tokens (8
         and the Triton kernel with other tiles (`triton_tiles_<forward>_<backward>`, CONV_TILES).
 
 Kernel paths beside transformers': the trainer runs `--train-paths` (`gymv`: gymv's experts and packed rows
-with one Mamba call per row on the kernels; `hf`: transformers' expert loop, rows not packed, torch scan),
+with one Mamba call per row on the kernels; `megatron`: gymv's Megatron backend at TP 1 / EP 1 / CP 1, its
+hybrid twin of the decoder on the same kernels, with its bf16 logprobs on one group against the HF model's on
+the same weights; `hf`: transformers' expert loop, rows not packed, torch scan),
 the decoder `--paths` (`static` on the kernels where they import, `static_torch` with GYMV_MAMBA_KERNELS=0,
 `hf_generate`, ...). Each part (layers, each train path, decode) runs in a process of its own (`--part`),
 since one starves the next of memory; `--part all` (the default) runs them one after another and merges
@@ -243,8 +245,11 @@ def use_path(model, path: str) -> bool | str:
         os.environ.pop("GYMV_MAMBA_KERNELS", None)
         moe_experts.install(model)
         return "auto"
+    if path == "megatron":  # the twin runs its own experts and mixers on the kernels; the HF model is the reference
+        os.environ.pop("GYMV_MAMBA_KERNELS", None)
+        return "auto"
     if path not in ("hf", "hf_grouped_mm"):
-        raise SystemExit(f"unknown train path {path!r}: gymv, hf or hf_grouped_mm")
+        raise SystemExit(f"unknown train path {path!r}: gymv, megatron, hf or hf_grouped_mm")
     os.environ["GYMV_MAMBA_KERNELS"] = "0"
     moe_experts.uninstall(model)
     for m in model.modules():
@@ -271,11 +276,15 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv") -> dict:
     policy.model.gradient_checkpointing_enable()
     training = TrainingSection(lr=1e-6, weight_decay=0.01, dtype={"fp32": "float32", "bf16": "bfloat16"}[mode.precision],
                                micro_batch_tokens=a.micro_batch_tokens, gradient_checkpointing=True,
-                               sequence_packing=packing)
+                               sequence_packing=packing, backend="megatron" if path == "megatron" else a.backend)
     setup = TrainingSetup(model_path=str(policy.path), training=training, device=mode.device, seed=0)
-    cls = HFFSDPBackend if a.backend == "fsdp2" else HFTorchBackend
-    backend = cls(policy, setup, device=mode.device, rank=0, world_size=1)
     samples = rollouts(policy, mode, a.groups, seed=0)
+    agreement = None
+    if path == "megatron":
+        backend, agreement = megatron_backend(policy, setup, mode, samples[:GROUP])
+    else:
+        cls = HFFSDPBackend if a.backend == "fsdp2" else HFTorchBackend
+        backend = cls(policy, setup, device=mode.device, rank=0, world_size=1)
     total = sum(len(s["input_ids"]) for s in samples)
     generated = sum(sum(s["loss_mask"]) for s in samples)
     unique = total - sum((GROUP - 1) * s["loss_mask"].index(True) for s in samples[::GROUP])
@@ -291,7 +300,9 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv") -> dict:
     flops_all = 6 * counts["active_decoder"] * total + 6 * counts["head"] * generated
     profile = kind_profile(policy.model, mode, lambda: backend.train_step(
         [as_tensors(dict(s)) for s in samples], loss)) if a.profile else None
-    row = {"path": path, "layers": layers, "pattern": PATTERN[:layers], "backend": a.backend, "params": counts,
+    row = {"path": path, "layers": layers, "pattern": PATTERN[:layers],
+           "backend": "megatron" if path == "megatron" else a.backend, "params": counts,
+           "logprobs_against_hf": agreement,
            "sequence_packing": packing, "mamba_scan": packed_mamba.path(mode.device) if packing else "transformers",
            "mamba_kernels_why_not": mamba_kernels.why_not(mode.device), "profile_s_by_kind": profile,
            "samples": len(samples), "tokens": total, "unique_tokens": unique, "generated_tokens": generated,
@@ -307,6 +318,35 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv") -> dict:
     del backend, policy
     free(mode)
     return row
+
+
+def megatron_backend(policy, setup, mode: Mode, group: list[dict]):
+    """gymv's Megatron backend at TP 1 / EP 1 / CP 1 on this policy, and its logprobs on `group` against the HF
+    model's on the same weights (the HF model scores first, through the torch backend, then gives its weights to
+    the Megatron twin): token_mult_prob_error (mean exp|difference| over the scored tokens) and the largest
+    difference."""
+    import torch
+
+    from gymv.backends.training.hf_torch import HFTorchBackend
+    from gymv.backends.training.megatron import MegatronBackend
+    from gymv.backends.training.megatron_model import init_parallel
+    from gymv.backends.training.samples import as_tensors
+
+    hf = HFTorchBackend(policy, setup, device=mode.device, rank=0, world_size=1)
+    want = hf.compute_logprobs([as_tensors(dict(s)) for s in group])
+    hf.close()
+    del hf
+    free(mode)
+    init_parallel(1, torch.device(mode.device), seed=0)
+    backend = MegatronBackend(policy, setup, device=mode.device, rank=0, world_size=1)
+    got = backend.compute_logprobs([as_tensors(dict(s)) for s in group])
+    diffs = torch.cat([(g.float() - w.float()).abs()[torch.as_tensor(s["loss_mask"], dtype=torch.bool)]
+                       for g, w, s in zip(got, want, group)])
+    agreement = {"samples": len(group), "tokens": int(diffs.numel()),
+                 "token_mult_prob_error": float(diffs.exp().mean()), "max_abs_diff": float(diffs.max()),
+                 "mean_abs_diff": float(diffs.mean()), "precision": mode.precision}
+    print(f"megatron logprobs against HF: {agreement}", flush=True)
+    return backend, agreement
 
 
 def kind_profile(model, mode: Mode, step) -> dict:
@@ -747,7 +787,7 @@ def main() -> None:
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
     ap.add_argument("--decode-batch", type=int, default=DECODE_BATCH)
     ap.add_argument("--paths", default="static,static_torch,hf_generate,static_eager,gymv_hf")
-    ap.add_argument("--train-paths", default="gymv,hf", help="trainer paths: gymv, hf, hf_grouped_mm")
+    ap.add_argument("--train-paths", default="gymv,hf", help="trainer paths: gymv, megatron, hf, hf_grouped_mm")
     ap.add_argument("--part", default="all", choices=["all", "layers", "train", "decode"],
                     help="all: each part (and each train path) in a process of its own, results merged")
     ap.add_argument("--layer-tokens", type=int, help="tokens of the layers part (default 16384 on CUDA, 4096 on CPU)")
@@ -868,6 +908,10 @@ def report(result: dict, out_json: Path) -> None:
         mem = f"{r['peak_mem_gb']:.1f} GB" if "peak_mem_gb" in r else "-"
         print(f"train {r.get('path', 'gymv')} {r['layers']} layers {r['pattern']}: {r['step_s']:.2f} s/step, {r['tokens_per_s']:.0f} tok/s, "
               f"{r['unique_tokens_per_s']:.0f} unique tok/s, MFU {r['mfu']:.1%} (active params), peak {mem}")
+        if r.get("logprobs_against_hf"):
+            g = r["logprobs_against_hf"]
+            print(f"      logprobs against HF ({g['precision']}, {g['tokens']} tokens): token_mult_prob_error "
+                  f"{g['token_mult_prob_error']:.4f}, largest difference {g['max_abs_diff']:.3f}")
     d = result["decode"] or {"rows": []}
     if d.get("limit"):
         lim = d["limit"]
