@@ -331,3 +331,23 @@ def test_a_packed_torch_backend_step_on_cuda_runs_the_varlen_kernel_under_autoca
     backend.train_step(samples, PolicyLoss())
     assert backend.trainer.plan_fn.__self__.packed
     assert packed_attention.varlen_calls - before == packed_attention.calls - calls > 0
+
+
+def test_a_hybrid_slice_without_attention_layers_packs_and_scores_as_padded_rows():
+    """A Nemotron-H slice of Mamba and MoE layers alone has no attention layer for the packing keyword to
+    reach: it packs (segments still restart each Mamba layer's state) instead of being refused."""
+    import copy
+    import dataclasses
+
+    from gymv.backends import packed_attention, packed_mamba
+
+    base = fresh_policy("tiny-nemotron-omni")
+    config = copy.deepcopy(base.model.config)
+    config.text_config.layers_block_type = [k for k in config.text_config.layers_block_type
+                                            if k not in packed_attention.ATTENTION_KINDS]
+    assert len(config.text_config.layers_block_type) >= 2
+    torch.manual_seed(0)
+    policy = dataclasses.replace(base, model=type(base.model)(config).eval())
+    assert not packed_attention.attends(policy.model)
+    assert packed_attention.install(policy.model) and packed_mamba.install(policy.model)
+    _scores_agree(policy, _samples(policy, [[solid("red")], [], [noise(3)]], seed=4), score=True)

@@ -148,7 +148,7 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
                                 position_ids=positions, image_token_id=adapter.image_token_id,
                                 features=feats, logits_to_keep=keep, extra=extra, adapter=adapter)
         if active:
-            packed_attention.check_reached(before)
+            packed_attention.check_reached(before, model)
         if keep is not None and logits.shape[1] != keep.numel():
             logits = logits[:, keep.to(logits.device)]
         return logits

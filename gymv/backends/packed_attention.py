@@ -269,10 +269,21 @@ def prepare(device) -> None:
             _varlen_inputs(device, dtype)
 
 
-def check_reached(before: int) -> None:
+ATTENTION_KINDS = ("attention", "full_attention", "sliding_attention")
+
+
+def attends(model) -> bool:
+    """False for a decoder whose layer kinds name no attention layer (a slice of a hybrid model that is all
+    Mamba and MoE layers): no call can reach packed attention there, and none needs to."""
+    cfg = _text_config(model)
+    kinds = getattr(cfg, "layers_block_type", None) or getattr(cfg, "layer_types", None)
+    return kinds is None or any(k in ATTENTION_KINDS for k in kinds)
+
+
+def check_reached(before: int, model) -> None:
     """Refuse a packed forward whose attention layers never got the packing keyword (a model that does not
     pass keywords through to attention would otherwise attend across the packed sequences, silently)."""
-    if calls == before:
+    if calls == before and attends(model):
         raise GymvError("this model's attention layers did not receive gymv's packing arguments, so its "
                         "sequences cannot be packed safely", where="training.sequence_packing",
                         fix="set training.sequence_packing: false")
