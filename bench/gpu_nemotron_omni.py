@@ -298,8 +298,11 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv") -> dict:
     t = statistics.median(times[1:])
     flops = 6 * counts["active_decoder"] * unique + 6 * counts["head"] * generated
     flops_all = 6 * counts["active_decoder"] * total + 6 * counts["head"] * generated
-    profile = kind_profile(policy.model, mode, lambda: backend.train_step(
-        [as_tensors(dict(s)) for s in samples], loss)) if a.profile else None
+    profile = None
+    if a.profile and path == "megatron":
+        profile = "not taken: the profile watches the HF model's layers, and the Megatron twin replaced them"
+    elif a.profile:
+        profile = kind_profile(policy.model, mode, lambda: backend.train_step([as_tensors(dict(s)) for s in samples], loss))
     row = {"path": path, "layers": layers, "pattern": PATTERN[:layers],
            "backend": "megatron" if path == "megatron" else a.backend, "params": counts,
            "logprobs_against_hf": agreement,

@@ -67,16 +67,22 @@ def test_hybrid_model_gives_the_hf_logprobs_in_fp32():
 
 
 @pytest.mark.gpu
-def test_bf16_hybrid_logprobs_match_hf_on_cuda():
-    """The torch scan and router on CUDA in bf16 against HF's own torch path (gymv installs no mamba-ssm)."""
-    hf = tiny_nemotron_h().to("cuda", torch.bfloat16)
-    twin = hybrid_twin(hf, device="cuda", dtype=torch.bfloat16)
+def test_bf16_hybrid_logprobs_are_as_close_to_hfs_float32_ones_as_hfs_own_bf16_logprobs():
+    """In bf16 on CUDA the twin (mamba_ssm's kernels where they import, else the torch scan) and HF's own path
+    round differently, so each is held to HF's float32 logprobs: the twin's mean error may not exceed HF's bf16
+    mean error by more than half again (a wrong layer is off by far more). The largest error is one token's,
+    noisier (on a CPU in bf16: the twin 0.13, HF 0.05), so its bound is looser."""
+    hf = tiny_nemotron_h().to("cuda")
     ids, mask = (t.cuda() for t in batch())
-    with torch.no_grad():
-        want = token_logprobs(hf(input_ids=ids, attention_mask=mask).logits, ids)
-        got = token_logprobs(twin(input_ids=ids, attention_mask=mask).logits, ids)
     valid = mask[:, 1:].bool()
-    assert (got[valid] - want[valid]).abs().max().item() < 0.05  # bf16 rounding of two implementations' sums
+    with torch.no_grad():
+        exact = token_logprobs(hf(input_ids=ids, attention_mask=mask).logits, ids)[valid]
+        twin = hybrid_twin(hf, device="cuda", dtype=torch.bfloat16)
+        got = token_logprobs(twin(input_ids=ids, attention_mask=mask).logits.float(), ids)[valid]
+        own = token_logprobs(hf.to(torch.bfloat16)(input_ids=ids, attention_mask=mask).logits.float(), ids)[valid]
+    twin_err, hf_err = (got - exact).abs(), (own - exact).abs()
+    assert twin_err.mean() <= 1.5 * hf_err.mean() + 1e-3, (twin_err.mean().item(), hf_err.mean().item())
+    assert twin_err.max() <= 3 * hf_err.max() + 0.05, (twin_err.max().item(), hf_err.max().item())
 
 
 @pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (2, 2), (1, 4), (2, 4)])
