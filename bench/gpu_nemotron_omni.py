@@ -20,7 +20,7 @@ train   GRPO on synthetic rollouts: groups of G=8 samples sharing a prompt (one 
         of the 128 routed experts, the shared expert, every Mamba, attention and norm weight; no embedding,
         no LM head, no vision tower) and attention-score FLOPs are left out, as in gpu_train.py; the same
         with every token (mfu_all_tokens); peak memory (max_memory_allocated). If a depth does not fit, the
-        next smaller one in --train-layers is tried.
+        next smaller one in --train-layers is tried, each depth in a fresh process.
 decode  batch 64 (8 prompts x 8 samples), text prompts of about 300 tokens, 128 new tokens, sampled at
         temperature 1; ms/step = (t(128 tokens) - t(1 token)) / 127 after a warm-up call, so prefill falls
         out. Paths: `static` (StaticDecodeBackend: per-row Mamba states, CUDA graphs, compiled step, grouped
@@ -302,7 +302,11 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv") -> dict:
     if a.profile and path == "megatron":
         profile = "not taken: the profile watches the HF model's layers, and the Megatron twin replaced them"
     elif a.profile:
-        profile = kind_profile(policy.model, mode, lambda: backend.train_step([as_tensors(dict(s)) for s in samples], loss))
+        try:  # the timed steps' figures are kept whatever the extra profiled step does
+            profile = kind_profile(policy.model, mode, lambda: backend.train_step(
+                [as_tensors(dict(s)) for s in samples], loss))
+        except Exception as e:  # noqa: BLE001
+            profile = f"failed: {type(e).__name__}: {str(e)[:200]}"
     row = {"path": path, "layers": layers, "pattern": PATTERN[:layers],
            "backend": "megatron" if path == "megatron" else a.backend, "params": counts,
            "logprobs_against_hf": agreement,
@@ -843,6 +847,10 @@ def main() -> None:
         save()
         report(result, out_json)
         return
+    if a.part == "train" and len(train_layers) > 1:
+        train_depths(a, train_layers, result, save)
+        report(result, out_json)
+        return
     base = base_policy(a.out, mode)
     for layers in train_layers if a.part == "train" else ():
         try:
@@ -863,17 +871,41 @@ def main() -> None:
     report(result, out_json)
 
 
+def child_argv(drop: tuple[str, ...]) -> list[str]:
+    """This run's command-line options less those in `drop` (each with its value)."""
+    argv, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif arg in drop:
+            skip = True
+        elif not arg.startswith(tuple(f"{d}=" for d in drop)):
+            argv.append(arg)
+    return argv
+
+
+def train_depths(a, depths: list[int], result: dict, save) -> None:
+    """Each depth in a fresh interpreter, largest first, until one does not run out of memory: in one process a
+    depth that ran out of memory leaves enough allocated to sink the smaller ones after it."""
+    argv = child_argv(("--train-layers", "--json"))
+    for layers in depths:
+        out = a.out / f"train_{a.train_paths.split(',')[0]}_{layers}.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--train-layers", str(layers), "--json", str(out)]
+        print("$", " ".join(cmd[1:]), flush=True)
+        code = subprocess.run(cmd).returncode
+        rows = json.loads(out.read_text()).get("train") if out.exists() else None
+        if not rows:
+            rows = [{"layers": layers, "error": f"exit {code}, no results"}]
+        result["train"] += rows
+        save()
+        if "out of memory" not in rows[-1].get("error", ""):
+            return
+
+
 def run_parts(a, result: dict, save) -> None:
     """Each part in a fresh interpreter (one starves the next of memory in one process), merged into `result`:
     the layers, the trainer once per train path, the decoder."""
-    argv, skip = [], False
-    for arg in sys.argv[1:]:  # this run's options, less the part and results file each child gets
-        if skip:
-            skip = False
-        elif arg in ("--part", "--json", "--train-paths"):
-            skip = True
-        elif not arg.startswith(("--part=", "--json=", "--train-paths=")):
-            argv.append(arg)
+    argv = child_argv(("--part", "--json", "--train-paths"))  # the part and results file each child gets its own
     result["layers"] = []
     jobs = [("layers", [])] + [("train", ["--train-paths", p]) for p in a.train_paths.split(",") if p] + [("decode", [])]
     for part, extra in jobs:
