@@ -307,8 +307,7 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv") -> dict:
                 [as_tensors(dict(s)) for s in samples], loss))
         except Exception as e:  # noqa: BLE001
             profile = f"failed: {type(e).__name__}: {str(e)[:200]}"
-    row = {"path": path, "layers": layers, "pattern": PATTERN[:layers],
-           "backend": "megatron" if path == "megatron" else a.backend, "params": counts,
+    row = {"path": path, "layers": layers, "pattern": PATTERN[:layers], "backend": training.backend, "params": counts,
            "logprobs_against_hf": agreement,
            "sequence_packing": packing, "mamba_scan": packed_mamba.path(mode.device) if packing else "transformers",
            "mamba_kernels_why_not": mamba_kernels.why_not(mode.device), "profile_s_by_kind": profile,
