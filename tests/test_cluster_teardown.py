@@ -54,3 +54,17 @@ def test_a_shut_down_cluster_holds_no_handle_or_ref_of_its_workers():
     finally:
         cluster.shutdown()
     assert ray_objects_held_by(cluster) == []
+
+
+def test_two_gloo_training_ranks_close_together_and_leave_their_group_cleanly():
+    """A rank's close waits at a barrier for its peers: closed one after another, the first would wait out the
+    deadline for peers not yet asked (30 s a run) and be killed in the barrier."""
+    from gymv.cluster.group import Placement, PolicyCluster
+    from gymv.cluster.workers import WorkerSpec
+    from gymv.config.schema import EnvSection, RefitSection, TrainingSection
+
+    spec = WorkerSpec(model_path=str(tiny_path("tiny-llava")), env=EnvSection(name="circle_count"),
+                      refit=RefitSection(transport="object_store"),
+                      training=TrainingSection(backend="fsdp2", dtype="float32"))
+    cluster = PolicyCluster(spec, Placement(num_generation=1, num_training=2))
+    assert cluster.shutdown() == []

@@ -90,9 +90,9 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
     return _packed(query, key, value, attention_mask, args, dropout if module.training else 0.0, scaling)
 
 
-@torch.compiler.disable
 def _packed(query, key, value, attention_mask, args, dropout: float, scaling: float | None):
-    """Eager even inside a compiled decoder layer (training.compile): segment bounds are read on the host."""
+    """Eager even inside a compiled decoder layer (training.compile, through `eager_under_compile`): segment
+    bounds are read on the host."""
     global calls, varlen_calls
     if query.shape[0] != 1 or attention_mask is not None:
         raise RuntimeError("packed attention expects one packed row and no attention mask")
@@ -104,6 +104,16 @@ def _packed(query, key, value, attention_mask, args, dropout: float, scaling: fl
     if out is None:
         out = _per_segment(query, key, value, args, scaling, dropout)
     return out, None
+
+
+def eager_under_compile() -> None:
+    """Make the packed attention call a graph break of torch.compile. Done by the code that compiles
+    (gymv.backends.training.compile), not at import: `torch.compiler.disable` imports torch._dynamo, about 1.5 s
+    of every training process's start, compiled or not."""
+    global _packed
+    if not getattr(_packed, "gymv_eager", False):
+        _packed = torch.compiler.disable(_packed)
+        _packed.gymv_eager = True
 
 
 def _per_segment(query, key, value, args, scaling, dropout):

@@ -441,25 +441,40 @@ class PolicyCluster:
     def export(self, path) -> str:
         return self._get([t.export.remote(str(path)) for t in self.trainers], "exporting the final model")[0]
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> list[str]:
         """Close and kill every worker, then keep no handle or ref of them (the refit's sending ranks, its
         pending checks, its probe): they are released here, on the caller's thread. A cluster still reachable
         afterwards, as a failed run's traceback keeps it, in a reference cycle, would otherwise hand their
         release to the cyclic collector, in whichever thread next allocates (often Ray's log printer, woken by
-        the killed workers' last lines)."""
+        the killed workers' last lines). Every worker is asked to close at once, since a training rank's close
+        waits at a barrier for its peers' (gymv.backends.training.process_group). Returns the workers that did
+        not close cleanly within 30 s (killed all the same), as "training rank R" / "generation worker I"."""
         import ray
 
-        for a in self.trainers + self.generators:
+        named = [(a, f"training rank {r}") for r, a in enumerate(self.trainers)]
+        named += [(a, f"generation worker {i}") for i, a in enumerate(self.generators)]
+        closing = {}
+        for a, name in named:
             try:
-                ray.get(a.close.remote(), timeout=30)
+                closing[a.close.remote()] = name
             except Exception:
                 pass
+        done, _ = ray.wait(list(closing), num_returns=len(closing), timeout=30) if closing else ([], [])
+        unclean = {name for _, name in named}
+        for ref in done:
+            try:
+                if ray.get(ref) is not False:
+                    unclean.discard(closing[ref])
+            except Exception:
+                pass
+        for a, _ in named:
             ray.kill(a)
             ROSTER.drop(a)
         self.trainers, self.generators, self._senders = [], [], []
         self._verifies.clear()
         self._probe = None
         self._remove_groups()
+        return [name for _, name in named if name in unclean]
 
 
 class TrainerHandle:

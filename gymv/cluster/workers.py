@@ -574,10 +574,10 @@ class TrainingWorker:
             os.rename(tmp, target)
         return str(target)
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Whether this rank left its group with its peers (always, for a single rank)."""
         if self.sender is not None:
             self.sender.close()
         if self.backend is not None:
             self.backend.close()
-        if self.world_size > 1:
-            leave_process_group()
+        return leave_process_group() if self.world_size > 1 else True

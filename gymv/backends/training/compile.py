@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from gymv.backends import packed_attention
 from gymv.backends.compile_limits import lift_recompile_limit
 from gymv.backends.training.fsdp import shard_units
 from gymv.errors import GymvError
@@ -33,6 +34,7 @@ def compile_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
                         where="training.compile", fix="set training.compile: false for this model")
     # each layer and each graph break adds cache entries to the one shared code object
     lift_recompile_limit(8 * len(layers), 32 * len(layers))
+    packed_attention.eager_under_compile()
     for layer in layers:
         if not getattr(layer, "gymv_compiled", False):
             layer.forward = torch.compile(layer.forward, backend=backend)

@@ -36,9 +36,12 @@ _MODE: str | None = None  # the device type megatron's state in this process was
 def require_megatron():
     """Import megatron-core and the modules gymv builds with once, quietly: without Transformer Engine and
     apex every module warns that it falls back to torch, which is what gymv asks of it."""
+    import sys
     import warnings
 
-    with warnings.catch_warnings():
+    first = "megatron.core" not in sys.modules
+    with warnings.catch_warnings(), (_fusions_eager() if first and not torch.cuda.is_available()
+                                     else contextlib.nullcontext()):
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
         try:
             import megatron.core
@@ -47,6 +50,21 @@ def require_megatron():
             raise GymvError("training.backend megatron needs megatron-core", where="training.backend",
                             fix=MEGATRON.fix) from e
     return megatron.core
+
+
+@contextlib.contextmanager
+def _fusions_eager():
+    """torch.compile as the identity while megatron-core imports on a machine without CUDA: its modules wrap
+    their small fused functions (bias + activation, routing maps) in torch.compile as they import
+    (megatron.core.jit), which loads torch's dynamo and inductor: about 1.4 s of every CPU rank's start. Left
+    plain they compute the same; a CPU run is a test or tiny run, where compiling them would cost more than
+    it saves."""
+    compile_ = torch.compile
+    torch.compile = lambda fn=None, *args, **kwargs: fn if fn is not None else (lambda f: f)
+    try:
+        yield
+    finally:
+        torch.compile = compile_
 
 
 class _CpuRngTracker:

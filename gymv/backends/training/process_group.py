@@ -11,16 +11,19 @@ from __future__ import annotations
 import datetime
 
 
-def leave_process_group(timeout_s: float = 60.0) -> None:
-    """Destroy the default group after the ranks meet; a peer that never arrives (it crashed) costs
-    `timeout_s`, not a hang."""
+def leave_process_group(timeout_s: float = 60.0) -> bool:
+    """Destroy the default group after the ranks meet; a peer that never arrives (it crashed, or its own
+    leaving was not started: every rank must be asked at once) costs `timeout_s`, not a hang. Whether the
+    ranks met."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        return
+        return True
+    met = True
     if dist.get_world_size() > 1 and dist.get_backend() == "gloo":
         try:
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
         except RuntimeError:
-            pass
+            met = False
     dist.destroy_process_group()
+    return met
