@@ -16,6 +16,12 @@ declare -A BUDGET=(
   [ci]=2100    # the whole run of a fresh clone's .ci/run (venvs built from nothing); any run is held to it
 )
 BUDGET_HEADROOM_PCT=25
+# The budgets hold on this machine at its usual speed, where scripts/machine_speed.py's workload takes this long.
+# The same 2-core machine has measured up to twice as slow, idle, from one hour to the next: a run whose machine
+# measures slower has its limits scaled by the ratio (at most MACHINE_SLOW_MAX_PCT; never tightened), and says so.
+MACHINE_REFERENCE_S=3.0
+MACHINE_SLOW_MAX_PCT=200
+SPEED_PCT=${SPEED_PCT:-100}  # this run's scale of the limits, in percent (set by machine_speed_pct)
 # The main suite's pytest still running at this share of its stage's budget is taken for hung (a deadlocked
 # pytest-xdist session waits forever) and stopped, so that the run fails saying so rather than running into the
 # CI job's own limit with nothing said.
@@ -39,17 +45,31 @@ main_budget() {
   echo main
 }
 
+# machine_speed_pct SECONDS: the scale of the limits for a machine whose speed workload took SECONDS, in percent:
+# 100 at or under the reference, its ratio to the reference above it, at most MACHINE_SLOW_MAX_PCT.
+machine_speed_pct() {
+  awk -v s="$1" -v ref="$MACHINE_REFERENCE_S" -v cap="$MACHINE_SLOW_MAX_PCT" \
+    'BEGIN { p = int(100 * s / ref); if (p < 100) p = 100; if (p > cap) p = cap; print p }'
+}
+
+# machine_speed_s: the seconds this machine takes for scripts/machine_speed.py's workload (about 10 s to measure).
+machine_speed_s() {
+  .venv/bin/python scripts/machine_speed.py
+}
+
 # over_budget [LABEL KEY SECONDS]...: say nothing and succeed when every stage is within its budget plus the
-# headroom; else print one line naming each stage beyond it, how long it took and by how much, and fail.
+# headroom (scaled by SPEED_PCT); else print one line naming each stage beyond it, how long it took and by how much,
+# and fail.
 over_budget() {
-  local over=() label key secs budget limit
+  local over=() label key secs budget limit scaled=""
+  [ "$SPEED_PCT" -gt 100 ] && scaled=" at this machine's measured speed, ${SPEED_PCT}% of the reference's time"
   while [ "$#" -ge 3 ]; do
     label=$1 key=$2 secs=$3
     shift 3
     budget=${BUDGET[$key]}
-    limit=$((budget * (100 + BUDGET_HEADROOM_PCT) / 100))
+    limit=$((budget * (100 + BUDGET_HEADROOM_PCT) * SPEED_PCT / 10000))
     if [ "$secs" -gt "$limit" ]; then
-      over+=("$label took $secs s, $((secs - budget)) s ($(((100 * (secs - budget) + budget - 1) / budget))%) over its $budget s budget (limit $limit s)")
+      over+=("$label took $secs s, $((secs - budget)) s ($(((100 * (secs - budget) + budget - 1) / budget))%) over its $budget s budget (limit $limit s$scaled)")
     fi
   done
   [ "${#over[@]}" -eq 0 ] && return 0
@@ -61,7 +81,7 @@ over_budget() {
 
 # hang_limit KEY: the seconds after which the stage held to budget KEY is stopped as hung.
 hang_limit() {
-  echo $((BUDGET[$1] * HANG_LIMIT_PCT / 100))
+  echo $((BUDGET[$1] * HANG_LIMIT_PCT * SPEED_PCT / 10000))
 }
 
 # run_left START: the seconds the run begun at epoch START has left of its own hang limit (the whole run's budget,
@@ -117,6 +137,11 @@ run_tests() {
   fi
   stage "install (NeMo Gym venv)"
   key=$(main_budget "$@")
+  local speed_s
+  speed_s=$(machine_speed_s)
+  SPEED_PCT=$(machine_speed_pct "$speed_s")
+  echo "machine speed: its workload took $speed_s s (reference $MACHINE_REFERENCE_S s): the limits are scaled to $SPEED_PCT%"
+  stage "machine speed (scripts/machine_speed.py)"
   crash_dir=$(mktemp -d)
   set +e
   # Two pytest-xdist workers, one test file at a time each (module fixtures are shared within a file), the files
@@ -144,7 +169,8 @@ run_tests() {
     [ "$rc" -eq 0 ] && rc=$vrc
   fi
   echo "== wall time per stage (budgets on 2 cores, CONTRIBUTING.md: the fast set (-m \"not slow\") <= ${BUDGET[fast]} s," \
-    "the main suite <= ${BUDGET[main]} s, a fresh clone's .ci/run <= ${BUDGET[ci]} s; more than $BUDGET_HEADROOM_PCT% over fails)"
+    "the main suite <= ${BUDGET[main]} s, a fresh clone's .ci/run <= ${BUDGET[ci]} s; more than $BUDGET_HEADROOM_PCT% over fails;" \
+    "limits scaled to ${SPEED_PCT}% for this machine's measured speed)"
   printf '%s\n' "${stages[@]}"
   total_s=$(($(date +%s) - start))
   printf '%-34s %5d s\n' "whole run" "$total_s"

@@ -129,12 +129,12 @@ def vectors() -> Path:
 # The modules that cost a minute or more on 2 cores, heaviest first: run before the rest, so that the two
 # pytest-xdist workers of scripts/test.sh (one file at a time each) finish together rather than one of them
 # starting the biggest file last.
-HEAVY_FIRST = ("test_train_env_learning.py", "test_learning_nemotron_omni.py", "test_smoke_e2e.py",
-               "test_train_agents.py", "test_reference_layouts_smoke.py", "test_mopd_train.py", "test_train_fsdp.py",
-               "test_megatron_ep_backend.py", "test_megatron_hybrid_parallel.py", "test_train_grpo_async.py",
-               "test_model_families_train.py", "test_mopd_train_megatron.py", "test_train_megatron_omni.py",
-               "test_cluster_two_nodes.py", "test_train_grpo.py", "test_quickstart_golden.py", "test_train_megatron.py",
-               "test_train_launch.py", "test_cluster_slurm.py")
+HEAVY_FIRST = ("test_train_env_learning.py", "test_learning_nemotron_omni.py", "test_mopd_train.py",
+               "test_train_agents.py", "test_refit_check_ray.py", "test_reference_layouts_smoke.py",
+               "test_train_grpo_async.py", "test_model_families_train.py", "test_cluster_two_nodes.py",
+               "test_smoke_e2e.py", "test_train_grpo.py", "test_cluster_slurm.py", "test_mopd_train_megatron.py",
+               "test_train_fsdp.py", "test_train_launch.py", "test_train_megatron_omni.py", "test_quickstart_golden.py",
+               "test_train_resume.py", "test_train_sft.py", "test_nemo_gym_interop.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -65,6 +65,7 @@ def test_contributing_states_the_budgets_the_script_holds_runs_to():
 # `date` is 1300 s after the last), so that its main stage is 1300 s long, over the fast set's limit.
 FAKE_RUN = """source scripts/test.sh
 bash() { [ "$1" = scripts/install.sh ] && return 0; command bash "$@"; }
+machine_speed_s() { echo 3.0; }
 date() { local t; t=$(( $(cat "$CLOCK") + 1300 )); echo "$t" > "$CLOCK"; echo "$t"; }
 run_tests "$@"
 """
@@ -128,3 +129,32 @@ def test_the_python_stacks_a_dead_test_process_left_are_printed_and_named_on_the
     assert '  File "tests/test_x.py", line 3 in test_x' in r.stdout and "gw0-4241" not in r.stdout
     assert r.stdout.splitlines()[-1] == ("main suite: gw1-4242: Fatal Python error: Aborted "
                                          "(its stacks are printed above)")
+
+
+# A machine measured slower than the reference (scripts/machine_speed.py) has its limits scaled by the ratio, at most
+# doubled, never tightened; the failing line says the limit was scaled.
+
+@pytest.mark.parametrize("seconds, pct", [("1.5", 100), ("3.0", 100), ("4.5", 150), ("4.8", 160), ("9.0", 200)])
+def test_the_limits_scale_with_a_slower_machines_speed_and_never_tighten(seconds, pct):
+    assert script("machine_speed_pct", seconds).stdout.strip() == str(pct)
+
+
+def test_a_scaled_limit_passes_a_stage_within_it_and_names_the_scale_when_one_is_beyond():
+    ok = subprocess.run(["bash", "-c", 'source scripts/test.sh && SPEED_PCT=150 over_budget "main suite" main 2250'],
+                        cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert (ok.returncode, ok.stdout) == (0, "")
+    over = subprocess.run(["bash", "-c", 'source scripts/test.sh && SPEED_PCT=150 over_budget "main suite" main 2251'],
+                          cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert over.returncode == 1
+    assert over.stdout.splitlines()[-1] == ("FAILED: over budget by more than 25%: main suite took 2251 s, 1051 s (88%) "
+                                            "over its 1200 s budget (limit 2250 s at this machine's measured speed, "
+                                            "150% of the reference's time)")
+
+
+@pytest.mark.slow
+def test_the_speed_workload_prints_its_seconds():
+    import sys
+
+    r = subprocess.run([sys.executable, "scripts/machine_speed.py"], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and float(r.stdout) > 0

@@ -65,7 +65,7 @@ def test_grpo_through_nemo_gym_agents_learns_circle_count(nemo_gym, tmp_path):
     train(sft)
     grpo = write_recipe(tmp_path, "grpo", "vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", {
         **data, "model.path": str(tmp_path / "runs" / "sft" / "final"), "grpo.max_steps": 100,
-        "grpo.val_period": 100, "grpo.val_prompts": 128, "grpo.val_at_start": True, "checkpoint.period": 100,
+        "grpo.val_period": 25, "grpo.val_prompts": 128, "grpo.val_at_start": True, "checkpoint.period": 100,
         "rollout.driver": "nemo_gym_agents",
         "rollout.agents": {"circle_count_simple_agent": nemo_gym["agent"].url},
         "rollout.model_server_port": nemo_gym["model_port"]})
@@ -75,7 +75,9 @@ def test_grpo_through_nemo_gym_agents_learns_circle_count(nemo_gym, tmp_path):
     val = metrics.values("val/accuracy")
     reward = metrics.values("train/reward_mean")
     print(f"held-out accuracy {val[0]:.3f} -> {val[-1]:.3f}")
-    assert len(val) == 2, val
-    assert_learns(reward, val, window=10)  # measured: 55.5% -> 87.5%
+    assert len(val) == 5, val
+    # one validation swings 10-30 points from one checkpoint to the next (a run once ended at 59% on a dip):
+    # the mean of the last three is judged, each episode sampled in whatever batches the agents' calls formed
+    assert_learns(reward, val, window=10, later_from=2)
     records = [json.loads(x) for x in (run / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert all(r["response"]["output"][-1]["generation_token_ids"] for r in records)
