@@ -141,7 +141,7 @@ run_tests() {
   speed_s=$(machine_speed_s)
   SPEED_PCT=$(machine_speed_pct "$speed_s")
   echo "machine speed: its workload took $speed_s s (reference $MACHINE_REFERENCE_S s): the limits are scaled to $SPEED_PCT%"
-  stage "machine speed (scripts/machine_speed.py)"
+  stage "machine speed"
   crash_dir=$(mktemp -d)
   set +e
   # Two pytest-xdist workers, one test file at a time each (module fixtures are shared within a file), the files
