@@ -52,7 +52,7 @@ machine_speed_pct() {
     'BEGIN { p = int(100 * s / ref); if (p < 100) p = 100; if (p > cap) p = cap; print p }'
 }
 
-# machine_speed_s: the seconds this machine takes for scripts/machine_speed.py's workload (about 10 s to measure).
+# machine_speed_s: the seconds this machine takes for scripts/machine_speed.py's workload (15-20 s to measure).
 machine_speed_s() {
   .venv/bin/python scripts/machine_speed.py
 }

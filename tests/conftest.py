@@ -126,7 +126,7 @@ def vectors() -> Path:
     return VECTORS
 
 
-# The modules that cost a minute or more on 2 cores, heaviest first: run before the rest, so that the two
+# The modules that cost about a minute or more on 2 cores, heaviest first: run before the rest, so that the two
 # pytest-xdist workers of scripts/test.sh (one file at a time each) finish together rather than one of them
 # starting the biggest file last.
 HEAVY_FIRST = ("test_train_env_learning.py", "test_learning_nemotron_omni.py", "test_mopd_train.py",

@@ -460,11 +460,11 @@ class PolicyCluster:
             except Exception:
                 pass
         done, _ = ray.wait(list(closing), num_returns=len(closing), timeout=30) if closing else ([], [])
-        unclean = {name for _, name in named}
+        closed = set()
         for ref in done:
             try:
                 if ray.get(ref) is not False:
-                    unclean.discard(closing[ref])
+                    closed.add(closing[ref])
             except Exception:
                 pass
         for a, _ in named:
@@ -474,7 +474,7 @@ class PolicyCluster:
         self._verifies.clear()
         self._probe = None
         self._remove_groups()
-        return [name for _, name in named if name in unclean]
+        return [name for _, name in named if name not in closed]
 
 
 class TrainerHandle:
