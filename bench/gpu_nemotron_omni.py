@@ -51,7 +51,9 @@ the decoder `--paths` (`static` on the kernels where they import, `static_torch`
 `hf_generate`, ...). Each part (layers, each train path, decode) runs in a process of its own (`--part`),
 since one starves the next of memory; `--part all` (the default) runs them one after another and merges
 their results. `--profile` adds the trainer step's time split by layer kind (Mamba, MoE, attention, MLP, the
-vision tower and projector; forward, recomputation and backward, timed by CUDA events around each module).
+vision tower and projector; forward, recomputation and backward, timed by CUDA events around each module);
+for the `megatron` path, whose twin replaces the HF layers the split watches, the operators with the most
+device time in one step (torch.profiler).
 The decode rows carry the bandwidth limit: the bytes one step must read (every decoder weight but the routed
 experts, the routed experts a batch of this size touches in expectation under uniform routing, the LM head,
 the KV cache and the Mamba states) over --hbm-tbps.
@@ -299,8 +301,12 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv") -> dict:
     flops = 6 * counts["active_decoder"] * unique + 6 * counts["head"] * generated
     flops_all = 6 * counts["active_decoder"] * total + 6 * counts["head"] * generated
     profile = None
-    if a.profile and path == "megatron":
-        profile = "not taken: the profile watches the HF model's layers, and the Megatron twin replaced them"
+    if a.profile and path == "megatron":  # the kind profile watches the HF model's layers, which the twin replaced
+        try:
+            profile = {"top_ops": op_profile(mode, lambda: backend.train_step(
+                [as_tensors(dict(s)) for s in samples], loss))}
+        except Exception as e:  # noqa: BLE001
+            profile = f"failed: {type(e).__name__}: {str(e)[:200]}"
     elif a.profile:
         try:  # the timed steps' figures are kept whatever the extra profiled step does
             profile = kind_profile(policy.model, mode, lambda: backend.train_step(
@@ -353,6 +359,24 @@ def megatron_backend(policy, setup, mode: Mode, group: list[dict]):
                  "mean_abs_diff": float(diffs.mean()), "precision": mode.precision}
     print(f"megatron logprobs against HF: {agreement}", flush=True)
     return backend, agreement
+
+
+def op_profile(mode: Mode, step, top: int = 20) -> list[dict]:
+    """The operators that took the most device time (CPU: host time) in one `step()`, from torch.profiler: name,
+    self milliseconds, calls and share of the step's summed self time. For a trainer whose modules the kind
+    profile cannot watch (the Megatron twin)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if mode.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        sync(mode)
+    attr = "self_device_time_total" if mode.device == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
+    total = sum(getattr(e, attr) for e in events) or 1.0
+    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    return [{"op": e.key[:120], "self_ms": round(getattr(e, attr) / 1e3, 3), "calls": e.count,
+             "share": round(getattr(e, attr) / total, 4)} for e in events[:top]]
 
 
 def kind_profile(model, mode: Mode, step) -> dict:

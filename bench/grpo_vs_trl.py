@@ -488,6 +488,10 @@ def run_gymv_cuda(work: Path, model: Path, rows: Path, cfg: argparse.Namespace, 
     for k in ("timing/training_s", "timing/logprobs_s", "timing/refit_s", "train/token_mult_prob_error"):
         if all(k in m for m in tail):
             out["median_" + k.split("/")[-1]] = round(statistics.median(m[k] for m in tail), 4)
+    # where generation's time goes, timed steps (medians) and the first step apart (compile, graph capture)
+    parts = sorted(k for k in metrics[0] if k.startswith("timing/generation/"))
+    out["generation_split"] = {k.split("/")[-1]: round(statistics.median(m.get(k, 0.0) for m in tail), 4) for k in parts}
+    out["first_step_generation_split"] = {k.split("/")[-1]: round(metrics[0][k], 4) for k in parts}
     return out
 
 
@@ -531,6 +535,10 @@ def bench_cuda(args: argparse.Namespace, work: Path) -> None:
             print(f"{label:<22}" + "".join(f"{m.get(key, float('nan')):>14.3f}" for m in medians.values()))
         if "ratio_samples_per_s" in entry:
             print(f"gymv over TRL's faster path: {entry['ratio_samples_per_s']:.2f}x samples/s")
+        split = medians.get("gymv", {}).get("generation_split")
+        if split:  # the first step's in brackets: compile and graph capture land there
+            first = medians["gymv"]["first_step_generation_split"]
+            print("gymv generation, s: " + ", ".join(f"{k} {v:.3f} [{first.get(k, 0):.3f}]" for k, v in split.items()))
     print(f"-> {args.out}")
 
 

@@ -24,6 +24,7 @@ Parts (none named: --tests):
   --fsdp2-train    bench/gpu_train.py --shapes 0.8b                (the fsdp2 trainer step)
   --megatron       bench/gpu_megatron.py                           (needs megatron-core)
   --trl            bench/grpo_vs_trl.py --device cuda --repeats 1  (needs trl)
+  --doorkey        bench/gpu_doorkey.py                            (SFT then multi-turn GRPO, ~9 min)
   --benches        every bench above
 
 Options:
@@ -49,8 +50,8 @@ res=${OUT:-bench/results/gpu-session}
 while [[ $# -gt 0 ]]; do
   case $1 in
     -h|--help) usage; exit 0 ;;
-    --tests|--omni|--refit-check|--grpo|--fsdp2-train|--megatron|--trl) parts+=("${1#--}") ;;
-    --benches) parts+=(omni refit-check grpo fsdp2-train megatron trl) ;;
+    --tests|--omni|--refit-check|--grpo|--fsdp2-train|--megatron|--trl|--doorkey) parts+=("${1#--}") ;;
+    --benches) parts+=(omni refit-check grpo fsdp2-train megatron trl doorkey) ;;
     --tests-file) files+=("$2"); parts+=(tests); shift ;;
     -k) kexpr=$2; shift ;;
     --test-timeout) test_timeout=$2; shift ;;
@@ -169,6 +170,9 @@ for part in "${parts[@]}"; do
     megatron) run_bench gpu_megatron "$PY" bench/gpu_megatron.py --out "$res/gpu_megatron.json" ;;
     trl) run_bench grpo_vs_trl "$PY" bench/grpo_vs_trl.py --device cuda --repeats 1 --work "$work/trl" \
            --out "$res/grpo_vs_trl.json" ;;
+    doorkey)
+      run_bench gpu_doorkey "$PY" bench/gpu_doorkey.py --out "$work/doorkey" --sft-timeout 180 --grpo-timeout 320
+      cp "$work/doorkey/doorkey.json" "$work/doorkey/doorkey.png" "$res/" 2>/dev/null || true ;;
   esac
 done
 echo
