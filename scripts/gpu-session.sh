@@ -25,6 +25,7 @@ Parts (none named: --tests):
   --megatron       bench/gpu_megatron.py                           (needs megatron-core)
   --trl            bench/grpo_vs_trl.py --device cuda --repeats 1  (needs trl)
   --doorkey        bench/gpu_doorkey.py                            (SFT then multi-turn GRPO, ~9 min)
+  --grpo-7b        bench/gpu_grpo_7b.py                            (the Qwen2.5-VL-7B shape colocated; ~110 GB)
   --benches        every bench above
 
 Options:
@@ -50,8 +51,8 @@ res=${OUT:-bench/results/gpu-session}
 while [[ $# -gt 0 ]]; do
   case $1 in
     -h|--help) usage; exit 0 ;;
-    --tests|--omni|--refit-check|--grpo|--fsdp2-train|--megatron|--trl|--doorkey) parts+=("${1#--}") ;;
-    --benches) parts+=(omni refit-check grpo fsdp2-train megatron trl doorkey) ;;
+    --tests|--omni|--refit-check|--grpo|--fsdp2-train|--megatron|--trl|--doorkey|--grpo-7b) parts+=("${1#--}") ;;
+    --benches) parts+=(omni refit-check grpo fsdp2-train megatron trl doorkey grpo-7b) ;;
     --tests-file) files+=("$2"); parts+=(tests); shift ;;
     -k) kexpr=$2; shift ;;
     --test-timeout) test_timeout=$2; shift ;;
@@ -173,6 +174,9 @@ for part in "${parts[@]}"; do
     doorkey)
       run_bench gpu_doorkey "$PY" bench/gpu_doorkey.py --out "$work/doorkey" --sft-timeout 180 --grpo-timeout 320
       cp "$work/doorkey/doorkey.json" "$work/doorkey/doorkey.png" "$res/" 2>/dev/null || true ;;
+    grpo-7b)
+      run_bench gpu_grpo_7b "$PY" bench/gpu_grpo_7b.py --out "$work/grpo7b" --run-timeout 420
+      cp "$work/grpo7b/gpu_grpo_7b.json" "$res/" 2>/dev/null || true ;;
   esac
 done
 echo
