@@ -492,6 +492,9 @@ def run_gymv_cuda(work: Path, model: Path, rows: Path, cfg: argparse.Namespace, 
     parts = sorted(k for k in metrics[0] if k.startswith("timing/generation/"))
     out["generation_split"] = {k.split("/")[-1]: round(statistics.median(m.get(k, 0.0) for m in tail), 4) for k in parts}
     out["first_step_generation_split"] = {k.split("/")[-1]: round(metrics[0][k], 4) for k in parts}
+    # what the run warned about (a decoder that fell back to uncompiled or eager steps, memory), verbatim
+    log = (work / f"{name}.log").read_text(errors="replace").splitlines()
+    out["warnings"] = [line.strip()[:300] for line in log if "Warning" in line or "out of memory" in line][:20]
     return out
 
 
@@ -539,6 +542,8 @@ def bench_cuda(args: argparse.Namespace, work: Path) -> None:
         if split:  # the first step's in brackets: compile and graph capture land there
             first = medians["gymv"]["first_step_generation_split"]
             print("gymv generation, s: " + ", ".join(f"{k} {v:.3f} [{first.get(k, 0):.3f}]" for k, v in split.items()))
+        for line in medians.get("gymv", {}).get("warnings", []):
+            print(f"gymv warned: {line}")
     print(f"-> {args.out}")
 
 
