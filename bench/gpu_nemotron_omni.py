@@ -970,6 +970,10 @@ def report(result: dict, out_json: Path) -> None:
             g = r["logprobs_against_hf"]
             print(f"      logprobs against HF ({g['precision']}, {g['tokens']} tokens): token_mult_prob_error "
                   f"{g['token_mult_prob_error']:.4f}, largest difference {g['max_abs_diff']:.3f}")
+        prof = r.get("profile_s_by_kind")
+        if isinstance(prof, dict) and prof.get("top_ops"):
+            print("      top operators: " + ", ".join(f"{o['op']} {o['self_ms']:.1f} ms ({o['share']:.0%})"
+                                                    for o in prof["top_ops"][:8]))
     d = result["decode"] or {"rows": []}
     if d.get("limit"):
         lim = d["limit"]

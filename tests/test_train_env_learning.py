@@ -1,8 +1,8 @@
 """GRPO learns each reference environment on the CPU: its recipes (the SFT warm start, then GRPO from it) with
 fewer steps, judged on smoothed measures: the mean train reward of GRPO's last steps against its first steps
 (each window several hundred sampled episodes; one validation swings too much at this scale to judge by).
-The figures of the full recipes are in docs/environments.md, and so is why doorkey has no such test yet (GRPO does
-not learn it at a scale this CPU runs)."""
+The figures of the full recipes are in docs/environments.md, and so is why doorkey is not among them: GRPO does not
+learn it at a scale this CPU runs; it learns on a GPU (tests/test_gpu_doorkey_learns.py)."""
 
 from __future__ import annotations
 
