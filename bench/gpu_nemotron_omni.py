@@ -784,6 +784,11 @@ def decode(base, mode: Mode, layers: int, a, result: dict, save) -> None:
             else:
                 r, backend = gymv_path(policy, mode, path, reqs)
                 row.update(r)
+                if a.profile and path.startswith("static"):  # where a decode call's device time goes, by kernel
+                    from gymv.backends.generation.base import SamplingParams
+
+                    row["top_ops"] = op_profile(mode, lambda: backend.generate(reqs, SamplingParams(
+                        temperature=1.0, max_new_tokens=mode.new_tokens, ignore_eos=True, seed=1)))
                 if path == "static" and not a.no_parity:
                     row["parity"] = parity(policy, backend, reqs)
                 if hasattr(backend, "drop_graphs"):
@@ -822,7 +827,8 @@ def main() -> None:
                     help="all: each part (and each train path) in a process of its own, results merged")
     ap.add_argument("--layer-tokens", type=int, help="tokens of the layers part (default 16384 on CUDA, 4096 on CPU)")
     ap.add_argument("--layer-reps", type=int, default=5)
-    ap.add_argument("--profile", action="store_true", help="the trainer step's time by layer kind")
+    ap.add_argument("--profile", action="store_true", help="the trainer step's time by layer kind (the megatron "
+                    "path and the static decoder: the operators with the most device time)")
     ap.add_argument("--hbm-tbps", type=float, default=HBM_TBPS, help="HBM bandwidth for the decode limit")
     ap.add_argument("--no-parity", action="store_true")
     ap.add_argument("--budget-s", type=float, default=400.0, help="start no decode path after this many seconds")
@@ -985,6 +991,9 @@ def report(result: dict, out_json: Path) -> None:
         else:
             print(f"decode {r['path']:<13} batch {d['batch']}: {r['ms_per_step']:.2f} ms/step, "
                   f"{r['tokens_per_s']:.0f} tok/s (first call {r['first_call_s']:.1f} s)")
+            if r.get("top_ops"):
+                print("      top operators: " + ", ".join(f"{o['op']} {o['self_ms']:.1f} ms ({o['share']:.0%})"
+                                                        for o in r["top_ops"][:8]))
     print(f"wrote {out_json} in {result['wall_s']:.0f} s")
 
 
