@@ -44,6 +44,15 @@ def test_a_stream_restarted_from_its_position_continues_identically():
     assert first  # (drawn before the save)
 
 
+def test_a_peeked_batch_is_the_next_one_and_leaves_the_position_across_an_epoch_boundary():
+    stream = RowStream(_rows(5), seed=4)
+    stream.next_batch(3)
+    before = stream.position
+    peeked = [r.index for r in stream.peek_batch(3)]
+    assert stream.position == before
+    assert [r.index for r in stream.next_batch(3)] == peeked
+
+
 def test_shuffle_off_keeps_file_order():
     assert [r.index for r in RowStream(_rows(4), seed=0, shuffle=False).next_batch(4)] == [0, 1, 2, 3]
 

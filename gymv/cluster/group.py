@@ -282,9 +282,13 @@ class PolicyCluster:
             metrics[SEQ_ERRORS_KEY] = unshard(shards, [o[SEQ_ERRORS_KEY] for o in out])
         return metrics
 
-    def sft_step(self, rows: list[tuple[int, dict, str]], loss_fn) -> dict:
+    def sft_step(self, rows: list[tuple[int, dict, str]], loss_fn,
+                 upcoming: list[tuple[int, dict, str]] | None = None) -> dict:
+        """One SFT step; `upcoming` (the next step's rows) lets each rank lay out its next shard meanwhile."""
         shards = self._shard([rows])
-        return self._get([t.sft_step.remote(s[0], loss_fn) for t, s in zip(self.trainers, shards)], "training")[0]
+        nxt = self._shard([upcoming]) if upcoming else [[None]] * len(self.trainers)
+        return self._get([t.sft_step.remote(s[0], loss_fn, u[0]) for t, s, u in zip(self.trainers, shards, nxt)],
+                         "training")[0]
 
     # -- refit ---------------------------------------------------------------------------------------
     def _followers(self) -> list:

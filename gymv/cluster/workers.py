@@ -24,6 +24,7 @@ from gymv.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
 from gymv.backends.training.base import TrainingSetup
 from gymv.backends.training.process_group import leave_process_group
 from gymv.backends.training.samples import as_tensors, training_sample
+from gymv.cluster.prefetch import Prefetch
 from gymv.cluster.ray_placement import here
 from gymv.cluster.refit import make_receiver, make_sender
 from gymv.backends.weights import Digests, weight_digests
@@ -330,6 +331,11 @@ def _digesting(weights, dtype, digests):
 SEQ_ERRORS_KEY = "seq_mult_prob_errors"  # grpo_step's per-sample sequence errors (a list, not a metric)
 
 
+def _rows_key(rows: Sequence[tuple[int, dict, str]]) -> tuple:
+    """Which rows a batch holds (task index and where each came from), to match a prefetch to its step."""
+    return tuple((index, where) for index, _, where in rows)
+
+
 def _merge_minibatch_metrics(rows: list[dict]) -> dict:
     """Metrics of several optimizer steps in one algorithm step: counts add up, extremes reduce, rest average."""
     if len(rows) == 1:
@@ -358,6 +364,7 @@ class TrainingWorker:
         self.device = _device(spec)
         self.backend = None
         self.sender = None
+        self._next_samples = Prefetch()  # the next SFT step's samples, laid out while this one trains
 
     def where(self) -> dict:
         return here()
@@ -440,11 +447,19 @@ class TrainingWorker:
             out.append(training_sample(traj.token_ids, traj.loss_mask, images=traj.images or (), where=where))
         return out
 
-    def sft_step(self, rows: Sequence[tuple[int, dict, str]], loss_fn) -> dict:
-        """One optimizer step on the rows' gold answers; its phases' seconds (samples, training) as timing keys."""
+    def sft_step(self, rows: Sequence[tuple[int, dict, str]], loss_fn,
+                 upcoming: Sequence[tuple[int, dict, str]] | None = None) -> dict:
+        """One optimizer step on the rows' gold answers; its phases' seconds (samples, training) as timing keys.
+        `upcoming`: the next step's rows, whose samples are laid out in the background while this step trains
+        (`samples` is then the wait for them, if any)."""
         timer = PhaseTimer()
         with timer.phase("samples"):
-            samples = self.sft_samples(rows)
+            ready, samples = self._next_samples.take(_rows_key(rows))
+            if not ready:
+                samples = self.sft_samples(rows)
+        if upcoming:
+            nxt = list(upcoming)
+            self._next_samples.start(_rows_key(nxt), lambda: self.sft_samples(nxt))
         with timer.phase("training"):
             metrics = self._train_minibatches([samples], loss_fn)
         metrics["train/num_input_tokens"] = self.backend.sum_over_ranks(sum(len(s["input_ids"]) for s in samples))
@@ -576,6 +591,7 @@ class TrainingWorker:
 
     def close(self) -> bool:
         """Whether this rank left its group with its peers (always, for a single rank)."""
+        self._next_samples.close()
         if self.sender is not None:
             self.sender.close()
         if self.backend is not None:

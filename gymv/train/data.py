@@ -139,3 +139,11 @@ class RowStream:
                 pos = DataPosition(pos.epoch + 1, 0, pos.shuffle_seed)
         self.position = pos
         return out
+
+    def peek_batch(self, n: int) -> list[Row]:
+        """The rows `next_batch(n)` would return, without moving the stream (a checkpoint's position stays)."""
+        pos = self.position
+        try:
+            return self.next_batch(n)
+        finally:
+            self.position = pos

@@ -39,7 +39,10 @@ def train_sft(ctx: RunContext, *, resume: bool) -> dict:
 
         for step, timer in loop.steps():
             batch = loop.data.next_batch(sft.batch_size)
-            metrics = timer.take(cluster.sft_step([(r.index, r.data, r.where) for r in batch], loss_fn))
+            # the next step's rows, laid out by the workers while this step trains (the stream does not move)
+            upcoming = loop.data.peek_batch(sft.batch_size) if step < loop.max_steps else []
+            metrics = timer.take(cluster.sft_step([(r.index, r.data, r.where) for r in batch], loss_fn,
+                                                  [(r.index, r.data, r.where) for r in upcoming] or None))
             timer.rate("tokens", metrics.get("train/num_input_tokens", 0.0), per="training")
 
             metrics.update(loop.validation_if_due(step))
