@@ -13,9 +13,11 @@ from statistics import mean
 
 
 def learning_failures(rewards: Sequence[float], validations: Sequence[float], *, window: int,
-                      margin: float = 0.1, later_from: int = 1) -> list[str]:
+                      margin: float = 0.1, later_from: int = 1, val_margin: float | None = None) -> list[str]:
     """What in a run's train rewards (one per step) and validations (the first at step 0) says it did not
-    learn; empty when it did. `later_from`: the first validation counted in the mean after the start."""
+    learn; empty when it did. `later_from`: the first validation counted in the mean after the start;
+    `val_margin`: the validations' margin where it differs from the train rewards' (`margin`)."""
+    val_margin = margin if val_margin is None else val_margin
     out = []
     if len(rewards) < 2 * window:
         out.append(f"{len(rewards)} train rewards, fewer than two windows of {window}")
@@ -27,14 +29,16 @@ def learning_failures(rewards: Sequence[float], validations: Sequence[float], *,
         out.append(f"{len(validations)} validations: need the start and validations from the {later_from + 1}th on")
     else:
         start, later = validations[0], mean(validations[later_from:])
-        if not later > start + margin:
-            out.append(f"validation {start:.3f} -> mean {later:.3f} from the {later_from + 1}th on: not {margin} higher")
+        if not later > start + val_margin:
+            out.append(f"validation {start:.3f} -> mean {later:.3f} from the {later_from + 1}th on: "
+                       f"not {val_margin} higher")
         if validations[-1] < start:
             out.append(f"the last validation {validations[-1]:.3f} is below the start {start:.3f}")
     return out
 
 
 def assert_learns(rewards: Sequence[float], validations: Sequence[float], *, window: int, margin: float = 0.1,
-                  later_from: int = 1) -> None:
-    failures = learning_failures(rewards, validations, window=window, margin=margin, later_from=later_from)
+                  later_from: int = 1, val_margin: float | None = None) -> None:
+    failures = learning_failures(rewards, validations, window=window, margin=margin, later_from=later_from,
+                                 val_margin=val_margin)
     assert not failures, "; ".join(failures)

