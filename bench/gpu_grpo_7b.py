@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_doorkey import run  # noqa: E402
-from gpu_train import SHAPES, SMOKE_SHAPES  # noqa: E402
+from gpu_train import shaped_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes/vlm/vlm_grpo-qwen2.5-vl-7b-1n2g-fsdp2.yaml"
@@ -57,18 +57,7 @@ def build_model(out: Path, smoke: bool) -> tuple[Path, int]:
     from gymv.models.tiny import init_tiny_qwen2vl
 
     base = init_tiny_qwen2vl(out, force=True, arch="tiny-qwen2_5vl", image_size=448 if not smoke else 56)
-    _, text, vision = (SMOKE_SHAPES if smoke else SHAPES)["7b"]
-    config = transformers.AutoConfig.from_pretrained(base)
-    for k, v in text.items():
-        if k == "mrope_section":
-            config.text_config.rope_parameters["mrope_section"] = v
-        else:
-            setattr(config.text_config, k, v)
-    config.text_config.head_dim = text["hidden_size"] // text["num_attention_heads"]
-    if getattr(config.text_config, "layer_types", None) is not None:
-        config.text_config.layer_types = ["full_attention"] * text["num_hidden_layers"]
-    for k, v in vision.items():
-        setattr(config.vision_config, k, v)
+    config = shaped_config(transformers.AutoConfig.from_pretrained(base), "7b", smoke)
     device = "cuda" if torch.cuda.is_available() and not smoke else "cpu"
     torch.manual_seed(0)
     with torch.device(device):

@@ -134,17 +134,9 @@ def rollouts(policy, groups: int, seed: int, smoke: bool) -> list[dict]:
     return out
 
 
-def build_policy(bases: dict, shape_name: str, device: str, seed: int, smoke: bool):
-    """The family's base policy with its model replaced by a random one of the shape, built on `device`
-    (fp32 master weights)."""
-    import copy
-
-    import torch
-    import transformers
-
-    family, text, vision = (SMOKE_SHAPES if smoke else SHAPES)[shape_name]
-    base = bases[family]
-    config = copy.deepcopy(base.model.config)
+def shaped_config(config, shape_name: str, smoke: bool):
+    """`config` (a family base's, changed in place and returned) with the text and vision sizes of the shape."""
+    _, text, vision = (SMOKE_SHAPES if smoke else SHAPES)[shape_name]
     for k, v in text.items():
         if k == "mrope_section":
             config.text_config.rope_parameters["mrope_section"] = v
@@ -155,6 +147,20 @@ def build_policy(bases: dict, shape_name: str, device: str, seed: int, smoke: bo
         config.text_config.layer_types = ["full_attention"] * text["num_hidden_layers"]
     for k, v in vision.items():
         setattr(config.vision_config, k, v)
+    return config
+
+
+def build_policy(bases: dict, shape_name: str, device: str, seed: int, smoke: bool):
+    """The family's base policy with its model replaced by a random one of the shape, built on `device`
+    (fp32 master weights)."""
+    import copy
+
+    import torch
+    import transformers
+
+    family = (SMOKE_SHAPES if smoke else SHAPES)[shape_name][0]
+    base = bases[family]
+    config = shaped_config(copy.deepcopy(base.model.config), shape_name, smoke)
     cls = getattr(transformers, type(base.model).__name__)
     torch.manual_seed(seed)
     with torch.device(device):
