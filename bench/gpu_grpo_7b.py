@@ -137,7 +137,7 @@ def main() -> None:
     common = [f"model.path={model}", f"grpo.max_steps={a.steps}", f"grpo.prompts_per_step={a.prompts}",
               f"grpo.generations_per_prompt={a.generations}", f"generation.max_new_tokens={a.new_tokens}",
               "grpo.val_period=0", "grpo.val_at_start=false", "data.prepare.n_train=64", "data.prepare.n_eval=8",
-              f"checkpoint.period={a.steps + 1}", "model.max_seq_len=1024"]
+              f"checkpoint.period={a.steps + 1}", "model.max_seq_len=2048"]
     results = []
     for v in a.variants.split(","):
         extra = [o for o in VARIANTS[v] if not (a.cpu_smoke and "cpu_offload" in o)]
