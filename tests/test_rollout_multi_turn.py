@@ -146,6 +146,12 @@ def test_turn_that_does_not_fit_ends_at_the_turn_boundary(policy, pictures):
     policy.adapter.check(t.token_ids, t.images, where="test")
 
 
+def test_a_prompt_over_max_seq_len_fails_its_episode_naming_the_key_to_raise(policy):
+    (t,) = run(policy, ScriptedBackend(policy, script), PictureEnv(), [(0, picture_row())], group_size=1,
+               max_seq_len=16)  # the picture alone is 64 tokens
+    assert t.error.startswith("the prompt has ") and "max_seq_len 16 (raise model.max_seq_len above it)" in t.error
+
+
 def test_max_images_ends_the_episode_before_the_extra_image(policy):
     (t,) = run(policy, ScriptedBackend(policy, script), PictureEnv(), [(0, picture_row())], group_size=1,
                max_images=2)

@@ -133,7 +133,8 @@ def _start(ep: Episode, renderer: ChatRenderer, cache: ImageCache, adapter, *, m
         return
     ids = adapter.encode_text(text, [p for p, _ in decoded], where=ep.at(0))
     if len(ids) >= max_seq_len:
-        ep.fail(f"the prompt has {len(ids)} tokens, leaving no room to generate within max_seq_len {max_seq_len}")
+        ep.fail(f"the prompt has {len(ids)} tokens, leaving no room to generate within max_seq_len {max_seq_len} "
+                f"(raise model.max_seq_len above it)")
         return
     ep.append_inserted(ids, decoded, 0)
 

@@ -72,5 +72,5 @@ class FailureGuard:
         else:
             cause = ""
         raise GymvError(f"{summary}, over {key} {limit:g}{cause}; this step was not trained", where="rollouts",
-                        fix=f"fix the cause (is the environment server up?), then resume with --resume; "
-                            f"or raise {key} to accept more failures", exit_code=1)
+                        fix=f"fix the cause named above (a server down, a prompt over model.max_seq_len, ...), then "
+                            f"resume with --resume; or raise {key} to accept more failures", exit_code=1)
