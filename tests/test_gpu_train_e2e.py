@@ -200,6 +200,13 @@ def test_colocated_on_one_gpu_auto_refits_through_cuda_ipc(grpo_eager):
 
 
 @gpu
+def test_a_colocated_trainer_reports_its_peak_memory_and_hands_its_cache_back_every_step(grpo_eager):
+    for r in grpo_eager.rows:
+        assert 0 < r["memory/training_peak_gb"] <= r["memory/training_reserved_gb"], r
+        assert r["memory/training_released_gb"] >= 0, r
+
+
+@gpu
 def test_bf16_generation_and_training_agree_within_the_bound(grpo_eager):
     within_bf16_bound(grpo_eager)
 

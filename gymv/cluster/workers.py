@@ -24,6 +24,7 @@ from gymv.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
 from gymv.backends.training.base import TrainingSetup
 from gymv.backends.training.process_group import leave_process_group
 from gymv.backends.training.samples import as_tensors, training_sample
+from gymv.cluster.device_memory import phase_memory
 from gymv.cluster.prefetch import Prefetch
 from gymv.cluster.ray_placement import here
 from gymv.cluster.refit import make_receiver, make_sender
@@ -77,6 +78,7 @@ class WorkerSpec:
     total_steps: int = 0  # optimizer steps of the whole run (the schedule's end)
     kl_reference: bool = False
     threads: int | None = None
+    shares_gpu: bool = False  # generation and training on one GPU: each hands its cached memory back after a step
 
     def located(self) -> WorkerSpec:
         """This spec with backend names turned into import paths that resolve in any process (a backend
@@ -215,6 +217,8 @@ class GenerationWorker:
                 chat_template_kwargs=dict(spec.generation.chat_template_kwargs) or None,
                 tool_call_format=spec.rollout.tool_call_format, streamed=STREAMED[spec.rollout.turns])
         cache_after = self.backend.stats()
+        if spec.shares_gpu:  # the trainer's turn comes next on this GPU
+            phase_memory(self.device, "generation", release=True)
         self.episodes += len(trajectories)
         stale = "encoder_cache_stale_hits"
         stats[stale] = cache_after.get(stale, 0) - cache_before.get(stale, 0)
@@ -426,6 +430,7 @@ class TrainingWorker:
         with timer.phase("training"):
             metrics = self._train_minibatches(minibatches, loss_fn)
         metrics.update(timer.metrics())
+        metrics.update(phase_memory(self.device, "training", release=self.spec.shares_gpu))
         if errors is not None:
             metrics[SEQ_ERRORS_KEY] = errors
         return metrics
@@ -464,6 +469,7 @@ class TrainingWorker:
             metrics = self._train_minibatches([samples], loss_fn)
         metrics["train/num_input_tokens"] = self.backend.sum_over_ranks(sum(len(s["input_ids"]) for s in samples))
         metrics.update(timer.metrics())
+        metrics.update(phase_memory(self.device, "training", release=self.spec.shares_gpu))
         return metrics
 
     # -- refit ---------------------------------------------------------------------------------------

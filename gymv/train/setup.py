@@ -146,7 +146,8 @@ def worker_spec(cfg: RecipeBase, model_path: str, *, kl_reference: bool = False,
         model_path=model_path, env=cfg.env, model=cfg.model, generation=cfg.generation, training=cfg.training,
         refit=cfg.refit, rollout=cfg.rollout, vision=getattr(cfg, "vision", None), seed=cfg.seed,
         device="cuda" if cfg.cluster.gpus_per_node > 0 else "cpu", generation_dtype=generation_dtype(cfg, model_path),
-        logprob_temperature=logprob_temperature, total_steps=cfg.optimizer_steps, kl_reference=kl_reference)
+        logprob_temperature=logprob_temperature, total_steps=cfg.optimizer_steps, kl_reference=kl_reference,
+        shares_gpu=cfg.cluster.gpus_per_node > 0 and cfg.cluster.colocated)
 
 
 def check_agent_driver(cfg: RecipeBase) -> None:
