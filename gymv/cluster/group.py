@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gymv.cluster.placement import Placement
+from gymv.cluster.ray_cluster import cpu_actor_options
 from gymv.cluster.ray_placement import ROSTER, actor_options, deferred_start, lost_worker_error, place
 from gymv.backends.registry import GENERATION_BACKENDS
 from gymv.cluster.refit import shares_sending
@@ -102,11 +103,6 @@ class RolloutCall:
     attempts: int = 0
 
 
-def cpu_env() -> dict[str, str]:
-    """Environment of CPU actors: passive OpenMP waiting (the user's own setting wins)."""
-    return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-
-
 def _split(items: Sequence, parts: int) -> list[list]:
     size = math.ceil(len(items) / parts) if items else 0
     return [list(items[i * size:(i + 1) * size]) for i in range(parts)]
@@ -143,7 +139,7 @@ class PolicyCluster:
         self.plans = policy_plans(placement, generation=generation, gpu_share=gpu_share)
         self._pgs: dict[str, object] = {}
         opts: dict[str, list[dict]] = {"training": [], "generation": []}
-        base = {} if placement.gpus else {"runtime_env": {"env_vars": cpu_env()}}
+        base = {} if placement.gpus else cpu_actor_options()
         try:
             for plan in self.plans:
                 pg = place(plan, self.deadlines.placement_s)

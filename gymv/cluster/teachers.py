@@ -133,14 +133,14 @@ def teacher_specs(cfg, student_path: str) -> dict[str, TeacherSpec]:
 def replica_options(cfg, alias: str, *, policy_pg=None) -> tuple[list[dict], object | None]:
     """(Ray actor options of each replica of `alias`, a placement group created for it or None); the group
     is asked for here and waited on by the caller."""
-    from gymv.cluster.group import cpu_env
+    from gymv.cluster.ray_cluster import cpu_actor_options
 
     t = cfg.mopd.teachers[alias]
     plan = teacher_plan(alias, t, Pin.from_section(cfg.cluster.placement.teachers),
                         gpus_per_node=cfg.cluster.gpus_per_node)
     if plan is not None:
         pg = group_for(plan)
-        base = {} if pg is not None else {"runtime_env": {"env_vars": cpu_env()}}
+        base = {} if pg is not None else cpu_actor_options()
         return [actor_options(plan, s, pg, base) for s in plan.workers["teacher"]], pg
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -52,13 +52,18 @@ def check_prompt_image_counts(rows: Sequence[Any], max_images: int) -> None:
 
 
 def check_prompt_lengths(rows: Sequence[Any], tokenizer, max_seq_len: int) -> None:
+    """Each distinct prompt text is tokenized once: generated rows share a few templates (the quickstart's 4496
+    rows hold 8 texts), and tokenizing every row took 0.2 s of each launch."""
+    lengths: dict[str, int] = {}
     for r in rows:
         text = prompt_text(r.data, where=r.where)
         size = len(text.encode("utf-8"))
         if size > MAX_BYTES_PER_TOKEN * max_seq_len:
             raise RowError(f"the prompt's text is {size} bytes, far over model.max_seq_len {max_seq_len} tokens",
                            where=r.where, fix="shorten the prompt or drop the row")
-        n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        n = lengths.get(text)
+        if n is None:
+            n = lengths[text] = len(tokenizer(text, add_special_tokens=False)["input_ids"])
         if n >= max_seq_len:
             raise RowError(f"the prompt's text alone is {n} tokens, leaving no room to generate within "
                            f"model.max_seq_len {max_seq_len}", where=r.where,
