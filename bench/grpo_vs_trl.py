@@ -104,8 +104,12 @@ def ensure_trl_venv() -> Path:
 
 
 def package_versions(python: Path, names: list[str]) -> dict:
-    code = ("import importlib.metadata as m, json, sys; "
-            "print(json.dumps({n: m.version(n) for n in sys.argv[1:]}))")
+    """Installed versions of `names` in `python` (None for one not installed)."""
+    code = ("import importlib.metadata as m, json, sys\n"
+            "def v(n):\n"
+            "    try: return m.version(n)\n"
+            "    except m.PackageNotFoundError: return None\n"
+            "print(json.dumps({n: v(n) for n in sys.argv[1:]}))")
     out = subprocess.run([str(python), "-c", code, *names], capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
@@ -513,7 +517,9 @@ def bench_cuda(args: argparse.Namespace, work: Path) -> None:
                                  steps=args.steps or steps)
         runs: dict[str, list[dict]] = {}
         for i in range(args.repeats):
-            for which, cache in (("gymv", None), ("trl-dynamic", None), ("trl-static", "static")):
+            frameworks = (("gymv", None),) if args.gymv_only else \
+                (("gymv", None), ("trl-dynamic", None), ("trl-static", "static"))
+            for which, cache in frameworks:
                 tag = f"{name}-{which}-{i}"
                 try:
                     r = run_gymv_cuda(work, model, rows, cfg, tag) if which == "gymv" else \
@@ -570,7 +576,7 @@ def main() -> None:
         if args.configs == ",".join(CONFIGS):
             args.configs = ",".join(CUDA_CONFIGS)
         if args.out == RESULTS:
-            args.out = RESULTS.with_name("grpo_vs_trl_cuda.json")
+            args.out = RESULTS.with_name("gymv_only_cuda.json" if args.gymv_only else "grpo_vs_trl_cuda.json")
         bench_cuda(args, args.work.resolve())
         return
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
