@@ -163,10 +163,16 @@ def base_policy(out: Path, mode: Mode):
 
 def build_policy(base, mode: Mode, layers: int, dtype):
     """`base` with its model replaced by a random Nano-Omni-shaped one of the first `layers` layers of the
-    pattern, built on the device in `dtype`."""
+    pattern, built on the device in `dtype` (the router's gates in float32, as transformers loads them).
+
+    transformers builds a model in its config's `dtype`, whatever torch's default: the base checkpoint loads in
+    float32, so each config is set to `dtype` first (without it a "bfloat16" decode model was float32)."""
     import torch
+    import transformers
 
     config = copy.deepcopy(base.model.config)
+    for c in [config, *(v for v in vars(config).values() if isinstance(v, transformers.PretrainedConfig))]:
+        c.dtype = dtype
     text = dict(mode.text, layers_block_type=[LETTERS[c] for c in PATTERN[:layers]])
     for k, v in text.items():
         setattr(config.text_config, k, v)
@@ -182,6 +188,9 @@ def build_policy(base, mode: Mode, layers: int, dtype):
             model = type(base.model)(config).eval()
     finally:
         torch.set_default_dtype(default)
+    stray = [n for n, p in model.named_parameters() if p.dtype != dtype and not n.endswith("mixer.gate.weight")]
+    if stray:
+        raise SystemExit(f"build_policy: {len(stray)} parameters are not {dtype} (first: {stray[0]})")
     return dataclasses.replace(base, model=model)
 
 
