@@ -23,8 +23,8 @@ from gymv.backends.generation.static import (
 )
 from gymv.backends.logprobs import right_pad, sequence_logprobs
 from gymv.errors import GymvError
-from tests.test_generation_hf import no_cache_greedy, requests
-from tests.tiny_models import chat_ids, fresh_policy, noise, shared_policy
+from test_generation_hf import no_cache_greedy, requests
+from tiny_models import chat_ids, fresh_policy, noise, shared_policy
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
 

@@ -24,7 +24,7 @@ from gymv.backends.logprobs import right_pad, sequence_logprobs
 from gymv.backends.policy import load_policy
 from gymv.errors import GymvError
 from gymv.models.tiny import init_tiny
-from tests.test_generation_hf import requests
+from test_generation_hf import requests
 
 PATTERN = "ME*E-M"  # Mamba, MoE, attention, MoE, MLP, Mamba
 

@@ -13,7 +13,7 @@ import pytest
 
 from gymv.config.exemplars import default_recipes_root, project_recipes_dir, resolve_parent
 from gymv.config.loader import load_recipe
-from tests.conftest import run_gymv
+from conftest import run_gymv
 
 REPO = Path(__file__).resolve().parents[1]
 
