@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from gymv.algorithms.teacher_batch import pad_rows, shard_rows, trim
 from gymv.backends.registry import TEACHER_BACKENDS
 from gymv.backends.teacher_spec import TeacherSpec
+from gymv.cluster.device_memory import phase_memory
 from gymv.cluster.placement import Deadlines, Pin
 from gymv.cluster.ray_placement import ROSTER, actor_options, deferred_start, group_for, here, wait_placed
 from gymv.cluster.roles import RolePlan, teacher_plan, teacher_ranks
@@ -87,6 +88,8 @@ class TeacherWorker:
     def score(self, rows) -> dict:
         t0 = time.perf_counter()
         scores = self.teacher.score(rows)
+        if self.spec.section.placement == "colocated":  # its activations' blocks go back to the shared GPU
+            phase_memory(self.device, "teacher", release=True)
         return {"logprobs": scores, "seconds": time.perf_counter() - t0}
 
     def where(self) -> dict:
