@@ -9,6 +9,7 @@ import pytest
 
 from gymv.checks import is_known_metric
 from gymv.cluster.device_memory import phase_memory
+from gymv.cluster.group import rollout_memory
 from gymv.config import load_recipe
 from gymv.train.setup import worker_spec
 
@@ -30,7 +31,14 @@ def test_only_generation_and_training_on_one_gpu_share_it():
 
 
 def test_the_memory_keys_are_metrics_a_check_may_name():
-    assert all(is_known_metric(f"memory/training_{k}") for k in ("peak_gb", "reserved_gb", "released_gb"))
+    assert all(is_known_metric(f"memory/{phase}_{k}") for phase in ("training", "generation")
+               for k in ("peak_gb", "reserved_gb", "released_gb"))
+
+
+def test_a_steps_generation_memory_is_the_largest_of_its_workers():
+    stats = [{"env_s": 1.0, "memory/generation_peak_gb": 3.0}, {"memory/generation_peak_gb": 5.0}, {"env_s": 2.0}]
+    assert rollout_memory(stats) == {"memory/generation_peak_gb": 5.0}
+    assert rollout_memory([{"env_s": 1.0}]) == {}
 
 
 @pytest.mark.gpu

@@ -200,10 +200,11 @@ def test_colocated_on_one_gpu_auto_refits_through_cuda_ipc(grpo_eager):
 
 
 @gpu
-def test_a_colocated_trainer_reports_its_peak_memory_and_hands_its_cache_back_every_step(grpo_eager):
+def test_colocated_workers_report_their_peak_memory_and_hand_their_cache_back_every_step(grpo_eager):
     for r in grpo_eager.rows:
-        assert 0 < r["memory/training_peak_gb"] <= r["memory/training_reserved_gb"], r
-        assert r["memory/training_released_gb"] >= 0, r
+        for phase in ("training", "generation"):
+            assert 0 < r[f"memory/{phase}_peak_gb"] <= r[f"memory/{phase}_reserved_gb"], r
+            assert r[f"memory/{phase}_released_gb"] >= 0, r
 
 
 @gpu

@@ -41,7 +41,7 @@ KNOWN_METRICS: frozenset[str] = frozenset(
         "step_s", "train_step_s", "generation_s", "env_s", "logprobs_s", "reference_s", "teacher_s", "samples_s", "training_s",
         "refit_s", "validation_s", "checkpoint_s", "tokens_per_s", "generation_tokens_per_s", "wait_s", "overlap_s")]
     # a GPU worker's memory over its phase (gymv.cluster.device_memory)
-    + [f"memory/training_{n}" for n in ("peak_gb", "reserved_gb", "released_gb")]
+    + [f"memory/{phase}_{n}" for phase in ("training", "generation") for n in ("peak_gb", "reserved_gb", "released_gb")]
     # where generation's time goes (gymv.rollout.loop.BREAKDOWN)
     + [f"timing/generation/{n}" for n in (
         "env_open_s", "render_s", "image_decode_s", "parse_s", "env_step_s", "env_verify_s", "backend_encode_s",

@@ -83,6 +83,12 @@ def ray_get(refs, phase: str, timeout_s: float | None = None, *, key: str = "clu
 REFIT_GROUP = "refit"
 
 
+def rollout_memory(stats: Sequence[dict]) -> dict[str, float]:
+    """The generation workers' `memory/` figures (gymv.cluster.device_memory), the largest of any worker."""
+    names = {k for st in stats for k in st if k.startswith("memory/")}
+    return {n: max(st.get(n, 0.0) for st in stats) for n in sorted(names)}
+
+
 def rollout_timing(stats: Sequence[dict]) -> dict[str, float]:
     """The slowest generation worker's environment seconds and split of generation (gymv.rollout.loop.BREAKDOWN)
     as `timing/` keys for PhaseTimer.take: `env_s` is timing/env_s, `breakdown/render_s` timing/generation/render_s."""
@@ -258,10 +264,11 @@ class PolicyCluster:
 
     def rollouts(self, rows: Sequence[tuple[int, dict]], request: RolloutRequest) -> tuple[list, dict]:
         """Rollouts of every row, split by prompt across generation workers, in row order; also the seconds the
-        workers measured (`timing/` keys for the step's PhaseTimer.take)."""
+        workers measured (`timing/` keys for the step's PhaseTimer.take) and, on GPUs, their memory (`memory/`)."""
         calls = self.submit_rollouts(rows, request)
         out = self._get([c.ref for c in calls], "generation")
-        return [t for o in out for t in o["trajectories"]], rollout_timing([o["stats"] for o in out])
+        stats = [o["stats"] for o in out]
+        return [t for o in out for t in o["trajectories"]], {**rollout_timing(stats), **rollout_memory(stats)}
 
     # -- training ------------------------------------------------------------------------------------
     def _shard(self, minibatches: list[list]) -> list[list[list]]:

@@ -217,8 +217,7 @@ class GenerationWorker:
                 chat_template_kwargs=dict(spec.generation.chat_template_kwargs) or None,
                 tool_call_format=spec.rollout.tool_call_format, streamed=STREAMED[spec.rollout.turns])
         cache_after = self.backend.stats()
-        if spec.shares_gpu:  # the trainer's turn comes next on this GPU
-            phase_memory(self.device, "generation", release=True)
+        stats.update(phase_memory(self.device, "generation", release=spec.shares_gpu))  # the trainer's turn is next
         self.episodes += len(trajectories)
         stale = "encoder_cache_stale_hits"
         stats[stale] = cache_after.get(stale, 0) - cache_before.get(stale, 0)

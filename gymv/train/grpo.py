@@ -74,7 +74,8 @@ def run_sync(ctx: RunContext, cluster, section, loss_fn, make_batch: Callable[[l
         with timer.phase("generation"):
             trajectories, worker_timing = cluster.rollouts([(r.index, r.data) for r in rows],
                                                            replace(request, seed=step_seed(cfg.seed, step)))
-        timer.take(worker_timing)  # the environment's seconds and generation's split, the slowest worker's
+        # the environment's seconds and generation's split, the slowest worker's; what remains is its memory
+        generation_memory = timer.take(worker_timing)
         rollout_throughput(timer, trajectories)
         guard.check(step, trajectories)  # before training: a step that trips it is not trained nor counted
 
@@ -91,7 +92,7 @@ def run_sync(ctx: RunContext, cluster, section, loss_fn, make_batch: Callable[[l
         report.on_refit(step, cluster)
 
         # 6. validation, logs, checkpoint
-        metrics = {**batch.metrics, **train_metrics, **loop.validation_if_due(step)}
+        metrics = {**batch.metrics, **train_metrics, **generation_memory, **loop.validation_if_due(step)}
         loop.end_step(metrics, rollouts=batch.records)
 
     return loop.finish()
