@@ -10,9 +10,9 @@ a recipe on one GPU") on circle-count's default 1000x1000 pictures, each variant
   bf16-moments  fsdp2 on the GPU, AdamW moments stored in bfloat16 (`training.optimizer_state_dtype`)
   offload       fsdp2 with weights, gradients and AdamW state in host memory (`training.fsdp.cpu_offload`)
 
-Per variant: the median of steps 2..N of each `timing/*` phase, `token_mult_prob_error`, and the card's peak
-memory in use while the run lasted (nvidia-smi, sampled every 0.2 s: every process on the card, the
-generator's and the trainer's together). Random weights write to the token limit, so every step generates
+Per variant: the median of steps 2..N of each `timing/*` phase, `token_mult_prob_error`, each worker's
+`memory/*_peak_gb` and `_reserved_gb` from the rows, and the card's peak memory in use while the run lasted
+(nvidia-smi, sampled every 0.2 s: every process on the card, the generator's and the trainer's together). Random weights write to the token limit, so every step generates
 prompts x generations x --new-tokens tokens.
 
 Usage (one GPU; the bf16-moments variant needs about 110 GB, an H200):
@@ -105,7 +105,8 @@ def summarize(variant: str, result: dict, peak_mib: int | None) -> dict:
     timed = [r for r in rows if r["step"] >= 2] or rows
     out = {"variant": variant, "steps": len(rows), "note": result["note"], "wall_s": round(result["wall_s"], 1),
            "peak_gpu_gb": round(peak_mib / 1024, 1) if peak_mib else None}
-    for k in PHASES + ["train/token_mult_prob_error", "timing/generation_tokens_per_s"]:
+    memory = [f"memory/{p}_{n}" for p in ("training", "generation") for n in ("peak_gb", "reserved_gb")]
+    for k in PHASES + memory + ["train/token_mult_prob_error", "timing/generation_tokens_per_s"]:
         vals = [r[k] for r in timed if k in r]
         if vals:
             out[k] = round(statistics.median(vals), 4)
