@@ -133,6 +133,15 @@ class MoeSection(Section):
 
     aux_loss_coef: NonNegFloat = 0.0  # weight of the load-balancing loss in the training loss (logged either way)
     router_bias_update_rate: NonNegFloat = 0.0  # aux-loss-free expert-bias update per step (0: the bias is frozen)
+    freeze_router: bool = False  # the routers' weights stay as loaded (NeMo RL's freeze_moe_router); the bias update runs
+
+    @model_validator(mode="after")
+    def _aux_reaches_the_router(self) -> "MoeSection":
+        if self.freeze_router and self.aux_loss_coef > 0:
+            raise ValueError("aux_loss_coef > 0 with freeze_router: the balancing loss's gradient reaches only the "
+                             "routers' weights, which freeze_router keeps fixed; set aux_loss_coef: 0 or "
+                             "freeze_router: false")
+        return self
 
 
 class TrainingSection(Section):

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from gymv.errors import GymvError
 from gymv.sections import MoeSection
 
 # forward returns (logits, top-k weights, top-k indices); sigmoid scores. HybridTopkRouter: the Megatron
@@ -108,7 +109,15 @@ class RouterTerms:
 
     @classmethod
     def attach(cls, model: torch.nn.Module, settings: MoeSection) -> RouterTerms | None:
+        """The terms of `model`'s routers (None without any); with `freeze_router` their weights leave training
+        here, before any trainer collects or shards the parameters."""
         routers = [m for m in model.modules() if type(m).__name__ in ROUTERS]
+        if settings.freeze_router:
+            if not routers:
+                raise GymvError("training.moe.freeze_router is set, but this model has no mixture-of-experts router",
+                                where="training.moe.freeze_router", fix="remove it (or set it false) for this model")
+            for r in routers:
+                r.weight.requires_grad_(False)
         return cls(model, routers, settings) if routers else None
 
     # -- recording --------------------------------------------------------------------------------------

@@ -131,6 +131,7 @@ KEYS: dict[str, str] = {
     "policy.megatron_cfg.moe_router_bias_update_rate": "training.moe.router_bias_update_rate",
     "policy.megatron_cfg.moe_router_enable_expert_bias": "training.moe.router_bias_update_rate (> 0 updates the bias)",
     "policy.megatron_cfg.moe_aux_loss_coeff": "training.moe.aux_loss_coef",
+    "policy.megatron_cfg.freeze_moe_router": "training.moe.freeze_router",
     "policy.megatron_cfg.moe_router_load_balancing_type": "training.moe.aux_loss_coef (none: 0)",
     "policy.generation.refit_transport": "refit.transport",
     "policy.generation.colocated.resources": "cluster.generation_gpus (num_nodes x gpus_per_node)",
@@ -228,7 +229,6 @@ NO_KEY: dict[str, str] = {
     "policy.megatron_cfg.scheduler": "gymv's schedule: training.warmup_steps (from 0), lr_schedule, min_lr_ratio",
     "policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32": "gymv's FSDP2 reduces gradients "
                                                                                  "in float32",
-    "policy.megatron_cfg.freeze_moe_router": "gymv trains the router weights",
     "policy.megatron_cfg.moe_router_dtype": "the Nemotron Omni router computes in float32 in transformers",
     "policy.megatron_cfg.mtp_num_layers": "gymv builds no MTP layer",
     "policy.megatron_cfg.peft": "gymv trains every weight (no LoRA)",
