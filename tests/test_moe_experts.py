@@ -69,6 +69,24 @@ def test_on_cpu_grouped_mm_is_used_for_aligned_float32_widths_only():
     assert not moe_experts.grouped_available(torch.randn(T, 10), odd, odd.transpose(1, 2).contiguous())
 
 
+def test_under_a_bfloat16_autocast_float32_weights_go_to_the_grouped_kernel_as_autocast_casts_them():
+    m = transformers_experts()
+    h, (ids, w) = torch.randn(T, D), routing()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        up, down = moe_experts.autocast_weights(h, m.up_proj, m.down_proj)
+        assert up.dtype == down.dtype == torch.bfloat16
+        assert moe_experts.grouped_available(h.bfloat16(), up, down)
+        got, grads = _run(lambda a, b, c: moe_experts.experts(a, b, c, m.up_proj, m.down_proj, m.act_fn), m, h, ids, w)
+        want, want_grads = _run(lambda a, b, c: moe_experts.experts(a, b, c, m.up_proj, m.down_proj, m.act_fn,
+                                                                   grouped=False), m, h, ids, w)
+    assert got.dtype == torch.float32  # the caller's dtype, as before
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)  # both bfloat16 products, another kernel
+    for name in want_grads:  # the float32 master weights get their gradients through the cast
+        assert grads[name] is not None
+        torch.testing.assert_close(grads[name], want_grads[name], atol=5e-2, rtol=5e-2)
+    assert moe_experts.autocast_weights(h, m.up_proj, m.down_proj)[0] is m.up_proj  # no autocast: as they are
+
+
 def test_a_loaded_policy_runs_its_experts_here_and_scores_as_transformers_loop():
     from tiny_models import fresh_policy
 
@@ -102,6 +120,28 @@ def test_gpu_bfloat16_grouped_experts_match_the_float32_loop():
     assert rel(got, want) < 2e-2
     for name in want_grads:
         assert rel(grads[name], want_grads[name]) < 3e-2, name
+
+
+@pytest.mark.gpu
+def test_gpu_float32_master_weights_under_autocast_run_the_grouped_kernel_without_a_sync():
+    """The torch and megatron backends on CUDA keep float32 weights under a bfloat16 autocast: the experts must
+    not fall back to the loop, whose per-expert slices read the offsets back every layer."""
+    m = transformers_experts("cuda")
+    h, (ids, w) = torch.randn(T, D, device="cuda", requires_grad=True), routing("cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = moe_experts.experts(h, ids, w, m.up_proj, m.down_proj, m.act_fn)
+        out.float().pow(2).sum().backward()
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert m.up_proj.grad is not None and m.up_proj.grad.dtype == torch.float32
 
 
 @pytest.mark.gpu

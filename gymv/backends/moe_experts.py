@@ -53,6 +53,20 @@ def grouped_available(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> 
     return False
 
 
+def autocast_weights(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' weights as autocast would give them to a matrix product: float32 master weights under a
+    bfloat16 autocast (the torch and megatron backends on CUDA) come back in bfloat16, so that the grouped
+    kernel runs instead of the loop (`grouped_mm` is not an autocast op, and the loop's matmuls were cast one by
+    one anyway: the numbers are the same). Gradients reach the float32 weights through the cast."""
+    kind = x.device.type
+    if not torch.is_autocast_enabled(kind):
+        return up, down
+    dtype = torch.get_autocast_dtype(kind)
+    if dtype == up.dtype or not up.dtype.is_floating_point:
+        return up, down
+    return up.to(dtype), down.to(dtype)
+
+
 def _loop(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """grouped_mm's product (x rows of expert e times weight[e]) one expert at a time: the reference."""
     ends = offsets.tolist()
@@ -68,10 +82,12 @@ def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     T, k = top_k_index.shape
     order, offsets = permutation(top_k_index, up.shape[0])
     x = hidden.index_select(0, order // k)  # its backward is an index_add: no host sync either
+    up, down = autocast_weights(hidden, up, down)
+    x = x.to(up.dtype)
     if grouped is None:
-        grouped = grouped_available(hidden, up, down)
+        grouped = grouped_available(x, up, down)
     mm = (lambda a, w: _mm()(a, w, offs=offsets)) if grouped else (lambda a, w: _loop(a, w, offsets))  # noqa: E731
-    y = mm(act(mm(x.to(up.dtype), up.transpose(-2, -1))), down.transpose(-2, -1))
+    y = mm(act(mm(x, up.transpose(-2, -1))), down.transpose(-2, -1))
     y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1)
     back = torch.empty_like(y).index_copy(0, order, y)  # each pair back in (token, slot) order: unique indices
     return back.view(T, k, back.shape[-1]).sum(dim=1).to(hidden.dtype)  # T may be 0: an EP rank given no rows
