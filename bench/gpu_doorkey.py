@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -35,7 +36,9 @@ CPU = ["cluster.num_nodes=1", "cluster.gpus_per_node=0"]
 
 
 def run(name: str, recipe: Path, overrides: list[str], out: Path, timeout_s: float) -> dict:
-    """One `gymv train` run in its own process; its metrics rows, whether it finished, and its wall time."""
+    """One fresh `gymv train` run in its own process (a run folder of that name from an earlier call is removed
+    first, so its rows are never read as this run's); its metrics rows, whether it finished, and its wall time."""
+    shutil.rmtree(out / name, ignore_errors=True)
     code = "import sys; from gymv.train import train; train(sys.argv[1], sys.argv[2:])"
     args = [sys.executable, "-c", code, str(recipe), f"name={name}", f"checkpoint.dir={out}", *overrides]
     t0 = time.time()

@@ -10,6 +10,14 @@ a recipe on one GPU") on circle-count's default 1000x1000 pictures, each variant
   bf16-moments  fsdp2 on the GPU, AdamW moments stored in bfloat16 (`training.optimizer_state_dtype`)
   offload       fsdp2 with weights, gradients and AdamW state in host memory (`training.fsdp.cpu_offload`)
 
+Memory, 8.29B parameters: float32 master weights 33 GB, their gradients 33 GB, AdamW's moments in bfloat16 33 GB,
+the generator's bfloat16 copy 17 GB: about 116 GB before activations, which leaves an H200 (141 GB) room for the
+trainer's micro-batches and the decoder's cache, and an 80 GB card none. The recipe's KL penalty would add a
+frozen float32 reference (33 GB more, over an H200's memory), so the runs go without it (`grpo.loss.kl_coef=0`;
+`--kl` keeps the recipe's). The offload variant holds those 100 GB in host memory instead, more than a 128 GB host
+spares beside the generator (an H100 host, 2026-12-06: the trainer was stopped by Ray's memory monitor at 112.6 GB
+while building).
+
 Per variant: the median of steps 2..N of each `timing/*` phase, `token_mult_prob_error`, each worker's
 `memory/*_peak_gb` and `_reserved_gb` from the rows, and the card's peak memory in use while the run lasted
 (nvidia-smi, sampled every 0.2 s: every process on the card, the generator's and the trainer's together). Random weights write to the token limit, so every step generates
@@ -125,6 +133,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--run-timeout", type=float, default=480, help="seconds before a run is stopped (its logged "
                     "steps still count)")
+    ap.add_argument("--kl", action="store_true", help="keep the recipe's KL penalty (a float32 reference model: "
+                    "33 GB more)")
     ap.add_argument("--cpu-smoke", action="store_true")
     a = ap.parse_args()
     unknown = set(a.variants.split(",")) - set(VARIANTS)
@@ -138,7 +148,7 @@ def main() -> None:
     common = [f"model.path={model}", f"grpo.max_steps={a.steps}", f"grpo.prompts_per_step={a.prompts}",
               f"grpo.generations_per_prompt={a.generations}", f"generation.max_new_tokens={a.new_tokens}",
               "grpo.val_period=0", "grpo.val_at_start=false", "data.prepare.n_train=64", "data.prepare.n_eval=8",
-              f"checkpoint.period={a.steps + 1}", "model.max_seq_len=2048"]
+              f"checkpoint.period={a.steps + 1}", "model.max_seq_len=2048"] + ([] if a.kl else ["grpo.loss.kl_coef=0"])
     results = []
     for v in a.variants.split(","):
         extra = [o for o in VARIANTS[v] if not (a.cpu_smoke and "cpu_offload" in o)]
