@@ -8,10 +8,13 @@ time into rank 0's host memory and writes a Hugging Face folder.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from gymv.backends.training.fsdp import FSDPTrainer
@@ -21,6 +24,15 @@ from gymv.models.quiet import quiet_transformers
 
 class HFFSDPBackend(HFTorchBackend):
     gathers_weights = True
+
+    def reference_dtype(self) -> torch.dtype:
+        """bfloat16 where that loses nothing, else float32. Under bfloat16 mixed precision FSDP2 gathers every
+        sharded weight in bfloat16 for compute, so a reference read from a bfloat16 checkpoint computes the same
+        numbers held in bfloat16: half the memory (17 instead of 33 GB at 8B parameters). The replicated vision
+        tower runs under autocast either way (its matrix products the same, a few elementwise sums rounded in
+        bfloat16 instead of float32)."""
+        compute = self.trainer._resolve_precision(self.config.dtype)
+        return reference_dtype(checkpoint_dtype(self.setup.model_path), compute)
 
     def _make_trainer(self, model, device, *, frozen: bool = False):
         if self.setup.training.gradient_checkpointing and not frozen:
@@ -55,3 +67,20 @@ class HFFSDPBackend(HFTorchBackend):
         with quiet_transformers():
             self.trainer.model.save_pretrained(path, state_dict=full)
         copy_hf_files(self.setup.model_path, path)
+
+
+def checkpoint_dtype(path: str | os.PathLike) -> str | None:
+    """The dtype a checkpoint's config says its weights are stored in (`dtype`, or the older `torch_dtype`)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    found = config.get("dtype") or config.get("torch_dtype")
+    return found if isinstance(found, str) else None
+
+
+def reference_dtype(stored: str | None, compute: torch.dtype | None) -> torch.dtype:
+    """A frozen copy's dtype under FSDP2: the compute dtype where the checkpoint is stored in it, else float32."""
+    if compute is not None and stored == str(compute).removeprefix("torch."):
+        return compute
+    return torch.float32

@@ -222,9 +222,13 @@ class HFTorchBackend(TrainingBackend):
 
     def _make_reference(self, device):
         """The frozen KL reference's trainer: the checkpoint loaded again."""
-        ref = load_policy(self.setup.model_path, device=str(device), dtype=torch.float32, seed=self.setup.seed,
+        ref = load_policy(self.setup.model_path, device=str(device), dtype=self.reference_dtype(), seed=self.setup.seed,
                           trust_remote_code=self.setup.trust_remote_code).model
         return self._make_trainer(ref, device, frozen=True)
+
+    def reference_dtype(self) -> torch.dtype:
+        """The dtype the KL reference is held in: float32, as the policy's master weights."""
+        return torch.float32
 
     def _make_trainer(self, model, device, *, frozen: bool = False):
         if frozen:
