@@ -113,6 +113,7 @@ def test_the_router_picks_the_experts_and_weights_transformers_picks_with_groupe
     assert max(len(set(row)) for row in (ids // 4).tolist()) == 2  # experts of topk_group groups per row
 
 
+@pytest.mark.slow  # every window, both experts kernels, against the HF loop: about 7 s
 def test_greedy_tokens_and_logprobs_equal_the_hf_loop_across_attention_windows_with_either_experts_kernel(policy):
     reqs = prompts(policy, 3)
     params = SamplingParams(temperature=0, max_new_tokens=34, ignore_eos=True)  # crosses a 32-column window

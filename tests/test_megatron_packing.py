@@ -69,6 +69,7 @@ IMAGES = {"tiny-qwen3": [[], [], [], []],
           "tiny-qwen2_5vl": [[noise(5)], [solid("green")], [noise(6)], []]}
 
 
+@pytest.mark.slow  # three backends' steps per family: 4-6 s each
 @pytest.mark.parametrize("arch", list(IMAGES))
 def test_a_packed_megatron_step_equals_the_padded_one_and_the_torch_backends_packed_one(arch):
     from gymv.algorithms.loss_fns import PolicyLoss

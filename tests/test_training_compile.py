@@ -67,6 +67,7 @@ def _assert_same_steps(eager, compiled_run):
     return m1s
 
 
+@pytest.mark.slow  # compiles every layer twice over: about 7 s
 def test_compiled_layers_under_fsdp2_with_packing_and_checkpointing_give_the_eager_steps():
     # aot_eager: dynamo's capture, the packed-attention graph break, AOT autograd, FSDP2's hooks and
     # checkpointing's recomputation, without inductor's kernel compilation (the slow test below)
