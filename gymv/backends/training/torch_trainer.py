@@ -29,6 +29,7 @@ from gymv.backends.training.micro_batches import pad_collate, plan_micro_batches
 from gymv.backends.training.rank_reductions import RankReductions
 from gymv.errors import GymvError
 from gymv.sections import TrainingSection
+from gymv.timing import phase_key
 
 try:
     import safetensors.torch as _st
@@ -257,7 +258,7 @@ class TorchTrainer:
         out["train/num_tokens"] = counts.tokens
         out["train/num_sequences"] = counts.sequences
         out["train/num_micro_batches"] = micro_batches
-        out["timing/train_step_s"] = time.perf_counter() - start
+        out[phase_key("train_step")] = time.perf_counter() - start  # the driver's PhaseTimer takes it
         return out
 
     def _non_finite(self, loss: bool, norm: float, losses: list[float], plan: list[list[int]]) -> GymvError:
