@@ -265,6 +265,56 @@ def computed_tokens(backend, batch) -> int:
     return total
 
 
+def recorded_memory_phases(backend, batch: list, loss) -> dict:
+    """`memory_phases` of one more step; with GYMV_BENCH_MEM_SNAPSHOT set (a path), the allocator's history of
+    that step written there, gzipped."""
+    import torch
+
+    snapshot = os.environ.get("GYMV_BENCH_MEM_SNAPSHOT")
+    if snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+    phases = memory_phases(backend, batch, loss)
+    if snapshot:
+        import gzip
+        import pickle
+
+        with gzip.open(snapshot, "wb") as fh:
+            pickle.dump(torch.cuda.memory._snapshot(), fh)
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return phases
+
+
+def profiled_step(backend, batch: list, loss, device: str, trace: str | None, label: str) -> dict:
+    """One training step under torch.profiler: its tables printed, the top operators by device and by host time
+    returned, and with `trace` its timeline written gzipped (chrome://tracing, Perfetto)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=activities) as prof:
+        backend.train_step(batch, loss)
+        if cuda:
+            torch.cuda.synchronize()
+    if trace:
+        import gzip
+        import shutil
+
+        prof.export_chrome_trace(trace)
+        with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(trace)
+    averages = prof.key_averages()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(f"profile of one step of {label}, by {key}:", flush=True)
+    print(averages.table(sort_by=key, row_limit=18, max_name_column_width=60), flush=True)
+    print("by cpu_time_total:", flush=True)
+    print(averages.table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=60), flush=True)
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return {"device": profile_summary(averages, attr, kernels_only=cuda),
+            "host": profile_summary(averages, "cpu_time_total", 15)}
+
+
 def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, seed: int, smoke: bool,
             profile: bool = False, compile_layers: bool = False, micro_batch_tokens: int | None = None,
             keep_gathered: bool = False, trace: str | None = None, groups_override: int | None = None,
@@ -314,36 +364,12 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
             times.append(time.perf_counter() - t0)
         else:
             first_step_s = time.perf_counter() - t0  # with training.compile: the compilation
+    profiled = None
     if profile and rank == 0:  # one more step, profiled: where a step's time goes (not in the figures)
-        from torch.profiler import ProfilerActivity, profile as torch_profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-        batch = [as_tensors(dict(s)) for s in mine]
-        with torch_profile(activities=activities) as prof:
-            backend.train_step(batch, loss)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-        if trace:  # the profiled step's timeline (chrome://tracing, Perfetto), gzipped
-            import gzip
-            import shutil
-
-            prof.export_chrome_trace(trace)
-            with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            os.remove(trace)
-        averages = prof.key_averages()
-        key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
-        print(f"profile of one step of {list(run)} (compile {compile_layers}), by {key}:", flush=True)
-        print(averages.table(sort_by=key, row_limit=18, max_name_column_width=60), flush=True)
-        print("by cpu_time_total:", flush=True)
-        print(averages.table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=60), flush=True)
-        attr = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
-        profiled = {"device": profile_summary(averages, attr, kernels_only=device.startswith("cuda")),
-                    "host": profile_summary(averages, "cpu_time_total", 15)}
+        profiled = profiled_step(backend, [as_tensors(dict(s)) for s in mine], loss, device, trace,
+                                 f"{list(run)} (compile {compile_layers})")
     elif profile and world > 1:
         backend.train_step([as_tensors(dict(s)) for s in mine], loss)  # rank 0's profiled step is collective
-    if not (profile and rank == 0):
-        profiled = None
     t = statistics.median(times)
     flops = 6 * counts["decoder"] * unique + 6 * counts["head"] * generated
     flops_all = 6 * counts["decoder"] * total + 6 * counts["head"] * generated
@@ -367,17 +393,7 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
     if profiled is not None:
         out["profile"] = profiled
     if mem_phases and device.startswith("cuda"):
-        snapshot = os.environ.get("GYMV_BENCH_MEM_SNAPSHOT")  # a path: the allocator's history of that step
-        if snapshot:
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
-        out["memory_phases"] = memory_phases(backend, [as_tensors(dict(s)) for s in mine], loss)
-        if snapshot:
-            import gzip
-            import pickle
-
-            with gzip.open(snapshot, "wb") as fh:
-                pickle.dump(torch.cuda.memory._snapshot(), fh)
-            torch.cuda.memory._record_memory_history(enabled=None)
+        out["memory_phases"] = recorded_memory_phases(backend, [as_tensors(dict(s)) for s in mine], loss)
     from gymv.backends import packed_attention
 
     out["packed_attention"] = packed_attention.active(backend.model)

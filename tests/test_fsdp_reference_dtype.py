@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from gymv.backends.training.hf_fsdp import checkpoint_dtype, reference_dtype
+from gymv.backends.training.hf_fsdp import reference_dtype
+from gymv.models.load import checkpoint_dtype
 
 
 def test_a_bfloat16_checkpoint_under_bfloat16_compute_is_held_in_bfloat16_and_anything_else_in_float32():

@@ -49,3 +49,13 @@ def test_the_build_runs_while_the_caller_goes_on():
     release.set()
     assert p.take(("a",)) == (True, "built")
     p.close()
+
+
+def test_a_build_queued_behind_a_dropped_one_is_waited_for_not_cancelled():
+    release = threading.Event()
+    p = Prefetch()
+    p.start(("old",), lambda: release.wait(10))  # still running when dropped: the pool's one thread is busy
+    p.start(("new",), lambda: "built")  # queued behind it
+    threading.Timer(0.2, release.set).start()
+    assert p.take(("new",)) == (True, "built")
+    p.close()

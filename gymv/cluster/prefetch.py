@@ -29,10 +29,10 @@ class Prefetch:
     def take(self, key: Hashable) -> tuple[bool, Any]:
         """(True, the built value) when a build for `key` was started (waiting for it to finish; its error
         raises here), else (False, None); either way nothing stays prefetched."""
-        future, matched = self._future, self._future is not None and key == self._key
-        self.drop()
-        if not matched:
+        if self._future is None or key != self._key:
+            self.drop()
             return False, None
+        future, self._key, self._future = self._future, None, None  # not cancelled: it may still be queued
         return True, future.result()
 
     def drop(self) -> None:

@@ -9,6 +9,7 @@ version) under a cache folder and reused, so every worker of a run sees the same
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -51,3 +52,14 @@ def resolve_model_path(path: str | os.PathLike, *, cache_dir: str | os.PathLike 
         raise GymvError("not a Hugging Face checkpoint (no config.json)", where=text,
                         fix="point at the folder written by save_pretrained or `gymv model init`")
     return p
+
+
+def checkpoint_dtype(path: str | os.PathLike) -> str | None:
+    """The dtype a checkpoint's config says its weights are stored in (`dtype`, the older `torch_dtype`, or its
+    text model's); None where the config says none or cannot be read."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    found = config.get("dtype") or config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
+    return found if isinstance(found, str) else None

@@ -5,7 +5,6 @@ sampling parameters and per-step seeds.
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ from gymv.cluster.ray_placement import ROSTER
 from gymv.config.schema import RecipeBase
 from gymv.errors import GymvError
 from gymv.models.init_path import resolve_init_path  # noqa: F401  (train and tests import it here)
+from gymv.models.load import checkpoint_dtype
 from gymv.runs.checkpoint import find_latest
 from gymv.runs.config_history import CHANGES_FILE, LAUNCH_KEYS, describe, diff
 from gymv.runs.run_dir import RunDir, run_path
@@ -69,11 +69,7 @@ def generation_dtype(cfg: RecipeBase, model_path: str) -> str:
         return cfg.model.dtype
     if cfg.cluster.gpus_per_node == 0:
         return "float32"
-    try:
-        data = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return "float32"
-    text = data.get("dtype") or data.get("torch_dtype") or (data.get("text_config") or {}).get("dtype") or "float32"
+    text = checkpoint_dtype(model_path)
     return text if text in ("float32", "bfloat16", "float16") else "float32"
 
 

@@ -41,8 +41,7 @@ def train_sft(ctx: RunContext, *, resume: bool) -> dict:
             batch = loop.data.next_batch(sft.batch_size)
             # the next step's rows, laid out by the workers while this step trains (the stream does not move)
             upcoming = loop.data.peek_batch(sft.batch_size) if step < loop.max_steps else []
-            metrics = timer.take(cluster.sft_step([(r.index, r.data, r.where) for r in batch], loss_fn,
-                                                  [(r.index, r.data, r.where) for r in upcoming] or None))
+            metrics = timer.take(cluster.sft_step(_tasks(batch), loss_fn, _tasks(upcoming) or None))
             timer.rate("tokens", metrics.get("train/num_input_tokens", 0.0), per="training")
 
             metrics.update(loop.validation_if_due(step))
@@ -51,3 +50,8 @@ def train_sft(ctx: RunContext, *, resume: bool) -> dict:
         return loop.finish()
     finally:
         cluster.shutdown()
+
+
+def _tasks(rows) -> list[tuple[int, dict, str]]:
+    """Rows as the training workers take them: (task index, row data, where it came from)."""
+    return [(r.index, r.data, r.where) for r in rows]

@@ -8,10 +8,8 @@ time into rank 0's host memory and writes a Hugging Face folder.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +17,7 @@ from torch import Tensor
 
 from gymv.backends.training.fsdp import FSDPTrainer
 from gymv.backends.training.hf_torch import HFTorchBackend, copy_hf_files
+from gymv.models.load import checkpoint_dtype
 from gymv.models.quiet import quiet_transformers
 
 
@@ -67,16 +66,6 @@ class HFFSDPBackend(HFTorchBackend):
         with quiet_transformers():
             self.trainer.model.save_pretrained(path, state_dict=full)
         copy_hf_files(self.setup.model_path, path)
-
-
-def checkpoint_dtype(path: str | os.PathLike) -> str | None:
-    """The dtype a checkpoint's config says its weights are stored in (`dtype`, or the older `torch_dtype`)."""
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    found = config.get("dtype") or config.get("torch_dtype")
-    return found if isinstance(found, str) else None
 
 
 def reference_dtype(stored: str | None, compute: torch.dtype | None) -> torch.dtype:
