@@ -63,6 +63,17 @@ def test_bfloat16_moments_follow_float32_adamw_closely():
     assert abs(float((w16 - target).norm()) - float((w32 - target).norm())) < 0.02 * float(target.norm())
 
 
+def test_the_cpu_step_in_slices_is_bit_identical_to_one_pass(monkeypatch):
+    import gymv.backends.training.adamw_bf16 as adamw_bf16
+
+    w_whole, _, opt_whole = _regression(AdamWBf16State, steps=20)
+    monkeypatch.setattr(adamw_bf16, "CPU_CHUNK", 24)  # 64 elements in slices of 24, 24 and 16
+    w_sliced, _, opt_sliced = _regression(AdamWBf16State, steps=20)
+    assert torch.equal(w_whole, w_sliced)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(next(iter(opt_whole.state.values()))[key], next(iter(opt_sliced.state.values()))[key])
+
+
 def test_a_nan_gradient_cancels_the_step_and_leaves_weights_moments_and_count_bit_identical():
     t = TorchTrainer(tiny_lm(0), logprob_fn, CONFIG)
     assert isinstance(t.optimizer, AdamWBf16State)

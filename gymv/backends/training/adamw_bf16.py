@@ -40,11 +40,12 @@ def _hash32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def round_stochastic(x: Tensor, key: int) -> Tensor:
+def round_stochastic(x: Tensor, key: int, start: int = 0) -> Tensor:
     """bfloat16 of float32 `x`, rounded away from or towards zero with probability proportional to the
-    distance (so its expectation is `x`); the 16 random bits per element are hashed from (key, index)."""
+    distance (so its expectation is `x`); the 16 random bits per element are hashed from (key, index), the
+    index counted from `start` (a chunk of a larger tensor draws the bits the whole tensor would)."""
     bits = x.contiguous().view(torch.int32).to(torch.int64) & _M32
-    index = torch.arange(x.numel(), dtype=torch.int64, device=x.device).view(x.shape)
+    index = torch.arange(start, start + x.numel(), dtype=torch.int64, device=x.device).view(x.shape)
     noise = _hash32((index * 0x9E3779B1 + (key & _M32)) & _M32) & 0xFFFF
     finite = torch.isfinite(x)
     rounded = ((bits + noise) & 0xFFFF0000)
@@ -89,6 +90,23 @@ def _triton_kernel():
 
     _KERNEL = adamw_bf16_step
     return _KERNEL
+
+
+CPU_CHUNK = 1 << 22
+
+
+def _chunks(weight: Tensor, grad: Tensor, m: Tensor, v: Tensor):
+    """(first element, weight, gradient, moments) in slices of CPU_CHUNK elements: the CPU step's
+    temporaries (float32 moments, 64-bit rounding bits) are then a few hundred MB, not ten times the largest
+    parameter (an 8B VLM's 545M-element embedding: over 20 GB at once, in the host memory that an offloaded
+    run's weights, gradients and moments already fill). One slice where a tensor is not contiguous."""
+    tensors = (weight, grad, m, v)
+    if not all(t.is_contiguous() for t in tensors) or weight.numel() <= CPU_CHUNK:
+        yield (0, *tensors)
+        return
+    flat = [t.view(-1) for t in tensors]
+    for start in range(0, weight.numel(), CPU_CHUNK):
+        yield (start, *(f[start:start + CPU_CHUNK] for f in flat))
 
 
 class AdamWBf16State(torch.optim.Optimizer):
@@ -153,13 +171,14 @@ class AdamWBf16State(torch.optim.Optimizer):
             return
         step.add_(1.0)
         n = float(step)
-        m32 = m.float().mul_(beta1).add_(grad.float(), alpha=1.0 - beta1)
-        v32 = v.float().mul_(beta2).addcmul_(grad.float(), grad.float(), value=1.0 - beta2)
-        denom = (v32.sqrt() / math.sqrt(1.0 - beta2**n)).add_(eps)
-        weight.mul_(decay).addcdiv_(m32, denom, value=-lr / (1.0 - beta1**n))
         key = self._key(index)
-        m.copy_(round_stochastic(m32, key))
-        v.copy_(round_stochastic(v32, key ^ 0x5BD1E995))
+        for start, w, g, mc, vc in _chunks(weight, grad, m, v):
+            m32 = mc.float().mul_(beta1).add_(g.float(), alpha=1.0 - beta1)
+            v32 = vc.float().mul_(beta2).addcmul_(g.float(), g.float(), value=1.0 - beta2)
+            denom = (v32.sqrt() / math.sqrt(1.0 - beta2**n)).add_(eps)
+            w.mul_(decay).addcdiv_(m32, denom, value=-lr / (1.0 - beta1**n))
+            mc.copy_(round_stochastic(m32, key, start))
+            vc.copy_(round_stochastic(v32, key ^ 0x5BD1E995, start))
 
     def _key(self, index: int) -> int:
         return (self.seed * 0x01000193 + self.calls * 0x9E3779B1 + index * 0x85EBCA6B) & 0x7FFFFFFF
