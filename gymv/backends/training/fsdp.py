@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +37,7 @@ from gymv.errors import GymvError
 from gymv.net import master_store
 from gymv.sections import FsdpSection, TrainingSection
 
+log = logging.getLogger(__name__)
 DCP_FOLDER = "dcp"
 # module names (path components) of the vision side of a VLM: kept replicated
 VISION_MODULES = frozenset({"vision_tower", "visual", "vision_model", "multi_modal_projector", "mm_projector"})
@@ -99,25 +101,30 @@ PINNED_EXACT_ABOVE_MB = 64
 _PINNED_KEYS = ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")
 
 
-def exact_pinned_sizes(above_mb: int = PINNED_EXACT_ABOVE_MB) -> bool:
-    """Pin host blocks over `above_mb` at their own size instead of the next power of two. torch's pinned
-    allocator rounds every block up for reuse, and offloaded weights and gradients are pinned tensor by tensor:
-    a 7B VLM's 272 MB MLP shards take 512 MB each, and its 33 GB of float32 weights took about 60 GB of host
-    memory, as much again for the gradients (an 8B run on a 128 GB host was stopped by the kernel's OOM killer).
-    Blocks over the size are not cached either (a cached block is reused for any request of its power of
-    two, so exact sizes must not be). A user's own PYTORCH_ALLOC_CONF pinned keys win; False where this torch
-    has no such setting (the rounding stays)."""
-    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    get_settings = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+def pins_exactly(above_mb: int = PINNED_EXACT_ABOVE_MB) -> bool:
+    """Whether a pinned host block over `above_mb` takes its own size, after asking torch's pinned allocator
+    for that (a CUDA process). Why: the allocator rounds every block up to a power of two for reuse, and
+    offloaded weights and gradients are pinned tensor by tensor: a 7B VLM's 272 MB MLP shards take 512 MB each,
+    its 33 GB of float32 weights about 55 GB of host memory and as much again for the gradients (an 8B run on
+    a 128 GB host was stopped for memory in its first training step). Blocks over the size are not cached
+    either (a cached block is handed to any request of its power of two, so exact blocks must not be). A torch
+    without the setting (it came after 2.11) says False, found by pinning one block and reading what it took;
+    so does a user's own PYTORCH_ALLOC_CONF pinned setting, which is left as it is."""
     env = os.environ.get("PYTORCH_ALLOC_CONF", "") + os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if set_settings is None or get_settings is None or any(k in env for k in _PINNED_KEYS):
+    if any(k in env for k in _PINNED_KEYS) or not torch.cuda.is_available():
         return False
-    current = get_settings()
-    if all(f"{k}:" in current for k in _PINNED_KEYS):
-        return True
     ours = ",".join(f"{k}:{above_mb}" for k in _PINNED_KEYS)
-    set_settings(f"{current},{ours}" if current else ours)
-    return True
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    try:
+        setter(ours)
+    except (RuntimeError, ValueError):
+        return False
+    size = (above_mb + above_mb // 2) * 2**20  # between two powers of two
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    probe = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    taken = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) - before
+    del probe
+    return taken == size
 
 
 def shard_model(model: torch.nn.Module, device: torch.device, autocast_dtype: torch.dtype | None,
@@ -135,8 +142,12 @@ def shard_model(model: torch.nn.Module, device: torch.device, autocast_dtype: to
     if mp is not None:
         kwargs["mp_policy"] = mp
     if sharding.cpu_offload:
-        exact_pinned_sizes()
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # pageable host memory where pinned blocks would round up: exact sizes, slower copies
+        pinned = pins_exactly()
+        if not pinned:
+            log.warning("training.fsdp.cpu_offload keeps the weights and gradients in pageable host memory (this "
+                        "torch rounds each pinned block up to a power of two, up to twice the memory)")
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pinned)
     for _, unit in shard_units(model):
         fully_shard(unit, **kwargs)
     embed = _separate_embedding(model)
