@@ -14,9 +14,9 @@ Memory, 8.29B parameters: float32 master weights 33 GB, their gradients 33 GB, A
 the generator's bfloat16 copy 17 GB: about 116 GB before activations, which leaves an H200 (141 GB) room for the
 trainer's micro-batches and the decoder's cache, and an 80 GB card none. The recipe's KL penalty would add a
 frozen float32 reference (33 GB more, over an H200's memory), so the runs go without it (`grpo.loss.kl_coef=0`;
-`--kl` keeps the recipe's). The offload variant holds those 100 GB in host memory instead, more than a 128 GB host
-spares beside the generator (an H100 host, 2026-12-06: the trainer was stopped by Ray's memory monitor at 112.6 GB
-while building).
+`--kl` keeps the recipe's). The offload variant holds those 100 GB in host memory instead, which a 128 GB host
+just holds at their own sizes (bench/README.md: pinned blocks rounded up to powers of two did not fit; pageable
+ones did, 95 GB, and the step was slow).
 
 Per variant: the median of steps 2..N of each `timing/*` phase, `token_mult_prob_error`, each worker's
 `memory/*_peak_gb` and `_reserved_gb` from the rows, and the card's peak memory in use while the run lasted
