@@ -16,7 +16,8 @@ Face folder). A run directory that already holds checkpoints is continued exactl
 with the difference (continue with --resume DIR, whose overrides are recorded in config_changes.jsonl, or
 pick a new name=). config.yaml is never rewritten. Overrides KEY=VALUE follow the recipe (docs/config.md).
 
-On a terminal: a progress bar; piped or redirected (a SLURM log): one plain line per step on stderr.
+On a terminal: a progress bar that names the phase under way; piped or redirected (a SLURM log): one plain
+line per step on stderr, and a line as each phase starts once a step runs 30 s or more.
 
 Examples:
 
@@ -60,6 +61,9 @@ def _clock(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}"
 
 
+LONG_STEP_S = 30.0  # in a log, the phases of a step are told once it (or the step before) runs this long
+
+
 def _display(live: bool | None = None):
     """Rich progress (and a spinner while Ray and the workers start) on a terminal; plain lines otherwise.
     Everything goes to stderr, so stdout stays clean for --json."""
@@ -84,6 +88,8 @@ def _display(live: bool | None = None):
             self.step = None
             self.total = None
             self.t0 = time.monotonic()
+            self.step_started = None  # (step, when its first phase started)
+            self.last_step_s = 0.0
 
         def _say(self, text: str, style: str = "dim") -> None:
             if not live:
@@ -127,6 +133,7 @@ def _display(live: bool | None = None):
             if self.total is None:
                 return
             self.step = step
+            self.last_step_s = float(metrics.get("timing/step_s", 0.0))
             if "val/accuracy" in metrics:
                 self._say(f"step {step}: val accuracy {metrics['val/accuracy']:.3f}  "
                           f"reward {metrics.get('val/reward_mean', float('nan')):.3f}", style="default")
@@ -141,6 +148,20 @@ def _display(live: bool | None = None):
                 self.warned = True
                 self._say(f"step {step}: token_mult_prob_error {err:.3f} > 1.05: the generator's "
                           "logprobs disagree with the trainer's (stale encoder cache? refit dtype?)", style="yellow")
+
+        def on_phase(self, step: int, name: str) -> None:
+            """A terminal's bar says what the step is doing; a log says it once a step is long (LONG_STEP_S),
+            so a step of minutes is not minutes of silence."""
+            now = time.monotonic()
+            if self.step_started is None or self.step_started[0] != step:
+                self.step_started = (step, now)
+            if live:
+                if self.task is not None:
+                    self.bar.update(self.task, info=f"step {step}: {name} ...")
+                return
+            into = now - self.step_started[1]
+            if max(into, self.last_step_s) >= LONG_STEP_S:
+                self._say(f"step {step}: {name} ({_clock(into)} into the step)")
 
         def on_checkpoint(self, step: int, path) -> None:
             self._say(f"checkpoint {path}")

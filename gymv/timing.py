@@ -16,7 +16,7 @@ driver's `take` moves them into the step's timer. So the names are made in one p
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 PREFIX, SUFFIX, RATE_SUFFIX = "timing/", "_s", "_per_s"
@@ -34,8 +34,9 @@ class PhaseTimer:
     is taken from several results) adds up; phases may nest (reference inside logprobs) or overlap (env inside
     generation): each is its own figure, and which of them stack is the reader's choice (gymv.report)."""
 
-    def __init__(self, started: float | None = None):
+    def __init__(self, started: float | None = None, on_phase: Callable[[str], None] | None = None):
         self.started = time.perf_counter() if started is None else started
+        self.on_phase = on_phase  # told each phase's name as it starts (a display: what a long step is doing)
         self.stopped: float | None = None
         self._seconds: dict[str, float] = {}
         self._rates: dict[str, tuple[float, str]] = {}
@@ -43,11 +44,17 @@ class PhaseTimer:
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time the block as phase `name`."""
+        self.announce(name)
         t0 = time.perf_counter()
         try:
             yield
         finally:
             self.add(name, time.perf_counter() - t0)
+
+    def announce(self, name: str) -> None:
+        """Phase `name` starts; for a phase timed elsewhere (a worker's), which `take` brings in later."""
+        if self.on_phase is not None:
+            self.on_phase(name)
 
     def add(self, name: str, seconds: float) -> None:
         """Seconds of phase `name` that were measured elsewhere (the rollout pipeline, across a step's calls)."""

@@ -19,6 +19,16 @@ def test_a_phase_is_the_seconds_of_its_block_under_timing_name_s():
     assert 0.0 < timer.metrics()["timing/refit_s"] <= outside
 
 
+def test_a_listener_hears_each_phase_as_it_starts_and_announced_ones_add_no_seconds():
+    heard = []
+    timer = PhaseTimer(on_phase=heard.append)
+    with timer.phase("generation"):
+        assert heard == ["generation"]  # told before the block runs, not after
+    timer.announce("training")
+    assert heard == ["generation", "training"]
+    assert set(timer.seconds) == {"generation"}
+
+
 def test_a_phase_run_twice_adds_up():
     timer = PhaseTimer()
     with timer.phase("refit"):

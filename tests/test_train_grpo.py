@@ -30,6 +30,10 @@ class Recorder(Reporter):
     def __init__(self):
         self.hashes: list[tuple[int, str, list[str]]] = []
         self.steps: list[int] = []
+        self.phases: list[tuple[int, str]] = []
+
+    def on_phase(self, step, name):
+        self.phases.append((step, name))
 
     def on_refit(self, step, cluster):
         trainer, generators = cluster.weight_hashes()
@@ -73,6 +77,14 @@ def test_every_timing_key_is_a_phase_of_the_steps_timer_and_lies_within_the_step
         assert r["timing/train_step_s"] <= r["timing/training_s"]
         inside = ("generation_s", "logprobs_s", "training_s", "refit_s")  # one after another within the step
         assert sum(r[f"timing/{k}"] for k in inside) <= r["timing/step_s"]
+
+
+def test_each_step_tells_the_reporter_its_phases_as_they_start(grpo_run):
+    _, rec, _ = grpo_run
+    for step in (1, 2, 3):
+        names = [name for s, name in rec.phases if s == step]
+        assert names[:3] == ["generation", "training", "refit"], names
+    assert [s for s, _ in rec.phases] == sorted(s for s, _ in rec.phases)
 
 
 def test_some_group_carries_signal_so_the_weights_change(grpo_run):

@@ -83,6 +83,7 @@ def run_sync(ctx: RunContext, cluster, section, loss_fn, make_batch: Callable[[l
         batch = make_batch(trajectories, timer)
 
         # 4. optimizer step(s)
+        timer.announce("training")
         train_metrics = timer.take(policy_update(cluster, cfg, batch.samples, batch.rewards, loss_fn,
                                                  section.seq_logprob_error_threshold))
 

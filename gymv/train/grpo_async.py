@@ -75,6 +75,7 @@ def run_async(ctx: RunContext, cluster, section, loss_fn, make_batch: Callable[[
         # 2-3. samples (advantages; MOPD: teacher scores of exactly these rows), optimizer step(s)
         batch = make_batch(trajectories, timer)
         t_train = time.time()
+        timer.announce("training")
         train_metrics = timer.take(policy_update(cluster, cfg, batch.samples, batch.rewards, loss_fn,
                                                  section.seq_logprob_error_threshold))
         timer.add("overlap", pipeline.overlap_s(t_train, time.time()))

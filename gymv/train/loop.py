@@ -16,6 +16,7 @@ validate, the metrics log, the rollout log, checkpoints and `checkpoint.steps_pe
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,7 @@ class TrainingLoop:
         started = None
         while self.step < self.max_steps and not self._stopping:
             self.step += 1
-            self.timer = PhaseTimer(started)
+            self.timer = PhaseTimer(started, on_phase=partial(self.ctx.reporter.on_phase, self.step))
             yield self.step, self.timer
             started = self.timer.stopped if back_to_back else None
 

@@ -39,6 +39,9 @@ class Reporter:
 
     def on_step(self, step: int, metrics: dict) -> None: ...
 
+    def on_phase(self, step: int, name: str) -> None:
+        """A phase of step `step` starts (generation, training, refit, validation, checkpoint, ...)."""
+
     def on_refit(self, step: int, cluster: Any) -> None: ...
 
     def on_checkpoint(self, step: int, path: Path) -> None: ...

@@ -41,6 +41,7 @@ def train_sft(ctx: RunContext, *, resume: bool) -> dict:
             batch = loop.data.next_batch(sft.batch_size)
             # the next step's rows, laid out by the workers while this step trains (the stream does not move)
             upcoming = loop.data.peek_batch(sft.batch_size) if step < loop.max_steps else []
+            timer.announce("training")
             metrics = timer.take(cluster.sft_step(_tasks(batch), loss_fn, _tasks(upcoming) or None))
             timer.rate("tokens", metrics.get("train/num_input_tokens", 0.0), per="training")
 
