@@ -745,6 +745,9 @@ def hf_generate_path(policy, mode: Mode, reqs) -> dict:
     return measure(mode, run)
 
 
+NOISE_ROWS = 8
+
+
 def parity(policy, static, reqs) -> dict:
     """The static decoder's greedy tokens against gymv's HF loop, and its sampled logprobs against the
     trainer's (token_mult_prob_error); on the timed batch (its compiled shapes)."""
@@ -766,8 +769,19 @@ def parity(policy, static, reqs) -> dict:
         train_lp = sequence_logprobs(policy.model, policy.adapter, batch, temperature=1.0).float().cpu()
     deltas = [train_lp[b, len(r.prompt_token_ids):len(r.prompt_token_ids) + len(o.token_ids)] - torch.tensor(o.logprobs)
               for b, (r, o) in enumerate(zip(reqs, outs))]
+    # the noise floor: the same model, dtype and tokens, each row scored alone instead of in the batch (only the
+    # padding and the kernels' reduction order differ); an error near it is the dtype's, not the decoder's
+    alone = []
+    for b, (r, o) in enumerate(list(zip(reqs, outs))[:NOISE_ROWS]):
+        one = right_pad([r.prompt_token_ids + o.token_ids], [r.images], policy.tokenizer.pad_token_id)
+        with torch.no_grad():
+            lp = sequence_logprobs(policy.model, policy.adapter, one, temperature=1.0).float().cpu()
+        n = len(r.prompt_token_ids)
+        alone.append(lp[0, n:n + len(o.token_ids)] - train_lp[b, n:n + len(o.token_ids)])
     return {"greedy_first_divergence_per_prompt": first[::GROUP], "greedy_tokens": len(new[0].token_ids),
-            "token_mult_prob_error": torch.exp(torch.cat(deltas).abs()).mean().item()}
+            "token_mult_prob_error": torch.exp(torch.cat(deltas).abs()).mean().item(),
+            "noise_floor_token_mult_prob_error": torch.exp(torch.cat(alone).abs()).mean().item(),
+            "noise_floor_rows": len(alone)}
 
 
 def decode(base, mode: Mode, layers: int, a, result: dict, save) -> None:
@@ -1003,6 +1017,11 @@ def report(result: dict, out_json: Path) -> None:
             if r.get("top_ops"):
                 print("      top operators: " + ", ".join(f"{o['op']} {o['self_ms']:.1f} ms ({o['share']:.0%})"
                                                         for o in r["top_ops"][:8]))
+            if r.get("parity"):
+                q = r["parity"]
+                print(f"      against the trainer's logprobs: token_mult_prob_error {q['token_mult_prob_error']:.4f} "
+                      f"(noise floor, rows scored alone: {q['noise_floor_token_mult_prob_error']:.4f}); greedy "
+                      f"first divergence per prompt {q['greedy_first_divergence_per_prompt']} of {q['greedy_tokens']}")
     print(f"wrote {out_json} in {result['wall_s']:.0f} s")
 
 
