@@ -23,7 +23,8 @@ Per variant: the median of steps 2..N of each `timing/*` phase, `token_mult_prob
 (nvidia-smi, sampled every 0.2 s: every process on the card, the generator's and the trainer's together). Random weights write to the token limit, so every step generates
 prompts x generations x --new-tokens tokens.
 
-Usage (one GPU; the bf16-moments variant needs about 110 GB, an H200):
+Usage (one GPU; the bf16-moments variant needs about 116 GB, an H200; the default picks it where the card
+holds it, else offload):
     python bench/gpu_grpo_7b.py --out /tmp/g7 [--variants bf16-moments,offload] [--steps 3]
 on a CPU, to check the script (a 3-layer model of the same classes):
     python bench/gpu_grpo_7b.py --cpu-smoke --out /tmp/g7
@@ -54,6 +55,18 @@ CPU = ["cluster.num_nodes=1", "cluster.gpus_per_node=0", "refit.transport=object
 VARIANTS = {"bf16-moments": ["training.optimizer_state_dtype=bfloat16"],
             "offload": ["training.optimizer_state_dtype=bfloat16", "training.fsdp.cpu_offload=true"]}
 PHASES = ["timing/step_s", "timing/generation_s", "timing/logprobs_s", "timing/training_s", "timing/refit_s"]
+
+
+FITS_GIB = 120  # the bf16-moments variant's ~116 GB of weights, gradients, moments and generator, and room to run
+
+
+def auto_variant() -> str:
+    """bf16-moments where the card holds it, else offload (the trainer's state in host memory)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory < FITS_GIB * 2**30:
+        return "offload"
+    return "bf16-moments"
 
 
 def build_model(out: Path, smoke: bool) -> tuple[Path, int]:
@@ -126,7 +139,8 @@ def summarize(variant: str, result: dict, peak_mib: int | None) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--variants", default="bf16-moments", help=f"comma-separated, from: {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default="auto", help=f"comma-separated, from: {', '.join(VARIANTS)}; auto: "
+                    f"bf16-moments on a card of {FITS_GIB} GiB or more (an H200), else offload")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--generations", type=int, default=8)
@@ -137,6 +151,8 @@ def main() -> None:
                     "33 GB more)")
     ap.add_argument("--cpu-smoke", action="store_true")
     a = ap.parse_args()
+    if a.variants == "auto":
+        a.variants = auto_variant()
     unknown = set(a.variants.split(",")) - set(VARIANTS)
     if unknown:
         sys.exit(f"unknown variant(s) {', '.join(sorted(unknown))}: use {', '.join(VARIANTS)}")

@@ -26,7 +26,7 @@ Parts (none named: --tests):
   --megatron       bench/gpu_megatron.py                           (needs megatron-core)
   --trl            bench/grpo_vs_trl.py --device cuda --repeats 1  (needs trl)
   --doorkey        bench/gpu_doorkey.py                            (SFT then multi-turn GRPO, ~9 min)
-  --grpo-7b        bench/gpu_grpo_7b.py                            (the Qwen2.5-VL-7B shape colocated; ~110 GB)
+  --grpo-7b        bench/gpu_grpo_7b.py                            (the 7B shape colocated: bf16-moments on an H200, else offload)
   --benches        every bench above
 
 Options:
