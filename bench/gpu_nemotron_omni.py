@@ -745,12 +745,10 @@ def hf_generate_path(policy, mode: Mode, reqs) -> dict:
     return measure(mode, run)
 
 
-NOISE_ROWS = 8
-
-
 def parity(policy, static, reqs) -> dict:
     """The static decoder's greedy tokens against gymv's HF loop, and its sampled logprobs against the
-    trainer's (token_mult_prob_error); on the timed batch (its compiled shapes)."""
+    trainer's (token_mult_prob_error), and both against the model in float32 (bf16's own error beside it); on
+    the timed batch (its compiled shapes)."""
     import torch
 
     from gymv.backends.generation.base import SamplingParams
@@ -767,21 +765,55 @@ def parity(policy, static, reqs) -> dict:
                       policy.tokenizer.pad_token_id)
     with torch.no_grad():
         train_lp = sequence_logprobs(policy.model, policy.adapter, batch, temperature=1.0).float().cpu()
-    deltas = [train_lp[b, len(r.prompt_token_ids):len(r.prompt_token_ids) + len(o.token_ids)] - torch.tensor(o.logprobs)
-              for b, (r, o) in enumerate(zip(reqs, outs))]
-    # the noise floor: the same model, dtype and tokens, each row scored alone instead of in the batch (only the
-    # padding and the kernels' reduction order differ); an error near it is the dtype's, not the decoder's
-    alone = []
-    for b, (r, o) in enumerate(list(zip(reqs, outs))[:NOISE_ROWS]):
-        one = right_pad([r.prompt_token_ids + o.token_ids], [r.images], policy.tokenizer.pad_token_id)
-        with torch.no_grad():
-            lp = sequence_logprobs(policy.model, policy.adapter, one, temperature=1.0).float().cpu()
-        n = len(r.prompt_token_ids)
-        alone.append(lp[0, n:n + len(o.token_ids)] - train_lp[b, n:n + len(o.token_ids)])
+    # bf16's own noise: both paths against the same model in float32 on the same tokens. On random weights
+    # with many experts rounding flips top-k choices; an error as large as the trainer's own is bf16's
+    lp32 = float32_logprobs(policy, batch)
+
+    def rows(lp):
+        return [lp[b, len(r.prompt_token_ids):len(r.prompt_token_ids) + len(o.token_ids)]
+                for b, (r, o) in enumerate(zip(reqs, outs))]
+
+    def error(a, b) -> float | None:
+        return None if a is None or b is None else torch.exp((torch.cat(a) - torch.cat(b)).abs()).mean().item()
+
+    ours, f32 = [torch.tensor(o.logprobs) for o in outs], (rows(lp32) if lp32 is not None else None)
     return {"greedy_first_divergence_per_prompt": first[::GROUP], "greedy_tokens": len(new[0].token_ids),
-            "token_mult_prob_error": torch.exp(torch.cat(deltas).abs()).mean().item(),
-            "noise_floor_token_mult_prob_error": torch.exp(torch.cat(alone).abs()).mean().item(),
-            "noise_floor_rows": len(alone)}
+            "token_mult_prob_error": error(ours, rows(train_lp)),
+            "static_vs_float32_token_mult_prob_error": error(ours, f32),
+            "trainer_vs_float32_token_mult_prob_error": error(rows(train_lp), f32)}
+
+
+def float32_logprobs(policy, batch):
+    """The trainer's logprobs of `batch` with the model cast to float32 in place and back (bf16 -> float32 ->
+    bf16 is exact; each tensor returns to its own dtype, the routers' float32 gates included); None where the
+    float32 copy does not fit."""
+    import torch
+
+    from gymv.backends.logprobs import sequence_logprobs
+
+    model = policy.model
+    tensors = [*model.parameters(), *model.buffers()]
+    dtypes = [t.dtype for t in tensors]
+    # transformers casts the pictures to the vision config's dtype
+    configs = list({id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values())
+    config_dtypes = [getattr(c, "dtype", None) for c in configs]
+    try:
+        for t in tensors:
+            if t.is_floating_point():
+                t.data = t.data.float()
+        for c in configs:
+            c.dtype = torch.float32
+        with torch.no_grad():
+            return sequence_logprobs(model, policy.adapter, batch, temperature=1.0).float().cpu()
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        for t, dtype in zip(tensors, dtypes):
+            t.data = t.data.to(dtype)
+        for c, dtype in zip(configs, config_dtypes):
+            c.dtype = dtype
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def decode(base, mode: Mode, layers: int, a, result: dict, save) -> None:
@@ -1019,9 +1051,12 @@ def report(result: dict, out_json: Path) -> None:
                                                         for o in r["top_ops"][:8]))
             if r.get("parity"):
                 q = r["parity"]
-                print(f"      against the trainer's logprobs: token_mult_prob_error {q['token_mult_prob_error']:.4f} "
-                      f"(noise floor, rows scored alone: {q['noise_floor_token_mult_prob_error']:.4f}); greedy "
-                      f"first divergence per prompt {q['greedy_first_divergence_per_prompt']} of {q['greedy_tokens']}")
+                f32 = (f"; against float32: the static decoder {q['static_vs_float32_token_mult_prob_error']:.4f}, "
+                       f"the trainer {q['trainer_vs_float32_token_mult_prob_error']:.4f}"
+                       if q.get("static_vs_float32_token_mult_prob_error") else "")
+                print(f"      against the trainer's logprobs: token_mult_prob_error {q['token_mult_prob_error']:.4f}"
+                      f"{f32}; greedy first divergence per prompt {q['greedy_first_divergence_per_prompt']} of "
+                      f"{q['greedy_tokens']}")
     print(f"wrote {out_json} in {result['wall_s']:.0f} s")
 
 
