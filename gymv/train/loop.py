@@ -87,7 +87,8 @@ class TrainingLoop:
         started = None
         while self.step < self.max_steps and not self._stopping:
             self.step += 1
-            self.timer = PhaseTimer(started, on_phase=partial(self.ctx.reporter.on_phase, self.step))
+            hook = getattr(self.ctx.reporter, "on_phase", None)  # a reporter written before the hook lacks it
+            self.timer = PhaseTimer(started, on_phase=partial(hook, self.step) if hook else None)
             yield self.step, self.timer
             started = self.timer.stopped if back_to_back else None
 
