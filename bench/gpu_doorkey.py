@@ -39,7 +39,14 @@ def run(name: str, recipe: Path, overrides: list[str], out: Path, timeout_s: flo
     """One fresh `gymv train` run in its own process (a run folder of that name from an earlier call is removed
     first, so its rows are never read as this run's); its metrics rows, whether it finished, and its wall time."""
     shutil.rmtree(out / name, ignore_errors=True)
-    code = "import sys; from gymv.train import train; train(sys.argv[1], sys.argv[2:])"
+    # the run's log tells each phase as it starts, with the seconds since launch: a step that never ends
+    # still says how far it got
+    code = ("import sys, time; from gymv.train import Reporter, train\n"
+            "class PhaseLog(Reporter):\n"
+            "    t0 = time.time()\n"
+            "    def on_phase(self, step, name): print(f'[{time.time() - self.t0:7.1f} s] step {step}: {name}', flush=True)\n"
+            "    def on_message(self, text): print(f'[{time.time() - self.t0:7.1f} s] {text}', flush=True)\n"
+            "train(sys.argv[1], sys.argv[2:], reporter=PhaseLog())")
     args = [sys.executable, "-c", code, str(recipe), f"name={name}", f"checkpoint.dir={out}", *overrides]
     t0 = time.time()
     with open(out / f"{name}.log", "w") as log:
