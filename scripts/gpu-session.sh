@@ -183,7 +183,7 @@ for part in "${parts[@]}"; do
       run_bench gpu_doorkey "$PY" bench/gpu_doorkey.py --out "$work/doorkey" --sft-timeout 180 --grpo-timeout 320
       cp "$work/doorkey/doorkey.json" "$work/doorkey/doorkey.png" "$res/" 2>/dev/null || true ;;
     grpo-7b)
-      run_bench gpu_grpo_7b "$PY" bench/gpu_grpo_7b.py --out "$work/grpo7b" --run-timeout 420
+      run_bench gpu_grpo_7b "$PY" bench/gpu_grpo_7b.py --out "$work/grpo7b" --run-timeout $((part_timeout - 60))
       cp "$work/grpo7b/gpu_grpo_7b.json" "$res/" 2>/dev/null || true ;;
   esac
 done
