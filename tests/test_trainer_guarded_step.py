@@ -224,3 +224,38 @@ def test_offloaded_fsdp2_shards_stay_bit_identical_on_a_nan_loss(tmp_path):
     got = torch.load(tmp_path / "r.pt", weights_only=False)
     assert "non-finite loss" in got["raised"]
     assert_identical(got["before"], got["after"])
+
+
+def _offload_against_device_worker(rank: int, port: int, out: str) -> None:
+    from gymv.backends.training.fsdp import FSDPTrainer
+    from gymv.backends.training.process_group import leave_process_group
+    from gymv.sections import FsdpSection
+    from test_trainer_fsdp import tiny_stack
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        weights = {}
+        for offload in (False, True):
+            torch.manual_seed(0)
+            t = FSDPTrainer(tiny_stack(), logprob_fn, CONFIG.model_copy(update={"fsdp": FsdpSection(cpu_offload=offload)}),
+                            device="cuda")
+            for seed in (10, 11, 12):
+                t.train_step(make_samples(6, seed=seed), PolicyLoss())
+            weights[offload] = snapshot(t)[0]
+        torch.save(weights, out)
+    finally:
+        leave_process_group()
+
+
+@pytest.mark.gpu
+def test_offloaded_fsdp2_steps_land_where_on_device_steps_land(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_offload_against_device_worker, args=(port, str(tmp_path / "w.pt")), nprocs=1, join=True)
+    got = torch.load(tmp_path / "w.pt", weights_only=False)
+    on_device, offloaded = got[False], got[True]
+    assert on_device.keys() == offloaded.keys()
+    for k in on_device:  # the optimizer steps on the host (foreach) instead of the card (fused): rounding apart
+        torch.testing.assert_close(offloaded[k], on_device[k], rtol=1e-5, atol=1e-6, msg=k)
