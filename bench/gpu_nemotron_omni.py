@@ -101,7 +101,12 @@ TINY_VISION = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, m
 TINY_OMNI = dict(vision_hidden_size=32, projector_hidden_size=128)
 GROUP = 8
 DECODE_BATCH = 64
-HBM_TBPS = 4.8  # H200 HBM3e, the data sheet's figure
+HBM_TBPS = {"H200": 4.8, "H100": 3.35}  # HBM bandwidth, TB/s, the data sheets' figures (H100: SXM)
+
+
+def hbm_tbps(device_name: str) -> float:
+    """The card's HBM bandwidth by its name; an H200's where the name is not known (say so with --hbm-tbps)."""
+    return next((tbps for card, tbps in HBM_TBPS.items() if card in device_name), HBM_TBPS["H200"])
 # the layers part on a CPU: widths a CPU runs in seconds, the Nano's shape otherwise
 CPU_LAYER_TEXT = dict(NANO_TEXT, hidden_size=256, mamba_num_heads=8, mamba_head_dim=32, n_groups=2,
                       ssm_state_size=32, chunk_size=64, n_routed_experts=32, num_experts_per_tok=4,
@@ -826,7 +831,8 @@ def decode(base, mode: Mode, layers: int, a, result: dict, save) -> None:
                         "new_tokens": mode.new_tokens, "prompt_tokens": len(reqs[0].prompt_token_ids),
                         "params": param_counts(policy.model), "rows": [],
                         "limit": decode_limit(policy.model, a.decode_batch,
-                                              len(reqs[0].prompt_token_ids) + mode.new_tokens // 2, a.hbm_tbps)}
+                                              len(reqs[0].prompt_token_ids) + mode.new_tokens // 2,
+                                              a.hbm_tbps or hbm_tbps(result.get("device", "")))}
     for path in a.paths.split(","):
         row = {"path": path}
         if time.time() - a.t0 > a.budget_s:
@@ -884,7 +890,8 @@ def main() -> None:
     ap.add_argument("--layer-reps", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="the trainer step's time by layer kind (the megatron "
                     "path and the static decoder: the operators with the most device time)")
-    ap.add_argument("--hbm-tbps", type=float, default=HBM_TBPS, help="HBM bandwidth for the decode limit")
+    ap.add_argument("--hbm-tbps", type=float, help="HBM bandwidth for the decode limit (default: the card's, "
+                    f"by name: {HBM_TBPS}; an H200's for another card)")
     ap.add_argument("--no-parity", action="store_true")
     ap.add_argument("--budget-s", type=float, default=400.0, help="start no decode path after this many seconds")
     a = ap.parse_args()

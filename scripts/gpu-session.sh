@@ -20,6 +20,7 @@ Parts (none named: --tests):
   --tests-file F   only the gpu-marked tests of F (repeatable), e.g. tests/test_gpu_train_e2e.py
   --omni           bench/gpu_nemotron_omni.py --device cuda        (Nemotron 3 Nano Omni layers, train, decode)
   --omni-profile   the same, profiled: 13-layer decode (static, hf_generate) and 3-layer trainers (gymv, megatron)
+  --omni-decode52  the full 52-layer decode, bf16, batch 64 (static, hf_generate; about 65 GB of weights)
   --refit-check    bench/refit_check.py --device cuda --steps 6    (refit digests, the 0.8B GRPO step)
   --grpo           bench/gpu_grpo.py, colocated on one GPU, 3 steps (two GPUs: the separate layout too)
   --fsdp2-train    bench/gpu_train.py --shapes 0.8b                (the fsdp2 trainer step)
@@ -52,8 +53,8 @@ res=${OUT:-bench/results/gpu-session}
 while [[ $# -gt 0 ]]; do
   case $1 in
     -h|--help) usage; exit 0 ;;
-    --tests|--omni|--omni-profile|--refit-check|--grpo|--fsdp2-train|--megatron|--trl|--doorkey|--grpo-7b) parts+=("${1#--}") ;;
-    --benches) parts+=(omni omni-profile refit-check grpo fsdp2-train megatron trl doorkey grpo-7b) ;;
+    --tests|--omni|--omni-profile|--omni-decode52|--refit-check|--grpo|--fsdp2-train|--megatron|--trl|--doorkey|--grpo-7b) parts+=("${1#--}") ;;
+    --benches) parts+=(omni omni-profile omni-decode52 refit-check grpo fsdp2-train megatron trl doorkey grpo-7b) ;;
     --tests-file) files+=("$2"); parts+=(tests); shift ;;
     -k) kexpr=$2; shift ;;
     --test-timeout) test_timeout=$2; shift ;;
@@ -167,6 +168,8 @@ for part in "${parts[@]}"; do
         run_bench "omni_train_${path}_profile" "$PY" bench/gpu_nemotron_omni.py --device cuda --out "$work/omni" \
           --part train --train-paths "$path" --train-layers 3 --profile --json "$res/omni_train_${path}_profile.json"
       done ;;
+    omni-decode52) run_bench omni_decode52 "$PY" bench/gpu_nemotron_omni.py --device cuda --out "$work/omni" \
+                     --part decode --decode-layers 52 --paths static,hf_generate --json "$res/omni_decode52.json" ;;
     refit-check) run_bench refit_check "$PY" bench/refit_check.py --device cuda --steps 6 --work "$work/refit" \
                    --out "$res/refit_check.json" ;;
     grpo)
