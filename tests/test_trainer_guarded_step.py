@@ -2,13 +2,11 @@
 fused AdamW's step on the device (weights, moments and step count bit-identical), the foreach path refuses it
 before stepping, and a normal step is plain AdamW after clip_grad_norm_, bit for bit."""
 
-import socket
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from gymv.algorithms.loss_fns import PolicyLoss, SFTLoss
 from gymv.backends.training.base import GlobalCounts
@@ -16,6 +14,7 @@ from gymv.backends.training.micro_batches import pad_collate
 from gymv.backends.training.torch_trainer import TorchTrainer
 from gymv.errors import GymvError
 from gymv.sections import TrainingSection
+from megatron_helpers import spawn_ranks
 from tiny_lm import VOCAB, logprob_fn, make_samples, tiny_lm
 
 CONFIG = TrainingSection(lr=1e-2, eps=1e-3, weight_decay=0.01, max_grad_norm=0.05, micro_batch_tokens=24,
@@ -191,17 +190,22 @@ def test_a_nan_loss_leaves_cuda_fused_state_bit_identical():
     assert_identical(before, snapshot(t))
 
 
-def _offload_worker(rank: int, port: int, out: str) -> None:
+def _offloaded_trainer(offload: bool = True):
     from gymv.backends.training.fsdp import FSDPTrainer
     from gymv.sections import FsdpSection
-    from gymv.backends.training.process_group import leave_process_group
     from test_trainer_fsdp import tiny_stack
 
+    return FSDPTrainer(tiny_stack(), logprob_fn, CONFIG.model_copy(update={"fsdp": FsdpSection(cpu_offload=offload)}),
+                       device="cuda")
+
+
+def _nan_after_offloaded_step(rank: int, world: int, port: int) -> dict:
+    from gymv.backends.training.process_group import leave_process_group
+
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        t = FSDPTrainer(tiny_stack(), logprob_fn, CONFIG.model_copy(update={"fsdp": FsdpSection(cpu_offload=True)}),
-                        device="cuda")
+        t = _offloaded_trainer()
         t.train_step(make_samples(6, seed=10), PolicyLoss())
         before = snapshot(t)
         try:
@@ -209,52 +213,39 @@ def _offload_worker(rank: int, port: int, out: str) -> None:
             raised = None
         except GymvError as e:
             raised = str(e)
-        after = snapshot(t)
-        torch.save({"raised": raised, "before": before, "after": after}, out)
+        return {"raised": raised, "before": before, "after": snapshot(t)}
     finally:
         leave_process_group()
 
 
 @pytest.mark.gpu
-def test_offloaded_fsdp2_shards_stay_bit_identical_on_a_nan_loss(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_offload_worker, args=(port, str(tmp_path / "r.pt")), nprocs=1, join=True)
-    got = torch.load(tmp_path / "r.pt", weights_only=False)
+def test_offloaded_fsdp2_shards_stay_bit_identical_on_a_nan_loss():
+    (got,) = spawn_ranks(_nan_after_offloaded_step, 1)
     assert "non-finite loss" in got["raised"]
     assert_identical(got["before"], got["after"])
 
 
-def _offload_against_device_worker(rank: int, port: int, out: str) -> None:
-    from gymv.backends.training.fsdp import FSDPTrainer
+def _weights_with_and_without_offload(rank: int, world: int, port: int) -> dict:
     from gymv.backends.training.process_group import leave_process_group
-    from gymv.sections import FsdpSection
-    from test_trainer_fsdp import tiny_stack
 
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         weights = {}
         for offload in (False, True):
             torch.manual_seed(0)
-            t = FSDPTrainer(tiny_stack(), logprob_fn, CONFIG.model_copy(update={"fsdp": FsdpSection(cpu_offload=offload)}),
-                            device="cuda")
+            t = _offloaded_trainer(offload)
             for seed in (10, 11, 12):
                 t.train_step(make_samples(6, seed=seed), PolicyLoss())
             weights[offload] = snapshot(t)[0]
-        torch.save(weights, out)
+        return weights
     finally:
         leave_process_group()
 
 
 @pytest.mark.gpu
-def test_offloaded_fsdp2_steps_land_where_on_device_steps_land(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_offload_against_device_worker, args=(port, str(tmp_path / "w.pt")), nprocs=1, join=True)
-    got = torch.load(tmp_path / "w.pt", weights_only=False)
+def test_offloaded_fsdp2_steps_land_where_on_device_steps_land():
+    (got,) = spawn_ranks(_weights_with_and_without_offload, 1)
     on_device, offloaded = got[False], got[True]
     assert on_device.keys() == offloaded.keys()
     for k in on_device:  # the optimizer steps on the host (foreach) instead of the card (fused): rounding apart

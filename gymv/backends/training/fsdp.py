@@ -108,8 +108,8 @@ def pins_exactly(above_mb: int = PINNED_EXACT_ABOVE_MB) -> bool:
     its 33 GB of float32 weights about 55 GB of host memory and as much again for the gradients (an 8B run on
     a 128 GB host was stopped for memory in its first training step). Blocks over the size are not cached
     either (a cached block is handed to any request of its power of two, so exact blocks must not be). A torch
-    without the setting (2.11 has none; 2.13 has it) says False, found by pinning one block and reading what it took;
-    so does a user's own PYTORCH_ALLOC_CONF pinned setting, which is left as it is."""
+    without the setting (2.11 has none; 2.13 has it) says False, found by pinning one block and reading what
+    it took; so does a user's own PYTORCH_ALLOC_CONF pinned setting, which is left as it is."""
     env = os.environ.get("PYTORCH_ALLOC_CONF", "") + os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if any(k in env for k in _PINNED_KEYS) or not torch.cuda.is_available():
         return False
