@@ -16,7 +16,8 @@ trainer's micro-batches and the decoder's cache, and an 80 GB card none. The rec
 frozen float32 reference (33 GB more, over an H200's memory), so the runs go without it (`grpo.loss.kl_coef=0`;
 `--kl` keeps the recipe's). The offload variant holds those 100 GB in host memory instead, which a 128 GB host
 just holds at their own sizes (bench/README.md: pinned blocks rounded up to powers of two did not fit; pageable
-ones did, 95 GB, and the step was slow).
+ones did, 95 GB). The runs write no checkpoint (`checkpoint.enabled=false`): the trainer's state, 66 GB of
+float32 weights and moments, is more than a GPU machine's scratch disk held.
 
 Per variant: the median of steps 2..N of each `timing/*` phase, `token_mult_prob_error`, each worker's
 `memory/*_peak_gb` and `_reserved_gb` from the rows, and the card's peak memory in use while the run lasted
@@ -164,7 +165,7 @@ def main() -> None:
     common = [f"model.path={model}", f"grpo.max_steps={a.steps}", f"grpo.prompts_per_step={a.prompts}",
               f"grpo.generations_per_prompt={a.generations}", f"generation.max_new_tokens={a.new_tokens}",
               "grpo.val_period=0", "grpo.val_at_start=false", "data.prepare.n_train=64", "data.prepare.n_eval=8",
-              f"checkpoint.period={a.steps + 1}", "model.max_seq_len=2048"] + ([] if a.kl else ["grpo.loss.kl_coef=0"])
+              "checkpoint.enabled=false", "model.max_seq_len=2048"] + ([] if a.kl else ["grpo.loss.kl_coef=0"])
     results = []
     for v in a.variants.split(","):
         extra = [o for o in VARIANTS[v] if not (a.cpu_smoke and "cpu_offload" in o)]

@@ -95,16 +95,24 @@ _FIXES = {errno.ENOSPC: "free disk space", errno.EDQUOT: "free disk space (quota
           errno.ENAMETOOLONG: "use a shorter path", errno.EROFS: "write to a writable disk"}
 
 
+# how writers without an errno say a write came short: torch.save ("file write failed"; its zip writer's
+# "unexpected pos" when a write it did not check came short), safetensors' "failed writing"
+_WRITE_FAILED = ("file write failed", "failed writing", "unexpected pos")
+# a disk with less free than this after such a failure was filled by it (the writer's partial files are still
+# there when it is asked); a large file that came short leaves at most its last write's size
+LOW_SPACE_BYTES = 64 * 2**20
+
+
 def as_write_failure(e: BaseException, path: str | os.PathLike) -> OSError | None:
     """The disk's refusal behind `e`, as an OSError, or None when `e` is something else. Writers report it
     their own ways: an OSError; safetensors as text ending "(os error 28)"; torch.save as "file write failed",
-    with no errno at all (then the disk holding `path` is asked: read-only, or no space left)."""
+    with no errno at all (then the disk holding `path` is asked: read-only, or under LOW_SPACE_BYTES free)."""
     if isinstance(e, OSError):
         return e if is_write_failure(e) else None
     text = str(e)
     m = re.search(r"\(os error (\d+)\)", text)
     code = int(m.group(1)) if m else None
-    if code is None and ("file write failed" in text or "failed writing" in text):
+    if code is None and any(mark in text for mark in _WRITE_FAILED):
         folder = Path(path)
         while not folder.exists() and folder != folder.parent:
             folder = folder.parent
@@ -112,7 +120,8 @@ def as_write_failure(e: BaseException, path: str | os.PathLike) -> OSError | Non
             st = os.statvfs(folder)
         except OSError:
             return None
-        code = errno.EROFS if st.f_flag & os.ST_RDONLY else errno.ENOSPC if st.f_bavail == 0 else None
+        low = st.f_bavail * st.f_frsize < LOW_SPACE_BYTES
+        code = errno.EROFS if st.f_flag & os.ST_RDONLY else errno.ENOSPC if low else None
     if code is None:
         return None
     err = OSError(code, os.strerror(code), str(path))

@@ -265,10 +265,20 @@ class ClusterSection(Section):
 
 class CheckpointSection(Section):
     dir: str = "runs"
+    # false: no checkpoint is written (a throwaway run or a benchmark whose state the disk cannot hold); a
+    # crash or a restart then begins again at step 1, and the final model is still exported
+    enabled: bool = True
     period: PosInt = 10
     keep: PosInt = 2
     resume: bool = True
     steps_per_run: PosInt | None = None
+
+    @model_validator(mode="after")
+    def _stops_at_a_checkpoint(self) -> "CheckpointSection":
+        if not self.enabled and self.steps_per_run is not None:
+            raise ValueError("steps_per_run stops a run at a checkpoint for the next run to resume from, and "
+                             "enabled: false writes none; set enabled: true or drop steps_per_run")
+        return self
 
 
 class LoggerSection(Section):

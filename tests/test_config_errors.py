@@ -118,6 +118,12 @@ def test_a_compatibility_error_points_at_the_offending_key(tmp_path):
     assert "importance_sampling.kind is 'none'" in e.message and e.where.endswith("r.yaml:2")
 
 
+def test_steps_per_run_with_checkpoints_off_is_refused_naming_both_keys(tmp_path):
+    p = write(tmp_path, "r.yaml", "algorithm: grpo\ncheckpoint:\n  enabled: false\n  steps_per_run: 2\n")
+    e = error(p)
+    assert "steps_per_run" in e.message and "enabled: true" in e.message
+
+
 @pytest.mark.parametrize("entry", ["/etc/passwd", "../../../../../../../../etc/passwd"])
 def test_a_default_outside_the_recipe_tree_is_refused_naming_the_allowed_roots(tmp_path, entry):
     p = write(tmp_path, "recipes/vlm/r.yaml", f"defaults: {entry}\n")

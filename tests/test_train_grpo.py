@@ -178,6 +178,26 @@ def test_a_cosine_schedule_ends_the_run_at_its_floor(tmp_path):
     assert lrs == pytest.approx([1e-3, 0.55e-3, 0.1e-3])  # steps 1, 2, 3 of 3
 
 
+def test_a_run_with_checkpoints_off_writes_none_says_so_and_still_exports_the_final_model(tmp_path):
+    class Messages(Recorder):
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def on_message(self, text):
+            self.messages.append(text)
+
+    settings = tiny_grpo_settings(tmp_path, tiny_path("tiny-llava"), **{"checkpoint.enabled": False,
+                                                                         "checkpoint.period": 1})
+    rec = Messages()
+    summary = train(write_recipe(tmp_path, "no-ckpt", "vlm_grpo.yaml", settings), reporter=rec)
+    run = tmp_path / "runs" / "no-ckpt"
+    assert summary["complete"] and rec.steps == [1, 2, 3]
+    assert not list(run.glob("checkpoints/step_*"))
+    assert any("checkpoint.enabled: false" in m for m in rec.messages)
+    assert (run / "final" / "config.json").exists()
+
+
 class KillTrainer(Recorder):
     """Kills the training worker's process at one refit (a crash, an OOM kill), once."""
 

@@ -86,6 +86,7 @@ KEYS: dict[str, str] = {
     # checkpointing, logger
     "checkpointing.checkpoint_dir": "checkpoint.dir",
     "checkpointing.save_period": "checkpoint.period",
+    "checkpointing.enabled": "checkpoint.enabled",
     "checkpointing.keep_top_k": "checkpoint.keep (gymv keeps the newest, not the best)",
     "logger.tensorboard_enabled": "logger.tensorboard",
     "logger.wandb_enabled": "logger.wandb",
@@ -194,7 +195,6 @@ NO_KEY: dict[str, str] = {
     "loss_fn.sequence_level_importance_ratios": "gymv's ratios are per token (importance_sampling.kind "
                                                 "seq_mask_tis drops whole sequences)",
     # checkpointing
-    "checkpointing.enabled": "gymv always checkpoints, every checkpoint.period steps",
     "checkpointing.metric_name": "gymv keeps the newest checkpoints (checkpoint.keep), not the best",
     "checkpointing.higher_is_better": "gymv keeps the newest checkpoints (checkpoint.keep), not the best",
     "checkpointing.checkpoint_must_save_by": "gymv stops after checkpoint.steps_per_run steps, not at a deadline",

@@ -164,6 +164,9 @@ class Checkpointer:
         """(the restored checkpoint or None, the step to continue from, the training rows' stream at its
         position); a restored policy's weights also go to the generation workers."""
         record_placement(self.ctx, cluster)
+        if not self.ctx.cfg.checkpoint.enabled:
+            self.ctx.reporter.on_message("checkpoints are off (checkpoint.enabled: false): a crash or a restart "
+                                         "begins again at step 1")
         restored = self.resume(resume)
         step = restored.step if restored else 0
         cfg = self.ctx.cfg
@@ -179,7 +182,8 @@ class Checkpointer:
         self.steps_run += 1
         limit = self.ctx.cfg.checkpoint.steps_per_run
         stopping = limit is not None and self.steps_run >= limit
-        if should_checkpoint(step, self.ctx.cfg.checkpoint.period, max_steps, stopping):
+        if self.ctx.cfg.checkpoint.enabled and should_checkpoint(step, self.ctx.cfg.checkpoint.period, max_steps,
+                                                                  stopping):
             self.save(step, position)
         return stopping
 

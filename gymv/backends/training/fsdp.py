@@ -17,6 +17,7 @@ other number of ranks (DCP reshards on load).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -198,6 +199,22 @@ def _full(t: Tensor, device: torch.device) -> Tensor:
     return t.full_tensor()
 
 
+@contextlib.contextmanager
+def rank_failure_raised() -> Iterator[None]:
+    """DCP's CheckpointException as the first failing rank's own exception. Why: it derives from
+    BaseException, which passes every `except Exception` (the checkpoint writer's test for a full disk among
+    them) and made a disk that filled mid-save read as "unexpected pos 704 vs 598" with no cause."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        failures = getattr(e, "failures", None) or {}
+        if not failures:
+            raise RuntimeError(str(e)) from None
+        raise failures[min(failures)][0] from None
+
+
 class FSDPTrainer(TorchTrainer):
     """TorchTrainer whose model is sharded with FSDP2 over the default process group (see the module doc)."""
 
@@ -353,7 +370,8 @@ class FSDPTrainer(TorchTrainer):
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        dcp.save(self._dcp_state(), checkpoint_id=str(path / DCP_FOLDER))
+        with rank_failure_raised():
+            dcp.save(self._dcp_state(), checkpoint_id=str(path / DCP_FOLDER))
         if self.rank == 0:
             tmp = path / f".{TRAINER_FILE}.tmp"
             tmp.write_text(json.dumps({"steps": self.steps, "config": self.config.model_dump(mode="json"),
@@ -377,7 +395,8 @@ class FSDPTrainer(TorchTrainer):
         saved = {k[len(prefix):].rsplit(".", 1)[0] for k in dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
                  if k.startswith(prefix)}
         state["optimizer"]["state"] = {k: v for k, v in state["optimizer"]["state"].items() if k in saved}
-        dcp.load(state, checkpoint_id=folder)
+        with rank_failure_raised():
+            dcp.load(state, checkpoint_id=folder)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(strict=False))
         for name, p in self.model.named_parameters():
