@@ -390,7 +390,9 @@ def test_cli_json_lists_every_recipe(tmp_path, gymv):
 
 def test_an_error_about_the_resolved_recipe_also_names_the_recipe_line_that_wrote_the_key(tmp_path):
     p = prepared(tmp_path, REPO / "recipes/vlm/vlm_grpo-tinyllava-1n0g-torch-async-1off.yaml")
-    line = next(i for i, text in enumerate(p.config_file.read_text().splitlines(), 1) if "enabled: true" in text)
+    lines = p.config_file.read_text().splitlines()
+    after = next(i for i, text in enumerate(lines) if text.strip() == "async:")
+    line = next(i for i, text in enumerate(lines[after:], after + 1) if "enabled: true" in text)
     said = p.explain(f"{p.config_file}:{line}: async GRPO is not implemented")
     assert said == (f"recipes/vlm/vlm_grpo-tinyllava-1n0g-torch-async-1off.yaml:7 (run as {p.config_file}:{line}): "
                     "async GRPO is not implemented")
