@@ -98,6 +98,32 @@ def test_the_cpu_step_in_slices_is_bit_identical_to_one_pass(monkeypatch):
         assert torch.equal(next(iter(opt_whole.state.values()))[key], next(iter(opt_sliced.state.values()))[key])
 
 
+def test_the_cpu_step_with_its_slices_across_threads_is_bit_identical_to_one_thread(monkeypatch):
+    import gymv.backends.training.adamw_bf16 as adamw_bf16
+
+    monkeypatch.setattr(adamw_bf16, "CPU_CHUNK", 24)  # 64 elements: three slices
+    torch.manual_seed(0)
+    grads = [torch.randn(64) for _ in range(20)]
+
+    def steps(threads: int) -> tuple[torch.Tensor, dict]:
+        w = torch.nn.Parameter(torch.zeros(64))
+        opt = AdamWBf16State([w], lr=1e-2, weight_decay=0.01)
+        torch.set_num_threads(threads)
+        for g in grads:
+            w.grad = g.clone()
+            opt.step()
+        assert torch.get_num_threads() == threads  # the step hands torch its threads back
+        return w.detach(), opt.state[w]
+
+    before = torch.get_num_threads()
+    try:
+        (w_one, s_one), (w_three, s_three) = steps(1), steps(3)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(w_one, w_three)
+    assert torch.equal(s_one["exp_avg"], s_three["exp_avg"]) and torch.equal(s_one["exp_avg_sq"], s_three["exp_avg_sq"])
+
+
 def test_a_nan_gradient_cancels_the_step_and_leaves_weights_moments_and_count_bit_identical():
     t = TorchTrainer(tiny_lm(0), logprob_fn, CONFIG)
     assert isinstance(t.optimizer, AdamWBf16State)
