@@ -319,3 +319,41 @@ def test_a_short_write_reported_without_an_errno_reads_as_a_full_disk_only_when_
     fill(disk)
     refused = as_write_failure(short, disk / "x")
     assert refused is not None and refused.strerror == "No space left on device"
+
+
+def test_a_checkpoint_bigger_than_the_free_space_is_told_at_the_launch_with_the_fix(small_disk):
+    from gymv.runs.checkpoint import disk_room_warning
+
+    said = disk_room_warning(small_disk / "run" / "checkpoints", 8 * 10**6, keep=2)  # 8 MB on a 4 MB disk
+    assert said is not None and "about 0.0 GB" not in said and "the first checkpoint will not be written" in said
+    assert str(small_disk) in said and "checkpoint.enabled: false" in said
+
+
+def test_room_for_one_checkpoint_but_not_for_those_kept_at_once_is_told_too(small_disk):
+    from gymv.runs.checkpoint import disk_room_warning
+
+    said = disk_room_warning(small_disk / "run" / "checkpoints", 2 * 10**6, keep=2)  # 3 x 2 MB on a 4 MB disk
+    assert said is not None and "up to 3 are on disk at once" in said and "a later checkpoint will not fit" in said
+    assert disk_room_warning(small_disk / "run" / "checkpoints", 10**6, keep=2) is None  # 3 x 1 MB fit
+
+
+def test_checkpoints_already_on_the_disk_count_as_taken_room(small_disk):
+    from gymv.runs.checkpoint import disk_room_warning
+
+    mgr, t = CheckpointManager(small_disk / "run" / "checkpoints", keep=2), new_trainer()
+    mgr.save(1, t, DataPosition())
+    mgr.save(2, t, DataPosition())
+    one = sum(f.stat().st_size for f in (mgr.directory / "step_2").rglob("*") if f.is_file())
+    free = __import__("shutil").disk_usage(small_disk).free
+    assert disk_room_warning(mgr.directory, min(free, one), keep=2) is None  # a third needs room for one only
+
+
+def test_a_trainers_checkpoint_size_is_known_before_its_first_step_and_matches_what_it_writes(tmp_path):
+    t = new_trainer()
+    before = t.checkpoint_bytes()
+    train(t, 1)
+    assert t.checkpoint_bytes() == before  # the moments the first step creates were counted
+    t.save(tmp_path)
+    written = (tmp_path / "model.safetensors").stat().st_size + (tmp_path / "optimizer.pt").stat().st_size
+    tensors = len(t.model.state_dict()) + 3 * len(t.params)  # weights; two moments and a count each
+    assert before <= written < before + 1024 * tensors  # the files add their headers, under 1 KB a tensor

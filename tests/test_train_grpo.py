@@ -178,15 +178,16 @@ def test_a_cosine_schedule_ends_the_run_at_its_floor(tmp_path):
     assert lrs == pytest.approx([1e-3, 0.55e-3, 0.1e-3])  # steps 1, 2, 3 of 3
 
 
+class Messages(Recorder):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def on_message(self, text):
+        self.messages.append(text)
+
+
 def test_a_run_with_checkpoints_off_writes_none_says_so_and_still_exports_the_final_model(tmp_path):
-    class Messages(Recorder):
-        def __init__(self):
-            super().__init__()
-            self.messages = []
-
-        def on_message(self, text):
-            self.messages.append(text)
-
     settings = tiny_grpo_settings(tmp_path, tiny_path("tiny-llava"), **{"checkpoint.enabled": False,
                                                                          "checkpoint.period": 1})
     rec = Messages()
@@ -196,6 +197,22 @@ def test_a_run_with_checkpoints_off_writes_none_says_so_and_still_exports_the_fi
     assert not list(run.glob("checkpoints/step_*"))
     assert any("checkpoint.enabled: false" in m for m in rec.messages)
     assert (run / "final" / "config.json").exists()
+
+
+def test_a_checkpoint_disk_too_small_is_told_at_the_launch_and_the_run_stops_at_its_first_checkpoint(
+        tmp_path, tmpfs, monkeypatch):
+    from gymv.errors import GymvError
+    from gymv.train.loop import Checkpointer
+
+    disk = tmpfs("6m")  # the tiny LLaVA's checkpoint is about 9 MB
+    monkeypatch.setattr(Checkpointer, "retry_wait_s", 0.0)
+    settings = tiny_grpo_settings(tmp_path, tiny_path("tiny-llava"), **{"checkpoint.dir": str(disk)})
+    rec = Messages()
+    with pytest.raises(GymvError, match="could not be written, twice: .*No space left on device"):
+        train(write_recipe(tmp_path, "small-disk", "vlm_grpo.yaml", settings), reporter=rec)
+    warned = [m for m in rec.messages if "the first checkpoint will not be written" in m]
+    assert warned and warned[0].startswith("warning: a checkpoint of this run takes about 9.")
+    assert rec.steps == [1]  # told before step 1, stopped at its checkpoint
 
 
 class KillTrainer(Recorder):

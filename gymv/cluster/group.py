@@ -439,6 +439,11 @@ class PolicyCluster:
         return self._get([g.stats.remote() for g in self.generators], "generation stats")
 
     # -- checkpoints ---------------------------------------------------------------------------------
+    def checkpoint_bytes(self) -> int | None:
+        """About the bytes of one checkpoint, every rank's share; None where a backend cannot tell."""
+        shares = self._get([t.checkpoint_bytes.remote() for t in self.trainers], "sizing a checkpoint")
+        return None if any(s is None for s in shares) else sum(shares)
+
     def save(self, path) -> None:
         self._get([t.save.remote(str(path)) for t in self.trainers], "saving a checkpoint")
 
@@ -489,6 +494,9 @@ class TrainerHandle:
 
     def __init__(self, cluster: PolicyCluster):
         self.cluster = cluster
+
+    def checkpoint_bytes(self) -> int | None:
+        return self.cluster.checkpoint_bytes()
 
     def save(self, path) -> None:
         self.cluster.save(path)

@@ -550,6 +550,9 @@ class TrainingWorker:
         return self.backend.weights_hash(self._generation_dtype())
 
     # -- checkpoints ---------------------------------------------------------------------------------
+    def checkpoint_bytes(self) -> int | None:
+        return self.backend.checkpoint_bytes()
+
     def save(self, path: str) -> None:
         """The backend writes its state (rank 0 the weights and optimizer); every rank writes its RNG state."""
         import torch

@@ -184,6 +184,32 @@ def check_finite_weights(directory: Path, step: int) -> None:
                                                       "resume from the last checkpoint", exit_code=1)
 
 
+ROOM_FIX = ("free disk space, point checkpoint.dir at a larger disk, lower checkpoint.keep, or set "
+            "checkpoint.enabled: false")
+
+
+def disk_room_warning(directory: str | os.PathLike, checkpoint_bytes: int, keep: int | None) -> str | None:
+    """What to tell a run whose checkpoint disk cannot hold its checkpoints, or None where it can. Why at the
+    launch: a checkpoint that does not fit stops the run at its first save, `checkpoint.period` steps of work
+    later (a 7B VLM's checkpoint is 66 GB). Up to keep + 1 checkpoints share the disk: the new one is complete
+    before the oldest goes; those already there are in the disk's use."""
+    folder = Path(directory)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    there = len(list_checkpoints(directory)) if Path(directory).is_dir() else 0
+    more = 1 if keep is None else max(1, keep + 1 - there)
+    gb = lambda b: f"{b / 1e9:.1f} GB" if b >= 1e8 else f"{b / 1e6:.1f} MB"  # noqa: E731
+    if free < checkpoint_bytes:
+        return (f"a checkpoint of this run takes about {gb(checkpoint_bytes)} and {folder} has {gb(free)} free: "
+                f"the first checkpoint will not be written and the run will stop there (fix: {ROOM_FIX})")
+    if free < more * checkpoint_bytes:
+        return (f"a checkpoint of this run takes about {gb(checkpoint_bytes)}, up to {there + more} are on disk at "
+                f"once (checkpoint.keep {keep}, and the one being written), and {folder} has {gb(free)} free: a "
+                f"later checkpoint will not fit and the run will stop there (fix: {ROOM_FIX})")
+    return None
+
+
 def find_latest(run_dir: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint of a run (or checkpoints/ directory), or None."""
     found = list_checkpoints(run_dir)

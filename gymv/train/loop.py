@@ -23,7 +23,7 @@ from typing import Any
 from gymv.algorithms.seq_error import AllMaskedWatch
 from gymv.cluster.group import TrainerHandle
 from gymv.models.init_path import FINAL_DIR
-from gymv.runs.checkpoint import CheckpointState, DataPosition, unusable_checkpoints
+from gymv.runs.checkpoint import CheckpointState, DataPosition, disk_room_warning, unusable_checkpoints
 from gymv.timing import PhaseTimer, step_row
 from gymv.train.data import RowStream
 from gymv.train.logprob_guard import LogprobErrorGuard
@@ -167,6 +167,8 @@ class Checkpointer:
         if not self.ctx.cfg.checkpoint.enabled:
             self.ctx.reporter.on_message("checkpoints are off (checkpoint.enabled: false): a crash or a restart "
                                          "begins again at step 1")
+        else:
+            self.check_disk_room()
         restored = self.resume(resume)
         step = restored.step if restored else 0
         cfg = self.ctx.cfg
@@ -175,6 +177,13 @@ class Checkpointer:
         if restored and cluster.generators:
             cluster.refit(step)
         return restored, step, data
+
+    def check_disk_room(self) -> None:
+        """Warn now where the checkpoint disk cannot hold this run's checkpoints (their size from the trainers)."""
+        size = self.handle.checkpoint_bytes()
+        warning = size and disk_room_warning(self.manager.directory, size, self.ctx.cfg.checkpoint.keep)
+        if warning:
+            self.ctx.reporter.on_message(f"warning: {warning}")
 
     def end_step(self, step: int, max_steps: int, position: DataPosition) -> bool:
         """Count a finished step and checkpoint when due; True when this process should stop here

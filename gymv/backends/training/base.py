@@ -125,6 +125,11 @@ class TrainingBackend(ABC):
     @abstractmethod
     def parameter_count(self) -> int: ...
 
+    def checkpoint_bytes(self) -> int | None:
+        """About the bytes `save` writes on this rank (0 where the rank writes nothing), for the launch's check
+        that the checkpoint disk holds them; None where the backend cannot tell."""
+        return None
+
     @abstractmethod
     def save(self, path: str | PathLike) -> None:
         """Write this rank's training state (weights, optimizer, step count) into folder `path`."""

@@ -50,6 +50,9 @@ class HFFSDPBackend(HFTorchBackend):
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.trainer.model.parameters())  # DTensors count their global size
 
+    def checkpoint_bytes(self) -> int:
+        return self.trainer.checkpoint_bytes()  # every rank writes its shards
+
     def save(self, path: str | os.PathLike) -> None:
         """Every rank writes its shards; rank 0 adds the HF config, tokenizer and processor files."""
         self.trainer.save(path)

@@ -312,6 +312,9 @@ class HFTorchBackend(TrainingBackend):
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.trainer.model.parameters())
 
+    def checkpoint_bytes(self) -> int:
+        return self.trainer.checkpoint_bytes() if self.rank == 0 else 0
+
     def save(self, path: str | os.PathLike) -> None:
         """Rank 0 writes weights, optimizer and the HF files (the folder then loads as a model)."""
         if self.rank == 0:

@@ -395,6 +395,10 @@ class MegatronBackend(HFTorchBackend):
             return first_holder(keys, dist.get_rank())
         return parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
 
+    def checkpoint_bytes(self) -> None:
+        """Not told: rank 0 writes the gathered weights and each first-replica rank its optimizer shard."""
+        return None
+
     def save(self, path: str | os.PathLike) -> None:
         """Rank 0 writes the weights under HF names (the folder loads as a model, and as this backend's
         checkpoint) and the step count; each TP rank of the first replica its optimizer state."""

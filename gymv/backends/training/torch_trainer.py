@@ -329,6 +329,25 @@ class TorchTrainer:
         """Detached model weights (the trainer's fp32 master copy), e.g. for refitting a generation backend."""
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
+    def checkpoint_bytes(self) -> int:
+        """About the bytes of this rank's weights and AdamW state in a checkpoint (local shards under FSDP2);
+        before the first step, the state that step will create (two moments and a count per trainable weight)."""
+        def size(t: Tensor) -> int:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            return t.numel() * t.element_size()
+
+        weights = {id(t): size(t) for t in self.model.state_dict().values()}  # tied weights once
+        moment = 2 if self.config.optimizer_state_dtype == "bfloat16" else 4
+        state = 0
+        for p in self.params:
+            kept = self.optimizer.state.get(p) if self.optimizer is not None else None
+            if kept:
+                state += sum(size(v) for v in kept.values() if isinstance(v, Tensor))
+            else:
+                local = p.to_local() if hasattr(p, "to_local") else p
+                state += 2 * local.numel() * moment + 4  # and the float32 step count
+        return sum(weights.values()) + state
+
     def save(self, path: str | os.PathLike) -> None:
         """Write model weights, optimizer state and the step count into directory `path`."""
         path = Path(path)
