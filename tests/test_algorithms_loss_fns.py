@@ -212,3 +212,43 @@ def test_a_null_truncate_max_weighs_each_token_by_its_raw_ratio():
     loss, metrics = loss_fn(batch(logp_behaviour=behaviour), logp_of(0.1, 0.5), None, GlobalCounts.of(MASK))
     assert loss.item() == pytest.approx(-(2 * 0.25 + 2 * 4.0) / 2)  # A = 2, ratio 1
     assert metrics["is_oob_ratio"].item() == 0.0
+
+
+def test_distillation_bounds_the_teacher_advantage_where_asked():
+    logp = logp_of(0.25, 0.5)
+    teacher = torch.log(torch.tensor([[1.0, 1.0, 0.25]]))  # gaps +log4 and -log2
+    loss, metrics = DistillationLoss(advantage_bounds=(-0.5, 1.0))(
+        {"loss_mask": MASK, "logp_teacher": teacher}, logp, None, GlobalCounts.of(MASK))
+    loss.backward()
+    assert logp.grad.tolist()[0] == pytest.approx([0.0, -1.0 / 2, 0.5 / 2])  # advantages 1.0 and -0.5
+    assert metrics["teacher_advantage_clipped_fraction"].item() == pytest.approx(1.0)
+    assert metrics["teacher_advantage_max"].item() == pytest.approx(1.0)
+
+
+def test_a_bound_above_zero_leaves_the_tokens_off_the_mask_at_zero():
+    logp = logp_of(0.5, 0.5)
+    teacher = torch.log(torch.tensor([[1.0, 0.5, 0.5]]))  # gaps 0 and 0
+    loss, _ = DistillationLoss(advantage_bounds=(0.25, None))(
+        {"loss_mask": MASK, "logp_teacher": teacher}, logp, None, GlobalCounts.of(MASK))
+    loss.backward()
+    assert logp.grad.tolist()[0] == pytest.approx([0.0, -0.25 / 2, -0.25 / 2])  # the prompt token stays out
+
+
+def test_the_recipes_mopd_aggregation_and_bounds_reach_the_loss():
+    over = ["mopd.loss.aggregation=seq_mean_token_mean", "mopd.advantage.clip_low=-50", "mopd.advantage.clip_high=50"]
+    mopd = load_recipe(REPO / "recipes" / "mopd.yaml", over).validated.mopd
+    loss = mopd_loss(mopd).distill
+    assert loss.aggregation == "seq_mean_token_mean" and loss.advantage_bounds == (-50.0, 50.0)
+    assert mopd_loss(load_recipe(REPO / "recipes" / "mopd.yaml").validated.mopd).distill.advantage_bounds is None
+
+
+@pytest.mark.parametrize("extra, refused", [
+    (["mopd.advantage.clip_low=5", "mopd.advantage.clip_high=-5"], "must be below clip_high"),
+    (["mopd.advantage.clip_high=5", "mopd.top_k=4"], "top_k"),
+    (["mopd.advantage.clip_high=5", "mopd.env_reward_coef=0.5"], "env_reward_coef"),
+])
+def test_bounds_the_loss_could_not_honour_are_refused_naming_why(extra, refused):
+    from gymv.errors import GymvError
+
+    with pytest.raises(GymvError, match=refused):
+        load_recipe(REPO / "recipes" / "mopd.yaml", extra).validated

@@ -206,6 +206,7 @@ class DistillationLoss:
     aggregation: Aggregation = "token_mean"
     importance: ISConfig = ISConfig()
     top_k: bool = False
+    advantage_bounds: tuple[float | None, float | None] | None = None  # (low, high) of the teacher advantage
 
     def __post_init__(self) -> None:
         _portable(self, aggregation=LOSS_AGGREGATIONS)
@@ -218,6 +219,10 @@ class DistillationLoss:
         logp_old = batch.get("logp_old", logp.detach())
         weights, kept, metrics = _importance(batch, logp_old, mask, self.importance, counts, who)
         adv = mopd_advantages(teacher, logp_old, kept)
+        if self.advantage_bounds is not None:
+            bounded = adv.clamp(*self.advantage_bounds)
+            metrics["teacher_advantage_clipped_fraction"] = _token_share((bounded != adv).float(), kept, counts)
+            adv = torch.where(kept, bounded, torch.zeros_like(bounded))
         if self.top_k:
             if candidates is None:
                 raise RuntimeError("top-k distillation needs the student's logprobs of the teacher's candidates")

@@ -35,9 +35,10 @@ class MopdLoss:
         return loss, metrics
 
 
-def mopd_loss(mopd, aggregation: str = "token_mean") -> MopdLoss:
-    return MopdLoss(DistillationLoss(aggregation=aggregation, importance=importance_config(mopd.importance_sampling),
-                                     top_k=mopd.top_k > 0), mopd.env_reward_coef)
+def mopd_loss(mopd) -> MopdLoss:
+    return MopdLoss(DistillationLoss(aggregation=mopd.loss.aggregation,
+                                     importance=importance_config(mopd.importance_sampling), top_k=mopd.top_k > 0,
+                                     advantage_bounds=mopd.advantage.bounds()), mopd.env_reward_coef)
 
 
 def env_advantages(trajectories: Sequence, group_size: int) -> list[float]:

@@ -21,13 +21,13 @@ KNOWN_METRICS: frozenset[str] = frozenset(
         "loss", "grad_norm", "lr", "num_tokens", "num_sequences", "num_micro_batches", "num_input_tokens",
         "pg_loss", "clip_fraction", "kl_ref", "token_mult_prob_error", "is_weight_mean", "is_weight_max",
         "is_oob_ratio", "entropy", "nll", "teacher_advantage", "teacher_advantage_min", "teacher_advantage_max",
-        "kl_teacher", "env_pg_loss", "topk_kl", "num_teacher_batches")]
+        "teacher_advantage_clipped_fraction", "kl_teacher", "env_pg_loss", "topk_kl", "num_teacher_batches")]
     # a mixture-of-experts router's health (gymv.backends.moe_router)
     + [f"train/{n}" for n in ("moe_aux_loss", "moe_load_max", "moe_bias_absmax")]
     # rollout statistics of the training batch, GRPO advantages, async
     + [f"train/{n}" for n in _TRAIN_ROLLOUT]
     + [f"train/{n}" for n in ("advantage_mean", "advantage_std", "advantage_min", "advantage_max",
-                              "zero_std_group_fraction", "num_overlong_filtered")]
+                              "advantage_clipped_fraction", "zero_std_group_fraction", "num_overlong_filtered")]
     # sequence-level logprob error (`seq_logprob_error_threshold`, NeMo RL's names)
     + [f"train/{n}" for n in SEQ_ERROR_METRICS]
     + [f"async/{n}" for n in (

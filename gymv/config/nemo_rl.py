@@ -27,6 +27,8 @@ KEYS: dict[str, str] = {
     "grpo.normalize_rewards": "grpo.advantage.normalize_std",
     "grpo.adv_estimator.use_leave_one_out_baseline": "grpo.advantage.baseline (true: leave_one_out, false: mean)",
     "grpo.adv_estimator.normalize_rewards": "grpo.advantage.normalize_std",
+    "grpo.advantage_clip_low": "grpo.advantage.clip_low",
+    "grpo.advantage_clip_high": "grpo.advantage.clip_high",
     "grpo.adv_estimator.name": "algorithm (grpo: grpo or vlm_grpo; opd: mopd or vlm_mopd)",
     "grpo.val_period": "grpo.val_period",  # the same name: listed for MOPD recipes, where it is mopd.val_period
     "grpo.val_at_start": "grpo.val_at_start",
@@ -157,8 +159,6 @@ NO_KEY: dict[str, str] = {
     # grpo
     "grpo.max_num_epochs": "gymv goes round the rows until max_steps",
     "grpo.adv_estimator.minus_baseline": "gymv always subtracts the baseline",
-    "grpo.advantage_clip_low": "gymv does not clip advantages",
-    "grpo.advantage_clip_high": "gymv does not clip advantages",
     "grpo.use_dynamic_sampling": "gymv keeps every group",
     "grpo.dynamic_sampling_max_gen_batches": "gymv keeps every group",
     "grpo.batch_multiplier": "gymv keeps every group",
@@ -290,7 +290,7 @@ NO_KEY: dict[str, str] = {
 }
 
 SECTIONS: dict[str, str] = {
-    "loss_fn": "`grpo.loss` and `grpo.importance_sampling` (MOPD: `mopd.importance_sampling`)",
+    "loss_fn": "`grpo.loss` and `grpo.importance_sampling` (MOPD: `mopd.loss` and `mopd.importance_sampling`)",
     "policy": "`model`, `training` and `generation`",
     "checkpointing": "`checkpoint`",
     "on_policy_distillation": "`mopd`",

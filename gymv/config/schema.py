@@ -134,11 +134,34 @@ class GrpoLoss(Section):
     aggregation: Aggregation = "token_mean"
 
 
-class Advantage(Section):
+class AdvantageClip(Section):
+    # bounds on the advantages the loss trains with, after normalisation (NeMo RL's advantage_clip_low/high):
+    # null is no bound on that side
+    clip_low: float | None = None
+    clip_high: float | None = None
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "AdvantageClip":
+        if self.clip_low is not None and self.clip_high is not None and self.clip_low >= self.clip_high:
+            raise ValueError(f"clip_low {self.clip_low:g} must be below clip_high {self.clip_high:g}")
+        return self
+
+    def bounds(self) -> tuple[float | None, float | None] | None:
+        """(low, high), or None where neither side is bounded."""
+        return None if self.clip_low is None and self.clip_high is None else (self.clip_low, self.clip_high)
+
+
+class Advantage(AdvantageClip):
     baseline: Annotated[str, AfterValidator(_registered(BASELINES))] = "leave_one_out"
     normalize_std: bool = True
     std: Literal["unbiased", "population"] = "unbiased"
     eps: PosFloat = 1e-6
+
+
+class MopdLossSection(Section):
+    # token_mean: the mean over every generated token of the step; seq_mean_token_mean: each sequence's
+    # token mean, then the mean over sequences (NeMo RL's token_level_loss: false)
+    aggregation: Aggregation = "token_mean"
 
 
 class GrpoSection(Section):
@@ -181,11 +204,26 @@ class MopdSection(Section):
     # 0: per-token advantage log pi_teacher - log pi_student on the sampled token; k > 0: distil the
     # teacher's k most likely tokens at every position of the student's samples (cross-entropy to them)
     top_k: NonNegInt = 0
+    loss: MopdLossSection = MopdLossSection()
+    advantage: AdvantageClip = AdvantageClip()  # bounds on the per-token teacher advantage
     async_: AsyncSection = Field(AsyncSection(), alias="async")
     importance_sampling: ImportanceSampling = ImportanceSampling()
     seq_logprob_error_threshold: SeqErrorThreshold = None
     overlong_filtering: bool = False  # NeMo RL's key: episodes a token budget cut leave the loss
     logprob_error_guard: LogprobErrorGuard = LogprobErrorGuard()
+
+    @model_validator(mode="after")
+    def _clip_has_an_advantage_to_bound(self) -> "MopdSection":
+        if self.advantage.bounds() is None:
+            return self
+        if self.top_k > 0:
+            raise ValueError("advantage.clip_low/clip_high bound the sampled token's teacher advantage, which top_k "
+                             "distillation (a cross-entropy to the teacher's candidates) does not use; set top_k: 0 "
+                             "or drop the bounds")
+        if self.env_reward_coef > 0:
+            raise ValueError("advantage.clip_low/clip_high bound the teacher advantage alone, and env_reward_coef "
+                             "adds the reward advantage unbounded beside it; set env_reward_coef: 0 or drop the bounds")
+        return self
 
 
 class RecipeBase(Section):

@@ -57,7 +57,8 @@ def rollout_metrics(trajectories: Sequence[Any], prefix: str) -> dict[str, float
 
 
 def group_advantages(trajectories: Sequence[Any], group_size: int, advantage_cfg) -> tuple[list[float], dict[str, float]]:
-    """GRPO advantages (trajectories come grouped: the G of each prompt contiguous) and their statistics."""
+    """GRPO advantages (trajectories come grouped: the G of each prompt contiguous), bounded where
+    `advantage_cfg.clip_low`/`clip_high` say, and their statistics (of the bounded values, which train)."""
     import torch
 
     from gymv.algorithms.advantages import group_ids_for, grpo_advantages
@@ -70,6 +71,12 @@ def group_advantages(trajectories: Sequence[Any], group_size: int, advantage_cfg
     groups = group_ids_for(n // group_size, group_size)
     adv = grpo_advantages(rewards, groups, valid, baseline=advantage_cfg.baseline,
                           normalize_std=advantage_cfg.normalize_std, eps=advantage_cfg.eps, std=advantage_cfg.std)
+    bounds = advantage_cfg.bounds()
+    clipped = None
+    if bounds is not None:
+        bounded = adv.clamp(*bounds)
+        clipped = sum(1 for a, b, v in zip(adv, bounded, valid) if v and a != b)
+        adv = bounded
     vals = [float(a) for a, v in zip(adv, valid) if v]
     r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, group_size)
     vmask = valid.view(-1, group_size)
@@ -84,6 +91,8 @@ def group_advantages(trajectories: Sequence[Any], group_size: int, advantage_cfg
         "train/advantage_max": max(vals) if vals else float("nan"),
         "train/zero_std_group_fraction": zero_std / max(r.shape[0], 1),
     }
+    if clipped is not None:
+        stats["train/advantage_clipped_fraction"] = clipped / max(len(vals), 1)
     return [float(a) for a in adv], stats
 
 
