@@ -148,6 +148,7 @@ class TrainingSection(Section):
     backend: str = "torch"  # a registered training backend (gymv.backends.registry)
     lr: PosFloat = 1e-6
     warmup_steps: NonNegInt = 0
+    warmup_init_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0  # where the warm-up starts, as a fraction of lr
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after the warm-up
     min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0  # where linear/cosine end, as a fraction of lr
     weight_decay: NonNegFloat = 0.0

@@ -35,3 +35,9 @@ def test_optimizer_steps_count_minibatches_of_every_step():
 def test_an_unknown_schedule_is_refused_by_the_schema():
     with pytest.raises(Exception, match="lr_schedule"):
         MODELS["grpo"].model_validate({"algorithm": "grpo", "training": {"lr_schedule": "step"}})
+
+
+def test_a_warm_up_may_start_above_zero_as_megatrons_lr_warmup_init_does():
+    f = [lr_factor(k, warmup_steps=10, warmup_init_ratio=0.01) for k in (1, 5, 10, 11)]
+    assert f == pytest.approx([0.01 + 0.99 * 0.1, 0.01 + 0.99 * 0.5, 1.0, 1.0])
+    assert lr_factor(3, warmup_init_ratio=0.5) == 1.0  # no warm-up, nothing to start

@@ -131,6 +131,7 @@ KEYS: dict[str, str] = {
     "policy.megatron_cfg.optimizer.clip_grad": "training.max_grad_norm",
     "policy.megatron_cfg.scheduler.lr_decay_style": "training.lr_schedule",
     "policy.megatron_cfg.scheduler.lr_warmup_iters": "training.warmup_steps",
+    "policy.megatron_cfg.scheduler.lr_warmup_init": "training.warmup_init_ratio (lr_warmup_init / lr)",
     "policy.megatron_cfg.moe_router_bias_update_rate": "training.moe.router_bias_update_rate",
     "policy.megatron_cfg.moe_router_enable_expert_bias": "training.moe.router_bias_update_rate (> 0 updates the bias)",
     "policy.megatron_cfg.moe_aux_loss_coeff": "training.moe.aux_loss_coef",
@@ -226,7 +227,7 @@ NO_KEY: dict[str, str] = {
                                                        "training.parallel.expert > 1 (expert tensor parallel size 1, "
                                                        "the reference's); at expert 1 experts split over "
                                                        "training.parallel.tensor",
-    "policy.megatron_cfg.scheduler": "gymv's schedule: training.warmup_steps (from 0), lr_schedule, min_lr_ratio",
+    "policy.megatron_cfg.scheduler": "gymv's schedule: training.warmup_steps, warmup_init_ratio, lr_schedule, min_lr_ratio",
     "policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32": "gymv's FSDP2 reduces gradients "
                                                                                  "in float32",
     "policy.megatron_cfg.moe_router_dtype": "the Nemotron Omni router computes in float32 in transformers",

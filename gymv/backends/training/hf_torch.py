@@ -271,7 +271,8 @@ class HFTorchBackend(TrainingBackend):
     def learning_rate(self, step: int) -> float:
         t = self.setup.training
         return self.config.lr * lr_factor(step, warmup_steps=t.warmup_steps, total_steps=self.setup.total_steps,
-                                          schedule=t.lr_schedule, min_ratio=t.min_lr_ratio)
+                                          schedule=t.lr_schedule, min_ratio=t.min_lr_ratio,
+                                          warmup_init_ratio=t.warmup_init_ratio)
 
     def train_step(self, samples: Sequence[Sample], loss_fn: LossFn) -> dict[str, float]:
         samples = [as_tensors(s) for s in samples]

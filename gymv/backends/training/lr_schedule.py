@@ -15,9 +15,13 @@ SCHEDULES = ("constant", "linear", "cosine")
 
 
 def lr_factor(step: int, *, warmup_steps: int = 0, total_steps: int = 0, schedule: Schedule = "constant",
-              min_ratio: float = 0.0) -> float:
-    """Multiplier of the base learning rate at optimizer step `step` (1-based)."""
-    warm = min(1.0, step / warmup_steps) if warmup_steps > 0 else 1.0
+              min_ratio: float = 0.0, warmup_init_ratio: float = 0.0) -> float:
+    """Multiplier of the base learning rate at optimizer step `step` (1-based). The warm-up rises linearly
+    from `warmup_init_ratio` (Megatron's lr_warmup_init / lr) to 1 over `warmup_steps`."""
+    if warmup_steps > 0:
+        warm = warmup_init_ratio + (1.0 - warmup_init_ratio) * min(1.0, step / warmup_steps)
+    else:
+        warm = 1.0
     if schedule == "constant" or total_steps <= warmup_steps + 1:
         return warm
     p = min(1.0, max(0.0, (step - 1 - warmup_steps) / (total_steps - 1 - warmup_steps)))  # 0 first, 1 last
