@@ -325,7 +325,7 @@ def test_a_checkpoint_bigger_than_the_free_space_is_told_at_the_launch_with_the_
     from gymv.runs.checkpoint import disk_room_warning
 
     said = disk_room_warning(small_disk / "run" / "checkpoints", 8 * 10**6, keep=2)  # 8 MB on a 4 MB disk
-    assert said is not None and "about 0.0 GB" not in said and "the first checkpoint will not be written" in said
+    assert said is not None and "about 0.0 GB" not in said and "the next checkpoint will not be written" in said
     assert str(small_disk) in said and "checkpoint.enabled: false" in said
 
 

@@ -210,7 +210,7 @@ def test_a_checkpoint_disk_too_small_is_told_at_the_launch_and_the_run_stops_at_
     rec = Messages()
     with pytest.raises(GymvError, match="could not be written, twice: .*No space left on device"):
         train(write_recipe(tmp_path, "small-disk", "vlm_grpo.yaml", settings), reporter=rec)
-    warned = [m for m in rec.messages if "the first checkpoint will not be written" in m]
+    warned = [m for m in rec.messages if "the next checkpoint will not be written" in m]
     assert warned and warned[0].startswith("warning: a checkpoint of this run takes about 9.")
     assert rec.steps == [1]  # told before step 1, stopped at its checkpoint
 

@@ -202,7 +202,7 @@ def disk_room_warning(directory: str | os.PathLike, checkpoint_bytes: int, keep:
     gb = lambda b: f"{b / 1e9:.1f} GB" if b >= 1e8 else f"{b / 1e6:.1f} MB"  # noqa: E731
     if free < checkpoint_bytes:
         return (f"a checkpoint of this run takes about {gb(checkpoint_bytes)} and {folder} has {gb(free)} free: "
-                f"the first checkpoint will not be written and the run will stop there (fix: {ROOM_FIX})")
+                f"the next checkpoint will not be written and the run will stop there (fix: {ROOM_FIX})")
     if free < more * checkpoint_bytes:
         return (f"a checkpoint of this run takes about {gb(checkpoint_bytes)}, up to {there + more} are on disk at "
                 f"once (checkpoint.keep {keep}, and the one being written), and {folder} has {gb(free)} free: a "
