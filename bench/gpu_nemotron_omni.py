@@ -107,6 +107,8 @@ HBM_TBPS = {"H200": 4.8, "H100": 3.35}  # HBM bandwidth, TB/s, the data sheets' 
 def hbm_tbps(device_name: str) -> float:
     """The card's HBM bandwidth by its name; an H200's where the name is not known (say so with --hbm-tbps)."""
     return next((tbps for card, tbps in HBM_TBPS.items() if card in device_name), HBM_TBPS["H200"])
+
+
 # the layers part on a CPU: widths a CPU runs in seconds, the Nano's shape otherwise
 CPU_LAYER_TEXT = dict(NANO_TEXT, hidden_size=256, mamba_num_heads=8, mamba_head_dim=32, n_groups=2,
                       ssm_state_size=32, chunk_size=64, n_routed_experts=32, num_experts_per_tok=4,

@@ -103,6 +103,14 @@ _WRITE_FAILED = ("file write failed", "failed writing", "unexpected pos")
 LOW_SPACE_BYTES = 64 * 2**20
 
 
+def nearest_existing(path: str | os.PathLike) -> Path:
+    """`path`, or its nearest ancestor that exists: the folder whose disk a path not yet written lands on."""
+    folder = Path(path)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder
+
+
 def as_write_failure(e: BaseException, path: str | os.PathLike) -> OSError | None:
     """The disk's refusal behind `e`, as an OSError, or None when `e` is something else. Writers report it
     their own ways: an OSError; safetensors as text ending "(os error 28)"; torch.save as "file write failed",
@@ -113,11 +121,8 @@ def as_write_failure(e: BaseException, path: str | os.PathLike) -> OSError | Non
     m = re.search(r"\(os error (\d+)\)", text)
     code = int(m.group(1)) if m else None
     if code is None and any(mark in text for mark in _WRITE_FAILED):
-        folder = Path(path)
-        while not folder.exists() and folder != folder.parent:
-            folder = folder.parent
         try:
-            st = os.statvfs(folder)
+            st = os.statvfs(nearest_existing(path))
         except OSError:
             return None
         low = st.f_bavail * st.f_frsize < LOW_SPACE_BYTES

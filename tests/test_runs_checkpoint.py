@@ -1,6 +1,7 @@
 """Atomic checkpoints: layout, latest pointer, pruning, exact resume, and crashes in the middle of a save."""
 
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -344,7 +345,7 @@ def test_checkpoints_already_on_the_disk_count_as_taken_room(small_disk):
     mgr.save(1, t, DataPosition())
     mgr.save(2, t, DataPosition())
     one = sum(f.stat().st_size for f in (mgr.directory / "step_2").rglob("*") if f.is_file())
-    free = __import__("shutil").disk_usage(small_disk).free
+    free = shutil.disk_usage(small_disk).free
     assert disk_room_warning(mgr.directory, min(free, one), keep=2) is None  # a third needs room for one only
 
 

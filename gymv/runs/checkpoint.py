@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gymv.errors import GymvError, WriteError
-from gymv.io import as_write_failure, atomic_write_text, follow_umask, write_error
+from gymv.io import as_write_failure, atomic_write_text, follow_umask, nearest_existing, write_error
 
 STATE_FILE = "state.json"
 RNG_FILE = "rng.pt"
@@ -193,11 +193,9 @@ def disk_room_warning(directory: str | os.PathLike, checkpoint_bytes: int, keep:
     launch: a checkpoint that does not fit stops the run at its first save, `checkpoint.period` steps of work
     later (a 7B VLM's checkpoint is 66 GB). Up to keep + 1 checkpoints share the disk: the new one is complete
     before the oldest goes; those already there are in the disk's use."""
-    folder = Path(directory)
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
+    folder = nearest_existing(directory)
     free = shutil.disk_usage(folder).free
-    there = len(list_checkpoints(directory)) if Path(directory).is_dir() else 0
+    there = len(list_checkpoints(directory))
     more = 1 if keep is None else max(1, keep + 1 - there)
     gb = lambda b: f"{b / 1e9:.1f} GB" if b >= 1e8 else f"{b / 1e6:.1f} MB"  # noqa: E731
     if free < checkpoint_bytes:

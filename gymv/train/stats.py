@@ -75,7 +75,7 @@ def group_advantages(trajectories: Sequence[Any], group_size: int, advantage_cfg
     clipped = None
     if bounds is not None:
         bounded = adv.clamp(*bounds)
-        clipped = sum(1 for a, b, v in zip(adv, bounded, valid) if v and a != b)
+        clipped = int(((bounded != adv) & valid).sum())
         adv = bounded
     vals = [float(a) for a, v in zip(adv, valid) if v]
     r = torch.where(valid, rewards, torch.zeros_like(rewards)).view(-1, group_size)

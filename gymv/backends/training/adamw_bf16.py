@@ -22,14 +22,10 @@ import math
 import torch
 from torch import Tensor
 
+from gymv.backends.training.base import local_shard as _local
 from gymv.sections import TrainingSection, default
 
 _M32 = 0xFFFFFFFF
-
-
-def _local(t: Tensor) -> Tensor:
-    """The local shard of a DTensor (FSDP2), or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 _MIX = 0x45D9F3B

@@ -21,6 +21,11 @@ from gymv.backends.weights import weights_hash
 from gymv.sections import TrainingSection
 
 
+def local_shard(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (FSDP2), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 @dataclass(frozen=True)
 class GlobalCounts:
     """Valid tokens and sequences with at least one valid token, over the whole (global) batch: what a

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gymv.backends.hf_forward import output_head
+from gymv.backends.training.base import local_shard as _local
 from gymv.backends.training.guarded_step import finite_or
 from gymv.backends.training.micro_batches import pad_collate
 from gymv.backends.training.rank_reductions import RankReductions
@@ -185,10 +186,6 @@ def autocast_replicated(model: torch.nn.Module, device_type: str, dtype: torch.d
             module.forward = torch.autocast(device_type, dtype=dtype)(module.forward)
             wrapped.append(name)
     return wrapped
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _full(t: Tensor, device: torch.device) -> Tensor:

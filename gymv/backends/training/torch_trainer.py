@@ -23,7 +23,8 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from gymv.backends.training.adamw_bf16 import AdamWBf16State
-from gymv.backends.training.base import CollateFn, GlobalCounts, LogprobFn, LossFn, MicroBatch, PlanFn, Sample
+from gymv.backends.training.base import (CollateFn, GlobalCounts, LogprobFn, LossFn, MicroBatch, PlanFn, Sample,
+                                         local_shard)
 from gymv.backends.training.guarded_step import drop_fresh_state, finite_or, skips_on_device, step_unless
 from gymv.backends.training.micro_batches import pad_collate, plan_micro_batches
 from gymv.backends.training.rank_reductions import RankReductions
@@ -333,8 +334,8 @@ class TorchTrainer:
         """About the bytes of this rank's weights and AdamW state in a checkpoint (local shards under FSDP2);
         before the first step, the state that step will create (two moments and a count per trainable weight)."""
         def size(t: Tensor) -> int:
-            t = t.to_local() if hasattr(t, "to_local") else t
-            return t.numel() * t.element_size()
+            local = local_shard(t)
+            return local.numel() * local.element_size()
 
         weights = {id(t): size(t) for t in self.model.state_dict().values()}  # tied weights once
         moment = 2 if self.config.optimizer_state_dtype == "bfloat16" else 4
@@ -344,8 +345,7 @@ class TorchTrainer:
             if kept:
                 state += sum(size(v) for v in kept.values() if isinstance(v, Tensor))
             else:
-                local = p.to_local() if hasattr(p, "to_local") else p
-                state += 2 * local.numel() * moment + 4  # and the float32 step count
+                state += 2 * local_shard(p).numel() * moment + 4  # and the float32 step count
         return sum(weights.values()) + state
 
     def save(self, path: str | os.PathLike) -> None:
