@@ -41,7 +41,11 @@ layers  one MoE layer and one Mamba-2 mixer at the Nano widths, 16,384 tokens (8
         alone (`mamba_conv`: conv_dim channels, bias, silu, the packed row's seq_idx): `torch`
         (ssd_scan.segment_conv1d), `triton` (gymv.backends.conv_kernel, with its largest error against the
         torch convolution), `causal_conv1d` (where it imports), each also forward alone (`..._forward`),
-        and the Triton kernel with other tiles (`triton_tiles_<forward>_<backward>`, CONV_TILES).
+        and the Triton kernel with other tiles (`triton_tiles_<forward>_<backward>`, CONV_TILES). Then the
+        RADIO tower and projector (`vision`: 1 and 4 distinct images a call, `--vision-paths` eager or
+        compiled, checkpointed or not, with the host's time to queue the call beside the device's).
+        `--layer-kinds` picks among moe, conv, mamba, vision; gymv's MoE and Mamba rows and the 4-image
+        vision rows carry the operators with the most device time (`top_ops`).
 
 Kernel paths beside transformers': the trainer runs `--train-paths` (`gymv`: gymv's experts and packed rows
 with one Mamba call per row on the kernels; `megatron`: gymv's Megatron backend at TP 1 / EP 1 / CP 1, its
@@ -51,9 +55,10 @@ the decoder `--paths` (`static` on the kernels where they import, `static_torch`
 `hf_generate`, ...). Each part (layers, each train path, decode) runs in a process of its own (`--part`),
 since one starves the next of memory; `--part all` (the default) runs them one after another and merges
 their results. `--profile` adds the trainer step's time split by layer kind (Mamba, MoE, attention, MLP, the
-vision tower and projector; forward, recomputation and backward, timed by CUDA events around each module);
-for the `megatron` path, whose twin replaces the HF layers the split watches, the operators with the most
-device time in one step (torch.profiler).
+vision tower and projector; forward, recomputation and backward, timed by CUDA events around each module)
+and the operators with the most device time in one more step (torch.profiler; for the `megatron` path,
+whose twin replaces the HF layers the split watches, the operators alone). Each trainer row carries
+`optimizer_floor_s`, the least time float32 AdamW can take over its parameters at the card's bandwidth.
 The decode rows carry the bandwidth limit: the bytes one step must read (every decoder weight but the routed
 experts, the routed experts a batch of this size touches in expectation under uniform routing, the LM head,
 the KV cache and the Mamba states) over --hbm-tbps.
@@ -77,6 +82,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -116,6 +122,7 @@ CPU_LAYER_TEXT = dict(NANO_TEXT, hidden_size=256, mamba_num_heads=8, mamba_head_
 # (rows, channels, warps) of the Triton convolution's forward and backward tiles the layers part times
 CONV_TILES = [((32, 64, 8), (16, 64, 4)), ((16, 64, 4), (16, 64, 8)), ((32, 128, 8), (8, 128, 4)),
               ((64, 64, 8), (32, 64, 8))]
+VISION_PATHS = ("eager", "eager_no_ckpt", "compiled", "compiled_no_ckpt")
 KIND_OF = {"linear_attention": "mamba", "mamba": "mamba", "moe": "moe", "full_attention": "attention",
            "attention": "attention", "mlp": "mlp"}
 
@@ -327,6 +334,8 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv") -> dict:
         try:  # the timed steps' figures are kept whatever the extra profiled step does
             profile = kind_profile(policy.model, mode, lambda: backend.train_step(
                 [as_tensors(dict(s)) for s in samples], loss))
+            profile["top_ops"] = op_profile(mode, lambda: backend.train_step(
+                [as_tensors(dict(s)) for s in samples], loss), top=30)
         except Exception as e:  # noqa: BLE001
             profile = f"failed: {type(e).__name__}: {str(e)[:200]}"
     row = {"path": path, "layers": layers, "pattern": PATTERN[:layers], "backend": training.backend, "params": counts,
@@ -337,6 +346,7 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv") -> dict:
            "first_step_s": times[0], "step_s": t, "step_s_all": times[1:], "tokens_per_s": total / t,
            "unique_tokens_per_s": unique / t, "mfu": flops / t / PEAK_FLOPS,
            "mfu_all_tokens": flops_all / t / PEAK_FLOPS, "loss": metrics.get("train/loss"),
+           "optimizer_floor_s": optimizer_floor_s(counts["total"], a, mode),
            "micro_batches": metrics.get("train/num_micro_batches")}
     row.update({k: v for k, v in metrics.items() if "moe" in k})  # the routers' load-balancing terms
     if mode.device == "cuda":
@@ -346,6 +356,18 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv") -> dict:
     del backend, policy
     free(mode)
     return row
+
+
+def optimizer_floor_s(params: int, a, mode: Mode) -> float | None:
+    """The least time float32 AdamW can take over `params` on this card: it reads the weight, its gradient and
+    two moments and writes the weight and moments back, 28 bytes a parameter, at the card's HBM bandwidth. With
+    every parameter on one card (128 routed experts a MoE layer, 6 of them used by a token) this alone bounds
+    the step's MFU, whatever the kernels."""
+    if mode.device != "cuda":
+        return None
+    import torch
+
+    return 28 * params / ((a.hbm_tbps or hbm_tbps(torch.cuda.get_device_name(0))) * 1e12)
 
 
 def megatron_backend(policy, setup, mode: Mode, group: list[dict]):
@@ -530,13 +552,95 @@ def moe_layer_rows(mode: Mode, tokens: int, reps: int) -> list[dict]:
                         cfg._experts_implementation = path[3:]
                     layer.experts(h, ids, w).float().pow(2).mean().backward()
                 return go
-        measured = fwd_bwd(mode, {p: run(p) for p in ("hf_eager", "hf_grouped_mm", "gymv")}, reps)
+        fns = {p: run(p) for p in ("hf_eager", "hf_grouped_mm", "gymv")}
+        measured = fwd_bwd(mode, fns, reps)
+        part = []
         for path, r in measured.items():
             if "ms" in r and mode.device == "cuda":
                 r["mfu"] = flops / (r["ms"] / 1e3) / PEAK_FLOPS
-            rows.append({"layer": what, "path": path, "tokens": tokens, "flops": flops, **r})
-            print(json.dumps(rows[-1]), flush=True)
+            part.append({"layer": what, "path": path, "tokens": tokens, "flops": flops, **r})
+            print(json.dumps(part[-1]), flush=True)
+        profile_rows(mode, part, {"gymv": fns["gymv"]})
+        rows += part
     return rows
+
+
+def vision_blocks(model) -> list:
+    """The tower's blocks: the longest ModuleList on the vision side (RADIO's encoder layers)."""
+    import torch
+
+    from gymv.backends.training.fsdp import is_vision
+
+    lists = [m for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and n and is_vision(n)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def vision_rows(mode: Mode, reps: int, counts=(1, 4), paths=VISION_PATHS) -> list[dict]:
+    """The RADIO tower and projector as the fsdp2 trainer runs them (gymv's adapter, float32 replicated weights
+    under a bfloat16 autocast), forward and backward over 1 and 4 distinct 512 px images in one call, per path:
+    `eager` (activation checkpointing, as `gymv train` runs it), `eager_no_ckpt` (the tower's blocks not
+    checkpointed), `compiled` (each block's forward under torch.compile, dynamic shapes) and
+    `compiled_no_ckpt`. Per row: device ms, the host's ms to queue the call (from a drained queue to the call's
+    return; near the device's, the host is the bound), MFU of the tower's matrix products (8 x parameters x
+    patches: forward, recomputation, backward), peak extra memory; the operators of each 4-image call."""
+    import torch
+
+    from gymv.backends.compile_limits import lift_recompile_limit
+    from gymv.backends.training.fsdp import autocast_replicated, is_vision
+
+    base = base_policy(Path(tempfile.mkdtemp(prefix="omni_vision_")), mode)
+    rows = []
+    for path in paths:
+        policy = build_policy(base, mode, 1, torch.float32)
+        model, adapter = policy.model, policy.adapter
+        model.gradient_checkpointing_enable()
+        model.train()
+        if mode.device == "cuda":
+            autocast_replicated(model, "cuda", torch.bfloat16)
+        blocks = vision_blocks(model)
+        for block in blocks:
+            block.gradient_checkpointing = not path.endswith("no_ckpt")
+            if path.startswith("compiled"):
+                block.forward = torch.compile(block.forward, dynamic=True)
+        lift_recompile_limit(8 * len(blocks), 32 * len(blocks))
+        tower = sum(p.numel() for n, p in model.named_parameters() if is_vision(n))
+        for n in counts:
+            inputs = adapter.preprocess([image(mode, 7000 + i) for i in range(n)])
+            patches = int(inputs.pixel_values.shape[0])
+
+            def go():
+                feats = adapter.image_features(model, inputs)
+                sum(f.float().pow(2).mean() for f in feats).backward()
+            first = timed(mode, go)
+            measured = fwd_bwd(mode, {path: go}, reps)[path]
+            hosts = []
+            for _ in range(reps):
+                sync(mode)
+                t0 = time.perf_counter()
+                go()
+                hosts.append(time.perf_counter() - t0)
+            measured.update(first_call_s=first, host_ms=statistics.median(hosts) * 1e3)
+            if "ms" in measured and mode.device == "cuda":
+                measured["mfu"] = 8 * tower * patches / (measured["ms"] / 1e3) / PEAK_FLOPS
+            if n == 4:
+                measured["top_ops"] = op_profile(mode, go, top=25)
+            model.zero_grad(set_to_none=True)
+            rows.append({"layer": "vision", "path": path, "images": n, "tokens": patches, "params": tower, **measured})
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "top_ops"}), flush=True)
+        del policy, model
+        free(mode)
+    return rows
+
+
+def profile_rows(mode: Mode, rows: list[dict], fns: dict) -> None:
+    """The operators with the most device time in one call of each of `fns`, onto its row (by path)."""
+    for path, fn in fns.items():
+        row = next((r for r in rows if r["path"] == path and "error" not in r), None)
+        if row is not None:
+            try:
+                row["top_ops"] = op_profile(mode, fn, top=20)
+            except Exception as e:  # noqa: BLE001
+                row["top_ops_error"] = f"{type(e).__name__}: {str(e)[:200]}"
 
 
 def conv_rows(mode: Mode, tokens: int, segments: int, reps: int) -> list[dict]:
@@ -639,13 +743,15 @@ def mamba_layer_rows(mode: Mode, tokens: int, segments: int, reps: int) -> list[
         if kernels.conv is None and kernels.segment_conv is not None:  # the same, its conv on torch
             torch_conv = dataclasses.replace(kernels, segment_conv=None)
             paths["gymv_triton_torch_conv"] = lambda: mixer_forward(m, x, seq_idx, torch_conv)
-    measured = fwd_bwd(mode, {p: (lambda f=f: f().float().pow(2).mean().backward()) for p, f in paths.items()}, reps)
+    fns = {p: (lambda f=f: f().float().pow(2).mean().backward()) for p, f in paths.items()}
+    measured = fwd_bwd(mode, fns, reps)
     if kernels is None:
         measured["gymv_triton"] = {"error": f"skipped: {mamba_kernels.why_not(mode.device)}"}
     rows = []
     for path, r in measured.items():
         rows.append({"layer": "mamba", "path": path, "tokens": tokens, "segments": segments, **r})
         print(json.dumps(rows[-1]), flush=True)
+    profile_rows(mode, rows, {p: fns[p] for p in ("gymv_triton",) if p in fns})
     return rows
 
 
@@ -890,6 +996,9 @@ def main() -> None:
                     help="all: each part (and each train path) in a process of its own, results merged")
     ap.add_argument("--layer-tokens", type=int, help="tokens of the layers part (default 16384 on CUDA, 4096 on CPU)")
     ap.add_argument("--layer-reps", type=int, default=5)
+    ap.add_argument("--vision-paths", default=",".join(VISION_PATHS), help=f"the vision rows' paths: {VISION_PATHS}")
+    ap.add_argument("--layer-kinds", default="moe,conv,mamba,vision",
+                    help="the layers part's rows: moe, conv, mamba, vision (the RADIO tower, 1-8 images)")
     ap.add_argument("--profile", action="store_true", help="the trainer step's time by layer kind (the megatron "
                     "path and the static decoder: the operators with the most device time)")
     ap.add_argument("--hbm-tbps", type=float, help="HBM bandwidth for the decode limit (default: the card's, "
@@ -935,8 +1044,18 @@ def main() -> None:
         if not cuda:  # one thread: on a shared CPU, more threads than free cores make every figure noise
             torch.set_num_threads(1)
             result["cpu_threads"] = 1
-        result["layers"] = (moe_layer_rows(mode, tokens, a.layer_reps) + conv_rows(mode, tokens, 8, a.layer_reps)
-                            + mamba_layer_rows(mode, tokens, 8, a.layer_reps))
+        kinds = {k.strip() for k in a.layer_kinds.split(",") if k.strip()}
+        unknown = kinds - {"moe", "conv", "mamba", "vision"}
+        if unknown:
+            sys.exit(f"--layer-kinds: unknown {sorted(unknown)} (moe, conv, mamba, vision)")
+        parts = [("moe", lambda: moe_layer_rows(mode, tokens, a.layer_reps)),
+                 ("conv", lambda: conv_rows(mode, tokens, 8, a.layer_reps)),
+                 ("mamba", lambda: mamba_layer_rows(mode, tokens, 8, a.layer_reps)),
+                 ("vision", lambda: vision_rows(mode, a.layer_reps, paths=tuple(a.vision_paths.split(","))))]
+        for kind, rows_of in parts:
+            if kind in kinds:
+                result["layers"] += rows_of()
+                save()
         save()
         report(result, out_json)
         return
@@ -1028,7 +1147,13 @@ def report(result: dict, out_json: Path) -> None:
         if r.get("rel_error"):
             extra += f", largest error against torch {max(r['rel_error'].values()):.1e}"
         what = "fwd" if r["path"].endswith("_forward") else "fwd+bwd"
-        print(f"layer {r['layer']:<11} {r['path']:<15} {r['tokens']} tokens {what}: {r['ms']:.1f} ms{extra}{mem}")
+        if "host_ms" in r:
+            extra += f", host {r['host_ms']:.1f} ms"
+        label = f"{r['path']} {r['images']} img" if "images" in r else r["path"]
+        print(f"layer {r['layer']:<11} {label:<15} {r['tokens']} tokens {what}: {r['ms']:.1f} ms{extra}{mem}")
+        if r.get("top_ops"):
+            print("      top operators: " + ", ".join(f"{o['op'][:40]} {o['self_ms']:.1f} ms ({o['share']:.0%})"
+                                                    for o in r["top_ops"][:8]))
     for r in result["train"]:
         if "error" in r:
             print(f"train {r['layers']} layers: {r['error'][:100]}")

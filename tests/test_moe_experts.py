@@ -55,6 +55,44 @@ def test_experts_equal_transformers_loop_forward_and_gradients(grouped):
     assert grads["up"][4:].abs().sum() == 0 and grads["down"][5].abs().sum() == 0  # unused experts: no gradient
 
 
+def test_an_activation_that_autocast_runs_in_float32_still_feeds_the_grouped_kernel_its_dtype():
+    """CUDA's autocast runs relu²'s square (a pow) in float32; the down projection's kernel takes one dtype."""
+    m = transformers_experts()
+    h, (ids, w) = torch.randn(T, D), routing()
+    relu2_in_float32 = lambda t: torch.relu(t).float().square()  # noqa: E731 - what the CUDA autocast hands back
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, grads = _run(lambda a, b, c: moe_experts.experts(a, b, c, m.up_proj, m.down_proj, relu2_in_float32),
+                          m, h, ids, w)
+    want, _ = _run(lambda a, b, c: moe_experts.experts(a, b, c, m.up_proj, m.down_proj, m.act_fn), m, h, ids, w)
+    torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+    assert all(g is not None for g in grads.values())
+
+
+def test_the_backward_scatters_nothing_with_atomics_and_keeps_the_weights_in_the_experts_dtype():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[tuple[str, torch.dtype | None, tuple]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen.append((str(func.overloadpacket), getattr(out, "dtype", None), tuple(getattr(out, "shape", ()))))
+            return out
+
+    m = transformers_experts(dtype=torch.bfloat16)
+    h, (ids, w) = torch.randn(T, D, dtype=torch.bfloat16), routing()
+    with Ops() as ops:
+        _run(lambda a, b, c: moe_experts.experts(a, b, c, m.up_proj, m.down_proj, m.act_fn, grouped=False), m, h, ids, w)
+    names = [n for n, _, _ in ops.seen]
+    assert not any("index_add" in n or "index_put" in n or n.endswith("scatter_add") for n in names), names
+    # the float32 router weights meet the pairs in bfloat16: no tensor of the pairs' rows is ever float32
+    pair_rows = [(n, shape) for n, dtype, shape in ops.seen if dtype == torch.float32 and len(shape) == 2
+                 and shape[0] == T * K and shape[1] > 1]
+    assert not pair_rows, pair_rows
+
+
 def test_the_permutation_sorts_pairs_by_expert_and_ends_each_experts_run():
     ids = torch.tensor([[3, 0], [0, 1], [3, 3]])
     order, offsets = moe_experts.permutation(ids, 5)

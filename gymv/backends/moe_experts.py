@@ -6,9 +6,13 @@ expert) pairs are sorted by expert id on the device, each expert's slice found b
 sorted ids (offsets stay on the device: nothing is read back, so the forward, the backward and a CUDA
 graph capture run without a sync), and the up and down projections of every expert run as one
 `torch.nn.functional.grouped_mm` each (CUDA sm80+ in bfloat16; on CPU where the rows are 16-byte aligned),
-autograd giving the backward. Outputs are weighted, put back in token order and summed over each token's
-top-k, in a fixed order (no atomics). Elsewhere (float32 on CUDA, odd widths on CPU) the same permutation
-feeds a loop over the experts' slices: the reference the grouped path is tested against.
+autograd giving the backward. The routing weight scales each pair's activation (the expert width, narrower
+than the model's, in the experts' dtype: a float32 weight times bfloat16 rows made every later pass
+float32), and the outputs are put back in token order and summed over each token's top-k, in a fixed order.
+No pass uses atomics: the gather of each pair's input row takes its gradient back by the inverse gather and
+a sum over the token's k pairs (autograd's would be an `index_add_`). Elsewhere (float32 on CUDA, odd widths
+on CPU) the same permutation feeds a loop over the experts' slices: the reference the grouped path is tested
+against.
 
 transformers' own `experts_implementation="grouped_mm"` computes the same (sort, `histc`, `grouped_mm`);
 gymv keeps its own so that what training, logprobs and the static decoder's CUDA graph run does not move
@@ -74,6 +78,24 @@ def _loop(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch
     return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[-1])
 
 
+class _PairRows(torch.autograd.Function):
+    """rows[order // k]: the row of each expert-sorted (token, slot) pair (k = 1: of the pair itself). Backward:
+    the pairs' gradients gathered back into (token, slot) order by `inverse` and summed over each row's k
+    pairs, with no atomics."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return hidden.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        back = grad.index_select(0, inverse)
+        return back if ctx.k == 1 else back.view(-1, ctx.k, *grad.shape[1:]).sum(dim=1), None, None, None
+
+
 def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, up: torch.Tensor,
             down: torch.Tensor, act: Callable, grouped: bool | None = None) -> torch.Tensor:
     """Σ_k w[t, k] · down[e] act(up[e] h_t) for e = top_k_index[t, k]: hidden [T, D], up [E, I, D],
@@ -81,14 +103,17 @@ def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     `grouped_available`; False runs the loop reference."""
     T, k = top_k_index.shape
     order, offsets = permutation(top_k_index, up.shape[0])
-    x = hidden.index_select(0, order // k)  # its backward is an index_add: no host sync either
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    x = _PairRows.apply(hidden, order, inverse, k)
     up, down = autocast_weights(hidden, up, down)
     x = x.to(up.dtype)
     if grouped is None:
         grouped = grouped_available(x, up, down)
     mm = (lambda a, w: _mm()(a, w, offs=offsets)) if grouped else (lambda a, w: _loop(a, w, offsets))  # noqa: E731
-    y = mm(act(mm(x, up.transpose(-2, -1))), down.transpose(-2, -1))
-    y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    weights = _PairRows.apply(top_k_weights.reshape(-1), order, inverse, 1)
+    # CUDA's autocast runs relu²'s square (a pow) in float32: the product goes back to the experts' dtype
+    h = (act(mm(x, up.transpose(-2, -1))) * weights.unsqueeze(-1).to(x.dtype)).to(x.dtype)
+    y = mm(h, down.transpose(-2, -1))
     back = torch.empty_like(y).index_copy(0, order, y)  # each pair back in (token, slot) order: unique indices
     return back.view(T, k, back.shape[-1]).sum(dim=1).to(hidden.dtype)  # T may be 0: an EP rank given no rows
 
