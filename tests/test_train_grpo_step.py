@@ -47,6 +47,15 @@ def samples_for(w: TrainingWorker, n: int = 4, behaviour_shift: float = 0.0) -> 
     return out
 
 
+@pytest.fixture(autouse=True)
+def tower_once_per_pass(monkeypatch):
+    """The vision tower's calls count passes here, so each micro-batch encodes its own images (a step's images
+    encoded once for all its micro-batches, gymv.backends.step_images, would hide the passes)."""
+    from gymv.backends import step_images
+
+    monkeypatch.setattr(step_images, "MAX_PIXEL_VALUES", 0)
+
+
 def count_passes(model) -> list[int]:
     """Calls of the vision tower: one per pass over a micro-batch (every sample here has an image; a pass
     that shares prompts between samples calls the decoder twice, prompts then completions, but encodes once)."""

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from gymv.backends import packed_attention
+from gymv.backends import packed_attention, step_images
 from gymv.backends.chunked_scores import chunked_scores
 from gymv.backends.hf_forward import forward_logits, has_recurrent_layers, select_cache_rows
 from gymv.backends.host_copy import to_device, to_device_many
@@ -66,6 +66,9 @@ def _image_features(model, adapter: MultimodalAdapter, images: list,
         if id(im) not in seen:
             seen[id(im)] = image_hash(im)
     keys = [seen[id(im)] for im in images]
+    found = step_images.lookup(keys)  # the step's images, encoded once for all its micro-batches
+    if found is not None:
+        return found
     first: dict[str, int] = {}
     for i, k in enumerate(keys):
         first.setdefault(k, i)

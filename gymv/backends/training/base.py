@@ -51,6 +51,9 @@ LossFn = Callable[..., "tuple[Tensor, dict[str, Tensor]]"]
 CollateFn = Callable[[Sequence[Sample]], MicroBatch]
 PlanFn = Callable[[Sequence[Sample], int], "list[list[int]]"]
 """plan_fn(samples, micro_batch_tokens) -> index lists, one per micro-batch (default: padded token budget)."""
+ImagesFn = Callable[[Any, Sequence[Sample], "list[list[int]]"], Any]
+"""images_fn(model, samples, plan) -> the step's images encoded once (gymv.backends.step_images.StepImages)
+or None; called before the first micro-batch, under the trainer's autocast."""
 
 
 @dataclass(frozen=True)

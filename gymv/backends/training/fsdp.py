@@ -229,8 +229,10 @@ class FSDPTrainer(TorchTrainer):
             return
         super().__init__(model, logprob_fn, config, **kwargs)
 
-    def _init_frozen(self, model, logprob_fn, config, *, collate_fn=pad_collate, device=None, plan_fn=None) -> None:
+    def _init_frozen(self, model, logprob_fn, config, *, collate_fn=pad_collate, device=None, plan_fn=None,
+                     images_fn=None) -> None:
         self.config, self.logprob_fn, self.collate_fn, self.plan_fn = config, logprob_fn, collate_fn, plan_fn
+        self.images_fn = images_fn
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.autocast_dtype = self._resolve_precision(config.dtype)
         ensure_process_group(self.device)
@@ -251,6 +253,12 @@ class FSDPTrainer(TorchTrainer):
             autocast_replicated(model, self.device.type, self.autocast_dtype)
             self.autocast_dtype = None  # FSDP casts the gathered weights itself (mixed-precision policy)
         return model
+
+    def _step_images(self, samples, plan):
+        # the tower reads root weights (a final vision norm): gathered first, on every rank alike
+        if self.images_fn is not None:
+            self.model.unshard()
+        return super()._step_images(samples, plan)
 
     def _forward(self, mb):
         # the root unit (final norm, head) is gathered first on every rank: a batch with images calls the

@@ -41,7 +41,7 @@ class HFFSDPBackend(HFTorchBackend):
         layout = self.layout(model)
         self.compile_layers(model, frozen)
         return FSDPTrainer(model, self.trainer_logprob_fn(frozen), self.config, collate_fn=layout.collate, device=device,
-                           plan_fn=layout.plan, trainable=not frozen)
+                           plan_fn=layout.plan, images_fn=layout.step_images, trainable=not frozen)
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Each weight gathered in full, one at a time; a collective, so every rank iterates it."""

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gymv.backends import packed_attention, packed_mamba
+from gymv.backends import packed_attention, packed_mamba, step_images
 from gymv.backends.hf_forward import has_recurrent_layers
 from gymv.backends.logprobs import (
     MultimodalBatch,
@@ -29,6 +29,7 @@ from gymv.backends.moe_router import RouterTerms
 from gymv.backends.multimodal import image_hash
 from gymv.backends.pixel_cache import pixel_cache
 from gymv.backends.policy import load_policy
+from gymv.backends.step_images import StepImages
 from gymv.backends.training.base import LossFn, Sample, TrainingBackend, TrainingSetup
 from gymv.backends.training.compile import compile_layers
 from gymv.backends.training.lr_schedule import lr_factor
@@ -159,6 +160,28 @@ class BatchLayout:
             return plan_packed_micro_batches(lengths, max_tokens)
         return plan
 
+    def step_images(self, model, samples, plan: list[list[int]]) -> StepImages | None:
+        """The step's distinct images through the tower in one call (gymv.backends.step_images), or None: no
+        gradient to take, the last micro-batch holds no image, more pixels than a step encodes at once, or an
+        adapter whose features are not one tensor an image."""
+        if not torch.is_grad_enabled() or not plan or not any(samples[i].get("images") for i in plan[-1]):
+            return None
+        hashes, pictures = dict(self._hashes), {}
+        for s in samples:
+            for im in s.get("images") or ():
+                key = hashes.setdefault(id(im), image_hash(im))
+                pictures.setdefault(key, im)
+        dev = next(model.parameters()).device
+        inputs = pixel_cache(self.adapter).inputs(self.adapter, list(pictures.values()), list(pictures),
+                                                  pin=dev.type == "cuda")
+        pixels = inputs.pixel_values
+        if not isinstance(pixels, Tensor) or pixels.numel() > step_images.MAX_PIXEL_VALUES:
+            return None
+        feats = self.adapter.image_features(model, inputs)
+        if not all(isinstance(f, Tensor) for f in feats):
+            return None
+        return StepImages(list(pictures), feats, inputs.image_grid_thw)
+
     def collate(self, samples):
         tensors = [{k: v for k, v in s.items() if k not in NON_TENSOR_FIELDS} for s in samples]
         mb = pad_collate(tensors, pad_values={"input_ids": self.pad_id})
@@ -236,7 +259,7 @@ class HFTorchBackend(TrainingBackend):
         layout = self.layout(model)
         self.compile_layers(model, frozen)
         return self.trainer_class(model, self.trainer_logprob_fn(frozen), self.config, collate_fn=layout.collate,
-                                  device=device, plan_fn=layout.plan)
+                                  device=device, plan_fn=layout.plan, images_fn=layout.step_images)
 
     def trainer_logprob_fn(self, frozen: bool):
         """The logprob function of a trainer; the policy's records its MoE routers (training.moe)."""

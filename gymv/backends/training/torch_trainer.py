@@ -23,8 +23,8 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from gymv.backends.training.adamw_bf16 import AdamWBf16State
-from gymv.backends.training.base import (CollateFn, GlobalCounts, LogprobFn, LossFn, MicroBatch, PlanFn, Sample,
-                                         local_shard)
+from gymv.backends.training.base import (CollateFn, GlobalCounts, ImagesFn, LogprobFn, LossFn, MicroBatch, PlanFn,
+                                         Sample, local_shard)
 from gymv.backends.training.guarded_step import drop_fresh_state, finite_or, skips_on_device, step_unless
 from gymv.backends.training.micro_batches import pad_collate, plan_micro_batches
 from gymv.backends.training.rank_reductions import RankReductions
@@ -74,11 +74,13 @@ class TorchTrainer:
         device: torch.device | str | None = None,
         process_group=None,
         plan_fn: PlanFn | None = None,
+        images_fn: ImagesFn | None = None,
     ):
         self.config = config
         self.logprob_fn = logprob_fn
         self.collate_fn = collate_fn
         self.plan_fn = plan_fn
+        self.images_fn = images_fn
         first = next(model.parameters(), None)
         self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
         self.ranks = RankReductions(process_group)
@@ -172,6 +174,14 @@ class TorchTrainer:
         as_float = lambda t: t.float() if t is not None else None  # noqa: E731
         return logp.float(), as_float(entropy), as_float(candidates)
 
+    def _step_images(self, samples: Sequence[Sample], plan: list[list[int]]):
+        """The step's images through the vision tower once, for every micro-batch (gymv.backends.step_images);
+        None where the layout gives no `images_fn` or declines."""
+        if self.images_fn is None:
+            return None
+        with record_function("gymv/step_images"), self._autocast():
+            return self.images_fn(self.model, samples, plan)
+
     def _plan(self, samples: Sequence[Sample]) -> list[list[int]]:
         if self.plan_fn is not None:
             return self.plan_fn(samples, self.config.micro_batch_tokens)
@@ -205,11 +215,15 @@ class TorchTrainer:
         idle = self._micro_batches_to_match(len(plan))
         mb = None
         losses: list[Tensor] = []  # checked once after the step: a check per micro-batch waits on the device
+        images = self._step_images(samples, plan)
         for n, indices in enumerate(plan):
             with record_function("gymv/collate"):  # named spans: a profiled step's timeline reads by phase
                 mb = _to_device(self.collate_fn([samples[i] for i in indices]), self.device)
             self._start_micro_batch(last=n == len(plan) - 1 and not idle)
-            with record_function("gymv/forward"):
+            if images is not None:
+                images.last_micro_batch(n == len(plan) - 1)
+            reads_step_images = images.active() if images is not None else contextlib.nullcontext()
+            with record_function("gymv/forward"), reads_step_images:
                 logp, entropy, candidates = self._forward(mb)
                 extra = {"candidates": candidates} if candidates is not None else {}
                 loss, metrics = loss_fn(mb, logp, entropy, counts, **extra)
