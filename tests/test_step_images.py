@@ -13,6 +13,29 @@ from tiny_models import fresh_policy, tiny_path
 ARCH = "tiny-nemotron-omni"
 
 
+def test_earlier_micro_batches_gradients_reach_the_tower_in_the_last_ones_backward_for_its_model_only():
+    from gymv.backends.step_images import StepImages, lookup
+
+    tower, other = torch.nn.Linear(3, 4), torch.nn.Linear(3, 4)
+    pixels = torch.randn(2, 5, 3)
+    step = StepImages(tower, ["a", "b"], [tower(pixels[0]), tower(pixels[1])], None)
+    with step.active():
+        step.last_micro_batch(False)
+        (b,), _ = lookup(tower, ["b"])
+        (3 * b).sum().backward()  # the first micro-batch: only the copy's gradient moves
+        assert tower.weight.grad is None
+        step.last_micro_batch(True)
+        a, b2 = lookup(tower, ["a", "b"])[0]
+        (a.sum() + b2.sum()).backward()
+        assert lookup(other, ["a"]) is None and lookup(tower, ["c"]) is None
+    assert lookup(tower, ["a"]) is None  # no step active
+    want = torch.nn.Linear(3, 4)
+    want.load_state_dict(tower.state_dict())
+    (want(pixels[0]).sum() + 4 * want(pixels[1]).sum()).backward()
+    torch.testing.assert_close(tower.weight.grad, want.weight.grad)
+    torch.testing.assert_close(tower.bias.grad, want.bias.grad)
+
+
 def _backend(cls, micro_batch_tokens: int, checkpointing: bool):
     from gymv.backends.training.base import TrainingSetup
     from gymv.backends.training.hf_torch import HFTorchBackend

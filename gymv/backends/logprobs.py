@@ -66,7 +66,7 @@ def _image_features(model, adapter: MultimodalAdapter, images: list,
         if id(im) not in seen:
             seen[id(im)] = image_hash(im)
     keys = [seen[id(im)] for im in images]
-    found = step_images.lookup(keys)  # the step's images, encoded once for all its micro-batches
+    found = step_images.lookup(model, keys)  # the step's images, encoded once for all its micro-batches
     if found is not None:
         return found
     first: dict[str, int] = {}

@@ -17,6 +17,7 @@ whose last micro-batch holds no image, or whose pixels pass `MAX_PIXEL_VALUES`, 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 
@@ -44,30 +45,31 @@ class _AddGradient(torch.autograd.Function):
 
 
 class StepImages:
-    """The features of a step's distinct images (by content hash), for `gymv.backends.logprobs` to read."""
+    """The features of a step's distinct images (by content hash) in `model`'s tower, for
+    `gymv.backends.logprobs` to read during that model's passes (another model, a teacher, encodes its own)."""
 
-    def __init__(self, keys: Sequence[str], features: Sequence[torch.Tensor], grid: torch.Tensor | None):
+    def __init__(self, model, keys: Sequence[str], features: Sequence[torch.Tensor], grid: torch.Tensor | None):
+        self.model = model
         self.shapes = [f.shape for f in features]
         self.slots: dict[str, int] = {k: n for n, k in enumerate(keys)}
-        ends = torch.tensor([f.reshape(-1, f.shape[-1]).shape[0] for f in features]).cumsum(0).tolist()
+        rows = [f.reshape(-1, f.shape[-1]) for f in features]
+        ends = list(itertools.accumulate(r.shape[0] for r in rows))
         self.bounds = list(zip([0, *ends[:-1]], ends))
         self.grid = grid
-        self.features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+        self.features = torch.cat(rows)
         self.leaf = self.features.detach().requires_grad_(self.features.requires_grad)
         self._source = self.leaf
-        self.reads = 0
 
     def last_micro_batch(self, last: bool) -> None:
         """Before each micro-batch: whether it is the step's last backward pass (module docstring)."""
         self._source = _AddGradient.apply(self.features, self.leaf) if last else self.leaf
 
-    def lookup(self, keys: Sequence[str]) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
-        """(features of `keys` in order, their grid rows), or None when an image was not encoded this step."""
-        if any(k not in self.slots for k in keys):
+    def lookup(self, model, keys: Sequence[str]) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
+        """(features of `keys` in order, their grid rows), or None: another model, or an image not encoded."""
+        if model is not self.model or any(k not in self.slots for k in keys):
             return None
-        self.reads += 1
         slots = [self.slots[k] for k in keys]
-        feats = [self._source[a:b].view(self.shapes[n]) for n in slots for a, b in (self.bounds[n],)]
+        feats = [self._source[slice(*self.bounds[n])].view(self.shapes[n]) for n in slots]
         grid = None if self.grid is None else self.grid[torch.tensor(slots, device=self.grid.device)]
         return feats, grid
 
@@ -80,7 +82,8 @@ class StepImages:
             _current.reset(token)
 
 
-def lookup(keys: Sequence[str]) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
-    """The active step's features of `keys`, or None (no step active, or an image it did not encode)."""
+def lookup(model, keys: Sequence[str]) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
+    """The active step's features of `keys` in `model`'s tower, or None (no step active, another model, or an
+    image it did not encode)."""
     step = _current.get()
-    return None if step is None else step.lookup(keys)
+    return None if step is None else step.lookup(model, keys)

@@ -180,7 +180,7 @@ class BatchLayout:
         feats = self.adapter.image_features(model, inputs)
         if not all(isinstance(f, Tensor) for f in feats):
             return None
-        return StepImages(list(pictures), feats, inputs.image_grid_thw)
+        return StepImages(model, list(pictures), feats, inputs.image_grid_thw)
 
     def collate(self, samples):
         tensors = [{k: v for k, v in s.items() if k not in NON_TENSOR_FIELDS} for s in samples]
