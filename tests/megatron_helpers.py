@@ -79,9 +79,20 @@ def spawn_ranks(worker: Callable[..., R], world: int, *args: Any) -> list[R]:
     rank that raises fails the spawn with its traceback."""
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory(prefix="gloo_ranks_") as folder:
-        mp.spawn(_rank_result, args=(worker, world, free_port(), folder, args), nprocs=world, join=True)
-        return [torch.load(f"{folder}/{r}.pt") for r in range(world)]
+    for attempt in range(PORT_ATTEMPTS):
+        with tempfile.TemporaryDirectory(prefix="gloo_ranks_") as folder:
+            try:
+                mp.spawn(_rank_result, args=(worker, world, free_port(), folder, args), nprocs=world, join=True)
+            except mp.ProcessRaisedException as e:
+                # the free port was taken by another process (a parallel test) before rank 0 listened on it
+                if "EADDRINUSE" in str(e) and attempt + 1 < PORT_ATTEMPTS:
+                    continue
+                raise
+            return [torch.load(f"{folder}/{r}.pt") for r in range(world)]
+    raise AssertionError("unreachable")
+
+
+PORT_ATTEMPTS = 3
 
 
 def keep_router_grads(backend) -> list[torch.Tensor]:
