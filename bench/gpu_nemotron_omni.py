@@ -1040,22 +1040,7 @@ def main() -> None:
         return
     result["layers"] = []
     if a.part == "layers":
-        tokens = a.layer_tokens or (16384 if cuda else 4096)
-        if not cuda:  # one thread: on a shared CPU, more threads than free cores make every figure noise
-            torch.set_num_threads(1)
-            result["cpu_threads"] = 1
-        kinds = {k.strip() for k in a.layer_kinds.split(",") if k.strip()}
-        unknown = kinds - {"moe", "conv", "mamba", "vision"}
-        if unknown:
-            sys.exit(f"--layer-kinds: unknown {sorted(unknown)} (moe, conv, mamba, vision)")
-        parts = [("moe", lambda: moe_layer_rows(mode, tokens, a.layer_reps)),
-                 ("conv", lambda: conv_rows(mode, tokens, 8, a.layer_reps)),
-                 ("mamba", lambda: mamba_layer_rows(mode, tokens, 8, a.layer_reps)),
-                 ("vision", lambda: vision_rows(mode, a.layer_reps, paths=tuple(a.vision_paths.split(","))))]
-        for kind, rows_of in parts:
-            if kind in kinds:
-                result["layers"] += rows_of()
-                save()
+        layer_rows(a, mode, result, save)
         save()
         report(result, out_json)
         return
@@ -1081,6 +1066,29 @@ def main() -> None:
         decode(base, mode, decode_layers, a, result, save)
     save()
     report(result, out_json)
+
+
+def layer_rows(a, mode: Mode, result: dict, save) -> None:
+    """The layers part: the kinds `--layer-kinds` names, each saved as it ends."""
+    import torch
+
+    cuda = mode.device == "cuda"
+    tokens = a.layer_tokens or (16384 if cuda else 4096)
+    if not cuda:  # one thread: on a shared CPU, more threads than free cores make every figure noise
+        torch.set_num_threads(1)
+        result["cpu_threads"] = 1
+    kinds = {k.strip() for k in a.layer_kinds.split(",") if k.strip()}
+    unknown = kinds - {"moe", "conv", "mamba", "vision"}
+    if unknown:
+        sys.exit(f"--layer-kinds: unknown {sorted(unknown)} (moe, conv, mamba, vision)")
+    parts = [("moe", lambda: moe_layer_rows(mode, tokens, a.layer_reps)),
+             ("conv", lambda: conv_rows(mode, tokens, 8, a.layer_reps)),
+             ("mamba", lambda: mamba_layer_rows(mode, tokens, 8, a.layer_reps)),
+             ("vision", lambda: vision_rows(mode, a.layer_reps, paths=tuple(a.vision_paths.split(","))))]
+    for kind, rows_of in parts:
+        if kind in kinds:
+            result["layers"] += rows_of()
+            save()
 
 
 def child_argv(drop: tuple[str, ...]) -> list[str]:
