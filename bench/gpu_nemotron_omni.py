@@ -73,6 +73,7 @@ Results: --json (default bench/results/gpu_nemotron_omni_h200.json on CUDA, OUT/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -122,7 +123,7 @@ CPU_LAYER_TEXT = dict(NANO_TEXT, hidden_size=256, mamba_num_heads=8, mamba_head_
 # (rows, channels, warps) of the Triton convolution's forward and backward tiles the layers part times
 CONV_TILES = [((32, 64, 8), (16, 64, 4)), ((16, 64, 4), (16, 64, 8)), ((32, 128, 8), (8, 128, 4)),
               ((64, 64, 8), (32, 64, 8))]
-VISION_PATHS = ("eager", "eager_no_ckpt", "compiled", "compiled_no_ckpt")
+VISION_PATHS = ("copy", "eager", "eager_no_ckpt", "compiled", "compiled_no_ckpt")
 KIND_OF = {"linear_attention": "mamba", "mamba": "mamba", "moe": "moe", "full_attention": "attention",
            "attention": "attention", "mlp": "mlp"}
 
@@ -577,12 +578,14 @@ def vision_blocks(model) -> list:
 
 def vision_rows(mode: Mode, reps: int, counts=(1, 4), paths=VISION_PATHS) -> list[dict]:
     """The RADIO tower and projector as the fsdp2 trainer runs them (gymv's adapter, float32 replicated weights
-    under a bfloat16 autocast), forward and backward over 1 and 4 distinct 512 px images in one call, per path:
-    `eager` (activation checkpointing, as `gymv train` runs it), `eager_no_ckpt` (the tower's blocks not
+    computing in bfloat16), forward and backward over 1 and 4 distinct 512 px images in one call, per path:
+    `eager` (activation checkpointing, autocast: as `gymv train` runs it outside a step), `eager_no_ckpt` (the tower's blocks not
     checkpointed), `compiled` (each block's forward under torch.compile, dynamic shapes) and
     `compiled_no_ckpt`. Per row: device ms, the host's ms to queue the call (from a drained queue to the call's
     return; near the device's, the host is the bound), MFU of the tower's matrix products (8 x parameters x
-    patches: forward, recomputation, backward), peak extra memory; the operators of each 4-image call."""
+    patches: forward, recomputation, backward), peak extra memory; the operators of each 4-image call. `copy`:
+    `eager` inside a training step, as `gymv train` runs it (one cast copy of the weights a call, autocast off:
+    gymv.backends.training.replicated_precision)."""
     import torch
 
     from gymv.backends.compile_limits import lift_recompile_limit
@@ -595,8 +598,7 @@ def vision_rows(mode: Mode, reps: int, counts=(1, 4), paths=VISION_PATHS) -> lis
         model, adapter = policy.model, policy.adapter
         model.gradient_checkpointing_enable()
         model.train()
-        if mode.device == "cuda":
-            autocast_replicated(model, "cuda", torch.bfloat16)
+        precision = autocast_replicated(model, "cuda", torch.bfloat16) if mode.device == "cuda" else None
         blocks = vision_blocks(model)
         for block in blocks:
             block.gradient_checkpointing = not path.endswith("no_ckpt")
@@ -609,8 +611,10 @@ def vision_rows(mode: Mode, reps: int, counts=(1, 4), paths=VISION_PATHS) -> lis
             patches = int(inputs.pixel_values.shape[0])
 
             def go():
-                feats = adapter.image_features(model, inputs)
-                sum(f.float().pow(2).mean() for f in feats).backward()
+                step = precision.working_copy() if path == "copy" and precision else contextlib.nullcontext()
+                with step:
+                    feats = adapter.image_features(model, inputs)
+                    sum(f.float().pow(2).mean() for f in feats).backward()
             first = timed(mode, go)
             measured = fwd_bwd(mode, {path: go}, reps)[path]
             hosts = []

@@ -41,7 +41,7 @@ def test_the_replicated_vision_modules_compute_under_autocast_and_the_rest_does_
             self.language_model = torch.nn.Linear(4, 4)
 
     model = VLM()
-    assert autocast_replicated(model, "cpu", torch.bfloat16) == ["vision_tower", "multi_modal_projector"]
+    assert autocast_replicated(model, "cpu", torch.bfloat16).names == ["vision_tower", "multi_modal_projector"]
     x = torch.randn(2, 4)
     assert model.vision_tower(x).dtype == model.multi_modal_projector(x).dtype == torch.bfloat16
     assert model.language_model(x).dtype == torch.float32

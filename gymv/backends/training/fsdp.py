@@ -34,6 +34,7 @@ from gymv.backends.training.base import local_shard as _local
 from gymv.backends.training.guarded_step import finite_or
 from gymv.backends.training.micro_batches import pad_collate
 from gymv.backends.training.rank_reductions import RankReductions
+from gymv.backends.training.replicated_precision import ReplicatedPrecision
 from gymv.backends.training.torch_trainer import TRAINER_FILE, TorchTrainer, _fsync_replace
 from gymv.errors import GymvError
 from gymv.net import master_store
@@ -174,18 +175,15 @@ def shard_model(model: torch.nn.Module, device: torch.device, autocast_dtype: to
     return model, replicated
 
 
-def autocast_replicated(model: torch.nn.Module, device_type: str, dtype: torch.dtype) -> list[str]:
-    """Run the replicated vision modules under autocast; returns their names.
-
-    FSDP2's mixed-precision policy casts only the sharded units' weights, and the trainer drops its own
-    autocast under it: the replicated vision tower and projector then ran every matrix product and attention
-    in float32 (a fifth of a Qwen2.5-VL-7B step on an H200, SIMT kernels). Their master weights stay float32."""
-    wrapped = []
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in VISION_MODULES and not any(name.startswith(w + ".") for w in wrapped):
-            module.forward = torch.autocast(device_type, dtype=dtype)(module.forward)
-            wrapped.append(name)
-    return wrapped
+def autocast_replicated(model: torch.nn.Module, device_type: str, dtype: torch.dtype) -> ReplicatedPrecision:
+    """The replicated vision modules computing in `dtype` (gymv.backends.training.replicated_precision): under
+    autocast outside a training step, from a working copy cast once inside one. Their master weights stay
+    float32."""
+    names: list[str] = []
+    for name, _ in model.named_modules():
+        if name.rsplit(".", 1)[-1] in VISION_MODULES and not any(name.startswith(w + ".") for w in names):
+            names.append(name)
+    return ReplicatedPrecision(model, names, device_type, dtype)
 
 
 def _full(t: Tensor, device: torch.device) -> Tensor:
@@ -249,10 +247,17 @@ class FSDPTrainer(TorchTrainer):
         self.ranks = RankReductions()
         self.rank, self.world_size = self.ranks.rank, self.ranks.world_size
         model, self.replicated = shard_model(model, self.device, self.autocast_dtype, self.sharding)
+        self.precision = None
         if self.autocast_dtype is not None:
-            autocast_replicated(model, self.device.type, self.autocast_dtype)
+            self.precision = autocast_replicated(model, self.device.type, self.autocast_dtype)
             self.autocast_dtype = None  # FSDP casts the gathered weights itself (mixed-precision policy)
         return model
+
+    def _step_weights(self):
+        # the replicated tower reads one cast copy of its weights for the whole step
+        if getattr(self, "precision", None) is None or not self.precision.names:
+            return contextlib.nullcontext()
+        return self.precision.working_copy()
 
     def _step_images(self, samples, plan):
         # the tower reads root weights (a final vision norm): gathered first, on every rank alike

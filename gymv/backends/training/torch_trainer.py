@@ -174,6 +174,10 @@ class TorchTrainer:
         as_float = lambda t: t.float() if t is not None else None  # noqa: E731
         return logp.float(), as_float(entropy), as_float(candidates)
 
+    def _step_weights(self):
+        """A context over a step's passes, forward and backward (FSDPTrainer: the replicated tower's cast copy)."""
+        return contextlib.nullcontext()
+
     def _step_images(self, samples: Sequence[Sample], plan: list[list[int]]):
         """The step's images through the vision tower once, for every micro-batch (gymv.backends.step_images);
         None where the layout gives no `images_fn` or declines."""
@@ -215,32 +219,33 @@ class TorchTrainer:
         idle = self._micro_batches_to_match(len(plan))
         mb = None
         losses: list[Tensor] = []  # checked once after the step: a check per micro-batch waits on the device
-        images = self._step_images(samples, plan)
-        for n, indices in enumerate(plan):
-            with record_function("gymv/collate"):  # named spans: a profiled step's timeline reads by phase
-                mb = _to_device(self.collate_fn([samples[i] for i in indices]), self.device)
-            self._start_micro_batch(last=n == len(plan) - 1 and not idle)
-            if images is not None:
-                images.last_micro_batch(n == len(plan) - 1)
-            reads_step_images = images.active() if images is not None else contextlib.nullcontext()
-            with record_function("gymv/forward"), reads_step_images:
-                logp, entropy, candidates = self._forward(mb)
-                extra = {"candidates": candidates} if candidates is not None else {}
-                loss, metrics = loss_fn(mb, logp, entropy, counts, **extra)
-            with record_function("gymv/backward"):
-                loss.backward()  # a non-finite loss only spoils gradients that are then thrown away
-            losses.append(loss.detach())
-            loss_sum += loss.detach().double()
-            for k, v in metrics.items():
-                v = torch.as_tensor(v, device=self.device).detach().double()
-                if k.endswith("_max"):
-                    maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
-                elif k.endswith("_min"):
-                    mins[k] = torch.minimum(mins[k], v) if k in mins else v
-                else:
-                    sums[k] = sums.get(k, 0) + v
-        for _ in range(idle):
-            self._idle_pass(mb if mb is not None else self._empty_micro_batch(), backward=True)
+        with self._step_weights():
+            images = self._step_images(samples, plan)
+            for n, indices in enumerate(plan):
+                with record_function("gymv/collate"):  # named spans: a profiled step's timeline reads by phase
+                    mb = _to_device(self.collate_fn([samples[i] for i in indices]), self.device)
+                self._start_micro_batch(last=n == len(plan) - 1 and not idle)
+                if images is not None:
+                    images.last_micro_batch(n == len(plan) - 1)
+                reads_step_images = images.active() if images is not None else contextlib.nullcontext()
+                with record_function("gymv/forward"), reads_step_images:
+                    logp, entropy, candidates = self._forward(mb)
+                    extra = {"candidates": candidates} if candidates is not None else {}
+                    loss, metrics = loss_fn(mb, logp, entropy, counts, **extra)
+                with record_function("gymv/backward"):
+                    loss.backward()  # a non-finite loss only spoils gradients that are then thrown away
+                losses.append(loss.detach())
+                loss_sum += loss.detach().double()
+                for k, v in metrics.items():
+                    v = torch.as_tensor(v, device=self.device).detach().double()
+                    if k.endswith("_max"):
+                        maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
+                    elif k.endswith("_min"):
+                        mins[k] = torch.minimum(mins[k], v) if k in mins else v
+                    else:
+                        sums[k] = sums.get(k, 0) + v
+            for _ in range(idle):
+                self._idle_pass(mb if mb is not None else self._empty_micro_batch(), backward=True)
         with record_function("gymv/optimizer"):
             self._sync_grads()
             norm = self._grad_norm()

@@ -1,0 +1,91 @@
+"""Mixed precision for the modules an FSDP2 model keeps replicated (the vision tower and projector).
+
+FSDP2's mixed-precision policy casts only its units' weights, and the trainer drops its own autocast under it:
+left alone, the replicated tower ran every matrix product in float32 (a fifth of a Qwen2.5-VL-7B step on an
+H200, SIMT kernels). Their master weights stay float32, and they compute in the trainer's dtype two ways:
+
+- outside a training step (logprobs, a reference pass) under autocast, as before;
+- inside one, from a working copy: every weight cast once, in one multi-tensor copy, for the whole step
+  (each micro-batch, activation checkpointing's recomputation and the backward pass read the same copy),
+  with autocast off and the inputs cast on the way in, as FSDP2 runs its units. Why: autocast casts a
+  weight at each use and the activations at each matrix product (RADIO-H: a third of the tower's ~4,800
+  kernels a call were casts, its host time the bound), and the cast's backward ran once per use. The copy's
+  backward hands the step's summed gradient to the float32 master in one multi-tensor copy as well.
+  The residual stream then runs in the compute dtype, as in the FSDP2 units.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.utils._pytree import tree_map
+
+
+class _CastAll(torch.autograd.Function):
+    """Every weight to `dtype` in one multi-tensor copy; backward: every gradient back to its master's dtype."""
+
+    @staticmethod
+    def forward(ctx, dtype: torch.dtype, *weights: torch.Tensor):
+        ctx.dtypes = [w.dtype for w in weights]
+        ctx.set_materialize_grads(False)  # a weight no pass used keeps no gradient, as before
+        out = [torch.empty_like(w, dtype=dtype) for w in weights]
+        torch._foreach_copy_(out, list(weights))
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        given = [n for n, g in enumerate(grads) if g is not None]
+        back = [torch.empty_like(grads[n], dtype=ctx.dtypes[n]) for n in given]
+        if given:
+            torch._foreach_copy_(back, [grads[n] for n in given])
+        out: list[torch.Tensor | None] = [None] * len(grads)
+        for n, b in zip(given, back):
+            out[n] = b
+        return (None, *out)
+
+
+class ReplicatedPrecision:
+    """The replicated modules of `model` (top-level names in `names`) computing in `dtype` (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, names: list[str], device_type: str, dtype: torch.dtype):
+        self.names, self.device_type, self.dtype = names, device_type, dtype
+        modules = [model.get_submodule(n) for n in names]
+        self.slots = [(m, k) for top in modules for m in top.modules() for k, p in m._parameters.items() if p is not None]
+        self.active = False
+        for top in modules:
+            top.forward = self._wrap(top.forward)
+
+    def _wrap(self, forward):
+        def run(*args, **kwargs):
+            if self.active:
+                cast = lambda t: t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+                with torch.autocast(self.device_type, enabled=False):
+                    return forward(*tree_map(cast, args), **tree_map(cast, kwargs))
+            with torch.autocast(self.device_type, dtype=self.dtype):
+                return forward(*args, **kwargs)
+        return run
+
+    @contextlib.contextmanager
+    def working_copy(self) -> Iterator[None]:
+        """The modules read one cast copy of their weights until the block ends (a training step's passes)."""
+        masters = [m._parameters[k] for m, k in self.slots]
+        unique = list({id(p): p for p in masters}.values())
+        trainable = [p for p in unique if p.requires_grad and torch.is_grad_enabled()]
+        frozen = [p for p in unique if not (p.requires_grad and torch.is_grad_enabled())]
+        copies = dict(zip(map(id, trainable), _CastAll.apply(self.dtype, *trainable))) if trainable else {}
+        if frozen:
+            with torch.no_grad():
+                held = [torch.empty_like(p, dtype=self.dtype) for p in frozen]
+                torch._foreach_copy_(held, frozen)
+            copies.update(zip(map(id, frozen), held))
+        for (m, k), p in zip(self.slots, masters):
+            m._parameters[k] = copies[id(p)]
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+            for (m, k), p in zip(self.slots, masters):
+                m._parameters[k] = p
