@@ -284,7 +284,10 @@ def use_path(model, path: str) -> bool | str:
     return False
 
 
-def train(base, mode: Mode, layers: int, a, path: str = "gymv") -> dict:
+BACKENDS = ("fsdp2", "fsdp2-keep", "torch")  # fsdp2-keep: training.fsdp.reshard_after_forward false
+
+
+def train(base, mode: Mode, layers: int, a, path: str = "gymv", variant: str = "fsdp2") -> dict:
     """One GRPO trainer configuration: warm-up step, then the median of `a.steps` timed steps."""
     import torch
 
@@ -302,14 +305,16 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv") -> dict:
     policy.model.gradient_checkpointing_enable()
     training = TrainingSection(lr=1e-6, weight_decay=0.01, dtype={"fp32": "float32", "bf16": "bfloat16"}[mode.precision],
                                micro_batch_tokens=a.micro_batch_tokens, gradient_checkpointing=True,
-                               sequence_packing=packing, backend="megatron" if path == "megatron" else a.backend)
+                               sequence_packing=packing,
+                               backend="megatron" if path == "megatron" else variant.split("-")[0],
+                               fsdp={"reshard_after_forward": variant != "fsdp2-keep"})
     setup = TrainingSetup(model_path=str(policy.path), training=training, device=mode.device, seed=0)
     samples = rollouts(policy, mode, a.groups, seed=0)
     agreement = None
     if path == "megatron":
         backend, agreement = megatron_backend(policy, setup, mode, samples[:GROUP])
     else:
-        cls = HFFSDPBackend if a.backend == "fsdp2" else HFTorchBackend
+        cls = HFFSDPBackend if training.backend == "fsdp2" else HFTorchBackend
         backend = cls(policy, setup, device=mode.device, rank=0, world_size=1)
     total = sum(len(s["input_ids"]) for s in samples)
     generated = sum(sum(s["loss_mask"]) for s in samples)
@@ -339,7 +344,7 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv") -> dict:
                 [as_tensors(dict(s)) for s in samples], loss), top=30)
         except Exception as e:  # noqa: BLE001
             profile = f"failed: {type(e).__name__}: {str(e)[:200]}"
-    row = {"path": path, "layers": layers, "pattern": PATTERN[:layers], "backend": training.backend, "params": counts,
+    row = {"path": path, "layers": layers, "pattern": PATTERN[:layers], "backend": variant, "params": counts,
            "logprobs_against_hf": agreement,
            "sequence_packing": packing, "mamba_scan": packed_mamba.path(mode.device) if packing else "transformers",
            "mamba_kernels_why_not": mamba_kernels.why_not(mode.device), "profile_s_by_kind": profile,
@@ -989,7 +994,9 @@ def main() -> None:
     ap.add_argument("--train-layers", default="", help="depths to try, largest first, until one fits "
                                                        "(default 9,7,4 on CUDA, 6 on CPU; 0: no training)")
     ap.add_argument("--decode-layers", type=int, help="depth of the decode model (default 52: all, on CUDA; 6 on CPU)")
-    ap.add_argument("--backend", choices=["fsdp2", "torch"], default="fsdp2")
+    ap.add_argument("--backend", default="fsdp2",
+                    help=f"trainer backends, comma-separated, each in turn at the depth that fits: {BACKENDS} "
+                         "(fsdp2-keep: the gathered bf16 weights kept from forward to backward, no second gather)")
     ap.add_argument("--groups", type=int, help="GRPO groups of 8 samples per step (default 4 on CUDA, 2 on CPU)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
@@ -1020,6 +1027,9 @@ def main() -> None:
     mode = mode_for(a.device)
     cuda = a.device == "cuda"
     train_layers = [int(x) for x in (a.train_layers or ("9,7,4" if cuda else "6")).split(",") if int(x) > 0]
+    backends = [b for b in a.backend.split(",") if b]
+    if not backends or set(backends) - set(BACKENDS):
+        sys.exit(f"--backend: {a.backend!r}; choose from {BACKENDS}, comma-separated")
     a.groups = a.groups or (4 if cuda else 2)
     decode_layers = a.decode_layers or (len(PATTERN) if cuda else 6)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -1054,22 +1064,31 @@ def main() -> None:
         return
     base = base_policy(a.out, mode)
     for layers in train_layers if a.part == "train" else ():
-        try:
-            row = train(base, mode, layers, a, a.train_paths.split(",")[0])
-        except torch.OutOfMemoryError as e:
-            row = {"layers": layers, "error": f"out of memory: {str(e)[:200]}"}
-        except Exception as e:  # noqa: BLE001
-            row = {"layers": layers, "error": f"{type(e).__name__}: {str(e)[:400]}", "trace": traceback.format_exc()[-2000:]}
-        free(mode)
-        result["train"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("trace", "step_s_all", "params")}), flush=True)
+        rows = [train_row(base, mode, layers, a, backend) for backend in backends]
+        result["train"] += rows
         save()
-        if "error" not in row or "out of memory" not in row["error"]:
+        if "out of memory" not in rows[0].get("error", ""):
             break
     if a.part == "decode":
         decode(base, mode, decode_layers, a, result, save)
     save()
     report(result, out_json)
+
+
+def train_row(base, mode: Mode, layers: int, a, backend: str) -> dict:
+    """One trainer configuration's row, or its error (printed as it ends)."""
+    import torch
+
+    try:
+        row = train(base, mode, layers, a, a.train_paths.split(",")[0], backend)
+    except torch.OutOfMemoryError as e:
+        row = {"layers": layers, "backend": backend, "error": f"out of memory: {str(e)[:200]}"}
+    except Exception as e:  # noqa: BLE001
+        row = {"layers": layers, "backend": backend, "error": f"{type(e).__name__}: {str(e)[:400]}",
+               "trace": traceback.format_exc()[-2000:]}
+    free(mode)
+    print(json.dumps({k: v for k, v in row.items() if k not in ("trace", "step_s_all", "params")}), flush=True)
+    return row
 
 
 def layer_rows(a, mode: Mode, result: dict, save) -> None:

@@ -38,11 +38,11 @@ def test_the_layers_part_times_the_moe_paths_and_the_tower_with_operator_profile
     assert all(bool(r.get("top_ops")) == (r["images"] == 4) for r in vision)
 
 
-def test_the_profiled_trainer_row_splits_the_step_by_kind_and_lists_its_operators(tmp_path):
+def test_the_profiled_trainer_rows_one_a_backend_split_the_step_by_kind_and_list_its_operators(tmp_path):
     got = _bench(tmp_path, "--part", "train", "--train-paths", "gymv", "--train-layers", "3", "--steps", "1",
-                 "--profile")
+                 "--profile", "--backend", "fsdp2,torch")
+    assert [(r["backend"], "error" in r) for r in got["train"]] == [("fsdp2", False), ("torch", False)], got["train"]
     row = got["train"][0]
-    assert "error" not in row, row
     prof = row["profile_s_by_kind"]
     assert prof["step_s"] > 0 and {"vision/forward", "moe/forward", "mamba/forward"} <= set(prof)
     assert prof["top_ops"] and all(o["calls"] > 0 for o in prof["top_ops"])
