@@ -123,7 +123,7 @@ CPU_LAYER_TEXT = dict(NANO_TEXT, hidden_size=256, mamba_num_heads=8, mamba_head_
 # (rows, channels, warps) of the Triton convolution's forward and backward tiles the layers part times
 CONV_TILES = [((32, 64, 8), (16, 64, 4)), ((16, 64, 4), (16, 64, 8)), ((32, 128, 8), (8, 128, 4)),
               ((64, 64, 8), (32, 64, 8))]
-VISION_PATHS = ("copy", "eager", "eager_no_ckpt", "compiled", "compiled_no_ckpt")
+VISION_PATHS = ("gymv", "copy", "eager", "eager_no_ckpt", "compiled", "compiled_no_ckpt")
 KIND_OF = {"linear_attention": "mamba", "mamba": "mamba", "moe": "moe", "full_attention": "attention",
            "attention": "attention", "mlp": "mlp"}
 
@@ -584,15 +584,17 @@ def vision_blocks(model) -> list:
 def vision_rows(mode: Mode, reps: int, counts=(1, 4), paths=VISION_PATHS) -> list[dict]:
     """The RADIO tower and projector as the fsdp2 trainer runs them (gymv's adapter, float32 replicated weights
     computing in bfloat16), forward and backward over 1 and 4 distinct 512 px images in one call, per path:
-    `eager` (activation checkpointing, autocast: as `gymv train` runs it outside a step), `eager_no_ckpt` (the tower's blocks not
+    `eager` (activation checkpointing, autocast, transformers' attention), `eager_no_ckpt` (the tower's blocks not
     checkpointed), `compiled` (each block's forward under torch.compile, dynamic shapes) and
     `compiled_no_ckpt`. Per row: device ms, the host's ms to queue the call (from a drained queue to the call's
     return; near the device's, the host is the bound), MFU of the tower's matrix products (8 x parameters x
     patches: forward, recomputation, backward), peak extra memory; the operators of each 4-image call. `copy`:
-    `eager` inside a training step, as `gymv train` runs it (one cast copy of the weights a call, autocast off:
-    gymv.backends.training.replicated_precision)."""
+    `eager` inside a training step (one cast copy of the weights a call, autocast off:
+    gymv.backends.training.replicated_precision); `gymv`: `copy` with gymv's attention for the packed images
+    (gymv.backends.vision_attention), as `gymv train` runs the tower."""
     import torch
 
+    from gymv.backends import vision_attention
     from gymv.backends.compile_limits import lift_recompile_limit
     from gymv.backends.training.fsdp import autocast_replicated, is_vision
 
@@ -604,6 +606,8 @@ def vision_rows(mode: Mode, reps: int, counts=(1, 4), paths=VISION_PATHS) -> lis
         model.gradient_checkpointing_enable()
         model.train()
         precision = autocast_replicated(model, "cuda", torch.bfloat16) if mode.device == "cuda" else None
+        if path == "gymv":
+            vision_attention.install(model)
         blocks = vision_blocks(model)
         for block in blocks:
             block.gradient_checkpointing = not path.endswith("no_ckpt")
@@ -616,7 +620,8 @@ def vision_rows(mode: Mode, reps: int, counts=(1, 4), paths=VISION_PATHS) -> lis
             patches = int(inputs.pixel_values.shape[0])
 
             def go():
-                step = precision.working_copy() if path == "copy" and precision else contextlib.nullcontext()
+                copy = path in ("gymv", "copy") and precision is not None
+                step = precision.working_copy() if copy else contextlib.nullcontext()
                 with step:
                     feats = adapter.image_features(model, inputs)
                     sum(f.float().pow(2).mean() for f in feats).backward()

@@ -646,9 +646,16 @@ class PatchGridAdapter(MultimodalAdapter):
         return ImageInputs(out["pixel_values"], grid, [int(n) // merge ** 2 for n in grid.prod(-1).tolist()])
 
     def image_features(self, model, inputs: ImageInputs) -> list:
+        from gymv.backends import vision_attention
+
         dtype = next(model.parameters()).dtype
+        extra = {}
+        if len(inputs.tokens_per_image) > 1 and vision_attention.installed(model):
+            # the images' longest sequence from the host grid: the tower's attention then reads no bounds back
+            vision_attention.prepare(model.device)
+            extra["max_seqlen"] = vision_attention.max_seqlen(model, inputs.image_grid_thw)
         out = model.get_image_features(pixel_values=to_device(inputs.pixel_values, model.device).to(dtype),
-                                       image_grid_hw=to_device(inputs.image_grid_thw, model.device))
+                                       image_grid_hw=to_device(inputs.image_grid_thw, model.device), **extra)
         return _per_image(out, inputs.tokens_per_image)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gymv.backends import packed_attention, packed_mamba, step_images
+from gymv.backends import packed_attention, packed_mamba, step_images, vision_attention
 from gymv.backends.hf_forward import has_recurrent_layers
 from gymv.backends.logprobs import (
     MultimodalBatch,
@@ -98,6 +98,7 @@ class BatchLayout:
         # a Mamba-2 layer restarts at each packed sequence (packed_mamba) but cannot continue a shared prompt's
         # state, so such a model packs every sequence whole; padded, it shares prompts of equal length only
         self.recurrent = has_recurrent_layers(model)
+        vision_attention.install(model)  # a packed tower's images split without reading the device each block
         installed = self.packing is not False and packed_attention.install(model)
         self.shares_in_row = installed and not self.recurrent
         if installed and self.recurrent:
