@@ -126,21 +126,20 @@ def test_a_frozen_tower_is_cast_without_a_gradient_path():
     assert all(p.grad is not None for p in model.multi_modal_projector.parameters())
 
 
-def _fsdp_step(working_copy: bool):
-    """One fsdp2 step of two groups in micro-batches of two samples (the tower once a step, checkpointed), its
+def _step(backend_cls, working_copy: bool):
+    """One step of two groups in micro-batches of two samples (the tower once a step, checkpointed), its
     tower in bf16 under autocast or from the working copy; returns the metrics and the trained weights."""
     from test_step_images import _backend, _group
 
     from gymv.algorithms.loss_fns import PolicyLoss
     from gymv.backends.training.fsdp import autocast_replicated
-    from gymv.backends.training.hf_fsdp import HFFSDPBackend
 
     probe = fresh_policy(ARCH)
     samples = _group(probe, 3, seed=3) + _group(probe, 3, seed=4)
     for s, a in zip(samples, (1.0, -1.0, 0.5, -0.5, 0.25, 1.0)):
         s["advantages"] = torch.tensor(a)
     longest = max(int(s["input_ids"].shape[0]) for s in samples)
-    backend = _backend(HFFSDPBackend, 2 * longest, checkpointing=True)
+    backend = _backend(backend_cls, 2 * longest, checkpointing=True)
     trainer = backend.trainer
     trainer.precision = autocast_replicated(trainer.model, "cpu", torch.bfloat16)
     copy, entered = trainer.precision.working_copy, []
@@ -149,13 +148,23 @@ def _fsdp_step(working_copy: bool):
         trainer._step_weights = lambda: contextlib.nullcontext()
     metrics = backend.train_step(samples, PolicyLoss())
     assert entered == ([1] if working_copy else [])  # once for the whole step
-    assert all(isinstance(p, torch.nn.Parameter) and p.dtype == torch.float32 for p in trainer.replicated)
+    tower = [p for n, p in trainer.model.named_parameters() if n.startswith(tuple(trainer.precision.names))]
+    assert tower and all(isinstance(p, torch.nn.Parameter) and p.dtype == torch.float32 for p in tower)
     return metrics, {k: v.clone() for k, v in backend.named_weights()}
 
 
+def _backend_class(name: str):
+    from gymv.backends.training.hf_fsdp import HFFSDPBackend
+    from gymv.backends.training.hf_torch import HFTorchBackend
+
+    return {"fsdp2": HFFSDPBackend, "torch": HFTorchBackend}[name]
+
+
 @pytest.mark.slow
-def test_an_fsdp2_step_trains_the_tower_from_its_working_copy_as_under_autocast():
-    (m0, w0), (m1, w1) = _fsdp_step(working_copy=False), _fsdp_step(working_copy=True)
+@pytest.mark.parametrize("backend", ["fsdp2", "torch"])
+def test_a_step_trains_the_tower_from_its_working_copy_as_under_autocast(backend):
+    cls = _backend_class(backend)
+    (m0, w0), (m1, w1) = _step(cls, working_copy=False), _step(cls, working_copy=True)
     assert m1["train/num_micro_batches"] == m0["train/num_micro_batches"] >= 3
     assert m1["train/loss"] == pytest.approx(m0["train/loss"], abs=1e-3)
     assert m1["train/grad_norm"] == pytest.approx(m0["train/grad_norm"], rel=0.05)
@@ -164,3 +173,12 @@ def test_an_fsdp2_step_trains_the_tower_from_its_working_copy_as_under_autocast(
     assert tower and all(not torch.equal(w1[k], fresh[k]) for k in tower)
     for k in w0:  # lr 1e-2: a step moves each weight by about 1e-2; bf16 rounding may flip a few signs
         torch.testing.assert_close(w1[k], w0[k], atol=2.5e-2, rtol=0, msg=k)
+
+
+def test_a_second_setup_of_one_model_keeps_the_first():
+    from gymv.backends.training.fsdp import autocast_replicated
+
+    model = fresh_policy(ARCH).model
+    first = autocast_replicated(model, "cpu", torch.bfloat16)
+    forward = model.vision_model.forward
+    assert autocast_replicated(model, "cpu", torch.bfloat16) is first and model.vision_model.forward is forward

@@ -34,7 +34,7 @@ from gymv.backends.training.base import local_shard as _local
 from gymv.backends.training.guarded_step import finite_or
 from gymv.backends.training.micro_batches import pad_collate
 from gymv.backends.training.rank_reductions import RankReductions
-from gymv.backends.training.replicated_precision import ReplicatedPrecision
+from gymv.backends.training.replicated_precision import VISION_MODULES, autocast_replicated, is_vision  # noqa: F401
 from gymv.backends.training.torch_trainer import TRAINER_FILE, TorchTrainer, _fsync_replace
 from gymv.errors import GymvError
 from gymv.net import master_store
@@ -42,8 +42,6 @@ from gymv.sections import FsdpSection, TrainingSection
 
 log = logging.getLogger(__name__)
 DCP_FOLDER = "dcp"
-# module names (path components) of the vision side of a VLM: kept replicated
-VISION_MODULES = frozenset({"vision_tower", "visual", "vision_model", "multi_modal_projector", "mm_projector"})
 
 
 _PRIVATE_STORE = None  # (store, listening socket) of a single rank's private group, kept open
@@ -59,10 +57,6 @@ def ensure_process_group(device: torch.device) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=_PRIVATE_STORE[0], rank=0, world_size=1,
                             timeout=datetime.timedelta(minutes=30))
-
-
-def is_vision(name: str) -> bool:
-    return any(part in VISION_MODULES for part in name.split("."))
 
 
 def shard_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -175,17 +169,6 @@ def shard_model(model: torch.nn.Module, device: torch.device, autocast_dtype: to
     return model, replicated
 
 
-def autocast_replicated(model: torch.nn.Module, device_type: str, dtype: torch.dtype) -> ReplicatedPrecision:
-    """The replicated vision modules computing in `dtype` (gymv.backends.training.replicated_precision): under
-    autocast outside a training step, from a working copy cast once inside one. Their master weights stay
-    float32."""
-    names: list[str] = []
-    for name, _ in model.named_modules():
-        if name.rsplit(".", 1)[-1] in VISION_MODULES and not any(name.startswith(w + ".") for w in names):
-            names.append(name)
-    return ReplicatedPrecision(model, names, device_type, dtype)
-
-
 def _full(t: Tensor, device: torch.device) -> Tensor:
     if not hasattr(t, "full_tensor"):
         return t
@@ -247,17 +230,10 @@ class FSDPTrainer(TorchTrainer):
         self.ranks = RankReductions()
         self.rank, self.world_size = self.ranks.rank, self.ranks.world_size
         model, self.replicated = shard_model(model, self.device, self.autocast_dtype, self.sharding)
-        self.precision = None
         if self.autocast_dtype is not None:
             self.precision = autocast_replicated(model, self.device.type, self.autocast_dtype)
             self.autocast_dtype = None  # FSDP casts the gathered weights itself (mixed-precision policy)
         return model
-
-    def _step_weights(self):
-        # the replicated tower reads one cast copy of its weights for the whole step
-        if getattr(self, "precision", None) is None or not self.precision.names:
-            return contextlib.nullcontext()
-        return self.precision.working_copy()
 
     def _step_images(self, samples, plan):
         # the tower reads root weights (a final vision norm): gathered first, on every rank alike

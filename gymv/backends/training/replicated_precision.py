@@ -1,8 +1,9 @@
-"""Mixed precision for the modules an FSDP2 model keeps replicated (the vision tower and projector).
+"""Mixed precision for a VLM's vision tower and projector (the modules FSDP2 keeps replicated).
 
 FSDP2's mixed-precision policy casts only its units' weights, and the trainer drops its own autocast under it:
 left alone, the replicated tower ran every matrix product in float32 (a fifth of a Qwen2.5-VL-7B step on an
-H200, SIMT kernels). Their master weights stay float32, and they compute in the trainer's dtype two ways:
+H200, SIMT kernels). The torch backend runs the whole model under autocast. In both, the tower's master
+weights stay float32, and it computes in the trainer's dtype two ways:
 
 - outside a training step (logprobs, a reference pass) under autocast, as before;
 - inside one, from a working copy: every weight cast once, in one multi-tensor copy, for the whole step
@@ -44,6 +45,29 @@ class _CastAll(torch.autograd.Function):
         for n, b in zip(given, back):
             out[n] = b
         return (None, *out)
+
+
+# module names (path components) of the vision side of a VLM: kept replicated under FSDP2
+VISION_MODULES = frozenset({"vision_tower", "visual", "vision_model", "multi_modal_projector", "mm_projector"})
+
+
+def is_vision(name: str) -> bool:
+    return any(part in VISION_MODULES for part in name.split("."))
+
+
+def autocast_replicated(model: torch.nn.Module, device_type: str, dtype: torch.dtype) -> ReplicatedPrecision:
+    """The vision modules of `model` computing in `dtype`: under autocast outside a training step, from a working
+    copy cast once inside one (`ReplicatedPrecision.working_copy`). Their master weights stay float32. A model
+    set up before (a second trainer on it) keeps its first setup."""
+    found = getattr(model, "_gymv_precision", None)
+    if found is not None and (found.device_type, found.dtype) == (device_type, dtype):
+        return found
+    names: list[str] = []
+    for name, _ in model.named_modules():
+        if name.rsplit(".", 1)[-1] in VISION_MODULES and not any(name.startswith(w + ".") for w in names):
+            names.append(name)
+    model._gymv_precision = ReplicatedPrecision(model, names, device_type, dtype)
+    return model._gymv_precision
 
 
 class ReplicatedPrecision:

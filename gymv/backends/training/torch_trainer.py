@@ -28,6 +28,7 @@ from gymv.backends.training.base import (CollateFn, GlobalCounts, ImagesFn, Logp
 from gymv.backends.training.guarded_step import drop_fresh_state, finite_or, skips_on_device, step_unless
 from gymv.backends.training.micro_batches import pad_collate, plan_micro_batches
 from gymv.backends.training.rank_reductions import RankReductions
+from gymv.backends.training.replicated_precision import ReplicatedPrecision, autocast_replicated
 from gymv.errors import GymvError
 from gymv.sections import TrainingSection
 from gymv.timing import phase_key
@@ -89,6 +90,7 @@ class TorchTrainer:
             raise GymvError(f"training.backend torch trains on one rank, not {self.world_size}", where="training.backend",
                             fix="set training.backend: fsdp2, which shards the same trainer over the ranks")
         self.autocast_dtype = self._resolve_precision(config.dtype)
+        self.precision: ReplicatedPrecision | None = None  # the vision tower's (replicated_precision)
         self.model = self._place(model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
@@ -113,7 +115,10 @@ class TorchTrainer:
     fused: bool | None = None
 
     def _place(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model.to(self.device)
+        model = model.to(self.device)
+        if self.autocast_dtype is not None:
+            self.precision = autocast_replicated(model, self.device.type, self.autocast_dtype)
+        return model
 
     def _param_groups(self) -> list:
         """What AdamW steps: one group of every trainable parameter."""
@@ -175,8 +180,11 @@ class TorchTrainer:
         return logp.float(), as_float(entropy), as_float(candidates)
 
     def _step_weights(self):
-        """A context over a step's passes, forward and backward (FSDPTrainer: the replicated tower's cast copy)."""
-        return contextlib.nullcontext()
+        """A context over a step's passes, forward and backward: the vision tower reads one cast copy of its
+        weights (gymv.backends.training.replicated_precision)."""
+        if self.precision is None or not self.precision.names:
+            return contextlib.nullcontext()
+        return self.precision.working_copy()
 
     def _step_images(self, samples: Sequence[Sample], plan: list[list[int]]):
         """The step's images through the vision tower once, for every micro-batch (gymv.backends.step_images);
