@@ -96,3 +96,28 @@ def test_on_cuda_the_flash_kernel_runs_and_matches_per_image_sdpa_in_bf16(monkey
         torch.testing.assert_close(b.float(), a.float(), atol=3e-2, rtol=3e-2)
     for k in want[1]:
         torch.testing.assert_close(got[1][k].float(), want[1][k].float(), atol=5e-2, rtol=5e-2, msg=k)
+
+
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+def test_the_kernels_one_time_checks_pass_when_first_asked_by_a_pass_without_autograd(monkeypatch, grad_mode):
+    """A GRPO step scores (no_grad) before it trains: the checks' backward must still run, or their cached
+    failure keeps the kernels unused for the run. The kernels are stood in for by the per-segment SDPA they
+    are checked against (a CPU has none)."""
+    from gymv.backends import packed_attention, vision_attention
+
+    monkeypatch.setattr(packed_attention, "_call_varlen",
+                        lambda q, k, v, args, scaling, **kw: packed_attention._per_segment(q, k, v, args, scaling, 0.0))
+    monkeypatch.setattr(vision_attention, "_call",
+                        lambda q, k, v, cu, longest, scaling: vision_attention._per_image(q, k, v, cu.tolist(), scaling, 0.0))
+    checks = (packed_attention._varlen_checks, packed_attention._varlen_inputs, vision_attention._checked)
+    for check in checks:
+        check.cache_clear()
+    try:
+        with getattr(torch, grad_mode)():
+            cpu = torch.device("cpu")
+            assert packed_attention._varlen_checks(cpu, torch.float32) == (True, True)
+            assert packed_attention._varlen_inputs(cpu, torch.float32) == (True, True)
+            assert vision_attention._checked(cpu, torch.float32)
+    finally:
+        for check in checks:
+            check.cache_clear()

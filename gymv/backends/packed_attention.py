@@ -17,6 +17,7 @@ A model whose text side uses sliding windows, attention soft-capping or bidirect
 from __future__ import annotations
 
 import inspect
+import functools
 from functools import lru_cache
 
 import torch
@@ -171,7 +172,19 @@ def _half_dtype(query) -> torch.dtype | None:
     return None
 
 
+def with_grad(check):
+    """Run a one-time kernel check with autograd on: the first to ask may be a logprob pass under no_grad or
+    inference mode (a GRPO step scores before it trains), where the check's backward cannot run and its
+    failure would be cached, leaving the kernel unused for the whole run."""
+    @functools.wraps(check)
+    def run(*args):
+        with torch.inference_mode(False), torch.enable_grad():
+            return check(*args)
+    return run
+
+
 @lru_cache(maxsize=None)
+@with_grad
 def _varlen_checks(device, dtype) -> tuple[bool, bool]:
     """(the kernel runs forward and backward and matches SDPA on two causal sequences, and it lets query i of
     a segment with more keys than queries see the keys up to i + keys - queries), each compared once with
@@ -205,6 +218,7 @@ def _varlen_checks(device, dtype) -> tuple[bool, bool]:
 
 
 @lru_cache(maxsize=None)
+@with_grad
 def _varlen_inputs(device, dtype) -> tuple[bool, bool]:
     """(the kernel takes grouped-query keys and values with their own, fewer heads; it takes [N, H, D] views of
     [1, H, N, D] tensors without a copy): each compared once, output and gradients, with the path that widens

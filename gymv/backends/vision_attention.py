@@ -100,6 +100,7 @@ def _call(query, key, value, cu, longest: int, scaling):
 
 
 @lru_cache(maxsize=None)
+@packed_attention.with_grad
 def _checked(device, dtype) -> bool:
     """The kernel runs forward and backward and matches per-image SDPA (non-causal) on two images of 3 and 5
     tokens, head size 80 (RADIO-H's), once per device and dtype."""
