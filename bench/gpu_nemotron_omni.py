@@ -12,8 +12,9 @@ its vocabulary; the embedding and LM head still have the full 131072 rows).
 
 train   GRPO on synthetic rollouts: groups of G=8 samples sharing a prompt (one 512x512 image, 256 image
         tokens, and chat text) with responses of log-normal length (median 300, 16..1536 tokens), random
-        advantages, the clipped policy loss; the fsdp2 backend on one rank (or --backend torch), fp32 master
-        weights, bf16 autocast, activation checkpointing, no sequence packing (this family is never packed).
+        advantages, the clipped policy loss; the fsdp2 backend on one rank (--backend: fsdp2, fsdp2-keep with
+        the gathered weights kept to the backward, torch; a list runs each in turn), fp32 master weights
+        computing in bf16, activation checkpointing, packed rows on the gymv path.
         After one warm-up step, the median of --steps timed `train_step` calls. Reported: tokens/s (every
         token), unique tokens/s (each group's prompt once), MFU = (6 * N_active * D_unique + 6 * N_head *
         D_generated) / time / 989e12, where N_active counts the decoder's parameters a token uses (the top 6
