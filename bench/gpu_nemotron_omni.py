@@ -621,8 +621,8 @@ def vision_rows(mode: Mode, reps: int, counts=(1, 4), paths=VISION_PATHS) -> lis
             patches = int(inputs.pixel_values.shape[0])
 
             def go():
-                copy = path in ("gymv", "copy") and precision is not None
-                step = precision.working_copy() if copy else contextlib.nullcontext()
+                from_copy = path in ("gymv", "copy") and precision is not None
+                step = precision.working_copy() if from_copy else contextlib.nullcontext()
                 with step:
                     feats = adapter.image_features(model, inputs)
                     sum(f.float().pow(2).mean() for f in feats).backward()
