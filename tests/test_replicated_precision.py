@@ -182,3 +182,41 @@ def test_a_second_setup_of_one_model_keeps_the_first():
     first = autocast_replicated(model, "cpu", torch.bfloat16)
     forward = model.vision_model.forward
     assert autocast_replicated(model, "cpu", torch.bfloat16) is first and model.vision_model.forward is forward
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["fsdp2", "torch"])
+def test_on_cuda_a_bf16_step_trains_the_tower_from_one_copy_and_packs_its_images_through_the_flash_kernel(
+        backend, monkeypatch):
+    from test_step_images import _group
+
+    from gymv.algorithms.loss_fns import PolicyLoss
+    from gymv.backends import vision_attention
+    from gymv.backends.training.base import TrainingSetup
+    from gymv.config.schema import TrainingSection
+    from tiny_models import tiny_path
+
+    probe = fresh_policy(ARCH)
+    samples = _group(probe, 3, seed=3) + _group(probe, 3, seed=4)
+    for s, a in zip(samples, (1.0, -1.0, 0.5, -0.5, 0.25, 1.0)):
+        s["advantages"] = torch.tensor(a)
+    training = TrainingSection(lr=1e-3, dtype="bfloat16", micro_batch_tokens=2 * max(len(s["input_ids"]) for s in samples),
+                               gradient_checkpointing=True, backend=backend)
+    setup = TrainingSetup(model_path=str(tiny_path(ARCH)), training=training, device="cuda")
+    trained = _backend_class(backend)(fresh_policy(ARCH), setup, device="cuda")
+    trainer = trained.trainer
+    assert trainer.precision is not None and trainer.precision.names
+    copy, entered = trainer.precision.working_copy, []
+    trainer.precision.working_copy = lambda: entered.append(1) or copy()
+    kernel, ran = vision_attention._varlen, []
+    monkeypatch.setattr(vision_attention, "_varlen", lambda *a: ran.append(kernel(*a)) or ran[-1])
+    metrics = trained.train_step(samples, PolicyLoss())
+    assert entered == [1] and ran and all(r is not None for r in ran)
+    assert torch.isfinite(torch.tensor(metrics["train/loss"])) and metrics["train/grad_norm"] > 0
+    weights = dict(trained.named_weights())
+    fresh = fresh_policy(ARCH).model.state_dict()
+    tower = [k for k in weights if k.startswith(("vision_model.encoder", "multi_modal_projector"))]
+    assert tower and all(not torch.equal(weights[k].float().cpu(), fresh[k].float()) for k in tower)
+    assert all(p.dtype == torch.float32 for n, p in trainer.model.named_parameters()
+               if n.startswith(tuple(trainer.precision.names)))
