@@ -16,8 +16,8 @@ A model whose text side uses sliding windows, attention soft-capping or bidirect
 
 from __future__ import annotations
 
-import inspect
 import functools
+import inspect
 from functools import lru_cache
 
 import torch
@@ -250,9 +250,10 @@ def _varlen_inputs(device, dtype) -> tuple[bool, bool]:
     return same(True, False), same(False, True)
 
 
-def _call_varlen(query, key, value, args, scaling, *, gqa: bool = False, views: bool = False):
+def _call_varlen(query, key, value, args, scaling, *, gqa: bool = False, views: bool = False, causal: bool = True):
     """`gqa`: pass fewer key/value heads as they are (else widened to the query's); `views`: pass the [N, H, D]
-    views as they are (else contiguous copies)."""
+    views as they are (else contiguous copies); `causal` False: each segment attends to all its keys (a vision
+    tower's images, gymv.backends.vision_attention)."""
     fn, params = _varlen_kernel()
     q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))  # [N, H, D]; a view both ways
     if not views:
@@ -270,9 +271,9 @@ def _call_varlen(query, key, value, args, scaling, *, gqa: bool = False, views: 
         elif not gqa:
             k, v = (repeat_heads(t, q.shape[1] // k.shape[1]) for t in (k, v))
     if "window_size" in params:
-        kwargs["window_size"] = (-1, 0)
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
     elif "is_causal" in params:
-        kwargs["is_causal"] = True
+        kwargs["is_causal"] = causal
     else:
         return None
     if not views:

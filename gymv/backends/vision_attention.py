@@ -17,6 +17,7 @@ from functools import lru_cache
 import torch
 
 from gymv.backends import packed_attention
+from gymv.backends.packing import PackedAttentionArgs
 
 NAME = "gymv_flash_vision"
 TOWERS = ("radio",)  # vision config model types whose packed path this serves
@@ -85,18 +86,9 @@ def _varlen(query, key, value, cu: torch.Tensor, longest: int, scaling):
 
 
 def _call(query, key, value, cu, longest: int, scaling):
-    fn, params = packed_attention._varlen_kernel()
-    q, k, v = (t.squeeze(0).transpose(0, 1).contiguous() for t in (query, key, value))  # [N, H, D]
-    kwargs: dict = {}
-    if "window_size" in params:
-        kwargs["window_size"] = (-1, -1)
-    elif "is_causal" in params:
-        kwargs["is_causal"] = False
-    if scaling is not None and "scale" in params:
-        kwargs["scale"] = scaling
-    elif scaling is not None and abs(scaling - q.shape[-1] ** -0.5) > 1e-6:
-        return None
-    return fn(q, k, v, cu, cu, longest, longest, **kwargs).unsqueeze(0)
+    """packed_attention's kernel call with no causal mask: every image's tokens see each other."""
+    args = PackedAttentionArgs(cu, None, cu, longest, longest)
+    return packed_attention._call_varlen(query, key, value, args, scaling, causal=False)
 
 
 @lru_cache(maxsize=None)
