@@ -13,7 +13,8 @@ its vocabulary; the embedding and LM head still have the full 131072 rows).
 train   GRPO on synthetic rollouts: groups of G=8 samples sharing a prompt (one 512x512 image, 256 image
         tokens, and chat text) with responses of log-normal length (median 300, 16..1536 tokens), random
         advantages, the clipped policy loss; the fsdp2 backend on one rank (--backend: fsdp2, fsdp2-keep with
-        the gathered weights kept to the backward, torch; a list runs each in turn), fp32 master weights
+        the gathered weights kept to the backward, torch (one cast of the weights a step), torch-autocast (a cast at
+        every use); a list runs each in turn), fp32 master weights
         computing in bf16, activation checkpointing, packed rows on the gymv path.
         After one warm-up step, the median of --steps timed `train_step` calls. Reported: tokens/s (every
         token), unique tokens/s (each group's prompt once), MFU = (6 * N_active * D_unique + 6 * N_head *
@@ -285,7 +286,8 @@ def use_path(model, path: str) -> bool | str:
     return False
 
 
-BACKENDS = ("fsdp2", "fsdp2-keep", "torch")  # fsdp2-keep: training.fsdp.reshard_after_forward false
+# fsdp2-keep: training.fsdp.reshard_after_forward false; torch-autocast: training.weight_copy false
+BACKENDS = ("fsdp2", "fsdp2-keep", "torch", "torch-autocast")
 
 
 def train(base, mode: Mode, layers: int, a, path: str = "gymv", variant: str = "fsdp2") -> dict:
@@ -308,7 +310,8 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv", variant: str = "
                                micro_batch_tokens=a.micro_batch_tokens, gradient_checkpointing=True,
                                sequence_packing=packing,
                                backend="megatron" if path == "megatron" else variant.split("-")[0],
-                               fsdp={"reshard_after_forward": variant != "fsdp2-keep"})
+                               fsdp={"reshard_after_forward": variant != "fsdp2-keep"},
+                               weight_copy=variant != "torch-autocast")
     setup = TrainingSetup(model_path=str(policy.path), training=training, device=mode.device, seed=0)
     samples = rollouts(policy, mode, a.groups, seed=0)
     agreement = None

@@ -30,7 +30,8 @@ Before the runs, `parity`: packed against padded logprobs of the same weights (b
 `first_step_s` is the warm-up step (with compile: the compilation). --runs picks runs by name
 (`<shape>-<backend>-packed|padded[-ckpt]`), `@TOKENS` sets micro_batch_tokens, `:eager` or `:compile` one
 variant, `:keep` training.fsdp.reshard_after_forward false, `:adam16` AdamW moments in bfloat16
-(training.optimizer_state_dtype), `:nodefer` gradients reduced after every micro-batch on one rank. computed_tokens_rank0: the tokens rank 0's forward passes run
+(training.optimizer_state_dtype), `:nodefer` gradients reduced after every micro-batch on one rank, `:autocast`
+the torch backend without its working copy (training.weight_copy false). computed_tokens_rank0: the tokens rank 0's forward passes run
 (packed rows' lengths, or padded rows x longest), to check that each group's prompt runs once.
 
 Usage: python bench/gpu_train.py --out DIR [--shapes 0.8b,3b,7b] [--runs SPEC] [--compile off|on|both]
@@ -221,8 +222,9 @@ def profile_summary(averages, key: str, limit: int = 25, kernels_only: bool = Fa
             "top": rows[:limit]}
 
 
-# :adam16 training.optimizer_state_dtype bfloat16; :nodefer training.fsdp.defer_gradient_reduction false
-EXTRA_OPTIONS = ("adam16", "nodefer")
+# :adam16 training.optimizer_state_dtype bfloat16; :nodefer training.fsdp.defer_gradient_reduction false;
+# :autocast training.weight_copy false (the torch backend casts each weight at each use)
+EXTRA_OPTIONS = ("adam16", "nodefer", "autocast")
 
 
 def select_runs(spec: str, shapes: list[str], variants: list[bool]) -> list[tuple]:
@@ -338,6 +340,7 @@ def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, see
                                micro_batch_tokens=micro_batch_tokens or (2048 if smoke else 16384),
                                optimizer_state_dtype="bfloat16" if "adam16" in options else "float32",
                                gradient_checkpointing=ckpt, sequence_packing=packing, compile=compile_layers,
+                               weight_copy="autocast" not in options,
                                fsdp=FsdpSection(reshard_after_forward=not keep_gathered,
                                                 **({"defer_gradient_reduction": False} if "nodefer" in options else {})))
     setup = TrainingSetup(model_path=str(policy.path), training=training, device=device, seed=seed)

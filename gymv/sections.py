@@ -161,6 +161,9 @@ class TrainingSection(Section):
     micro_batch_tokens: PosInt = 4096
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     gradient_checkpointing: bool = False
+    # torch backend in bfloat16: the language model's matrices cast once a step into a working copy (2 bytes a
+    # weight held for the step) instead of at every use; false: autocast's casts (docs/training.md)
+    weight_copy: bool = True
     sequence_packing: bool | Literal["auto"] = "auto"  # micro-batches as packed rows (docs/training.md)
     # torch.compile each decoder layer (torch and fsdp2 backends; docs/training.md); a name picks torch.compile's
     # backend (true: inductor)

@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gymv.backends.training.fsdp import _separate_embedding, is_vision, shard_units
+from gymv.backends.training.fsdp import _separate_embedding, is_vision
+from gymv.backends.training.units import decoder_units
 from tiny_models import shared_policy
 
 
 @pytest.mark.parametrize("arch", ["tiny-llava", "tiny-qwen2vl"])
 def test_every_language_decoder_layer_is_a_unit_and_no_vision_block_is(arch):
     model = shared_policy(arch).model
-    names = [n for n, _ in shard_units(model)]
+    names = [n for n, _ in decoder_units(model)]
     layers = model.config.text_config.num_hidden_layers
     assert len(names) == layers and all(n.endswith(f"layers.{i}") for i, n in enumerate(names))
     assert not any(is_vision(n) for n in names)

@@ -100,6 +100,19 @@ def test_the_permutation_sorts_pairs_by_expert_and_ends_each_experts_run():
     assert offsets.tolist() == [2, 3, 3, 6, 6] and offsets.dtype == torch.int32
 
 
+def test_small_and_large_permutations_agree_with_a_stable_sort(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    for tokens, k, experts in ((64, 6, 128), (7, 2, 3), (1, 1, 4), (300, 6, 128)):
+        ids = torch.randint(0, experts, (tokens, k), generator=g)
+        want_ids, want_order = torch.sort(ids.reshape(-1), stable=True)
+        for small in (0, moe_experts.SMALL_PAIRS):  # 0: every size takes the sort
+            monkeypatch.setattr(moe_experts, "SMALL_PAIRS", small)
+            order, offsets, inverse = moe_experts._permutation(ids, experts)
+            assert order.tolist() == want_order.tolist()
+            assert offsets.tolist() == [int((want_ids < e + 1).sum()) for e in range(experts)]
+            assert order[inverse].tolist() == list(range(tokens * k))
+
+
 def test_on_cpu_grouped_mm_is_used_for_aligned_float32_widths_only():
     m = transformers_experts()
     assert moe_experts.grouped_available(torch.randn(T, D), m.up_proj, m.down_proj)

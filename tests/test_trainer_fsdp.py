@@ -12,7 +12,8 @@ import torch.multiprocessing as mp
 
 from gymv.backends.training.process_group import leave_process_group
 from gymv.algorithms.loss_fns import PolicyLoss
-from gymv.backends.training.fsdp import FSDPTrainer, shard_units
+from gymv.backends.training.fsdp import FSDPTrainer
+from gymv.backends.training.units import decoder_units
 from gymv.backends.training.micro_batches import plan_micro_batches
 from gymv.backends.training.torch_trainer import TorchTrainer
 from gymv.errors import GymvError
@@ -128,7 +129,7 @@ def _same_weights(got, expected):
 
 
 def test_each_block_of_a_module_list_is_its_own_unit():
-    assert [n for n, _ in shard_units(tiny_stack())] == ["layers.0", "layers.1"]
+    assert [n for n, _ in decoder_units(tiny_stack())] == ["layers.0", "layers.1"]
 
 
 def test_the_two_ranks_run_different_numbers_of_micro_batches():

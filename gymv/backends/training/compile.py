@@ -16,13 +16,13 @@ import torch
 
 from gymv.backends import packed_attention
 from gymv.backends.compile_limits import lift_recompile_limit
-from gymv.backends.training.fsdp import shard_units
+from gymv.backends.training.units import decoder_units
 from gymv.errors import GymvError
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The language side's decoder layers (the units FSDP2 shards, gymv.backends.training.fsdp)."""
-    return [m for _, m in shard_units(model)]
+    return [m for _, m in decoder_units(model)]
 
 
 def compile_layers(model: torch.nn.Module, backend: str = "inductor") -> int:

@@ -36,6 +36,7 @@ from gymv.backends.training.micro_batches import pad_collate
 from gymv.backends.training.rank_reductions import RankReductions
 from gymv.backends.training.replicated_precision import VISION_MODULES, autocast_replicated, is_vision  # noqa: F401
 from gymv.backends.training.torch_trainer import TRAINER_FILE, TorchTrainer, _fsync_replace
+from gymv.backends.training.units import decoder_units
 from gymv.errors import GymvError
 from gymv.net import master_store
 from gymv.sections import FsdpSection, TrainingSection
@@ -57,17 +58,6 @@ def ensure_process_group(device: torch.device) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=_PRIVATE_STORE[0], rank=0, world_size=1,
                             timeout=datetime.timedelta(minutes=30))
-
-
-def shard_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The modules that become their own FSDP units: HF's no-split blocks (decoder layers) of the language
-    side, else the members of every ModuleList (plain torch models)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    units = [(n, m) for n, m in model.named_modules() if n and type(m).__name__ in names and not is_vision(n)]
-    if units:
-        return units
-    return [(f"{n}.{i}", m) for n, lst in model.named_modules() if isinstance(lst, torch.nn.ModuleList) and not is_vision(n)
-            for i, m in enumerate(lst)]
 
 
 def _separate_embedding(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -145,7 +135,7 @@ def shard_model(model: torch.nn.Module, device: torch.device, autocast_dtype: to
             log.warning("training.fsdp.cpu_offload keeps the weights and gradients in pageable host memory (this "
                         "torch rounds each pinned block up to a power of two, up to twice the memory)")
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pinned)
-    for _, unit in shard_units(model):
+    for _, unit in decoder_units(model):
         fully_shard(unit, **kwargs)
     embed = _separate_embedding(model)
     if embed is not None:

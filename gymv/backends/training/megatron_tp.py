@@ -65,6 +65,7 @@ class ReplicaTrainer(TorchTrainer):
     """TorchTrainer over megatron's data-parallel replicas (`process_group`, default: every rank)."""
 
     multi_rank = True
+    copies_weights = False  # megatron's layers: training.weight_copy is the torch backend's
 
     def _place(self, model: torch.nn.Module) -> torch.nn.Module:
         model = super()._place(model)

@@ -94,22 +94,42 @@ class ReplicatedPrecision:
     @contextlib.contextmanager
     def working_copy(self) -> Iterator[None]:
         """The modules read one cast copy of their weights until the block ends (a training step's passes)."""
-        masters = [m._parameters[k] for m, k in self.slots]
-        unique = list({id(p): p for p in masters}.values())
-        trainable = [p for p in unique if p.requires_grad and torch.is_grad_enabled()]
-        frozen = [p for p in unique if not (p.requires_grad and torch.is_grad_enabled())]
-        copies = dict(zip(map(id, trainable), _CastAll.apply(self.dtype, *trainable))) if trainable else {}
-        if frozen:
-            with torch.no_grad():
-                held = [torch.empty_like(p, dtype=self.dtype) for p in frozen]
-                torch._foreach_copy_(held, frozen)
-            copies.update(zip(map(id, frozen), held))
-        for (m, k), p in zip(self.slots, masters):
-            m._parameters[k] = copies[id(p)]
-        self.active = True
-        try:
-            yield
-        finally:
-            self.active = False
-            for (m, k), p in zip(self.slots, masters):
+        with cast_copies([self.slots], self.dtype):
+            self.active = True
+            try:
+                yield
+            finally:
+                self.active = False
+
+
+Slot = tuple[torch.nn.Module, str]  # a module and the name of one of its parameters
+
+
+@contextlib.contextmanager
+def cast_copies(groups: list[list[Slot]], dtype: torch.dtype) -> Iterator[None]:
+    """Each group's parameters replaced by one `dtype` copy until the block ends, made by one multi-tensor copy a
+    group (`_CastAll`), whose backward hands the group's gradients to the masters once all of the group's uses
+    in a backward pass are done: a group a decoder layer, the layer's float32 gradients exist one layer at a
+    time. A parameter frozen (or grad mode off) is copied without a gradient path. The masters are back in
+    place after the block, also when it raises."""
+    saved: list[tuple[list[Slot], list[torch.nn.Parameter]]] = []
+    try:
+        for slots in groups:
+            masters = [m._parameters[k] for m, k in slots]
+            saved.append((slots, masters))
+            unique = list({id(p): p for p in masters}.values())
+            trainable = [p for p in unique if p.requires_grad and torch.is_grad_enabled()]
+            frozen = [p for p in unique if not (p.requires_grad and torch.is_grad_enabled())]
+            copies = dict(zip(map(id, trainable), _CastAll.apply(dtype, *trainable))) if trainable else {}
+            if frozen:
+                with torch.no_grad():
+                    held = [torch.empty_like(p, dtype=dtype) for p in frozen]
+                    torch._foreach_copy_(held, frozen)
+                copies.update(zip(map(id, frozen), held))
+            for (m, k), p in zip(slots, masters):
+                m._parameters[k] = copies[id(p)]
+        yield
+    finally:
+        for slots, masters in saved:
+            for (m, k), p in zip(slots, masters):
                 m._parameters[k] = p

@@ -29,6 +29,7 @@ from gymv.backends.training.guarded_step import drop_fresh_state, finite_or, ski
 from gymv.backends.training.micro_batches import pad_collate, plan_micro_batches
 from gymv.backends.training.rank_reductions import RankReductions
 from gymv.backends.training.replicated_precision import ReplicatedPrecision, autocast_replicated
+from gymv.backends.training.step_copy import StepCopy
 from gymv.errors import GymvError
 from gymv.sections import TrainingSection
 from gymv.timing import phase_key
@@ -91,6 +92,7 @@ class TorchTrainer:
                             fix="set training.backend: fsdp2, which shards the same trainer over the ranks")
         self.autocast_dtype = self._resolve_precision(config.dtype)
         self.precision: ReplicatedPrecision | None = None  # the vision tower's (replicated_precision)
+        self.step_copy: StepCopy | None = None  # the language model's matrices a step (step_copy)
         self.model = self._place(model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
@@ -113,11 +115,14 @@ class TorchTrainer:
     # AdamW's fused kernel (one pass over each parameter group instead of a dozen multi-tensor passes):
     # None = on CUDA only
     fused: bool | None = None
+    copies_weights = True  # training.weight_copy applies (a subclass whose layers are not torch's own: False)
 
     def _place(self, model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(self.device)
         if self.autocast_dtype is not None:
             self.precision = autocast_replicated(model, self.device.type, self.autocast_dtype)
+            if self.copies_weights and self.config.weight_copy:
+                self.step_copy = StepCopy(model, self.autocast_dtype)
         return model
 
     def _param_groups(self) -> list:
@@ -179,12 +184,16 @@ class TorchTrainer:
         as_float = lambda t: t.float() if t is not None else None  # noqa: E731
         return logp.float(), as_float(entropy), as_float(candidates)
 
-    def _step_weights(self):
+    def _step_weights(self) -> contextlib.ExitStack:
         """A context over a step's passes, forward and backward: the vision tower reads one cast copy of its
-        weights (gymv.backends.training.replicated_precision)."""
-        if self.precision is None or not self.precision.names:
-            return contextlib.nullcontext()
-        return self.precision.working_copy()
+        weights (gymv.backends.training.replicated_precision), and so do the language model's matrices
+        (gymv.backends.training.step_copy)."""
+        stack = contextlib.ExitStack()
+        if self.precision is not None and self.precision.names:
+            stack.enter_context(self.precision.working_copy())
+        if self.step_copy is not None:
+            stack.enter_context(self.step_copy.working_copy())
+        return stack
 
     def _step_images(self, samples: Sequence[Sample], plan: list[list[int]]):
         """The step's images through the vision tower once, for every micro-batch (gymv.backends.step_images);
