@@ -308,6 +308,7 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv", variant: str = "
     policy.model.gradient_checkpointing_enable()
     training = TrainingSection(lr=1e-6, weight_decay=0.01, dtype={"fp32": "float32", "bf16": "bfloat16"}[mode.precision],
                                micro_batch_tokens=a.micro_batch_tokens, gradient_checkpointing=True,
+                               optimizer_state_dtype="bfloat16" if a.adam16 else "float32",
                                sequence_packing=packing,
                                backend="megatron" if path == "megatron" else variant.split("-")[0],
                                fsdp={"reshard_after_forward": variant != "fsdp2-keep"},
@@ -348,7 +349,8 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv", variant: str = "
                 [as_tensors(dict(s)) for s in samples], loss), top=30)
         except Exception as e:  # noqa: BLE001
             profile = f"failed: {type(e).__name__}: {str(e)[:200]}"
-    row = {"path": path, "layers": layers, "pattern": PATTERN[:layers], "backend": variant, "params": counts,
+    row = {"path": path, "layers": layers, "pattern": PATTERN[:layers], "backend": variant,
+           "optimizer_state_dtype": training.optimizer_state_dtype, "params": counts,
            "logprobs_against_hf": agreement,
            "sequence_packing": packing, "mamba_scan": packed_mamba.path(mode.device) if packing else "transformers",
            "mamba_kernels_why_not": mamba_kernels.why_not(mode.device), "profile_s_by_kind": profile,
@@ -1009,6 +1011,8 @@ def main() -> None:
     ap.add_argument("--groups", type=int, help="GRPO groups of 8 samples per step (default 4 on CUDA, 2 on CPU)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
+    ap.add_argument("--adam16", action="store_true",
+                    help="AdamW's moments in bfloat16 (training.optimizer_state_dtype): room for the torch backend's copy")
     ap.add_argument("--decode-batch", type=int, default=DECODE_BATCH)
     ap.add_argument("--paths", default="static,static_torch,hf_generate,static_eager,gymv_hf")
     ap.add_argument("--train-paths", default="gymv,hf", help="trainer paths: gymv, megatron, hf, hf_grouped_mm")
