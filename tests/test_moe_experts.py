@@ -33,6 +33,15 @@ def routing(device="cpu"):
     return ids.to(device), torch.rand(T, K, generator=g).to(device)
 
 
+@pytest.fixture(params=["few_pairs", "many_pairs"])
+def pairs(request, monkeypatch):
+    """Both sizes' paths: a decode step's few pairs (a comparison rank, index_copy and sum) and a training
+    pass's many (a sort, the gather-sum kernel), the latter by lowering the bound to 0."""
+    if request.param == "many_pairs":
+        monkeypatch.setattr(moe_experts, "SMALL_PAIRS", 0)
+    return request.param
+
+
 def _run(fn, m, h, ids, w):
     m.zero_grad()
     h = h.detach().clone().requires_grad_()
@@ -43,7 +52,7 @@ def _run(fn, m, h, ids, w):
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped_mm"])
-def test_experts_equal_transformers_loop_forward_and_gradients(grouped):
+def test_experts_equal_transformers_loop_forward_and_gradients(grouped, pairs):
     m = transformers_experts()
     h, (ids, w) = torch.randn(T, D), routing()
     want, want_grads = _run(m.forward, m, h, ids, w)
@@ -68,7 +77,7 @@ def test_an_activation_that_autocast_runs_in_float32_still_feeds_the_grouped_ker
     assert all(g is not None for g in grads.values())
 
 
-def test_the_backward_scatters_nothing_with_atomics_and_keeps_the_weights_in_the_experts_dtype():
+def test_the_backward_scatters_nothing_with_atomics_and_keeps_the_weights_in_the_experts_dtype(pairs):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -157,7 +166,7 @@ def test_a_loaded_policy_runs_its_experts_here_and_scores_as_transformers_loop()
 # -- the grouped kernel on CUDA (bfloat16) --------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_gpu_bfloat16_grouped_experts_match_the_float32_loop():
+def test_gpu_bfloat16_grouped_experts_match_the_float32_loop(pairs):
     m32 = transformers_experts("cuda")
     m16 = transformers_experts("cuda", torch.bfloat16)
     h, (ids, w) = torch.randn(T, D, device="cuda"), routing("cuda")
@@ -196,7 +205,7 @@ def test_gpu_float32_master_weights_under_autocast_run_the_grouped_kernel_withou
 
 
 @pytest.mark.gpu
-def test_gpu_grouped_experts_forward_and_backward_read_nothing_back_from_the_device():
+def test_gpu_grouped_experts_forward_and_backward_read_nothing_back_from_the_device(pairs):
     m = transformers_experts("cuda", torch.bfloat16)
     h, (ids, w) = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True), routing("cuda")
     moe_experts.experts(h, ids, w, m.up_proj, m.down_proj, m.act_fn).float().pow(2).sum().backward()  # warm-up

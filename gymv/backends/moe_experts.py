@@ -99,10 +99,15 @@ def _loop(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch
     return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[-1])
 
 
+def _sum_pairs(rows: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    """out[t] = Σ_j rows[inverse[t*k + j]]: each token's k pair rows, summed in (token, slot) order, by one
+    gather-sum kernel (`embedding_bag`: no [T*k, D] tensor in token order is written, and no atomics)."""
+    return F.embedding_bag(inverse.view(-1, k), rows, mode="sum")
+
+
 class _PairRows(torch.autograd.Function):
     """rows[order // k]: the row of each expert-sorted (token, slot) pair (k = 1: of the pair itself). Backward:
-    the pairs' gradients gathered back into (token, slot) order by `inverse` and summed over each row's k
-    pairs, with no atomics."""
+    the pairs' gradients summed over each row's k pairs (`_sum_pairs`)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
@@ -113,8 +118,24 @@ class _PairRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
-        back = grad.index_select(0, inverse)
-        return back if ctx.k == 1 else back.view(-1, ctx.k, *grad.shape[1:]).sum(dim=1), None, None, None
+        back = grad.index_select(0, inverse) if ctx.k == 1 else _sum_pairs(grad, inverse, ctx.k)
+        return back, None, None, None
+
+
+class _SumPairs(torch.autograd.Function):
+    """`_sum_pairs` (the experts' outputs back to their tokens); backward: each pair's gradient is its token's,
+    one gather. The mirror of `_PairRows`."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(order)
+        ctx.k = k
+        return _sum_pairs(rows, inverse, k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (order,) = ctx.saved_tensors
+        return grad.index_select(0, order // ctx.k), None, None, None
 
 
 def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, up: torch.Tensor,
@@ -134,8 +155,11 @@ def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     # CUDA's autocast runs relu²'s square (a pow) in float32: the product goes back to the experts' dtype
     h = (act(mm(x, up.transpose(-2, -1))) * weights.unsqueeze(-1).to(x.dtype)).to(x.dtype)
     y = mm(h, down.transpose(-2, -1))
+    if order.numel() > SMALL_PAIRS:
+        return _SumPairs.apply(y, order, inverse, k).to(hidden.dtype)  # T may be 0: an EP rank given no rows
+    # a decode step's few pairs: the path its CUDA graph was first proven on
     back = torch.empty_like(y).index_copy(0, order, y)  # each pair back in (token, slot) order: unique indices
-    return back.view(T, k, back.shape[-1]).sum(dim=1).to(hidden.dtype)  # T may be 0: an EP rank given no rows
+    return back.view(T, k, back.shape[-1]).sum(dim=1).to(hidden.dtype)
 
 
 def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
