@@ -129,7 +129,7 @@ def test_on_cpu_grouped_mm_is_used_for_aligned_float32_widths_only():
     assert not moe_experts.grouped_available(torch.randn(T, 10), odd, odd.transpose(1, 2).contiguous())
 
 
-def test_under_a_bfloat16_autocast_float32_weights_go_to_the_grouped_kernel_as_autocast_casts_them():
+def test_under_a_bfloat16_autocast_float32_weights_go_to_the_grouped_kernel_as_autocast_casts_them(pairs):
     m = transformers_experts()
     h, (ids, w) = torch.randn(T, D), routing()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -215,3 +215,13 @@ def test_gpu_grouped_experts_forward_and_backward_read_nothing_back_from_the_dev
         moe_experts.experts(h, ids, w, m.up_proj, m.down_proj, m.act_fn).float().pow(2).sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_scaled_relu2_passes_gradcheck_and_keeps_only_its_inputs():
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(12, 5, dtype=torch.float64, generator=g).requires_grad_()
+    w = torch.rand(12, dtype=torch.float64, generator=g).requires_grad_()
+    assert torch.autograd.gradcheck(moe_experts._ScaledRelu2.apply, (a, w))
+    out = moe_experts._ScaledRelu2.apply(a, w)
+    torch.testing.assert_close(out, torch.relu(a).square() * w.unsqueeze(-1))
+    assert [t.data_ptr() for t in out.grad_fn.saved_tensors] == [a.data_ptr(), w.data_ptr()]
