@@ -11,6 +11,7 @@ the end check the capture).
 
 from __future__ import annotations
 
+import shutil
 import warnings
 
 import pytest
@@ -254,3 +255,34 @@ def test_grouped_experts_in_bfloat16_replay_exactly_what_they_compute_eagerly(ch
     new = graphs.generate(reqs, params)
     assert graphs.last_timing["capture_s"] > 0
     same_outputs(new, StaticDecodeBackend.from_policy(policy, cuda_graphs=False, **kw).generate(reqs, params))
+
+
+@pytest.mark.slow  # inductor compiles each stage for the CPU: about a minute
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor compiles CPU kernels with a C++ compiler, and none is installed")
+def test_compiled_stages_around_the_grouped_experts_decode_as_the_uncompiled_step(policy):
+    reqs = prompts(policy, 2)
+    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    compiled = StaticDecodeBackend.from_policy(policy, compile=True, moe="grouped")
+    assert compiled._moe.keywords["stages"][0] is not hybrid.moe_in  # the stages, compiled
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a stage that fails to compile would fall back with a warning
+        got = compiled.generate(reqs, params)
+    assert compiled.compile
+    same_outputs(got, StaticDecodeBackend.from_policy(policy, compile=False, moe="grouped").generate(reqs, params))
+
+
+@pytest.mark.gpu
+def test_compiled_stages_with_the_kernels_between_them_replay_what_the_eager_step_decodes(checkpoint):
+    policy = hybrid_policy(checkpoint, "cuda", torch.bfloat16)
+    reqs = prompts(policy, 3)
+    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    graphs = StaticDecodeBackend.from_policy(policy, cuda_graphs=True, compile=True, moe="grouped")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = graphs.generate(reqs, params)
+    assert graphs.compile and graphs.last_timing["eager_layers"] == []
+    eager = StaticDecodeBackend.from_policy(policy, cuda_graphs=False, compile=False, moe="grouped").generate(reqs, params)
+    for a, b in zip(new, eager):  # bf16: fused kernels round differently; the first tokens agree
+        assert a.token_ids[:8] == b.token_ids[:8]
+        assert a.logprobs[:8] == pytest.approx(b.logprobs[:8], abs=5e-2)

@@ -254,6 +254,11 @@ class _Replay:
             part()
 
 
+def _staged(step, *stages):
+    """`step` (a partial or a function taking `stages=`) with each of its stages compiled."""
+    return partial(step, stages=tuple(torch.compile(f, dynamic=False) for f in stages))
+
+
 class StaticDecodeBackend(HFGenerationBackend):
     """Same interface and outputs as `HFGenerationBackend`; decoding on a static cache, graph-replayed on CUDA.
 
@@ -347,14 +352,18 @@ class StaticDecodeBackend(HFGenerationBackend):
         kernels = mamba_kernels.load(self.device) if "mamba" in self.tm.kinds else None
         mamba = hybrid.mamba_step if kernels is None else \
             partial(hybrid.mamba_step, ssm_update=hybrid.ssm_update_triton(kernels.state_update))
-        fns = (_layer_pre, _layer_post, _lm_head, _draw, _attn_out, mamba, hybrid.moe_step, hybrid.mlp_step)
+        moe = hybrid.moe_step
+        fns = (_layer_pre, _layer_post, _lm_head, _draw, _attn_out, hybrid.mlp_step)
         if compiled:
             lift_recompile_limit(self.COMPILED_VARIANTS)
-            # grouped experts stay uncompiled: two grouped matrix products and a few routing kernels, little to
-            # fuse, and inductor takes grouped_mm in bfloat16 only; so does a Mamba step with its Triton kernel
-            fns = tuple(f if (f is hybrid.moe_step and self._grouped_moe) or (f is mamba and kernels is not None)
-                        else torch.compile(f, dynamic=False) for f in fns)
-        self._pre, self._post, self._head, self._draw, self._attn_out, self._mamba, self._moe, self._mlp = fns
+            fns = tuple(torch.compile(f, dynamic=False) for f in fns)
+            # the grouped experts and the Triton state update run as they are, between two compiled stages of
+            # their block (its norms, router, convolution, gated norm, shared expert: kernels to fuse)
+            moe = _staged(moe, hybrid.moe_in, hybrid.moe_out) if self._grouped_moe else torch.compile(moe, dynamic=False)
+            mamba = _staged(mamba, hybrid.mamba_in, hybrid.mamba_out) if kernels is not None \
+                else torch.compile(mamba, dynamic=False)
+        self._pre, self._post, self._head, self._draw, self._attn_out, self._mlp = fns
+        self._mamba, self._moe = mamba, moe
 
     # -- the decode step -----------------------------------------------------------------------------
     def _runs(self) -> list[tuple[int, int, bool]]:

@@ -124,10 +124,9 @@ def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight.float() * h).to(x.dtype)
 
 
-def mamba_step(x, conv_state, ssm_state, ln, w_in, b_in, conv_w, conv_b, dt_bias, a_log, d, norm_w, w_out, b_out, *,
-               shape: MambaShape, eps: float, ssm_update=None):
-    """One token per row through a Mamba-2 block (norm, mixer, residual); updates both states in place.
-    `ssm_update`: the SSM state's one-token update (`ssm_update_torch` when None, or `ssm_update_triton`)."""
+def mamba_in(x, conv_state, ln, w_in, b_in, conv_w, conv_b, *, shape: MambaShape, eps: float) -> tuple:
+    """A Mamba-2 block up to its SSM update, one token per row: (x [B, H, P], dt [B, H], B and C [B, G, N],
+    gate); the convolution's state updated in place."""
     B, s = x.shape[0], shape
     proj = F.linear(rms(x, ln, eps), w_in, b_in)
     gate, xbc, dt = proj.split([s.inner, s.conv_dim, s.heads], dim=-1)
@@ -135,9 +134,26 @@ def mamba_step(x, conv_state, ssm_state, ln, w_in, b_in, conv_w, conv_b, dt_bias
     conv_state.copy_(window)
     xbc = F.silu(F.conv1d(window.to(conv_w.dtype), conv_w, conv_b, groups=s.conv_dim)).to(x.dtype).transpose(1, 2)
     xs, b, c = xbc.split([s.inner, s.groups * s.state, s.groups * s.state], dim=-1)
-    y = (ssm_update or ssm_update_torch)(ssm_state, xs.reshape(B, s.heads, s.head_dim), dt[:, 0], a_log,
-                                         b.reshape(B, s.groups, s.state), c.reshape(B, s.groups, s.state), d, dt_bias)
-    return x + F.linear(_gated_norm(y.reshape(B, 1, s.inner), gate, norm_w, s).to(x.dtype), w_out, b_out)
+    return (xs.reshape(B, s.heads, s.head_dim), dt[:, 0], b.reshape(B, s.groups, s.state),
+            c.reshape(B, s.groups, s.state), gate)
+
+
+def mamba_out(x, y, gate, norm_w, w_out, b_out, *, shape: MambaShape):
+    """The rest of the block after the SSM update `y` [B, H, P]: gated norm, output projection, residual."""
+    return x + F.linear(_gated_norm(y.reshape(x.shape[0], 1, shape.inner), gate, norm_w, shape).to(x.dtype), w_out,
+                        b_out)
+
+
+def mamba_step(x, conv_state, ssm_state, ln, w_in, b_in, conv_w, conv_b, dt_bias, a_log, d, norm_w, w_out, b_out, *,
+               shape: MambaShape, eps: float, ssm_update=None, stages=(mamba_in, mamba_out)):
+    """One token per row through a Mamba-2 block (norm, mixer, residual); updates both states in place.
+    `ssm_update`: the SSM state's one-token update (`ssm_update_torch` when None, or `ssm_update_triton`);
+    `stages`: `mamba_in` and `mamba_out` or their compiled forms (the update between them stays a kernel of
+    its own)."""
+    first, last = stages
+    xs, dt, b, c, gate = first(x, conv_state, ln, w_in, b_in, conv_w, conv_b, shape=shape, eps=eps)
+    y = (ssm_update or ssm_update_torch)(ssm_state, xs, dt, a_log, b, c, d, dt_bias)
+    return last(x, y, gate, norm_w, w_out, b_out, shape=shape)
 
 
 def ssm_update_torch(state, x, dt, a_log, b, c, d, dt_bias):
@@ -209,17 +225,30 @@ def experts_dense(h, ids, w, up, down, act):
     return (out * full.t()[..., None]).sum(dim=0).to(h.dtype)
 
 
-def moe_step(x, ln, router, correction, up, down, shared_up, shared_down, latent_in, latent_out, *, shape: MoeShape,
-             act, grouped: bool, eps: float):
-    """One token per row through a mixture-of-experts block (norm, routed and shared experts, residual)."""
+def moe_in(x, ln, router, correction, latent_in, *, shape: MoeShape, eps: float) -> tuple:
+    """A mixture-of-experts block up to its routed experts: (normed rows [B, 1, D], the experts' input rows,
+    expert ids, weights)."""
     h = rms(x, ln, eps)
     flat = h.view(-1, h.shape[-1])
     ids, w = route(flat, router, correction, shape)
-    z = flat if latent_in is None else F.linear(flat, latent_in)
-    z = (experts_grouped if grouped else experts_dense)(z, ids, w, up, down, act)
+    return h, (flat if latent_in is None else F.linear(flat, latent_in)), ids, w
+
+
+def moe_out(x, h, z, shared_up, shared_down, latent_out, *, act):
+    """The rest of the block after the routed experts' sum `z`: the shared expert and the residual."""
     if latent_out is not None:
         z = F.linear(z, latent_out)
     return x + (z.view(h.shape) + F.linear(act(F.linear(h, shared_up)), shared_down))
+
+
+def moe_step(x, ln, router, correction, up, down, shared_up, shared_down, latent_in, latent_out, *, shape: MoeShape,
+             act, grouped: bool, eps: float, stages=(moe_in, moe_out)):
+    """One token per row through a mixture-of-experts block (norm, routed and shared experts, residual).
+    `stages`: `moe_in` and `moe_out` or their compiled forms (the grouped experts between them run as they are)."""
+    first, last = stages
+    h, z, ids, w = first(x, ln, router, correction, latent_in, shape=shape, eps=eps)
+    z = (experts_grouped if grouped else experts_dense)(z, ids, w, up, down, act)
+    return last(x, h, z, shared_up, shared_down, latent_out, act=act)
 
 
 def mlp_step(x, ln, up, down, *, act, eps: float):
