@@ -101,7 +101,7 @@ def test_a_step_casts_each_weight_once_and_its_backward_reaches_the_masters_as_a
         torch.testing.assert_close(got[k], want[k], atol=2e-2, rtol=0.1, msg=k)
     # autocast casts a weight at each use and each matrix product's input, in each pass and recomputation; the
     # copy is one multi-tensor cast each way (what is left: pixels, the loss, the projector norm's own casts)
-    assert ops.count["_foreach_copy_"] == 2
+    assert ops.count["_foreach_copy_"] == 1 and ops.count["_foreach_add_"] == 1  # backward: onto .grad, then added
     assert ops.count["_to_copy"] < autocast.count["_to_copy"] / 3, (ops.count, autocast.count)
 
 

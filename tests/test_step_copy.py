@@ -99,9 +99,10 @@ def test_the_copy_gives_autocasts_gradients_with_one_cast_a_layer_a_step(checkpo
     for k in want:
         assert got[k].dtype == torch.float32
         torch.testing.assert_close(got[k], want[k], atol=2e-3, rtol=0.05, msg=k)
-    # one multi-tensor cast a group forward, one a group each backward pass; gone: autocast's cast of each matrix
-    # at each use and its backward's cast of the gradient (the activations' casts stay, as autocast does them)
-    assert ops.count["_foreach_copy_"] == len(copy.groups) * 3
+    # one multi-tensor cast a group forward; backward, one multi-tensor copy a group onto the masters' empty
+    # gradients, then one multi-tensor add in place a pass; gone: autocast's cast of each matrix at each use
+    # and its backward's cast of the gradient (the activations' casts stay, as autocast does them)
+    assert ops.count["_foreach_copy_"] == len(copy.groups) * 2 and ops.count["_foreach_add_"] == len(copy.groups)
     matrices = sum(len(g) for g in copy.groups)
     assert autocast.count["_to_copy"] - ops.count["_to_copy"] >= 2 * 2 * matrices, (ops.count, autocast.count)
 

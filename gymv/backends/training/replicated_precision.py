@@ -25,11 +25,14 @@ from torch.utils._pytree import tree_map
 
 
 class _CastAll(torch.autograd.Function):
-    """Every weight to `dtype` in one multi-tensor copy; backward: every gradient back to its master's dtype."""
+    """Every weight to `dtype` in one multi-tensor copy; backward: every gradient onto its master's `.grad`, in
+    the master's dtype, by one multi-tensor copy (a master without one yet) or add (one that has one: a later
+    micro-batch). Handing autograd float32 gradients instead would convert each into a new tensor and then
+    add that to `.grad`: 18 bytes a weight moved where the add in place moves 10."""
 
     @staticmethod
     def forward(ctx, dtype: torch.dtype, *weights: torch.Tensor):
-        ctx.dtypes = [w.dtype for w in weights]
+        ctx.masters = weights  # not saved tensors: every micro-batch's backward pass runs this node again
         ctx.set_materialize_grads(False)  # a weight no pass used keeps no gradient, as before
         out = [torch.empty_like(w, dtype=dtype) for w in weights]
         torch._foreach_copy_(out, list(weights))
@@ -37,14 +40,17 @@ class _CastAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        given = [n for n, g in enumerate(grads) if g is not None]
-        back = [torch.empty_like(grads[n], dtype=ctx.dtypes[n]) for n in given]
-        if given:
-            torch._foreach_copy_(back, [grads[n] for n in given])
-        out: list[torch.Tensor | None] = [None] * len(grads)
-        for n, b in zip(given, back):
-            out[n] = b
-        return (None, *out)
+        pairs = [(p, g) for p, g in zip(ctx.masters, grads) if g is not None]
+        fresh = [(p, g) for p, g in pairs if p.grad is None]
+        summed = [(p, g) for p, g in pairs if p.grad is not None]
+        if fresh:
+            made = [torch.empty_like(g, dtype=p.dtype) for p, g in fresh]
+            torch._foreach_copy_(made, [g for _, g in fresh])
+            for (p, _), m in zip(fresh, made):
+                p.grad = m
+        if summed:
+            torch._foreach_add_([p.grad for p, _ in summed], [g for _, g in summed])
+        return (None,) * (len(grads) + 1)
 
 
 # module names (path components) of the vision side of a VLM: kept replicated under FSDP2

@@ -6,8 +6,9 @@ converts that use's gradient and adds it to the master's. For a model of N weigh
 about 26·N·m bytes moved in casts and as many small kernels as there are weights times uses. Here, for the
 length of a step, each decoder layer's matrices (linear layers, the routed experts' stacked tensors) read one
 bfloat16 copy made by one multi-tensor copy a layer (replicated_precision.cast_copies), and each layer's
-gradient reaches its masters in one multi-tensor copy per backward pass: about 6·N once plus 14·N a
-micro-batch, at the price of 2·N bytes held for the step. Autocast stays on around the copy, so what it
+gradient lands on its masters' `.grad` in one multi-tensor copy (the first micro-batch) or add in place (the
+next ones) per backward pass: about 6·N bytes once plus 6 to 10·N a micro-batch, at the price of 2·N bytes
+held for the step. Autocast stays on around the copy, so what it
 computes is unchanged: the same bfloat16 products, the same float32 norms, embeddings and routers (whose
 weights are not matrices of a linear layer and stay the masters); only the cast moves. Outside a step
 (logprobs, a reference pass) nothing is copied.
