@@ -1012,7 +1012,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
     ap.add_argument("--adam16", action="store_true",
-                    help="AdamW's moments in bfloat16 (training.optimizer_state_dtype): room for the torch backend's copy")
+                    help="AdamW's moments in bfloat16 (training.optimizer_state_dtype): room for the torch "
+                         "backend's copy")
     ap.add_argument("--decode-batch", type=int, default=DECODE_BATCH)
     ap.add_argument("--paths", default="static,static_torch,hf_generate,static_eager,gymv_hf")
     ap.add_argument("--train-paths", default="gymv,hf", help="trainer paths: gymv, megatron, hf, hf_grouped_mm")

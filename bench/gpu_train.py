@@ -31,7 +31,8 @@ Before the runs, `parity`: packed against padded logprobs of the same weights (b
 (`<shape>-<backend>-packed|padded[-ckpt]`), `@TOKENS` sets micro_batch_tokens, `:eager` or `:compile` one
 variant, `:keep` training.fsdp.reshard_after_forward false, `:adam16` AdamW moments in bfloat16
 (training.optimizer_state_dtype), `:nodefer` gradients reduced after every micro-batch on one rank, `:autocast`
-the torch backend without its working copy (training.weight_copy false). computed_tokens_rank0: the tokens rank 0's forward passes run
+the torch backend without its working copy (training.weight_copy false).
+computed_tokens_rank0: the tokens rank 0's forward passes run
 (packed rows' lengths, or padded rows x longest), to check that each group's prompt runs once.
 
 Usage: python bench/gpu_train.py --out DIR [--shapes 0.8b,3b,7b] [--runs SPEC] [--compile off|on|both]
