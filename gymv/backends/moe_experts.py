@@ -178,7 +178,7 @@ def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     mm = (lambda a, w: _mm()(a, w, offs=offsets)) if grouped else (lambda a, w: _loop(a, w, offsets))  # noqa: E731
     weights = _PairRows.apply(top_k_weights.reshape(-1), order, inverse, 1)
     a = mm(x, up.transpose(-2, -1))
-    if _is_relu2(act) and order.numel() > SMALL_PAIRS:
+    if _is_relu2(act) and order.numel() > SMALL_PAIRS:  # a decode step's few pairs keep the plain ops (below)
         h = _ScaledRelu2.apply(a, weights.to(a.dtype))
     else:  # CUDA's autocast runs relu²'s square (a pow) in float32: the product goes back to the experts' dtype
         h = (act(a) * weights.unsqueeze(-1).to(x.dtype)).to(x.dtype)
