@@ -4,8 +4,6 @@ Nemotron 3 Omni on a CPU in bf16: Mamba-2, MoE experts and attention layers)."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from test_replicated_precision import _Ops
@@ -107,6 +105,13 @@ def test_the_copy_gives_autocasts_gradients_with_one_cast_a_layer_a_step(checkpo
     assert autocast.count["_to_copy"] - ops.count["_to_copy"] >= 2 * 2 * matrices, (ops.count, autocast.count)
 
 
+def _samples(policy) -> list[dict]:
+    """Four text samples of 20 tokens, the last 10 trained, with advantages of both signs."""
+    ids = _text_batch(policy.model, rows=4, length=20, seed=1)
+    return [{"input_ids": r, "loss_mask": torch.arange(len(r)) >= 10, "advantages": torch.tensor(a),
+             "logp_behaviour": torch.full((len(r),), -2.0)} for r, a in zip(ids, (1.0, -1.0, 0.5, -0.5))]
+
+
 def _torch_step(weight_copy: bool):
     """One torch-backend step of two micro-batches on the tiny Omni's text side, under bf16 autocast on the CPU
     (the GPU's setting), with or without the working copy; its metrics and trained weights."""
@@ -118,13 +123,7 @@ def _torch_step(weight_copy: bool):
 
     torch.manual_seed(0)
     policy = fresh_policy(ARCH)
-    ids = _text_batch(policy.model, rows=4, length=20, seed=1)
-    samples = []
-    for n, row in enumerate(ids):
-        mask = torch.zeros_like(row, dtype=torch.bool)
-        mask[10:] = True
-        samples.append({"input_ids": row, "loss_mask": mask, "advantages": torch.tensor((1.0, -1.0, 0.5, -0.5)[n]),
-                        "logp_behaviour": torch.full((len(row),), -2.0)})
+    samples = _samples(policy)
     training = TrainingSection(lr=1e-2, eps=1e-3, dtype="float32", sequence_packing=False, micro_batch_tokens=40,
                                gradient_checkpointing=True, weight_copy=weight_copy)
     backend = HFTorchBackend(policy, TrainingSetup(model_path=str(tiny_path(ARCH)), training=training), device="cpu")
@@ -176,9 +175,7 @@ def test_on_cuda_a_bf16_torch_step_reads_the_copy_and_trains_as_autocast_does():
     for weight_copy in (False, True):
         torch.manual_seed(0)
         policy = fresh_policy(ARCH)
-        ids = _text_batch(policy.model, rows=4, length=20, seed=1)
-        samples = [{"input_ids": r, "loss_mask": torch.arange(len(r)) >= 10, "advantages": torch.tensor(a),
-                    "logp_behaviour": torch.full((len(r),), -2.0)} for r, a in zip(ids, (1.0, -1.0, 0.5, -0.5))]
+        samples = _samples(policy)
         training = TrainingSection(lr=1e-2, eps=1e-3, dtype="bfloat16", micro_batch_tokens=40,
                                    gradient_checkpointing=True, weight_copy=weight_copy)
         backend = HFTorchBackend(policy, TrainingSetup(model_path=str(tiny_path(ARCH)), training=training),
@@ -191,8 +188,6 @@ def test_on_cuda_a_bf16_torch_step_reads_the_copy_and_trains_as_autocast_does():
     assert m1["train/grad_norm"] == pytest.approx(m0["train/grad_norm"], rel=0.02)
     for k in w0:
         torch.testing.assert_close(w1[k], w0[k], atol=2.5e-2, rtol=0, msg=k)
-    with contextlib.suppress(AttributeError):
-        torch.cuda.empty_cache()
 
 
 def _compiled_steps(compile_backend):
