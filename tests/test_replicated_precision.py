@@ -115,6 +115,20 @@ def test_the_masters_are_back_in_place_after_a_step_that_fails():
     assert all(isinstance(p, torch.nn.Parameter) for p in model.parameters())
 
 
+def test_a_gradient_lands_on_its_master_with_the_masters_strides_in_every_micro_batch():
+    """CUDA's fused AdamW refuses a gradient whose strides differ from its parameter's; a weight read
+    transposed gets a transposed gradient from autograd."""
+    from gymv.backends.training.replicated_precision import cast_copies
+
+    layer = torch.nn.Linear(3, 4, bias=False)
+    for seed in range(2):  # the first micro-batch makes `.grad`, the second adds onto it
+        with cast_copies([[(layer, "weight")]], torch.bfloat16):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed)).bfloat16()
+            (layer.weight.t() * x).float().sum().backward()
+        assert layer.weight.grad.dtype == torch.float32
+        assert layer.weight.grad.stride() == layer.weight.stride()
+
+
 def test_a_frozen_tower_is_cast_without_a_gradient_path():
     policy, model, precision, inputs = _tower(checkpointing=False)
     model.vision_model.requires_grad_(False)

@@ -84,6 +84,7 @@ def test_on_cuda_the_flash_kernel_runs_and_matches_per_image_sdpa_in_bf16(monkey
 
     policy = fresh_policy(ARCH)
     policy.model.to("cuda", torch.bfloat16).train()
+    policy.model.config.vision_config.dtype = torch.bfloat16  # transformers casts the pixels to the config's dtype
     inputs = policy.adapter.preprocess([_image(1), _image(2, side=48), _image(3, side=80)])
     want = _features_and_grads(policy, inputs)
     assert vision_attention.install(policy.model)

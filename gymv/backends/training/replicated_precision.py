@@ -44,7 +44,7 @@ class _CastAll(torch.autograd.Function):
         fresh = [(p, g) for p, g in pairs if p.grad is None]
         summed = [(p, g) for p, g in pairs if p.grad is not None]
         if fresh:
-            made = [torch.empty_like(g, dtype=p.dtype) for p, g in fresh]
+            made = [torch.empty_like(p) for p, _ in fresh]  # the master's strides: CUDA's fused AdamW asks them
             torch._foreach_copy_(made, [g for _, g in fresh])
             for (p, _), m in zip(fresh, made):
                 p.grad = m
