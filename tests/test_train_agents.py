@@ -3,7 +3,7 @@ circle_count server, calling gymv's policy through its model server (nemo-gym 0.
 
 The agent is NeMo Gym's `simple_agent`, the environment its `circle_count` resources server; gymv only serves
 the policy and trains on the token fields of the agent's results. The quickstart's model, SFT warm start and
-recipe, with fewer GRPO steps and held-out rows, so that the test fits in CI.
+recipe, with fewer GRPO steps, so that the test fits in CI.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _data(tmp: Path) -> list[str]:
     env = get_env("circle-count")
     knobs = resolve_knobs(env, "tiny", ["radius=9"])
     write_dataset(tmp / "train.jsonl", env, knobs, n=4096, split="train", seed=0)
-    write_dataset(tmp / "eval.jsonl", env, knobs, n=128, split="eval", seed=0)
+    write_dataset(tmp / "eval.jsonl", env, knobs, n=256, split="eval", seed=0)
     return [f"data.train={tmp / 'train.jsonl'}", f"data.eval={tmp / 'eval.jsonl'}"]
 
 
@@ -65,7 +65,7 @@ def test_grpo_through_nemo_gym_agents_learns_circle_count(nemo_gym, tmp_path):
     train(sft)
     grpo = write_recipe(tmp_path, "grpo", "vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", {
         **data, "model.path": str(tmp_path / "runs" / "sft" / "final"), "grpo.max_steps": 100,
-        "grpo.val_period": 25, "grpo.val_prompts": 128, "grpo.val_at_start": True, "checkpoint.period": 100,
+        "grpo.val_period": 10, "grpo.val_prompts": 256, "grpo.val_at_start": True, "checkpoint.period": 100,
         "rollout.driver": "nemo_gym_agents",
         "rollout.agents": {"circle_count_simple_agent": nemo_gym["agent"].url},
         "rollout.model_server_port": nemo_gym["model_port"]})
@@ -74,12 +74,12 @@ def test_grpo_through_nemo_gym_agents_learns_circle_count(nemo_gym, tmp_path):
     metrics = MetricSeries.from_run(run)
     val = metrics.values("val/accuracy")
     reward = metrics.values("train/reward_mean")
-    print(f"held-out accuracy {val[0]:.3f} -> {val[-1]:.3f}")
-    assert len(val) == 5, val
-    # one validation swings 10-30 points from one checkpoint to the next (a run once ended at 59% on a dip):
-    # the mean of the last three is judged, each episode sampled in whatever batches the agents' calls formed.
-    # Held out 8 points or more: a run went 0.555 -> 0.484, 0.523, 0.703, 0.734 (mean of the last three 0.654)
-    # while its train reward rose by more than 0.1 over windows of 640 episodes, the steadier measure
-    assert_learns(reward, val, window=10, later_from=2, val_margin=0.08)
+    print("held-out accuracy", [round(v, 3) for v in val])
+    assert len(val) == 11, val
+    # one validation swings 10-30 points from one checkpoint to the next, and the agents' episodes are sampled in
+    # whatever batches their calls formed, so no two runs are alike. Judged: the mean of the eight validations
+    # from step 30 on, 256 held-out rows each, 8 points above the start. With 128 rows and the mean of the last
+    # three, runs were 6 to 30 points above and failed now and then; at this setting six runs were 15 to 24 above
+    assert_learns(reward, val, window=10, later_from=3, val_margin=0.08)
     records = [json.loads(x) for x in (run / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert all(r["response"]["output"][-1]["generation_token_ids"] for r in records)
