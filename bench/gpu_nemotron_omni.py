@@ -345,8 +345,10 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv", variant: str = "
         try:  # the timed steps' figures are kept whatever the extra profiled step does
             profile = kind_profile(policy.model, mode, lambda: backend.train_step(
                 [as_tensors(dict(s)) for s in samples], loss))
+            busy: dict = {}
             profile["top_ops"] = op_profile(mode, lambda: backend.train_step(
-                [as_tensors(dict(s)) for s in samples], loss), top=30)
+                [as_tensors(dict(s)) for s in samples], loss), top=30, busy=busy)
+            profile.update(busy)
         except Exception as e:  # noqa: BLE001
             profile = f"failed: {type(e).__name__}: {str(e)[:200]}"
     row = {"path": path, "layers": layers, "pattern": PATTERN[:layers], "backend": variant,
@@ -411,19 +413,21 @@ def megatron_backend(policy, setup, mode: Mode, group: list[dict]):
     return backend, agreement
 
 
-def op_profile(mode: Mode, step, top: int = 20) -> list[dict]:
+def op_profile(mode: Mode, step, top: int = 20, busy: dict | None = None) -> list[dict]:
     """The operators that took the most device time (CPU: host time) in one `step()`, from torch.profiler: name,
-    self milliseconds, calls and share of the step's summed self time. For a trainer whose modules the kind
-    profile cannot watch (the Megatron twin)."""
+    self milliseconds, calls and share of the step's summed self time. `busy`, if given, gets the step's wall
+    seconds under the profiler and its summed device seconds: a device busy far less than the wall is waiting
+    on the host."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if mode.device == "cuda" else [])
     with profile(activities=activities) as prof:
-        step()
-        sync(mode)
+        wall = timed(mode, step)
     attr = "self_device_time_total" if mode.device == "cuda" else "self_cpu_time_total"
     events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
     total = sum(getattr(e, attr) for e in events) or 1.0
+    if busy is not None:
+        busy.update(profiled_wall_s=wall, device_s=total / 1e6, device_busy=total / 1e6 / wall)
     events.sort(key=lambda e: getattr(e, attr), reverse=True)
     return [{"op": e.key[:120], "self_ms": round(getattr(e, attr) / 1e3, 3), "calls": e.count,
              "share": round(getattr(e, attr) / total, 4)} for e in events[:top]]
@@ -1214,6 +1218,9 @@ def report(result: dict, out_json: Path) -> None:
         if isinstance(prof, dict) and prof.get("top_ops"):
             print("      top operators: " + ", ".join(f"{o['op']} {o['self_ms']:.1f} ms ({o['share']:.0%})"
                                                     for o in prof["top_ops"][:8]))
+        if isinstance(prof, dict) and "device_busy" in prof:
+            print(f"      profiled step {prof['profiled_wall_s']:.3f} s, device busy {prof['device_s']:.3f} s "
+                  f"({prof['device_busy']:.0%})")
     d = result["decode"] or {"rows": []}
     if d.get("limit"):
         lim = d["limit"]
