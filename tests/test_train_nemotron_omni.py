@@ -100,6 +100,32 @@ def test_a_step_logs_the_balancing_terms_and_the_bias_update_moves_each_expert_t
     assert 1.0 <= metrics["train/moe_load_max"] <= 4.0
 
 
+def test_the_balancing_loss_reads_nothing_back_from_the_device():
+    """A read (`.item()`, `float()` of a tensor) between a micro-batch's forward and backward would make the
+    host wait for the forward on a GPU before it queues the backward."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gymv.algorithms.loss_fns import PolicyLoss
+
+    reads = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith("_local_scalar_dense"):  # the innermost caller outside torch
+                caller = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename][-1]
+                reads.append((caller.filename.rsplit("/", 1)[-1], caller.name))
+            return func(*args, **(kwargs or {}))
+
+    backend = _backend(moe={"aux_loss_coef": 0.01, "router_bias_update_rate": 0.01})
+    samples = _samples_with(backend.policy, [1, -1, 0.5])
+    with Reads():
+        metrics = backend.train_step(samples, PolicyLoss())
+    assert metrics["train/moe_aux_loss"] > 0
+    assert reads and ("moe_router.py", "wrapped") not in reads, reads
+
+
 @pytest.mark.slow
 def test_activation_checkpointing_steps_like_the_plain_backward_with_the_balancing_loss_on():
     from gymv.algorithms.loss_fns import PolicyLoss

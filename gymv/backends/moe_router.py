@@ -200,9 +200,10 @@ class RouterTerms:
             if not layers:
                 return loss, metrics
             aux = torch.stack([a for _, a, _ in layers]).mean()
-            share = float(mb["loss_mask"].sum()) / max(counts.tokens, 1.0)
+            # a tensor: a float here would wait on the device between each micro-batch's forward and backward
+            share = mb["loss_mask"].sum().to(aux.dtype) / max(counts.tokens, 1.0)
             if self.settings.aux_loss_coef > 0:
-                loss = loss + self.settings.aux_loss_coef * share * aux.to(loss.dtype)
+                loss = loss + self.settings.aux_loss_coef * (share * aux).to(loss.dtype)
             load = torch.stack([s.max() * s.numel() / s.sum() for _, _, s in layers]).max()
             for i, _, s in layers:
                 self._step_slots[i] = self._step_slots.get(i, 0) + s.detach()
