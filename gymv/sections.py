@@ -163,7 +163,7 @@ class TrainingSection(Section):
     gradient_checkpointing: bool = False
     # torch backend in bfloat16: the language model's matrices cast once a step into a working copy (2 bytes a
     # weight held for the step) instead of at every use; false: autocast's casts (docs/training.md)
-    weight_copy: bool = True
+    weight_copy: bool = False
     sequence_packing: bool | Literal["auto"] = "auto"  # micro-batches as packed rows (docs/training.md)
     # torch.compile each decoder layer (torch and fsdp2 backends; docs/training.md); a name picks torch.compile's
     # backend (true: inductor)
