@@ -345,10 +345,8 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv", variant: str = "
         try:  # the timed steps' figures are kept whatever the extra profiled step does
             profile = kind_profile(policy.model, mode, lambda: backend.train_step(
                 [as_tensors(dict(s)) for s in samples], loss))
-            busy: dict = {}
             profile["top_ops"] = op_profile(mode, lambda: backend.train_step(
-                [as_tensors(dict(s)) for s in samples], loss), top=30, busy=busy)
-            profile.update(busy)
+                [as_tensors(dict(s)) for s in samples], loss), top=30, busy=profile)
         except Exception as e:  # noqa: BLE001
             profile = f"failed: {type(e).__name__}: {str(e)[:200]}"
     row = {"path": path, "layers": layers, "pattern": PATTERN[:layers], "backend": variant,
