@@ -289,12 +289,12 @@ def test_a_packed_row_restarts_the_mamba_state_at_each_sequence():
         assert torch.allclose(restarted[b, :len(r)], apart[b], atol=1e-5)
 
 
-def test_the_trainer_packs_this_family_without_sharing_prompts_in_the_row():
+def test_the_trainer_packs_this_family_with_a_groups_prompt_once_in_the_row():
     from gymv.backends.training.hf_torch import BatchLayout
 
     policy = fresh_policy(ARCH)
     layout = BatchLayout(policy.adapter, policy.model, 0, packing=True)
-    assert layout.packing is True and not layout.shares_in_row
+    assert layout.packing is True and layout.shares_in_row
     assert all(getattr(m, "gymv_packed", False) for m in policy.model.modules() if type(m).__name__ == "NemotronHMamba2Mixer")
 
 

@@ -9,7 +9,7 @@ import torch
 from transformers import NemotronHConfig
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
 
-from gymv.backends import mamba_kernels, packed_mamba
+from gymv.backends import mamba_kernels, mamba_prefix, packed_mamba
 from gymv.backends.ssd_scan import seq_idx_from_bounds
 
 BOUNDS = [0, 7, 8, 30, 45]  # a one-token sequence; sequences across the 16-token chunks
@@ -238,3 +238,74 @@ def test_the_triton_modules_import_with_the_packages_init_skipped_and_nothing_le
     with pytest.raises(ImportError, match="selective_scan_cuda"):
         importlib.import_module("mamba_ssm")
     sys.modules.pop("mamba_ssm", None)
+
+
+# a prompt of 20 tokens (across the 16-token chunks) held once, then its members' rests: shorter than the
+# convolution's window (1 and 2 tokens), and longer than a chunk; then a sequence of its own
+SHARED_BOUNDS = [0, 20, 21, 23, 41, 50]
+SHARED_PREFIX_OF = [-1, 0, 0, 0, -1]
+
+
+def shared_sequences(h: torch.Tensor) -> list[torch.Tensor]:
+    """Each sequence of the shared row whole, as it would run unpacked: the prompt, then a member's rest."""
+    prompt = h[:, 0:20]
+    members = [h[:, a:b] for a, b in zip(SHARED_BOUNDS[1:4], SHARED_BOUNDS[2:5])]
+    return [torch.cat([prompt, m], dim=1) for m in members] + [h[:, 41:50]]
+
+
+def shared_forward(m, h: torch.Tensor, kernels=None) -> torch.Tensor:
+    plan = mamba_prefix.plan(SHARED_BOUNDS, SHARED_PREFIX_OF, m.conv_kernel_size, h.device)
+    return packed_mamba.mixer_forward(m, h, seq_idx_from_bounds(SHARED_BOUNDS, 50, h.device), kernels, plan)
+
+
+def test_members_of_a_shared_prompt_continue_its_state_as_each_whole_sequence_does():
+    m = mixer()
+    h = torch.randn(1, 50, 32)
+    with torch.no_grad():
+        got = shared_forward(m, h)
+        alone = [m(s) for s in shared_sequences(h)]
+    torch.testing.assert_close(got[:, :20], alone[0][:, :20], rtol=1e-5, atol=1e-5)
+    for (a, b), want in zip(zip(SHARED_BOUNDS[1:4], SHARED_BOUNDS[2:5]), alone[:3]):
+        torch.testing.assert_close(got[:, a:b], want[:, 20:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[:, 41:], alone[3], rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_through_a_shared_prompt_add_up_over_its_members():
+    m = mixer().train()
+    h = torch.randn(1, 50, 32, requires_grad=True)
+    w = torch.randn(1, 50, 32)
+    (shared_forward(m, h) * w).sum().backward()
+    got = {n: p.grad.clone() for n, p in m.named_parameters()} | {"input": h.grad.clone()}
+    m.zero_grad()
+    h.grad = None
+    loss = 0
+    for i, (s, (a, b)) in enumerate(zip(shared_sequences(h)[:3], zip(SHARED_BOUNDS[1:4], SHARED_BOUNDS[2:5]))):
+        out = m(s)
+        loss = loss + (out[:, 20:] * w[:, a:b]).sum() + ((out[:, :20] * w[:, :20]).sum() if i == 0 else 0)
+    loss = loss + (m(shared_sequences(h)[3]) * w[:, 41:]).sum()
+    loss.backward()
+    want = {n: p.grad for n, p in m.named_parameters()} | {"input": h.grad}
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
+def test_gpu_members_of_a_shared_prompt_on_the_kernels_equal_the_torch_path_forward_and_backward():
+    k = _kernels()
+    m = mixer(device="cuda", width=16).train()
+    h = torch.randn(1, 50, 32, device="cuda", requires_grad=True)
+    w = torch.randn(1, 50, 32, device="cuda")
+    outs, grads = [], []
+    for kernels in (k, None):
+        m.zero_grad()
+        h.grad = None
+        y = shared_forward(m, h, kernels)
+        (y * w).sum().backward()
+        outs.append(y.detach())
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()} | {"input": h.grad.clone()})
+    with torch.no_grad():
+        alone = [m(s) for s in shared_sequences(h)]
+    assert rel_error(outs[0][:, 23:41], alone[2][:, 20:]) < 5e-3  # the long member, against its whole sequence
+    assert rel_error(outs[0], outs[1]) < 5e-3
+    for name in grads[1]:
+        assert rel_error(grads[0][name], grads[1][name]) < 1e-2, name

@@ -13,15 +13,18 @@ The scan and the gated norm run on `mamba_ssm`'s Triton kernels on CUDA when the
 (gymv.backends.mamba_kernels; the convolution on `causal_conv1d` when installed, else on gymv's Triton
 kernel, gymv.backends.conv_kernel), else on gymv's torch scan and convolution (gymv.backends.ssd_scan), which
 are the reference the kernels are tested against and the path on CPU.
-A segment that continues a shared prompt would need the prompt's final state: rows of a model with these
-layers are packed without sharing prompts (gymv.backends.training.hf_torch.BatchLayout).
+A segment that continues a shared prompt (a GRPO group's prompt held once in the row, gymv.backends.packing)
+starts from the prompt's final convolution window and state: the row runs with every segment from zero and
+gymv.backends.mamba_prefix adds the prompt's part, exactly (the recurrences are linear in it).
 """
 
 from __future__ import annotations
 
 import torch
 
-from gymv.backends import mamba_kernels
+import torch.nn.functional as F
+
+from gymv.backends import mamba_kernels, mamba_prefix
 from gymv.backends.packed_attention import KEYWORD
 from gymv.backends.ssd_scan import chunk_scan, seq_idx_from_bounds
 
@@ -33,6 +36,13 @@ SEGMENT_AWARE = ("TorchMamba2Mixer", "ContextParallelMamba2Mixer")
 def mixers(model) -> list:
     """The Mamba-2 mixers of `model` that restart at each packed sequence (wrapped or on their own)."""
     return [m for m in model.modules() if type(m).__name__ in MIXERS + SEGMENT_AWARE]
+
+
+def continues_prompts(model) -> bool:
+    """Every Mamba-2 mixer of `model` is one `install` wraps, which can start a packed segment from a shared
+    prompt's state (gymv's Megatron mixers restart at segments but share no prompts)."""
+    found = mixers(model)
+    return bool(found) and all(type(m).__name__ in MIXERS for m in found)
 
 
 def install(model) -> bool:
@@ -51,16 +61,22 @@ def path(device: torch.device | str) -> str:
 
 
 def mixer_forward(m, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
-                  kernels: mamba_kernels.Kernels | None = None) -> torch.Tensor:
+                  kernels: mamba_kernels.Kernels | None = None,
+                  prefixes: mamba_prefix.PrefixPlan | None = None) -> torch.Tensor:
     """NemotronH's Mamba-2 mixer `m` over hidden_states [B, L, D] with no padding and no cache, each run of
     equal `seq_idx` [B, L] (int32) a sequence of its own; `kernels`: mamba_ssm's (CUDA), None for the torch
-    scan. Computes what the mixer's own forward computes for each sequence alone."""
+    scan; `prefixes` (one row): the segments that continue a shared prompt. Computes what the mixer's own
+    forward computes for each sequence alone (a member: its prompt, then itself)."""
     b, L, _ = hidden_states.shape
     dtype = hidden_states.dtype
     proj = m.in_proj(hidden_states)
     gate, xbc, dt = proj.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
     weight = m.conv1d.weight.squeeze(1)
-    xbc = mamba_kernels.causal_conv(kernels, xbc, weight, m.conv1d.bias, seq_idx, m.activation)
+    if prefixes is None:
+        xbc = mamba_kernels.causal_conv(kernels, xbc, weight, m.conv1d.bias, seq_idx, m.activation)
+    else:
+        conv = mamba_kernels.causal_conv(kernels, xbc, weight, m.conv1d.bias, seq_idx, None)
+        xbc = _activate(mamba_prefix.carry_conv(conv, xbc, weight, prefixes), m.activation)
     groups_state = m.n_groups * m.ssm_state_size
     x, B, C = xbc.split([m.intermediate_size, groups_state, groups_state], dim=-1)
     scan = kernels.chunk_scan if kernels is not None else chunk_scan
@@ -68,6 +84,11 @@ def mixer_forward(m, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
              B.reshape(b, L, m.n_groups, m.ssm_state_size), C.reshape(b, L, m.n_groups, m.ssm_state_size),
              m.chunk_size, D=m.D, dt_bias=m.dt_bias, dt_softplus=True, dt_limit=tuple(m.time_step_limit),
              seq_idx=seq_idx)
+    if prefixes is not None:
+        y = mamba_prefix.carry_state(y, x.reshape(b, L, m.num_heads, m.head_dim), dt, -torch.exp(m.A_log.float()),
+                                     B.reshape(b, L, m.n_groups, m.ssm_state_size),
+                                     C.reshape(b, L, m.n_groups, m.ssm_state_size), prefixes, dt_bias=m.dt_bias,
+                                     dt_limit=tuple(m.time_step_limit))
     y = y.reshape(b, L, m.intermediate_size)
     if kernels is not None and kernels.gated_norm is not None:
         # silu(gate) times y, RMS-normalised per group and scaled, in one pass each way (the torch norm makes
@@ -79,16 +100,36 @@ def mixer_forward(m, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
     return m.out_proj(y.to(dtype))
 
 
+def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation in ("silu", "swish"):
+        return F.silu(x)
+    if activation is not None:
+        raise ValueError(f"Mamba-2 mixer activation {activation!r}: gymv's packed mixer runs silu or none")
+    return x
+
+
+def _prefix_plan(packing, kernel: int, device) -> mamba_prefix.PrefixPlan:
+    """The row's prompt plan, built once per packed forward (its layers and recomputation share the args)."""
+    if packing.prefix_of is None:
+        raise RuntimeError("a packed row with shared prompts reached a Mamba-2 layer without saying which "
+                           "segment continues which prompt (PackedAttentionArgs.prefix_of)")
+    key = (kernel, str(device))
+    if key not in packing.plans:
+        bounds = packing.bounds[0] if packing.bounds is not None else packing.cu_q.tolist()
+        packing.plans[key] = mamba_prefix.plan(bounds, packing.prefix_of, kernel, device)
+    return packing.plans[key]
+
+
 def _one_call(mixer, forward):
     def packed_forward(hidden_states, *args, **kwargs):
         packing = kwargs.pop(KEYWORD, None)
         if packing is None or hidden_states.shape[0] != 1 or args or kwargs.get("cache") is not None:
             return forward(hidden_states, *args, **kwargs)
+        prefixes = None
         if packing.keys is not None:
-            raise RuntimeError("a packed row with shared prompts reached a Mamba-2 layer (its segments would not "
-                               "start from the prompt's state)")
+            prefixes = _prefix_plan(packing, mixer.conv1d.kernel_size[0], hidden_states.device)
         # the host copy of the bounds where the batch has one (no device read per layer), else the device's
         bounds = packing.bounds[0] if packing.bounds is not None else packing.cu_q
         seq_idx = seq_idx_from_bounds(bounds, hidden_states.shape[1], hidden_states.device)
-        return mixer_forward(mixer, hidden_states, seq_idx, mamba_kernels.load(hidden_states.device))
+        return mixer_forward(mixer, hidden_states, seq_idx, mamba_kernels.load(hidden_states.device), prefixes)
     return packed_forward

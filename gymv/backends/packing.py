@@ -38,6 +38,7 @@ class PackedRow:
     starts: list[int]  # per batch row: where its column `offsets[b]` lands in the row
     offsets: list[int]  # per batch row: its first column held in its own segment (its prefix length, or 0)
     bounds: tuple[list[int], list[int]] | None = None  # cu_q and cu_k as host lists (no device read per layer)
+    prefix_of: list[int] | None = None  # per segment: the segment holding its shared prompt, or -1; None: none
 
     def to(self, device) -> PackedRow:
         """The row with its tensors on `device`, moved in one copy (host lists stay)."""
@@ -62,7 +63,8 @@ class PackedRow:
 
     def attention_args(self, device) -> PackedAttentionArgs:
         return PackedAttentionArgs(to_device(self.cu_q, device), None if self.keys is None else self.keys.to(device),
-                                   to_device(self.cu_k, device), self.max_q, self.max_k, self.host_bounds())
+                                   to_device(self.cu_k, device), self.max_q, self.max_k, self.host_bounds(),
+                                   self.prefix_of)
 
 
 @dataclass
@@ -75,6 +77,9 @@ class PackedAttentionArgs:
     max_q: int
     max_k: int
     bounds: tuple[list[int], list[int]] | None = None  # cu_q and cu_k on the host: no device read per layer
+    prefix_of: list[int] | None = None  # per segment: the segment holding its shared prompt, or -1
+    # what a layer derives from the row once per forward (gymv.backends.packed_mamba's prompt plan), by key
+    plans: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, images: Sequence[Sequence],
@@ -139,5 +144,9 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, images: Sequence
         keys = KeyGather.build(torch.from_numpy(key_index), n)
     cu_q = torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens)])).to(torch.int32)
     cu_k = torch.from_numpy(np.concatenate([[0], np.cumsum(k_lens)])).to(torch.int32)
+    prefix_of = None
+    if prefix_at:
+        index_at = {int(start): s for s, start in enumerate(seg_start)}
+        prefix_of = [index_at[sp[0]] if sp is not None else -1 for *_, sp in segments]
     return PackedRow(ids, positions, source_rows, cu_q, keys, cu_k, int(q_lens.max()), int(k_lens.max()),
-                     flat_images, image_rows, starts, offsets, (cu_q.tolist(), cu_k.tolist()))
+                     flat_images, image_rows, starts, offsets, (cu_q.tolist(), cu_k.tolist()), prefix_of)

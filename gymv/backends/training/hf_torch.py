@@ -95,12 +95,12 @@ class BatchLayout:
                             where="training.sequence_packing", fix="set training.sequence_packing: auto or false")
         self.adapter, self.model, self.pad_id = adapter, model, pad_id
         self.packing: bool | str = False if why_not else packing
-        # a Mamba-2 layer restarts at each packed sequence (packed_mamba) but cannot continue a shared prompt's
-        # state, so such a model packs every sequence whole; padded, it shares prompts of equal length only
+        # a Mamba-2 layer restarts at each packed sequence and continues a shared prompt's state where its
+        # mixers are transformers' (packed_mamba); padded, a recurrent model shares prompts of equal length only
         self.recurrent = has_recurrent_layers(model)
         vision_attention.install(model)  # a packed tower's images split without reading the device each block
         installed = self.packing is not False and packed_attention.install(model)
-        self.shares_in_row = installed and not self.recurrent
+        self.shares_in_row = installed and (not self.recurrent or packed_mamba.continues_prompts(model))
         if installed and self.recurrent:
             packed_mamba.install(model)
         self.packed = False
