@@ -15,7 +15,8 @@ train   GRPO on synthetic rollouts: groups of G=8 samples sharing a prompt (one 
         advantages, the clipped policy loss; the fsdp2 backend on one rank (--backend: fsdp2, fsdp2-keep with
         the gathered weights kept to the backward, torch (one cast of the weights a step), torch-autocast (a cast at
         every use); a list runs each in turn), fp32 master weights
-        computing in bf16, activation checkpointing, packed rows on the gymv path.
+        computing in bf16, activation checkpointing, packed rows on the gymv path, each group's prompt once in
+        its row (--whole-rows: every sequence whole, its prompt repeated, as before prompts were shared).
         After one warm-up step, the median of --steps timed `train_step` calls. Reported: tokens/s (every
         token), unique tokens/s (each group's prompt once), MFU = (6 * N_active * D_unique + 6 * N_head *
         D_generated) / time / 989e12, where N_active counts the decoder's parameters a token uses (the top 6
@@ -321,6 +322,9 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv", variant: str = "
     else:
         cls = HFFSDPBackend if training.backend == "fsdp2" else HFTorchBackend
         backend = cls(policy, setup, device=mode.device, rank=0, world_size=1)
+    layout = getattr(backend.trainer.plan_fn, "__self__", None)
+    if a.whole_rows and layout is not None:
+        layout.shares_in_row = False
     total = sum(len(s["input_ids"]) for s in samples)
     generated = sum(sum(s["loss_mask"]) for s in samples)
     unique = total - sum((GROUP - 1) * s["loss_mask"].index(True) for s in samples[::GROUP])
@@ -352,7 +356,8 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv", variant: str = "
     row = {"path": path, "layers": layers, "pattern": PATTERN[:layers], "backend": variant,
            "optimizer_state_dtype": training.optimizer_state_dtype, "params": counts,
            "logprobs_against_hf": agreement,
-           "sequence_packing": packing, "mamba_scan": packed_mamba.path(mode.device) if packing else "transformers",
+           "sequence_packing": packing, "shared_prompts": bool(getattr(layout, "shares_in_row", False)),
+           "mamba_scan": packed_mamba.path(mode.device) if packing else "transformers",
            "mamba_kernels_why_not": mamba_kernels.why_not(mode.device), "profile_s_by_kind": profile,
            "samples": len(samples), "tokens": total, "unique_tokens": unique, "generated_tokens": generated,
            "first_step_s": times[0], "step_s": t, "step_s_all": times[1:], "tokens_per_s": total / t,
@@ -1013,6 +1018,8 @@ def main() -> None:
     ap.add_argument("--groups", type=int, help="GRPO groups of 8 samples per step (default 4 on CUDA, 2 on CPU)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
+    ap.add_argument("--whole-rows", action="store_true",
+                    help="train: pack every sequence whole (each sample repeats its group's prompt), for comparison")
     ap.add_argument("--adam16", action="store_true",
                     help="AdamW's moments in bfloat16 (training.optimizer_state_dtype): room for the torch "
                          "backend's copy")
@@ -1206,7 +1213,9 @@ def report(result: dict, out_json: Path) -> None:
             print(f"train {r['layers']} layers: {r['error'][:100]}")
             continue
         mem = f"{r['peak_mem_gb']:.1f} GB" if "peak_mem_gb" in r else "-"
-        print(f"train {r.get('path', 'gymv')} {r['layers']} layers {r['pattern']}: {r['step_s']:.2f} s/step, {r['tokens_per_s']:.0f} tok/s, "
+        rows = "prompts shared" if r.get("shared_prompts") else "whole rows"
+        print(f"train {r.get('path', 'gymv')} {r.get('backend', '')} {r['layers']} layers {r['pattern']} ({rows}, "
+              f"{r.get('micro_batches')} micro-batches): {r['step_s']:.2f} s/step, {r['tokens_per_s']:.0f} tok/s, "
               f"{r['unique_tokens_per_s']:.0f} unique tok/s, MFU {r['mfu']:.1%} (active params), peak {mem}")
         if r.get("logprobs_against_hf"):
             g = r["logprobs_against_hf"]
