@@ -66,7 +66,9 @@ def _scores(backend, samples):
 IMAGES = {"tiny-qwen3": [[], [], [], []],
           "tiny-llava": [[solid("red")], [noise(3)], [], [noise(4)]],
           "tiny-qwen2vl": [[noise(7)], [], [solid("blue")], [noise(8)]],
-          "tiny-qwen2_5vl": [[noise(5)], [solid("green")], [noise(6)], []]}
+          "tiny-qwen2_5vl": [[noise(5)], [solid("green")], [noise(6)], []],
+          # gymv's hybrid twin: each member's Mamba-2 layers continue its group's prompt (mamba_prefix)
+          "tiny-nemotron-omni": [[noise(9)], [solid("red")], [], [noise(10)]]}
 
 
 @pytest.mark.slow  # three backends' steps per family: 4-6 s each

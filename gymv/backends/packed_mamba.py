@@ -31,6 +31,8 @@ from gymv.backends.ssd_scan import chunk_scan, seq_idx_from_bounds
 MIXERS = ("NemotronHMamba2Mixer",)  # wrapped here: one call per packed row, with its sequence index
 # take a packed row's segment bounds themselves (gymv's Megatron hybrid model, over gymv.backends.ssd_scan)
 SEGMENT_AWARE = ("TorchMamba2Mixer", "ContextParallelMamba2Mixer")
+# start a segment from a shared prompt's state (gymv.backends.mamba_prefix); the context-parallel mixer does not
+CONTINUES = ("NemotronHMamba2Mixer", "TorchMamba2Mixer")
 
 
 def mixers(model) -> list:
@@ -39,10 +41,10 @@ def mixers(model) -> list:
 
 
 def continues_prompts(model) -> bool:
-    """Every Mamba-2 mixer of `model` is one `install` wraps, which can start a packed segment from a shared
-    prompt's state (gymv's Megatron mixers restart at segments but share no prompts)."""
+    """Every Mamba-2 mixer of `model` can start a packed segment from a shared prompt's state (transformers'
+    mixer as `install` wraps it, gymv's Megatron one; not the context-parallel one, whose row is split)."""
     found = mixers(model)
-    return bool(found) and all(type(m).__name__ in MIXERS for m in found)
+    return bool(found) and all(type(m).__name__ in CONTINUES for m in found)
 
 
 def install(model) -> bool:
@@ -108,8 +110,9 @@ def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
     return x
 
 
-def _prefix_plan(packing, kernel: int, device) -> mamba_prefix.PrefixPlan:
-    """The row's prompt plan, built once per packed forward (its layers and recomputation share the args)."""
+def prompt_plan(packing, kernel: int, device) -> mamba_prefix.PrefixPlan:
+    """The prompt plan of a packed row with shared prompts (`packing`: its PackedAttentionArgs, whose `keys`
+    are set), built once per packed forward: its layers and their recomputation share the args."""
     if packing.prefix_of is None:
         raise RuntimeError("a packed row with shared prompts reached a Mamba-2 layer without saying which "
                            "segment continues which prompt (PackedAttentionArgs.prefix_of)")
@@ -127,7 +130,7 @@ def _one_call(mixer, forward):
             return forward(hidden_states, *args, **kwargs)
         prefixes = None
         if packing.keys is not None:
-            prefixes = _prefix_plan(packing, mixer.conv1d.kernel_size[0], hidden_states.device)
+            prefixes = prompt_plan(packing, mixer.conv1d.kernel_size[0], hidden_states.device)
         # the host copy of the bounds where the batch has one (no device read per layer), else the device's
         bounds = packing.bounds[0] if packing.bounds is not None else packing.cu_q
         seq_idx = seq_idx_from_bounds(bounds, hidden_states.shape[1], hidden_states.device)

@@ -31,7 +31,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gymv.backends import mamba_kernels
+from gymv.backends import mamba_kernels, mamba_prefix
+from gymv.backends.mamba_prefix import PrefixPlan
+from gymv.backends.packed_mamba import prompt_plan
 from gymv.backends.packing import PackedAttentionArgs
 from gymv.backends.ssd_scan import chunk_scan, seq_idx_from_bounds
 from gymv.backends.training.megatron_hybrid_weights import HybridShape, expert_tensor_size
@@ -128,8 +130,10 @@ class TorchMamba2Mixer(nn.Module):
         self.out_proj = RowParallelLinear(shape.mamba_inner, shape.hidden, config=config, init_method=_noinit,
                                           bias=False, input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
 
-    def forward(self, hidden: Tensor, bounds: Sequence[int] | Tensor | None = None) -> Tensor:
-        """hidden [T, B, H] -> [T, B, H]; `bounds`: a packed row's cumulative segment starts (B == 1)."""
+    def forward(self, hidden: Tensor, bounds: Sequence[int] | Tensor | None = None,
+                prefixes: PrefixPlan | None = None) -> Tensor:
+        """hidden [T, B, H] -> [T, B, H]; `bounds`: a packed row's cumulative segment starts (B == 1);
+        `prefixes`: its segments that continue a shared prompt (gymv.backends.mamba_prefix)."""
         proj, _ = self.in_proj(hidden)
         proj = proj.transpose(0, 1)  # [B, T, local projections]
         bsz, t = proj.shape[:2]
@@ -138,12 +142,20 @@ class TorchMamba2Mixer(nn.Module):
         gn = self.groups * self.state
         z, xbc, dt = proj.split([self.inner, self.inner + 2 * gn, self.heads], dim=-1)
         weight = self.conv1d.weight[:, 0]
-        xbc = mamba_kernels.causal_conv(kernels, xbc, weight, self.conv1d.bias, seq_idx, "silu")
+        if prefixes is None:
+            xbc = mamba_kernels.causal_conv(kernels, xbc, weight, self.conv1d.bias, seq_idx, "silu")
+        else:
+            conv = mamba_kernels.causal_conv(kernels, xbc, weight, self.conv1d.bias, seq_idx, None)
+            xbc = F.silu(mamba_prefix.carry_conv(conv, xbc, weight, prefixes))
         x, b, c = xbc.split([self.inner, gn, gn], dim=-1)
+        x, b, c = (x.reshape(bsz, t, self.heads, self.head_dim), b.reshape(bsz, t, self.groups, self.state),
+                   c.reshape(bsz, t, self.groups, self.state))
         scan = kernels.chunk_scan if kernels is not None else chunk_scan
-        y = scan(x.reshape(bsz, t, self.heads, self.head_dim), dt, -torch.exp(self.A_log.float()),
-                 b.reshape(bsz, t, self.groups, self.state), c.reshape(bsz, t, self.groups, self.state), self.chunk,
-                 D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.limit, seq_idx=seq_idx)
+        A = -torch.exp(self.A_log.float())
+        y = scan(x, dt, A, b, c, self.chunk, D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.limit,
+                 seq_idx=seq_idx)
+        if prefixes is not None:
+            y = mamba_prefix.carry_state(y, x, dt, A, b, c, prefixes, dt_bias=self.dt_bias, dt_limit=self.limit)
         y = self.norm(y.reshape(bsz, t, self.inner), z)
         out, _ = self.out_proj(y.to(hidden.dtype).transpose(0, 1))
         return out
@@ -354,13 +366,13 @@ class HybridLayer(nn.Module):
         self.norm = HybridRMSNorm(shape.hidden, shape.eps)
         self.mixer = mixer
 
-    def forward(self, hidden: Tensor, attention_mask: Any = None, bounds: Sequence[int] | Tensor | None = None
-                ) -> Tensor:
+    def forward(self, hidden: Tensor, attention_mask: Any = None, bounds: Sequence[int] | Tensor | None = None,
+                prefixes: PrefixPlan | None = None) -> Tensor:
         x = self.norm(hidden)
         if self.kind == "*":
             x, _ = self.mixer(x, attention_mask=attention_mask)
         elif self.kind == "M":
-            x = self.mixer(x, bounds)
+            x = self.mixer(x, bounds, prefixes)
         else:
             x = self.mixer(x)
         return hidden + x
@@ -399,15 +411,14 @@ class HybridModel(nn.Module):
                 decoder_input: Tensor | None = None, **_: Any) -> Tensor:
         hidden = decoder_input if decoder_input is not None else \
             self.embedding.word_embeddings(input_ids).transpose(0, 1).contiguous()
-        bounds = None
+        bounds = prefixes = None
         if isinstance(attention_mask, PackedAttentionArgs):
-            if attention_mask.keys is not None:
-                raise RuntimeError("a packed row with shared prompts reached a Mamba-2 layer (its segments would "
-                                   "not start from the prompt's state)")
             # the host copy of the bounds where the batch has one (no device read per layer), else the device's
             bounds = attention_mask.bounds[0] if attention_mask.bounds is not None else attention_mask.cu_q
+            if attention_mask.keys is not None:
+                prefixes = prompt_plan(attention_mask, self.shape.conv_kernel, hidden.device)
         for layer in self.decoder.layers:
-            hidden = layer(hidden, attention_mask, bounds)
+            hidden = layer(hidden, attention_mask, bounds, prefixes)
         hidden = self.decoder.final_norm(hidden)
         weight = self.embedding.word_embeddings.weight if self.shape.tied else None
         logits, _ = self.output_layer(hidden, weight=weight)
