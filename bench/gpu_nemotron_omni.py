@@ -35,7 +35,8 @@ decode  batch 64 (8 prompts x 8 samples), text prompts of about 300 tokens, 128 
 layers  one MoE layer and one Mamba-2 mixer at the Nano widths, 16,384 tokens (8 sequences of 2,048),
         forward and backward, median ms and peak memory, each path beside the others: MoE `hf_eager`
         (transformers' expert loop), `hf_grouped_mm` (its `experts_implementation="grouped_mm"`), `gymv`
-        (gymv.backends.moe_experts), with the layer's MFU; Mamba `hf_per_segment` (transformers' mixer once
+        (gymv.backends.moe_experts, its passes between the products on Triton), `gymv_torch` (the same with
+        those passes in torch, GYMV_MOE_KERNELS=0), with the layer's MFU; Mamba `hf_per_segment` (transformers' mixer once
         per sequence, gymv's old packed path), `hf_rows` (transformers' mixer on 8 rows of 2,048),
         `gymv_torch` (one call over the packed row, gymv's torch scan), `gymv_triton` (the same on
         mamba_ssm's kernels, the convolution on causal_conv1d where it imports, else on gymv's Triton
@@ -545,13 +546,17 @@ def moe_layer_rows(mode: Mode, tokens: int, reps: int) -> list[dict]:
         text["moe_shared_expert_intermediate_size"]
     flops = 6 * tokens * (k * 2 * d * i + 2 * d * si + d * text["n_routed_experts"])
 
+    def use(path):
+        moe_experts.uninstall(layer)
+        os.environ[moe_experts.SWITCH] = "0" if path == "gymv_torch" else "1"
+        if path.startswith("gymv"):
+            moe_experts.install(layer)
+        else:
+            cfg._experts_implementation = path[3:]
+
     def run(path):
         def go():
-            moe_experts.uninstall(layer)
-            if path == "gymv":
-                moe_experts.install(layer)
-            else:
-                cfg._experts_implementation = path[3:]
+            use(path)
             layer(x).float().pow(2).mean().backward()
         return go
     rows = []
@@ -564,14 +569,10 @@ def moe_layer_rows(mode: Mode, tokens: int, reps: int) -> list[dict]:
 
             def run(path):
                 def go():
-                    moe_experts.uninstall(layer)
-                    if path == "gymv":
-                        moe_experts.install(layer)
-                    else:
-                        cfg._experts_implementation = path[3:]
+                    use(path)
                     layer.experts(h, ids, w).float().pow(2).mean().backward()
                 return go
-        fns = {p: run(p) for p in ("hf_eager", "hf_grouped_mm", "gymv")}
+        fns = {p: run(p) for p in ("hf_eager", "hf_grouped_mm", "gymv_torch", "gymv")}
         measured = fwd_bwd(mode, fns, reps)
         part = []
         for path, r in measured.items():

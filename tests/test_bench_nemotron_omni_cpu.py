@@ -28,7 +28,7 @@ def test_the_layers_part_times_the_moe_paths_and_the_tower_with_operator_profile
                  "--layer-reps", "1", "--vision-paths", "eager,eager_no_ckpt")
     rows = got["layers"]
     moe = {(r["layer"], r["path"]): r for r in rows if r["layer"].startswith("moe")}
-    assert set(moe) == {(k, p) for k in ("moe", "moe_experts") for p in ("hf_eager", "hf_grouped_mm", "gymv")}
+    assert set(moe) == {(k, p) for k in ("moe", "moe_experts") for p in ("hf_eager", "hf_grouped_mm", "gymv_torch", "gymv")}
     assert all(r["ms"] > 0 for r in moe.values())
     assert moe["moe", "gymv"]["top_ops"] and moe["moe", "gymv"]["top_ops"][0]["self_ms"] > 0
     vision = [r for r in rows if r["layer"] == "vision"]
@@ -47,3 +47,11 @@ def test_the_profiled_trainer_rows_one_a_backend_split_the_step_by_kind_and_list
     assert prof["step_s"] > 0 and {"vision/forward", "moe/forward", "mamba/forward"} <= set(prof)
     assert prof["top_ops"] and all(o["calls"] > 0 for o in prof["top_ops"])
     assert row["optimizer_floor_s"] is None  # the card's bandwidth bounds it; a CPU has none to state
+    assert row["shared_prompts"] is True
+
+
+def test_whole_rows_repeat_each_groups_prompt_and_say_so(tmp_path):
+    rows = [_bench(tmp_path, "--part", "train", "--train-layers", "3", "--steps", "1", *extra)["train"][0]
+            for extra in ((), ("--whole-rows",))]
+    assert [r["shared_prompts"] for r in rows] == [True, False]
+    assert rows[0]["tokens"] == rows[1]["tokens"] and rows[0]["unique_tokens"] < rows[0]["tokens"]

@@ -10,7 +10,9 @@ autograd giving the backward. The routing weight scales each pair's activation (
 than the model's, in the experts' dtype: a float32 weight times bfloat16 rows made every later pass
 float32), and the outputs are put back in token order and summed over each token's top-k, in a fixed order.
 No pass uses atomics: the gather of each pair's input row takes its gradient back by the inverse gather and
-a sum over the token's k pairs (autograd's would be an `index_add_`). Elsewhere (float32 on CUDA, odd widths
+a sum over the token's k pairs (autograd's would be an `index_add_`). On CUDA the passes between the
+products (relu² scaled by the routing weight, the sum over each token's pairs) are Triton kernels
+(gymv.backends.moe_kernels: one read and one write each where torch's took three to five). Elsewhere (float32 on CUDA, odd widths
 on CPU) the same permutation feeds a loop over the experts' slices: the reference the grouped path is tested
 against.
 
@@ -23,12 +25,14 @@ model.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 EXPERTS = ("NemotronHExperts",)
+SWITCH = "GYMV_MOE_KERNELS"
 
 
 def _mm():
@@ -99,9 +103,24 @@ def _loop(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch
     return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[-1])
 
 
+def kernels_on(t: torch.Tensor) -> bool:
+    """Whether the Triton passes (gymv.backends.moe_kernels) run for `t`: on CUDA where triton imports, unless
+    GYMV_MOE_KERNELS=0 (the torch passes then run, as the benchmark compares)."""
+    if not t.is_cuda or os.environ.get(SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    from gymv.backends import moe_kernels
+
+    return moe_kernels.available()
+
+
 def _sum_pairs(rows: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
     """out[t] = Σ_j rows[inverse[t*k + j]]: each token's k pair rows, summed in (token, slot) order, by one
-    gather-sum kernel (`embedding_bag`: no [T*k, D] tensor in token order is written, and no atomics)."""
+    gather-sum kernel (no [T*k, D] tensor in token order is written, and no atomics): gymv's Triton kernel on
+    CUDA, else `embedding_bag`."""
+    if kernels_on(rows):
+        from gymv.backends import moe_kernels
+
+        return moe_kernels.sum_pairs(rows, inverse, k)
     return F.embedding_bag(inverse.view(-1, k), rows, mode="sum")
 
 
@@ -159,6 +178,14 @@ class _ScaledRelu2(torch.autograd.Function):
         return t.mul_(2 * w.unsqueeze(-1)), dw
 
 
+def _scaled_relu2(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if kernels_on(a):
+        from gymv.backends import moe_kernels
+
+        return moe_kernels.scaled_relu2(a, w)
+    return _ScaledRelu2.apply(a, w)
+
+
 def _is_relu2(act: Callable) -> bool:
     return type(act).__name__ == "ReLUSquaredActivation"
 
@@ -179,7 +206,7 @@ def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     weights = _PairRows.apply(top_k_weights.reshape(-1), order, inverse, 1)
     a = mm(x, up.transpose(-2, -1))
     if _is_relu2(act) and order.numel() > SMALL_PAIRS:  # a decode step's few pairs keep the plain ops (below)
-        h = _ScaledRelu2.apply(a, weights.to(a.dtype))
+        h = _scaled_relu2(a, weights.to(a.dtype))
     else:  # CUDA's autocast runs relu²'s square (a pow) in float32: the product goes back to the experts' dtype
         h = (act(a) * weights.unsqueeze(-1).to(x.dtype)).to(x.dtype)
     y = mm(h, down.transpose(-2, -1))
