@@ -75,6 +75,7 @@ CHILD = textwrap.dedent("""
         return [y] + [t.grad for t in leaves]
     got, want = experts(True), experts(False)
     out["float32/experts"] = {n: rel(x, y) for n, x, y in zip(["out", "dhidden", "dweights", "dup", "ddown"], got, want)}
+    out["check"] = moe_experts._check(torch.device("cpu"))  # the one-time check a CUDA device runs first
     out["empty"] = [list(moe_kernels.sum_pairs(torch.zeros(0, 8), torch.zeros(0, dtype=torch.long), 2).shape),
                     list(moe_kernels.scaled_relu2(torch.zeros(0, 8), torch.zeros(0)).shape)]
     try:
@@ -130,3 +131,7 @@ def test_the_experts_with_the_kernels_equal_the_experts_without_them(interpreted
 def test_empty_inputs_give_empty_outputs_and_a_mismatched_weight_is_refused(interpreted):
     assert interpreted["empty"] == [[0, 8], [0, 8]]
     assert "w [P]" in interpreted["refused"]
+
+
+def test_the_one_time_check_passes_the_kernels(interpreted):
+    assert interpreted["check"] is True

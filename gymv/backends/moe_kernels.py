@@ -99,30 +99,41 @@ def sum_pairs(rows: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor
     return out
 
 
+def relu2_forward(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """h = w · relu(a)² for a [P, I] with contiguous rows, w [P] (no autograd)."""
+    P, I = a.shape
+    h = torch.empty_like(a)
+    bp, bi, warps = RELU2_TILE
+    if P:
+        _relu2_forward[(triton.cdiv(P, bp), triton.cdiv(I, bi))](a, w, h, P, I, a.stride(0), h.stride(0),
+                                                                 BLOCK_P=bp, BLOCK_I=bi, num_warps=warps)
+    return h
+
+
+def relu2_backward(a: torch.Tensor, w: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(da, dw in float32) of `relu2_forward` for the incoming gradient `grad` [P, I] (no autograd)."""
+    grad = _rows(grad)
+    P, I = a.shape
+    da = torch.empty_like(a)
+    dw = torch.empty(P, device=a.device, dtype=torch.float32)
+    bp, bi, warps = RELU2_TILE
+    if P:
+        _relu2_backward[(triton.cdiv(P, bp),)](a, w, grad, da, dw, P, I, a.stride(0), grad.stride(0), da.stride(0),
+                                               BLOCK_P=bp, BLOCK_I=bi, num_warps=warps)
+    return da, dw
+
+
 class _ScaledRelu2(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         a, w = _rows(a), w.contiguous()
         ctx.save_for_backward(a, w)
-        P, I = a.shape
-        h = torch.empty_like(a)
-        bp, bi, warps = RELU2_TILE
-        if P:
-            _relu2_forward[(triton.cdiv(P, bp), triton.cdiv(I, bi))](a, w, h, P, I, a.stride(0), h.stride(0),
-                                                                     BLOCK_P=bp, BLOCK_I=bi, num_warps=warps)
-        return h
+        return relu2_forward(a, w)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         a, w = ctx.saved_tensors
-        grad = _rows(grad)
-        P, I = a.shape
-        da = torch.empty_like(a)
-        dw = torch.empty(P, device=a.device, dtype=torch.float32)
-        bp, bi, warps = RELU2_TILE
-        if P:
-            _relu2_backward[(triton.cdiv(P, bp),)](a, w, grad, da, dw, P, I, a.stride(0), grad.stride(0), da.stride(0),
-                                                   BLOCK_P=bp, BLOCK_I=bi, num_warps=warps)
+        da, dw = relu2_backward(a, w, grad)
         return da, dw.to(w.dtype)
 
 
