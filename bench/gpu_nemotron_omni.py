@@ -419,22 +419,39 @@ def megatron_backend(policy, setup, mode: Mode, group: list[dict]):
 
 def op_profile(mode: Mode, step, top: int = 20, busy: dict | None = None) -> list[dict]:
     """The operators that took the most device time (CPU: host time) in one `step()`, from torch.profiler: name,
-    self milliseconds, calls and share of the step's summed self time. `busy`, if given, gets the step's wall
-    seconds under the profiler and its summed device seconds: a device busy far less than the wall is waiting
-    on the host."""
+    self milliseconds, calls and share of the step's summed self time. On CUDA each kernel counts once, for
+    the host operator or range that launched it (a Triton kernel launched from Python: its enclosing
+    `record_function` range, such as gymv/forward). `busy`, if given, gets the step's wall seconds under the
+    profiler and the seconds in which the device ran at least one kernel or copy: a device busy far less
+    than the wall is waiting on the host."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if mode.device == "cuda" else [])
     with profile(activities=activities) as prof:
         wall = timed(mode, step)
     attr = "self_device_time_total" if mode.device == "cuda" else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
+    # host-side events only: a kernel's own event (and a range's device-side copy) would count its time twice
+    events = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU and getattr(e, attr, 0) > 0]
     total = sum(getattr(e, attr) for e in events) or 1.0
     if busy is not None:
-        busy.update(profiled_wall_s=wall, device_s=total / 1e6, device_busy=total / 1e6 / wall)
+        spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)]
+        device_s = _union_us(spans) / 1e6 if mode.device == "cuda" else total / 1e6
+        busy.update(profiled_wall_s=wall, device_s=device_s, device_busy=device_s / wall)
     events.sort(key=lambda e: getattr(e, attr), reverse=True)
     return [{"op": e.key[:120], "self_ms": round(getattr(e, attr) / 1e3, 3), "calls": e.count,
              "share": round(getattr(e, attr) / total, 4)} for e in events[:top]]
+
+
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals: time in which at least one of them ran."""
+    length, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            length += b - max(a, end)
+            end = b
+    return length
 
 
 def kind_profile(model, mode: Mode, step) -> dict:
