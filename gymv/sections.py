@@ -161,6 +161,9 @@ class TrainingSection(Section):
     micro_batch_tokens: PosInt = 4096
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     gradient_checkpointing: bool = False
+    # with gradient_checkpointing: the vision tower's blocks recomputed too; false keeps their activations (a few
+    # GB a step of pictures) and skips the tower's recomputation (docs/training.md)
+    vision_checkpointing: bool = True
     # torch backend in bfloat16: the language model's matrices cast once a step into a working copy (2 bytes a
     # weight held for the step) instead of at every use; false: autocast's casts (docs/training.md)
     weight_copy: bool = False

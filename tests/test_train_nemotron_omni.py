@@ -1,6 +1,6 @@
 """Training the tiny Nemotron 3 Omni on the torch and fsdp2 backends: its MoE routers' load-balancing terms
 (logged every step, `training.moe`), activation checkpointing, and one fsdp2 rank stepping like the torch
-backend. Packing is refused for the family (tests/test_model_nemotron_omni.py)."""
+backend, packed rows stepping like padded ones."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from train_helpers import no_shared_ray
 ARCH = "tiny-nemotron-omni"
 
 
-def _backend(cls=None, *, moe=None, checkpointing=False, lr=1e-2, packing="auto"):
+def _backend(cls=None, *, moe=None, checkpointing=False, lr=1e-2, packing="auto", vision_checkpointing=True):
     from gymv.backends.training.base import TrainingSetup
     from gymv.backends.training.hf_torch import HFTorchBackend
     from gymv.config.schema import MoeSection, TrainingSection
 
     training = TrainingSection(lr=lr, eps=1e-3, weight_decay=0.0, dtype="float32", micro_batch_tokens=4096,
                                gradient_checkpointing=checkpointing, moe=MoeSection(**(moe or {})),
-                               sequence_packing=packing)
+                               sequence_packing=packing, vision_checkpointing=vision_checkpointing)
     setup = TrainingSetup(model_path=str(tiny_path(ARCH)), training=training)
     return (cls or HFTorchBackend)(fresh_policy(ARCH), setup, device="cpu")
 
@@ -131,16 +131,34 @@ def test_activation_checkpointing_steps_like_the_plain_backward_with_the_balanci
     from gymv.algorithms.loss_fns import PolicyLoss
 
     runs = []
-    for checkpointing in (False, True):
-        backend = _backend(moe={"aux_loss_coef": 0.1}, checkpointing=checkpointing)
+    for checkpointing, vision in ((False, True), (True, True), (True, False)):
+        backend = _backend(moe={"aux_loss_coef": 0.1}, checkpointing=checkpointing, vision_checkpointing=vision)
         samples = _samples_with(backend.policy, [1, -1, 0.5], shared_prompt=False)
         metrics = backend.train_step(samples, PolicyLoss())
         runs.append((metrics, dict(backend.named_weights())))
-    (m0, w0), (m1, w1) = runs
-    assert m1["train/loss"] == pytest.approx(m0["train/loss"], abs=1e-6)
-    assert m1["train/grad_norm"] == pytest.approx(m0["train/grad_norm"], rel=1e-5)
-    for k in w0:
-        torch.testing.assert_close(w1[k], w0[k], atol=1e-6, rtol=0)
+    (m0, w0), *checkpointed = runs
+    for m1, w1 in checkpointed:
+        assert m1["train/loss"] == pytest.approx(m0["train/loss"], abs=1e-6)
+        assert m1["train/grad_norm"] == pytest.approx(m0["train/grad_norm"], rel=1e-5)
+        for k in w0:
+            torch.testing.assert_close(w1[k], w0[k], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "fsdp2"])
+def test_vision_checkpointing_off_recomputes_the_decoder_layers_alone(backend_name):
+    from gymv.backends.training.hf_fsdp import HFFSDPBackend
+    from gymv.backends.training.replicated_precision import is_vision
+
+    backend = _backend(HFFSDPBackend if backend_name == "fsdp2" else None, checkpointing=True,
+                       vision_checkpointing=False)
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    flags = {name: m.gradient_checkpointing for name, m in backend.policy.model.named_modules()
+             if isinstance(m, GradientCheckpointingLayer)}
+    vision = [on for name, on in flags.items() if is_vision(name)]
+    decoder = [on for name, on in flags.items() if not is_vision(name)]
+    assert vision and not any(vision)
+    assert decoder and all(decoder)
 
 
 @pytest.mark.slow
@@ -164,8 +182,8 @@ def test_one_fsdp2_rank_steps_like_the_torch_backend():
 
 @pytest.mark.slow
 def test_packed_micro_batches_step_like_padded_ones():
-    """Two GRPO groups, each sharing its prompt: packed, every sequence runs whole (a Mamba-2 layer cannot
-    continue a shared prompt's state) and restarts its state; the step equals the padded one."""
+    """Two GRPO groups, each sharing its prompt: packed, each group's prompt runs once in the row and its
+    members' Mamba-2 layers continue the prompt's state; the step equals the padded one."""
     from gymv.algorithms.loss_fns import PolicyLoss
 
     runs = []

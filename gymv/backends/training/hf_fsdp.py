@@ -17,6 +17,7 @@ from torch import Tensor
 
 from gymv.backends.training.fsdp import FSDPTrainer
 from gymv.backends.training.hf_torch import HFTorchBackend, copy_hf_files
+from gymv.backends.training.replicated_precision import enable_checkpointing
 from gymv.models.load import checkpoint_dtype
 from gymv.models.quiet import quiet_transformers
 
@@ -37,7 +38,7 @@ class HFFSDPBackend(HFTorchBackend):
         if self.setup.training.gradient_checkpointing and not frozen:
             # non-reentrant checkpointing: FSDP2's gathers re-run inside the recomputed forward
             model.gradient_checkpointing_disable()
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model, vision=self.setup.training.vision_checkpointing, use_reentrant=False)
         layout = self.layout(model)
         self.compile_layers(model, frozen)
         return FSDPTrainer(model, self.trainer_logprob_fn(frozen), self.config, collate_fn=layout.collate, device=device,

@@ -41,6 +41,7 @@ from gymv.backends.training.micro_batches import (
     plan_shared_prefix_micro_batches,
     shared_prefix_cost,
 )
+from gymv.backends.training.replicated_precision import enable_checkpointing
 from gymv.backends.training.samples import NON_TENSOR_FIELDS, as_tensors
 from gymv.backends.training.torch_trainer import TorchTrainer
 from gymv.errors import GymvError
@@ -236,7 +237,7 @@ class HFTorchBackend(TrainingBackend):
         self.tokenizer, self.adapter, self.chat_template = policy.tokenizer, policy.adapter, policy.chat_template
         model = policy.model
         if setup.training.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            enable_checkpointing(model, vision=setup.training.vision_checkpointing)
         self.pad_id = policy.tokenizer.pad_token_id or 0
         self.logprob_fn = logprob_fn(policy.adapter, setup.temperature)
         self.router_terms = RouterTerms.attach(model, setup.training.moe)
