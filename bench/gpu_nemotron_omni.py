@@ -15,8 +15,9 @@ train   GRPO on synthetic rollouts: groups of G=8 samples sharing a prompt (one 
         advantages, the clipped policy loss; the fsdp2 backend on one rank (--backend: fsdp2, fsdp2-keep with
         the gathered weights kept to the backward, torch (one cast of the weights a step), torch-autocast (a cast at
         every use); a list runs each in turn), fp32 master weights
-        computing in bf16, activation checkpointing, packed rows on the gymv path, each group's prompt once in
-        its row (--whole-rows: every sequence whole, its prompt repeated, as before prompts were shared).
+        computing in bf16, activation checkpointing (--no-vision-checkpointing: the decoder's layers only),
+        packed rows on the gymv path, each group's prompt once in its row (--whole-rows: every sequence whole,
+        its prompt repeated, as before prompts were shared).
         After one warm-up step, the median of --steps timed `train_step` calls. Reported: tokens/s (every
         token), unique tokens/s (each group's prompt once), MFU = (6 * N_active * D_unique + 6 * N_head *
         D_generated) / time / 989e12, where N_active counts the decoder's parameters a token uses (the top 6
@@ -314,7 +315,8 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv", variant: str = "
                                sequence_packing=packing,
                                backend="megatron" if path == "megatron" else variant.split("-")[0],
                                fsdp={"reshard_after_forward": variant != "fsdp2-keep"},
-                               weight_copy=variant != "torch-autocast")
+                               weight_copy=variant != "torch-autocast",
+                               vision_checkpointing=not a.no_vision_checkpointing)
     setup = TrainingSetup(model_path=str(policy.path), training=training, device=mode.device, seed=0)
     samples = rollouts(policy, mode, a.groups, seed=0)
     agreement = None
@@ -357,6 +359,7 @@ def train(base, mode: Mode, layers: int, a, path: str = "gymv", variant: str = "
     row = {"path": path, "layers": layers, "pattern": PATTERN[:layers], "backend": variant,
            "optimizer_state_dtype": training.optimizer_state_dtype, "params": counts,
            "logprobs_against_hf": agreement,
+           "vision_checkpointing": training.vision_checkpointing,
            "sequence_packing": packing, "shared_prompts": bool(getattr(layout, "shares_in_row", False)),
            "mamba_scan": packed_mamba.path(mode.device) if packing else "transformers",
            "mamba_kernels_why_not": mamba_kernels.why_not(mode.device), "profile_s_by_kind": profile,
@@ -1036,6 +1039,8 @@ def main() -> None:
     ap.add_argument("--groups", type=int, help="GRPO groups of 8 samples per step (default 4 on CUDA, 2 on CPU)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
+    ap.add_argument("--no-vision-checkpointing", action="store_true",
+                    help="train: training.vision_checkpointing false (the tower's activations kept, not recomputed)")
     ap.add_argument("--whole-rows", action="store_true",
                     help="train: pack every sequence whole (each sample repeats its group's prompt), for comparison")
     ap.add_argument("--adam16", action="store_true",
@@ -1232,6 +1237,7 @@ def report(result: dict, out_json: Path) -> None:
             continue
         mem = f"{r['peak_mem_gb']:.1f} GB" if "peak_mem_gb" in r else "-"
         rows = "prompts shared" if r.get("shared_prompts") else "whole rows"
+        rows += "" if r.get("vision_checkpointing", True) else ", tower not recomputed"
         print(f"train {r.get('path', 'gymv')} {r.get('backend', '')} {r['layers']} layers {r['pattern']} ({rows}, "
               f"{r.get('micro_batches')} micro-batches): {r['step_s']:.2f} s/step, {r['tokens_per_s']:.0f} tok/s, "
               f"{r['unique_tokens_per_s']:.0f} unique tok/s, MFU {r['mfu']:.1%} (active params), peak {mem}")
