@@ -37,7 +37,9 @@ layers  one MoE layer and one Mamba-2 mixer at the Nano widths, 16,384 tokens (8
         forward and backward, median ms and peak memory, each path beside the others: MoE `hf_eager`
         (transformers' expert loop), `hf_grouped_mm` (its `experts_implementation="grouped_mm"`), `gymv`
         (gymv.backends.moe_experts, its passes between the products on Triton), `gymv_torch` (the same with
-        those passes in torch, GYMV_MOE_KERNELS=0), with the layer's MFU; Mamba `hf_per_segment` (transformers' mixer once
+        those passes in torch, GYMV_MOE_KERNELS=0), `gymv_first_micro_batch` (gymv with no gradient to add
+        to, as in a step's first micro-batch; every other path adds each call's gradients to the last's, as a
+        step's later micro-batches do), with the layer's MFU; Mamba `hf_per_segment` (transformers' mixer once
         per sequence, gymv's old packed path), `hf_rows` (transformers' mixer on 8 rows of 2,048),
         `gymv_torch` (one call over the packed row, gymv's torch scan), `gymv_triton` (the same on
         mamba_ssm's kernels, the convolution on causal_conv1d where it imports, else on gymv's Triton
@@ -515,10 +517,11 @@ def layer_text(mode: Mode) -> dict:
     return NANO_TEXT if mode.device == "cuda" else CPU_LAYER_TEXT
 
 
-def fwd_bwd(mode: Mode, fns: dict, reps: int) -> dict[str, dict]:
+def fwd_bwd(mode: Mode, fns: dict, reps: int, before: dict | None = None) -> dict[str, dict]:
     """Per path: the median ms of its `fn()` (a forward and backward), the paths taking turns round by round
     after a warm-up call each (so that a load that comes and goes touches them alike), and on CUDA its peak
-    memory beyond what was allocated before, from one more call; a path that fails gets its error."""
+    memory beyond what was allocated before, from one more call; a path that fails gets its error.
+    `before[path]`, where given, runs untimed before each of the path's timed calls."""
     import torch
 
     out: dict[str, dict] = {}
@@ -532,6 +535,8 @@ def fwd_bwd(mode: Mode, fns: dict, reps: int) -> dict[str, dict]:
             free(mode)
     for _ in range(reps):
         for path in times:
+            if before and path in before:
+                before[path]()
             times[path].append(timed(mode, fns[path]))
     for path, ts in times.items():
         out[path] = {"ms": statistics.median(ts) * 1e3}
@@ -593,7 +598,12 @@ def moe_layer_rows(mode: Mode, tokens: int, reps: int) -> list[dict]:
                     layer.experts(h, ids, w).float().pow(2).mean().backward()
                 return go
         fns = {p: run(p) for p in ("hf_eager", "hf_grouped_mm", "gymv_torch", "gymv")}
-        measured = fwd_bwd(mode, fns, reps)
+        # a step's first micro-batch: the gradients start from none, so the weight gradients are not added to
+        # (every other path adds each call's gradients to the last's, as a step's later micro-batches do)
+        fns["gymv_first_micro_batch"] = fns["gymv"]
+        leaves = [x, *layer.parameters()] if what == "moe" else [h, *layer.experts.parameters()]
+        fresh = {"gymv_first_micro_batch": lambda: [setattr(t, "grad", None) for t in leaves]}
+        measured = fwd_bwd(mode, fns, reps, before=fresh)
         part = []
         for path, r in measured.items():
             if "ms" in r and mode.device == "cuda":

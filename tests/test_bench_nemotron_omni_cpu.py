@@ -28,7 +28,7 @@ def test_the_layers_part_times_the_moe_paths_and_the_tower_with_operator_profile
                  "--layer-reps", "1", "--vision-paths", "eager,eager_no_ckpt")
     rows = got["layers"]
     moe = {(r["layer"], r["path"]): r for r in rows if r["layer"].startswith("moe")}
-    assert set(moe) == {(k, p) for k in ("moe", "moe_experts") for p in ("hf_eager", "hf_grouped_mm", "gymv_torch", "gymv")}
+    assert set(moe) == {(k, p) for k in ("moe", "moe_experts") for p in ("hf_eager", "hf_grouped_mm", "gymv_torch", "gymv", "gymv_first_micro_batch")}
     assert all(r["ms"] > 0 for r in moe.values())
     assert moe["moe", "gymv"]["top_ops"] and moe["moe", "gymv"]["top_ops"][0]["self_ms"] > 0
     vision = [r for r in rows if r["layer"] == "vision"]
