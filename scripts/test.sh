@@ -2,8 +2,9 @@
 # Install gymv with its test extras into .venv (CPU torch) and run every test this machine can run; then
 # the vLLM backend's tests (tests/vllm_backend, skipped in .venv) in the separate vLLM venv (made once outside the
 # checkout, then reused, by `bash scripts/install.sh vllm`), with the Triton kernel tests (decode attention, the
-# Mamba convolution, the MoE experts' passes) that need its triton. GYMV_TEST_VLLM=0 leaves the vLLM part out.
-# Each stage's wall time is printed at the end, and a stage more than 25% over its budget (below) fails the run.
+# Mamba convolution, the MoE experts' passes, the vocabulary scores) that need its triton. GYMV_TEST_VLLM=0
+# leaves the vLLM part out. Each stage's wall time is printed at the end, and a stage more than 25% over its
+# budget (below) fails the run.
 # Usage: bash scripts/test.sh [pytest args...]   (e.g. -m "not slow" for the fast set; they apply to .venv's run)
 # GYMV_TEST_WORKERS sets the number of pytest-xdist workers of .venv's run (default 2; 0 runs the tests in one process).
 
@@ -163,7 +164,7 @@ run_tests() {
     GUARD_WHY="what the whole run had left of its $HANG_LIMIT_PCT%" guarded "$(run_left "$start")" \
       "vLLM backend tests (vLLM venv)" "$(bash scripts/install_vllm.sh --path)/bin/python" -m pytest -q \
       -p no:cacheprovider --timeout=900 tests/vllm_backend tests/test_decode_attention.py tests/test_conv_kernel.py \
-      tests/test_moe_kernels.py
+      tests/test_moe_kernels.py tests/test_scores_kernel.py
     vrc=$?
     set -e
     stage "vLLM backend tests (vLLM venv)"

@@ -78,3 +78,31 @@ def test_bf16_logits_are_scored_in_float32_and_get_a_bf16_gradient():
     assert lp.dtype == ent.dtype == torch.float32 and a.grad.dtype == torch.bfloat16
     torch.testing.assert_close(lp, ref_lp, atol=1e-6, rtol=1e-6)  # the same float32 math on the same inputs
     torch.testing.assert_close(a.grad.float(), b.grad, atol=1e-2, rtol=1e-2)  # one bf16 rounding
+
+
+@pytest.mark.gpu
+def test_gpu_the_kernel_equals_the_torch_chunks_at_a_131k_vocabulary(monkeypatch):
+    """gymv.backends.scores_kernel on CUDA (bf16 logits, forbidden ids, temperature 0.8) against the chunks
+    with GYMV_SCORES_KERNEL=0: logprobs, entropies and the logits' gradient."""
+    from gymv.backends import scores_kernel
+
+    if not scores_kernel.available():
+        pytest.skip("triton does not import")
+    g = torch.Generator().manual_seed(5)
+    vocab = 131072
+    logits = (3 * torch.randn(512, vocab, generator=g)).to("cuda", torch.bfloat16)
+    target = torch.randint(0, vocab, (512,), generator=g).cuda()
+    forbidden = forbidden_mask(vocab, [7, 8, 9], "cuda")
+    w = torch.randn(512, generator=g).cuda()
+
+    def run(switch):
+        monkeypatch.setenv(cs.SWITCH, switch)
+        x = logits.clone().requires_grad_()
+        lp, ent, _ = cs.chunked_scores(x, target, forbidden, 0.8, True)
+        ((lp * w).sum() + (ent * w.flip(0)).sum()).backward()
+        return lp.detach(), ent.detach(), x.grad
+
+    got, want = run("1"), run("0")
+    assert cs.kernel_on(logits)
+    for name, a, b in zip(["logprobs", "entropies", "gradient"], got, want):
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < 1e-2, name

@@ -25,15 +25,12 @@ model.
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Callable
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from gymv.backends.kernel_check import verified
 
 EXPERTS = ("NemotronHExperts",)
 SWITCH = "GYMV_MOE_KERNELS"
@@ -109,59 +106,25 @@ def _loop(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch
 
 def kernels_on(t: torch.Tensor) -> bool:
     """Whether the Triton passes (gymv.backends.moe_kernels) run for `t`: on CUDA where triton imports and the
-    kernels passed their one-time check on the device (`prepare`), unless GYMV_MOE_KERNELS=0 (the torch passes
-    then run, as the benchmark compares)."""
-    if not t.is_cuda or os.environ.get(SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    if (t.device.index, t.device.type) not in _checked and torch.cuda.is_current_stream_capturing():
-        return False  # a graph being captured cannot run the check: the torch passes, as a decode step's are
-    return prepare(t.device)
+    kernels passed their one-time check on the device (gymv.backends.kernel_check), unless GYMV_MOE_KERNELS=0
+    (the torch passes then run, as the benchmark compares)."""
+    return t.is_cuda and verified("MoE experts", SWITCH, t.device, _check)
 
 
-_checked: set = set()
-
-
-@lru_cache(maxsize=None)
 def _check(device: torch.device) -> bool:
-    """The kernels against the same passes in torch on small random inputs, forward and backward, once per
-    device, without autograd (so that it may run inside a checkpointed forward); a kernel that fails to
-    compile or disagrees leaves the torch passes in place, with a warning."""
+    """The kernels against the same passes in torch on small random inputs, forward and backward."""
     from gymv.backends import moe_kernels
 
     if not moe_kernels.available():
         return False
-    try:
-        with torch.no_grad():
-            g = torch.Generator(device="cpu").manual_seed(0)
-            a, w, grad = (torch.randn(*shape, generator=g).to(device, torch.bfloat16)
-                          for shape in ((70, 300), (70,), (70, 300)))
-            inverse = torch.randperm(70, generator=g).to(device)
-            r = torch.relu(a.float())
-            want = [r * r * w.float()[:, None], 2 * grad.float() * r * w.float()[:, None], (grad.float() * r * r).sum(1),
-                    F.embedding_bag(inverse.view(-1, 7), a, mode="sum")]
-            got = [moe_kernels.relu2_forward(a, w), *moe_kernels.relu2_backward(a, w, grad),
-                   moe_kernels.sum_pairs(a, inverse, 7)]
-            ok = all(bool(torch.allclose(x.float(), y.float(), rtol=2e-2, atol=5e-2)) for x, y in zip(got, want))
-    except Exception as e:  # noqa: BLE001 - any failure means the torch passes, said once
-        log.warning("MoE experts: gymv's Triton passes do not run on %s (%s: %s); the torch passes run instead",
-                    device, type(e).__name__, str(e)[:200])
-        return False
-    if not ok:
-        log.warning("MoE experts: gymv's Triton passes disagree with the torch passes on %s; the torch passes "
-                    "run instead", device)
-    return ok
-
-
-def prepare(device) -> bool:
-    """Run the kernels' one-time check for `device` (if not run yet); whether they run there."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return False
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    ok = _check(device)
-    _checked.add((device.index, device.type))
-    return ok
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a, w, grad = (torch.randn(*shape, generator=g).to(device, torch.bfloat16) for shape in ((70, 300), (70,), (70, 300)))
+    inverse = torch.randperm(70, generator=g).to(device)
+    r = torch.relu(a.float())
+    want = [r * r * w.float()[:, None], 2 * grad.float() * r * w.float()[:, None], (grad.float() * r * r).sum(1),
+            F.embedding_bag(inverse.view(-1, 7), a, mode="sum")]
+    got = [moe_kernels.relu2_forward(a, w), *moe_kernels.relu2_backward(a, w, grad), moe_kernels.sum_pairs(a, inverse, 7)]
+    return all(bool(torch.allclose(x.float(), y.float(), rtol=2e-2, atol=5e-2)) for x, y in zip(got, want))
 
 
 def _sum_pairs(rows: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:

@@ -372,7 +372,8 @@ class HybridLayer(nn.Module):
         if self.kind == "*":
             x, _ = self.mixer(x, attention_mask=attention_mask)
         elif self.kind == "M":
-            x = self.mixer(x, bounds, prefixes)
+            # the context-parallel mixer takes no prompts (rows that reach it share none)
+            x = self.mixer(x, bounds) if prefixes is None else self.mixer(x, bounds, prefixes)
         else:
             x = self.mixer(x)
         return hidden + x
