@@ -96,7 +96,8 @@ def _check(device: torch.device) -> bool:
     keep = ~forbidden[target]  # a forbidden target's logprob is zeroed after either path
     got[0], want[0] = got[0][keep], want[0][keep]
     tolerance = (1e-3, 1e-3, 1e-3, 1e-2)  # float32 results; the gradient in the logits' bfloat16
-    return all(bool(torch.allclose(x.float(), y.float(), rtol=tol, atol=tol)) for x, y, tol in zip(got, want, tolerance))
+    return all(bool(torch.allclose(x.float(), y.float(), rtol=tol, atol=tol))
+               for x, y, tol in zip(got, want, tolerance))
 
 
 class _ChunkedScores(torch.autograd.Function):

@@ -12,9 +12,9 @@ float32), and the outputs are put back in token order and summed over each token
 No pass uses atomics: the gather of each pair's input row takes its gradient back by the inverse gather and
 a sum over the token's k pairs (autograd's would be an `index_add_`). On CUDA the passes between the
 products (relu² scaled by the routing weight, the sum over each token's pairs) are Triton kernels
-(gymv.backends.moe_kernels: one read and one write each where torch's took three to five). Elsewhere (float32 on CUDA, odd widths
-on CPU) the same permutation feeds a loop over the experts' slices: the reference the grouped path is tested
-against.
+(gymv.backends.moe_kernels: one read and one write each where torch's took three to five). Elsewhere
+(float32 on CUDA, odd widths on CPU) the same permutation feeds a loop over the experts' slices: the
+reference the grouped path is tested against.
 
 transformers' own `experts_implementation="grouped_mm"` computes the same (sort, `histc`, `grouped_mm`);
 gymv keeps its own so that what training, logprobs and the static decoder's CUDA graph run does not move
@@ -118,12 +118,14 @@ def _check(device: torch.device) -> bool:
     if not moe_kernels.available():
         return False
     g = torch.Generator(device="cpu").manual_seed(0)
-    a, w, grad = (torch.randn(*shape, generator=g).to(device, torch.bfloat16) for shape in ((70, 300), (70,), (70, 300)))
+    a, w, grad = (torch.randn(*shape, generator=g).to(device, torch.bfloat16)
+                  for shape in ((70, 300), (70,), (70, 300)))
     inverse = torch.randperm(70, generator=g).to(device)
     r = torch.relu(a.float())
     want = [r * r * w.float()[:, None], 2 * grad.float() * r * w.float()[:, None], (grad.float() * r * r).sum(1),
             F.embedding_bag(inverse.view(-1, 7), a, mode="sum")]
-    got = [moe_kernels.relu2_forward(a, w), *moe_kernels.relu2_backward(a, w, grad), moe_kernels.sum_pairs(a, inverse, 7)]
+    got = [moe_kernels.relu2_forward(a, w), *moe_kernels.relu2_backward(a, w, grad),
+           moe_kernels.sum_pairs(a, inverse, 7)]
     return all(bool(torch.allclose(x.float(), y.float(), rtol=2e-2, atol=5e-2)) for x, y in zip(got, want))
 
 

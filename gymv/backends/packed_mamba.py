@@ -21,7 +21,6 @@ gymv.backends.mamba_prefix adds the prompt's part, exactly (the recurrences are 
 from __future__ import annotations
 
 import torch
-
 import torch.nn.functional as F
 
 from gymv.backends import mamba_kernels, mamba_prefix
