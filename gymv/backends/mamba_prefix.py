@@ -125,16 +125,27 @@ def carry_state(y: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Ten
     # [H, L + 1]: cum[:, t] = the sum before t, along the innermost dimension (a scan along the outer one of
     # [L, H] took about a millisecond a call on an H100)
     cum = F.pad(torch.cumsum((dt * A.float()).t().double().contiguous(), dim=-1), (1, 0))
+    # gathers by index_select on flat indices: their backward adds rows back (advanced indexing's sorted
+    # the indices first), and only the gathered rows are cast to float32
     pos = p.prompt_pos
     P, lp = pos.shape
+    at = pos.reshape(-1)
+
+    def rows(t: torch.Tensor, index: torch.Tensor, *shape: int) -> torch.Tensor:
+        return t.index_select(0, index).reshape(*shape).float()
+
+    def sums(index: torch.Tensor, *shape: int) -> torch.Tensor:  # [*shape, H] of `cum` at flat `index`
+        return cum.index_select(1, index.reshape(-1)).reshape(heads, *shape)
+
     # [P, Lp, H]: the decay after token u to the prompt's end
-    decay = torch.exp(cum[:, p.prompt_last + 1][:, :, None] - cum[:, pos + 1]).float().permute(1, 2, 0)
-    weight = decay * dt[pos] * p.prompt_keep[..., None]
-    xw = x[0].float()[pos] * weight[..., None]  # [P, Lp, H, dim]
-    state = torch.einsum("plgkd,plgn->pgkdn", xw.reshape(P, lp, groups, per, dim), B[0].float()[pos])
+    decay = torch.exp(sums(p.prompt_last + 1, P, 1) - sums(at + 1, P, lp)).float().permute(1, 2, 0)
+    weight = decay * rows(dt, at, P, lp, heads) * p.prompt_keep[..., None]
+    xw = rows(x[0], at, P, lp, groups, per, dim) * weight.reshape(P, lp, groups, per, 1)
+    state = torch.einsum("plgkd,plgn->pgkdn", xw, rows(B[0], at, P, lp, groups, n))
     mpos = p.member_pos
     m = mpos.shape[1]
-    grow = torch.exp(cum[:, mpos + 1] - cum[:, p.member_first]).float().permute(1, 2, 0) * p.member_keep[..., None]
-    out = torch.einsum("pmgn,pgkdn->pmgkd", C[0].float()[mpos], state).reshape(P, m, heads, dim)
-    out = (out * grow[..., None]).reshape(P * m, heads, dim).index_select(0, p.member_sel)
+    grow = torch.exp(sums(mpos + 1, P, m) - sums(p.member_first, P, m)).float().permute(1, 2, 0)
+    grow = grow * p.member_keep[..., None]  # [P, M, H]
+    out = torch.einsum("pmgn,pgkdn->pmgkd", rows(C[0], mpos.reshape(-1), P, m, groups, n), state)
+    out = (out.reshape(P, m, heads, dim) * grow[..., None]).reshape(P * m, heads, dim).index_select(0, p.member_sel)
     return y.index_add(1, p.member_rows, out.to(y.dtype)[None])
