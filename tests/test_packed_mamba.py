@@ -309,3 +309,19 @@ def test_gpu_members_of_a_shared_prompt_on_the_kernels_equal_the_torch_path_forw
     assert rel_error(outs[0], outs[1]) < 5e-3
     for name in grads[1]:
         assert rel_error(grads[0][name], grads[1][name]) < 1e-2, name
+
+
+def test_a_prompt_shorter_than_the_convolution_window_is_continued_from_the_rows_start():
+    """A 2-token prompt (the window is 4): a member's first taps reach before the prompt, where its whole
+    sequence has nothing (zero), not into the row before it."""
+    m = mixer()
+    bounds = [0, 3, 5, 8, 12]  # a sequence of its own, then a prompt and its two members
+    h = torch.randn(1, 12, 32)
+    plan = mamba_prefix.plan(bounds, [-1, -1, 1, 1], m.conv_kernel_size)
+    with torch.no_grad():
+        got = packed_mamba.mixer_forward(m, h, seq_idx_from_bounds(bounds, 12), prefixes=plan)
+        prompt = h[:, 3:5]
+        for a, b in ((5, 8), (8, 12)):
+            want = m(torch.cat([prompt, h[:, a:b]], dim=1))[:, 2:]
+            torch.testing.assert_close(got[:, a:b], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[:, :3], m(h[:, :3]), rtol=1e-5, atol=1e-5)
