@@ -366,3 +366,36 @@ def test_a_hybrid_slice_without_attention_layers_packs_and_scores_as_padded_rows
     assert not packed_attention.attends(policy.model)
     assert packed_attention.install(policy.model) and packed_mamba.install(policy.model)
     _scores_agree(policy, _samples(policy, [[solid("red")], [], [noise(3)]], seed=4), score=True)
+
+
+@pytest.mark.parametrize("arch", ["tiny-llava", "tiny-nemotron-omni"])
+def test_a_packed_forward_reads_nothing_back_for_transformers_packed_sequence_detection(arch):
+    """transformers looks at the positions of a forward without a mask for restarts (`.all()` on the device:
+    a wait for the GPU each forward) to build a packed mask that packed attention never uses."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gymv.backends import packed_attention, packed_mamba
+    from gymv.backends.logprobs import packed_prefixes
+
+    reads = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith(("_local_scalar_dense", "is_nonzero")):
+                reads.append([f.name for f in traceback.extract_stack()[:-1]])
+            return func(*args, **(kwargs or {}))
+
+    policy = fresh_policy(arch)
+    samples = _group(policy, 3, seed=13) + _samples(policy, [[solid("red")], []], seed=8)
+    batch, loss_mask = _batch(samples, policy.tokenizer.pad_token_id or 0)
+    padded = token_scores(policy.model, policy.adapter, batch, score_mask=loss_mask).logp
+    assert packed_attention.install(policy.model)
+    packed_mamba.install(policy.model)
+    prefixes = packed_prefixes(batch.input_ids, loss_mask, batch.images, policy.adapter.image_token_id)
+    with Reads():
+        packed = token_scores(policy.model, policy.adapter, batch, score_mask=loss_mask, packed=True,
+                              prefixes=prefixes).logp
+    torch.testing.assert_close(packed, padded, atol=ATOL, rtol=0)
+    assert not [r for r in reads if "find_packed_sequence_indices" in r], reads

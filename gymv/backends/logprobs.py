@@ -15,6 +15,7 @@ gradients of a shared image's features add up over its uses, as they would for s
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -147,9 +148,10 @@ def _forward_logits(model, adapter: MultimodalAdapter, batch: MultimodalBatch, k
         active = packed_attention.active(model)
         extra = {packed_attention.KEYWORD: packed.attention_args(dev)} if active else {}
         before = packed_attention.calls
-        logits = forward_logits(model, input_ids=packed.input_ids[None], attention_mask=None,
-                                position_ids=positions, image_token_id=adapter.image_token_id,
-                                features=feats, logits_to_keep=keep, extra=extra, adapter=adapter)
+        with packed_attention.packed_forward() if active else contextlib.nullcontext():
+            logits = forward_logits(model, input_ids=packed.input_ids[None], attention_mask=None,
+                                    position_ids=positions, image_token_id=adapter.image_token_id,
+                                    features=feats, logits_to_keep=keep, extra=extra, adapter=adapter)
         if active:
             packed_attention.check_reached(before, model)
         if keep is not None and logits.shape[1] != keep.numel():

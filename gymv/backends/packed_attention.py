@@ -16,6 +16,8 @@ A model whose text side uses sliding windows, attention soft-capping or bidirect
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
 from functools import lru_cache
@@ -77,6 +79,36 @@ def _register() -> None:
 
 def active(model) -> bool:
     return getattr(_text_config(model), "_attn_implementation", None) == NAME
+
+
+_in_packed_forward: contextvars.ContextVar[bool] = contextvars.ContextVar("gymv_packed_forward", default=False)
+
+
+@contextlib.contextmanager
+def packed_forward():
+    """Around a packed forward of a model switched to packed attention: transformers' packed-sequence detection
+    (`find_packed_sequence_indices`, which reads the device once per forward to decide whether positions
+    restart) gives None without looking, since the mask it would feed is never built here (`_register`'s
+    mask function returns none for a row without a 2-D mask)."""
+    _skip_packed_detection()
+    token = _in_packed_forward.set(True)
+    try:
+        yield
+    finally:
+        _in_packed_forward.reset(token)
+
+
+@lru_cache(maxsize=None)
+def _skip_packed_detection() -> None:
+    from transformers import masking_utils
+
+    found = masking_utils.find_packed_sequence_indices
+
+    @functools.wraps(found)
+    def find_packed_sequence_indices(position_ids):
+        return None if _in_packed_forward.get() else found(position_ids)
+
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
 
 
 def packed_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
