@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gymv.backends.training.checkpointing import enable_checkpointing
 from gymv.backends.training.fsdp import FSDPTrainer
 from gymv.backends.training.hf_torch import HFTorchBackend, copy_hf_files
-from gymv.backends.training.replicated_precision import enable_checkpointing
 from gymv.models.load import checkpoint_dtype
 from gymv.models.quiet import quiet_transformers
 

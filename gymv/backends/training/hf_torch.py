@@ -31,6 +31,7 @@ from gymv.backends.pixel_cache import pixel_cache
 from gymv.backends.policy import load_policy
 from gymv.backends.step_images import StepImages
 from gymv.backends.training.base import LossFn, Sample, TrainingBackend, TrainingSetup
+from gymv.backends.training.checkpointing import enable_checkpointing
 from gymv.backends.training.compile import compile_layers
 from gymv.backends.training.lr_schedule import lr_factor
 from gymv.backends.training.micro_batches import (
@@ -41,7 +42,6 @@ from gymv.backends.training.micro_batches import (
     plan_shared_prefix_micro_batches,
     shared_prefix_cost,
 )
-from gymv.backends.training.replicated_precision import enable_checkpointing
 from gymv.backends.training.samples import NON_TENSOR_FIELDS, as_tensors
 from gymv.backends.training.torch_trainer import TorchTrainer
 from gymv.errors import GymvError

@@ -61,22 +61,6 @@ def is_vision(name: str) -> bool:
     return any(part in VISION_MODULES for part in name.split("."))
 
 
-def enable_checkpointing(model: torch.nn.Module, vision: bool = True, **kwargs) -> int:
-    """transformers' activation checkpointing on every layer of `model` that takes it (`kwargs`: its
-    gradient_checkpointing_kwargs), or (`vision` false) on all but the vision side's; how many vision layers
-    were left out. Without the tower's recomputation a step dispatches about a quarter fewer operators (the
-    RADIO tower's 32 blocks of Nemotron 3 Omni) for the tower's activations kept to the backward."""
-    model.gradient_checkpointing_enable(**({"gradient_checkpointing_kwargs": kwargs} if kwargs else {}))
-    if vision:
-        return 0
-    left = 0
-    for name, module in model.named_modules():
-        if is_vision(name) and getattr(module, "gradient_checkpointing", False) is True:
-            module.gradient_checkpointing = False
-            left += 1
-    return left
-
-
 def autocast_replicated(model: torch.nn.Module, device_type: str, dtype: torch.dtype) -> ReplicatedPrecision:
     """The vision modules of `model` computing in `dtype`: under autocast outside a training step, from a working
     copy cast once inside one (`ReplicatedPrecision.working_copy`). Their master weights stay float32. A model
