@@ -64,7 +64,7 @@ def test_grpo_through_nemo_gym_agents_learns_circle_count(nemo_gym, tmp_path):
         **data, "model.path": str(model), "sft.val_period": 0})
     train(sft)
     grpo = write_recipe(tmp_path, "grpo", "vlm/vlm_grpo-tinyllava-1n0g-torch.yaml", {
-        **data, "model.path": str(tmp_path / "runs" / "sft" / "final"), "grpo.max_steps": 100,
+        **data, "model.path": str(tmp_path / "runs" / "sft" / "final"), "grpo.max_steps": 150,
         "grpo.val_period": 10, "grpo.val_prompts": 256, "grpo.val_at_start": True, "checkpoint.period": 100,
         "rollout.driver": "nemo_gym_agents",
         "rollout.agents": {"circle_count_simple_agent": nemo_gym["agent"].url},
@@ -75,11 +75,12 @@ def test_grpo_through_nemo_gym_agents_learns_circle_count(nemo_gym, tmp_path):
     val = metrics.values("val/accuracy")
     reward = metrics.values("train/reward_mean")
     print("held-out accuracy", [round(v, 3) for v in val])
-    assert len(val) == 11, val
+    assert len(val) == 16, val
     # one validation swings 10-30 points from one checkpoint to the next, and the agents' episodes are sampled in
-    # whatever batches their calls formed, so no two runs are alike. Judged: the mean of the eight validations
-    # from step 30 on, 256 held-out rows each, 8 points above the start. With 128 rows and the mean of the last
-    # three, runs were 6 to 30 points above and failed now and then; at this setting six runs were 15 to 24 above
-    assert_learns(reward, val, window=10, later_from=3, val_margin=0.08)
+    # whatever batches their calls formed, so no two runs are alike. Judged: the mean of the eleven validations
+    # from step 50 on, 256 held-out rows each, 8 points above the start. Over 100 steps, judged from step 30,
+    # eight runs were 15 to 29 points above and one 4 (a CI run whose learning began after step 60: 0.72-0.80
+    # at steps 90-100), so the run is longer and judged later
+    assert_learns(reward, val, window=10, later_from=5, val_margin=0.08)
     records = [json.loads(x) for x in (run / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert all(r["response"]["output"][-1]["generation_token_ids"] for r in records)
