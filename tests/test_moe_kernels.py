@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from triton_interpreter import run_interpreted
+from triton_interpreter import assert_within, run_interpreted
 
 pytest.importorskip("triton")
 
@@ -95,9 +95,7 @@ def interpreted():
 
 
 def _check(interpreted, case):
-    errs = interpreted[case]
-    tol = TOLERANCE[case.split("/")[0]]
-    assert errs and all(e is not None and e < tol for e in errs.values()), (case, errs)
+    assert_within(interpreted[case], TOLERANCE[case.split("/")[0]], case)
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE))

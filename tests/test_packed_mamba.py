@@ -102,6 +102,20 @@ def _kernels():
     return k
 
 
+def _on_both_paths(m, h, w, kernels, forward) -> tuple[list, list]:
+    """([output on `kernels`, on the torch scan], [their gradients: the mixer's parameters and the input]) of
+    `forward(kernels)` weighted by `w`."""
+    outs, grads = [], []
+    for path in (kernels, None):
+        m.zero_grad()
+        h.grad = None
+        y = forward(path)
+        (y * w).sum().backward()
+        outs.append(y.detach())
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()} | {"input": h.grad.clone()})
+    return outs, grads
+
+
 @pytest.mark.gpu
 def test_gpu_the_triton_scan_over_a_packed_row_equals_the_torch_scan_forward_and_backward():
     k = _kernels()
@@ -109,14 +123,7 @@ def test_gpu_the_triton_scan_over_a_packed_row_equals_the_torch_scan_forward_and
     h = torch.randn(1, 45, 32, device="cuda", requires_grad=True)
     w = torch.randn(1, 45, 32, device="cuda")
     seq = seq_idx_from_bounds(BOUNDS, 45, "cuda")
-    outs, grads = [], []
-    for kernels in (k, None):
-        m.zero_grad()
-        h.grad = None
-        y = packed_mamba.mixer_forward(m, h, seq, kernels)
-        (y * w).sum().backward()
-        outs.append(y.detach())
-        grads.append({n: p.grad.clone() for n, p in m.named_parameters()} | {"input": h.grad.clone()})
+    outs, grads = _on_both_paths(m, h, w, k, lambda kernels: packed_mamba.mixer_forward(m, h, seq, kernels))
     # the Triton kernels may multiply float32 in TF32: compared by the norm of the difference
     assert rel_error(outs[0], outs[1]) < 5e-3
     for name in grads[1]:
@@ -295,14 +302,7 @@ def test_gpu_members_of_a_shared_prompt_on_the_kernels_equal_the_torch_path_forw
     m = mixer(device="cuda", width=16).train()
     h = torch.randn(1, 50, 32, device="cuda", requires_grad=True)
     w = torch.randn(1, 50, 32, device="cuda")
-    outs, grads = [], []
-    for kernels in (k, None):
-        m.zero_grad()
-        h.grad = None
-        y = shared_forward(m, h, kernels)
-        (y * w).sum().backward()
-        outs.append(y.detach())
-        grads.append({n: p.grad.clone() for n, p in m.named_parameters()} | {"input": h.grad.clone()})
+    outs, grads = _on_both_paths(m, h, w, k, lambda kernels: shared_forward(m, h, kernels))
     with torch.no_grad():
         alone = [m(s) for s in shared_sequences(h)]
     assert rel_error(outs[0][:, 23:41], alone[2][:, 20:]) < 5e-3  # the long member, against its whole sequence

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from triton_interpreter import run_interpreted
+from triton_interpreter import assert_within, run_interpreted
 
 pytest.importorskip("triton")
 
@@ -89,8 +89,8 @@ def _check(interpreted, case, names):
     errs = interpreted[case]
     assert set(errs) == names, errs
     dtype = case.split("/")[0]
-    assert all(e is not None and e < TOLERANCE.get(f"{dtype} {name}", TOLERANCE[dtype]) for name, e in errs.items()), \
-        (case, errs)
+    for name, e in errs.items():
+        assert_within({name: e}, TOLERANCE.get(f"{dtype} {name}", TOLERANCE[dtype]), case)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -73,23 +73,12 @@ def mixer_forward(m, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
     proj = m.in_proj(hidden_states)
     gate, xbc, dt = proj.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
     weight = m.conv1d.weight.squeeze(1)
-    if prefixes is None:
-        xbc = mamba_kernels.causal_conv(kernels, xbc, weight, m.conv1d.bias, seq_idx, m.activation)
-    else:
-        conv = mamba_kernels.causal_conv(kernels, xbc, weight, m.conv1d.bias, seq_idx, None)
-        xbc = _activate(mamba_prefix.carry_conv(conv, xbc, weight, prefixes), m.activation)
+    xbc = segment_conv(kernels, xbc, weight, m.conv1d.bias, seq_idx, m.activation, prefixes)
     groups_state = m.n_groups * m.ssm_state_size
     x, B, C = xbc.split([m.intermediate_size, groups_state, groups_state], dim=-1)
-    scan = kernels.chunk_scan if kernels is not None else chunk_scan
-    y = scan(x.reshape(b, L, m.num_heads, m.head_dim), dt, -torch.exp(m.A_log.float()),
-             B.reshape(b, L, m.n_groups, m.ssm_state_size), C.reshape(b, L, m.n_groups, m.ssm_state_size),
-             m.chunk_size, D=m.D, dt_bias=m.dt_bias, dt_softplus=True, dt_limit=tuple(m.time_step_limit),
-             seq_idx=seq_idx)
-    if prefixes is not None:
-        y = mamba_prefix.carry_state(y, x.reshape(b, L, m.num_heads, m.head_dim), dt, -torch.exp(m.A_log.float()),
-                                     B.reshape(b, L, m.n_groups, m.ssm_state_size),
-                                     C.reshape(b, L, m.n_groups, m.ssm_state_size), prefixes, dt_bias=m.dt_bias,
-                                     dt_limit=tuple(m.time_step_limit))
+    y = segment_scan(kernels, x.reshape(b, L, m.num_heads, m.head_dim), dt, -torch.exp(m.A_log.float()),
+                     B.reshape(b, L, m.n_groups, m.ssm_state_size), C.reshape(b, L, m.n_groups, m.ssm_state_size),
+                     m.chunk_size, m.D, m.dt_bias, tuple(m.time_step_limit), seq_idx, prefixes)
     y = y.reshape(b, L, m.intermediate_size)
     if kernels is not None and kernels.gated_norm is not None:
         # silu(gate) times y, RMS-normalised per group and scaled, in one pass each way (the torch norm makes
@@ -99,6 +88,30 @@ def mixer_forward(m, hidden_states: torch.Tensor, seq_idx: torch.Tensor | None,
     else:
         y = m.norm(y, gate)
     return m.out_proj(y.to(dtype))
+
+
+def segment_conv(kernels: mamba_kernels.Kernels | None, xbc: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None, seq_idx: torch.Tensor | None, activation: str | None,
+                 prefixes: mamba_prefix.PrefixPlan | None = None) -> torch.Tensor:
+    """A mixer's causal convolution over a packed row (mamba_kernels.causal_conv), each member of a shared
+    prompt continuing the prompt's window (`prefixes`: its taps added before the activation)."""
+    if prefixes is None:
+        return mamba_kernels.causal_conv(kernels, xbc, weight, bias, seq_idx, activation)
+    conv = mamba_kernels.causal_conv(kernels, xbc, weight, bias, seq_idx, None)
+    return _activate(mamba_prefix.carry_conv(conv, xbc, weight, prefixes), activation)
+
+
+def segment_scan(kernels: mamba_kernels.Kernels | None, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                 B: torch.Tensor, C: torch.Tensor, chunk_size: int, D: torch.Tensor, dt_bias: torch.Tensor,
+                 dt_limit: tuple[float, float], seq_idx: torch.Tensor | None,
+                 prefixes: mamba_prefix.PrefixPlan | None = None) -> torch.Tensor:
+    """The chunked SSD scan y [B, L, H, P] over a packed row (mamba_ssm's kernel, else gymv's torch scan), each
+    member of a shared prompt continuing the prompt's state (`prefixes`)."""
+    scan = kernels.chunk_scan if kernels is not None else chunk_scan
+    y = scan(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=True, dt_limit=dt_limit, seq_idx=seq_idx)
+    if prefixes is not None:
+        y = mamba_prefix.carry_state(y, x, dt, A, B, C, prefixes, dt_bias=dt_bias, dt_limit=dt_limit)
+    return y
 
 
 def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:

@@ -37,6 +37,15 @@ def available() -> bool:
 
 if triton is not None:
     @triton.jit
+    def _policy_block(base, FORBID, v, ok, inv_t, HAS_FORBID: tl.constexpr):
+        """z of a block of one row's ids `v`: the logit over the temperature, -inf where forbidden or past V."""
+        z = tl.load(base + v, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+        if HAS_FORBID:
+            banned = tl.load(FORBID + v, mask=ok, other=0)
+            z = tl.where(banned != 0, float("-inf"), z)
+        return z
+
+    @triton.jit
     def _forward(LOGITS, TARGET, FORBID, LP, LSE, ENT, V, s_row, inv_t,
                  HAS_FORBID: tl.constexpr, WANT_ENT: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -48,10 +57,7 @@ if triton is not None:
         for start in range(0, V, BLOCK):
             v = start + lanes
             ok = v < V
-            z = tl.load(base + v, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
-            if HAS_FORBID:
-                banned = tl.load(FORBID + v, mask=ok, other=0)
-                z = tl.where(banned != 0, float("-inf"), z)
+            z = _policy_block(base, FORBID, v, ok, inv_t, HAS_FORBID)
             new = tl.maximum(m, z)
             alpha = tl.where(new == m, 1.0, tl.exp(m - new))  # both -inf: nothing summed yet
             e = tl.where(z == float("-inf"), 0.0, tl.exp(z - new))
@@ -86,10 +92,7 @@ if triton is not None:
         for start in range(0, V, BLOCK):
             v = start + lanes
             ok = v < V
-            z = tl.load(base + v, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
-            if HAS_FORBID:
-                banned = tl.load(FORBID + v, mask=ok, other=0)
-                z = tl.where(banned != 0, float("-inf"), z)
+            z = _policy_block(base, FORBID, v, ok, inv_t, HAS_FORBID)
             p = tl.where(z == float("-inf"), 0.0, tl.exp(z - lse))
             gz = tl.where(v == target, g, 0.0) - g * p
             if HAS_G_ENT:

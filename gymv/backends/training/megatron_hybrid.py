@@ -31,11 +31,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gymv.backends import mamba_kernels, mamba_prefix
+from gymv.backends import mamba_kernels
 from gymv.backends.mamba_prefix import PrefixPlan
-from gymv.backends.packed_mamba import prompt_plan
+from gymv.backends.packed_mamba import prompt_plan, segment_conv, segment_scan
 from gymv.backends.packing import PackedAttentionArgs
-from gymv.backends.ssd_scan import chunk_scan, seq_idx_from_bounds
+from gymv.backends.ssd_scan import seq_idx_from_bounds
 from gymv.backends.training.megatron_hybrid_weights import HybridShape, expert_tensor_size
 from gymv.backends.training.megatron_model import SdpaCoreAttention, require_megatron
 
@@ -142,20 +142,11 @@ class TorchMamba2Mixer(nn.Module):
         gn = self.groups * self.state
         z, xbc, dt = proj.split([self.inner, self.inner + 2 * gn, self.heads], dim=-1)
         weight = self.conv1d.weight[:, 0]
-        if prefixes is None:
-            xbc = mamba_kernels.causal_conv(kernels, xbc, weight, self.conv1d.bias, seq_idx, "silu")
-        else:
-            conv = mamba_kernels.causal_conv(kernels, xbc, weight, self.conv1d.bias, seq_idx, None)
-            xbc = F.silu(mamba_prefix.carry_conv(conv, xbc, weight, prefixes))
+        xbc = segment_conv(kernels, xbc, weight, self.conv1d.bias, seq_idx, "silu", prefixes)
         x, b, c = xbc.split([self.inner, gn, gn], dim=-1)
-        x, b, c = (x.reshape(bsz, t, self.heads, self.head_dim), b.reshape(bsz, t, self.groups, self.state),
-                   c.reshape(bsz, t, self.groups, self.state))
-        scan = kernels.chunk_scan if kernels is not None else chunk_scan
-        A = -torch.exp(self.A_log.float())
-        y = scan(x, dt, A, b, c, self.chunk, D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.limit,
-                 seq_idx=seq_idx)
-        if prefixes is not None:
-            y = mamba_prefix.carry_state(y, x, dt, A, b, c, prefixes, dt_bias=self.dt_bias, dt_limit=self.limit)
+        y = segment_scan(kernels, x.reshape(bsz, t, self.heads, self.head_dim), dt, -torch.exp(self.A_log.float()),
+                         b.reshape(bsz, t, self.groups, self.state), c.reshape(bsz, t, self.groups, self.state),
+                         self.chunk, self.D, self.dt_bias, self.limit, seq_idx, prefixes)
         y = self.norm(y.reshape(bsz, t, self.inner), z)
         out, _ = self.out_proj(y.to(hidden.dtype).transpose(0, 1))
         return out
