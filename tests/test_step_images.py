@@ -77,6 +77,27 @@ def _same_step(a, b):
         torch.testing.assert_close(w1[k], w0[k], atol=1e-6, rtol=0, msg=k)
 
 
+def test_a_step_hashes_each_distinct_picture_once(monkeypatch):
+    from gymv.backends import logprobs, multimodal, pixel_cache
+    from gymv.backends.training import hf_torch
+
+    probe = fresh_policy(ARCH)
+    samples = _group(probe, 3, seed=3) + _group(probe, 3, seed=4)
+    layout = _backend(None, 4096, False).trainer.plan_fn.__self__
+    hashed = []
+
+    def counting(im):
+        hashed.append(id(im))
+        return multimodal.image_hash(im)
+
+    for module in (hf_torch, logprobs, pixel_cache):
+        if hasattr(module, "image_hash"):
+            monkeypatch.setattr(module, "image_hash", counting)
+    plan = layout.plan(samples, 4096)
+    assert layout.step_images(layout.model, samples, plan) is not None
+    assert len(hashed) == len(set(hashed)) == 2  # two groups' pictures, each hashed once, not once a sample
+
+
 @pytest.mark.slow
 def test_the_torch_backend_encodes_a_steps_images_in_one_call_and_steps_as_before(monkeypatch):
     per_micro_batch = _step(monkeypatch, None, once=False, checkpointing=True)

@@ -171,8 +171,9 @@ class BatchLayout:
         hashes, pictures = dict(self._hashes), {}
         for s in samples:
             for im in s.get("images") or ():
-                key = hashes.setdefault(id(im), image_hash(im))
-                pictures.setdefault(key, im)
+                if id(im) not in hashes:
+                    hashes[id(im)] = image_hash(im)
+                pictures.setdefault(hashes[id(im)], im)
         dev = next(model.parameters()).device
         inputs = pixel_cache(self.adapter).inputs(self.adapter, list(pictures.values()), list(pictures),
                                                   pin=dev.type == "cuda")
