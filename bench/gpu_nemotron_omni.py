@@ -96,6 +96,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_train import phase_busy, union_us  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H200 bf16 dense
 PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"  # the 52 layers of the 30B-A3B model
@@ -442,21 +443,13 @@ def op_profile(mode: Mode, step, top: int = 20, busy: dict | None = None) -> lis
     if busy is not None:
         spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
                  if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)]
-        device_s = _union_us(spans) / 1e6 if mode.device == "cuda" else total / 1e6
+        device_s = union_us(spans) / 1e6 if mode.device == "cuda" else total / 1e6
         busy.update(profiled_wall_s=wall, device_s=device_s, device_busy=device_s / wall)
+        if mode.device == "cuda":
+            busy["phases"] = phase_busy(prof.events(), spans)
     events.sort(key=lambda e: getattr(e, attr), reverse=True)
     return [{"op": e.key[:120], "self_ms": round(getattr(e, attr) / 1e3, 3), "calls": e.count,
              "share": round(getattr(e, attr) / total, 4)} for e in events[:top]]
-
-
-def _union_us(spans: list[tuple[float, float]]) -> float:
-    """The length of the union of (start, end) intervals: time in which at least one of them ran."""
-    length, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            length += b - max(a, end)
-            end = b
-    return length
 
 
 def kind_profile(model, mode: Mode, step) -> dict:

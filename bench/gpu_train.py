@@ -287,6 +287,38 @@ def recorded_memory_phases(backend, batch: list, loss) -> dict:
     return phases
 
 
+def phase_busy(events, spans: list[tuple[float, float]]) -> dict:
+    """Per `gymv/*` range of the step (gymv.backends.training.torch_trainer's phases): its host milliseconds and
+    the milliseconds of that window in which the device ran something; `before_first_kernel_ms`: how long the
+    device waited from the step's first host event to its first kernel (host work nothing overlaps)."""
+    from torch.autograd import DeviceType
+
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    out: dict = {}
+    for e in host:
+        if not e.name.startswith("gymv/"):
+            continue
+        a, b = e.time_range.start, e.time_range.end
+        row = out.setdefault(e.name, {"host_ms": 0.0, "device_busy_ms": 0.0, "calls": 0})
+        row["host_ms"] += (b - a) / 1e3
+        row["device_busy_ms"] += union_us([(max(x, a), min(y, b)) for x, y in spans if y > a and x < b]) / 1e3
+        row["calls"] += 1
+    if host and spans:
+        out["before_first_kernel_ms"] = (min(x for x, _ in spans) - min(e.time_range.start for e in host)) / 1e3
+    return {k: ({kk: round(vv, 3) for kk, vv in v.items()} if isinstance(v, dict) else round(v, 3))
+            for k, v in out.items()}
+
+
+def union_us(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals: time in which at least one of them ran."""
+    length, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            length += b - max(a, end)
+            end = b
+    return length
+
+
 def profiled_step(backend, batch: list, loss, device: str, trace: str | None, label: str) -> dict:
     """One training step under torch.profiler: its tables printed, the top operators by device and by host time
     returned, and with `trace` its timeline written gzipped (chrome://tracing, Perfetto)."""
@@ -314,8 +346,15 @@ def profiled_step(backend, batch: list, loss, device: str, trace: str | None, la
     print("by cpu_time_total:", flush=True)
     print(averages.table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=60), flush=True)
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    return {"device": profile_summary(averages, attr, kernels_only=cuda),
-            "host": profile_summary(averages, "cpu_time_total", 15)}
+    out = {"device": profile_summary(averages, attr, kernels_only=cuda),
+           "host": profile_summary(averages, "cpu_time_total", 15)}
+    if cuda:
+        from torch.autograd import DeviceType
+
+        spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)]
+        out["phases"] = phase_busy(prof.events(), spans)
+    return out
 
 
 def one_run(run, base: dict, rank: int, world: int, device: str, steps: int, seed: int, smoke: bool,

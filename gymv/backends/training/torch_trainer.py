@@ -226,8 +226,9 @@ class TorchTrainer:
         device; one read at the end gets the losses, the norm, the non-finite flags and the metrics."""
         start = time.perf_counter()
         self.model.train()
-        counts = self.global_counts(samples)
-        plan = self._plan(samples)
+        with record_function("gymv/plan"):
+            counts = self.global_counts(samples)
+            plan = self._plan(samples)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         sums: dict[str, Tensor] = {}
@@ -274,7 +275,8 @@ class TorchTrainer:
             on_device = skips_on_device(self.optimizer)
             fresh = step_unless(self.optimizer, flags.max()) if on_device else []
         keys, reduced = self._reduce_metrics(loss_sum, float(len(plan)), sums, maxes, mins)
-        read = torch.cat([flags.double(), norm.double().reshape(1), reduced, step_losses.double()]).tolist()  # one wait
+        with record_function("gymv/read"):
+            read = torch.cat([flags.double(), norm.double().reshape(1), reduced, step_losses.double()]).tolist()
         loss_flag, norm_flag, grad_norm = read[0], read[1], read[2]
         values, local_losses = read[3 : 3 + len(keys)], read[3 + len(keys) :]
         if loss_flag or norm_flag:
