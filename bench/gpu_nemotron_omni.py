@@ -64,8 +64,13 @@ since one starves the next of memory; `--part all` (the default) runs them one a
 their results. `--profile` adds the trainer step's time split by layer kind (Mamba, MoE, attention, MLP, the
 vision tower and projector; forward, recomputation and backward, timed by CUDA events around each module)
 and the operators with the most device time in one more step (torch.profiler; for the `megatron` path,
-whose twin replaces the HF layers the split watches, the operators alone). Each trainer row carries
-`optimizer_floor_s`, the least time float32 AdamW can take over its parameters at the card's bandwidth.
+whose twin replaces the HF layers the split watches, the operators alone), with the device's busy share of
+that step and, per trainer phase (`gymv/plan`, `gymv/step_images`, `gymv/collate`, `gymv/forward`,
+`gymv/backward`, `gymv/optimizer`, `gymv/read`), its host milliseconds beside the milliseconds the device
+ran anything in that window (`phases`; `before_first_kernel_ms`: the device's wait for the step's first
+kernel). A phase whose host time far exceeds its device time is where the step waits on the host. Each
+trainer row carries `optimizer_floor_s`, the least time float32 AdamW can take over its parameters at the
+card's bandwidth.
 The decode rows carry the bandwidth limit: the bytes one step must read (every decoder weight but the routed
 experts, the routed experts a batch of this size touches in expectation under uniform routing, the LM head,
 the KV cache and the Mamba states) over --hbm-tbps.

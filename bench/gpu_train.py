@@ -321,7 +321,8 @@ def union_us(spans: list[tuple[float, float]]) -> float:
 
 def profiled_step(backend, batch: list, loss, device: str, trace: str | None, label: str) -> dict:
     """One training step under torch.profiler: its tables printed, the top operators by device and by host time
-    returned, and with `trace` its timeline written gzipped (chrome://tracing, Perfetto)."""
+    returned, on CUDA with each trainer phase's host and device-busy time (`phase_busy`), and with `trace` its
+    timeline written gzipped (chrome://tracing, Perfetto)."""
     import torch
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
