@@ -101,7 +101,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gpu_train import phase_busy, union_us  # noqa: E402
+from gpu_train import device_spans, phase_busy, union_us  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H200 bf16 dense
 PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"  # the 52 layers of the 30B-A3B model
@@ -446,8 +446,7 @@ def op_profile(mode: Mode, step, top: int = 20, busy: dict | None = None) -> lis
     events = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU and getattr(e, attr, 0) > 0]
     total = sum(getattr(e, attr) for e in events) or 1.0
     if busy is not None:
-        spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
-                 if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)]
+        spans = device_spans(prof.events())
         device_s = union_us(spans) / 1e6 if mode.device == "cuda" else total / 1e6
         busy.update(profiled_wall_s=wall, device_s=device_s, device_busy=device_s / wall)
         if mode.device == "cuda":

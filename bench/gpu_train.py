@@ -309,6 +309,15 @@ def phase_busy(events, spans: list[tuple[float, float]]) -> dict:
             for k, v in out.items()}
 
 
+def device_spans(events) -> list[tuple[float, float]]:
+    """(start, end) microseconds of each kernel or copy the device ran in a profile (ranges' device-side copies
+    left out: they would cover their kernels twice)."""
+    from torch.autograd import DeviceType
+
+    return [(e.time_range.start, e.time_range.end) for e in events
+            if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)]
+
+
 def union_us(spans: list[tuple[float, float]]) -> float:
     """The length of the union of (start, end) intervals: time in which at least one of them ran."""
     length, end = 0.0, float("-inf")
@@ -350,11 +359,7 @@ def profiled_step(backend, batch: list, loss, device: str, trace: str | None, la
     out = {"device": profile_summary(averages, attr, kernels_only=cuda),
            "host": profile_summary(averages, "cpu_time_total", 15)}
     if cuda:
-        from torch.autograd import DeviceType
-
-        spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
-                 if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)]
-        out["phases"] = phase_busy(prof.events(), spans)
+        out["phases"] = phase_busy(prof.events(), device_spans(prof.events()))
     return out
 
 

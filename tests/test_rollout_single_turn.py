@@ -154,11 +154,11 @@ def test_row_without_verifier_fields_raises_naming_the_row(policy, count_rows):
 
 
 def test_each_shared_image_object_is_hashed_once_per_generate_call(policy, count_rows, monkeypatch):
-    from gymv.backends.generation import hf
+    from gymv.backends import multimodal
 
     hashed = []
-    real = hf.image_hash
-    monkeypatch.setattr(hf, "image_hash", lambda im: hashed.append(id(im)) or real(im))
+    real = multimodal.image_hash
+    monkeypatch.setattr(multimodal, "image_hash", lambda im: hashed.append(id(im)) or real(im))
     env, rows = count_rows
     rollouts(policy, env, rows, group_size=4)
     assert len(hashed) == len(rows)  # one per picture, not one per episode of its group

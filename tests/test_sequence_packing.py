@@ -295,7 +295,7 @@ def test_collating_a_planned_micro_batch_reuses_the_plans_prefix_keys_and_groups
 
 
 def test_a_planned_micro_batch_is_scored_from_its_host_copies_without_hashing_its_pictures_again(monkeypatch):
-    from gymv.backends import logprobs
+    from gymv.backends import multimodal
     from gymv.backends.training.hf_torch import BatchLayout, logprob_fn
 
     policy = fresh_policy("tiny-llava")
@@ -308,7 +308,7 @@ def test_a_planned_micro_batch_is_scored_from_its_host_copies_without_hashing_it
     assert sorted(host.image_hashes) == sorted({id(im) for row in mb["images"] for im in row})
     want = logprob_fn(policy.adapter, 1.0)(policy.model, {k: v for k, v in mb.items() if k != "host"})
     hashed = []
-    monkeypatch.setattr(logprobs, "image_hash", lambda im: hashed.append(im) or "unused")
+    monkeypatch.setattr(multimodal, "image_hash", lambda im: hashed.append(im) or "unused")
     got = logprob_fn(policy.adapter, 1.0)(policy.model, mb)
     assert hashed == []
     for a, b in zip(got, want):

@@ -28,7 +28,7 @@ from gymv.backends import packed_attention, step_images
 from gymv.backends.chunked_scores import chunked_scores
 from gymv.backends.hf_forward import forward_logits, has_recurrent_layers, select_cache_rows
 from gymv.backends.host_copy import to_device, to_device_many
-from gymv.backends.multimodal import MultimodalAdapter, image_hash
+from gymv.backends.multimodal import MultimodalAdapter, hash_pictures
 from gymv.backends.packing import PackedRow, pack
 from gymv.backends.pixel_cache import pixel_cache
 from gymv.backends.sampling import forbidden_mask, policy_logits
@@ -62,10 +62,7 @@ def _image_features(model, adapter: MultimodalAdapter, images: list,
                     hashes: dict[int, str] | None = None) -> tuple[list, Any]:
     """Features of `images` in order, each distinct image (by pixel hash) encoded once. `hashes`: content
     hashes by id(picture) already computed for these pictures (planning hashes a step's pictures)."""
-    seen: dict[int, str] = dict(hashes or {})
-    for im in images:
-        if id(im) not in seen:
-            seen[id(im)] = image_hash(im)
+    seen = hash_pictures(images, dict(hashes or {}))
     keys = [seen[id(im)] for im in images]
     found = step_images.lookup(model, keys)  # the step's images, encoded once for all its micro-batches
     if found is not None:
@@ -192,10 +189,7 @@ def prefix_key(input_ids: torch.Tensor, score_mask: torch.Tensor, images: Sequen
     p = int(scored[0])  # logits column of the first scored token = the prefix length
     if p < 1 or bool((ids[p:] == image_token_id).any()):
         return None
-    hashes = {} if hashes is None else hashes
-    for im in images:
-        if id(im) not in hashes:
-            hashes[id(im)] = image_hash(im)
+    hashes = hash_pictures(images, hashes)
     prefix = ids[:p]
     return p, prefix.dtype.str.encode() + prefix.tobytes(), tuple(hashes[id(im)] for im in images)
 
@@ -244,11 +238,7 @@ def _shared_prefix_logits(model, adapter: MultimodalAdapter, batch: MultimodalBa
     columns = torch.arange(T)[None, :]
     if bool(((ids == adapter.image_token_id) & mask & (columns >= first[:, None])).any()):
         return None
-    hashes: dict[int, str] = {}
-    for row in batch.images:
-        for im in row:
-            if id(im) not in hashes:
-                hashes[id(im)] = image_hash(im)
+    hashes = hash_pictures(im for row in batch.images for im in row)
     groups: list[int] = []
     keys: dict = {}
     for b in range(B):

@@ -22,7 +22,7 @@ import inspect
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -49,6 +49,16 @@ def image_hash(image) -> str:
     h.update(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
     h.update(image.tobytes())
     return h.hexdigest()
+
+
+def hash_pictures(pictures: Iterable, hashes: dict[int, str] | None = None) -> dict[int, str]:
+    """Content hashes by id(picture), each picture object hashed once: a step holds G references to each of its
+    pictures, and a large one takes milliseconds. `hashes`: those already known, filled in place."""
+    hashes = {} if hashes is None else hashes
+    for im in pictures:
+        if id(im) not in hashes:
+            hashes[id(im)] = image_hash(im)
+    return hashes
 
 
 @dataclass

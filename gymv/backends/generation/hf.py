@@ -28,7 +28,7 @@ from gymv.backends.generation.base import (
 )
 from gymv.backends.hf_forward import forward_logits, select_cache_rows
 from gymv.backends.logprobs import right_pad, token_scores
-from gymv.backends.multimodal import MultimodalAdapter, image_hash, preprocess_threaded
+from gymv.backends.multimodal import MultimodalAdapter, hash_pictures, preprocess_threaded
 from gymv.backends.policy import load_policy
 from gymv.backends.sampling import forbidden_mask, policy_logits, sample
 from gymv.backends.weights import weight_digests, weights_hash
@@ -277,11 +277,7 @@ def image_keys(requests: Sequence[GenerationRequest]) -> list[list[str]]:
     """Each request's image hashes. The G requests of a group carry the same image objects: each object is
     hashed once (hashing a 1000x1000 picture takes milliseconds, and a step has G times more requests than
     pictures)."""
-    seen: dict[int, str] = {}
-    for r in requests:
-        for im in r.images:
-            if id(im) not in seen:
-                seen[id(im)] = image_hash(im)
+    seen = hash_pictures(im for r in requests for im in r.images)
     return [[seen[id(im)] for im in r.images] for r in requests]
 
 

@@ -26,7 +26,7 @@ from gymv.backends.logprobs import (
     token_scores,
 )
 from gymv.backends.moe_router import RouterTerms
-from gymv.backends.multimodal import image_hash
+from gymv.backends.multimodal import hash_pictures
 from gymv.backends.pixel_cache import pixel_cache
 from gymv.backends.policy import load_policy
 from gymv.backends.step_images import StepImages
@@ -111,13 +111,8 @@ class BatchLayout:
     def _prefetch_pixels(self, samples) -> dict[int, str]:
         """Start preprocessing the step's pictures in the background (gymv.backends.pixel_cache); returns the
         pictures' content hashes by id, for the prefix keys."""
-        hashes: dict[int, str] = {}
-        pictures = []
-        for s in samples:
-            for im in s.get("images") or ():
-                if id(im) not in hashes:
-                    hashes[id(im)] = image_hash(im)
-                    pictures.append(im)
+        pictures = list({id(im): im for s in samples for im in s.get("images") or ()}.values())
+        hashes = hash_pictures(pictures)
         if pictures:
             pixel_cache(self.adapter).prefetch(self.adapter, pictures, [hashes[id(im)] for im in pictures])
         return hashes
@@ -168,12 +163,11 @@ class BatchLayout:
         adapter whose features are not one tensor an image."""
         if not torch.is_grad_enabled() or not plan or not any(samples[i].get("images") for i in plan[-1]):
             return None
-        hashes, pictures = dict(self._hashes), {}
-        for s in samples:
-            for im in s.get("images") or ():
-                if id(im) not in hashes:
-                    hashes[id(im)] = image_hash(im)
-                pictures.setdefault(hashes[id(im)], im)
+        every = [im for s in samples for im in s.get("images") or ()]
+        hashes = hash_pictures(every, dict(self._hashes))
+        pictures: dict = {}
+        for im in every:
+            pictures.setdefault(hashes[id(im)], im)
         dev = next(model.parameters()).device
         inputs = pixel_cache(self.adapter).inputs(self.adapter, list(pictures.values()), list(pictures),
                                                   pin=dev.type == "cuda")
